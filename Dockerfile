@@ -1,0 +1,17 @@
+# GPU image: vLLM 0.26 (torch 2.11 + CUDA) with the gateway on top.
+FROM vllm/vllm-openai:v0.26.0
+RUN apt-get update && apt-get install -y --no-install-recommends libopus0 && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY gateway ./gateway
+COPY static ./static
+COPY assets ./assets
+COPY config ./config
+# torch and vllm come from the base image; install the rest.
+RUN pip install --no-cache-dir -e . && python -c "import torch, vllm; print(torch.__version__, vllm.__version__)"
+ENV COSYVOICE_GW_HOST=0.0.0.0 \
+    COSYVOICE_GW_PORT=8080 \
+    COSYVOICE_GW_DATA_DIR=/data
+EXPOSE 8080
+ENTRYPOINT ["cosyvoice-gateway"]

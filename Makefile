@@ -1,0 +1,39 @@
+# Two entry points: `make serve` (install, then serve) and `make test` (install, then test).
+# Both are idempotent: the install step re-runs only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+MODEL  ?= FunAudioLLM/Fun-CosyVoice3-0.5B-2512
+ARGS   ?=
+# torch: the CPU build 2.13.0 (on this workplace's disk; CI stays fast). On a GPU host
+# set TORCH_SPEC="torch==2.11.0" (or keep the image's torch: TORCH_SPEC=) before `make`.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: serve test install system-deps clean
+
+$(VENV)/.installed: pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# libopus for Opus frames (opuslib loads it at run time).
+system-deps:
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libopus.so.0'; then \
+	  echo "installing libopus0 (apt)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopus0 >/dev/null; \
+	fi
+
+serve: install
+	$(VENV)/bin/cosyvoice-gateway --model "$(MODEL)" $(ARGS)
+
+test: install
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,345 @@
+"""vLLM vs torch parity and vLLM decode speed for the CosyVoice3 LM (run on the H200).
+
+    PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 \
+        python3 -m bench.lm_parity --out $OUT [--prompts 8 --tokens 200]
+
+1. Builds the full-size CosyVoice3LM with seeded random weights. `init_random_`
+   gives N(0, 0.02) everywhere, which makes the speech logits nearly flat (std ~0.6)
+   and greedy decoding a string of near-ties; `llm_decoder` is therefore re-drawn with
+   a larger std (--decoder-std, default 0.5: logit std ~15, typical top-2 gap ~3) so
+   a greedy mismatch means a real difference, not a coin flip.
+2. Greedy, fixed-length decoding of N prompts of different lengths with the torch
+   model (fp32 and bf16, on cuda, KV cache) and with vLLM (bf16) over the export.
+   Reports per-prompt first divergence, whole-sequence match rate and the top-2
+   logit gap (fp32 torch, teacher-forced on vLLM's own tokens) at every step where
+   vLLM's choice differs from fp32's arg-max.
+3. vLLM RAS sampling sanity (no text/stop ids, repetition rate) and decode speed:
+   tokens/s at 1/16/64 concurrent streams, first-token latency, engine start time.
+Writes lm_parity.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.backends.base import LMRequest, SamplingParams
+from engine.backends.vllm_export import export_from_module
+from engine.models.config import ModelConfig
+from engine.models.lm import CosyVoice3LM, build_prompt, init_random_, unified_vocab
+
+
+def log(msg: str) -> None:
+    print(f"[lm_parity {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_prompts(cfg: Any, n: int, seed: int) -> list[list[int]]:
+    """Prompts of varied length: [sos, text, task_id, prompt speech]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        n_text = 8 + (i * 37) % 90
+        n_speech = 0 if i % 4 == 3 else 20 + (i * 53) % 200  # some with no prompt speech
+        text = torch.randint(0, 151643, (n_text,), generator=g).tolist()
+        speech = torch.randint(0, cfg.speech_token_size, (n_speech,), generator=g).tolist()
+        out.append(build_prompt(cfg, [], text, speech))
+    return out
+
+
+@torch.no_grad()
+def torch_greedy(lm: CosyVoice3LM, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy decode with the KV cache; all prompts decode together after per-row prefill.
+    Only codebook ids may be chosen (fixed length: stop ids masked, text ids never)."""
+    dev = next(lm.parameters()).device
+    speech = lm.cfg.speech_token_size
+    cache = lm.new_cache(rows=len(prompts), length=max(map(len, prompts)) + steps + 1)
+    last = []
+    for r, p in enumerate(prompts):
+        cache.add_row()
+        h = lm(torch.tensor([p], device=dev), cache, start_row=r)
+        last.append(lm.speech_logits(h[:, -1])[0])
+    logits = torch.stack(last)
+    seqs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        nxt = logits[:, :speech].float().argmax(-1)
+        for r, t in enumerate(nxt.tolist()):
+            seqs[r].append(t)
+        h = lm(nxt[:, None], cache, start_row=0)
+        logits = lm.speech_logits(h[:, -1])
+    return seqs
+
+
+@torch.no_grad()
+def teacher_forced_logits(lm: CosyVoice3LM, prompt: list[int], seq: list[int]) -> torch.Tensor:
+    """Speech-code logits [len(seq), 6561] predicting each token of seq from its prefix."""
+    dev = next(lm.parameters()).device
+    ids = torch.tensor([prompt + seq[:-1]], device=dev)
+    h = lm(ids)[0, len(prompt) - 1:]
+    return lm.speech_logits(h)[:, : lm.cfg.speech_token_size].float()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(name: str, ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    divs = [first_divergence(r, o) for r, o in zip(ref, other)]
+    same = sum(x == y for r, o in zip(ref, other) for x, y in zip(r, o))
+    total = sum(len(r) for r in ref)
+    res = {"pair": name, "identical_sequences": sum(d is None for d in divs), "num_sequences": len(ref),
+           "first_divergence": divs, "positionwise_match_rate": same / max(total, 1)}
+    log(f"{name}: identical {res['identical_sequences']}/{len(ref)}, first divergence {divs}, "
+        f"position match {res['positionwise_match_rate']:.4f}")
+    return res
+
+
+def teacher_forced_agreement(lm32: CosyVoice3LM, prompts: list[list[int]], seqs: list[list[int]],
+                             name: str) -> dict[str, Any]:
+    """Per-step agreement of vLLM's tokens with fp32's arg-max given vLLM's own prefix:
+    no compounding, and the top-2 gap tells whether a mismatch was a near-tie."""
+    agree = total = 0
+    mismatches: list[dict[str, float]] = []
+    gaps_all: list[float] = []
+    for k, (p, s) in enumerate(zip(prompts, seqs)):
+        lg = teacher_forced_logits(lm32, p, s)
+        top2 = lg.topk(2, dim=-1)
+        gaps = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+        gaps_all += gaps
+        for i, t in enumerate(s):
+            total += 1
+            if top2.indices[i, 0].item() == t:
+                agree += 1
+            else:
+                mismatches.append({"prompt": k, "step": i, "top2_gap_fp32": gaps[i],
+                                   "fp32_logit_gap_to_vllm_choice": float(lg[i].max() - lg[i, t])})
+    res = {"agreement": agree / max(total, 1), "steps": total, "mismatches": mismatches[:50],
+           "median_top2_gap": statistics.median(gaps_all), "min_top2_gap": min(gaps_all)}
+    log(f"teacher-forced fp32 argmax vs {name}: agreement {res['agreement']:.4f} over {total} steps; "
+        f"{len(mismatches)} mismatches; gaps at mismatches "
+        f"{[round(m['top2_gap_fp32'], 3) for m in mismatches[:10]]}; median top-2 gap {res['median_top2_gap']:.3f}")
+    return res
+
+
+async def run_requests(backend: Any, prompts: list[list[int]], sp: SamplingParams, tag: str
+                       ) -> tuple[list[list[int]], list[float], float]:
+    """Run all prompts concurrently; returns (tokens, first-token latencies, wall seconds)."""
+    t0 = time.perf_counter()
+    firsts: list[float] = [0.0] * len(prompts)
+
+    async def one(i: int, p: list[int]) -> list[int]:
+        toks: list[int] = []
+        start = time.perf_counter()
+        async for t in backend.generate(LMRequest(f"{tag}-{i}", tuple(p), sp)):
+            if not toks:
+                firsts[i] = time.perf_counter() - start
+            toks.append(t)
+        return toks
+
+    seqs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return list(seqs), firsts, time.perf_counter() - t0
+
+
+def repeat_rate(seqs: list[list[int]], win: int = 10) -> float:
+    hits = total = 0
+    for s in seqs:
+        for i in range(1, len(s)):
+            total += 1
+            hits += s[i] in s[max(0, i - win):i]
+    return hits / max(total, 1)
+
+
+async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prompts: list[list[int]],
+                    lm_cfg: Any, res: dict[str, Any]) -> None:
+    """Fills `res` as it goes, so a failure late in the run keeps the earlier numbers."""
+    from engine.backends.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem,
+                          max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency))
+    t = time.perf_counter()
+    await backend.start()
+    res["engine_start_s"] = time.perf_counter() - t
+    log(f"vLLM engine started in {res['engine_start_s']:.1f} s")
+
+    greedy = SamplingParams(greedy=True, fixed_length=args.tokens)
+    await run_requests(backend, prompts[:2], replace(greedy, fixed_length=8), "warm")
+    seqs, _, _ = await run_requests(backend, prompts, greedy, "greedy")
+    res["greedy_tokens"] = seqs
+    # Same greedy requests again, one at a time: batch composition must not change results much.
+    seqs_solo = []
+    for i, p in enumerate(prompts[:2]):
+        s, _, _ = await run_requests(backend, [p], greedy, f"solo{i}")
+        seqs_solo += s
+    res["greedy_solo_vs_batched_identical"] = [a == b for a, b in zip(seqs_solo, seqs[:2])]
+
+    # RAS sampling sanity: only codebook ids, exact lengths, repetition rate vs greedy.
+    ras = SamplingParams(fixed_length=args.tokens, seed=1234)
+    ras_seqs, _, _ = await run_requests(backend, prompts, ras, "ras")
+    ras2, _, _ = await run_requests(backend, prompts[:2], ras, "ras-again")
+    res["ras"] = {
+        "lengths_ok": all(len(s) == args.tokens for s in ras_seqs),
+        "all_codebook_ids": all(0 <= t < lm_cfg.speech_token_size for s in ras_seqs for t in s),
+        "repeat_rate_in_window10": repeat_rate(ras_seqs),
+        "greedy_repeat_rate_in_window10": repeat_rate(seqs),
+        "seeded_runs_identical": [a == b for a, b in zip(ras2, ras_seqs[:2])],
+        "distinct_ids": len({t for s in ras_seqs for t in s}),
+    }
+    log(f"RAS sanity: {res['ras']}")
+
+    # Early stop: with min_tokens and no fixed length the stream may end on any stop id;
+    # check that min_tokens is honoured and no stop id is yielded.
+    stop_sp = SamplingParams(min_tokens=5, max_tokens=60, seed=7)
+    st, _, _ = await run_requests(backend, prompts[:4], stop_sp, "stop")
+    res["stop_check"] = {"lengths": [len(s) for s in st],
+                         "ok": all(5 <= len(s) <= 60 and all(t < lm_cfg.speech_token_size for t in s) for s in st)}
+
+    # Abort: close a stream after a few tokens; the slot must be freed.
+    agen = backend.generate(LMRequest("abort-me", tuple(prompts[0]), SamplingParams(fixed_length=500)))
+    got = [await agen.__anext__() for _ in range(3)]
+    await backend.abort("abort-me")
+    rest = [t async for t in agen]
+    res["abort_check"] = {"tokens_before": len(got), "tokens_after_abort": len(rest),
+                          "active_after": backend.num_active()}
+    log(f"stop check {res['stop_check']}, abort check {res['abort_check']}")
+
+    # Throughput: c concurrent RAS streams of args.speed_tokens each; warm each shape first.
+    speed = []
+    g = torch.Generator().manual_seed(99)
+    for c in args.concurrency:
+        ps = [build_prompt(lm_cfg, [], torch.randint(0, 151643, (40,), generator=g).tolist(),
+                           torch.randint(0, 6561, (100,), generator=g).tolist()) for _ in range(c)]
+        await run_requests(backend, ps, SamplingParams(fixed_length=32, seed=1), f"w{c}")
+        ps = [[*p[:-1], (p[-1] + 1) % 6561] for p in ps]  # new last token: no full prefix hit
+        toks, firsts, wall = await run_requests(backend, ps, SamplingParams(fixed_length=args.speed_tokens, seed=2),
+                                                f"s{c}")
+        n = sum(len(s) for s in toks)
+        row = {"concurrency": c, "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+               "tokens_per_s_per_stream": n / wall / c,
+               "first_token_ms_median": 1000 * statistics.median(firsts),
+               "first_token_ms_max": 1000 * max(firsts),
+               "realtime_factor_per_stream": (n / wall / c) / 25.0}
+        speed.append(row)
+        log(f"c={c}: {row['tokens_per_s']:.0f} tok/s total, {row['tokens_per_s_per_stream']:.0f} tok/s/stream "
+            f"(x{row['realtime_factor_per_stream']:.1f} real time), first token median "
+            f"{row['first_token_ms_median']:.1f} ms, max {row['first_token_ms_max']:.1f} ms")
+    res["speed"] = speed
+    await backend.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--speed-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decoder-std", type=float, default=0.5)
+    ap.add_argument("--export-dir", default="/tmp/cv3-vllm-unified")
+    ap.add_argument("--gpu-mem", type=float, default=0.3)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small model (CPU smoke test of the script)")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+
+    cfg = (ModelConfig.tiny() if args.tiny else ModelConfig()).lm
+    vocab = unified_vocab(cfg)
+    t = time.perf_counter()
+    lm32 = CosyVoice3LM(cfg)
+    init_random_(lm32, args.seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(args.seed + 1)
+        lm32.llm_decoder.weight.copy_(torch.randn(lm32.llm_decoder.weight.shape, generator=g) * args.decoder_std)
+    lm32 = lm32.to(dev).eval()
+    log(f"built random full-size LM in {time.perf_counter() - t:.1f} s")
+    t = time.perf_counter()
+    export_dir = Path(args.export_dir)
+    export_from_module(lm32, cfg.qwen, cfg, vocab, export_dir, dtype=torch.bfloat16, fingerprint=f"random-{args.seed}")
+    log(f"exported to {export_dir} in {time.perf_counter() - t:.1f} s")
+
+    prompts = make_prompts(cfg, args.prompts, args.seed)
+    result: dict[str, Any] = {"args": vars(args), "prompt_lengths": [len(p) for p in prompts],
+                              "torch": torch.__version__,
+                              "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    t = time.perf_counter()
+    ref32 = torch_greedy(lm32, prompts, args.tokens)
+    log(f"torch fp32 greedy in {time.perf_counter() - t:.1f} s")
+    lm16 = CosyVoice3LM(cfg).to(dev)
+    lm16.load_state_dict(lm32.state_dict())
+    lm16 = lm16.to(torch.bfloat16).eval()
+    t = time.perf_counter()
+    ref16 = torch_greedy(lm16, prompts, args.tokens)
+    log(f"torch bf16 greedy in {time.perf_counter() - t:.1f} s")
+    result["parity"] = [compare("torch_fp32 vs torch_bf16", ref32, ref16)]
+    # The engine's TorchLMBackend (batched decode loop) on the same bf16 weights.
+    backend_seqs = None
+    try:
+        from engine.backends.torch_backend import TorchLMBackend
+
+        async def run_torch_backend() -> list[list[int]]:
+            tb = TorchLMBackend(lm16, vocab, dev, torch.bfloat16, max_batch=64)
+            seqs, _, wall = await run_requests(tb, prompts, SamplingParams(greedy=True, fixed_length=args.tokens), "tb")
+            log(f"TorchLMBackend bf16 greedy in {wall:.1f} s")
+            await tb.close()
+            return seqs
+
+        backend_seqs = asyncio.run(run_torch_backend())
+        result["parity"].append(compare("torch_loop_bf16 vs TorchLMBackend_bf16", ref16, backend_seqs))
+    except Exception:
+        import traceback
+
+        result["torch_backend_error"] = traceback.format_exc()
+        log("TorchLMBackend run failed:\n" + result["torch_backend_error"])
+    del lm16
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    result["teacher_forced_torch_bf16_vs_fp32"] = teacher_forced_agreement(lm32, prompts, ref16, "torch_bf16")
+    vres: dict[str, Any] = {"speed": []}
+    result["vllm"] = vres
+    (out_dir / "lm_parity.json").write_text(json.dumps(result, indent=1))  # in case vLLM dies hard
+    try:
+        asyncio.run(vllm_part(args, export_dir, vocab, prompts, cfg, vres))
+    except Exception:  # keep what was measured; the traceback goes into the JSON too
+        import traceback
+
+        vres["error"] = traceback.format_exc()
+        log("vLLM part failed:\n" + vres["error"])
+    vseqs = vres.pop("greedy_tokens", None)
+    if vseqs is not None:
+        result["parity"] += [compare("torch_fp32 vs vllm_bf16", ref32, vseqs),
+                             compare("torch_bf16 vs vllm_bf16", ref16, vseqs)]
+        if backend_seqs is not None:
+            result["parity"].append(compare("TorchLMBackend_bf16 vs vllm_bf16", backend_seqs, vseqs))
+        result["teacher_forced_vllm_vs_fp32"] = teacher_forced_agreement(lm32, prompts, vseqs, "vllm_bf16")
+    result["sequences"] = {"torch_fp32": ref32, "torch_bf16": ref16, "vllm_bf16": vseqs,
+                           "torch_backend_bf16": backend_seqs}
+    (out_dir / "lm_parity.json").write_text(json.dumps(result, indent=1))
+    log("summary:")
+    for p in result["parity"]:
+        print(f"  {p['pair']:28s} identical {p['identical_sequences']}/{p['num_sequences']} "
+              f"match {p['positionwise_match_rate']:.4f} first_div {p['first_divergence']}")
+    for s in vres["speed"]:
+        print(f"  vllm c={s['concurrency']:3d}: {s['tokens_per_s']:8.0f} tok/s  {s['tokens_per_s_per_stream']:6.0f}/stream"
+              f"  first token {s['first_token_ms_median']:.1f} ms (max {s['first_token_ms_max']:.1f})")
+    print(f"  engine start {vres.get('engine_start_s', float('nan')):.1f} s", flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The speech-token LM on vLLM (v1 `AsyncLLM`), over the unified-vocabulary export.
+
+vLLM runs the exported Qwen2 (`vllm_export.py`) on plain token-id prompts; the
+CosyVoice specifics live in one batch logits processor (`ras_logits.py`) that masks
+text ids and early stops and turns the logits into RAS's exact distribution, after
+which vLLM samples plainly (temperature 1, no top-k/top-p of its own). Greedy
+requests get the same masks and temperature 0.
+
+vLLM is imported only inside `start()`: its engine core runs in a child process,
+so the engine must be built from running code (`main()`), never at import, and CPU
+installs without vLLM can still import this module.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from engine.backends.base import LMRequest, SamplingParams
+from engine.backends.ras_logits import RASArgs
+from engine.models.vocab import UnifiedVocab
+
+LOGITS_PROCESSOR_FQCN = "engine.backends.ras_logits:CosyVoiceLogitsProcessor"
+
+
+@dataclass(frozen=True)
+class VLLMEngineSettings:
+    """Engine-wide knobs (one engine per process serves every request)."""
+
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 4096
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True skips torch.compile + CUDA graphs (faster start, slower decode)
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
+    """Map our SamplingParams onto vllm.SamplingParams keyword arguments.
+
+    Kept free of vLLM imports so the mapping is tested on CPU.
+    """
+    stop_ids = list(range(vocab.speech_token_size, vocab.speech_vocab_size))
+    fixed = sp.fixed_length is not None
+    max_tokens = int(sp.fixed_length) if fixed else int(sp.max_tokens)
+    min_tokens = max_tokens if fixed else min(int(sp.min_tokens), max_tokens)
+    ras = RASArgs(
+        speech_token_size=vocab.speech_token_size,
+        speech_vocab_size=vocab.speech_vocab_size,
+        greedy=sp.greedy,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        win_size=sp.win_size,
+        tau_r=sp.tau_r,
+        min_tokens=min_tokens,
+        mask_stops=fixed,
+    )
+    return dict(
+        # RAS is done by our logits processor; vLLM only draws from its output.
+        temperature=0.0 if sp.greedy else 1.0,
+        top_p=1.0,
+        top_k=0,
+        seed=sp.seed,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        # Fixed-length requests never stop early: no stop ids, eos ignored, and the
+        # processor masks every stop id. Otherwise any reserved id ends the stream.
+        stop_token_ids=None if fixed else stop_ids,
+        ignore_eos=fixed,
+        detokenize=False,
+        extra_args=ras.to_extra(),
+    )
+
+
+class VLLMBackend:
+    """LMBackend on vLLM's AsyncLLM: continuous batching, prefix caching, streaming deltas."""
+
+    name = "vllm"
+
+    def __init__(self, export_dir: Path | str, vocab: UnifiedVocab, *,
+                 gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
+                 max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0) -> None:
+        self.export_dir = Path(export_dir)
+        self.vocab = vocab
+        self.settings = VLLMEngineSettings(gpu_memory_utilization=gpu_memory_utilization,
+                                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                           enforce_eager=enforce_eager, seed=seed)
+        self._llm: Any = None
+        self._active: set[str] = set()
+        self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        # FlashInfer's sampler is not in the GPU bundle; vLLM's torch sampler is used.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        args = AsyncEngineArgs(
+            model=str(self.export_dir),
+            skip_tokenizer_init=True,
+            dtype=s.dtype,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            enable_prefix_caching=s.enable_prefix_caching,
+            enforce_eager=s.enforce_eager,
+            seed=s.seed,
+            # By name: the engine core (a child process) imports it itself.
+            logits_processors=[LOGITS_PROCESSOR_FQCN],
+            disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+
+    def _params(self, sp: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(output_kind=RequestOutputKind.DELTA, **vllm_sampling_kwargs(sp, self.vocab))
+
+    async def generate(self, request: LMRequest) -> AsyncIterator[int]:  # type: ignore[override]
+        if self._llm is None:
+            raise RuntimeError("VLLMBackend.start() was not awaited")
+        rid = request.request_id
+        if rid in self._active:
+            raise ValueError(f"request id {rid!r} is already running")
+        prompt = {"prompt_token_ids": [int(t) for t in request.prompt]}
+        stream = self._llm.generate(prompt, self._params(request.sampling), rid)
+        self._active.add(rid)
+        finished = False
+        try:
+            async for out in stream:
+                if rid in self._aborted:
+                    break
+                for tok in out.outputs[0].token_ids:
+                    if tok >= self.vocab.speech_token_size:  # a stop id ends the stream, unseen
+                        finished = True
+                        break
+                    yield int(tok)
+                if finished or out.finished:
+                    finished = True
+                    break
+        finally:
+            self._active.discard(rid)
+            self._aborted.discard(rid)
+            # Closing vLLM's generator early makes it abort the request (frees the slot).
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is None or request_id not in self._active:
+            return
+        self._aborted.add(request_id)
+        await self._llm.abort(request_id)
+
+    def num_active(self) -> int:
+        return len(self._active)
+
+    async def close(self) -> None:
+        if self._llm is None:
+            return
+        for rid in list(self._active):
+            await self.abort(rid)
+        self._llm.shutdown()
+        self._llm = None

@@ -1,0 +1,49 @@
+"""When an utterance's speech tokens become an audio chunk.
+
+The flow decoder attends in 50-frame (25-token) blocks counted from the start of the
+prompt, and needs `lookahead` tokens beyond a chunk's end. The schedule:
+
+    chunk 0: `initial_hop` tokens (small, for first-audio latency; 0 = skip)
+    chunk 1: up to the next 25-token boundary counted from the prompt:
+             hop = 25 + (-(P + offset) mod 25)
+    then:    hops double from 50 up to `max_hop`
+    last:    whatever is left once the LM is done (finalize, no lookahead)
+
+All state is per utterance (`ChunkSchedule` instances are never shared), unlike the
+official code whose shared `token_hop_len` leaks between concurrent requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRID = 25
+
+
+@dataclass
+class ChunkSchedule:
+    prompt_tokens: int  # P: speech tokens of the voice prompt (flow prefix)
+    initial_hop: int = 15
+    max_hop: int = 100
+    lookahead: int = 3
+    offset: int = 0  # tokens already turned into audio
+    index: int = 0  # chunks emitted so far
+
+    def next_hop(self) -> int:
+        if self.index == 0 and self.initial_hop > 0:
+            return self.initial_hop
+        k = self.index - (1 if self.initial_hop > 0 else 0)  # chunks since the grid phase began
+        if k == 0:
+            return GRID + (-(self.prompt_tokens + self.offset)) % GRID
+        return max(GRID, min(self.max_hop, GRID * 2**k))
+
+    def ready(self, available: int) -> int | None:
+        """Tokens to emit now given `available` generated tokens, or None to wait."""
+        hop = self.next_hop()
+        if available - self.offset >= hop + self.lookahead:
+            return hop
+        return None
+
+    def advance(self, hop: int) -> None:
+        self.offset += hop
+        self.index += 1

@@ -1,0 +1,515 @@
+"""The streaming engine: sessions of utterances, each text -> speech tokens -> audio chunks.
+
+    engine = await Engine.create(EngineConfig(model_dir=...))
+    voice  = await engine.prepare_voice("alice", wav, 24000, "transcript")
+    sess   = engine.open_session(voice, SessionOptions())
+    uid    = await sess.submit("Hello there.")
+    async for ev in sess.events(): ...        # AudioChunk | UtteranceError, in submission order
+    await sess.cancel(uid)                    # barge-in
+
+Per utterance three things run concurrently: the LM request (tokens in), the chunker
+(turns tokens into flow/vocoder jobs on the shared `AudioStage`, one at a time), and
+the session's delivery loop (forwards chunks in order). The next utterance's LM request
+starts as soon as the previous one's LM finishes, so its tokens are ready before the
+previous audio ends (no gap between segments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import AsyncIterator
+
+import numpy as np
+import torch
+
+from .backends.base import LMBackend, LMRequest, SamplingParams
+from .chunking import ChunkSchedule
+from .config import EngineConfig
+from .frontend.prompt import lm_prompt_text
+from .models.flow import FlowChunk
+from .models.lm import build_prompt, length_limits, unified_vocab
+from .models.loader import LoadedModel, load_model
+from .token2wav import AudioStage, ChunkJob
+from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
+
+log = logging.getLogger(__name__)
+
+# FSQ codes of silence and breath (CosyVoice3Model.silent_tokens); runs longer than
+# MAX_SILENT are dropped so the model cannot stall in silence.
+SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
+MAX_SILENT = 5
+
+
+class EngineError(RuntimeError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    active_sessions: int
+    active_utterances: int
+    lm_active: int
+    flow_queue: int
+    last_batch_size: int
+    max_batch_size: int
+    batches: int
+    chunks: int
+    dropped_chunks: int
+    lm_tokens: int
+    stage_busy_seconds: float
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LoadedModel,
+        backend: LMBackend,
+        stage: AudioStage,
+        tokenizer,
+        featurizer,
+        device: torch.device,
+    ):
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.stage = stage
+        self.tokenizer = tokenizer
+        self.featurizer = featurizer
+        self.device = device
+        mc = model.config
+        self.sample_rate = mc.sample_rate
+        self.model_name = model.model_dir.name
+        self.vocab = unified_vocab(mc.lm)
+        self.ready = False
+        self.lm_tokens = 0
+        self._sessions: set[Session] = set()
+        self._prefix_cache: dict[tuple[str, str, str | None], tuple[int, ...]] = {}
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    async def create(cls, config: EngineConfig) -> "Engine":
+        """Load the model directory, start the LM backend and the audio stage, warm up."""
+        from .frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+        from .frontend.prompt import PromptFeaturizer
+        from .frontend.tokenizer import TextTokenizer
+
+        device = config.resolved_device()
+        backend_name = config.resolved_backend()
+        model_dir = Path(config.model_dir)
+
+        def build() -> tuple[LoadedModel, object, object]:
+            model = load_model(model_dir, load_lm=(backend_name == "torch"))
+            model.flow.to(device)
+            model.hift.to(device)
+            tok = TextTokenizer.from_dir(model_dir / "CosyVoice-BlankEN")
+            feat = PromptFeaturizer(
+                SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx"),
+                SpeakerEncoder(model_dir / "campplus.onnx"),
+                model.config.mel,
+            )
+            return model, tok, feat
+
+        model, tok, feat = await asyncio.to_thread(build)
+        vocab = unified_vocab(model.config.lm)
+        backend: LMBackend
+        if backend_name == "torch":
+            from .backends.torch_backend import TorchLMBackend
+
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            backend = TorchLMBackend(model.lm, vocab, device=device, dtype=dtype, max_batch=config.lm_max_batch)
+        elif backend_name == "vllm":
+            from .backends.vllm_backend import VLLMBackend
+            from .backends.vllm_export import ensure_vllm_export
+
+            export_dir = await asyncio.to_thread(ensure_vllm_export, model_dir)
+            backend = VLLMBackend(
+                export_dir,
+                vocab,
+                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                max_model_len=config.vllm_max_model_len,
+            )
+        else:
+            raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")
+        await backend.start()
+        stage = AudioStage(model.flow, model.hift, device, max_batch=config.max_gpu_batch)
+        await stage.start()
+        engine = cls(config, model, backend, stage, tok, feat, device)
+        if config.warmup:
+            await engine._warmup()
+        engine.ready = True
+        return engine
+
+    async def _warmup(self) -> None:
+        sr = self.sample_rate
+        t = np.arange(int(3.0 * sr)) / sr
+        wav = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+        voice = await self.prepare_voice("__warmup__", wav, sr, "Warm up.")
+        await self.synthesize("Warm up.", voice, SessionOptions(tokens_per_text_token=4.0, seed=0))
+
+    async def close(self) -> None:
+        for s in list(self._sessions):
+            await s.abort()
+        await self.stage.close()
+        await self.backend.close()
+        self.ready = False
+
+    # ----------------------------------------------------------------- voices
+    async def prepare_voice(self, voice_id: str, wav: np.ndarray, sample_rate: int, transcript: str) -> VoicePrompt:
+        """Compute a voice's prompt features (speech tokens, mel, speaker embedding) once."""
+        wav = np.asarray(wav, dtype=np.float32)
+        if wav.ndim == 2:
+            wav = wav.mean(axis=1 if wav.shape[1] <= 8 else 0)
+        tokens, feat, emb = await asyncio.to_thread(self.featurizer.featurize, wav, int(sample_rate))
+        return self.voice_from_arrays(voice_id, transcript, tokens, feat, emb)
+
+    def voice_from_arrays(self, voice_id: str, transcript: str, speech_tokens, speech_feat, embedding) -> VoicePrompt:
+        return VoicePrompt(
+            voice_id=voice_id,
+            transcript=transcript,
+            speech_tokens=torch.as_tensor(np.asarray(speech_tokens), dtype=torch.long).reshape(-1),
+            speech_feat=torch.as_tensor(np.asarray(speech_feat), dtype=torch.float32).reshape(-1, 80),
+            embedding=torch.as_tensor(np.asarray(embedding), dtype=torch.float32).reshape(-1),
+        )
+
+    # ----------------------------------------------------------------- sessions
+    def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> "Session":
+        if not self.ready and self.config.warmup and voice.voice_id != "__warmup__":
+            raise EngineError("not_ready", "engine is still loading")
+        s = Session(self, voice, options or SessionOptions(), f"s{next(self._ids)}")
+        self._sessions.add(s)
+        return s
+
+    def _session_ended(self, s: "Session") -> None:
+        self._sessions.discard(s)
+
+    async def synthesize(self, text: str, voice: VoicePrompt, options: SessionOptions | None = None) -> np.ndarray:
+        """Whole utterance as one float32 array (24 kHz)."""
+        sess = self.open_session(voice, options)
+        await sess.submit(text)
+        await sess.finish()
+        parts: list[np.ndarray] = []
+        async for ev in sess.events():
+            if isinstance(ev, UtteranceError):
+                raise EngineError(ev.code, ev.message)
+            parts.append(ev.pcm)
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def stats(self) -> EngineStats:
+        st = self.stage.stats
+        return EngineStats(
+            active_sessions=len(self._sessions),
+            active_utterances=sum(s.active_utterances() for s in self._sessions),
+            lm_active=self.backend.num_active(),
+            flow_queue=st.queued,
+            last_batch_size=st.last_batch_size,
+            max_batch_size=st.max_batch_size,
+            batches=st.batches,
+            chunks=st.chunks,
+            dropped_chunks=st.dropped,
+            lm_tokens=self.lm_tokens,
+            stage_busy_seconds=st.busy_seconds,
+        )
+
+    # ----------------------------------------------------------------- prompts
+    def text_ids(self, text: str) -> list[int]:
+        if self.config.text_normalization:
+            from .frontend.text import normalize
+
+            text = normalize(text)
+        return self.tokenizer.encode(text)
+
+    def lm_prefix(self, voice: VoicePrompt, opts: SessionOptions) -> tuple[list[int], list[int]]:
+        """(prompt text ids, prompt speech tokens) for the LM, cached per voice and mode."""
+        key = (voice.voice_id, opts.mode, opts.instruction)
+        ids = self._prefix_cache.get(key)
+        if ids is None:
+            text = lm_prompt_text(opts.mode, voice.transcript, opts.instruction)
+            ids = self._prefix_cache[key] = tuple(self.tokenizer.encode(text))
+        speech = voice.speech_tokens.tolist() if opts.mode == "zero_shot" else []
+        return list(ids), speech
+
+
+@dataclass
+class _Utterance:
+    uid: str
+    text: str
+    options: SessionOptions
+    queue: asyncio.Queue  # AudioChunk | UtteranceError | None (end)
+    stats: UtteranceStats
+    cancelled: bool = False
+    lm_done: asyncio.Event = None  # type: ignore[assignment]
+    task: asyncio.Task | None = None
+    request_id: str = ""
+
+
+class Session:
+    """One stream of utterances with one voice; audio comes out in submission order."""
+
+    def __init__(self, engine: Engine, voice: VoicePrompt, options: SessionOptions, session_id: str):
+        self.engine = engine
+        self.voice = voice
+        self.options = options
+        self.session_id = session_id
+        self._utts: dict[str, _Utterance] = {}
+        self._stats: dict[str, UtteranceStats] = {}
+        self._order: asyncio.Queue[_Utterance | None] = asyncio.Queue()
+        self._events: asyncio.Queue[AudioChunk | UtteranceError | None] = asyncio.Queue(maxsize=256)
+        self._prev_lm_done: asyncio.Event | None = None
+        self._finished = False
+        self._closed = False
+        self._deliver = asyncio.create_task(self._deliver_loop(), name=f"deliver-{session_id}")
+
+    def active_utterances(self) -> int:
+        return sum(1 for u in self._utts.values() if u.task is not None and not u.task.done())
+
+    async def submit(self, text: str, options: SessionOptions | None = None, utterance_id: str | None = None) -> str:
+        if self._finished or self._closed:
+            raise EngineError("session_closed", "session no longer accepts text")
+        uid = utterance_id or uuid.uuid4().hex[:12]
+        if uid in self._stats:
+            raise EngineError("duplicate_utterance", f"utterance id {uid!r} already used in this session")
+        opts = options or self.options
+        utt = _Utterance(uid, text, opts, asyncio.Queue(maxsize=64), UtteranceStats(submitted_at=time.monotonic()))
+        utt.lm_done = asyncio.Event()
+        self._utts[uid] = utt
+        self._stats[uid] = utt.stats
+        prev = self._prev_lm_done
+        self._prev_lm_done = utt.lm_done
+        utt.task = asyncio.create_task(self._run(utt, prev), name=f"utt-{uid}")
+        self._order.put_nowait(utt)
+        return uid
+
+    def utterance_stats(self, uid: str) -> UtteranceStats | None:
+        return self._stats.get(uid)
+
+    async def events(self) -> AsyncIterator[AudioChunk | UtteranceError]:
+        while True:
+            ev = await self._events.get()
+            if ev is None:
+                return
+            yield ev
+
+    async def cancel(self, utterance_id: str | None = None) -> None:
+        targets = list(self._utts.values()) if utterance_id is None else [self._utts[utterance_id]] if utterance_id in self._utts else []
+        for u in targets:
+            if u.cancelled:
+                continue
+            u.cancelled = True
+            u.lm_done.set()  # let a following utterance start its LM at once
+            if u.request_id:
+                await self.engine.backend.abort(u.request_id)
+            if u.task is not None and not u.task.done():
+                u.task.cancel()
+        # Queued GPU work of cancelled utterances goes now, not at the next batch.
+        self.engine.stage.drop_cancelled()
+
+    async def finish(self) -> None:
+        """No more text; events() ends after the last submitted utterance is delivered."""
+        if not self._finished:
+            self._finished = True
+            self._order.put_nowait(None)
+
+    async def abort(self) -> None:
+        await self.cancel(None)
+        await self.finish()
+        self._closed = True
+        if not self._deliver.done():
+            self._deliver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._deliver
+        # events() consumers must see the end even when the delivery loop was mid-put.
+        while True:
+            try:
+                self._events.put_nowait(None)
+                break
+            except asyncio.QueueFull:
+                self._events.get_nowait()
+        self.engine._session_ended(self)
+
+    # ------------------------------------------------------------ internals
+    async def _deliver_loop(self) -> None:
+        try:
+            while True:
+                utt = await self._order.get()
+                if utt is None:
+                    break
+                while True:
+                    if utt.cancelled:
+                        break
+                    item = await utt.queue.get()
+                    if item is None or utt.cancelled:
+                        break
+                    await self._events.put(item)
+                self._utts.pop(utt.uid, None)
+            await self._events.put(None)
+        finally:
+            self.engine._session_ended(self)
+
+    async def _run(self, utt: _Utterance, prev_lm_done: asyncio.Event | None) -> None:
+        eng = self.engine
+        try:
+            if prev_lm_done is not None:
+                await prev_lm_done.wait()
+            await self._synthesize(utt)
+        except asyncio.CancelledError:
+            pass
+        except EngineError as exc:
+            await self._put(utt, UtteranceError(utt.uid, exc.code, str(exc)))
+        except Exception as exc:  # one utterance fails; the session and engine go on
+            log.exception("utterance %s failed", utt.uid)
+            await self._put(utt, UtteranceError(utt.uid, "engine_error", f"{type(exc).__name__}: {exc}"))
+        finally:
+            utt.lm_done.set()
+            if utt.request_id:
+                with contextlib.suppress(Exception):
+                    await eng.backend.abort(utt.request_id)
+            with contextlib.suppress(asyncio.QueueFull):
+                utt.queue.put_nowait(None)
+            if utt.cancelled:
+                # unblock a deliverer waiting on this queue
+                with contextlib.suppress(asyncio.QueueFull):
+                    utt.queue.put_nowait(None)
+
+    async def _put(self, utt: _Utterance, item: AudioChunk | UtteranceError) -> None:
+        if not utt.cancelled:
+            await utt.queue.put(item)
+
+    async def _synthesize(self, utt: _Utterance) -> None:
+        eng, opts, voice = self.engine, utt.options, self.voice
+        text_ids = await asyncio.to_thread(eng.text_ids, utt.text)
+        if not text_ids:
+            raise EngineError("empty_text", "nothing to speak after normalisation")
+        try:
+            prompt_text, prompt_speech = eng.lm_prefix(voice, opts)
+        except ValueError as exc:  # e.g. an empty instruction
+            raise EngineError("bad_options", str(exc)) from exc
+        lm_cfg = eng.model.config.lm
+        prompt = build_prompt(lm_cfg, prompt_text, text_ids, prompt_speech)
+        min_tokens, max_tokens = length_limits(lm_cfg, len(text_ids))
+        fixed = None
+        if opts.tokens_per_text_token is not None:
+            fixed = max(1, int(round(opts.tokens_per_text_token * len(text_ids))))
+        samp = lm_cfg.sampling
+        sampling = SamplingParams(
+            top_p=samp.top_p,
+            top_k=samp.top_k,
+            win_size=samp.win_size,
+            tau_r=samp.tau_r,
+            greedy=opts.greedy,
+            seed=opts.seed if opts.seed is not None else eng.config.seed,
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            fixed_length=fixed,
+        )
+        utt.request_id = f"{self.session_id}-{utt.uid}"
+        request = LMRequest(utt.request_id, tuple(prompt), sampling)
+
+        tokens: list[int] = []
+        more = asyncio.Event()
+
+        async def consume() -> None:
+            silent_run = 0
+            try:
+                async for tok in eng.backend.generate(request):
+                    if utt.stats.first_token_at is None:
+                        utt.stats.first_token_at = time.monotonic()
+                    eng.lm_tokens += 1
+                    if tok in SILENT_TOKENS:
+                        silent_run += 1
+                        if silent_run > MAX_SILENT:
+                            continue
+                    else:
+                        silent_run = 0
+                    tokens.append(tok)
+                    more.set()
+            finally:
+                utt.lm_done.set()
+                more.set()
+
+        lm_task = asyncio.create_task(consume(), name=f"lm-{utt.uid}")
+        try:
+            await self._chunk_loop(utt, tokens, more, lm_task)
+        finally:
+            if not lm_task.done():
+                lm_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await lm_task
+
+    async def _chunk_loop(self, utt: _Utterance, tokens: list[int], more: asyncio.Event, lm_task: asyncio.Task) -> None:
+        eng, voice, opts = self.engine, self.voice, utt.options
+        cfg = eng.config
+        flow_cfg = eng.model.config.flow
+        P = voice.num_tokens
+        sched = ChunkSchedule(
+            prompt_tokens=P,
+            initial_hop=opts.initial_hop if opts.initial_hop is not None else cfg.initial_hop,
+            max_hop=opts.max_hop if opts.max_hop is not None else cfg.max_hop,
+            lookahead=flow_cfg.pre_lookahead_len,
+        )
+        stream = eng.stage.new_stream()
+        prompt_tokens = voice.speech_tokens
+        emitted = 0
+        while True:
+            lm_finished = lm_task.done()
+            hop = sched.ready(len(tokens))
+            if hop is None and not lm_finished:
+                more.clear()
+                await more.wait()
+                continue
+            if hop is None:  # LM done: finalize with everything left
+                if lm_task.exception() is not None:
+                    raise lm_task.exception()  # type: ignore[misc]
+                end, finalize = len(tokens), True
+            else:
+                end, finalize = sched.offset + hop, False
+            job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
+            pcm = await eng.stage.run(job)
+            if utt.cancelled:
+                return
+            if utt.stats.first_audio_at is None and pcm.size:
+                utt.stats.first_audio_at = time.monotonic()
+            utt.stats.num_samples += int(pcm.size)
+            await self._put(utt, AudioChunk(utt.uid, pcm, emitted, finalize, sched.index))
+            emitted += int(pcm.size)
+            utt.stats.chunks += 1
+            if finalize:
+                utt.stats.num_speech_tokens = len(tokens)
+                utt.stats.speech_tokens = tuple(tokens)
+                utt.stats.finished_at = time.monotonic()
+                return
+            sched.advance(end - sched.offset)
+
+    def _flow_job(self, tokens, prompt_tokens, offset, end, finalize, stream, speed, index, utt, flow_cfg) -> ChunkJob:
+        left = self.engine.config.flow_left_context
+        # Drop whole 25-token blocks before the window so the block grid stays aligned.
+        win_start = 0 if left < 0 else max(0, (offset - left) // 25 * 25)
+        stop = end if finalize else min(len(tokens), end + flow_cfg.pre_lookahead_len)
+        seq = torch.cat([prompt_tokens, torch.tensor(tokens[win_start:stop], dtype=torch.long)])
+        P = int(prompt_tokens.numel())
+        chunk = FlowChunk(
+            tokens=seq.to(self.engine.device),
+            prompt_feat=self.voice.speech_feat.to(self.engine.device),
+            embedding=self.voice.embedding.to(self.engine.device),
+            num_prompt_tokens=P,
+            out_start=P + offset - win_start,
+            finalize=finalize,
+            noise_offset=2 * win_start,
+        )
+        return ChunkJob(
+            flow=chunk,
+            hift_stream=stream,
+            speed=speed,
+            chunk_index=index,
+            is_cancelled=lambda: utt.cancelled,
+        )

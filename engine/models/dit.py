@@ -1,0 +1,288 @@
+"""The CosyVoice3 flow-matching estimator: a DiT over 50 Hz mel frames.
+
+Given the noisy mel `x`, the upsampled token features `mu`, the prompt mel `cond`
+(zeros outside the prompt), a speaker vector `spks` and the flow time `t`, the DiT
+predicts the velocity dx/dt. Same maths as the official `cosyvoice/flow/DiT/dit.py`
+(F5-TTS style); attribute names are chosen so that `state_dict()` keys equal the
+official `decoder.estimator.*` names (see `shared/reference/cosyvoice3/flow_keys.txt`).
+
+Architecture facts that matter for numerical parity with the official code:
+
+* Time embedding: 256-dim sinusoid of `1000 * t` (sin half first, then cos), with
+  frequencies `exp(-i * ln(10000) / 127)`, followed by Linear -> SiLU -> Linear.
+* Input embedding: `Linear(cat[x, cond, mu, spk])` plus a *causal* convolutional
+  position embedding (two grouped k=31 convs, each left-padded by 30, each followed
+  by Mish), added residually. Being causal, right-padding a batch cannot leak into
+  real frames.
+* Rotary position embedding (x_transformers `RotaryEmbedding(dim_head)` and
+  `apply_rotary_pos_emb`, x-transformers 2.11 as pinned by the official
+  requirements): the frequencies are *interleaved* (channel pair (2i, 2i+1) rotates by
+  `pos * inv_freq[i]`, `inv_freq[i] = 10000^(-2i/dim_head)`), and the rotation is
+  applied to the projected q/k *before* they are split into heads. Because the
+  rotary width is `dim_head`, only the first `dim_head` channels of q and k (i.e.
+  head 0) are rotated; all other heads see no position signal except through the
+  conv position embedding. This is a quirk of the reference, reproduced on purpose.
+  xpos is off, so the scale is 1. `inv_freq` is a persistent buffer (it is in the
+  checkpoint).
+* Blocks: AdaLN-Zero (6 modulation vectors: shift/scale/gate for attention, then for
+  the MLP; LayerNorm without affine, eps 1e-6), attention with biased q/k/v/out
+  projections, GELU(tanh) MLP. Final norm: AdaLN with 2 vectors ordered
+  (scale, shift) -- note the order differs from the block norm.
+* Attention mask: key padding mask AND, when streaming, a block-causal mask over
+  `static_chunk_size` frames (frame i sees frames < (i // chunk + 1) * chunk, i.e.
+  its own chunk and all earlier ones). Attention outputs of padded frames are zeroed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import FlowConfig
+
+# Width of the sinusoidal time feature fed to the time MLP (official default).
+TIME_FREQ_DIM = 256
+# The flow time is in [0, 1]; the sinusoid is taken of 1000 * t (official scale).
+TIME_SCALE = 1000.0
+CONV_POS_KERNEL = 31
+CONV_POS_GROUPS = 16
+ROTARY_BASE = 10000.0
+NORM_EPS = 1e-6
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
+    """[B] flow times -> [B, dim] features: [sin(1000 t w_i), cos(1000 t w_i)]."""
+    half = dim // 2
+    step = math.log(10000.0) / (half - 1)
+    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -step)
+    angles = TIME_SCALE * t.float().unsqueeze(1) * freqs.unsqueeze(0)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).to(t.dtype)
+
+
+def block_causal_mask(length: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """[length, length] bool: query i may attend key j iff j < (i // chunk + 1) * chunk."""
+    pos = torch.arange(length, device=device)
+    limit = (torch.div(pos, chunk, rounding_mode="floor") + 1) * chunk
+    return pos.unsqueeze(0) < limit.unsqueeze(1)
+
+
+def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Key padding mask [B, T] (True = real frame) -> SDPA bool mask [B, 1, T, T].
+
+    chunk=None gives full attention over the real frames.
+    """
+    batch, length = pad_mask.shape
+    keys = pad_mask[:, None, :]  # [B, 1, T]: same key set for every query row
+    if chunk is None:
+        mask = keys.expand(batch, length, length)
+    else:
+        mask = keys & block_causal_mask(length, chunk, pad_mask.device).unsqueeze(0)
+    # A query row with no visible key would make SDPA return NaN. It cannot happen for
+    # non-empty sequences (key 0 is always visible), but keep the reference's guard.
+    empty = ~mask.any(dim=-1, keepdim=True)
+    mask = mask | empty
+    return mask.unsqueeze(1)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.time_mlp = nn.Sequential(nn.Linear(TIME_FREQ_DIM, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.time_mlp(timestep_sinusoid(t))
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    """Two left-padded grouped convolutions: a relative-position signal that never looks ahead."""
+
+    def __init__(self, dim: int, kernel_size: int = CONV_POS_KERNEL, groups: int = CONV_POS_GROUPS) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
+        h = x.transpose(1, 2)
+        h = self.conv1(F.pad(h, (self.kernel_size - 1, 0)))
+        h = self.conv2(F.pad(h, (self.kernel_size - 1, 0)))
+        return h.transpose(1, 2)
+
+
+class InputEmbedding(nn.Module):
+    def __init__(self, mel_dim: int, mu_dim: int, spk_dim: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2 * mel_dim + mu_dim + spk_dim, dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(dim)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
+        # All inputs are frame-major [B, T, C] except spks [B, C], broadcast over frames.
+        spk = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
+        h = self.proj(torch.cat((x, cond, mu, spk), dim=-1))
+        return self.conv_pos_embed(h) + h
+
+
+class RotaryEmbedding(nn.Module):
+    """Interleaved rotary angles for positions 0..T-1 (see the module docstring)."""
+
+    def __init__(self, dim_head: int, base: float = ROTARY_BASE) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim_head, 2).float() / dim_head))
+        self.register_buffer("inv_freq", inv_freq)  # persistent: part of the checkpoint
+
+    def forward(self, length: int) -> torch.Tensor:
+        """[T, dim_head] angles; channels 2i and 2i+1 share the angle pos * inv_freq[i]."""
+        pos = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        angles = torch.outer(pos, self.inv_freq)
+        return angles.repeat_interleave(2, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [B, T, C] pairwise; pass the rest through.
+
+    cos/sin are of the rotary angles [T, width]. Pair (a, b) at channels (2i, 2i+1)
+    becomes (a cos - b sin, b cos + a sin). Computed in float32 like the reference
+    (which disables autocast here).
+    """
+    width = cos.shape[-1]
+    dtype = x.dtype
+    rot, rest = x[..., :width].float(), x[..., width:]
+    pairs = rot.unflatten(-1, (-1, 2))
+    swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    rot = rot * cos + swapped * sin
+    return torch.cat((rot.to(dtype), rest), dim=-1)
+
+
+class AdaLayerNormZero(nn.Module):
+    """Time-conditioned LayerNorm producing the 6 modulation vectors of a DiT block."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.linear(F.silu(temb)).chunk(6, dim=-1)
+        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
+        normed = normed * (1 + scale_a[:, None]) + shift_a[:, None]
+        return normed, gate_a, shift_m, scale_m, gate_m
+
+
+class AdaLayerNormZeroFinal(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)  # (scale, shift) order
+        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
+        return normed * (1 + scale[:, None]) + shift[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dim_head = dim_head
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        # A ModuleList (not a bare Linear) so the checkpoint name is `to_out.0`.
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # Rotary on the un-split projections: only head 0 gets position information.
+        q = apply_rotary(self.to_q(x), *rope)
+        k = apply_rotary(self.to_k(x), *rope)
+        v = self.to_v(x)
+        q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
+        out = self.to_out[0](out)
+        return out * pad_mask.unsqueeze(-1).to(out.dtype)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        inner = dim * mult
+        # Nested layout reproduces the checkpoint names ff.0.0 (in) and ff.2 (out);
+        # index 1 is the (inference no-op) dropout slot.
+        self.ff = nn.Sequential(
+            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
+            nn.Identity(),
+            nn.Linear(inner, dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int) -> None:
+        super().__init__()
+        self.attn_norm = AdaLayerNormZero(dim)
+        self.attn = Attention(dim, heads, dim_head)
+        self.ff = FeedForward(dim, ff_mult)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        temb: torch.Tensor,
+        mask: torch.Tensor,
+        pad_mask: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
+        x = x + gate_a[:, None] * self.attn(normed, mask, pad_mask, rope)
+        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS) * (1 + scale_m[:, None]) + shift_m[:, None]
+        return x + gate_m[:, None] * self.ff(normed)
+
+
+class DiT(nn.Module):
+    """Velocity estimator v(x, t | mu, spks, cond) of the conditional flow matching decoder."""
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.static_chunk_size = cfg.static_chunk_size
+        mel = cfg.output_size
+        self.time_embed = TimestepEmbedding(cfg.dim)
+        self.input_embed = InputEmbedding(mel_dim=mel, mu_dim=cfg.input_size, spk_dim=mel, dim=cfg.dim)
+        self.rotary_embed = RotaryEmbedding(cfg.dim_head)
+        self.transformer_blocks = nn.ModuleList(
+            [DiTBlock(cfg.dim, cfg.heads, cfg.dim_head, cfg.ff_mult) for _ in range(cfg.depth)]
+        )
+        self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
+        self.proj_out = nn.Linear(cfg.dim, mel)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        streaming: bool = False,
+    ) -> torch.Tensor:
+        """x, mu, cond: [B, 80, T]; mask: [B, 1, T] (1 = real frame); t: [B] or scalar;
+        spks: [B, 80]. Returns the velocity [B, 80, T] (channel-major, like the reference)."""
+        batch, _, length = x.shape
+        if t.ndim == 0:
+            t = t.expand(batch)
+        temb = self.time_embed(t)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        pad_mask = mask[:, 0, :].bool()
+        attn_mask = attention_mask(pad_mask, self.static_chunk_size if streaming else None)
+        angles = self.rotary_embed(length)
+        rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
+        for block in self.transformer_blocks:
+            h = block(h, temb, attn_mask, pad_mask, rope)
+        h = self.norm_out(h, temb)
+        return self.proj_out(h).transpose(1, 2)

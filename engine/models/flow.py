@@ -1,0 +1,273 @@
+"""CosyVoice3 token-to-mel decoder: `CausalMaskedDiffWithDiT` with its conditional flow matching.
+
+Pipeline (same maths as the official `cosyvoice/flow/flow.py` + `flow_matching.py`):
+
+1. speech tokens -> `input_embedding` (80-dim) -> `PreLookaheadLayer` (a conv that sees
+   the next `pre_lookahead_len` tokens, then a causal conv, residual) -> repeated x2
+   in time = `mu`, one vector per 50 Hz mel frame.
+2. speaker vector: L2-normalised CAM++ embedding -> `spk_embed_affine_layer` (192 -> 80).
+3. `cond`: the prompt mel on the prompt frames, zeros elsewhere.
+4. `CausalConditionalCFM`: 10 Euler steps of dx/dt = DiT(x, t | mu, spks, cond) from
+   fixed noise at t=0 to mel at t=1, on a cosine time grid t_k = 1 - cos(pi/2 * k/10),
+   with classifier-free guidance v = 1.7 v_cond - 0.7 v_uncond (the unconditional row
+   zeroes mu, spks and cond).
+
+The starting noise is *not* random per call: the reference draws one [1, 80, 15000]
+tensor with seed 0 at construction and uses frame f's column for mel frame f. That is
+what lets a streaming engine recompute a prefix and get the same frames. We keep it as a
+non-persistent buffer (it is not in the checkpoint), built on CPU from a local
+generator seeded 0 (identical to `torch.manual_seed(0); torch.randn(1, 80, 15000)`).
+
+Streaming: with `streaming=True` the DiT attends block-causally over 50-frame (25-token)
+blocks, the conv position embedding is causal and the lookahead layer only needs 3
+future tokens. So the frames of a complete block depend only on tokens up to the end of
+that block + 3, and chunk-wise decoding reproduces whole-utterance decoding as long as
+chunk ends (prompt included) fall on the 25-token grid.
+
+`inference_chunks` decodes several independent chunks (possibly of different requests)
+as one padded batch; see `FlowChunk`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import FlowConfig
+from .dit import DiT
+
+# Seed and size of the reference's fixed noise: 50 frames/s x 300 s.
+NOISE_SEED = 0
+NOISE_FRAMES = 50 * 300
+
+
+def fixed_noise(channels: int = 80, frames: int = NOISE_FRAMES, seed: int = NOISE_SEED) -> torch.Tensor:
+    """The reference's start noise, [1, channels, frames], drawn on CPU from seed 0."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(1, channels, frames, generator=gen, device="cpu", dtype=torch.float32)
+
+
+def cosine_time_grid(n_steps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t_k = 1 - cos(k/n * pi/2), k = 0..n: small steps near the noise end."""
+    lin = torch.linspace(0, 1, n_steps + 1, device=device, dtype=dtype)
+    return 1 - torch.cos(lin * 0.5 * torch.pi)
+
+
+class PreLookaheadLayer(nn.Module):
+    """Token features with `lookahead` tokens of right context: conv(k=lookahead+1) looking
+    ahead, leaky ReLU, causal conv(k=3), plus a residual connection."""
+
+    def __init__(self, channels_in: int, channels: int, lookahead: int) -> None:
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(channels_in, channels, kernel_size=lookahead + 1)
+        self.conv2 = nn.Conv1d(channels, channels_in, kernel_size=3)
+
+    def forward(self, padded: torch.Tensor) -> torch.Tensor:
+        """padded: [B, N + lookahead, C] = the N main tokens followed by `lookahead` right
+        context tokens (real lookahead tokens, or zeros at the end of an utterance).
+        Returns [B, N, C]."""
+        h = F.leaky_relu(self.conv1(padded.transpose(1, 2)))
+        h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))
+        return h.transpose(1, 2) + padded[:, : h.shape[2]]
+
+
+class CausalConditionalCFM(nn.Module):
+    """Euler ODE solver with classifier-free guidance around the DiT estimator."""
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.n_timesteps = cfg.n_timesteps
+        self.cfg_rate = cfg.inference_cfg_rate
+        self.estimator = DiT(cfg)
+        self.register_buffer("rand_noise", fixed_noise(cfg.output_size), persistent=False)
+
+    def solve(
+        self,
+        noise: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        streaming: bool,
+    ) -> torch.Tensor:
+        """noise, mu, cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80] -> mel [B, 80, T].
+
+        The batch is doubled: rows [0, B) are conditional, rows [B, 2B) unconditional
+        (mu, spks, cond zeroed), exactly like the reference's 2-row batch for B = 1.
+        """
+        batch = noise.shape[0]
+        x = noise
+        t_span = cosine_time_grid(self.n_timesteps, noise.device, noise.dtype)
+        mask_in = torch.cat((mask, mask))
+        mu_in = torch.cat((mu, torch.zeros_like(mu)))
+        spks_in = torch.cat((spks, torch.zeros_like(spks)))
+        cond_in = torch.cat((cond, torch.zeros_like(cond)))
+        # Accumulate t and recompute dt from the grid the way the reference does, so
+        # rounding matches it exactly.
+        t = t_span[0]
+        dt = t_span[1] - t_span[0]
+        for step in range(1, len(t_span)):
+            v = self.estimator(torch.cat((x, x)), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming)
+            v_cond, v_uncond = v[:batch], v[batch:]
+            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return x.float()
+
+
+@dataclass
+class FlowChunk:
+    """One decoding job for `CausalMaskedDiffWithDiT.inference_chunks`.
+
+    tokens:            [T] int64 = prompt tokens + (window of) earlier tokens + new tokens
+                       (+ `pre_lookahead_len` lookahead tokens when not finalize).
+    prompt_feat:       [2*Tp, 80] prompt mel.
+    embedding:         [192] speaker embedding (un-normalised CAM++ output).
+    num_prompt_tokens: Tp; cond = prompt_feat on the first 2*Tp frames, zeros after.
+    out_start:         index into tokens of the first token whose mel is returned.
+    finalize:          False: the last `pre_lookahead_len` tokens are lookahead only.
+    noise_offset:      added to the frame index used to pick noise for frames after the
+                       prompt, so that dropping 2*k earlier frames (k tokens) from the
+                       window with noise_offset = 2*k keeps every frame's noise.
+    """
+
+    tokens: torch.Tensor
+    prompt_feat: torch.Tensor
+    embedding: torch.Tensor
+    num_prompt_tokens: int
+    out_start: int
+    finalize: bool
+    noise_offset: int = 0
+
+
+class CausalMaskedDiffWithDiT(nn.Module):
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pre_lookahead_len = cfg.pre_lookahead_len
+        self.token_mel_ratio = cfg.token_mel_ratio
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.pre_lookahead_layer = PreLookaheadLayer(cfg.input_size, cfg.pre_lookahead_channels, cfg.pre_lookahead_len)
+        self.decoder = CausalConditionalCFM(cfg)
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        token: torch.Tensor,
+        prompt_token: torch.Tensor,
+        prompt_feat: torch.Tensor,
+        embedding: torch.Tensor,
+        streaming: bool,
+        finalize: bool,
+    ) -> torch.Tensor:
+        """Batch-1 decoding with the reference's semantics.
+
+        token [N] or [1, N]; prompt_token [Tp] or [1, Tp]; prompt_feat [2Tp, 80] or
+        [1, 2Tp, 80]; embedding [192] or [1, 192]. Returns the mel after the prompt,
+        [1, 80, frames] (channel-major like the reference); when not finalize the last
+        `pre_lookahead_len` tokens of `token` are context only and produce no frames.
+        """
+        prompt = prompt_token.reshape(-1)
+        chunk = FlowChunk(
+            tokens=torch.cat((prompt, token.reshape(-1))),
+            prompt_feat=prompt_feat.reshape(-1, prompt_feat.shape[-1]),
+            embedding=embedding.reshape(-1),
+            num_prompt_tokens=int(prompt.numel()),
+            out_start=int(prompt.numel()),
+            finalize=finalize,
+        )
+        return self.inference_chunks([chunk], streaming=streaming)[0].T.unsqueeze(0)
+
+    @torch.inference_mode()
+    def inference_chunks(self, chunks: list[FlowChunk], streaming: bool = True) -> list[torch.Tensor]:
+        """Decode all chunks as one right-padded batch; returns one [frames, 80] mel per chunk
+        (the frames of tokens[out_start : T - lookahead_if_not_finalize])."""
+        if not chunks:
+            return []
+        device = self.input_embedding.weight.device
+        dtype = self.spk_embed_affine_layer.weight.dtype
+        ratio, look = self.token_mel_ratio, self.pre_lookahead_len
+        n_mel = self.cfg.output_size
+
+        n_main = [len(c.tokens) - (0 if c.finalize else look) for c in chunks]
+        for c, n in zip(chunks, n_main):
+            tp = c.num_prompt_tokens
+            if c.prompt_feat.shape[0] != ratio * tp:
+                raise ValueError(f"prompt_feat has {c.prompt_feat.shape[0]} frames, expected {ratio * tp}")
+            if not tp <= c.out_start <= n:
+                raise ValueError(f"out_start {c.out_start} outside [{tp}, {n}]")
+            last_noise = ratio * n - 1 + (c.noise_offset if n > tp else 0)
+            if last_noise >= self.decoder.rand_noise.shape[2]:
+                raise ValueError(f"utterance too long for the fixed noise ({last_noise + 1} frames)")
+        batch, n_max = len(chunks), max(n_main)
+        frames = [ratio * n for n in n_main]
+        t_max = ratio * n_max
+
+        # Token features with right context: the lookahead tokens when not finalizing,
+        # zeros otherwise (the reference's right padding); zeros also fill batch padding,
+        # which the lookahead conv of real tokens never reaches.
+        emb = torch.zeros(batch, n_max + look, self.cfg.input_size, device=device, dtype=dtype)
+        for i, c in enumerate(chunks):
+            ids = c.tokens.to(device=device, dtype=torch.long).clamp(min=0)
+            emb[i, : len(ids)] = self.input_embedding(ids)
+        h = self.pre_lookahead_layer(emb)  # [B, n_max, 80]
+        mu = h.repeat_interleave(ratio, dim=1).transpose(1, 2)  # [B, 80, t_max]
+
+        spk_in = torch.stack([c.embedding.reshape(-1) for c in chunks]).to(device=device, dtype=dtype)
+        spks = self.spk_embed_affine_layer(F.normalize(spk_in, dim=1))
+
+        cond = torch.zeros(batch, n_mel, t_max, device=device, dtype=dtype)
+        mask = torch.zeros(batch, 1, t_max, device=device, dtype=dtype)
+        noise = torch.zeros(batch, n_mel, t_max, device=device, dtype=dtype)
+        source = self.decoder.rand_noise
+        for i, c in enumerate(chunks):
+            p = ratio * c.num_prompt_tokens
+            cond[i, :, :p] = c.prompt_feat.to(device=device, dtype=dtype).T
+            mask[i, :, : frames[i]] = 1
+            idx = torch.arange(frames[i], device=source.device)
+            idx = torch.where(idx >= p, idx + c.noise_offset, idx)
+            noise[i, :, : frames[i]] = source[0, :, idx].to(device=device, dtype=dtype)
+
+        mel = self.decoder.solve(noise, mask, mu, spks, cond, streaming)
+        return [mel[i, :, ratio * c.out_start : frames[i]].T for i, c in enumerate(chunks)]
+
+
+def init_random_(module: nn.Module, seed: int) -> nn.Module:
+    """Fill every parameter of `module` with deterministic random values (in place).
+
+    For tests and benchmarks without a checkpoint. Scales are chosen so activations stay
+    O(1) through deep stacks and so nothing is trivially zero (the real AdaLN-Zero init
+    zeroes the modulation and output layers, which would make the DiT output constant):
+    matrices/conv kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1), biases ~ N(0, 0.02^2),
+    and the AdaLN modulation weights small (N(0, 0.02^2)) so gates/scales stay near 0/1.
+    Buffers (rotary inv_freq, fixed noise) are left untouched.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            shape = param.shape
+            if param.ndim == 1:
+                std = 0.02
+            elif isinstance(_owner(module, name), nn.Embedding):
+                std = 1.0
+            elif "attn_norm.linear" in name or "norm_out.linear" in name:
+                std = 0.02
+            else:
+                fan_in = 1
+                for s in shape[1:]:
+                    fan_in *= s
+                std = fan_in**-0.5
+            values = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+            param.copy_(values.to(device=param.device, dtype=param.dtype))
+    return module
+
+
+def _owner(root: nn.Module, param_name: str) -> nn.Module:
+    path = param_name.rsplit(".", 1)[0] if "." in param_name else ""
+    return root.get_submodule(path) if path else root

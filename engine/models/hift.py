@@ -1,0 +1,589 @@
+"""CosyVoice3 causal vocoder: HiFT (neural source filter + iSTFT), whole-utterance and streaming.
+
+Mel (80 x 50 Hz) -> audio (24 kHz, 480 samples per frame) in three stages:
+
+1. F0 predictor (run in float64, as the official code does since commit 0d990d6: the pitch feeds
+   a phase accumulator, so tiny float32 differences between a chunked and a whole run would turn
+   into audible phase jumps). One conv sees 3 future frames, the rest is left-causal.
+2. NSF excitation: 9 harmonics of f0, a phase accumulator and a fixed noise table indexed by the
+   absolute sample position, merged by `m_source.l_linear` + tanh.
+3. Decoder: a right-causal `conv_pre` (4 future frames), then three upsampling stages fused with
+   the STFT of the excitation, causal resblocks, `conv_post`, and an inverse STFT.
+
+Everything except the two look-ahead convs is causal with a bounded receptive field, which is what
+makes `stream_step` possible: it keeps a bounded window of mel / excitation per utterance, carries
+the phase accumulator and the noise position, recomputes only `[context + new]` and keeps the new
+samples. The official streaming path instead re-runs the vocoder over all mel received so far.
+
+Parameter names equal the official `hift.pt` (weight norm via `torch.nn.utils.parametrizations`).
+
+Fixed noise. In inference the official causal vocoder draws its noise from tensors allocated in
+the constructors with `torch.rand` (`SineGen2.rand_ini` [1, 9], `SineGen2.sine_waves`
+[1, 300*24000, 9], `SourceModuleHnNSF.uv` [1, 300*24000, 1]). They are not in the checkpoint, so
+their values come from the global torch RNG at model-build time. That RNG is deterministic: the
+flow decoder's constructor (`CausalConditionalCFM.__init__`) calls `set_all_random_seed(0)` just
+before, and `cosyvoice3.yaml` builds `flow` and then `hift`, so the draws in between are fixed:
+CFM noise `randn(1, 80, 15000)`, the flow's `Embedding(6561, 80)` and `Linear(192, 80)`, the F0
+predictor's convs and classifier, then `rand_ini`, then `sine_waves`. `_noise_table_state`
+replays exactly those draws on a private generator and keeps only the generator state at the
+first element of `sine_waves`; any prefix of the table is then produced on demand (CPU mt19937
+draws one 32-bit word per float32 uniform, so chunked draws continue the same sequence). Memory
+per utterance is therefore O(samples actually synthesised), never the 259 MB table.
+Not needed: `rand_ini` (the linear down-sampling in `SineGen2._f02sine` samples positions
+480*i + 239/240 only, never position 0 where it is added) and the `uv` table (it only feeds the
+noise-branch output that inference discards).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from engine.models.config import HiFTConfig
+
+# Sizes of what the official build draws from the RNG between `set_all_random_seed(0)` (flow
+# decoder) and the vocoder's noise table (see module docstring). Fixed by cosyvoice3.yaml.
+_CFM_NOISE_NUMEL = 1 * 80 * 50 * 300
+_FLOW_VOCAB, _FLOW_MEL_DIM, _FLOW_SPK_DIM = 6561, 80, 192
+_F0_LOOKAHEAD = 3  # frames condnet[0] (kernel 4, right-causal) looks ahead
+_F0_LEFT_LAYERS = 4  # kernel-3 left-causal convs after it, 2 frames of history each
+
+
+# ----------------------------------------------------------------------------- conv building blocks
+
+
+class LeftCausalConv1d(nn.Conv1d):
+    """Stride-1 conv that only sees the past: zero-pads (kernel-1)*dilation frames on the left."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1) -> None:
+        super().__init__(cin, cout, kernel, dilation=dilation)
+        self.history = (kernel - 1) * dilation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.pad(x, (self.history, 0)))
+
+
+class LookaheadConv1d(nn.Conv1d):
+    """Conv that sees `kernel-1` future frames. It does no padding itself: the caller appends the
+    look-ahead (real frames mid-stream, zeros at the end of an utterance, which is what the
+    official code uses when `finalize=True`), so the output is `kernel-1` frames shorter."""
+
+    def __init__(self, cin: int, cout: int, kernel: int) -> None:
+        super().__init__(cin, cout, kernel)
+        self.lookahead = kernel - 1
+
+
+class UpsampleConv1d(nn.Conv1d):
+    """Nearest-neighbour upsampling by `rate`, then a left-causal conv (official
+    CausalConv1dUpsample); a causal replacement for the transposed conv of HiFi-GAN."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, rate: int) -> None:
+        super().__init__(cin, cout, kernel)
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.repeat_interleave(x, self.rate, dim=2)
+        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+
+
+class DownsampleConv1d(nn.Conv1d):
+    """Strided conv (kernel 2*rate) with rate-1 zeros on the left (official CausalConv1dDownSample)."""
+
+    def __init__(self, cin: int, cout: int, rate: int) -> None:
+        super().__init__(cin, cout, 2 * rate, stride=rate)
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.pad(x, (self.rate - 1, 0)))
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, per channel (linear-scale alpha, as in the checkpoint)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha[None, :, None]
+        return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+
+
+class CausalResBlock(nn.Module):
+    """Three residual units: snake -> dilated causal conv -> snake -> causal conv."""
+
+    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(LeftCausalConv1d(channels, channels, kernel, d)) for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(LeftCausalConv1d(channels, channels, kernel, 1)) for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
+            x = conv2(act2(conv1(act1(x)))) + x
+        return x
+
+    @staticmethod
+    def history(kernel: int, dilations: tuple[int, ...]) -> int:
+        """Past frames one output depends on (receptive field minus one)."""
+        return sum((kernel - 1) * d + (kernel - 1) for d in dilations)
+
+
+class CausalF0Predictor(nn.Module):
+    """Mel -> f0 in Hz. Input must already carry the 3 look-ahead frames at its end."""
+
+    def __init__(self, in_channels: int, channels: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [weight_norm(LookaheadConv1d(in_channels, channels, _F0_LOOKAHEAD + 1)), nn.ELU()]
+        for _ in range(_F0_LEFT_LAYERS):
+            layers += [weight_norm(LeftCausalConv1d(channels, channels, 3)), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(channels, 1)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        h = self.condnet(mel).transpose(1, 2)
+        return self.classifier(h).squeeze(-1).abs()
+
+
+class NSFSource(nn.Module):
+    """Harmonic-plus-noise excitation (official SourceModuleHnNSF + SineGen2, causal inference).
+
+    Works at frame level where the official works per sample: f0 is constant inside a frame and
+    the causal SineGen2 holds the phase constant per frame too (nearest up-sampling of a
+    per-frame phase), so computing per frame and repeating gives the same numbers.
+    """
+
+    def __init__(self, cfg: HiFTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.l_linear = nn.Linear(cfg.nb_harmonics + 1, 1)
+
+    def forward(
+        self, f0: torch.Tensor, phase_start: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """f0 [B, N] (Hz), phase_start [B, H] float64 (accumulated cycles/sample before frame 0 of
+        this call), noise [B or 1, N*spf, H] uniform table slice. Returns the excitation
+        [B, N*spf] and the accumulated phase after each frame, [B, N, H] float64."""
+        cfg = self.cfg
+        spf = cfg.samples_per_frame
+        harmonics = torch.arange(1, cfg.nb_harmonics + 2, device=f0.device, dtype=f0.dtype)
+        rad = torch.remainder(f0.unsqueeze(-1) * harmonics / cfg.sampling_rate, 1.0)
+        # Accumulate in float64 with the carried value as the first addend, so a chunked run adds
+        # the same numbers in the same order as a whole-utterance run (bit-identical phase; the
+        # float32 phase reaches ~1e5 rad, where one ulp of drift is an audible difference).
+        acc = torch.cumsum(torch.cat([phase_start.unsqueeze(1), rad.double()], dim=1), dim=1)[:, 1:]
+        phase = acc.to(f0.dtype) * 2 * math.pi * spf
+        sines = torch.sin(phase) * cfg.nsf_alpha
+        uv = (f0 > cfg.nsf_voiced_threshold).to(f0.dtype).unsqueeze(-1)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        frame_part = torch.repeat_interleave(sines * uv, spf, dim=1)
+        waves = frame_part + torch.repeat_interleave(noise_amp, spf, dim=1) * noise
+        return torch.tanh(self.l_linear(waves)).squeeze(-1), acc
+
+
+# ----------------------------------------------------------------------------- noise table
+
+
+def _noise_table_state(cfg: HiFTConfig) -> torch.Tensor:
+    """CPU generator state at the first element of the official `SineGen2.sine_waves` table,
+    replaying the official build's RNG draws after `set_all_random_seed(0)` (module docstring).
+    Only the number of draws matters, so each module init is replayed on a same-sized tensor."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    torch.empty(_CFM_NOISE_NUMEL).normal_(generator=g)  # CFM rand_noise
+    torch.empty(_FLOW_VOCAB, _FLOW_MEL_DIM).normal_(generator=g)  # flow input_embedding
+    torch.empty(_FLOW_MEL_DIM, _FLOW_SPK_DIM).uniform_(generator=g)  # spk_embed_affine_layer.weight
+    torch.empty(_FLOW_MEL_DIM).uniform_(generator=g)  # .bias
+    c = cfg.f0_cond_channels
+    shapes = [(c, cfg.in_channels, _F0_LOOKAHEAD + 1)] + [(c, c, 3)] * _F0_LEFT_LAYERS
+    for shape in shapes:  # F0 predictor convs: weight, then bias
+        torch.empty(shape).uniform_(generator=g)
+        torch.empty(shape[0]).uniform_(generator=g)
+    torch.empty(1, c).uniform_(generator=g)  # classifier.weight
+    torch.empty(1).uniform_(generator=g)  # classifier.bias
+    torch.empty(1, cfg.nb_harmonics + 1).uniform_(generator=g)  # SineGen2.rand_ini
+    return g.get_state()
+
+
+def _hann_window(n: int) -> torch.Tensor:
+    """Periodic Hann window computed like scipy's get_window('hann', n) in float64, then float32."""
+    angle = np.linspace(-np.pi, np.pi, n + 1)[:-1]
+    return torch.from_numpy((0.5 + 0.5 * np.cos(angle)).astype(np.float32))
+
+
+def decoder_context_frames(cfg: HiFTConfig) -> int:
+    """Mel frames of history that make the decoder's output for later frames exact.
+
+    Conservative: sums the history of every causal op on the way from the output back to the
+    mel / excitation input (the true dependency is the max over branches), converting each to mel
+    frames at the rate where it runs, plus the STFT/iSTFT overlaps and one frame of rounding slack.
+    """
+    rates = np.cumprod(cfg.upsample_rates).tolist()  # frames per mel frame after each stage
+    stft_rate = rates[-1]
+    down_rates = np.cumprod([1] + list(cfg.upsample_rates[::-1][:-1]))[::-1].tolist()
+    total = 2 * cfg.n_fft / cfg.hop_len / stft_rate  # STFT + iSTFT window overlap
+    total += 6 / stft_rate + 1 / stft_rate  # conv_post, reflection pad
+    for i, rate in enumerate(rates):
+        res = max(CausalResBlock.history(k, d) for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
+        src = CausalResBlock.history(cfg.source_resblock_kernel_sizes[i], cfg.source_resblock_dilation_sizes[i])
+        total += (res + src + cfg.upsample_kernel_sizes[i]) / rate + 2 * down_rates[i] / stft_rate
+    return int(math.ceil(total)) + 1
+
+
+# ----------------------------------------------------------------------------- streaming state
+
+
+@dataclass(eq=False)
+class HiFTStream:
+    """Per-utterance vocoder state. Holds tensors and a generator only (no module reference).
+
+    Frame counters are absolute mel-frame indices within the utterance.
+    """
+
+    noise: torch.Generator  # positioned at sample `f0_done * samples_per_frame` of the table
+    phase: torch.Tensor  # [H] float64, accumulated phase after frame f0_done-1
+    mel: torch.Tensor  # [80, k] mel frames [mel_start, received)
+    source: torch.Tensor  # [k' * spf] excitation of frames [source_start, f0_done)
+    mel_start: int = 0
+    source_start: int = 0
+    received: int = 0  # mel frames received
+    f0_done: int = 0  # frames whose f0 and excitation are final
+    emitted: int = 0  # frames whose audio has been returned
+    finished: bool = False
+    # Sizes of the last step's windows, for observing that per-step work stays bounded.
+    last_f0_window: int = 0
+    last_decode_window: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the generator
+
+
+class CausalHiFTGenerator(nn.Module):
+    def __init__(self, cfg: HiFTConfig, *, context_frames: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ch = cfg.base_channels
+        n_stft = cfg.n_fft + 2  # real + imaginary bins
+        self.m_source = NSFSource(cfg)
+        self.conv_pre = weight_norm(LookaheadConv1d(cfg.in_channels, ch, cfg.conv_pre_look_right + 1))
+        self.ups = nn.ModuleList(
+            weight_norm(UpsampleConv1d(ch // 2**i, ch // 2 ** (i + 1), k, u))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
+        )
+        # The excitation's STFT joins each stage after down-sampling to that stage's rate.
+        down_rates = np.cumprod([1] + list(cfg.upsample_rates[::-1][:-1]))[::-1].tolist()
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (u, k, d) in enumerate(
+            zip(down_rates, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)
+        ):
+            cout = ch // 2 ** (i + 1)
+            self.source_downs.append(LeftCausalConv1d(n_stft, cout, 1) if u == 1 else DownsampleConv1d(n_stft, cout, u))
+            self.source_resblocks.append(CausalResBlock(cout, k, tuple(d)))
+        self.resblocks = nn.ModuleList(
+            CausalResBlock(ch // 2 ** (i + 1), k, tuple(d))
+            for i in range(len(cfg.upsample_rates))
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes)
+        )
+        self.conv_post = weight_norm(LeftCausalConv1d(ch // 2 ** len(cfg.upsample_rates), n_stft, 7))
+        self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+        self.register_buffer("stft_window", _hann_window(cfg.n_fft), persistent=False)
+        # Plain CPU tensors (not buffers): generator states must stay on the CPU.
+        self.noise_state = _noise_table_state(cfg)
+        self.context_frames = decoder_context_frames(cfg) if context_frames is None else context_frames
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def fold_weight_norm(self) -> None:
+        """Replace every weight-norm parametrization by its current plain weight (inference)."""
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+
+    def _prepare_f0_predictor(self) -> None:
+        # Same as the official inference(): the F0 net lives in float64 from the first call on.
+        if self.f0_predictor.classifier.weight.dtype != torch.float64:
+            self.f0_predictor.to(torch.float64)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.m_source.l_linear.weight.dtype
+
+    @property
+    def _device(self) -> torch.device:
+        return self.m_source.l_linear.weight.device
+
+    def _noise(self, gen: torch.Generator, frames: int) -> torch.Tensor:
+        spf = self.cfg.samples_per_frame
+        table = torch.rand(frames * spf, self.cfg.nb_harmonics + 1, generator=gen)
+        return table.to(device=self._device, dtype=self._dtype)
+
+    # ------------------------------------------------------------------ network pieces
+
+    def _predict_f0(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [B, 80, W + 3] (3 look-ahead frames included) -> f0 [B, W] in the model dtype."""
+        self._prepare_f0_predictor()
+        return self.f0_predictor(mel.to(torch.float64)).to(self._dtype)
+
+    def _stft(self, s_padded: torch.Tensor, frames: int) -> torch.Tensor:
+        """s_padded [B, S]: excitation with its centre padding already applied per utterance."""
+        n_fft, hop = self.cfg.n_fft, self.cfg.hop_len
+        need = n_fft + hop * (frames - 1)
+        if s_padded.shape[1] < need:
+            s_padded = F.pad(s_padded, (0, need - s_padded.shape[1]))
+        spec = torch.stft(
+            s_padded[:, :need], n_fft, hop, n_fft, window=self.stft_window, center=False, return_complex=True
+        )
+        spec = torch.view_as_real(spec)
+        return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+
+    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Inverse STFT (centre-trimmed, like torch.istft(center=True)) where utterance b only uses
+        its first valid[b] frames: a batch of right-padded windows must not let one utterance's
+        padding leak into another's last samples through the overlap-add."""
+        n_fft, hop = self.cfg.n_fft, self.cfg.hop_len
+        frames = magnitude.shape[2]
+        magnitude = magnitude.clamp(max=1e2)
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        keep = (torch.arange(frames, device=valid.device)[None, :] < valid[:, None]).to(magnitude.dtype)
+        window = self.stft_window.to(magnitude.dtype)
+        chunks = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None] * keep[:, None, :]
+        length = n_fft + hop * (frames - 1)
+        fold = dict(output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
+        wav = F.fold(chunks, **fold).reshape(chunks.shape[0], length)
+        env = F.fold((window**2)[None, :, None] * keep[:, None, :], **fold).reshape(chunks.shape[0], length)
+        wav = torch.where(env > 1e-11, wav / env.clamp(min=1e-11), torch.zeros_like(wav))
+        return wav[:, n_fft // 2 : n_fft // 2 + hop * (frames - 1)]
+
+    def _decode(self, mel: torch.Tensor, s_padded: torch.Tensor, valid_frames: torch.Tensor) -> torch.Tensor:
+        """mel [B, 80, N + look_right] (look-ahead included), s_padded [B, >= spf*N + n_fft] the
+        centre-padded excitation, valid_frames [B] STFT frames usable per item.
+        Returns [B, spf*N] audio; item b is exact for its first spf*(valid_frames[b]-1)/... samples
+        as described by the callers."""
+        cfg = self.cfg
+        n_frames = mel.shape[2] - cfg.conv_pre_look_right
+        stft_per_frame = cfg.samples_per_frame // cfg.hop_len
+        s_stft = self._stft(s_padded, stft_per_frame * n_frames + 1)
+        x = self.conv_pre(mel)
+        n_kernels = len(cfg.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                # One extra leading sample so the last stage lines up with the STFT's n+1 frames.
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = self.resblocks[i * n_kernels](x)
+            for j in range(1, n_kernels):
+                xs = xs + self.resblocks[i * n_kernels + j](x)
+            x = xs / n_kernels
+        x = self.conv_post(F.leaky_relu(x))  # default 0.01 slope here, as in the official code
+        half = cfg.n_fft // 2 + 1
+        wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]), valid_frames)
+        return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+    def _centre_pad(self, s: torch.Tensor) -> torch.Tensor:
+        """Reflect-pad n_fft/2 on both sides of one utterance's excitation (torch.stft center=True)."""
+        p = self.cfg.n_fft // 2
+        return F.pad(s[None, None], (p, p), mode="reflect")[0, 0]
+
+    # ------------------------------------------------------------------ whole utterance
+
+    @torch.inference_mode()
+    def inference(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """mel [B, 80, T] -> audio [B, samples]; official CausalHiFTGenerator.inference semantics.
+
+        finalize=True: T*480 samples; the look-ahead convs see zeros past the end.
+        finalize=False: the last 3 frames only serve as F0 look-ahead, the 4 before them only as
+        conv_pre look-ahead, and the last 480 samples of what remains are dropped (their iSTFT
+        overlap is incomplete): (T-8)*480 samples, identical to the start of a later call.
+        """
+        cfg = self.cfg
+        mel = mel.to(device=self._device, dtype=self._dtype)
+        b, _, t = mel.shape
+        spf, look = cfg.samples_per_frame, cfg.conv_pre_look_right
+        if finalize:
+            n_f0, n_net, n_out = t, t, t
+        else:
+            n_f0, n_net, n_out = t - _F0_LOOKAHEAD, t - _F0_LOOKAHEAD - look, t - _F0_LOOKAHEAD - look - 1
+        if n_out <= 0:
+            return mel.new_zeros(b, 0)
+        f0 = self._predict_f0(F.pad(mel, (0, _F0_LOOKAHEAD)) if finalize else mel)
+        gen = torch.Generator(device="cpu")
+        gen.set_state(self.noise_state)
+        phase0 = torch.zeros(b, cfg.nb_harmonics + 1, dtype=torch.float64, device=mel.device)
+        s, _ = self.m_source(f0, phase0, self._noise(gen, n_f0).unsqueeze(0))
+        s_padded = torch.stack([self._centre_pad(row) for row in s])
+        mel_in = F.pad(mel, (0, look)) if finalize else mel[:, :, : n_net + look]
+        valid = torch.full((b,), (spf // cfg.hop_len) * n_net + 1, device=mel.device)
+        return self._decode(mel_in, s_padded, valid)[:, : n_out * spf]
+
+    # ------------------------------------------------------------------ streaming
+
+    def new_stream(self) -> HiFTStream:
+        gen = torch.Generator(device="cpu")
+        gen.set_state(self.noise_state)
+        return HiFTStream(
+            noise=gen,
+            phase=torch.zeros(self.cfg.nb_harmonics + 1, dtype=torch.float64, device=self._device),
+            mel=torch.zeros(self.cfg.in_channels, 0, dtype=self._dtype, device=self._device),
+            source=torch.zeros(0, dtype=self._dtype, device=self._device),
+        )
+
+    @torch.inference_mode()
+    def stream_step(
+        self, streams: list[HiFTStream], new_mels: list[torch.Tensor], finalize: list[bool]
+    ) -> list[torch.Tensor]:
+        """Feed new mel frames ([80, n_i], n_i may be 0) to each stream; return each stream's newly
+        final samples (1-D). Non-final steps release exactly what the official non-final
+        `inference` over all mel so far would add; the finalizing step releases the rest.
+        All streams are computed as one batch per stage (right-padded windows)."""
+        if not (len(streams) == len(new_mels) == len(finalize)):
+            raise ValueError("streams, new_mels and finalize must have the same length")
+        cfg = self.cfg
+        spf, look = cfg.samples_per_frame, cfg.conv_pre_look_right
+        for st, m in zip(streams, new_mels):
+            if st.finished:
+                raise RuntimeError("stream already finalized")
+            if m.dim() != 2 or m.shape[0] != cfg.in_channels:
+                raise ValueError(f"new mel must be [{cfg.in_channels}, n], got {tuple(m.shape)}")
+            st.mel = torch.cat([st.mel, m.to(device=self._device, dtype=self._dtype)], dim=1)
+            st.received += m.shape[1]
+
+        # Stage 1+2: f0 and excitation for the frames whose f0 became final.
+        f0_targets = [
+            st.received if fin else max(st.f0_done, st.received - _F0_LOOKAHEAD) for st, fin in zip(streams, finalize)
+        ]
+        todo = [i for i, st in enumerate(streams) if f0_targets[i] > st.f0_done]
+        if todo:
+            self._advance_source([streams[i] for i in todo], [f0_targets[i] for i in todo])
+
+        # Stage 3: decode a window of [context + new] frames per stream.
+        out = [torch.zeros(0, dtype=self._dtype, device=self._device) for _ in streams]
+        targets = [st.received if fin else max(st.emitted, st.received - _F0_LOOKAHEAD - look - 1)
+                   for st, fin in zip(streams, finalize)]
+        todo = [i for i, st in enumerate(streams) if targets[i] > st.emitted]
+        if todo:
+            pieces = self._advance_audio([streams[i] for i in todo], [targets[i] for i in todo],
+                                         [finalize[i] for i in todo])
+            for i, piece in zip(todo, pieces):
+                out[i] = piece
+
+        for st, fin in zip(streams, finalize):
+            st.finished = fin
+            self._trim(st)
+        return out
+
+    def _advance_source(self, streams: list[HiFTStream], targets: list[int]) -> None:
+        spf = self.cfg.samples_per_frame
+        hist = 2 * _F0_LEFT_LAYERS  # frames of history the F0 net's left-causal convs need
+        starts = [max(0, st.f0_done - hist) for st in streams]
+        wins = [st.mel[:, s0 - st.mel_start :] for st, s0 in zip(streams, starts)]
+        width = max(w.shape[1] for w in wins)
+        # Zero right-padding = the official finalize look-ahead; non-final streams never use
+        # outputs that reach into it.
+        batch = torch.stack([F.pad(w, (0, width + _F0_LOOKAHEAD - w.shape[1])) for w in wins])
+        f0_all = self._predict_f0(batch)
+        new_counts = [t - st.f0_done for st, t in zip(streams, targets)]
+        n_max = max(new_counts)
+        f0 = torch.stack([
+            F.pad(f0_all[b, st.f0_done - s0 : t - s0], (0, n_max - n))
+            for b, (st, s0, t, n) in enumerate(zip(streams, starts, targets, new_counts))
+        ])
+        noise = torch.stack([F.pad(self._noise(st.noise, n), (0, 0, 0, (n_max - n) * spf))
+                             for st, n in zip(streams, new_counts)])
+        phase0 = torch.stack([st.phase for st in streams])
+        s, acc = self.m_source(f0, phase0, noise)
+        for b, (st, n, t) in enumerate(zip(streams, new_counts, targets)):
+            st.source = torch.cat([st.source, s[b, : n * spf]])
+            st.phase = acc[b, n - 1].clone()
+            st.f0_done = t
+            st.last_f0_window = wins[b].shape[1]
+
+    def _advance_audio(self, streams: list[HiFTStream], targets: list[int], finalize: list[bool]) -> list[torch.Tensor]:
+        cfg = self.cfg
+        spf, look = cfg.samples_per_frame, cfg.conv_pre_look_right
+        stft_per_frame = spf // cfg.hop_len
+        starts = [max(0, st.emitted - self.context_frames) for st in streams]
+        # Network frames per window: final windows run to the end (zero look-ahead); non-final
+        # ones compute one frame more than they release (its iSTFT overlap is still incomplete).
+        n_net = [st.received - s0 if fin else t + 1 - s0 for st, s0, t, fin in zip(streams, starts, targets, finalize)]
+        n_max = max(n_net)
+        mels, sources = [], []
+        for st, s0, n, fin in zip(streams, starts, n_net, finalize):
+            m = st.mel[:, s0 - st.mel_start : s0 - st.mel_start + n + (0 if fin else look)]
+            mels.append(F.pad(m, (0, n_max + look - m.shape[1])))
+            src = self._centre_pad(st.source[(s0 - st.source_start) * spf : (st.f0_done - st.source_start) * spf])
+            sources.append(src)
+        width = max(x.shape[0] for x in sources)
+        s_padded = torch.stack([F.pad(x, (0, width - x.shape[0])) for x in sources])
+        valid = torch.tensor([stft_per_frame * n + 1 for n in n_net], device=self._device)
+        wav = self._decode(torch.stack(mels), s_padded, valid)
+        pieces = []
+        for b, (st, s0, t) in enumerate(zip(streams, starts, targets)):
+            pieces.append(wav[b, (st.emitted - s0) * spf : (t - s0) * spf].clone())
+            st.emitted = t
+            st.last_decode_window = n_net[b] + look
+        return pieces
+
+    def _trim(self, st: HiFTStream) -> None:
+        """Drop mel / excitation no future step can need (bounded memory and per-step work)."""
+        spf = self.cfg.samples_per_frame
+        keep_src = max(0, st.emitted - self.context_frames)
+        keep_mel = max(0, min(keep_src, st.f0_done - 2 * _F0_LEFT_LAYERS))
+        if keep_mel > st.mel_start:
+            st.mel = st.mel[:, keep_mel - st.mel_start :].clone()
+            st.mel_start = keep_mel
+        if keep_src > st.source_start:
+            st.source = st.source[(keep_src - st.source_start) * spf :].clone()
+            st.source_start = keep_src
+
+
+# ----------------------------------------------------------------------------- random weights
+
+
+@torch.no_grad()
+def init_random_(module: CausalHiFTGenerator, seed: int) -> CausalHiFTGenerator:
+    """Deterministic random weights that give finite, non-trivial, mostly unclipped audio."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal(shape: torch.Size, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.Conv1d):
+            w_shape = mod.parametrizations.weight.original1.shape if parametrize.is_parametrized(mod, "weight") else mod.weight.shape
+            fan_in = w_shape[1] * w_shape[2]
+            w = normal(w_shape, 0.5 / math.sqrt(fan_in))
+            bias = normal(mod.bias.shape, 0.02)
+            if name == "conv_post":
+                w = w * 0.5
+                half = module.cfg.n_fft // 2 + 1
+                bias[:half] -= 2.5  # log-magnitude well below the 1e2 clip
+            if parametrize.is_parametrized(mod, "weight"):
+                p = mod.parametrizations.weight
+                p.original1.copy_(w)
+                p.original0.copy_(w.flatten(1).norm(dim=1).reshape(p.original0.shape))
+            else:
+                mod.weight.copy_(w)
+            mod.bias.copy_(bias)
+        elif isinstance(mod, Snake):
+            mod.alpha.copy_(1.0 + normal(mod.alpha.shape, 0.1))
+    clf = module.f0_predictor.classifier
+    clf.weight.copy_(normal(clf.weight.shape, 20.0 / math.sqrt(clf.weight.shape[1])))
+    clf.bias.fill_(180.0)  # voiced f0 around 180 Hz, varying with the mel
+    lin = module.m_source.l_linear
+    lin.weight.copy_(normal(lin.weight.shape, 1.0))
+    lin.bias.zero_()
+    return module

@@ -1,0 +1,249 @@
+"""Load a model directory in the official Fun-CosyVoice3 layout.
+
+    <model_dir>/cosyvoice3.yaml                 hyper-parameters (read safely, see hyperyaml)
+    <model_dir>/llm.pt, flow.pt, hift.pt        state dicts (torch.load(weights_only=True))
+    <model_dir>/CosyVoice-BlankEN/              Qwen2 config.json + BPE tokenizer files
+    <model_dir>/speech_tokenizer_v3.onnx        25 Hz speech tokenizer
+    <model_dir>/campplus.onnx                   speaker embedding
+
+The same code path loads a real download and the random-weight directories that
+`engine.models.writer` produces for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import FlowConfig, HiFTConfig, LMConfig, MelConfig, ModelConfig, Qwen2Config, SamplingConfig
+from .hyperyaml import Node, load_hyper_yaml
+
+YAML_NAMES = {"cosyvoice3.yaml": "cosyvoice3", "cosyvoice2.yaml": "cosyvoice2", "cosyvoice.yaml": "cosyvoice1"}
+
+
+class ModelDirError(ValueError):
+    """The directory is not a usable model directory; the message says what is wrong."""
+
+
+class CheckpointMismatch(ModelDirError):
+    """A state dict does not match the module it should load into."""
+
+
+def detect_version(model_dir: Path) -> str:
+    for name, version in YAML_NAMES.items():
+        if (model_dir / name).is_file():
+            return version
+    raise ModelDirError(f"{model_dir}: no cosyvoice3.yaml (or cosyvoice2.yaml) found; is this a CosyVoice model directory?")
+
+
+def _node(raw: dict[str, Any], key: str) -> Node:
+    value = raw.get(key)
+    if not isinstance(value, Node):
+        raise ModelDirError(f"yaml: '{key}' must be a !new: entry")
+    return value
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """Build a ModelConfig from the yaml and CosyVoice-BlankEN/config.json."""
+    model_dir = Path(model_dir)
+    version = detect_version(model_dir)
+    if version != "cosyvoice3":
+        raise ModelDirError(f"{model_dir}: {version} models are not supported yet (CosyVoice3 only)")
+    raw = load_hyper_yaml(model_dir / "cosyvoice3.yaml")
+    qwen_json = model_dir / "CosyVoice-BlankEN" / "config.json"
+    if not qwen_json.is_file():
+        raise ModelDirError(f"{model_dir}: missing CosyVoice-BlankEN/config.json")
+    qwen = Qwen2Config.from_hf_json(qwen_json)
+
+    llm = _node(raw, "llm")
+    if llm.class_name != "CosyVoice3LM":
+        raise ModelDirError(f"yaml: llm is {llm.class_name}, expected CosyVoice3LM")
+    samp = llm.get("sampling")
+    samp_args = samp.value if isinstance(samp, Node) and isinstance(samp.value, dict) else {}
+    lm = LMConfig(
+        qwen=qwen,
+        speech_token_size=int(llm.get("speech_token_size", 6561)),
+        mix_ratio=tuple(llm.get("mix_ratio", (5, 15))),  # type: ignore[arg-type]
+        sampling=SamplingConfig(**{k: samp_args[k] for k in ("top_p", "top_k", "win_size", "tau_r") if k in samp_args}),
+    )
+
+    flow_node = _node(raw, "flow")
+    if flow_node.class_name != "CausalMaskedDiffWithDiT":
+        raise ModelDirError(f"yaml: flow is {flow_node.class_name}, expected CausalMaskedDiffWithDiT")
+    pre = flow_node.get("pre_lookahead_layer")
+    dec = flow_node.get("decoder")
+    est = dec.get("estimator") if isinstance(dec, Node) else None
+    if not isinstance(pre, Node) or not isinstance(est, Node):
+        raise ModelDirError("yaml: flow needs pre_lookahead_layer and decoder.estimator entries")
+    cfm = dec.get("cfm_params")
+    cfm_args = cfm.get("content", {}) if isinstance(cfm, Node) else (cfm or {})
+    flow = FlowConfig(
+        input_size=int(flow_node.get("input_size", 80)),
+        output_size=int(flow_node.get("output_size", 80)),
+        spk_embed_dim=int(flow_node.get("spk_embed_dim", 192)),
+        vocab_size=int(flow_node.get("vocab_size", 6561)),
+        token_mel_ratio=int(flow_node.get("token_mel_ratio", 2)),
+        pre_lookahead_len=int(flow_node.get("pre_lookahead_len", 3)),
+        pre_lookahead_channels=int(pre.get("channels", 1024)),
+        dim=int(est.get("dim", 1024)),
+        depth=int(est.get("depth", 22)),
+        heads=int(est.get("heads", 16)),
+        dim_head=int(est.get("dim_head", 64)),
+        ff_mult=int(est.get("ff_mult", 2)),
+        static_chunk_size=int(est.get("static_chunk_size", 50)),
+        inference_cfg_rate=float(cfm_args.get("inference_cfg_rate", 0.7)),
+        sigma_min=float(cfm_args.get("sigma_min", 1e-6)),
+    )
+
+    hift_node = _node(raw, "hift")
+    if hift_node.class_name != "CausalHiFTGenerator":
+        raise ModelDirError(f"yaml: hift is {hift_node.class_name}, expected CausalHiFTGenerator")
+    istft = hift_node.get("istft_params", {}) or {}
+    f0 = hift_node.get("f0_predictor")
+    d = HiFTConfig()
+    hift = HiFTConfig(
+        in_channels=int(hift_node.get("in_channels", d.in_channels)),
+        base_channels=int(hift_node.get("base_channels", d.base_channels)),
+        nb_harmonics=int(hift_node.get("nb_harmonics", d.nb_harmonics)),
+        sampling_rate=int(hift_node.get("sampling_rate", d.sampling_rate)),
+        nsf_alpha=float(hift_node.get("nsf_alpha", d.nsf_alpha)),
+        nsf_sigma=float(hift_node.get("nsf_sigma", d.nsf_sigma)),
+        nsf_voiced_threshold=float(hift_node.get("nsf_voiced_threshold", d.nsf_voiced_threshold)),
+        upsample_rates=tuple(hift_node.get("upsample_rates", d.upsample_rates)),
+        upsample_kernel_sizes=tuple(hift_node.get("upsample_kernel_sizes", d.upsample_kernel_sizes)),
+        n_fft=int(istft.get("n_fft", d.n_fft)),
+        hop_len=int(istft.get("hop_len", d.hop_len)),
+        resblock_kernel_sizes=tuple(hift_node.get("resblock_kernel_sizes", d.resblock_kernel_sizes)),
+        resblock_dilation_sizes=tuple(tuple(x) for x in hift_node.get("resblock_dilation_sizes", d.resblock_dilation_sizes)),
+        source_resblock_kernel_sizes=tuple(hift_node.get("source_resblock_kernel_sizes", d.source_resblock_kernel_sizes)),
+        source_resblock_dilation_sizes=tuple(
+            tuple(x) for x in hift_node.get("source_resblock_dilation_sizes", d.source_resblock_dilation_sizes)
+        ),
+        lrelu_slope=float(hift_node.get("lrelu_slope", d.lrelu_slope)),
+        audio_limit=float(hift_node.get("audio_limit", d.audio_limit)),
+        conv_pre_look_right=int(hift_node.get("conv_pre_look_right", d.conv_pre_look_right)),
+        f0_cond_channels=int(f0.get("cond_channels", d.f0_cond_channels)) if isinstance(f0, Node) else d.f0_cond_channels,
+    )
+
+    mel = MelConfig()
+    feat = raw.get("feat_extractor")
+    if isinstance(feat, Node):
+        mel = MelConfig(
+            n_fft=int(feat.get("n_fft", mel.n_fft)),
+            num_mels=int(feat.get("num_mels", mel.num_mels)),
+            sampling_rate=int(feat.get("sampling_rate", mel.sampling_rate)),
+            hop_size=int(feat.get("hop_size", mel.hop_size)),
+            win_size=int(feat.get("win_size", mel.win_size)),
+            fmin=float(feat.get("fmin", mel.fmin) or 0),
+            fmax=None if feat.get("fmax") is None else float(feat.get("fmax")),
+            center=bool(feat.get("center", mel.center)),
+        )
+    return ModelConfig(
+        version=version,
+        sample_rate=int(raw.get("sample_rate", 24000)),
+        token_frame_rate=int(raw.get("token_frame_rate", 25)),
+        chunk_size=int(raw.get("chunk_size", 25)),
+        lm=lm,
+        flow=flow,
+        hift=hift,
+        mel=mel,
+    )
+
+
+def _normalise_hift_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Released hift.pt files may carry a `generator.` prefix and the old weight-norm names."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key.startswith("generator."):
+            key = key[len("generator.") :]
+        if key.endswith(".weight_g"):
+            key = key[: -len(".weight_g")] + ".parametrizations.weight.original0"
+        elif key.endswith(".weight_v"):
+            key = key[: -len(".weight_v")] + ".parametrizations.weight.original1"
+        out[key] = value
+    return out
+
+
+def check_state_dict(module: nn.Module, sd: dict[str, torch.Tensor], what: str) -> None:
+    """Raise CheckpointMismatch naming the first missing, unexpected or mis-shaped key."""
+    expected = module.state_dict()
+    for key, ref in expected.items():
+        if key not in sd:
+            raise CheckpointMismatch(f"{what}: missing key '{key}' (expected shape {list(ref.shape)})")
+        if tuple(sd[key].shape) != tuple(ref.shape):
+            raise CheckpointMismatch(
+                f"{what}: key '{key}' has shape {list(sd[key].shape)}, expected {list(ref.shape)}"
+            )
+    for key in sd:
+        if key not in expected:
+            raise CheckpointMismatch(f"{what}: unexpected key '{key}'")
+
+
+def load_state_strict(module: nn.Module, path: Path, what: str, *, hift: bool = False) -> None:
+    if not path.is_file():
+        raise ModelDirError(f"missing {path.name} in {path.parent}")
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a pickle that needs code to load is refused here
+        raise ModelDirError(f"{path}: cannot be loaded safely as a state dict: {exc}") from exc
+    if not isinstance(sd, dict):
+        raise ModelDirError(f"{path}: expected a state dict, got {type(sd).__name__}")
+    if hift:
+        sd = _normalise_hift_keys(sd)
+    check_state_dict(module, sd, what)
+    module.load_state_dict(sd, strict=True)
+
+
+@dataclass
+class LoadedModel:
+    """The three networks plus the config they were built from (weights on CPU, eval mode)."""
+
+    model_dir: Path
+    config: ModelConfig
+    lm: nn.Module
+    flow: nn.Module
+    hift: nn.Module
+
+
+def load_model(model_dir: Path | str, *, load_lm: bool = True) -> LoadedModel:
+    """Build the networks from the yaml and load the three state dicts strictly.
+
+    load_lm=False skips llm.pt when another backend (vLLM) owns the LM weights.
+    """
+    from .flow import CausalMaskedDiffWithDiT
+    from .hift import CausalHiFTGenerator
+    from .lm import CosyVoice3LM
+
+    model_dir = Path(model_dir)
+    cfg = read_model_config(model_dir)
+    lm: nn.Module
+    if load_lm:
+        lm = CosyVoice3LM(cfg.lm)
+        load_state_strict(lm, model_dir / "llm.pt", "llm.pt")
+        lm.eval()
+    else:
+        lm = nn.Module()
+    flow = CausalMaskedDiffWithDiT(cfg.flow)
+    load_state_strict(flow, model_dir / "flow.pt", "flow.pt")
+    flow.eval()
+    hift = CausalHiFTGenerator(cfg.hift)
+    load_state_strict(hift, model_dir / "hift.pt", "hift.pt", hift=True)
+    hift.fold_weight_norm()
+    hift.eval()
+    return LoadedModel(model_dir=model_dir, config=cfg, lm=lm, flow=flow, hift=hift)
+
+
+__all__ = [
+    "CheckpointMismatch",
+    "LoadedModel",
+    "ModelDirError",
+    "check_state_dict",
+    "detect_version",
+    "load_model",
+    "load_state_strict",
+    "read_model_config",
+]

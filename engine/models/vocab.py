@@ -1,0 +1,35 @@
+"""The unified token vocabulary shared by both LM backends.
+
+Speech ids come first so a generated id *is* the speech token (no remapping on the
+hot path); text ids follow at `text_offset`. Token-id prompts over this vocabulary
+let vLLM use prefix caching and streaming input, which `prompt_embeds` prompts do not.
+
+    [0, speech_vocab_size)                     speech_embedding rows (codebook + sos/eos/task/fill/...)
+    [text_offset, text_offset + text_vocab)    Qwen2 embed_tokens rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UnifiedVocab:
+    speech_token_size: int  # 6561: ids below this are audio codes
+    speech_vocab_size: int  # 6761 for CosyVoice3 (codebook + reserved)
+    text_vocab_size: int  # 151936 (Qwen2 embed_tokens rows)
+
+    @property
+    def text_offset(self) -> int:
+        return self.speech_vocab_size
+
+    @property
+    def size(self) -> int:
+        return self.speech_vocab_size + self.text_vocab_size
+
+    def text(self, ids: list[int]) -> list[int]:
+        off = self.text_offset
+        return [off + i for i in ids]
+
+    def is_stop(self, token: int) -> bool:
+        return token >= self.speech_token_size

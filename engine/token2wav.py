@@ -1,0 +1,174 @@
+"""The GPU stage: speech tokens -> mel (flow) -> 24 kHz PCM (vocoder), batched across sessions.
+
+Every scheduling step takes the ready chunks of *all* utterances (first chunks first),
+runs them through one flow batch and one vocoder batch, and resolves each chunk's
+future. One utterance has at most one chunk in flight (its chunker awaits the result),
+so the vocoder's per-utterance stream state is always advanced in order.
+
+The stage runs its tensor work on one dedicated worker thread, so the event loop
+never blocks on it and the LM backend (its own thread or process) overlaps with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .models.flow import FlowChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkJob:
+    flow: FlowChunk
+    hift_stream: object  # the vocoder's per-utterance stream state
+    speed: float
+    chunk_index: int
+    is_cancelled: Callable[[], bool]
+    future: asyncio.Future[np.ndarray] = field(repr=False, default=None)  # type: ignore[assignment]
+    seq: int = 0
+
+
+@dataclass
+class StageStats:
+    batches: int = 0
+    chunks: int = 0
+    dropped: int = 0
+    last_batch_size: int = 0
+    max_batch_size: int = 0
+    busy_seconds: float = 0.0
+    queued: int = 0
+
+
+class AudioStage:
+    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64):
+        self.flow = flow
+        self.hift = hift
+        self.device = device
+        self.max_batch = max_batch
+        self.stats = StageStats()
+        self._pending: list[ChunkJob] = []
+        self._wake = asyncio.Event()
+        self._seq = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audio-stage")
+        self._closed = False
+
+    def new_stream(self) -> object:
+        return self.hift.new_stream()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="audio-stage")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for job in self._pending:
+            if not job.future.done():
+                job.future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    async def run(self, job: ChunkJob) -> np.ndarray:
+        """Queue one chunk and wait for its PCM (float32, 24 kHz)."""
+        if self._closed:
+            raise RuntimeError("audio stage is closed")
+        job.future = asyncio.get_running_loop().create_future()
+        job.seq = next(self._seq)
+        self._pending.append(job)
+        self.stats.queued = len(self._pending)
+        self._wake.set()
+        return await job.future
+
+    def drop_cancelled(self) -> int:
+        """Remove queued chunks whose utterance was cancelled; returns how many."""
+        keep, dropped = [], 0
+        for job in self._pending:
+            if job.is_cancelled() or job.future.cancelled():
+                dropped += 1
+                if not job.future.done():
+                    job.future.cancel()
+            else:
+                keep.append(job)
+        self._pending = keep
+        self.stats.dropped += dropped
+        self.stats.queued = len(keep)
+        return dropped
+
+    def pending_for(self, is_cancelled: object) -> int:
+        """Queued chunks whose cancel check is `is_cancelled` (tests, metrics)."""
+        return sum(1 for j in self._pending if j.is_cancelled is is_cancelled)
+
+    def _take_batch(self) -> list[ChunkJob]:
+        self.drop_cancelled()
+        live = self._pending
+        # First chunks jump the queue: they decide first-audio latency.
+        live.sort(key=lambda j: (j.chunk_index > 0, j.seq))
+        batch, self._pending = live[: self.max_batch], live[self.max_batch :]
+        self.stats.queued = len(self._pending)
+        return batch
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._pool, self._compute, batch)
+            except Exception as exc:  # fail this batch's chunks, keep serving others
+                log.exception("audio stage batch failed")
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+                continue
+            dt = time.perf_counter() - t0
+            st = self.stats
+            st.batches += 1
+            st.chunks += len(batch)
+            st.last_batch_size = len(batch)
+            st.max_batch_size = max(st.max_batch_size, len(batch))
+            st.busy_seconds += dt
+            for job, pcm in zip(batch, results):
+                if not job.future.done():
+                    job.future.set_result(pcm)
+
+    @torch.inference_mode()
+    def _compute(self, batch: list[ChunkJob]) -> list[np.ndarray]:
+        mels = self.flow.inference_chunks([j.flow for j in batch])
+        mels = [_stretch(m, j.speed) for m, j in zip(mels, batch)]
+        pcm = self.hift.stream_step(
+            [j.hift_stream for j in batch],
+            [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
+            [j.flow.finalize for j in batch],
+        )
+        return [p.detach().float().cpu().numpy().reshape(-1) for p in pcm]
+
+
+def _stretch(mel: torch.Tensor, speed: float) -> torch.Tensor:
+    """Change speaking rate by resampling the mel in time ([n, 80] -> [round(n/speed), 80])."""
+    if speed == 1.0 or mel.shape[0] == 0:
+        return mel
+    n_out = max(1, int(round(mel.shape[0] / speed)))
+    return F.interpolate(mel.t().unsqueeze(0), size=n_out, mode="linear", align_corners=False)[0].t()

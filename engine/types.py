@@ -1,0 +1,86 @@
+"""Small typed values that cross the seam between gateway and engine.
+
+Data flows one way: the gateway submits text to a `Session`, the engine answers
+with `AudioChunk`s and `UtteranceEvent`s on that session's stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+Mode = Literal["zero_shot", "instruct", "cross_lingual"]
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """Everything the models need about a voice, computed once and cached.
+
+    speech_tokens: 25 Hz speech tokens of the prompt audio (int64, [P]).
+    speech_feat:   24 kHz prompt mel, [2P, 80] float32 (aligned: frames = 2 x tokens).
+    embedding:     CAM++ speaker embedding, [192] float32.
+    transcript:    what the prompt audio says (the zero-shot LM prompt text).
+    """
+
+    voice_id: str
+    transcript: str
+    speech_tokens: torch.Tensor
+    speech_feat: torch.Tensor
+    embedding: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.speech_tokens.numel())
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    mode: Mode = "zero_shot"
+    instruction: str | None = None
+    speed: float = 1.0
+    # Chunk schedule (tokens): first chunk after initial_hop (+ lookahead), then the
+    # 25-token grid, doubling up to max_hop.
+    initial_hop: int | None = None
+    max_hop: int | None = None
+    # Benchmarks: generate exactly this many speech tokens per text token (random
+    # weights never stop on their own). None = the model decides (eos).
+    tokens_per_text_token: float | None = None
+    seed: int | None = None
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """24 kHz mono float32 PCM of one utterance, in order."""
+
+    utterance_id: str
+    pcm: np.ndarray  # float32, [-1, 1]
+    start_sample: int  # offset of pcm[0] within the utterance
+    is_last: bool
+    chunk_index: int = 0
+
+
+@dataclass(frozen=True)
+class UtteranceError:
+    utterance_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class UtteranceStats:
+    """Timings of one utterance, filled in as it runs (monotonic seconds)."""
+
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    first_audio_at: float | None = None
+    finished_at: float | None = None
+    num_speech_tokens: int = 0
+    num_samples: int = 0
+    chunks: int = 0
+    # The speech tokens the utterance was voiced from (after silence capping).
+    speech_tokens: tuple[int, ...] = ()
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,106 @@
+"""The Starlette application: routes, shared state, start-up and shutdown.
+
+`create_app(settings)` is all a server (uvicorn, tests) needs. On start-up it resolves
+the model, loads the engine, opens the voice store and registers the bundled voices;
+on shutdown it closes them in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Mount, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.hub import resolve_model
+
+from . import errors, http_api, ws
+from .auth import Auth
+from .metrics import Metrics
+from .settings import Settings
+from .voices import VoiceStore
+
+log = logging.getLogger("gateway")
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+
+
+@dataclass
+class GatewayState:
+    """Everything a route handler needs, reachable as `request.app.state.gw`."""
+
+    settings: Settings
+    engine: Engine
+    voices: VoiceStore
+    metrics: Metrics
+    auth: Auth
+
+
+def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
+    e = settings.engine
+    return EngineConfig(
+        model_dir=model_dir,
+        device=e.device,
+        lm_backend=e.lm_backend,  # type: ignore[arg-type]
+        initial_hop=e.initial_hop,
+        max_hop=e.max_hop,
+        flow_left_context=e.flow_left_context,
+        max_gpu_batch=e.max_gpu_batch,
+        lm_max_batch=e.lm_max_batch,
+        text_normalization=e.text_normalization,
+        warmup=e.warmup,
+        vllm_gpu_memory_utilization=e.vllm_gpu_memory_utilization,
+        vllm_max_model_len=e.vllm_max_model_len,
+    )
+
+
+def create_app(settings: Settings) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        data_dir = Path(settings.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = resolve_model(settings.model, data_dir / "models")
+        log.info("loading model from %s", model_dir)
+        engine = await Engine.create(engine_config(settings, model_dir))
+        voices = VoiceStore(data_dir, engine, settings.voices)
+        await voices.open()
+        if Path(settings.assets_dir).is_dir():
+            await voices.register_assets(Path(settings.assets_dir))
+        app.state.gw = GatewayState(settings, engine, voices, Metrics(), Auth(settings.api_keys))
+        log.info("ready: model=%s backend=%s device=%s", engine.model_name, engine.backend.name, engine.device)
+        try:
+            yield
+        finally:
+            await voices.close()
+            await engine.close()
+
+    routes = [
+        *http_api.routes,
+        WebSocketRoute("/v1/tts/stream", ws.tts_websocket),
+    ]
+    if STATIC_DIR.is_dir():
+        routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
+    middleware = []
+    if settings.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers=errors.exception_handlers,
+    )

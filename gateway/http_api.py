@@ -1,0 +1,514 @@
+"""HTTP routes: OpenAI-compatible speech, voices, models, health/ready and metrics.
+
+Handlers read everything shared from ``request.app.state.gw``, an object with
+``engine``, ``voices`` (`VoiceStore`), ``settings``, ``metrics`` (`Metrics`) and
+``auth`` (`Auth`). Per-request state stays in the handler (its engine session, its
+encoder), so concurrent requests never share anything mutable but those objects.
+
+Every handler goes through `_endpoint`, which checks the API key, turns `ApiError`
+into the JSON error shape and counts the request, so the routes behave the same in
+any app that mounts `routes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import binascii
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.types import AudioChunk, SessionOptions, UtteranceError, VoicePrompt
+from gateway.audio_files import (
+    MEDIA_TYPES,
+    AvEncoder,
+    RESPONSE_FORMATS,
+    bounded_stream,
+    make_encoder,
+    read_body_bounded,
+)
+from gateway.errors import ApiError, error_response
+from gateway.voices import VoiceLimits
+
+log = logging.getLogger(__name__)
+
+# OpenAI's built-in voice names: stock clients send these; with a configured default
+# voice they are served by it instead of failing.
+OPENAI_VOICES: frozenset[str] = frozenset({
+    "alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
+    "shimmer", "verse", "marin", "cedar",
+})
+DEFAULT_ALIASES: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3")
+MAX_JSON_BYTES = 256 * 1024  # a speech request is 4096 characters of text plus a few fields
+SPEED_RANGE = (0.25, 4.0)
+
+
+# --------------------------------------------------------------------------------------
+# Plumbing
+# --------------------------------------------------------------------------------------
+
+
+def _gw(request: Request) -> Any:
+    return request.app.state.gw
+
+
+def _setting(request: Request, name: str, default: Any) -> Any:
+    return getattr(_gw(request).settings, name, default)
+
+
+def _limits(request: Request) -> VoiceLimits:
+    return _setting(request, "voices", None) or VoiceLimits()
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _endpoint(route_name: str, *, open_route: bool = False) -> Callable[[Handler], Handler]:
+    def wrap(fn: Handler) -> Handler:
+        async def handler(request: Request) -> Response:
+            gw = _gw(request)
+            try:
+                auth = getattr(gw, "auth", None)
+                if not open_route and auth is not None and not auth.check_request(request):
+                    raise ApiError(401, "unauthorized", "missing or invalid API key")
+                response = await fn(request)
+            except ApiError as exc:
+                if gw.metrics is not None:
+                    gw.metrics.error(exc.code)
+                headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+                if exc.status == 413:
+                    # The rest of an oversized body is still on the wire: hang up rather
+                    # than let the server drain it.
+                    headers["Connection"] = "close"
+                response = error_response(exc.status, exc.code, exc.message, headers or None)
+            if gw.metrics is not None:
+                gw.metrics.observe_request(route_name, response.status_code)
+            return response
+
+        handler.__name__ = fn.__name__
+        handler.__doc__ = fn.__doc__
+        return handler
+
+    return wrap
+
+
+async def _json_body(request: Request, limit: int, too_large: str = "request_too_large") -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, too_large, f"request body exceeds {limit} bytes")
+    try:
+        raw = await read_body_bounded(request.stream(), limit)
+    except ApiError as exc:
+        raise ApiError(413, too_large, exc.message) from exc
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_request", f"body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_request", "body must be a JSON object")
+    return body
+
+
+# --------------------------------------------------------------------------------------
+# Health, readiness, metrics, models
+# --------------------------------------------------------------------------------------
+
+
+@_endpoint("/health", open_route=True)
+async def health(request: Request) -> Response:
+    """Liveness: the process serves HTTP. Never touches the engine."""
+    return JSONResponse({"status": "ok"})
+
+
+@_endpoint("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: the model is loaded and warmed (load balancers route on this)."""
+    engine = _gw(request).engine
+    if engine is None or not getattr(engine, "ready", False):
+        raise ApiError(503, "not_ready", "model is loading")
+    return JSONResponse({"status": "ready", "model": engine.model_name})
+
+
+@_endpoint("/metrics")
+async def metrics(request: Request) -> Response:
+    gw = _gw(request)
+    stats = gw.engine.stats() if gw.engine is not None and hasattr(gw.engine, "stats") else None
+    text = gw.metrics.render(stats)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def model_aliases(request: Request) -> tuple[str, ...]:
+    aliases = tuple(_setting(request, "openai_model_aliases", DEFAULT_ALIASES))
+    name = getattr(_gw(request).engine, "model_name", None)
+    return aliases + ((name,) if name and name not in aliases else ())
+
+
+def _model_json(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "cosyvoice-gateway"}
+
+
+@_endpoint("/v1/models")
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_json(m) for m in model_aliases(request)]})
+
+
+@_endpoint("/v1/models/{model}")
+async def get_model(request: Request) -> Response:
+    model_id = request.path_params["model"]
+    if model_id not in model_aliases(request):
+        raise ApiError(404, "model_not_found", f"model {model_id!r} does not exist")
+    return JSONResponse(_model_json(model_id))
+
+
+# --------------------------------------------------------------------------------------
+# Voices
+# --------------------------------------------------------------------------------------
+
+_AUDIO_FIELDS = ("file", "audio", "ref_audio")
+_TEXT_FIELDS = ("transcript", "text", "ref_text", "prompt_text")
+_ID_FIELDS = ("id", "voice_id")
+
+
+def _first(form: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = form.get(name)
+        if value is not None and value != "":
+            return value
+    return None
+
+
+def _opt_str(value: Any, field: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ApiError(400, "invalid_request", f"{field} must be a string")
+    return value
+
+
+@_endpoint("/v1/voices")
+async def create_voice(request: Request) -> Response:
+    """Register a voice from multipart (file + transcript) or JSON (base64 audio)."""
+    store = _gw(request).voices
+    limits = _limits(request)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    overhead = 64 * 1024  # multipart boundaries and text fields
+    if ctype == "multipart/form-data":
+        limit = limits.max_upload_bytes + overhead
+    elif ctype in ("application/json", ""):
+        limit = math.ceil(limits.max_upload_bytes * 4 / 3) + overhead
+    else:
+        raise ApiError(400, "invalid_request", "use multipart/form-data or application/json")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "audio_too_large", f"upload exceeds {limits.max_upload_bytes} bytes")
+
+    if ctype == "multipart/form-data":
+        parser = MultiPartParser(request.headers, bounded_stream(request.stream(), limit), max_files=2, max_fields=16)
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            raise ApiError(400, "invalid_request", exc.message) from exc
+        try:
+            upload = _first(form, _AUDIO_FIELDS)
+            if not isinstance(upload, UploadFile):
+                raise ApiError(400, "missing_audio", "multipart field 'file' with the audio is required")
+            audio = await upload.read()
+            ext = PurePath(upload.filename or "").suffix or "bin"
+            voice_id = _opt_str(_first(form, _ID_FIELDS), "id")
+            name = _opt_str(form.get("name"), "name")
+            transcript = _opt_str(_first(form, _TEXT_FIELDS), "transcript")
+        finally:
+            await form.close()
+    else:
+        body = await _json_body(request, limit, "audio_too_large")
+        b64 = body.get("audio")
+        if not isinstance(b64, str) or not b64:
+            raise ApiError(400, "missing_audio", "field 'audio' (base64) is required")
+        if b64.startswith("data:"):  # tolerate data URLs from browsers
+            b64 = b64.partition(",")[2]
+        try:
+            audio = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ApiError(400, "invalid_audio", "field 'audio' is not valid base64") from exc
+        ext = "." + str(body.get("format") or "bin")
+        voice_id = _opt_str(_first(body, _ID_FIELDS), "id")
+        name = _opt_str(body.get("name"), "name")
+        transcript = _opt_str(_first(body, _TEXT_FIELDS), "transcript")
+
+    if not audio:
+        raise ApiError(400, "missing_audio", "the audio file is empty")
+    if transcript is None or not transcript.strip():
+        raise ApiError(400, "missing_transcript", "field 'transcript' is required")
+    if voice_id is not None:
+        store.validate_id(voice_id)
+    info = await store.register(voice_id, name, transcript, audio, audio_ext=ext)
+    return JSONResponse(info.to_json(), status_code=201)
+
+
+@_endpoint("/v1/voices")
+async def list_voices(request: Request) -> Response:
+    store = _gw(request).voices
+    return JSONResponse({"object": "list", "data": [v.to_json() for v in store.list()]})
+
+
+@_endpoint("/v1/voices/{voice_id}")
+async def get_voice(request: Request) -> Response:
+    voice_id = request.path_params["voice_id"]
+    info = _gw(request).voices.get(voice_id)
+    if info is None:
+        raise ApiError(404, "voice_not_found", f"voice {voice_id!r} not found")
+    return JSONResponse(info.to_json())
+
+
+@_endpoint("/v1/voices/{voice_id}")
+async def delete_voice(request: Request) -> Response:
+    voice_id = request.path_params["voice_id"]
+    if not await _gw(request).voices.delete(voice_id):
+        raise ApiError(404, "voice_not_found", f"voice {voice_id!r} not found")
+    return JSONResponse({"id": voice_id, "object": "voice", "deleted": True})
+
+
+async def resolve_voice(request: Request, voice: Any) -> VoicePrompt:
+    """A registered id. No voice, or an OpenAI stock name that is not registered, is
+    served by the configured default voice so stock clients work unchanged."""
+    if isinstance(voice, dict):  # newer OpenAI clients may send {"id": "..."}
+        voice = voice.get("id")
+    if voice is not None and not isinstance(voice, str):
+        raise ApiError(400, "invalid_request", "field 'voice' must be a string or {\"id\": ...}")
+    store = _gw(request).voices
+    if voice:
+        try:
+            return await store.get_prompt(voice)
+        except KeyError:
+            pass
+    default = _setting(request, "default_voice", "")
+    if default and (not voice or voice.lower() in OPENAI_VOICES):
+        try:
+            return await store.get_prompt(default)
+        except KeyError:
+            pass
+    raise ApiError(404, "voice_not_found", f"voice {voice or default!r} not found; register it with POST /v1/voices")
+
+
+# --------------------------------------------------------------------------------------
+# Speech
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    input: str
+    voice: Any
+    response_format: str
+    stream_format: str
+    options: SessionOptions
+
+
+def parse_speech_request(body: dict[str, Any], aliases: tuple[str, ...], max_chars: int) -> SpeechRequest:
+    model = body.get("model")
+    if model is not None and model not in aliases:
+        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; use one of {', '.join(aliases)}")
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise ApiError(400, "invalid_request", "field 'input' must be a non-empty string")
+    if len(text) > max_chars:
+        raise ApiError(400, "input_too_long", f"input is {len(text)} characters; the limit is {max_chars}")
+    fmt = body.get("response_format") or "mp3"
+    if fmt not in RESPONSE_FORMATS:
+        raise ApiError(400, "unsupported_format", f"response_format must be one of {', '.join(RESPONSE_FORMATS)}")
+    stream_format = body.get("stream_format") or "audio"
+    if stream_format not in ("audio", "sse"):
+        raise ApiError(400, "unsupported_format", "stream_format must be 'audio' or 'sse'")
+    speed = body.get("speed", 1.0)
+    if speed is None:
+        speed = 1.0
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (
+            SPEED_RANGE[0] <= float(speed) <= SPEED_RANGE[1]):
+        raise ApiError(400, "invalid_speed", f"speed must be a number in [{SPEED_RANGE[0]}, {SPEED_RANGE[1]}]")
+    instructions = _opt_str(body.get("instructions"), "instructions")
+    instructions = instructions.strip() if instructions else None
+    # Extensions (OpenAI clients pass them through `extra_body`): a sampling seed, and
+    # a fixed speech-token budget per text token for benchmarks and tests.
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "invalid_request", "seed must be an integer")
+    tptt = body.get("tokens_per_text_token")
+    if tptt is not None and (isinstance(tptt, bool) or not isinstance(tptt, (int, float)) or not 0 < tptt <= 50):
+        raise ApiError(400, "invalid_request", "tokens_per_text_token must be a number in (0, 50]")
+    options = SessionOptions(
+        mode="instruct" if instructions else "zero_shot",
+        instruction=instructions,
+        speed=float(speed),
+        tokens_per_text_token=float(tptt) if tptt is not None else None,
+        seed=seed,
+    )
+    return SpeechRequest(text, body.get("voice"), fmt, stream_format, options)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    # Data-only events, exactly as OpenAI sends them; the SDK reads `type` from the JSON.
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _utterance_error(ev: UtteranceError) -> ApiError:
+    if ev.code in ("empty_text",):
+        return ApiError(400, "invalid_request", ev.message)
+    return ApiError(500, "synthesis_failed", f"{ev.code}: {ev.message}")
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """StreamingResponse that always closes its body generator.
+
+    When the client goes away Starlette stops iterating but leaves the async generator
+    to the garbage collector; closing it here runs the generator's `finally` at once,
+    which aborts the engine session (the LM request and queued GPU work are dropped).
+    """
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+@_endpoint("/v1/audio/speech")
+async def create_speech(request: Request) -> Response:
+    """OpenAI `POST /v1/audio/speech`: audio bytes streamed as produced, or SSE."""
+    t0 = time.monotonic()
+    gw = _gw(request)
+    body = await _json_body(request, MAX_JSON_BYTES)
+    req = parse_speech_request(body, model_aliases(request), int(_setting(request, "max_input_chars", 4096)))
+    engine = gw.engine
+    if engine is None or not getattr(engine, "ready", False):
+        raise ApiError(503, "not_ready", "model is loading")
+    prompt = await resolve_voice(request, req.voice)
+    encoder = make_encoder(req.response_format, engine.sample_rate)
+
+    try:
+        session = engine.open_session(prompt, req.options)
+    except Exception as exc:  # EngineError("not_ready") and friends
+        code = getattr(exc, "code", "internal_error")
+        raise ApiError(503 if code == "not_ready" else 500, code, str(exc)) from exc
+    gw.metrics.session_opened()
+    events: AsyncIterator[AudioChunk | UtteranceError] | None = None
+    try:
+        uid = await session.submit(req.input)
+        stats = session.utterance_stats(uid) if hasattr(session, "utterance_stats") else None
+        await session.finish()
+        events = session.events().__aiter__()
+        # Wait for the first event before answering: a failure that happens before any
+        # audio exists still gets a proper HTTP status instead of a truncated 200.
+        first = await anext(events, None)
+        if isinstance(first, UtteranceError):
+            raise _utterance_error(first)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await session.abort()
+        gw.metrics.session_closed()
+        raise
+
+    sample_rate = engine.sample_rate
+
+    # Compressed formats cost a few ms per second of audio (LAME, AAC, Opus): run them
+    # off the event loop so many concurrent streams cannot stall it. Raw formats are
+    # cheaper than the thread hop.
+    offload = isinstance(encoder, AvEncoder)
+
+    async def encode(pcm: Any, last: bool) -> bytes:
+        def work() -> bytes:
+            out = encoder.encode(pcm)
+            return out + encoder.close() if last else out
+
+        return await asyncio.to_thread(work) if offload else work()
+
+    async def produce() -> AsyncIterator[bytes]:
+        samples = 0
+        sent_any = False
+        failed = False
+        try:
+            ev: AudioChunk | UtteranceError | None = first
+            while ev is not None:
+                if isinstance(ev, UtteranceError):
+                    failed = True
+                    gw.metrics.error(_utterance_error(ev).code)
+                    log.warning("speech utterance failed mid-stream: %s %s", ev.code, ev.message)
+                    if req.stream_format == "sse":
+                        yield _sse({"type": "error", "error": {"code": "synthesis_failed", "message": ev.message}})
+                    break
+                samples += int(ev.pcm.size)
+                data = await encode(ev.pcm, ev.is_last)
+                if data:
+                    if not sent_any:
+                        sent_any = True
+                        gw.metrics.observe_first_audio(time.monotonic() - t0)
+                    yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) \
+                        if req.stream_format == "sse" else data
+                if ev.is_last:
+                    break
+                ev = await anext(events, None)
+            if failed:
+                return
+            tail = encoder.close()  # no-op when already closed at is_last
+            if tail:
+                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()}) \
+                    if req.stream_format == "sse" else tail
+            if req.stream_format == "sse":
+                input_tokens = await asyncio.to_thread(_count_text_tokens, engine, req.input)
+                output_tokens = (stats.num_speech_tokens if stats is not None and stats.num_speech_tokens
+                                 else round(samples * 25 / sample_rate))
+                yield _sse({
+                    "type": "speech.audio.done",
+                    "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                              "total_tokens": input_tokens + output_tokens},
+                })
+            gw.metrics.add_audio_seconds(samples / sample_rate)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await session.abort()
+                with contextlib.suppress(Exception):
+                    encoder.close()
+            gw.metrics.session_closed()
+
+    if req.stream_format == "sse":
+        media_type, headers = "text/event-stream", {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    else:
+        media_type, headers = MEDIA_TYPES[req.response_format], {"Cache-Control": "no-store"}
+    return _ClosingStreamingResponse(produce(), media_type=media_type, headers=headers)
+
+
+def _count_text_tokens(engine: Any, text: str) -> int:
+    """Text tokens the LM sees (for `usage`); character count if the engine cannot say."""
+    try:
+        return len(engine.text_ids(text))
+    except Exception:
+        return len(text)
+
+
+routes: list[Route] = [
+    Route("/health", health, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model}", get_model, methods=["GET"]),
+    Route("/v1/audio/speech", create_speech, methods=["POST"]),
+    Route("/v1/voices", create_voice, methods=["POST"]),
+    Route("/v1/voices", list_voices, methods=["GET"]),
+    Route("/v1/voices/{voice_id}", get_voice, methods=["GET"]),
+    Route("/v1/voices/{voice_id}", delete_voice, methods=["DELETE"]),
+]

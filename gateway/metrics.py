@@ -1,0 +1,209 @@
+"""Prometheus metrics in the text exposition format (version 0.0.4), without a global registry.
+
+One `Metrics` object per app: tests run several apps in one process and each must
+count only its own traffic, which a module-level registry (prometheus_client's
+default) would not give us. The format is simple enough to write by hand.
+
+Gateway-side series are counted here; engine-side ones (queue depths, LM tokens/s,
+batch sizes) are read from the engine's `stats()` snapshot at scrape time, so the
+engine needs no knowledge of Prometheus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "cosyvoice"
+
+# Engine stats fields that only ever grow: exposed as Prometheus counters (`_total`).
+ENGINE_COUNTERS: frozenset[str] = frozenset({"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds"})
+
+FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.n += 1
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+                break
+
+    def lines(self, name: str) -> list[str]:
+        out: list[str] = []
+        running = 0
+        for upper, count in zip(self.buckets, self.counts):
+            running += count
+            out.append(f'{name}_bucket{{le="{_fmt(upper)}"}} {running}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        out.append(f"{name}_sum {_fmt(self.total)}")
+        out.append(f"{name}_count {self.n}")
+        return out
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    """Counters for one gateway app. All methods are cheap and thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions_opened = 0
+        self._sessions_active = 0
+        self._first_audio = Histogram(FIRST_AUDIO_BUCKETS)
+        self._batch_sizes = Histogram(BATCH_BUCKETS)
+        self._errors: dict[str, int] = {}
+        self._requests: dict[tuple[str, int], int] = {}
+        self._audio_seconds = 0.0
+        # (monotonic time, lm_tokens) at the previous scrape, for the tokens/s gauge.
+        self._last_lm: tuple[float, int] | None = None
+
+    # -- gateway events --------------------------------------------------------------
+    def session_opened(self) -> None:
+        with self._lock:
+            self._sessions_opened += 1
+            self._sessions_active += 1
+
+    def session_closed(self) -> None:
+        with self._lock:
+            self._sessions_active = max(0, self._sessions_active - 1)
+
+    def observe_first_audio(self, seconds: float) -> None:
+        with self._lock:
+            self._first_audio.observe(seconds)
+
+    def observe_batch_size(self, size: int) -> None:
+        with self._lock:
+            self._batch_sizes.observe(size)
+
+    def add_audio_seconds(self, seconds: float) -> None:
+        with self._lock:
+            self._audio_seconds += seconds
+
+    def error(self, code: str) -> None:
+        with self._lock:
+            self._errors[code] = self._errors.get(code, 0) + 1
+
+    def observe_request(self, route: str, status: int) -> None:
+        with self._lock:
+            key = (route, int(status))
+            self._requests[key] = self._requests.get(key, 0) + 1
+
+    # -- read-back (tests, /metrics) -------------------------------------------------
+    def error_count(self, code: str) -> int:
+        with self._lock:
+            return self._errors.get(code, 0)
+
+    def render(self, engine_stats: Any | None = None) -> str:
+        p = PREFIX
+        lines: list[str] = []
+
+        def head(name: str, kind: str, doc: str) -> None:
+            lines.append(f"# HELP {name} {doc}")
+            lines.append(f"# TYPE {name} {kind}")
+
+        with self._lock:
+            head(f"{p}_sessions_opened_total", "counter", "Sessions (WebSocket or HTTP speech requests) opened.")
+            lines.append(f"{p}_sessions_opened_total {self._sessions_opened}")
+            head(f"{p}_sessions_active", "gauge", "Sessions currently open.")
+            lines.append(f"{p}_sessions_active {self._sessions_active}")
+            head(f"{p}_first_audio_seconds", "histogram", "Time from request to the first audio bytes sent.")
+            lines.extend(self._first_audio.lines(f"{p}_first_audio_seconds"))
+            head(f"{p}_audio_seconds_total", "counter", "Seconds of audio delivered.")
+            lines.append(f"{p}_audio_seconds_total {_fmt(self._audio_seconds)}")
+            head(f"{p}_errors_total", "counter", "Errors returned to clients, by code.")
+            for code, n in sorted(self._errors.items()):
+                lines.append(f'{p}_errors_total{{code="{_label(code)}"}} {n}')
+            head(f"{p}_http_requests_total", "counter", "HTTP requests by route and status.")
+            for (route, status), n in sorted(self._requests.items()):
+                lines.append(f'{p}_http_requests_total{{route="{_label(route)}",status="{status}"}} {n}')
+            if self._batch_sizes.n:
+                head(f"{p}_batch_size", "histogram", "Batch sizes of GPU steps, as reported to the gateway.")
+                lines.extend(self._batch_sizes.lines(f"{p}_batch_size"))
+
+        if engine_stats is not None:
+            lines.extend(_engine_lines(engine_stats))
+            lines.extend(self._derived_lines(engine_stats))
+        return "\n".join(lines) + "\n"
+
+    def _derived_lines(self, stats: Any) -> list[str]:
+        """LM tokens/s since the previous scrape and the mean GPU batch size."""
+        p = PREFIX
+        lines: list[str] = []
+        tokens = getattr(stats, "lm_tokens", None)
+        if isinstance(tokens, int):
+            now = time.monotonic()
+            with self._lock:
+                last, self._last_lm = self._last_lm, (now, tokens)
+            rate = 0.0
+            if last is not None and now > last[0] and tokens >= last[1]:
+                rate = (tokens - last[1]) / (now - last[0])
+            lines += [f"# HELP {p}_lm_tokens_per_second Speech tokens per second sampled by the LM since the previous scrape.",
+                      f"# TYPE {p}_lm_tokens_per_second gauge", f"{p}_lm_tokens_per_second {_fmt(rate)}"]
+        batches, chunks = getattr(stats, "batches", None), getattr(stats, "chunks", None)
+        if isinstance(batches, int) and isinstance(chunks, int):
+            mean = chunks / batches if batches else 0.0
+            lines += [f"# HELP {p}_mean_batch_size Chunks per flow/vocoder batch since start.",
+                      f"# TYPE {p}_mean_batch_size gauge", f"{p}_mean_batch_size {_fmt(mean)}"]
+        return lines
+
+
+def _engine_lines(stats: Any) -> list[str]:
+    """Every numeric field of the engine's stats snapshot as one series.
+
+    Numbers become gauges (counters when the name ends in ``_total``); a dict field
+    (e.g. batch size -> count) becomes one series per key with a ``key`` label. Reading
+    the fields generically keeps /metrics in step as the engine grows new stats.
+    """
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        items = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    elif isinstance(stats, dict):
+        items = dict(stats)
+    else:
+        items = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+    lines: list[str] = []
+    for key, value in sorted(items.items()):
+        counter = key.endswith("_total") or key in ENGINE_COUNTERS
+        name = f"{PREFIX}_engine_{key}" + ("_total" if counter and not key.endswith("_total") else "")
+        kind = "counter" if counter else "gauge"
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)):
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name} {_fmt(value)}")
+        elif isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+            lines.append(f"# TYPE {name} {kind}")
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+                lines.append(f'{name}{{key="{_label(k)}"}} {_fmt(v)}')
+    return lines

@@ -1,0 +1,558 @@
+"""The streaming WebSocket protocol without any I/O (see docs/protocol.md).
+
+Two layers, both pure:
+
+* `parse_client_message(raw, limits)` turns one client frame into a typed message or a
+  `ProtocolError` (never raises);
+* `ConnectionState` is the per-socket state machine: it owns the contexts' settings,
+  segmenters and counters, and answers each message with a list of *commands*
+  (`Send`, `StartContext`, `Speak`, `FlushMark`, `EndContext`, `CancelContext`,
+  `CloseAfterDrain`, `SetStatsInterval`) that the I/O layer (`gateway.ws`) executes in
+  order. This keeps every protocol rule unit-testable without a socket or an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Union
+
+from .audio import AudioFormat, AudioFormatError, resolve_format
+from .segmenter import Segment, Segmenter, SegmenterConfig
+
+
+@dataclass(frozen=True)
+class WsLimits:
+    """Per-socket limits of the streaming endpoint (wired into `gateway.settings`)."""
+
+    max_message_bytes: int = field(default=65536, metadata={"help": "largest client frame; larger ones get message_too_large"})
+    max_contexts: int = field(default=16, metadata={"help": "concurrently active contexts per socket"})
+    max_text_chars: int = field(default=20000, metadata={"help": "total text per context"})
+    max_pending_bytes: int = field(default=4 << 20, metadata={"help": "encoded audio bytes queued per socket before producers wait"})
+    max_lag_s: float = field(default=10.0, metadata={"help": "close a socket (4001) whose oldest queued frame waited this long"})
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "close (4000) after this long without client messages or active contexts"})
+    keepalive_interval_s: float = field(default=20.0, metadata={"help": "server keepalive event after this much silence (0 = off)"})
+
+
+# ---- close codes and error codes ------------------------------------------------------
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_LATER = 1013
+CLOSE_IDLE = 4000
+CLOSE_SLOW_CONSUMER = 4001
+
+ERROR_CODES = frozenset(
+    {
+        "invalid_json",
+        "invalid_message",
+        "unknown_type",
+        "binary_not_supported",
+        "message_too_large",
+        "unsupported_format",
+        "invalid_speed",
+        "voice_not_found",
+        "too_many_contexts",
+        "text_too_long",
+        "context_exists",
+        "context_ended",
+        "synthesis_failed",
+        "not_ready",
+        "unauthorized",
+        "internal_error",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    code: str
+    message: str
+    context_id: str | None = None
+
+    def event(self) -> dict[str, Any]:
+        ev: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message}
+        if self.context_id is not None:
+            ev["context_id"] = self.context_id
+        return ev
+
+
+# ---- settings -------------------------------------------------------------------------
+
+Mode = Literal["zero_shot", "instruct", "cross_lingual"]
+MODES = ("zero_shot", "instruct", "cross_lingual")
+TRANSPORTS = ("binary", "base64")
+MAX_INSTRUCTION_CHARS = 500
+_CONTEXT_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class SettingsPatch:
+    """Fields a client may set in `config`, `open` or a context's first `text`; None = unset."""
+
+    voice: str | None = None
+    mode: str | None = None
+    instruction: str | None = None
+    speed: float | None = None
+    language: str | None = None
+    format: str | None = None
+    sample_rate: int | None = None
+    audio: str | None = None
+    segmentation: SegmenterConfig | None = None
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """Fully resolved settings of one context (or the socket defaults)."""
+
+    voice: str
+    mode: Mode | None = None  # None: instruct when an instruction is set, else zero_shot
+    instruction: str | None = None
+    speed: float = 1.0
+    language: str | None = None
+    format: AudioFormat = AudioFormat("pcm_s16le", 24000)
+    audio: str = "binary"
+    segmentation: SegmenterConfig = SegmenterConfig()
+
+    @property
+    def effective_mode(self) -> Mode:
+        if self.mode is not None:
+            return self.mode
+        return "instruct" if self.instruction else "zero_shot"
+
+    def apply(self, patch: SettingsPatch) -> "ContextSettings | ProtocolError":
+        """These settings overridden by ``patch``, validated as a whole."""
+        fmt = self.format
+        if patch.format is not None or patch.sample_rate is not None:
+            # A new format without a rate takes that format's default rate.
+            name = patch.format or fmt.name
+            rate = patch.sample_rate if patch.sample_rate is not None else (None if patch.format else fmt.sample_rate)
+            try:
+                fmt = resolve_format(name, rate)
+            except AudioFormatError as exc:
+                return ProtocolError("unsupported_format", str(exc))
+        out = replace(
+            self,
+            voice=patch.voice if patch.voice is not None else self.voice,
+            mode=patch.mode if patch.mode is not None else self.mode,  # type: ignore[arg-type]
+            instruction=patch.instruction if patch.instruction is not None else self.instruction,
+            speed=patch.speed if patch.speed is not None else self.speed,
+            language=patch.language if patch.language is not None else self.language,
+            format=fmt,
+            audio=patch.audio if patch.audio is not None else self.audio,
+            segmentation=patch.segmentation if patch.segmentation is not None else self.segmentation,
+        )
+        if out.effective_mode == "instruct" and not out.instruction:
+            return ProtocolError("invalid_message", "mode 'instruct' needs an instruction")
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "voice": self.voice,
+            "mode": self.effective_mode,
+            "instruction": self.instruction,
+            "speed": self.speed,
+            "language": self.language,
+            "format": self.format.name,
+            "sample_rate": self.format.sample_rate,
+            "audio": self.audio,
+        }
+
+
+# ---- client messages ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigMessage:
+    patch: SettingsPatch
+    stats_interval_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class OpenMessage:
+    context_id: str
+    patch: SettingsPatch
+
+
+@dataclass(frozen=True)
+class TextMessage:
+    context_id: str
+    text: str
+    patch: SettingsPatch = SettingsPatch()
+    flush: bool = False
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class FlushMessage:
+    context_id: str
+
+
+@dataclass(frozen=True)
+class EndMessage:
+    context_id: str
+
+
+@dataclass(frozen=True)
+class CancelMessage:
+    context_id: str | None  # None = every context
+
+
+@dataclass(frozen=True)
+class KeepaliveMessage:
+    pass
+
+
+@dataclass(frozen=True)
+class CloseMessage:
+    pass
+
+
+ClientMessage = Union[
+    ConfigMessage, OpenMessage, TextMessage, FlushMessage, EndMessage, CancelMessage, KeepaliveMessage, CloseMessage
+]
+
+
+class _Invalid(Exception):
+    """Internal: a validation failure while parsing (converted to ProtocolError)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _opt(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = obj.get(key)
+    if value is None:
+        return None
+    # bool is an int subclass: never accept true as a number.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise _Invalid("invalid_message", f"'{key}' must be {what}")
+    if not isinstance(value, kind):
+        raise _Invalid("invalid_message", f"'{key}' must be {what}")
+    return value
+
+
+def _parse_segmentation(obj: Any) -> SegmenterConfig | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise _Invalid("invalid_message", "'segmentation' must be an object")
+    kwargs: dict[str, int] = {}
+    for name in ("first_min_chars", "min_chars", "max_chars"):
+        v = _opt(obj, name, int, "an integer")
+        if v is not None:
+            kwargs[name] = v
+    base = SegmenterConfig()
+    try:
+        return replace(base, **kwargs)
+    except ValueError as exc:
+        raise _Invalid("invalid_message", f"segmentation: {exc}") from None
+
+
+def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
+    voice = _opt(obj, "voice", str, "a string")
+    if voice is not None and not voice:
+        raise _Invalid("invalid_message", "'voice' must not be empty")
+    mode = _opt(obj, "mode", str, "a string")
+    if mode is not None and mode not in MODES:
+        raise _Invalid("invalid_message", f"'mode' must be one of {', '.join(MODES)}")
+    instruction = _opt(obj, "instruction", str, "a string")
+    if instruction is not None and len(instruction) > MAX_INSTRUCTION_CHARS:
+        raise _Invalid("invalid_message", f"'instruction' longer than {MAX_INSTRUCTION_CHARS} characters")
+    speed = _opt(obj, "speed", (int, float), "a number")
+    if speed is not None and not 0.25 <= float(speed) <= 4.0:
+        raise _Invalid("invalid_speed", "'speed' must be within 0.25..4")
+    language = _opt(obj, "language", str, "a string")
+    if language is not None and len(language) > 16:
+        raise _Invalid("invalid_message", "'language' is at most 16 characters")
+    fmt = _opt(obj, "format", str, "a string")
+    rate = _opt(obj, "sample_rate", int, "an integer")
+    if fmt is not None or rate is not None:
+        try:  # validate now so the error names the message that was wrong
+            resolve_format(fmt or "pcm_s16le", rate) if fmt is not None else None
+        except AudioFormatError as exc:
+            raise _Invalid("unsupported_format", str(exc)) from None
+    audio = _opt(obj, "audio", str, "a string")
+    if audio is not None and audio not in TRANSPORTS:
+        raise _Invalid("invalid_message", "'audio' must be 'binary' or 'base64'")
+    return SettingsPatch(
+        voice=voice,
+        mode=mode,
+        instruction=instruction,
+        speed=float(speed) if speed is not None else None,
+        language=language,
+        format=fmt,
+        sample_rate=rate,
+        audio=audio,
+        segmentation=_parse_segmentation(obj.get("segmentation")),
+    )
+
+
+def _context_id(obj: dict[str, Any], required: bool = True) -> str | None:
+    cid = obj.get("context_id")
+    if cid is None and not required:
+        return None
+    if not isinstance(cid, str) or not _CONTEXT_ID.match(cid):
+        raise _Invalid("invalid_message", "'context_id' must be 1..64 characters of [A-Za-z0-9_.:-]")
+    return cid
+
+
+def _flag(obj: dict[str, Any], key: str) -> bool:
+    v = obj.get(key, False)
+    if not isinstance(v, bool):
+        raise _Invalid("invalid_message", f"'{key}' must be a boolean")
+    return v
+
+
+def parse_client_message(raw: str | bytes, limits: WsLimits) -> ClientMessage | ProtocolError:
+    """Parse and validate one client frame. Never raises."""
+    if isinstance(raw, bytes):
+        return ProtocolError("binary_not_supported", "send JSON text frames; binary frames are not accepted")
+    # len(str) <= len(utf8): only encode when the cheap bound cannot decide.
+    if len(raw) > limits.max_message_bytes or (
+        len(raw) * 4 > limits.max_message_bytes and len(raw.encode("utf-8", "surrogatepass")) > limits.max_message_bytes
+    ):
+        return ProtocolError("message_too_large", f"message over {limits.max_message_bytes} bytes")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ProtocolError("invalid_json", "message is not valid JSON")
+    if not isinstance(obj, dict):
+        return ProtocolError("invalid_json", "message must be a JSON object")
+    cid_hint = obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
+    try:
+        return _parse_object(obj)
+    except _Invalid as exc:
+        return ProtocolError(exc.code, str(exc), cid_hint)
+
+
+def _parse_object(obj: dict[str, Any]) -> ClientMessage:
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        raise _Invalid("invalid_message", "'type' (string) is required")
+    if kind == "text":
+        cid = _context_id(obj)
+        text = obj.get("text")
+        if not isinstance(text, str):
+            raise _Invalid("invalid_message", "'text' must be a string")
+        return TextMessage(cid, text, _parse_patch(obj), _flag(obj, "flush"), _flag(obj, "end"))  # type: ignore[arg-type]
+    if kind == "flush":
+        return FlushMessage(_context_id(obj))  # type: ignore[arg-type]
+    if kind == "end":
+        return EndMessage(_context_id(obj))  # type: ignore[arg-type]
+    if kind == "cancel":
+        if obj.get("context_id") == "*":
+            return CancelMessage(None)
+        return CancelMessage(_context_id(obj, required=False))
+    if kind == "open":
+        return OpenMessage(_context_id(obj), _parse_patch(obj))  # type: ignore[arg-type]
+    if kind == "config":
+        interval = _opt(obj, "stats_interval_ms", int, "an integer")
+        if interval is not None and interval != 0 and not 100 <= interval <= 3_600_000:
+            raise _Invalid("invalid_message", "'stats_interval_ms' must be 0 or 100..3600000")
+        return ConfigMessage(_parse_patch(obj), interval)
+    if kind == "keepalive":
+        return KeepaliveMessage()
+    if kind == "close":
+        return CloseMessage()
+    raise _Invalid("unknown_type", f"unknown message type {kind!r}")
+
+
+# ---- commands for the I/O layer -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send this JSON event."""
+
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StartContext:
+    """Resolve the voice, open an engine session, then send `context_started`."""
+
+    context_id: str
+    settings: ContextSettings
+
+
+@dataclass(frozen=True)
+class Speak:
+    """Submit these segments (in order) to the context's engine session."""
+
+    context_id: str
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class FlushMark:
+    """Send `flushed` once everything spoken before it has been delivered."""
+
+    context_id: str
+    flush_id: int
+
+
+@dataclass(frozen=True)
+class EndContext:
+    """No more text: send `done` after the context's last audio."""
+
+    context_id: str
+
+
+@dataclass(frozen=True)
+class CancelContext:
+    """Stop the context now (engine abort, drop queued frames) and send `cancelled`."""
+
+    context_id: str
+
+
+@dataclass(frozen=True)
+class CloseAfterDrain:
+    """Close the socket with 1000 once every context has finished."""
+
+
+@dataclass(frozen=True)
+class SetStatsInterval:
+    interval_ms: int
+
+
+Command = Union[Send, StartContext, Speak, FlushMark, EndContext, CancelContext, CloseAfterDrain, SetStatsInterval]
+
+
+@dataclass
+class ContextState:
+    """Protocol-side state of one context (the audio side lives in gateway.ws)."""
+
+    context_id: str
+    settings: ContextSettings
+    segmenter: Segmenter
+    text_chars: int = 0
+    flushes: int = 0
+    ended: bool = False
+
+
+class ConnectionState:
+    """Per-socket protocol state machine. `handle(msg)` -> commands to execute in order."""
+
+    def __init__(self, defaults: ContextSettings, limits: WsLimits) -> None:
+        self.defaults = defaults
+        self.limits = limits
+        self.contexts: dict[str, ContextState] = {}
+        self.closing = False
+
+    # -- entry points ------------------------------------------------------------------
+
+    def handle(self, msg: ClientMessage | ProtocolError) -> list[Command]:
+        if isinstance(msg, ProtocolError):
+            return [Send(msg.event())]
+        if self.closing and not isinstance(msg, (KeepaliveMessage, CancelMessage, CloseMessage)):
+            return [Send(ProtocolError("invalid_message", "socket is closing").event())]
+        if isinstance(msg, ConfigMessage):
+            return self._config(msg)
+        if isinstance(msg, OpenMessage):
+            if msg.context_id in self.contexts:
+                return [Send(ProtocolError("context_exists", "context already active", msg.context_id).event())]
+            return self._open(msg.context_id, msg.patch)[1]
+        if isinstance(msg, TextMessage):
+            return self._text(msg)
+        if isinstance(msg, FlushMessage):
+            return self._flush(msg.context_id)
+        if isinstance(msg, EndMessage):
+            return self._end(msg.context_id)
+        if isinstance(msg, CancelMessage):
+            return self._cancel(msg.context_id)
+        if isinstance(msg, CloseMessage):
+            self.closing = True
+            out: list[Command] = []
+            for cid in list(self.contexts):
+                if not self.contexts[cid].ended:
+                    out += self._end(cid)
+            return out + [CloseAfterDrain()]
+        return []  # keepalive
+
+    def context_finished(self, context_id: str) -> None:
+        """The I/O layer reports that a context is over (done, cancelled or failed to start)."""
+        self.contexts.pop(context_id, None)
+
+    # -- handlers ----------------------------------------------------------------------
+
+    def _config(self, msg: ConfigMessage) -> list[Command]:
+        resolved = self.defaults.apply(msg.patch)
+        if isinstance(resolved, ProtocolError):
+            return [Send(resolved.event())]
+        self.defaults = resolved
+        return [SetStatsInterval(msg.stats_interval_ms)] if msg.stats_interval_ms is not None else []
+
+    def _open(self, cid: str, patch: SettingsPatch) -> tuple[ContextState | None, list[Command]]:
+        if len(self.contexts) >= self.limits.max_contexts:
+            return None, [Send(ProtocolError("too_many_contexts", f"at most {self.limits.max_contexts} active contexts", cid).event())]
+        resolved = self.defaults.apply(patch)
+        if isinstance(resolved, ProtocolError):
+            return None, [Send(replace(resolved, context_id=cid).event())]
+        ctx = ContextState(cid, resolved, Segmenter(resolved.segmentation))
+        self.contexts[cid] = ctx
+        return ctx, [StartContext(cid, resolved)]
+
+    def _text(self, msg: TextMessage) -> list[Command]:
+        out: list[Command] = []
+        ctx = self.contexts.get(msg.context_id)
+        if ctx is None:
+            ctx, out = self._open(msg.context_id, msg.patch)
+            if ctx is None:
+                return out
+        if ctx.ended:
+            return [Send(ProtocolError("context_ended", "context already ended", ctx.context_id).event())]
+        if ctx.text_chars + len(msg.text) > self.limits.max_text_chars:
+            return out + [Send(ProtocolError("text_too_long", f"context text over {self.limits.max_text_chars} characters", ctx.context_id).event())]
+        ctx.text_chars += len(msg.text)
+        segs = ctx.segmenter.push(msg.text) if msg.text else []
+        if segs:
+            out.append(Speak(ctx.context_id, tuple(segs)))
+        if msg.end:
+            out += self._end(ctx.context_id)
+        elif msg.flush:
+            out += self._flush(ctx.context_id)
+        return out
+
+    def _flush(self, cid: str) -> list[Command]:
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            # Nothing buffered for an unknown context: acknowledge at once (idempotent).
+            return [Send({"type": "flushed", "context_id": cid, "flush_id": 0})]
+        if ctx.ended:
+            return [Send(ProtocolError("context_ended", "context already ended", cid).event())]
+        out: list[Command] = []
+        segs = ctx.segmenter.flush()
+        if segs:
+            out.append(Speak(cid, tuple(segs)))
+        ctx.flushes += 1
+        out.append(FlushMark(cid, ctx.flushes))
+        return out
+
+    def _end(self, cid: str) -> list[Command]:
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            return [Send(ProtocolError("invalid_message", "unknown context", cid).event())]
+        if ctx.ended:
+            return []
+        out: list[Command] = []
+        segs = ctx.segmenter.end()
+        if segs:
+            out.append(Speak(cid, tuple(segs)))
+        ctx.ended = True
+        out.append(EndContext(cid))
+        return out
+
+    def _cancel(self, cid: str | None) -> list[Command]:
+        if cid is None:
+            return [CancelContext(c) for c in list(self.contexts)]
+        if cid not in self.contexts:
+            return [Send({"type": "cancelled", "context_id": cid, "active": False, "audio_samples": 0, "text_end": 0, "segments_started": 0})]
+        return [CancelContext(cid)]

@@ -1,0 +1,225 @@
+"""All configuration in one typed place.
+
+Precedence, lowest first: the defaults below <- a YAML file (`--config`, default
+`config/default.yaml` when present) <- environment variables `COSYVOICE_GW_*` <- CLI flags.
+Nested sections map to prefixed names: `ws.max_contexts` is `ws: {max_contexts: ..}`
+in YAML, `COSYVOICE_GW_WS__MAX_CONTEXTS` in the environment and `--ws.max-contexts`
+on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from gateway.protocol import WsLimits
+from gateway.voices import VoiceLimits
+
+ENV_PREFIX = "COSYVOICE_GW_"
+DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N"))
+    lm_backend: str = field(default="auto", metadata=_help("LM backend: auto (vllm on GPU when installed), torch, vllm"))
+    initial_hop: int = field(default=15, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
+    max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
+    flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
+    max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))
+    lm_max_batch: int = field(default=64, metadata=_help("torch LM backend: sequences per decode step"))
+    text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))
+    warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
+    vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
+    vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on (0.0.0.0 in containers)"))
+    port: int = field(default=8080, metadata=_help("TCP port"))
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_help("model directory, hub repo id (downloaded into the data dir), or 'tiny-random' / 'full-random'"),
+    )
+    data_dir: Path = field(default=Path("data"), metadata=_help("voices database, voice files and model cache live here"))
+    assets_dir: Path = field(default=Path("assets"), metadata=_help("voices registered at start: <id>.wav + <id>.txt"))
+    default_voice: str = field(default="default", metadata=_help("voice used when a request names none"))
+    api_keys: tuple[str, ...] = field(default=(), metadata=_help("comma-separated API keys; empty = no auth"))
+    cors_origins: tuple[str, ...] = field(default=(), metadata=_help("comma-separated allowed CORS origins; empty = closed"))
+    openai_model_aliases: tuple[str, ...] = field(
+        default=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3"),
+        metadata=_help("model names /v1/audio/speech accepts"),
+    )
+    max_input_chars: int = field(default=4096, metadata=_help("longest /v1/audio/speech input"))
+    max_sessions: int = field(default=512, metadata=_help("concurrent WebSocket connections + HTTP syntheses"))
+    shutdown_timeout: float = field(default=30.0, metadata=_help("seconds SIGTERM waits for running sessions"))
+    log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
+    log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    ws: WsLimits = field(default_factory=WsLimits)
+    voices: VoiceLimits = field(default_factory=VoiceLimits)
+
+
+# ---------------------------------------------------------------- loading
+def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dataclasses.Field]]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        t = hints[f.name]
+        if is_dataclass(t):
+            out += _leaves(t, prefix + (f.name,))
+        else:
+            out.append((prefix + (f.name,), f))
+    return out
+
+
+def _field_type(root: type, path: tuple[str, ...]) -> Any:
+    cls = root
+    for name in path[:-1]:
+        cls = typing.get_type_hints(cls)[name]
+    return typing.get_type_hints(cls)[path[-1]]
+
+
+def _convert(value: Any, t: Any, name: str) -> Any:
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        return _convert(value, args[0], name)
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            items = [x.strip() for x in value.split(",") if x.strip()]
+        else:
+            items = list(value or ())
+        args = typing.get_args(t)
+        inner = args[0] if args else str
+        if inner is Ellipsis:
+            inner = str
+        return tuple(_convert(x, inner, name) for x in items)
+    if t is Path:
+        return Path(value)
+    if t in (int, float, str):
+        try:
+            return t(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: expected {t.__name__}, got {value!r}") from None
+    return value
+
+
+def _set(settings: Any, path: tuple[str, ...], value: Any) -> Any:
+    if len(path) == 1:
+        return replace(settings, **{path[0]: value})
+    child = getattr(settings, path[0])
+    return replace(settings, **{path[0]: _set(child, path[1:], value)})
+
+
+def _flag(path: tuple[str, ...]) -> str:
+    return "--" + ".".join(p.replace("_", "-") for p in path)
+
+
+def _env(path: tuple[str, ...]) -> str:
+    return ENV_PREFIX + "__".join(p.upper() for p in path)
+
+
+def apply_mapping(settings: Settings, data: Mapping[str, Any], where: str) -> Settings:
+    def walk(obj: Any, d: Mapping[str, Any], prefix: tuple[str, ...]) -> Any:
+        known = {f.name for f in fields(obj)}
+        for key, value in d.items():
+            if key not in known:
+                raise ValueError(f"{where}: unknown option '{'.'.join(prefix + (key,))}'")
+            cur = getattr(obj, key)
+            if is_dataclass(cur):
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"{where}: '{key}' must be a mapping")
+                obj = replace(obj, **{key: walk(cur, value, prefix + (key,))})
+            else:
+                t = _field_type(type(obj), (key,))
+                obj = replace(obj, **{key: _convert(value, t, ".".join(prefix + (key,)))})
+        return obj
+
+    return walk(settings, data, ())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cosyvoice-gateway",
+        description="Real-time streaming TTS gateway for CosyVoice. Every option can also be set in the YAML "
+        "file (--config) or as an environment variable (shown in brackets).",
+    )
+    p.add_argument("--config", type=Path, default=None, help="YAML settings file (default: config/default.yaml if present)")
+    p.add_argument("--print-config", action="store_true", help="print the effective settings as YAML and exit")
+    defaults = Settings()
+    for path, f in _leaves(Settings):
+        cur: Any = defaults
+        for name in path:
+            cur = getattr(cur, name)
+        shown = ",".join(map(str, cur)) if isinstance(cur, tuple) else cur
+        text = f.metadata.get("help", ".".join(path).replace("_", " "))
+        p.add_argument(_flag(path), dest="opt:" + ".".join(path), default=None, metavar="V",
+                       help=f"{text} (default: {shown}) [{_env(path)}]")
+    return p
+
+
+def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    settings = Settings()
+    cfg_path = args.config
+    if cfg_path is None and Path("config/default.yaml").is_file():
+        cfg_path = Path("config/default.yaml")
+    if cfg_path is not None:
+        data = yaml.safe_load(Path(cfg_path).read_text()) or {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cfg_path}: top level must be a mapping")
+        settings = apply_mapping(settings, data, str(cfg_path))
+    leaves = _leaves(Settings)
+    known_env = {_env(path) for path, _ in leaves}
+    for key in environ:
+        if key.startswith(ENV_PREFIX) and key not in known_env:
+            raise ValueError(f"unknown environment variable {key}")
+    for path, _ in leaves:
+        if _env(path) in environ:
+            settings = _set(settings, path, _convert(environ[_env(path)], _field_type(Settings, path), _env(path)))
+    for path, _ in leaves:
+        value = getattr(args, "opt:" + ".".join(path))
+        if value is not None:
+            settings = _set(settings, path, _convert(value, _field_type(Settings, path), _flag(path)))
+    return settings, args
+
+
+def settings_to_dict(settings: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(settings):
+        v = getattr(settings, f.name)
+        if is_dataclass(v):
+            out[f.name] = settings_to_dict(v)
+        elif isinstance(v, tuple):
+            out[f.name] = list(v)
+        elif isinstance(v, Path):
+            out[f.name] = str(v)
+        else:
+            out[f.name] = v
+    return out

@@ -1,0 +1,429 @@
+"""Registered voices: validated once, features computed once, persisted, cached.
+
+Layout under ``data_dir``::
+
+    voices.sqlite3                  metadata, one row per voice (WAL journal)
+    voices/<id>.<rev>/source.<ext>  the uploaded bytes, untouched
+    voices/<id>.<rev>/prompt.npz    speech_tokens [P] int64, speech_feat [2P, 80] f32,
+                                    embedding [192] f32 (plain arrays, no pickle)
+    voices/.tmp-*                   registrations in progress
+
+Atomicity: a registration writes a temp dir, fsyncs it, renames it to its final
+``<id>.<rev>`` name and only then commits the row that points at that dir. A crash
+before the commit leaves a dir no row references; a crash during deletion leaves a
+dir whose row is gone. `VoiceStore.open` removes both, so a voice is either wholly
+there (row + files) or not at all. A new revision of an existing id (a changed asset)
+gets a new dir, so the old files stay valid until the row switches over.
+
+The metadata sits behind the small `VoiceCatalog` protocol; a PostgreSQL catalog can
+replace `SqliteCatalog` without touching the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.types import VoicePrompt
+from gateway.audio_files import decode_audio
+from gateway.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VoiceLimits:
+    """What an uploaded prompt must satisfy (the lead wires this into Settings)."""
+
+    min_seconds: float = 3.0
+    max_seconds: float = 30.0
+    min_sample_rate: int = 16000
+    max_upload_bytes: int = 20 * 1024 * 1024
+    id_pattern: str = r"^[A-Za-z0-9_-]{1,64}$"
+    max_transcript_chars: int = 1000
+    max_name_chars: int = 200
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    """Public metadata of one voice (what the API lists)."""
+
+    id: str
+    name: str
+    transcript: str
+    created_at: float  # unix seconds
+    duration_s: float
+    sample_rate: int  # of the uploaded audio
+    num_prompt_tokens: int
+    audio_sha256: str
+    source: str  # "upload" | "asset"
+    dir_name: str  # voices/<dir_name>/ holds the files
+    audio_file: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "voice",
+            "name": self.name,
+            "transcript": self.transcript,
+            "created_at": int(self.created_at),
+            "duration_s": round(self.duration_s, 3),
+            "sample_rate": self.sample_rate,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "source": self.source,
+        }
+
+
+class VoiceCatalog(Protocol):
+    """Durable metadata storage. Implementations must make `upsert`/`delete` atomic."""
+
+    def load_all(self) -> list[VoiceInfo]: ...
+
+    def upsert(self, info: VoiceInfo) -> None: ...
+
+    def delete(self, voice_id: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class SqliteCatalog:
+    """VoiceCatalog on one SQLite file. Calls may come from worker threads."""
+
+    _COLUMNS = tuple(VoiceInfo.__dataclass_fields__)
+
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed registration survives power loss, not just a process crash.
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            """CREATE TABLE IF NOT EXISTS voices (
+                id TEXT PRIMARY KEY, name TEXT NOT NULL, transcript TEXT NOT NULL,
+                created_at REAL NOT NULL, duration_s REAL NOT NULL, sample_rate INTEGER NOT NULL,
+                num_prompt_tokens INTEGER NOT NULL, audio_sha256 TEXT NOT NULL,
+                source TEXT NOT NULL, dir_name TEXT NOT NULL, audio_file TEXT NOT NULL)"""
+        )
+
+    def load_all(self) -> list[VoiceInfo]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(self._COLUMNS)} FROM voices ORDER BY created_at, id").fetchall()
+        return [VoiceInfo(*row) for row in rows]
+
+    def upsert(self, info: VoiceInfo) -> None:
+        values = asdict(info)
+        cols = ", ".join(self._COLUMNS)
+        marks = ", ".join(f":{c}" for c in self._COLUMNS)
+        with self._lock:
+            self._db.execute(f"INSERT OR REPLACE INTO voices ({cols}) VALUES ({marks})", values)
+
+    def delete(self, voice_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM voices WHERE id = ?", (voice_id,))
+        return cur.rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _npz_bytes(prompt: VoicePrompt) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        speech_tokens=prompt.speech_tokens.detach().cpu().numpy().astype(np.int64),
+        speech_feat=prompt.speech_feat.detach().cpu().float().numpy(),
+        embedding=prompt.embedding.detach().cpu().float().numpy(),
+    )
+    return buf.getvalue()
+
+
+_AUDIO_EXT = re.compile(r"^[a-z0-9]{1,5}$")
+
+
+class VoiceStore:
+    """Voices for one gateway: validation, persistence and a VoicePrompt cache.
+
+    `engine` needs `prepare_voice(...)` (async) and `voice_from_arrays(...)`.
+    Use as ``store = VoiceStore(data_dir, engine, limits); await store.open()`` and
+    ``await store.close()`` at shutdown.
+    """
+
+    def __init__(self, data_dir: Path, engine: Any, limits: VoiceLimits | None = None,
+                 catalog: VoiceCatalog | None = None, cache_size: int = 256) -> None:
+        self.data_dir = Path(data_dir)
+        self.engine = engine
+        self.limits = limits or VoiceLimits()
+        self._id_re = re.compile(self.limits.id_pattern)
+        self._files = self.data_dir / "voices"
+        self._catalog: VoiceCatalog | None = catalog
+        self._infos: dict[str, VoiceInfo] = {}
+        self._cache: OrderedDict[str, VoicePrompt] = OrderedDict()
+        self._cache_size = cache_size
+        # Serialises the check-then-write step of registrations and deletions of this
+        # store; the expensive feature extraction runs outside it.
+        self._write_lock = asyncio.Lock()
+        self._opened = False
+
+    async def open(self) -> "VoiceStore":
+        """Open the catalog and clean up after any crash; returns self. Idempotent."""
+        if not self._opened:
+            await asyncio.to_thread(self._open_sync)
+            self._opened = True
+        return self
+
+    def _open_sync(self) -> None:
+        self._files.mkdir(parents=True, exist_ok=True)
+        if self._catalog is None:
+            self._catalog = SqliteCatalog(self.data_dir / "voices.sqlite3")
+        self._recover()
+
+    @property
+    def catalog(self) -> VoiceCatalog:
+        if self._catalog is None:
+            raise RuntimeError("VoiceStore.open() has not been awaited")
+        return self._catalog
+
+    # -- start-up recovery -----------------------------------------------------------
+    def _recover(self) -> None:
+        """Drop half-written state so every listed voice has its files and vice versa."""
+        infos = self.catalog.load_all()
+        for info in infos:
+            folder = self._files / info.dir_name
+            if (folder / "prompt.npz").is_file() and (folder / info.audio_file).is_file():
+                self._infos[info.id] = info
+            else:
+                log.warning("voice %r: files missing, removing its row", info.id)
+                self.catalog.delete(info.id)
+        referenced = {info.dir_name for info in self._infos.values()}
+        for entry in self._files.iterdir():
+            if entry.name not in referenced:
+                log.info("removing unreferenced voice data %s", entry.name)
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+    # -- reads -------------------------------------------------------------------------
+    def list(self) -> list[VoiceInfo]:
+        return sorted(self._infos.values(), key=lambda v: (v.created_at, v.id))
+
+    def get(self, voice_id: str) -> VoiceInfo | None:
+        return self._infos.get(voice_id)
+
+    def __contains__(self, voice_id: object) -> bool:
+        return voice_id in self._infos
+
+    async def get_prompt(self, voice_id: str) -> VoicePrompt:
+        """The cached VoicePrompt of a voice; KeyError when the id is unknown."""
+        info = self._infos.get(voice_id)
+        if info is None:
+            raise KeyError(voice_id)
+        prompt = self._cache.get(voice_id)
+        if prompt is not None:
+            self._cache.move_to_end(voice_id)
+            return prompt
+        arrays = await asyncio.to_thread(self._load_arrays, info)
+        if self._infos.get(voice_id) is not info:  # deleted or replaced meanwhile
+            return await self.get_prompt(voice_id)
+        prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
+        self._remember(voice_id, prompt)
+        return prompt
+
+    def _load_arrays(self, info: VoiceInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        with np.load(self._files / info.dir_name / "prompt.npz", allow_pickle=False) as z:
+            return z["speech_tokens"], z["speech_feat"], z["embedding"]
+
+    def _remember(self, voice_id: str, prompt: VoicePrompt) -> None:
+        self._cache[voice_id] = prompt
+        self._cache.move_to_end(voice_id)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    # -- validation ----------------------------------------------------------------------
+    def validate_id(self, voice_id: str) -> None:
+        if not isinstance(voice_id, str) or not self._id_re.match(voice_id):
+            raise ApiError(400, "invalid_voice_id",
+                           "voice id must be 1-64 characters of letters, digits, '_' or '-'")
+
+    def _validate_text(self, name: str, transcript: str) -> None:
+        if not transcript or not transcript.strip():
+            raise ApiError(400, "missing_transcript", "the transcript of the prompt audio is required")
+        if len(transcript) > self.limits.max_transcript_chars:
+            raise ApiError(400, "invalid_request",
+                           f"transcript is longer than {self.limits.max_transcript_chars} characters")
+        if len(name) > self.limits.max_name_chars:
+            raise ApiError(400, "invalid_request", f"name is longer than {self.limits.max_name_chars} characters")
+
+    def _decode_checked(self, audio_bytes: bytes):  # -> DecodedAudio
+        lim = self.limits
+        if len(audio_bytes) > lim.max_upload_bytes:
+            raise ApiError(413, "audio_too_large", f"audio file exceeds {lim.max_upload_bytes} bytes")
+        audio = decode_audio(audio_bytes, max_seconds=lim.max_seconds)
+        if audio.sample_rate < lim.min_sample_rate:
+            raise ApiError(400, "sample_rate_too_low",
+                           f"sample rate {audio.sample_rate} Hz is below {lim.min_sample_rate} Hz")
+        if audio.duration_s < lim.min_seconds:
+            raise ApiError(400, "audio_too_short",
+                           f"audio is {audio.duration_s:.2f} s; at least {lim.min_seconds:g} s needed")
+        if audio.duration_s > lim.max_seconds:
+            raise ApiError(400, "audio_too_long",
+                           f"audio is {audio.duration_s:.2f} s; at most {lim.max_seconds:g} s allowed")
+        if float(np.max(np.abs(audio.samples))) < 1e-4:
+            raise ApiError(400, "invalid_audio", "the audio is silent")
+        return audio
+
+    # -- writes ----------------------------------------------------------------------------
+    async def register(self, voice_id: str | None, name: str | None, transcript: str,
+                       audio_bytes: bytes, *, audio_ext: str = "bin", source: str = "upload",
+                       replace: bool = False) -> VoiceInfo:
+        """Validate, extract features, persist atomically; returns the new voice's info.
+
+        Raises ApiError (400/409/413) on bad input. With `replace=False` an existing id
+        is a 409 conflict.
+        """
+        if voice_id is None or voice_id == "":
+            voice_id = "voice_" + uuid.uuid4().hex[:16]
+        self.validate_id(voice_id)
+        name = (name or voice_id).strip() or voice_id
+        transcript = (transcript or "").strip()
+        self._validate_text(name, transcript)
+        if not replace and voice_id in self._infos:
+            raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+        ext = audio_ext.lower().lstrip(".")
+        if not _AUDIO_EXT.match(ext):
+            ext = "bin"
+
+        audio = await asyncio.to_thread(self._decode_checked, audio_bytes)
+        prompt = await self.engine.prepare_voice(voice_id, audio.samples, audio.sample_rate, transcript)
+
+        async with self._write_lock:
+            if not replace and voice_id in self._infos:  # lost a race with a twin request
+                raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+            info = VoiceInfo(
+                id=voice_id, name=name, transcript=transcript, created_at=time.time(),
+                duration_s=audio.duration_s, sample_rate=audio.sample_rate,
+                num_prompt_tokens=int(prompt.num_tokens),
+                audio_sha256=hashlib.sha256(audio_bytes).hexdigest(), source=source,
+                dir_name=f"{voice_id}.{uuid.uuid4().hex[:8]}", audio_file=f"source.{ext}",
+            )
+            old = self._infos.get(voice_id)
+            await asyncio.to_thread(self._persist, info, audio_bytes, _npz_bytes(prompt))
+            self._infos[voice_id] = info
+            self._remember(voice_id, prompt)
+        if old is not None:
+            await asyncio.to_thread(self._remove_dir, old.dir_name)
+        log.info("registered voice %r (%.2f s, %d prompt tokens)", voice_id, info.duration_s, info.num_prompt_tokens)
+        return info
+
+    def _persist(self, info: VoiceInfo, audio_bytes: bytes, npz: bytes) -> None:
+        tmp = self._files / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            _write_synced(tmp / info.audio_file, audio_bytes)
+            _write_synced(tmp / "prompt.npz", npz)
+            _fsync_dir(tmp)
+            final = self._files / info.dir_name
+            os.rename(tmp, final)
+            _fsync_dir(self._files)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            self.catalog.upsert(info)  # the commit point
+        except BaseException:
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+
+    def _remove_dir(self, dir_name: str) -> None:
+        folder = self._files / dir_name
+        trash = self._files / f".tmp-del-{uuid.uuid4().hex}"
+        try:
+            os.rename(folder, trash)  # one atomic step out of the live namespace
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    async def delete(self, voice_id: str) -> bool:
+        """Remove a voice; False when it did not exist."""
+        async with self._write_lock:
+            info = self._infos.get(voice_id)
+            if info is None:
+                return False
+            await asyncio.to_thread(self.catalog.delete, voice_id)  # commit point
+            self._infos.pop(voice_id, None)
+            self._cache.pop(voice_id, None)
+        await asyncio.to_thread(self._remove_dir, info.dir_name)
+        log.info("deleted voice %r", voice_id)
+        return True
+
+    async def register_assets(self, assets_dir: Path) -> list[str]:
+        """Register every ``<id>.wav`` that has an ``<id>.txt`` transcript beside it.
+
+        Unchanged voices (same audio bytes and transcript) are skipped; changed ones are
+        replaced; invalid ones are logged and skipped so one bad file cannot stop start-up.
+        Returns the ids (re)registered now.
+        """
+        assets_dir = Path(assets_dir)
+        done: list[str] = []
+        if not assets_dir.is_dir():
+            return done
+        for wav in sorted(assets_dir.glob("*.wav")):
+            voice_id = wav.stem
+            txt = wav.with_suffix(".txt")
+            if not txt.is_file():
+                log.info("asset %s has no %s transcript; skipped", wav.name, txt.name)
+                continue
+            audio_bytes = await asyncio.to_thread(wav.read_bytes)
+            transcript = (await asyncio.to_thread(txt.read_text, encoding="utf-8")).strip()
+            existing = self._infos.get(voice_id)
+            if (existing is not None and existing.audio_sha256 == hashlib.sha256(audio_bytes).hexdigest()
+                    and existing.transcript == transcript):
+                log.info("asset voice %r already registered and unchanged; skipped", voice_id)
+                continue
+            try:
+                await self.register(voice_id, voice_id, transcript, audio_bytes, audio_ext="wav",
+                                    source="asset", replace=True)
+            except ApiError as exc:
+                log.warning("asset voice %r not registered: %s (%s)", voice_id, exc.message, exc.code)
+                continue
+            done.append(voice_id)
+        return done
+
+    async def close(self) -> None:
+        async with self._write_lock:  # let a registration in flight commit first
+            if self._catalog is not None:
+                self._catalog.close()
+                self._catalog = None
+            self._opened = False

@@ -1,0 +1,633 @@
+"""The streaming WebSocket endpoint `/v1/tts/stream` (protocol: docs/protocol.md).
+
+I/O only: protocol rules live in `gateway.protocol` (sans-I/O), text cutting in
+`gateway.segmenter`, encoding in `gateway.audio`. Per socket there are
+
+* one reader task: parse a frame, run the state machine, execute its commands;
+* one writer task draining a byte-bounded queue (`FrameWriter`): audio producers wait
+  when it is full, so a client that does not read stops the engine instead of growing
+  memory, and a monitor disconnects it (4001) once its oldest frame is too old;
+* one pump task per context: engine `AudioChunk`s -> encoded frames + events;
+* one monitor task: lag, idle timeout, keepalive and periodic stats.
+
+All state is per connection (`_Connection`); nothing is kept on the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engine.types import AudioChunk, SessionOptions, UtteranceError
+
+from .audio import ENGINE_RATE, Encoder, make_encoder
+from .protocol import (
+    CLOSE_IDLE,
+    CLOSE_INTERNAL,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_SLOW_CONSUMER,
+    CLOSE_TRY_LATER,
+    CancelContext,
+    CloseAfterDrain,
+    Command,
+    ConnectionState,
+    ContextSettings,
+    EndContext,
+    FlushMark,
+    ProtocolError,
+    Send,
+    SetStatsInterval,
+    Speak,
+    StartContext,
+    WsLimits,
+    parse_client_message,
+)
+from .segmenter import Segment
+
+log = logging.getLogger(__name__)
+
+
+def _dumps(event: dict[str, Any]) -> str:
+    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---- the socket writer --------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    # A callable is rendered when the frame is sent (events whose numbers must count
+    # every frame sent before them, e.g. `cancelled`).
+    data: str | bytes | Callable[[], str]
+    ctx: "_ContextRuntime | None"
+    nbytes: int
+    samples: int = 0  # output samples carried (audio frames)
+    segment: Segment | None = None  # set on segment_started events
+    enqueued_at: float = 0.0
+
+
+class FrameWriter:
+    """Single consumer of a socket's outgoing frames, bounded by queued bytes.
+
+    `put_audio` waits while more than `max_bytes` are queued (backpressure to the
+    engine). Events (`put_event`) never wait: they are small and must not block the
+    reader; the lag monitor bounds them too. Items of a cancelled context are dropped.
+    """
+
+    def __init__(
+        self,
+        send_text: Callable[[str], Awaitable[None]],
+        send_bytes: Callable[[bytes], Awaitable[None]],
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._send_text = send_text
+        self._send_bytes = send_bytes
+        self._max_bytes = max_bytes
+        self._clock = clock
+        self._queue: deque[_Item] = deque()
+        self._has_items = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._sending: _Item | None = None
+        self.queued_bytes = 0
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        self.last_sent_at = clock()
+
+    def lag(self) -> float:
+        """Age of the oldest frame not yet fully handed to the socket."""
+        oldest = self._sending or (self._queue[0] if self._queue else None)
+        return 0.0 if oldest is None else self._clock() - oldest.enqueued_at
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and self._sending is None
+
+    async def put_audio(self, item: _Item) -> None:
+        while self.queued_bytes >= self._max_bytes:
+            if item.ctx is not None and item.ctx.cancelled:
+                return
+            self._room.clear()
+            await self._room.wait()
+        if item.ctx is not None and item.ctx.cancelled:
+            return
+        self._push(item)
+
+    def put_event(
+        self,
+        event: dict[str, Any] | Callable[[], dict[str, Any]],
+        ctx: "_ContextRuntime | None" = None,
+        segment: Segment | None = None,
+    ) -> None:
+        if callable(event):
+            render = event
+            self._push(_Item(lambda: _dumps(render()), ctx, 256, segment=segment))
+        else:
+            data = _dumps(event)
+            self._push(_Item(data, ctx, len(data), segment=segment))
+
+    def _push(self, item: _Item) -> None:
+        item.enqueued_at = self._clock()
+        self._queue.append(item)
+        self.queued_bytes += item.nbytes
+        self._has_items.set()
+        self._idle.clear()
+
+    def drop(self, ctx: "_ContextRuntime") -> None:
+        """Remove every queued item of ``ctx`` (barge-in) and release waiting producers."""
+        self._queue = deque(i for i in self._queue if i.ctx is not ctx)
+        self.queued_bytes = sum(i.nbytes for i in self._queue)
+        self._room.set()
+        if self.idle:
+            self._idle.set()
+
+    async def wait_drained(self) -> None:
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        while True:
+            while not self._queue:
+                self._has_items.clear()
+                self._idle.set()
+                await self._has_items.wait()
+            item = self._queue.popleft()
+            self.queued_bytes -= item.nbytes
+            if self.queued_bytes < self._max_bytes:
+                self._room.set()
+            if item.ctx is not None and item.ctx.cancelled:
+                continue
+            self._sending = item
+            try:
+                if isinstance(item.data, bytes):
+                    await self._send_bytes(item.data)
+                elif isinstance(item.data, str):
+                    await self._send_text(item.data)
+                else:
+                    await self._send_text(item.data())
+            finally:
+                self._sending = None
+            self.frames_sent += 1
+            self.bytes_sent += item.nbytes
+            self.last_sent_at = self._clock()
+            if item.ctx is not None:
+                item.ctx.on_sent(item)
+
+
+# ---- per-context runtime --------------------------------------------------------------
+
+
+@dataclass
+class _ContextRuntime:
+    cid: str
+    settings: ContextSettings
+    session: Any  # engine.engine.Session
+    encoder: Encoder
+    header: bytes
+    pending: deque = field(default_factory=deque)  # ("utt", uid, Segment) | ("flush", id)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    pump: asyncio.Task | None = None
+    cancelled: bool = False
+    ended: bool = False
+    done: bool = False
+    # Timeline at the output rate: out_base samples were produced before the engine
+    # sample in_base (both move when the encoder is drained at a flush).
+    in_samples: int = 0
+    in_base: int = 0
+    out_base: int = 0
+    out_produced: int = 0
+    current_uid: str | None = None
+    segments_submitted: int = 0
+    # Filled by the writer as frames really leave.
+    sent_samples: int = 0
+    heard_text_end: int = 0
+    segments_started_sent: int = 0
+    first_submit_at: float | None = None
+    first_audio_seen: bool = False
+
+    @property
+    def rate(self) -> int:
+        return self.settings.format.sample_rate
+
+    def timeline_offset(self) -> int:
+        """Output-rate sample index of the next engine sample."""
+        return self.out_base + round((self.in_samples - self.in_base) * self.rate / ENGINE_RATE)
+
+    def on_sent(self, item: _Item) -> None:
+        self.sent_samples += item.samples
+        if item.segment is not None:
+            self.heard_text_end = item.segment.end
+            self.segments_started_sent += 1
+
+
+# ---- the connection -------------------------------------------------------------------
+
+
+def _default_settings(gw: Any) -> ContextSettings:
+    return ContextSettings(voice=str(getattr(gw.settings, "default_voice", "default")))
+
+
+class _Connection:
+    def __init__(self, websocket: WebSocket, gw: Any) -> None:
+        self.ws = websocket
+        self.gw = gw
+        self.limits: WsLimits = getattr(gw.settings, "ws", None) or WsLimits()
+        self.state = ConnectionState(_default_settings(gw), self.limits)
+        self.session_id = "ws-" + uuid.uuid4().hex[:10]
+        self.writer = FrameWriter(websocket.send_text, websocket.send_bytes, self.limits.max_pending_bytes)
+        self.contexts: dict[str, _ContextRuntime] = {}
+        self.stop = asyncio.Event()
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.drain_before_close = False
+        self.last_client_at = time.monotonic()
+        self.stats_interval_s = 0.0
+        self.last_stats_at = time.monotonic()
+        # Tests may fix engine options (e.g. a deterministic speech-token count).
+        self.base_options: SessionOptions = getattr(gw, "session_defaults", None) or SessionOptions()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def request_close(self, code: int | None, reason: str = "", drain: bool = False) -> None:
+        if self.close_code is None and not self.stop.is_set():
+            self.close_code, self.close_reason, self.drain_before_close = code, reason, drain
+        self.stop.set()
+
+    async def run(self) -> None:
+        limits = self.limits
+        self.send_event(
+            {
+                "type": "session_started",
+                "session_id": self.session_id,
+                "model": getattr(self.gw.engine, "model_name", ""),
+                "engine_sample_rate": getattr(self.gw.engine, "sample_rate", ENGINE_RATE),
+                "defaults": {k: v for k, v in self.state.defaults.describe().items() if k in ("voice", "format", "sample_rate", "audio")},
+                "limits": dataclasses.asdict(limits),
+            }
+        )
+        tasks = [
+            asyncio.create_task(self._writer_loop(), name=f"{self.session_id}-writer"),
+            asyncio.create_task(self._reader_loop(), name=f"{self.session_id}-reader"),
+            asyncio.create_task(self._monitor_loop(), name=f"{self.session_id}-monitor"),
+        ]
+        try:
+            await self.stop.wait()
+            tasks[1].cancel()  # read no more
+            if self.drain_before_close and self.close_code is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.writer.wait_drained(), timeout=max(1.0, limits.max_lag_s))
+        finally:
+            for rt in list(self.contexts.values()):
+                await self._stop_context(rt)
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await t
+            if self.close_code is not None:
+                # A slow consumer may not even take the close frame: do not wait for it.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.ws.close(code=self.close_code, reason=self.close_reason), timeout=2.0)
+
+    async def _writer_loop(self) -> None:
+        try:
+            await self.writer.run()
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.request_close(None)  # the client went away mid-send
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("websocket writer failed")
+            self.request_close(CLOSE_INTERNAL, "internal error")
+
+    async def _reader_loop(self) -> None:
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    self.request_close(None)
+                    return
+                self.last_client_at = time.monotonic()
+                raw = message.get("text")
+                if raw is None:
+                    raw = message.get("bytes") or b""
+                parsed = parse_client_message(raw, self.limits)
+                for cmd in self.state.handle(parsed):
+                    try:
+                        await self._execute(cmd)
+                    except Exception:
+                        log.exception("websocket command %r failed", cmd)
+                        self.send_event(ProtocolError("internal_error", "internal error").event())
+        except asyncio.CancelledError:
+            raise
+        except (WebSocketDisconnect, RuntimeError):
+            self.request_close(None)
+
+    async def _monitor_loop(self) -> None:
+        limits = self.limits
+        while True:
+            periods = [0.5, limits.max_lag_s / 4, limits.idle_timeout_s / 4]
+            if limits.keepalive_interval_s > 0:
+                periods.append(limits.keepalive_interval_s / 2)
+            if self.stats_interval_s > 0:
+                periods.append(self.stats_interval_s / 2)
+            await asyncio.sleep(max(0.02, min(periods)))
+            now = time.monotonic()
+            if self.writer.lag() > limits.max_lag_s:
+                log.info("%s: slow consumer (lag %.1fs), closing", self.session_id, self.writer.lag())
+                self.gw.metrics.error("slow_consumer")
+                self.request_close(CLOSE_SLOW_CONSUMER, "slow consumer")
+                return
+            if not self.state.contexts and now - self.last_client_at > limits.idle_timeout_s:
+                self.request_close(CLOSE_IDLE, "idle timeout", drain=True)
+                return
+            if limits.keepalive_interval_s > 0 and self.writer.idle and now - self.writer.last_sent_at > limits.keepalive_interval_s:
+                self.send_event({"type": "keepalive", "t": round(now, 3)})
+            if self.stats_interval_s > 0 and now - self.last_stats_at >= self.stats_interval_s:
+                self.last_stats_at = now
+                self.send_event(self._stats())
+
+    def _stats(self) -> dict[str, Any]:
+        engine_stats: dict[str, Any] = {}
+        with contextlib.suppress(Exception):
+            engine_stats = dataclasses.asdict(self.gw.engine.stats())
+        return {
+            "type": "stats",
+            "contexts": len(self.state.contexts),
+            "queued_bytes": self.writer.queued_bytes,
+            "frames_sent": self.writer.frames_sent,
+            "bytes_sent": self.writer.bytes_sent,
+            "engine": engine_stats,
+        }
+
+    # -- commands ----------------------------------------------------------------------
+
+    def send_event(
+        self,
+        event: dict[str, Any] | Callable[[], dict[str, Any]],
+        ctx: _ContextRuntime | None = None,
+        segment: Segment | None = None,
+    ) -> None:
+        if isinstance(event, dict) and event.get("type") == "error":
+            self.gw.metrics.error(str(event.get("code")))
+        self.writer.put_event(event, ctx, segment)
+
+    async def _execute(self, cmd: Command) -> None:
+        if isinstance(cmd, Send):
+            self.send_event(cmd.event)
+        elif isinstance(cmd, StartContext):
+            await self._start_context(cmd)
+        elif isinstance(cmd, Speak):
+            await self._speak(cmd)
+        elif isinstance(cmd, FlushMark):
+            rt = self.contexts.get(cmd.context_id)
+            if rt is None:
+                self.send_event({"type": "flushed", "context_id": cmd.context_id, "flush_id": cmd.flush_id})
+            else:
+                rt.pending.append(("flush", cmd.flush_id))
+                await self._settle(rt)
+        elif isinstance(cmd, EndContext):
+            rt = self.contexts.get(cmd.context_id)
+            if rt is not None:
+                rt.ended = True
+                with contextlib.suppress(Exception):
+                    await rt.session.finish()
+                await self._settle(rt)
+        elif isinstance(cmd, CancelContext):
+            await self._cancel(cmd.context_id)
+        elif isinstance(cmd, CloseAfterDrain):
+            self._maybe_close()
+        elif isinstance(cmd, SetStatsInterval):
+            self.stats_interval_s = cmd.interval_ms / 1000.0
+
+    async def _start_context(self, cmd: StartContext) -> None:
+        cid, settings = cmd.context_id, cmd.settings
+        try:
+            voice = await self.gw.voices.get_prompt(settings.voice)
+        except KeyError:
+            self.state.context_finished(cid)
+            self.send_event(ProtocolError("voice_not_found", f"voice {settings.voice!r} is not registered", cid).event())
+            return
+        options = dataclasses.replace(
+            self.base_options, mode=settings.effective_mode, instruction=settings.instruction, speed=settings.speed
+        )
+        try:
+            session = self.gw.engine.open_session(voice, options)
+        except Exception as exc:
+            code = getattr(exc, "code", "internal_error")
+            self.state.context_finished(cid)
+            self.send_event(ProtocolError("not_ready" if code == "not_ready" else "internal_error", str(exc), cid).event())
+            return
+        raw_id = cid.encode("utf-8")
+        rt = _ContextRuntime(cid, settings, session, make_encoder(settings.format.name, settings.format.sample_rate), bytes([len(raw_id)]) + raw_id)
+        self.contexts[cid] = rt
+        rt.pump = asyncio.create_task(self._pump(rt), name=f"{self.session_id}-{cid}-pump")
+        self.send_event({"type": "context_started", "context_id": cid, **settings.describe()}, rt)
+
+    async def _speak(self, cmd: Speak) -> None:
+        rt = self.contexts.get(cmd.context_id)
+        if rt is None or rt.cancelled:
+            return  # the context failed to start; its error was sent already
+        for seg in cmd.segments:
+            if not seg.speakable:
+                continue
+            try:
+                uid = await rt.session.submit(seg.text.strip(), utterance_id=f"{rt.cid}-{seg.index}")
+            except Exception as exc:
+                self.send_event(ProtocolError("synthesis_failed", f"segment {seg.index}: {exc}", rt.cid).event(), rt)
+                continue
+            if rt.first_submit_at is None:
+                rt.first_submit_at = time.monotonic()
+            rt.pending.append(("utt", uid, seg))
+            rt.segments_submitted += 1
+
+    async def _cancel(self, cid: str) -> None:
+        rt = self.contexts.get(cid)
+        if rt is None:
+            self.state.context_finished(cid)
+            self.send_event({"type": "cancelled", "context_id": cid, "active": False, "audio_samples": 0, "text_end": 0, "segments_started": 0})
+            return
+        await self._stop_context(rt)
+        # Rendered when sent: a frame that was mid-send at cancel time is counted too.
+        self.send_event(
+            lambda: {
+                "type": "cancelled",
+                "context_id": cid,
+                "active": True,
+                "audio_samples": rt.sent_samples,
+                "text_end": rt.heard_text_end,
+                "segments_started": rt.segments_started_sent,
+            }
+        )
+        self._maybe_close()
+
+    async def _stop_context(self, rt: _ContextRuntime) -> None:
+        """Barge-in: no more frames, engine work aborted, queued frames dropped."""
+        rt.cancelled = True
+        self.writer.drop(rt)
+        if rt.pump is not None and rt.pump is not asyncio.current_task():
+            rt.pump.cancel()
+            with contextlib.suppress(BaseException):
+                await rt.pump
+        with contextlib.suppress(Exception):
+            await rt.session.abort()
+        self._forget(rt)
+
+    def _forget(self, rt: _ContextRuntime) -> None:
+        if self.contexts.get(rt.cid) is rt:
+            del self.contexts[rt.cid]
+            self.state.context_finished(rt.cid)
+
+    def _maybe_close(self) -> None:
+        if self.state.closing and not self.state.contexts:
+            self.request_close(CLOSE_NORMAL, "bye", drain=True)
+
+    # -- audio -------------------------------------------------------------------------
+
+    async def _emit_frames(self, rt: _ContextRuntime, frames: list[bytes], seg: Segment | None) -> None:
+        fmt = rt.settings.format
+        for payload in frames:
+            samples = fmt.samples_in(payload)
+            if rt.settings.audio == "base64":
+                event = {
+                    "type": "audio",
+                    "context_id": rt.cid,
+                    "segment_index": seg.index if seg is not None else None,
+                    "data": base64.b64encode(payload).decode("ascii"),
+                    "audio_offset": rt.out_produced,
+                }
+                data: str | bytes = json.dumps(event, separators=(",", ":"))
+            else:
+                data = rt.header + payload
+            rt.out_produced += samples
+            await self.writer.put_audio(_Item(data, rt, len(data), samples=samples))
+
+    async def _drain_encoder(self, rt: _ContextRuntime) -> None:
+        """End of a flush/context: drain the encoder and start a fresh one."""
+        await self._emit_frames(rt, rt.encoder.flush(), None)
+        rt.encoder = make_encoder(rt.settings.format.name, rt.settings.format.sample_rate)
+        rt.in_base, rt.out_base = rt.in_samples, rt.out_produced
+
+    async def _settle(self, rt: _ContextRuntime) -> None:
+        """Emit `flushed`/`done` whose audio is complete (head of the pending list)."""
+        async with rt.lock:
+            while rt.pending and rt.pending[0][0] == "flush" and not rt.cancelled:
+                _, flush_id = rt.pending.popleft()
+                await self._drain_encoder(rt)
+                self.send_event({"type": "flushed", "context_id": rt.cid, "flush_id": flush_id}, rt)
+            if rt.ended and not rt.pending and not rt.done and not rt.cancelled:
+                rt.done = True
+                await self._drain_encoder(rt)
+                cstate = self.state.contexts.get(rt.cid)
+                self.send_event(
+                    {
+                        "type": "done",
+                        "context_id": rt.cid,
+                        "audio_samples": rt.out_produced,
+                        "duration_ms": round(rt.out_produced * 1000 / rt.rate, 1),
+                        "segments": rt.segments_submitted,
+                        "text_chars": cstate.text_chars if cstate is not None else None,
+                    },
+                    rt,
+                )
+                self._forget(rt)
+                with contextlib.suppress(Exception):
+                    await rt.session.abort()  # frees the engine session (already finished)
+                self._maybe_close()
+
+    async def _pump(self, rt: _ContextRuntime) -> None:
+        try:
+            async for ev in rt.session.events():
+                if rt.cancelled:
+                    return
+                async with rt.lock:
+                    finished = await self._on_engine_event(rt, ev)
+                if finished:
+                    await self._settle(rt)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("pump of context %s failed", rt.cid)
+            self.send_event(ProtocolError("internal_error", "audio pipeline failed", rt.cid).event(), rt)
+        # The engine stream ended: anything still pending will never come.
+        if not rt.cancelled and any(p[0] == "utt" for p in rt.pending):
+            rt.pending = deque(p for p in rt.pending if p[0] != "utt")
+            await self._settle(rt)
+
+    async def _on_engine_event(self, rt: _ContextRuntime, ev: AudioChunk | UtteranceError) -> bool:
+        """Handle one engine event; True when an utterance finished."""
+        head = rt.pending[0] if rt.pending else None
+        seg: Segment | None = head[2] if head is not None and head[0] == "utt" and head[1] == ev.utterance_id else None
+        if isinstance(ev, UtteranceError):
+            where = f" (text {seg.start}..{seg.end})" if seg is not None else ""
+            self.send_event(ProtocolError("synthesis_failed", f"{ev.code}: {ev.message}{where}", rt.cid).event(), rt)
+            if seg is not None:
+                rt.pending.popleft()
+            rt.current_uid = None
+            return True
+        if seg is not None and rt.current_uid != ev.utterance_id:
+            rt.current_uid = ev.utterance_id
+            offset = rt.timeline_offset()
+            self.send_event(
+                {
+                    "type": "segment_started",
+                    "context_id": rt.cid,
+                    "segment_index": seg.index,
+                    "text": seg.text,
+                    "text_start": seg.start,
+                    "text_end": seg.end,
+                    "audio_offset": offset,
+                    "audio_offset_ms": round(offset * 1000 / rt.rate, 1),
+                },
+                rt,
+                seg,
+            )
+        pcm = ev.pcm
+        if pcm.size and not rt.first_audio_seen and rt.first_submit_at is not None:
+            rt.first_audio_seen = True
+            self.gw.metrics.observe_first_audio(time.monotonic() - rt.first_submit_at)
+        frames = rt.encoder.encode(pcm)
+        rt.in_samples += int(pcm.size)
+        await self._emit_frames(rt, frames, seg)
+        if ev.is_last:
+            if seg is not None:
+                rt.pending.popleft()
+            rt.current_uid = None
+            return True
+        return False
+
+
+async def tts_websocket(websocket: WebSocket) -> None:
+    """Starlette WebSocket endpoint, mounted at /v1/tts/stream."""
+    gw = websocket.app.state.gw
+    await websocket.accept()
+    # Accept first, then refuse with an event + close code that a browser can read.
+    if not gw.auth.check_websocket(websocket):
+        gw.metrics.error("unauthorized")
+        await websocket.send_text(json.dumps(ProtocolError("unauthorized", "missing or invalid API key").event()))
+        await websocket.close(code=CLOSE_POLICY, reason="unauthorized")
+        return
+    if not getattr(gw.engine, "ready", True):
+        gw.metrics.error("not_ready")
+        await websocket.send_text(json.dumps(ProtocolError("not_ready", "engine is still loading").event()))
+        await websocket.close(code=CLOSE_TRY_LATER, reason="not ready")
+        return
+    gw.metrics.session_opened()
+    try:
+        await _Connection(websocket, gw).run()
+    finally:
+        gw.metrics.session_closed()

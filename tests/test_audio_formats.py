@@ -1,0 +1,153 @@
+"""Streaming encoders: decode back, exact frame sizes, continuity across chunk joins."""
+
+from __future__ import annotations
+
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*audioop.*")
+
+import numpy as np
+import pytest
+
+from gateway.audio import (
+    PCM_RATES,
+    AudioFormatError,
+    alaw_decode,
+    alaw_encode,
+    decode_frames,
+    make_encoder,
+    resolve_format,
+    ulaw_decode,
+    ulaw_encode,
+)
+
+SR = 24000
+
+
+def sine(seconds: float, freq: float = 440.0, amp: float = 0.5) -> np.ndarray:
+    t = np.arange(int(seconds * SR)) / SR
+    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def random_chunks(x: np.ndarray, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out, i = [], 0
+    while i < len(x):
+        n = int(rng.integers(1, 3000))
+        out.append(x[i : i + n])
+        i += n
+    return out
+
+
+def encode_all(fmt: str, rate: int | None, chunks: list[np.ndarray]) -> list[bytes]:
+    enc = make_encoder(fmt, rate)
+    frames: list[bytes] = []
+    for c in chunks:
+        frames += enc.encode(c)
+    return frames + enc.flush()
+
+
+def max_step(y: np.ndarray) -> float:
+    return float(np.max(np.abs(np.diff(y))))
+
+
+@pytest.mark.parametrize("rate", PCM_RATES)
+def test_pcm_resampling_is_chunk_invariant_and_continuous(rate: int) -> None:
+    x = sine(0.5)
+    one = decode_frames(resolve_format("pcm_s16le", rate), encode_all("pcm_s16le", rate, [x]))
+    many = decode_frames(resolve_format("pcm_s16le", rate), encode_all("pcm_s16le", rate, random_chunks(x)))
+    # Same length (the resampler was drained) and the same samples up to 1 LSB.
+    assert abs(len(one) - len(x) * rate / SR) <= 2
+    assert len(many) == len(one)
+    assert np.max(np.abs(one - many)) <= 2 / 32768
+    # Continuity: a 440 Hz sine at amplitude 0.5 moves at most 2*pi*440*0.5/rate per
+    # sample; a click at a chunk join would be far larger.
+    core = many[200:-200]
+    assert max_step(core) < 1.1 * 2 * np.pi * 440 * 0.5 / rate + 3 / 32768
+    # And it is really the sine: frequency from zero crossings.
+    crossings = np.sum((core[:-1] < 0) & (core[1:] >= 0))
+    assert abs(crossings / (len(core) / rate) - 440) < 10
+
+
+def test_pcm_f32_passthrough_is_exact() -> None:
+    x = sine(0.1)
+    y = decode_frames(resolve_format("pcm_f32le", 24000), encode_all("pcm_f32le", 24000, random_chunks(x)))
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("fmt", ["ulaw_8000", "alaw_8000"])
+def test_g711_exact_20ms_frames_and_roundtrip(fmt: str) -> None:
+    x = sine(0.337)  # not a multiple of 20 ms: the last frame is padded
+    frames = encode_all(fmt, None, random_chunks(x, seed=1))
+    assert all(len(f) == 160 for f in frames)
+    assert len(frames) == int(np.ceil(0.337 * 8000 / 160))
+    y = decode_frames(resolve_format(fmt, 8000), frames)
+    ref = decode_frames(resolve_format("pcm_s16le", 8000), encode_all("pcm_s16le", 8000, [x]))
+    n = len(ref)
+    # Companding error is a few percent of the amplitude, never a click.
+    assert np.max(np.abs(y[:n] - ref)) < 0.02
+    assert np.all(np.abs(y[n:]) < 1e-3)  # silence padding
+    assert max_step(y[50 : n - 50]) < 2 * np.pi * 440 * 0.5 / 8000 * 1.2
+
+
+def test_g711_codecs_against_known_values() -> None:
+    s = np.array([0, 1000, -1000, 32767, -32768], np.int16)
+    # Reference values from the ITU-T G.711 tables (as produced by the classic audioop).
+    assert ulaw_encode(s) == bytes([0xFF, 0xCE, 0x4E, 0x80, 0x00])
+    assert alaw_encode(s) == bytes([0xD5, 0xFA, 0x7A, 0xAA, 0x2A])
+    full = np.arange(-32768, 32768, 7, dtype=np.int32).astype(np.int16)
+    for enc, dec, tol in ((ulaw_encode, ulaw_decode, 0.035), (alaw_encode, alaw_decode, 0.035)):
+        back = dec(enc(full)).astype(np.int32)
+        err = np.abs(back - full.astype(np.int32))
+        # Relative error bounded for loud samples, absolute for quiet ones.
+        assert np.all(err <= np.maximum(tol * np.abs(full.astype(np.int32)), 40))
+        # Idempotent: decoding then re-encoding a code gives the same code.
+        codes = bytes(range(256))
+        assert enc(dec(codes)) == codes or dec(enc(dec(codes))).tolist() == dec(codes).tolist()
+
+
+@pytest.mark.parametrize("rate", [48000, 24000])
+def test_opus_packets_decode_to_continuous_sine(rate: int) -> None:
+    x = sine(0.5, amp=0.3)
+    frames = encode_all("opus", rate, random_chunks(x, seed=2))
+    assert len(frames) == int(np.ceil(0.5 * rate / (rate // 50)))  # 20 ms packets, last padded
+    assert all(0 < len(f) < 400 for f in frames)
+    y = decode_frames(resolve_format("opus", rate), frames)
+    assert len(y) == len(frames) * rate // 50
+    core = y[rate // 10 : len(x) * rate // SR - rate // 20]
+    # Opus is lossy, but a clean sine stays a sine: right level, right pitch, no clicks.
+    rms = float(np.sqrt(np.mean(core**2)))
+    assert 0.17 < rms < 0.25  # 0.3 / sqrt(2) = 0.212
+    crossings = np.sum((core[:-1] < 0) & (core[1:] >= 0))
+    assert abs(crossings / (len(core) / rate) - 440) < 10
+    assert max_step(core) < 2 * np.pi * 440 * 0.3 / rate * 1.5
+
+
+def test_format_validation() -> None:
+    with pytest.raises(AudioFormatError):
+        make_encoder("mp3", 24000)
+    with pytest.raises(AudioFormatError):
+        make_encoder("pcm_s16le", 32000)
+    with pytest.raises(AudioFormatError):
+        make_encoder("ulaw_8000", 16000)
+    with pytest.raises(AudioFormatError):
+        make_encoder("opus", 16000)
+    assert resolve_format("opus", None).sample_rate == 48000
+    assert resolve_format("alaw_8000", None).frame_samples == 160
+
+
+def test_empty_input_produces_nothing() -> None:
+    for fmt in ("pcm_s16le", "ulaw_8000", "opus"):
+        enc = make_encoder(fmt)
+        assert enc.encode(np.zeros(0, np.float32)) == []
+        assert enc.flush() == []
+
+
+def test_g711_matches_audioop_bit_exactly() -> None:
+    audioop = pytest.importorskip("audioop")  # stdlib until Python 3.13
+    x = np.arange(-32768, 32768, dtype=np.int32).astype(np.int16)
+    assert ulaw_encode(x) == audioop.lin2ulaw(x.tobytes(), 2)
+    assert alaw_encode(x) == audioop.lin2alaw(x.tobytes(), 2)
+    codes = bytes(range(256))
+    assert ulaw_decode(codes).tobytes() == audioop.ulaw2lin(codes, 2)
+    assert alaw_decode(codes).tobytes() == audioop.alaw2lin(codes, 2)

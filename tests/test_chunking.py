@@ -1,0 +1,51 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.chunking import GRID, ChunkSchedule
+
+
+def hops(prompt: int, initial: int, n: int, max_hop: int = 100) -> list[int]:
+    s = ChunkSchedule(prompt, initial_hop=initial, max_hop=max_hop)
+    out = []
+    for _ in range(n):
+        h = s.next_hop()
+        out.append(h)
+        s.advance(h)
+    return out
+
+
+def test_schedule_with_initial_hop_realigns_to_grid_then_doubles():
+    # P = 87: first 15, then up to the next multiple of 25 counted from the prompt.
+    assert hops(87, 15, 6) == [15, 48, 50, 100, 100, 100]
+    assert (87 + 15 + 48) % GRID == 0
+
+
+def test_official_schedule_without_initial_hop():
+    assert hops(100, 0, 4) == [25, 50, 100, 100]
+    assert hops(87, 0, 3) == [38, 50, 100]
+
+
+def test_max_hop_caps_growth():
+    assert hops(100, 0, 5, max_hop=50) == [25, 50, 50, 50, 50]
+
+
+def test_ready_waits_for_lookahead():
+    s = ChunkSchedule(100, initial_hop=15)
+    assert s.ready(17) is None  # 15 + 3 lookahead needed
+    assert s.ready(18) == 15
+
+
+@given(st.integers(0, 400), st.integers(0, 40))
+def test_every_chunk_after_the_first_two_ends_on_the_grid(prompt, initial):
+    s = ChunkSchedule(prompt, initial_hop=initial)
+    for i in range(8):
+        s.advance(s.next_hop())
+        if i >= (1 if initial else 0):
+            assert (prompt + s.offset) % GRID == 0
+
+
+def test_schedules_are_independent_objects():
+    a, b = ChunkSchedule(100, 15), ChunkSchedule(100, 15)
+    for _ in range(3):
+        a.advance(a.next_hop())
+    assert b.next_hop() == 15 and b.offset == 0

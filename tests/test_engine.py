@@ -1,0 +1,176 @@
+"""The streaming engine end to end on CPU with the tiny random-weight model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine, EngineError
+from engine.types import AudioChunk, SessionOptions, UtteranceError
+from engine.wavio import read_wav
+
+ROOT = Path(__file__).resolve().parent.parent
+SPF = 480  # samples per mel frame at 24 kHz
+TOKEN_SAMPLES = 2 * SPF  # 25 Hz tokens -> 960 samples each
+
+
+def run(model_dir: Path, fn, **cfg):
+    async def main():
+        engine = await Engine.create(EngineConfig(model_dir=model_dir, device="cpu", lm_backend="torch", **cfg))
+        try:
+            return await fn(engine)
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+async def default_voice(engine: Engine):
+    wav, sr = read_wav(ROOT / "assets" / "default.wav")
+    return await engine.prepare_voice("default", wav, sr, (ROOT / "assets" / "default.txt").read_text().strip())
+
+
+async def collect(sess):
+    out: list[AudioChunk | UtteranceError] = []
+    async for ev in sess.events():
+        out.append(ev)
+    return out
+
+
+def test_voice_features_are_aligned(tiny_model_dir):
+    async def fn(engine):
+        v = await default_voice(engine)
+        assert v.speech_feat.shape == (2 * v.num_tokens, 80)
+        assert v.embedding.shape == (192,)
+        assert 100 < v.num_tokens < 200  # 6.6 s at 25 Hz, cut to the mel length
+        return v
+
+    run(tiny_model_dir, fn, warmup=False)
+
+
+def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir):
+    texts = [f"Session {i} says hello to the world." for i in range(8)]
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        sessions = []
+        for i, text in enumerate(texts):
+            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=i))
+            u1 = await s.submit(text)
+            u2 = await s.submit("And a second sentence.")
+            await s.finish()
+            sessions.append((s, u1, u2))
+        results = await asyncio.gather(*(collect(s) for s, _, _ in sessions))
+        return [(r, s.utterance_stats(u1), s.utterance_stats(u2), u1, u2) for (s, u1, u2), r in zip(sessions, results)], engine.stats()
+
+    results, stats = run(tiny_model_dir, fn)
+    assert stats.max_batch_size > 1, "chunks of different sessions must share flow/vocoder batches"
+    for events, st1, st2, u1, u2 in results:
+        assert all(isinstance(e, AudioChunk) for e in events), events
+        ids = [e.utterance_id for e in events]
+        # all of utterance 1, then all of utterance 2
+        assert ids == [u1] * ids.count(u1) + [u2] * ids.count(u2)
+        for uid, st in ((u1, st1), (u2, st2)):
+            chunks = [e for e in events if e.utterance_id == uid]
+            assert chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
+            assert [c.chunk_index for c in chunks] == list(range(len(chunks)))
+            starts = np.cumsum([0] + [c.pcm.size for c in chunks[:-1]])
+            assert [c.start_sample for c in chunks] == list(starts)
+            total = sum(c.pcm.size for c in chunks)
+            # every generated token became exactly two mel frames of audio
+            assert total == len(st.speech_tokens) * TOKEN_SAMPLES
+            pcm = np.concatenate([c.pcm for c in chunks])
+            assert np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0 and np.abs(pcm).max() > 0
+        assert len(chunks) >= 2  # streamed, not one block
+
+
+def test_streaming_equals_whole_utterance(tiny_model_dir):
+    """Chunk-by-chunk flow + incremental vocoder == one whole-utterance pass (aligned schedule, unbounded window)."""
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
+        uid = await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.finish()
+        events = await collect(s)
+        st = s.utterance_stats(uid)
+        flow, hift = engine.model.flow, engine.model.hift
+        with torch.inference_mode():
+            mel = flow.inference(
+                torch.tensor(st.speech_tokens).unsqueeze(0),
+                voice.speech_tokens.unsqueeze(0),
+                voice.speech_feat.unsqueeze(0),
+                voice.embedding.unsqueeze(0),
+                streaming=True,
+                finalize=True,
+            )
+            whole = hift.inference(mel if mel.shape[1] == 80 else mel.transpose(1, 2), finalize=True)
+        return events, whole.reshape(-1).numpy()
+
+    events, whole = run(tiny_model_dir, fn, flow_left_context=-1, warmup=False)
+    streamed = np.concatenate([e.pcm for e in events])
+    assert len(events) >= 3
+    assert streamed.shape == whole.shape
+    err = np.abs(streamed - whole).max()
+    assert err < 1e-3, f"max abs difference {err}"
+
+
+def test_cancel_stops_chunks_and_aborts_the_lm_request(tiny_model_dir):
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=40.0, seed=1))
+        uid = await s.submit("This utterance is long enough to be cancelled in the middle of it.")
+        events = s.events()
+        first = await events.__anext__()
+        assert isinstance(first, AudioChunk) and not first.is_last
+        assert engine.backend.num_active() == 1
+        await s.cancel(uid)
+        # at once: the LM slot is free and no queued chunk of it survives
+        assert engine.backend.num_active() == 0
+        assert not any(j.is_cancelled() for j in engine.stage._pending)
+        chunks_before = engine.stage.stats.chunks
+        uid2 = await s.submit("Next turn.", options=SessionOptions(tokens_per_text_token=3.0, seed=2))
+        await s.finish()
+        rest = [e async for e in events]
+        st = s.utterance_stats(uid)
+        return first, rest, uid, uid2, st, engine.stage.stats.chunks - chunks_before
+
+    first, rest, uid, uid2, st, chunks_after = run(tiny_model_dir, fn)
+    assert all(e.utterance_id == uid2 for e in rest), "no chunk of the cancelled utterance after cancel"
+    assert rest and rest[-1].is_last
+    assert st.finished_at is None  # the cancelled utterance never finalised
+    assert len(st.speech_tokens) == 0
+    # after the cancel only the next turn's chunks were computed, plus at most the one
+    # chunk of the cancelled utterance that was already inside a running batch
+    assert len(rest) <= chunks_after <= len(rest) + 1
+
+
+def test_bad_text_fails_only_that_utterance(tiny_model_dir):
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=2.0, seed=0))
+        bad = await s.submit("   ")
+        good = await s.submit("Fine.")
+        await s.finish()
+        return await collect(s), bad, good
+
+    events, bad, good = run(tiny_model_dir, fn, warmup=False)
+    assert isinstance(events[0], UtteranceError) and events[0].utterance_id == bad and events[0].code == "empty_text"
+    assert events[-1].utterance_id == good and events[-1].is_last
+
+
+def test_submit_after_finish_is_refused(tiny_model_dir):
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice)
+        await s.finish()
+        with pytest.raises(EngineError):
+            await s.submit("late")
+        return await collect(s)
+
+    assert run(tiny_model_dir, fn, warmup=False) == []

@@ -1,0 +1,359 @@
+"""Tests of the CosyVoice3 frontend: tokenizer, text normalisation, features, ONNX
+stand-ins and prompt featurisation.
+
+Reference numbers marked "recorded" were computed once, offline, with the reference
+implementations (whisper's shipped `mel_filters.npz`, librosa 0.11
+`filters.mel`, torchaudio 2.8 `compliance.kaldi.fbank`), none of which is a
+dependency of this project.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from engine.frontend import features
+from engine.frontend.assets_writer import write_frontend_assets, write_tokenizer_files
+from engine.frontend.onnx_models import SPEECH_TOKEN_SIZE, SpeakerEncoder, SpeechTokenizer
+from engine.frontend.prompt import PromptFeaturizer, build_lm_text, lm_prompt_text
+from engine.frontend.text import contains_chinese, normalize, spell_number
+from engine.frontend.tokenizer import COSYVOICE3_SPECIALS, TextTokenizer, normalize_instruction
+from engine.models.config import MelConfig
+
+SYSTEM = "You are a helpful assistant."
+EOP = "<|endofprompt|>"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cv3_frontend")
+    write_frontend_assets(path, tiny=True, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> TextTokenizer:
+    return TextTokenizer.from_dir(model_dir / "CosyVoice-BlankEN")
+
+
+def _sine(freq: float, seconds: float, sr: int, amp: float = 0.5) -> np.ndarray:
+    t = np.arange(int(seconds * sr)) / sr
+    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+# --- tokenizer -------------------------------------------------------------------------
+
+
+def test_special_token_ids_match_the_real_cosyvoice3_vocabulary(tokenizer: TextTokenizer) -> None:
+    assert len(COSYVOICE3_SPECIALS) == 280
+    assert len(set(COSYVOICE3_SPECIALS)) == 280
+    assert tokenizer.token_id("<|endoftext|>") == 151643
+    assert tokenizer.token_id("<|im_start|>") == 151644
+    assert tokenizer.token_id("<|im_end|>") == 151645
+    assert tokenizer.endofprompt_id == 151646
+    assert tokenizer.token_id("[breath]") == 151647
+    assert tokenizer.token_id("<|endofsystem|>") == 151646 + 17  # right after the CV2 list
+    assert tokenizer.token_id("[AA]") == 151646 + 18
+    assert tokenizer.token_id("[ǜ]") == 151923  # the last one
+    assert tokenizer.vocab_size == 151924  # ORIGINAL_VOCAB_SIZE of the CV3 Triton runtime
+    # 3 base specials + 278 new ones, consecutive
+    ids = sorted(tokenizer.special_tokens.values())
+    assert ids == list(range(151643, 151924))
+
+
+def test_encode_recognises_tags_as_single_tokens(tokenizer: TextTokenizer) -> None:
+    text = f"{SYSTEM}{EOP}Hello [breath] world, <strong>really</strong>! [AA1] 对报道[j][ǐ]予好评。[laughter]"
+    ids = tokenizer.encode(text)
+    for tag in (EOP, "[breath]", "<strong>", "</strong>", "[AA1]", "[j]", "[ǐ]", "[laughter]"):
+        assert ids.count(tokenizer.token_id(tag)) == 1, tag
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    # The official decode skips specials by default.
+    plain = tokenizer.decode(ids)
+    assert "[breath]" not in plain and "<|endofprompt|>" not in plain and "对报道予好评" in plain
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world!", "  spaces   and\n\nnewlines\t", "数字 12345 and émigré café", "It's we'll 😀 ©"],
+)
+def test_encode_decode_round_trip(tokenizer: TextTokenizer, text: str) -> None:
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < 151643 for i in ids)  # no special ids from plain text
+    assert tokenizer.decode(ids) == text
+
+
+def test_bpe_merges_and_qwen2_pretokenisation(tokenizer: TextTokenizer) -> None:
+    # Merged words are shorter than their bytes; digits are always split one by one.
+    assert len(tokenizer.encode("the weather")) < len("the weather".encode())
+    assert len(tokenizer.encode("12345")) == 5
+    # NFC: a decomposed é encodes like the composed one.
+    assert tokenizer.encode("cafe\u0301") == tokenizer.encode("caf\u00e9")
+
+
+def test_prompt_and_text_split_equals_official_joint_encoding(tokenizer: TextTokenizer) -> None:
+    text = "Hello there, 你好。"
+    assert tokenizer.encode(SYSTEM + EOP) + tokenizer.encode(text) == tokenizer.encode(SYSTEM + EOP + text)
+
+
+def test_tokenizer_files_are_deterministic(tmp_path: Path, model_dir: Path) -> None:
+    write_tokenizer_files(tmp_path)
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (model_dir / "CosyVoice-BlankEN" / name).read_bytes()
+    merges = (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert merges[0].startswith("#version") and len(merges) - 1 >= 300
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "speak happily",
+        "  speak happily  ",
+        "speak happily<|endofprompt|>",
+        "You are a helpful assistant. speak happily",
+        "You are a helpful assistant.speak happily<|endofprompt|>",
+        "you are a helpful assistant.   speak happily <|endofprompt|>",
+    ],
+)
+def test_instruction_normalisation(raw: str) -> None:
+    assert normalize_instruction(raw) == "You are a helpful assistant. speak happily<|endofprompt|>"
+
+
+def test_instruction_normalisation_keeps_official_list_entries() -> None:
+    official = "You are a helpful assistant. 请用广东话表达。<|endofprompt|>"
+    assert normalize_instruction(official) == official
+    assert normalize_instruction("请用广东话表达。") == official
+    with pytest.raises(ValueError):
+        normalize_instruction("You are a helpful assistant.<|endofprompt|>")
+
+
+# --- text normalisation ----------------------------------------------------------------
+
+
+def test_normalize_english_numbers() -> None:
+    out = normalize("I have 23 apples.")
+    assert out == "I have twenty three apples."
+    assert not any(ch.isdigit() for ch in normalize("It costs 1234 dollars on May 5."))
+
+
+def test_normalize_chinese_numbers_and_punctuation() -> None:
+    assert normalize("我有3个苹果") == "我有三个苹果"
+    out = normalize("今天是2024年3月5日，气温25.5度（晴）,")
+    assert out == "今天是二零二四年三月五日，气温二十五点五度晴。"
+    assert normalize("面积是100m²。") == "面积是一百平方米。"
+
+
+def test_normalize_skip_rule_and_detection() -> None:
+    marked = f"{SYSTEM}{EOP}I have 3 cats"
+    assert normalize(marked) == marked
+    assert contains_chinese("abc中") and not contains_chinese("abc ÉÈ")
+    assert normalize("") == ""
+
+
+def test_spell_number_matches_inflect_style() -> None:
+    assert spell_number("0") == "zero"
+    assert spell_number("21") == "twenty-one"
+    assert spell_number("101") == "one hundred and one"
+    assert spell_number("2024") == "two thousand and twenty-four"
+    assert spell_number("1234") == "one thousand, two hundred and thirty-four"
+    assert spell_number("1000000") == "one million"
+
+
+# --- filterbanks -------------------------------------------------------------------------
+
+
+def test_slaney_filterbank_matches_whisper_mel_filters() -> None:
+    fb = features.slaney_mel_filterbank(16000, 400, 128)
+    assert fb.shape == (128, 201) and fb.dtype == np.float32
+    # recorded from whisper/assets/mel_filters.npz["mel_128"] (== librosa's filters)
+    rows = [0, 10, 64, 127]
+    np.testing.assert_allclose(
+        fb[rows].sum(axis=1), [0.0123739867, 0.0123739860, 0.0248412010, 0.0249360440], rtol=1e-6
+    )
+    assert [int(fb[r].argmax()) for r in rows] == [1, 6, 43, 195]
+    np.testing.assert_allclose(fb[rows].max(axis=1), [0.0123739867, 0.0112891840, 0.0180915184, 0.0050416016], rtol=1e-6)
+    assert fb.sum() == pytest.approx(3.1909857, rel=1e-6)
+
+
+def test_slaney_filterbank_closed_form_properties() -> None:
+    sr, n_fft, n_mels = 24000, 1920, 80
+    fb = features.slaney_mel_filterbank(sr, n_fft, n_mels).astype(np.float64)
+    assert fb.shape == (n_mels, 961) and (fb >= 0).all()
+    # Slaney norm: each triangle has unit area in Hz (sampled on the FFT grid).
+    bin_hz = sr / n_fft
+    areas = fb.sum(axis=1) * bin_hz
+    np.testing.assert_allclose(areas[20:], 1.0, rtol=0.02)
+    # Peaks move up monotonically; fmax None reaches Nyquist.
+    peaks = fb.argmax(axis=1)
+    assert (np.diff(peaks) >= 0).all() and peaks[-1] > 900
+    # The mel scale is linear below 1 kHz and the inverse is exact.
+    assert features.hz_to_mel_slaney(np.array(1000.0)) == pytest.approx(15.0)
+    hz = np.array([0.0, 200.0, 999.0, 1000.0, 4000.0, 12000.0])
+    np.testing.assert_allclose(features.mel_to_hz_slaney(features.hz_to_mel_slaney(hz)), hz, atol=1e-6)
+
+
+def test_kaldi_mel_banks_closed_form() -> None:
+    banks = features.kaldi_mel_filterbank(80, 512, 16000, 20.0, 0.0).astype(np.float64)
+    assert banks.shape == (80, 257)
+    assert (banks[:, -1] == 0).all() and banks.max() <= 1.0
+    # Triangles in the mel domain: neighbouring filters sum to ~1 between first and last centre.
+    mel = features.hz_to_mel_kaldi(16000 / 512 * np.arange(257))
+    lo, hi = features.hz_to_mel_kaldi(20.0), features.hz_to_mel_kaldi(8000.0)
+    delta = (hi - lo) / 81
+    inside = (mel > lo + delta) & (mel < hi - delta)
+    np.testing.assert_allclose(banks[:, inside].sum(axis=0), 1.0, atol=1e-5)
+    assert features.hz_to_mel_kaldi(700.0) == pytest.approx(1127.0 * np.log(2.0))
+
+
+# --- features ---------------------------------------------------------------------------
+
+
+def test_whisper_log_mel_shape_range_and_numpy_reference() -> None:
+    rng = np.random.default_rng(0)
+    wav = (rng.standard_normal(16000 * 2 + 77) * 0.1).astype(np.float32)
+    mel = features.whisper_log_mel(wav)
+    assert mel.shape == (128, wav.size // 160) and mel.dtype == torch.float32
+    assert mel.max().item() - mel.min().item() <= 2.0 + 1e-6  # 8 in log10 units / 4
+
+    # Independent numpy version: reflect pad n_fft/2, periodic Hann, |rfft|^2, last frame dropped.
+    padded = np.pad(wav.astype(np.float64), (200, 200), mode="reflect")
+    n_frames = 1 + (padded.size - 400) // 160
+    frames = np.stack([padded[i * 160 : i * 160 + 400] for i in range(n_frames)])
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(400) / 400)
+    power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2
+    spec = features.slaney_mel_filterbank(16000, 400, 128).astype(np.float64) @ power[:-1].T
+    ref = np.log10(np.maximum(spec, 1e-10))
+    ref = (np.maximum(ref, ref.max() - 8.0) + 4.0) / 4.0
+    np.testing.assert_allclose(mel.numpy(), ref, atol=2e-4)
+
+
+def test_kaldi_fbank_frames_and_recorded_torchaudio_values() -> None:
+    wav = _sine(440.0, 1.0, 16000)
+    fb = features.kaldi_fbank(wav)
+    assert fb.shape == (1 + (16000 - 400) // 160, 80) == (98, 80)
+    # recorded: torchaudio.compliance.kaldi.fbank(wav[None], num_mel_bins=80, dither=0, sample_frequency=16000)[10]
+    expected = [-11.571252822875977, -9.106409072875977, -4.5737786293029785, -7.332019329071045,
+                -15.942384719848633, -15.942384719848633]
+    np.testing.assert_allclose(fb[10, [0, 5, 10, 20, 40, 79]].numpy(), expected, atol=2e-3)
+    # The loudest bin is the one centred on 440 Hz: (mel(440) - mel(20)) / delta - 1 = 13.97.
+    delta = (features.hz_to_mel_kaldi(8000.0) - features.hz_to_mel_kaldi(20.0)) / 81
+    centre = (features.hz_to_mel_kaldi(440.0) - features.hz_to_mel_kaldi(20.0)) / delta - 1
+    assert int(fb[10].argmax()) == round(float(centre)) == 14
+    assert features.kaldi_fbank(np.zeros(399, np.float32)).shape == (0, 80)
+
+
+def test_speaker_fbank_is_mean_normalised() -> None:
+    feat = features.speaker_fbank(_sine(300.0, 0.7, 16000) + _sine(2000.0, 0.7, 16000, 0.1))
+    assert feat.shape[1] == 80
+    assert feat.mean(dim=0).abs().max().item() < 1e-4
+
+
+def test_prompt_mel_frames_and_recorded_librosa_values() -> None:
+    cfg = MelConfig()
+    wav = _sine(440.0, 2.0, 24000) + _sine(3000.0, 2.0, 24000, 0.1)
+    mel = features.prompt_mel(wav, cfg)
+    assert mel.shape == (wav.size // cfg.hop_size, 80) == (100, 80)
+    # recorded: matcha's formula computed with librosa.stft / librosa.filters.mel (float64)
+    expected = [-9.108999252319336, -6.787806510925293, 1.6584739685058594, -9.411819458007812,
+                -11.512925148010254, -11.512925148010254]
+    np.testing.assert_allclose(mel[20, [0, 5, 10, 20, 40, 79]].numpy(), expected, atol=2e-3)
+    assert mel.min().item() >= np.log(1e-5) - 1e-6
+
+
+def test_resample_lengths_and_tone() -> None:
+    wav = _sine(1000.0, 1.0, 48000)
+    out = features.resample(wav, 48000, 16000)
+    assert out.dtype == np.float32 and abs(out.size - 16000) <= 1
+    spectrum = np.abs(np.fft.rfft(out[:16000]))
+    assert int(spectrum.argmax()) == 1000  # 1 Hz bins
+    assert np.array_equal(features.resample(wav, 48000, 48000), wav)
+
+
+# --- ONNX stand-ins ---------------------------------------------------------------------
+
+
+def test_speech_tokenizer_standin_signature_and_values(model_dir: Path) -> None:
+    session = ort.InferenceSession(str(model_dir / "speech_tokenizer_v3.onnx"), providers=["CPUExecutionProvider"])
+    ins, outs = session.get_inputs(), session.get_outputs()
+    assert [(i.type, len(i.shape)) for i in ins] == [("tensor(float)", 3), ("tensor(int32)", 1)]
+    assert ins[0].shape[1] == 128
+    assert [(o.type, len(o.shape)) for o in outs] == [("tensor(int64)", 2)]
+
+    rng = np.random.default_rng(1)
+    wav = (rng.standard_normal(16000 * 3) * 0.2).astype(np.float32) * np.linspace(0, 1, 48000, dtype=np.float32)
+    log_mel = features.whisper_log_mel(wav).numpy()
+    tokens = SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx", prefer_gpu=False)(log_mel)
+    assert tokens.dtype == np.int64 and tokens.shape == (log_mel.shape[1] // 4,)
+    assert tokens.min() >= 0 and tokens.max() < SPEECH_TOKEN_SIZE
+    assert len(set(tokens.tolist())) > 1
+    # Deterministic, and feats_length is honoured.
+    again = session.run(None, {ins[0].name: log_mel[None], ins[1].name: np.array([100], np.int32)})[0]
+    assert again.shape == (1, 25) and (again[0] == tokens[:25]).all()
+
+
+def test_campplus_standin_signature_and_values(model_dir: Path) -> None:
+    session = ort.InferenceSession(str(model_dir / "campplus.onnx"), providers=["CPUExecutionProvider"])
+    (inp,), (out,) = session.get_inputs(), session.get_outputs()
+    assert inp.name == "input" and inp.type == "tensor(float)" and len(inp.shape) == 3 and inp.shape[2] == 80
+    assert out.type == "tensor(float)" and out.shape == [1, 192]
+    encoder = SpeakerEncoder(model_dir / "campplus.onnx")
+    a = encoder(features.speaker_fbank(_sine(200.0, 1.0, 16000)).numpy())
+    b = encoder(features.speaker_fbank(_sine(3000.0, 1.0, 16000)).numpy())
+    assert a.shape == (192,) and a.dtype == np.float32 and np.isfinite(a).all()
+    assert not np.allclose(a, b)  # different voices, different embeddings
+
+
+# --- prompt featurisation and LM prompts ------------------------------------------------
+
+
+@pytest.mark.parametrize("sample_rate", [16000, 24000, 44100])
+def test_featurize_alignment(model_dir: Path, sample_rate: int) -> None:
+    featurizer = PromptFeaturizer(
+        SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx", prefer_gpu=False),
+        SpeakerEncoder(model_dir / "campplus.onnx"),
+        MelConfig(),
+    )
+    rng = np.random.default_rng(2)
+    wav = (rng.standard_normal(int(sample_rate * 2.37)) * 0.1).astype(np.float32)
+    out = featurizer.featurize(wav, sample_rate)
+    n = out.speech_tokens.numel()
+    assert n == 59  # 2.37 s at 25 Hz, floored
+    assert out.speech_tokens.dtype == torch.int64 and out.speech_tokens.shape == (n,)
+    assert out.speech_feat.shape == (2 * n, 80) and out.speech_feat.dtype == torch.float32
+    assert out.embedding.shape == (192,) and out.embedding.dtype == torch.float32
+    tokens, feat, emb = out  # also unpacks as a tuple
+    assert int(tokens.max()) < SPEECH_TOKEN_SIZE
+
+    with pytest.raises(ValueError):
+        featurizer.featurize(wav[: sample_rate // 10], 8000)  # below 16 kHz
+    with pytest.raises(ValueError):
+        featurizer.featurize(np.zeros(sample_rate * 31, np.float32), sample_rate)  # over 30 s
+
+
+def test_lm_prompt_strings_per_mode() -> None:
+    transcript = "希望你以后能够做的比我还好呦。"
+    assert lm_prompt_text("zero_shot", transcript=transcript) == SYSTEM + EOP + transcript
+    assert lm_prompt_text("zero_shot", transcript=SYSTEM + EOP + transcript) == SYSTEM + EOP + transcript
+    assert lm_prompt_text("instruct", instruction="请用广东话表达。") == "You are a helpful assistant. 请用广东话表达。<|endofprompt|>"
+    assert lm_prompt_text("cross_lingual") == SYSTEM + EOP
+    with pytest.raises(ValueError):
+        lm_prompt_text("instruct", instruction="")
+
+
+def test_build_lm_text_ids(tokenizer: TextTokenizer) -> None:
+    text = "Hello there."
+    zs = build_lm_text(tokenizer, "zero_shot", text, transcript="Nice day.")
+    assert zs.use_prompt_speech
+    assert list(zs.prompt_ids) == tokenizer.encode(SYSTEM + EOP + "Nice day.")
+    assert list(zs.text_ids) == tokenizer.encode(text)
+
+    ins = build_lm_text(tokenizer, "instruct", text, instruction="speak happily")
+    assert not ins.use_prompt_speech and ins.prompt_ids[-1] == tokenizer.endofprompt_id
+
+    cl = build_lm_text(tokenizer, "cross_lingual", text)
+    assert not cl.use_prompt_speech
+    # Same LM text as the official `inference_cross_lingual(SYSTEM + EOP + text)`.
+    assert list(cl.prompt_ids + cl.text_ids) == tokenizer.encode(SYSTEM + EOP + text)

@@ -1,0 +1,416 @@
+"""HTTP API against a real uvicorn server: voices, uploads, restart, health, auth, metrics.
+
+`LiveServer` runs uvicorn in a background thread on a free loopback port and returns
+once the app's lifespan start-up has finished (an Event, no sleeps). `build_app` mounts
+`gateway.http_api.routes` with the same state object the production app factory
+builds; the engine comes from a factory so each server creates it on its own loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import socket
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable, Iterator
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+
+from gateway.audio_files import decode_audio, wav_bytes
+from gateway.auth import Auth
+from gateway.errors import exception_handlers
+from gateway.http_api import routes
+from gateway.metrics import Metrics
+from gateway.voices import VoiceLimits, VoiceStore
+from test_voices import SR, FakeEngine, tone, tone_wav
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+FAST = {"tokens_per_text_token": 2.0, "seed": 0}
+
+
+def make_settings(**over: Any) -> SimpleNamespace:
+    base = dict(
+        voices=VoiceLimits(max_upload_bytes=2_000_000),
+        openai_model_aliases=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3"),
+        max_input_chars=4096,
+        default_voice="default",
+        api_keys=(API_KEY,),
+    )
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def build_app(data_dir: Path, engine_factory: Callable[[], Awaitable[Any]], settings: SimpleNamespace,
+              holder: dict[str, Any] | None = None) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine = await engine_factory()
+        voices = await VoiceStore(data_dir, engine, settings.voices).open()
+        app.state.gw = SimpleNamespace(engine=engine, voices=voices, settings=settings,
+                                       metrics=Metrics(), auth=Auth(settings.api_keys))
+        if holder is not None:
+            holder["gw"] = app.state.gw
+        try:
+            yield
+        finally:
+            await voices.close()
+            await engine.close()
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+class LiveServer:
+    def __init__(self, app: Starlette, start_timeout: float = 180.0) -> None:
+        self.app = app
+        self.start_timeout = start_timeout
+
+    def __enter__(self) -> "LiveServer":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+
+        def target() -> None:
+            try:
+                self.server.run(sockets=[sock])
+            finally:
+                self.server.ready.set()  # never leave the waiter hanging on a failed start
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+        if not self.server.ready.wait(self.start_timeout) or not self.server.started:
+            self.__exit__()
+            raise RuntimeError("server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+
+async def fake_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+def register(client: httpx.Client, voice_id: str | None, audio: bytes, transcript: str = "Hello there.",
+             filename: str = "prompt.wav", **extra: str) -> httpx.Response:
+    data = {"transcript": transcript, **extra}
+    if voice_id is not None:
+        data["id"] = voice_id
+    return client.post("/v1/voices", headers=AUTH, data=data, files={"file": (filename, audio, "audio/wav")})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, dict[str, Any]]]:
+    holder: dict[str, Any] = {}
+    app = build_app(tmp_path_factory.mktemp("data"), fake_engine, make_settings(), holder)
+    with LiveServer(app) as srv:
+        yield srv, holder
+
+
+def err(resp: httpx.Response) -> tuple[int, str]:
+    body = resp.json()
+    assert set(body) == {"error"} and isinstance(body["error"]["message"], str)
+    return resp.status_code, body["error"]["code"]
+
+
+# --------------------------------------------------------------------------------------
+# Health, readiness, auth
+# --------------------------------------------------------------------------------------
+
+
+def test_health_open_everything_else_needs_key(server) -> None:
+    srv, holder = server
+    with srv.client() as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        for method, path in [("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                             ("GET", "/v1/voices"), ("POST", "/v1/audio/speech"), ("DELETE", "/v1/voices/x")]:
+            resp = c.request(method, path)
+            assert err(resp) == (401, "unauthorized"), path
+            assert resp.headers["www-authenticate"] == "Bearer"
+        assert err(c.get("/ready", headers={"Authorization": "Bearer wrong"})) == (401, "unauthorized")
+        assert c.get("/ready", headers=AUTH).json() == {"status": "ready", "model": "Fake-CosyVoice3"}
+
+        holder["gw"].engine.ready = False
+        try:
+            assert err(c.get("/ready", headers=AUTH)) == (503, "not_ready")
+            assert c.get("/health").status_code == 200  # liveness is not readiness
+        finally:
+            holder["gw"].engine.ready = True
+
+
+def test_auth_websocket_query_token() -> None:
+    auth = Auth((API_KEY,))
+    ws = SimpleNamespace(headers={}, query_params={"token": API_KEY})
+    assert auth.check_websocket(ws)
+    assert not auth.check_websocket(SimpleNamespace(headers={}, query_params={"token": "nope"}))
+    assert auth.check_websocket(SimpleNamespace(headers={"authorization": f"Bearer {API_KEY}"}, query_params={}))
+    assert Auth(()).check_websocket(SimpleNamespace(headers={}, query_params={}))
+
+
+def test_models_lists_aliases(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        ids = [m["id"] for m in c.get("/v1/models", headers=AUTH).json()["data"]]
+        assert ids == ["tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3", "Fake-CosyVoice3"]
+        assert c.get("/v1/models/tts-1", headers=AUTH).json()["id"] == "tts-1"
+        assert err(c.get("/v1/models/whisper-1", headers=AUTH)) == (404, "model_not_found")
+
+
+# --------------------------------------------------------------------------------------
+# Voices
+# --------------------------------------------------------------------------------------
+
+
+def test_voice_crud(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        resp = register(c, "crud", tone_wav(4.0), "A voice for the test.", name="Crud Voice")
+        assert resp.status_code == 201, resp.text
+        body = resp.json()
+        assert (body["id"], body["name"], body["transcript"]) == ("crud", "Crud Voice", "A voice for the test.")
+        assert body["duration_s"] == pytest.approx(4.0) and body["sample_rate"] == SR
+
+        assert c.get("/v1/voices/crud", headers=AUTH).json() == body
+        assert "crud" in [v["id"] for v in c.get("/v1/voices", headers=AUTH).json()["data"]]
+        assert err(register(c, "crud", tone_wav(4.0))) == (409, "voice_exists")
+
+        assert c.delete("/v1/voices/crud", headers=AUTH).json() == {"id": "crud", "object": "voice", "deleted": True}
+        assert err(c.delete("/v1/voices/crud", headers=AUTH)) == (404, "voice_not_found")
+        assert err(c.get("/v1/voices/crud", headers=AUTH)) == (404, "voice_not_found")
+
+
+def test_voice_json_base64_upload(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        audio = wav_bytes(tone(3.5, 16000), 16000)
+        resp = c.post("/v1/voices", headers=AUTH, json={
+            "id": "json-voice", "transcript": "Base64 upload.", "audio": base64.b64encode(audio).decode()})
+        assert resp.status_code == 201, resp.text
+        assert resp.json()["sample_rate"] == 16000
+        resp = c.post("/v1/voices", headers=AUTH, json={"id": "gen", "transcript": "x", "audio": "%%%not-base64"})
+        assert err(resp) == (400, "invalid_audio")
+
+
+def _flac_bytes(seconds: float) -> bytes:
+    """A FLAC upload: registration must take any container PyAV decodes."""
+    from gateway.audio_files import make_encoder
+
+    enc = make_encoder("flac", SR)
+    return enc.encode(tone(seconds)) + enc.close()
+
+
+def test_voice_upload_other_container(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        resp = register(c, "flac-voice", _flac_bytes(3.5), filename="prompt.flac")
+        assert resp.status_code == 201, resp.text
+        assert resp.json()["duration_s"] == pytest.approx(3.5, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "voice_id, audio, transcript, expected",
+    [
+        ("notaudio", b"this is a text file, not audio\n" * 40, "hi", (400, "invalid_audio")),
+        ("short", tone_wav(1.5), "hi", (400, "audio_too_short")),
+        ("long", wav_bytes(tone(31.0, 16000), 16000), "hi", (400, "audio_too_long")),
+        ("lowrate", wav_bytes(tone(4.0, 8000), 8000), "hi", (400, "sample_rate_too_low")),
+        ("bad/id", tone_wav(4.0), "hi", (400, "invalid_voice_id")),
+        ("bad id", tone_wav(4.0), "hi", (400, "invalid_voice_id")),
+        ("Ω-voice", tone_wav(4.0), "hi", (400, "invalid_voice_id")),
+        ("x" * 65, tone_wav(4.0), "hi", (400, "invalid_voice_id")),
+        ("notext", tone_wav(4.0), "", (400, "missing_transcript")),
+    ],
+)
+def test_bad_uploads(server, voice_id, audio, transcript, expected) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        resp = register(c, voice_id, audio, transcript)
+        assert err(resp) == expected
+        assert voice_id not in [v["id"] for v in c.get("/v1/voices", headers=AUTH).json()["data"]]
+
+
+def test_missing_file_field(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        resp = c.post("/v1/voices", headers=AUTH, data={"id": "nofile", "transcript": "hi"},
+                      files={"other": ("x.txt", b"abc", "text/plain")})
+        assert err(resp) == (400, "missing_audio")
+
+
+def test_too_large_upload_is_cut_off(server) -> None:
+    """413 both when Content-Length says so and for a chunked body with no length."""
+    srv, _ = server
+    big = tone_wav(45.0)  # 2.16 MB > the 2 MB limit of this server
+    with srv.client() as c:
+        assert err(register(c, "big", big)) == (413, "audio_too_large")
+
+        sent = {"bytes": 0}
+        boundary = "testboundary"
+        head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nbig2\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"transcript\"\r\n\r\nhi\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+                f"Content-Type: audio/wav\r\n\r\n").encode()
+
+        def endless() -> Iterator[bytes]:  # a client that would send 100 MB
+            yield head
+            block = b"\0" * 65536
+            for _ in range(1600):
+                sent["bytes"] += len(block)
+                yield block
+
+        resp = None
+        with contextlib.suppress(httpx.TransportError):  # the server may hang up mid-upload
+            resp = c.post("/v1/voices", headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={boundary}"},
+                          content=endless())
+        if resp is not None:
+            assert err(resp) == (413, "audio_too_large")
+        # The server answered and hung up long before the client's 100 MB were out.
+        assert sent["bytes"] < 50_000_000
+        assert "big2" not in [v["id"] for v in c.get("/v1/voices", headers=AUTH).json()["data"]]
+
+
+def test_bounded_stream_stops_pulling_at_the_limit() -> None:
+    import asyncio
+
+    from gateway.audio_files import read_body_bounded
+    from gateway.errors import ApiError
+
+    pulled = []
+
+    async def source():
+        for i in range(100):
+            pulled.append(i)
+            yield b"x" * 1000
+
+    async def scenario() -> None:
+        assert len(await read_body_bounded(source(), 200_000)) == 100_000
+        pulled.clear()
+        with pytest.raises(ApiError) as exc:
+            await read_body_bounded(source(), 4_500)
+        assert (exc.value.status, exc.value.code) == (413, "audio_too_large")
+        assert len(pulled) == 5  # the 5th chunk crossed the limit; nothing after it was read
+
+    asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------------------
+# Speech (the OpenAI client tests are in test_openai_client.py; these are the edges)
+# --------------------------------------------------------------------------------------
+
+
+def test_speech_errors(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        assert register(c, "speaker", tone_wav(3.5)).status_code == 201
+
+        def speech(**body: Any) -> httpx.Response:
+            return c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "speaker",
+                                                                 "input": "Hi there.", **FAST, **body})
+
+        assert speech().status_code == 200
+        assert err(speech(input="x" * 4097)) == (400, "input_too_long")
+        assert err(speech(input="   ")) == (400, "invalid_request")
+        assert err(speech(voice="nobody")) == (404, "voice_not_found")
+        assert err(speech(model="whisper-1")) == (404, "model_not_found")
+        assert err(speech(speed=4.5)) == (400, "invalid_speed")
+        assert err(speech(speed=0.1)) == (400, "invalid_speed")
+        assert err(speech(response_format="ogg")) == (400, "unsupported_format")
+        assert err(speech(stream_format="ws")) == (400, "unsupported_format")
+        assert err(speech(input="please FAIL now")) == (500, "synthesis_failed")
+        resp = c.post("/v1/audio/speech", headers={**AUTH, "Content-Type": "application/json"}, content=b"{nope")
+        assert err(resp) == (400, "invalid_request")
+        # A stock OpenAI voice name with no "default" voice registered is a clean 404.
+        assert err(speech(voice="alloy")) == (404, "voice_not_found")
+
+
+def test_client_disconnect_aborts_engine_session(server) -> None:
+    srv, holder = server
+    engine: FakeEngine = holder["gw"].engine
+    with srv.client() as c:
+        assert register(c, "longtalk", tone_wav(3.5)).status_code in (201, 409)
+        body = {"model": "tts-1", "voice": "longtalk", "input": "word " * 400, "response_format": "pcm",
+                "tokens_per_text_token": 20.0}  # ~5 minutes of audio if read to the end
+        with c.stream("POST", "/v1/audio/speech", headers=AUTH, json=body) as resp:
+            assert resp.status_code == 200
+            first = next(resp.iter_raw())
+            assert len(first) > 0
+            sessions = list(engine.sessions)
+            assert len(sessions) == 1
+            session = sessions[0]
+        # Closing the response closes the connection; the server must abort the session.
+        done = threading.Event()
+        session.on_abort = done.set
+        if session.aborted:
+            done.set()
+        assert done.wait(30), "engine session was not aborted after the client left"
+
+
+def test_metrics_exposition(server) -> None:
+    srv, _ = server
+    with srv.client() as c:
+        assert register(c, "metered", tone_wav(3.5)).status_code in (201, 409)
+        assert c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "metered",
+                                                              "input": "Count me.", **FAST}).status_code == 200
+        c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "ghost", "input": "x"})
+        text = c.get("/metrics", headers=AUTH).text
+    lines = text.splitlines()
+    assert "# TYPE cosyvoice_first_audio_seconds histogram" in lines
+    count = next(float(l.split()[-1]) for l in lines if l.startswith("cosyvoice_first_audio_seconds_count"))
+    inf = next(float(l.split()[-1]) for l in lines if l.startswith('cosyvoice_first_audio_seconds_bucket{le="+Inf"}'))
+    assert count >= 1 and inf == count
+    assert any(l.startswith('cosyvoice_errors_total{code="voice_not_found"}') for l in lines)
+    assert any(l.startswith('cosyvoice_http_requests_total{route="/v1/audio/speech",status="200"}') for l in lines)
+    assert "cosyvoice_sessions_active 0" in lines
+    opened = next(int(l.split()[-1]) for l in lines if l.startswith("cosyvoice_sessions_opened_total"))
+    assert opened >= 1
+    assert any(l.startswith("cosyvoice_engine_lm_tokens") for l in lines)
+    # Every sample line parses as "<name>[{labels}] <number>".
+    for line in lines:
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+# --------------------------------------------------------------------------------------
+# Persistence across a restart
+# --------------------------------------------------------------------------------------
+
+
+def test_voice_survives_restart(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    settings = make_settings()
+    with LiveServer(build_app(data, fake_engine, settings)) as srv, srv.client() as c:
+        assert register(c, "persist", tone_wav(4.0), "I will be back.").status_code == 201
+        before = c.get("/v1/voices/persist", headers=AUTH).json()
+
+    with LiveServer(build_app(data, fake_engine, settings)) as srv, srv.client() as c:
+        assert c.get("/v1/voices/persist", headers=AUTH).json() == before
+        resp = c.post("/v1/audio/speech", headers=AUTH, json={
+            "model": "tts-1", "voice": "persist", "input": "Still here.", "response_format": "wav", **FAST})
+        assert resp.status_code == 200
+        audio = decode_audio(resp.content)
+        assert audio.sample_rate == SR and audio.duration_s > 0.1
+        assert float(np.sqrt(np.mean(audio.samples ** 2))) > 0.01

@@ -1,0 +1,167 @@
+"""Segmenter: unit cases for the cutting rules and hypothesis properties for streaming."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.segmenter import Segment, Segmenter, SegmenterConfig
+
+
+def run(text: str, chunks: list[int] | None = None, cfg: SegmenterConfig | None = None) -> list[Segment]:
+    """Feed ``text`` in pieces (sizes cycled from ``chunks``; default: one char at a time)."""
+    seg = Segmenter(cfg)
+    out: list[Segment] = []
+    sizes = chunks or [1]
+    i = k = 0
+    while i < len(text):
+        n = max(1, sizes[k % len(sizes)])
+        out += seg.push(text[i : i + n])
+        i += n
+        k += 1
+    out += seg.end()
+    return out
+
+
+def texts(segs: list[Segment]) -> list[str]:
+    return [s.text for s in segs]
+
+
+def test_sentences_latin() -> None:
+    segs = run("Hello there. How are you? Fine!", cfg=SegmenterConfig(first_min_chars=100))
+    assert texts(segs) == ["Hello there.", " How are you?", " Fine!"]
+    assert [s.reason for s in segs] == ["sentence", "sentence", "sentence"]
+    assert [(s.start, s.end) for s in segs] == [(0, 12), (12, 25), (25, 31)]
+
+
+def test_sentences_cjk_need_no_space() -> None:
+    segs = run("你好。今天天气很好！我们走吧？好", cfg=SegmenterConfig(first_min_chars=100))
+    assert texts(segs) == ["你好。", "今天天气很好！", "我们走吧？", "好"]
+
+
+def test_closing_quotes_stay_with_sentence() -> None:
+    segs = run('He said "stop." Then left. 她说：「好。」然后', cfg=SegmenterConfig(first_min_chars=100))
+    assert texts(segs)[:3] == ['He said "stop."', " Then left.", " 她说：「好。」"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Pi is 3.14159 and e is 2.71828 roughly",
+        "Meet me at 10:30 or 11:45 tomorrow",
+        "Visit https://example.com/a.b?x=1.5 for details",
+        "Ask Mr. Smith and Dr. Jones, e.g. today",
+        "J. R. R. Tolkien wrote it",
+        "Call at 5 p.m. sharp",
+    ],
+)
+def test_no_split_inside_numbers_urls_abbreviations(text: str) -> None:
+    # first_min_chars above the length: only a (wrong) sentence cut could split these.
+    segs = run(text, cfg=SegmenterConfig(first_min_chars=200))
+    assert texts(segs) == [text]
+
+
+def test_short_first_segment_at_clause() -> None:
+    text = "Well, I think that, after all this time, we should go. And then more."
+    segs = run(text, cfg=SegmenterConfig(first_min_chars=12))
+    # "Well," is too short; "Well, I think that," reaches 12 chars at a clause mark.
+    assert segs[0].text == "Well, I think that,"
+    assert segs[0].reason == "clause"
+    # Later segments only end at sentence ends.
+    assert segs[1].text == " after all this time, we should go."
+
+
+def test_min_chars_merges_short_sentences() -> None:
+    segs = run("Hi. Yes. No. This is a longer one. Ok.", cfg=SegmenterConfig(first_min_chars=0, min_chars=15))
+    assert texts(segs) == ["Hi.", " Yes. No. This is a longer one.", " Ok."]
+
+
+def test_long_sentence_cut_at_clause_then_space() -> None:
+    cfg = SegmenterConfig(first_min_chars=0, max_chars=30)
+    segs = run("aaaa bbbb cccc, dddd eeee ffff gggg hhhh iiii jjjj kkkk", cfg=cfg)
+    assert all(len(s.text) <= 30 for s in segs)
+    assert segs[0].text == "aaaa bbbb cccc,"  # the clause mark is the first choice
+    assert segs[1].text == " dddd eeee ffff gggg hhhh iiii"  # then the last space at <= 30
+    assert segs[1].reason == "max"
+
+
+def test_hard_cut_without_spaces() -> None:
+    cfg = SegmenterConfig(first_min_chars=5, max_chars=10)
+    segs = run("一二三四五六七八九十一二三四五", cfg=cfg)
+    assert texts(segs) == ["一二三四五六七八九十", "一二三四五"]
+
+
+def test_flush_and_end() -> None:
+    seg = Segmenter(SegmenterConfig(first_min_chars=100))
+    assert seg.push("Hello wor") == []
+    flushed = seg.flush()
+    assert texts(flushed) == ["Hello wor"] and flushed[0].reason == "flush"
+    assert seg.flush() == []  # nothing left
+    assert seg.push("ld. And") == [Segment(1, "ld.", 9, 12, "sentence")]
+    seg.push("  ")
+    assert seg.flush()[0].text == " And  "
+    tail = seg.end()
+    assert tail == []
+    with pytest.raises(RuntimeError):
+        seg.push("x")
+
+
+def test_trailing_period_waits_for_next_char() -> None:
+    seg = Segmenter(SegmenterConfig(first_min_chars=100))
+    assert seg.push("It costs 3.") == []  # could be 3.5
+    assert seg.push("5 dollars.") == []  # could be "...", or the end of an abbreviation
+    assert texts(seg.push(" Next")) == ["It costs 3.5 dollars."]
+
+
+def test_whitespace_only_tail_is_kept_by_end() -> None:
+    seg = Segmenter()
+    out = seg.push("Hi. ") + seg.end()
+    assert "".join(texts(out)) == "Hi. "
+    assert not out[-1].speakable and out[0].speakable
+
+
+# ---- properties -----------------------------------------------------------------
+
+_ALPHABET = st.sampled_from(list("ab xy.,!?;:…\n3。，！？「」\"'") + ["Mr.", "3.14", "10:30", "e.g.", "http://a.b/c"])
+_TEXT = st.lists(_ALPHABET, max_size=120).map("".join)
+_CFG = st.builds(
+    SegmenterConfig,
+    first_min_chars=st.integers(0, 20),
+    min_chars=st.integers(0, 20),
+    max_chars=st.integers(20, 60),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXT, chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), cfg=_CFG)
+def test_property_lossless_and_chunking_invariant(text: str, chunks: list[int], cfg: SegmenterConfig) -> None:
+    segs = run(text, chunks, cfg)
+    # Nothing lost, duplicated or reordered; offsets are exact and contiguous.
+    assert "".join(texts(segs)) == text
+    pos = 0
+    for i, s in enumerate(segs):
+        assert s.index == i and s.start == pos and s.end == pos + len(s.text)
+        assert text[s.start : s.end] == s.text
+        assert len(s.text) <= cfg.max_chars
+        pos = s.end
+    # The chunking of the input does not change the result.
+    assert segs == run(text, [len(text) + 1], cfg)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(_TEXT, st.booleans()), max_size=8),
+    cfg=_CFG,
+)
+def test_property_flushes_never_lose_text(pieces: list[tuple[str, bool]], cfg: SegmenterConfig) -> None:
+    seg = Segmenter(cfg)
+    out: list[Segment] = []
+    for text, flush in pieces:
+        out += seg.push(text)
+        if flush:
+            out += seg.flush()
+            assert seg.buffered.strip() == ""  # a flush leaves nothing speakable behind
+    out += seg.end()
+    assert "".join(texts(out)) == "".join(t for t, _ in pieces)
+    assert all(a.end == b.start for a, b in zip(out, out[1:]))

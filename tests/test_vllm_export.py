@@ -1,0 +1,280 @@
+"""CPU tests of the vLLM side: the unified-vocab export, the RAS logits transform and
+the request mapping. vLLM itself is not needed (it runs only on the GPU machines)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.backends.base import SamplingParams
+from engine.backends.ras_logits import RASArgs, RASBatchState, ras_probs
+from engine.backends.vllm_backend import vllm_sampling_kwargs
+from engine.backends.vllm_export import (
+    META_FILE,
+    WEIGHTS_FILE,
+    ensure_vllm_export,
+    export_unified_qwen2,
+    read_safetensors,
+)
+from engine.models.config import ModelConfig
+from engine.models.vocab import UnifiedVocab
+
+CFG = ModelConfig.tiny()
+LM = CFG.lm
+QWEN = LM.qwen
+VOCAB = UnifiedVocab(LM.speech_token_size, LM.speech_vocab_size, QWEN.vocab_size)
+
+
+def official_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random state dict with the official llm.pt names, at the tiny sizes."""
+    g = torch.Generator().manual_seed(seed)
+    h, kv = QWEN.hidden_size, QWEN.num_key_value_heads * QWEN.head_dim
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    sd = {
+        "llm.model.model.embed_tokens.weight": r(QWEN.vocab_size, h),
+        "llm.model.model.norm.weight": r(h),
+        "llm.model.lm_head.weight": r(QWEN.vocab_size, h),
+        "llm_decoder.weight": r(LM.speech_vocab_size, h),
+        "speech_embedding.weight": r(LM.speech_vocab_size, h),
+    }
+    for i in range(QWEN.num_hidden_layers):
+        p = f"llm.model.model.layers.{i}."
+        sd |= {
+            p + "self_attn.q_proj.weight": r(h, h), p + "self_attn.q_proj.bias": r(h),
+            p + "self_attn.k_proj.weight": r(kv, h), p + "self_attn.k_proj.bias": r(kv),
+            p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.v_proj.bias": r(kv),
+            p + "self_attn.o_proj.weight": r(h, h),
+            p + "mlp.gate_proj.weight": r(QWEN.intermediate_size, h),
+            p + "mlp.up_proj.weight": r(QWEN.intermediate_size, h),
+            p + "mlp.down_proj.weight": r(h, QWEN.intermediate_size),
+            p + "input_layernorm.weight": r(h), p + "post_attention_layernorm.weight": r(h),
+        }
+    return sd
+
+
+# ------------------------------------------------------------------ export
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_layout_and_tensors(tmp_path: Path, dtype: torch.dtype) -> None:
+    sd = official_state()
+    info = export_unified_qwen2(sd, QWEN, LM, VOCAB, tmp_path, dtype=dtype, fingerprint="abc")
+    assert info.vocab_size == VOCAB.size == 6761 + 151936
+
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert cfg["vocab_size"] == VOCAB.size
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["hidden_size"] == QWEN.hidden_size and cfg["num_hidden_layers"] == QWEN.num_hidden_layers
+    assert cfg["eos_token_id"] == LM.eos and cfg["bos_token_id"] == LM.sos
+
+    t = read_safetensors(tmp_path / WEIGHTS_FILE)
+    emb, head = t["model.embed_tokens.weight"], t["lm_head.weight"]
+    assert emb.dtype == dtype and emb.shape == (VOCAB.size, QWEN.hidden_size)
+    assert head.shape == (VOCAB.size, QWEN.hidden_size)
+    off = VOCAB.text_offset
+    assert torch.equal(emb[:off], sd["speech_embedding.weight"].to(dtype))
+    assert torch.equal(emb[off:], sd["llm.model.model.embed_tokens.weight"].to(dtype))
+    assert torch.equal(head[:off], sd["llm_decoder.weight"].to(dtype))
+    assert not head[off:].any()  # text rows of the head are zero
+    # text token i of the tokenizer lands at unified id text_offset + i
+    assert torch.equal(emb[VOCAB.text([151646])[0]], sd["llm.model.model.embed_tokens.weight"][151646].to(dtype))
+
+    # every transformer tensor is present under its HF name, unchanged
+    for k, v in sd.items():
+        if k.startswith("llm.model.model.") and "embed_tokens" not in k:
+            hf = "model." + k[len("llm.model.model."):]
+            assert torch.equal(t[hf], v.to(dtype)), hf
+    # the unused Qwen text head and the speech tables appear only through the unified ones
+    n_qwen = sum(1 for k in sd if k.startswith("llm.model.model."))
+    assert set(t) == {"lm_head.weight"} | {"model." + k[len("llm.model.model."):] for k in sd
+                                             if k.startswith("llm.model.model.")}
+    assert len(t) == n_qwen + 1
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert meta["fingerprint"] == "abc" and meta["text_offset"] == off
+
+
+def test_export_rejects_wrong_vocab(tmp_path: Path) -> None:
+    sd = official_state()
+    sd["speech_embedding.weight"] = sd["speech_embedding.weight"][:6564]  # a CosyVoice2-sized table
+    with pytest.raises(ValueError):
+        export_unified_qwen2(sd, QWEN, LM, VOCAB, tmp_path)
+
+
+def test_cached_export_follows_checkpoint(tmp_path: Path) -> None:
+    torch.save(official_state(0), tmp_path / "llm.pt")
+    out = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB)
+    first = read_safetensors(out / WEIGHTS_FILE)["lm_head.weight"].clone()
+    stamp = (out / WEIGHTS_FILE).stat().st_mtime_ns
+    # same checkpoint: no re-export
+    assert ensure_vllm_export(tmp_path, QWEN, LM, VOCAB) == out
+    assert (out / WEIGHTS_FILE).stat().st_mtime_ns == stamp
+    # changed checkpoint: re-exported with the new weights
+    torch.save(official_state(1), tmp_path / "llm.pt")
+    ensure_vllm_export(tmp_path, QWEN, LM, VOCAB)
+    second = read_safetensors(out / WEIGHTS_FILE)["lm_head.weight"]
+    assert not torch.equal(first, second)
+    sd1 = official_state(1)
+    assert torch.equal(second[: VOCAB.text_offset], sd1["llm_decoder.weight"].to(torch.bfloat16))
+
+
+def test_export_from_lm_module(tmp_path: Path) -> None:
+    lm_mod = pytest.importorskip("engine.models.lm")
+    from engine.backends.vllm_export import export_from_module
+
+    model = lm_mod.CosyVoice3LM(LM)
+    lm_mod.init_random_(model, 0)
+    export_from_module(model, QWEN, LM, VOCAB, tmp_path, dtype=torch.float32)
+    t = read_safetensors(tmp_path / WEIGHTS_FILE)
+    assert torch.equal(t["model.embed_tokens.weight"][: VOCAB.text_offset], model.speech_embedding.weight)
+    assert torch.equal(t["lm_head.weight"][: VOCAB.text_offset], model.llm_decoder.weight)
+
+
+# ------------------------------------------------------------------ RAS as a distribution
+
+
+def official_ras_distribution(scores: torch.Tensor, decoded: list[int], top_p: float, top_k: int,
+                              win_size: int, tau_r: float) -> torch.Tensor:
+    """RAS's output distribution, enumerated step by step like the official sampler:
+    sequential nucleus over a stable sort, then per nucleus id either keep it or
+    resample from the full softmax with that id removed."""
+    p = scores.double().softmax(0)
+    vals, idx = p.sort(descending=True, stable=True)
+    nucleus: list[tuple[int, float]] = []
+    cum = 0.0
+    for v, i in zip(vals.tolist(), idx.tolist()):
+        if cum < top_p and len(nucleus) < top_k:
+            cum += v
+            nucleus.append((i, v))
+        else:
+            break
+    z = sum(v for _, v in nucleus)
+    window = decoded[-win_size:]
+    out = torch.zeros_like(p)
+    for i, v in nucleus:
+        q = v / z
+        if window.count(i) >= win_size * tau_r:
+            masked = scores.double().clone()
+            masked[i] = float("-inf")
+            out += q * masked.softmax(0)
+        else:
+            out[i] += q
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ras_probs_equal_official_distribution(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    V, B = 300, 4
+    logits = torch.randn(B, V, generator=g) * 3.0
+    top_ps = [0.8, 0.5, 0.95, 0.8]
+    top_ks = [25, 5, 25, 10]
+    windows = []
+    for b in range(B):
+        # recent tokens drawn from the row's likeliest ids so repetitions really happen
+        likely = logits[b].topk(6).indices
+        windows.append(likely[torch.randint(0, 6, (10,), generator=g)].tolist())
+    win = torch.tensor(windows)
+    got = ras_probs(logits, win, torch.tensor(top_ps), torch.tensor(top_ks), torch.full((B,), 1.0))
+    for b in range(B):
+        want = official_ras_distribution(logits[b], windows[b], top_ps[b], top_ks[b], 10, 0.1)
+        assert torch.allclose(got[b].double(), want, atol=1e-6), (b, (got[b] - want).abs().max())
+        assert abs(got[b].sum().item() - 1.0) < 1e-5
+    # repetition really mattered in at least one row: mass left the nucleus
+    no_window = ras_probs(logits, torch.full_like(win, -1), torch.tensor(top_ps), torch.tensor(top_ks),
+                          torch.full((B,), 1.0))
+    assert not torch.allclose(got, no_window)
+
+
+def test_ras_probs_without_repeats_is_plain_nucleus() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    got = ras_probs(logits, torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]))
+    p = logits.softmax(-1)[0]
+    keep = 2 if p[0] < 0.8 else 1  # ids enter while the mass before them is < top_p
+    assert (got[0, keep:] == 0).all()
+    assert torch.allclose(got[0, :keep], p[:keep] / p[:keep].sum())
+
+
+# ------------------------------------------------------------------ the batch processor
+
+
+def _params(**kw: object) -> SimpleNamespace:
+    args = RASArgs(speech_token_size=VOCAB.speech_token_size, speech_vocab_size=VOCAB.speech_vocab_size, **kw)
+    return SimpleNamespace(extra_args=args.to_extra())
+
+
+def test_batch_state_masks_and_bookkeeping() -> None:
+    V = VOCAB.size
+    state = RASBatchState()
+    greedy_out: list[int] = [5]
+    ras_out: list[int] = [7, 7]
+    state.update(
+        added=[(0, _params(greedy=True, min_tokens=3), None, greedy_out),
+               (1, SimpleNamespace(extra_args=None), None, []),  # a foreign request: untouched
+               (2, _params(min_tokens=0), None, ras_out)],
+        removed=[], moved=[])
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g)
+    logits[:, 6600] = 50.0  # a stop id is the arg-max everywhere
+    logits[:, VOCAB.text_offset + 3] = 100.0  # and a text id even more so
+    before = logits.clone()
+    out = state.apply(logits)
+    # greedy row: text ids and (before min_tokens) stop ids masked; the rest untouched
+    assert torch.isinf(out[0, VOCAB.speech_token_size:]).all()
+    assert torch.equal(out[0, : VOCAB.speech_token_size], before[0, : VOCAB.speech_token_size])
+    assert out[0].argmax() < VOCAB.speech_token_size
+    # foreign row untouched
+    assert torch.equal(out[1], before[1])
+    # RAS row: stop allowed (min_tokens 0), text masked, a proper distribution
+    assert torch.isinf(out[2, VOCAB.text_offset:]).all()
+    assert out[2].argmax() == 6600
+    assert abs(out[2].exp().sum().item() - 1.0) < 1e-4
+
+    # move the RAS request 2 -> 0 and swap it back; remove the greedy one
+    state.update(added=[], removed=[0], moved=[(2, 0, False)])
+    assert set(state.rows) == {0} and state.rows[0].output_ids is ras_out
+    state.update(added=[], removed=[], moved=[(0, 1, True)])
+    assert set(state.rows) == {1}
+    # once min_tokens is reached, stops are allowed for the greedy request
+    state.update(added=[(0, _params(greedy=True, min_tokens=3), None, greedy_out)], removed=[], moved=[])
+    greedy_out.extend([1, 2])
+    out = state.apply(before.clone())
+    assert out[0].argmax() == 6600
+
+
+def test_batch_state_fixed_length_masks_stops_always() -> None:
+    state = RASBatchState()
+    out_ids = list(range(50))
+    state.update(added=[(0, _params(mask_stops=True), None, out_ids)], removed=[], moved=[])
+    logits = torch.zeros(1, VOCAB.size)
+    logits[0, 6562] = 80.0  # eos overwhelming
+    out = state.apply(logits)
+    assert torch.isinf(out[0, VOCAB.speech_token_size:]).all()
+    assert out[0].argmax() < VOCAB.speech_token_size
+
+
+# ------------------------------------------------------------------ request mapping
+
+
+def test_sampling_kwargs_mapping() -> None:
+    ras = vllm_sampling_kwargs(SamplingParams(min_tokens=4, max_tokens=100, seed=3), VOCAB)
+    assert ras["temperature"] == 1.0 and ras["top_p"] == 1.0 and ras["top_k"] == 0
+    assert ras["stop_token_ids"] == list(range(6561, 6761)) and not ras["ignore_eos"]
+    assert (ras["min_tokens"], ras["max_tokens"], ras["seed"]) == (4, 100, 3)
+    a = RASArgs.from_extra(ras["extra_args"])
+    assert a is not None and not a.greedy and a.top_k == 25 and a.top_p == 0.8 and a.min_tokens == 4
+
+    greedy = vllm_sampling_kwargs(SamplingParams(greedy=True), VOCAB)
+    assert greedy["temperature"] == 0.0 and RASArgs.from_extra(greedy["extra_args"]).greedy
+
+    fixed = vllm_sampling_kwargs(SamplingParams(fixed_length=37, max_tokens=5), VOCAB)
+    assert fixed["min_tokens"] == fixed["max_tokens"] == 37
+    assert fixed["ignore_eos"] and fixed["stop_token_ids"] is None
+    assert RASArgs.from_extra(fixed["extra_args"]).mask_stops

@@ -1,0 +1,474 @@
+"""The streaming WebSocket endpoint over a real uvicorn server, real `websockets`
+clients and the tiny random-weight engine.
+
+The server (engine + uvicorn) runs in its own thread and event loop for the whole
+module; each test drives plain TCP clients from its own `asyncio.run`. The engine is
+told to emit exactly 2 speech tokens per text token (random weights never stop by
+themselves), so audio lengths are deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import uvicorn
+import websockets
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+
+from engine.types import SessionOptions
+from gateway.audio import decode_frames, resolve_format
+from gateway.protocol import CLOSE_POLICY, CLOSE_SLOW_CONSUMER, WsLimits
+from gateway.ws import tts_websocket
+
+VOICE = "tester"
+
+
+class _Voices:
+    def __init__(self, prompts: dict[str, Any]) -> None:
+        self._prompts = prompts
+
+    async def get_prompt(self, voice_id: str) -> Any:
+        return self._prompts[voice_id]  # KeyError for unknown ids, like the real store
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.first_audio: list[float] = []
+        self.open = 0
+
+    def session_opened(self) -> None:
+        self.open += 1
+
+    def session_closed(self) -> None:
+        self.open -= 1
+
+    def observe_first_audio(self, seconds: float) -> None:
+        self.first_audio.append(seconds)
+
+    def error(self, code: str) -> None:
+        self.errors.append(code)
+
+
+class _Auth:
+    def check_websocket(self, websocket: Any) -> bool:
+        return websocket.query_params.get("token") != "bad"
+
+
+@dataclass
+class Server:
+    url: str
+    gw: SimpleNamespace
+    loop: asyncio.AbstractEventLoop
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    port = _free_port()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        try:
+            await serve()
+        except BaseException as exc:  # surface start-up failures at once, not after a timeout
+            holder["error"] = exc
+            ready.set()
+            raise
+
+    async def serve() -> None:
+        engine = await Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch"))
+        sr = engine.sample_rate
+        t = np.arange(3 * sr) / sr
+        wav = (0.2 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
+        prompt = await engine.prepare_voice(VOICE, wav, sr, "A short prompt.")
+        limits = WsLimits(max_message_bytes=4096, max_contexts=4, max_text_chars=2000, max_pending_bytes=64 << 10, max_lag_s=1.5, keepalive_interval_s=0)
+        gw = SimpleNamespace(
+            engine=engine,
+            voices=_Voices({VOICE: prompt}),
+            settings=SimpleNamespace(ws=limits, default_voice=VOICE),
+            metrics=_Metrics(),
+            auth=_Auth(),
+            session_defaults=SessionOptions(tokens_per_text_token=2.0, seed=0),
+        )
+        app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", tts_websocket)])
+        app.state.gw = gw
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", ws="websockets-sansio")
+        srv = uvicorn.Server(config)
+        holder.update(gw=gw, srv=srv, loop=asyncio.get_running_loop())
+        task = asyncio.create_task(srv.serve())
+        while not srv.started:
+            await asyncio.sleep(0.01)
+        ready.set()
+        await task
+        await engine.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert ready.wait(300), "server did not start"
+    if "error" in holder:
+        raise RuntimeError("test server failed to start") from holder["error"]
+    yield Server(f"ws://127.0.0.1:{port}/v1/tts/stream", holder["gw"], holder["loop"])
+    holder["srv"].should_exit = True
+    thread.join(30)
+
+
+# ---- a small recording client -------------------------------------------------------------
+
+
+@dataclass
+class Recording:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    audio: dict[str, list[bytes]] = field(default_factory=dict)
+    order: list[tuple[str, str]] = field(default_factory=list)  # ("event", type) | ("audio", ctx)
+
+    def of(self, kind: str, cid: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind and (cid is None or e.get("context_id") == cid)]
+
+
+async def receive_until(ws: Any, rec: Recording, done: Any, timeout: float = 60.0) -> None:
+    """Read frames into ``rec`` until ``done(rec)`` is true."""
+    deadline = time.monotonic() + timeout
+    while not done(rec):
+        msg = await asyncio.wait_for(ws.recv(), timeout=max(0.1, deadline - time.monotonic()))
+        if isinstance(msg, bytes):
+            n = msg[0]
+            cid = msg[1 : 1 + n].decode()
+            rec.audio.setdefault(cid, []).append(msg[1 + n :])
+            rec.order.append(("audio", cid))
+        else:
+            ev = json.loads(msg)
+            rec.events.append(ev)
+            rec.order.append(("event", ev["type"]))
+            if ev["type"] == "audio":  # base64 transport
+                import base64
+
+                rec.audio.setdefault(ev["context_id"], []).append(base64.b64decode(ev["data"]))
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def send(ws: Any, **msg: Any) -> None:
+    await ws.send(json.dumps(msg))
+
+
+def has_done(*cids: str) -> Any:
+    return lambda rec: all(rec.of("done", c) for c in cids)
+
+
+# ---- tests --------------------------------------------------------------------------------
+
+
+def test_token_by_token_two_interleaved_contexts(server: Server) -> None:
+    text_a = "Hello there, my friend. This is the second sentence."
+    text_b = "Another voice speaks. Then it stops!"
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            await send(ws, type="config", format="pcm_s16le", sample_rate=16000)
+            # Interleave single characters of both contexts (LLM-token-like appends).
+            for i in range(max(len(text_a), len(text_b))):
+                if i < len(text_a):
+                    await send(ws, type="text", context_id="a", text=text_a[i])
+                if i < len(text_b):
+                    await send(ws, type="text", context_id="b", text=text_b[i], format="ulaw_8000")
+            await send(ws, type="end", context_id="a")
+            await send(ws, type="end", context_id="b")
+            await receive_until(ws, rec, has_done("a", "b"))
+        return rec
+
+    rec = run(main())
+    started = {e["context_id"]: e for e in rec.of("context_started")}
+    assert started["a"]["format"] == "pcm_s16le" and started["a"]["sample_rate"] == 16000
+    assert started["b"]["format"] == "ulaw_8000" and started["b"]["sample_rate"] == 8000
+    for cid, text, rate in (("a", text_a, 16000), ("b", text_b, 8000)):
+        segs = rec.of("segment_started", cid)
+        # Segment texts tile the context text exactly and in order.
+        assert "".join(s["text"] for s in segs) == text
+        assert [s["text_start"] for s in segs] == [0] + [s["text_end"] for s in segs[:-1]]
+        done = rec.of("done", cid)[0]
+        fmt = resolve_format(started[cid]["format"], rate)
+        pcm = decode_frames(fmt, rec.audio[cid])
+        assert done["audio_samples"] == len(pcm) > rate // 2
+        # Audio offsets grow and lie within the delivered audio.
+        offs = [s["audio_offset"] for s in segs]
+        assert offs[0] == 0 and offs == sorted(offs) and offs[-1] < len(pcm)
+    assert all(len(f) == 160 for f in rec.audio["b"])  # exact 20 ms μ-law frames
+    assert len(rec.of("segment_started", "a")) >= 2  # the first clause came early
+    # The two contexts really interleaved on the socket.
+    audio_order = [c for k, c in rec.order if k == "audio"]
+    first_b = audio_order.index("b")
+    assert "a" in audio_order[first_b:] or "b" in audio_order[: audio_order.index("a")]
+
+
+def test_flush_speaks_buffer_and_acknowledges(server: Server) -> None:
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="text", context_id="f", text="no punctuation here")
+            await send(ws, type="flush", context_id="f")
+            await receive_until(ws, rec, lambda r: bool(r.of("flushed", "f")))
+            await send(ws, type="text", context_id="f", text=" more words", end=True)
+            await receive_until(ws, rec, has_done("f"))
+        return rec
+
+    rec = run(main())
+    segs = rec.of("segment_started", "f")
+    assert [s["text"] for s in segs] == ["no punctuation here", " more words"]
+    # `flushed` came after all audio of the first segment and before the second's.
+    i_flushed = rec.order.index(("event", "flushed"))
+    i_seg2 = [i for i, o in enumerate(rec.order) if o == ("event", "segment_started")][1]
+    assert i_flushed < i_seg2
+    assert rec.of("flushed", "f")[0]["flush_id"] == 1
+    pcm_before = sum(len(f) for f in rec.audio["f"][: sum(1 for k, c in rec.order[:i_flushed] if k == "audio")]) // 2
+    assert segs[1]["audio_offset"] == pcm_before  # offsets count exactly the audio delivered
+
+
+def test_cancel_mid_utterance_then_new_context(server: Server) -> None:
+    long_text = "This sentence is long enough to take several audio chunks to speak out loud. " * 3
+
+    async def main() -> tuple[Recording, Recording]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="text", context_id="c1", text=long_text, end=True)
+            await receive_until(ws, rec, lambda r: len(r.audio.get("c1", [])) >= 2)
+            await send(ws, type="cancel", context_id="c1")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "c1")))
+            # A new turn on the same socket, no reconnect.
+            after = Recording()
+            await send(ws, type="text", context_id="c2", text="Next turn.", end=True)
+            await receive_until(ws, after, has_done("c2"))
+        return rec, after
+
+    rec, after = run(main())
+    cancelled = rec.of("cancelled", "c1")[0]
+    assert cancelled["active"] is True
+    assert not rec.of("done", "c1")
+    # No c1 frame came after `cancelled`, and it counts exactly the frames received.
+    assert "c1" not in after.audio
+    assert cancelled["audio_samples"] == sum(len(f) for f in rec.audio["c1"]) // 2
+    assert cancelled["audio_samples"] < 3 * len(long_text) * 24000 // 25  # stopped early
+    assert 0 < cancelled["text_end"] < len(long_text)
+    assert after.of("done", "c2") and after.audio["c2"]
+    # The engine dropped the cancelled context's work.
+    stats = asyncio.run_coroutine_threadsafe(_engine_stats(server), server.loop).result(10)
+    assert stats.active_sessions == 0 and stats.lm_active == 0
+
+
+async def _engine_stats(server: Server) -> Any:
+    return server.gw.engine.stats()
+
+
+@pytest.mark.parametrize(
+    "fmt,rate",
+    [("pcm_s16le", 8000), ("pcm_s16le", 22050), ("pcm_s16le", 44100), ("pcm_s16le", 48000), ("pcm_f32le", 24000),
+     ("alaw_8000", 8000), ("opus", 48000), ("opus", 24000)],
+)
+def test_every_format_decodes(server: Server, fmt: str, rate: int) -> None:
+    text = "Check this format. And its second part."
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="open", context_id="x", format=fmt, sample_rate=rate)
+            await send(ws, type="text", context_id="x", text=text, end=True)
+            await receive_until(ws, rec, has_done("x"))
+        return rec
+
+    rec = run(main())
+    frames = rec.audio["x"]
+    af = resolve_format(fmt, rate)
+    if af.frame_samples:
+        if fmt == "opus":
+            assert all(len(f) < 1000 for f in frames)
+        else:
+            assert all(len(f) == af.frame_samples for f in frames)
+    pcm = decode_frames(af, frames)
+    done = rec.of("done", "x")[0]
+    assert done["audio_samples"] == len(pcm)
+    # Engine audio length is deterministic (2 tokens/text token); the output length is
+    # the same duration at the requested rate (+ <= one padded 20 ms frame).
+    engine_seconds = sum(1 for _ in frames) and done["duration_ms"] / 1000
+    assert abs(engine_seconds - len(pcm) / rate) < 1e-3
+    assert np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0
+    assert len(pcm) / rate > 0.5
+
+
+def test_base64_transport(server: Server) -> None:
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="text", context_id="j", text="Base64 please.", audio="base64", end=True)
+            await receive_until(ws, rec, has_done("j"))
+        return rec
+
+    rec = run(main())
+    assert not any(k == "audio" for k, _ in rec.order)  # no binary frames at all
+    audio = rec.of("audio", "j")
+    assert audio and audio[0]["audio_offset"] == 0
+    total = sum(len(f) for f in rec.audio["j"]) // 2
+    assert rec.of("done", "j")[0]["audio_samples"] == total
+
+
+def test_malformed_and_oversized_messages_keep_socket_healthy(server: Server) -> None:
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            bad = [
+                "not json",
+                "[1, 2]",
+                json.dumps({"type": "dance"}),
+                json.dumps({"type": "text", "context_id": "bad id!", "text": "x"}),
+                json.dumps({"type": "text", "context_id": "t"}),
+                json.dumps({"type": "text", "context_id": "t", "text": "x", "format": "mp3"}),
+                json.dumps({"type": "text", "context_id": "t", "text": "x", "speed": 9}),
+                json.dumps({"type": "text", "context_id": "t", "text": "x", "voice": "nobody"}),
+                json.dumps({"type": "text", "context_id": "t", "text": "y" * 5000}),  # > 4096 bytes
+            ]
+            for m in bad:
+                await ws.send(m)
+            await ws.send(b"\x00binary")
+            await receive_until(ws, rec, lambda r: len(r.of("error")) >= len(bad) + 1)
+            # Still healthy: a normal context works on the same socket.
+            await send(ws, type="text", context_id="ok", text="Still fine.", end=True)
+            await receive_until(ws, rec, has_done("ok"))
+        return rec
+
+    rec = run(main())
+    codes = [e["code"] for e in rec.of("error")]
+    assert codes == [
+        "invalid_json", "invalid_json", "unknown_type", "invalid_message", "invalid_message",
+        "unsupported_format", "invalid_speed", "voice_not_found", "message_too_large", "binary_not_supported",
+    ]
+    assert all(e["message"] for e in rec.of("error"))
+    assert rec.of("done", "ok")
+
+
+def test_limits_contexts_and_text(server: Server) -> None:
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            for i in range(5):  # max_contexts = 4
+                await send(ws, type="open", context_id=f"k{i}")
+            for _ in range(3):  # 3 x 900 chars > max_text_chars = 2000
+                await send(ws, type="text", context_id="k0", text="word " * 180)
+            await send(ws, type="cancel")  # everything
+            await receive_until(ws, rec, lambda r: len(r.of("cancelled")) >= 4)
+        return rec
+
+    rec = run(main())
+    assert [e["code"] for e in rec.of("error")] == ["too_many_contexts", "text_too_long"]
+    assert sorted(e["context_id"] for e in rec.of("cancelled")) == ["k0", "k1", "k2", "k3"]
+
+
+def test_unauthorized_is_closed_with_1008(server: Server) -> None:
+    async def main() -> tuple[dict[str, Any], int | None]:
+        async with websockets.connect(server.url + "?token=bad") as ws:
+            ev = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+            return ev, ws.close_code
+
+    ev, code = run(main())
+    assert ev["code"] == "unauthorized" and code == CLOSE_POLICY
+
+
+def test_close_message_drains_then_closes_normally(server: Server) -> None:
+    async def main() -> tuple[Recording, int | None]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="text", context_id="z", text="Last words")
+            await send(ws, type="close")
+            with pytest.raises(websockets.ConnectionClosed):
+                await receive_until(ws, rec, lambda r: False)
+            return rec, ws.close_code
+
+    rec, code = run(main())
+    assert code == 1000
+    assert rec.of("done", "z") and [s["text"] for s in rec.of("segment_started", "z")] == ["Last words"]
+
+
+def test_slow_consumer_is_disconnected(server: Server) -> None:
+    """A client that never reads: bounded server queue, then close 4001 after max_lag_s."""
+
+    async def main() -> tuple[int | None, float]:
+        # Tiny receive buffer so the kernel cannot hide the stalled reader for long.
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", int(server.url.split(":")[2].split("/")[0])))
+        async with websockets.connect(server.url, sock=sock, max_queue=1) as ws:
+            await send(ws, type="config", format="pcm_f32le", sample_rate=48000)
+            text = "A text that produces plenty of audio for a stalled client. " * 2
+            await send(ws, type="text", context_id="s", text=text, end=True)
+            t0 = time.monotonic()
+            # Do not read: wait (without consuming frames) until the server gives up.
+            transport = ws.transport
+            transport.pause_reading()
+            deadline = t0 + 60
+            while time.monotonic() < deadline:
+                if server.gw.metrics.errors.count("slow_consumer"):
+                    break
+                await asyncio.sleep(0.05)
+            elapsed = time.monotonic() - t0
+            transport.resume_reading()
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws.recv(), 10)
+            return ws.close_code, elapsed
+
+    code, elapsed = run(main())
+    assert server.gw.metrics.errors.count("slow_consumer") >= 1
+    assert elapsed < 30
+    print(f"slow consumer detected after {elapsed:.2f}s")
+    assert code in (CLOSE_SLOW_CONSUMER, 1006)
+
+
+def test_python_client_and_cli(server: Server, tmp_path: Path) -> None:
+    from gateway.client import GatewayClient
+    from gateway.stream_cli import fake_tokens, stream_file
+
+    text = "The client streams tokens. It gets audio back."
+    assert "".join(fake_tokens(text + "  ")) == text + "  "
+
+    async def main() -> tuple[bytes, list[dict[str, Any]]]:
+        async with await GatewayClient.connect(server.url) as gw:
+            assert gw.session["engine_sample_rate"] == 24000
+            ctx = gw.context("py")
+            for tok in fake_tokens(text):
+                await ctx.send_text(tok)
+            await ctx.end()
+            return await ctx.collect_audio(), ctx.events
+
+    audio, events = run(main())
+    assert events[-1]["type"] == "done" and events[-1]["audio_samples"] == len(audio) // 2
+    out = tmp_path / "out.wav"
+    result = run(stream_file(server.url, "Hello from the command line.", None, 0, out, "pcm_s16le", 16000, None))
+    import wave
+
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 16000 and w.getnframes() == round(result["audio_s"] * 16000) > 0
+    assert result["first_audio_s"] < result["wall_s"]
