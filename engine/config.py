@@ -33,6 +33,9 @@ class EngineConfig:
     vllm_max_model_len: int = 4096
     lm_max_batch: int = 64
     seed: int | None = None
+    # Random weights never emit eos; benchmarks and the random demo models fix the
+    # speech length instead (25 tokens = 1 s). Used when a request does not set it.
+    tokens_per_text_token: float | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # MAX_SILENT are dropped so the model cannot stall in silence.
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT = 5
+PREFIX_CACHE_SIZE = 4096
 
 
 class EngineError(RuntimeError):
@@ -93,7 +94,7 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self._sessions: set[Session] = set()
-        self._prefix_cache: dict[tuple[str, str, str | None], tuple[int, ...]] = {}
+        self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._ids = itertools.count()
 
     # ----------------------------------------------------------------- lifecycle
@@ -231,11 +232,13 @@ class Engine:
 
     def lm_prefix(self, voice: VoicePrompt, opts: SessionOptions) -> tuple[list[int], list[int]]:
         """(prompt text ids, prompt speech tokens) for the LM, cached per voice and mode."""
-        key = (voice.voice_id, opts.mode, opts.instruction)
-        ids = self._prefix_cache.get(key)
+        # Keyed by the prompt text itself, so a re-registered voice never sees a stale prefix.
+        text = lm_prompt_text(opts.mode, voice.transcript, opts.instruction)
+        ids = self._prefix_cache.get(text)
         if ids is None:
-            text = lm_prompt_text(opts.mode, voice.transcript, opts.instruction)
-            ids = self._prefix_cache[key] = tuple(self.tokenizer.encode(text))
+            if len(self._prefix_cache) >= PREFIX_CACHE_SIZE:
+                self._prefix_cache.pop(next(iter(self._prefix_cache)))
+            ids = self._prefix_cache[text] = tuple(self.tokenizer.encode(text))
         speech = voice.speech_tokens.tolist() if opts.mode == "zero_shot" else []
         return list(ids), speech
 
@@ -398,8 +401,9 @@ class Session:
         prompt = build_prompt(lm_cfg, prompt_text, text_ids, prompt_speech)
         min_tokens, max_tokens = length_limits(lm_cfg, len(text_ids))
         fixed = None
-        if opts.tokens_per_text_token is not None:
-            fixed = max(1, int(round(opts.tokens_per_text_token * len(text_ids))))
+        ratio = opts.tokens_per_text_token if opts.tokens_per_text_token is not None else eng.config.tokens_per_text_token
+        if ratio is not None:
+            fixed = max(1, int(round(ratio * len(text_ids))))
         samp = lm_cfg.sampling
         sampling = SamplingParams(
             top_p=samp.top_p,

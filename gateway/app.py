@@ -21,7 +21,8 @@ from starlette.staticfiles import StaticFiles
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.hub import resolve_model
+from engine.hub import RANDOM_MODELS, resolve_model
+from engine.types import SessionOptions
 
 from . import errors, http_api, ws
 from .auth import Auth
@@ -42,10 +43,15 @@ class GatewayState:
     voices: VoiceStore
     metrics: Metrics
     auth: Auth
+    # Base options of every WebSocket context (requests override them).
+    session_defaults: SessionOptions = SessionOptions()
 
 
 def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
     e = settings.engine
+    ratio = e.tokens_per_text_token
+    if ratio is None and (settings.model in RANDOM_MODELS or Path(settings.model).name in RANDOM_MODELS):
+        ratio = 3.0  # random weights never stop on their own
     return EngineConfig(
         model_dir=model_dir,
         device=e.device,
@@ -59,6 +65,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         warmup=e.warmup,
         vllm_gpu_memory_utilization=e.vllm_gpu_memory_utilization,
         vllm_max_model_len=e.vllm_max_model_len,
+        tokens_per_text_token=ratio,
     )
 
 

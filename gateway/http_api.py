@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import binascii
 import json
 import logging
@@ -25,6 +24,7 @@ from pathlib import PurePath
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
+import numpy as np
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
@@ -464,7 +464,8 @@ async def create_speech(request: Request) -> Response:
                 ev = await anext(events, None)
             if failed:
                 return
-            tail = encoder.close()  # no-op when already closed at is_last
+            # Flush (a no-op when the last chunk already closed the encoder).
+            tail = await encode(np.zeros(0, np.float32), True)
             if tail:
                 yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()}) \
                     if req.stream_format == "sse" else tail
@@ -479,10 +480,10 @@ async def create_speech(request: Request) -> Response:
                 })
             gw.metrics.add_audio_seconds(samples / sample_rate)
         finally:
+            # The encoder is not closed here: after a cancelled `to_thread` a worker may
+            # still be inside it, and an unfinished encoder is simply garbage-collected.
             with anyio.CancelScope(shield=True):
                 await session.abort()
-                with contextlib.suppress(Exception):
-                    encoder.close()
             gw.metrics.session_closed()
 
     if req.stream_format == "sse":

@@ -116,6 +116,8 @@ def _scan(buf: str, final: bool) -> list[_Boundary]:
             j = i + 1
             while j < n and buf[j] == "\n":
                 j += 1
+            if j >= n and not final:
+                break  # more newlines may follow
             out.append(_Boundary(j, True))
             i = j
             continue

@@ -44,6 +44,10 @@ class EngineSettings:
     warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
     vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
+    tokens_per_text_token: float | None = field(
+        default=None,
+        metadata=_help("fix speech length: speech tokens per text token (benchmarks; random models default to 3)"),
+    )
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def test_parse_errors_have_codes(obj: Any, expected: str) -> None:
     assert code(obj) == expected
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(raw=st.one_of(st.text(max_size=200), st.binary(max_size=50), st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=10),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(["type", "context_id", "text", "speed", "format", "segmentation", "voice"]), c, max_size=5),
@@ -217,5 +217,129 @@ def test_writer_bounds_memory_and_reports_lag() -> None:
         assert len(sent) == 2 and ctx.sent == 20  # only the frame that was already sending
         assert w.lag() == 0.0
         task.cancel()
+
+    asyncio.run(main())
+
+
+# ---- a whole connection with a client that never reads ------------------------------
+
+
+class _NeverReadingSocket:
+    """Starlette-WebSocket stand-in: text frames pass, audio sends block forever."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        for m in messages:
+            self.inbox.put_nowait({"type": "websocket.receive", "text": m})
+        self.texts: list[dict[str, Any]] = []
+        self.closed_with: int | None = None
+
+    async def receive(self) -> dict[str, Any]:
+        return await self.inbox.get()
+
+    async def send_text(self, data: str) -> None:
+        self.texts.append(json.loads(data))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await asyncio.Event().wait()  # the client's buffers are full
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.closed_with = code
+
+
+class _EndlessSession:
+    """Engine session stand-in producing audio as fast as it is pulled."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self.produced = 0
+
+    async def submit(self, text: str, options: Any = None, utterance_id: str | None = None) -> str:
+        return utterance_id or "u"
+
+    async def events(self) -> Any:
+        from engine.types import AudioChunk
+        import numpy as np
+
+        i = 0
+        while not self.aborted:
+            self.produced += 1
+            yield AudioChunk("a-0", np.zeros(2400, np.float32), i * 2400, False, i)
+            i += 1
+            await asyncio.sleep(0)
+
+    async def finish(self) -> None: ...
+
+    async def abort(self) -> None:
+        self.aborted = True
+
+
+def test_slow_consumer_is_closed_with_4001_and_memory_stays_bounded() -> None:
+    from types import SimpleNamespace
+
+    from gateway.protocol import CLOSE_SLOW_CONSUMER
+    from gateway.ws import _Connection
+
+    async def main() -> None:
+        session = _EndlessSession()
+        errors: list[str] = []
+
+        class Voices:
+            async def get_prompt(self, voice_id: str) -> object:
+                return object()
+
+        limits = WsLimits(max_pending_bytes=20_000, max_lag_s=0.3, keepalive_interval_s=0)
+        gw = SimpleNamespace(
+            engine=SimpleNamespace(open_session=lambda voice, options: session, model_name="fake", sample_rate=24000),
+            voices=Voices(),
+            settings=SimpleNamespace(ws=limits, default_voice="v"),
+            metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None),
+        )
+        sock = _NeverReadingSocket([json.dumps({"type": "text", "context_id": "a", "text": "Speak forever."})])
+        conn = _Connection(sock, gw)  # type: ignore[arg-type]
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, conn.writer.queued_bytes)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(conn.run(), 5)
+        elapsed = asyncio.get_running_loop().time() - t0
+        watcher.cancel()
+        assert sock.closed_with == CLOSE_SLOW_CONSUMER and "slow_consumer" in errors
+        assert 0.3 <= elapsed < 2.0
+        # Producers waited: the queue never held much more than its bound (+ one frame),
+        # and the engine was stopped rather than pulled without limit.
+        assert peak <= 20_000 + 5000
+        assert session.aborted and session.produced < 50
+
+    asyncio.run(main())
+
+
+def test_idle_socket_gets_keepalives_then_idle_close() -> None:
+    from types import SimpleNamespace
+
+    from gateway.protocol import CLOSE_IDLE
+    from gateway.ws import _Connection
+
+    async def main() -> None:
+        limits = WsLimits(idle_timeout_s=0.4, keepalive_interval_s=0.1)
+        gw = SimpleNamespace(
+            engine=SimpleNamespace(model_name="fake", sample_rate=24000),
+            voices=None,
+            settings=SimpleNamespace(ws=limits, default_voice="v"),
+            metrics=SimpleNamespace(error=lambda code: None),
+        )
+        sock = _NeverReadingSocket([])
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(_Connection(sock, gw).run(), 5)  # type: ignore[arg-type]
+        elapsed = asyncio.get_running_loop().time() - t0
+        assert sock.closed_with == CLOSE_IDLE and 0.4 <= elapsed < 1.5
+        kinds = [t["type"] for t in sock.texts]
+        assert kinds[0] == "session_started" and kinds.count("keepalive") >= 2
 
     asyncio.run(main())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -264,7 +264,7 @@ class TorchLMBackend:
         self._drop_rows(lambda r: r.finished)
         return events
 
-    def _drop_rows(self, should_drop) -> None:  # type: ignore[no-untyped-def]
+    def _drop_rows(self, should_drop: Callable[[_Request], bool]) -> None:
         assert self._cache is not None
         for row in range(len(self._rows) - 1, -1, -1):
             if should_drop(self._rows[row]):

@@ -37,7 +37,7 @@ noise-branch output that inference discards).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -264,7 +264,6 @@ class HiFTStream:
     # Sizes of the last step's windows, for observing that per-step work stays bounded.
     last_f0_window: int = 0
     last_decode_window: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- the generator
@@ -369,9 +368,9 @@ class CausalHiFTGenerator(nn.Module):
 
     def _decode(self, mel: torch.Tensor, s_padded: torch.Tensor, valid_frames: torch.Tensor) -> torch.Tensor:
         """mel [B, 80, N + look_right] (look-ahead included), s_padded [B, >= spf*N + n_fft] the
-        centre-padded excitation, valid_frames [B] STFT frames usable per item.
-        Returns [B, spf*N] audio; item b is exact for its first spf*(valid_frames[b]-1)/... samples
-        as described by the callers."""
+        centre-padded excitation, valid_frames [B] STFT frames that belong to item b (the rest is
+        batch padding and is kept out of its inverse STFT). Returns [B, spf*N] audio; which of it
+        is final is the caller's business (see `inference` and `_advance_audio`)."""
         cfg = self.cfg
         n_frames = mel.shape[2] - cfg.conv_pre_look_right
         stft_per_frame = cfg.samples_per_frame // cfg.hop_len
@@ -570,7 +569,7 @@ def init_random_(module: CausalHiFTGenerator, seed: int) -> CausalHiFTGenerator:
             if name == "conv_post":
                 w = w * 0.5
                 half = module.cfg.n_fft // 2 + 1
-                bias[:half] -= 2.5  # log-magnitude well below the 1e2 clip
+                bias[:half] += 0.5  # speech-like level (rms ~0.05), far below the 1e2 clip
             if parametrize.is_parametrized(mod, "weight"):
                 p = mod.parametrizations.weight
                 p.original1.copy_(w)

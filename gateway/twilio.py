@@ -1,0 +1,424 @@
+"""Voice a Twilio phone call with the gateway: a bridge between Twilio Media Streams
+and the streaming WebSocket protocol (docs/telephony.md, docs/protocol.md).
+
+Who holds which socket. Twilio allows one bidirectional Media Stream per call, and the
+voice agent needs that stream's *inbound* audio for its speech recogniser, so the
+agent's server accepts Twilio's WebSocket. The bridge is a small object the agent
+creates inside that handler: it opens one WebSocket to the gateway (`/v1/tts/stream`,
+format `ulaw_8000`, which already yields exact 20 ms G.711 frames) and does the rest:
+
+* `say(text)` streams text (LLM tokens of any size) into the current turn,
+  `end_turn()` ends it, `barge_in()` interrupts it;
+* the turn's audio goes to Twilio as `media` messages of exactly 160 μ-law bytes;
+* after each segment's last frame a `mark` named ``"<turn>/<segment>"`` is sent;
+  Twilio echoes a mark once the audio before it was *played*, so `SegmentPlayed`
+  events tell the agent what the caller really heard;
+* `barge_in()` cancels the gateway context (no more synthesis) and sends `clear`
+  (Twilio drops what it buffered). Marks Twilio returns after a clear were not played,
+  and are not reported as played.
+
+Glue in the agent (any framework whose socket has ``send_text``/``receive_text``):
+
+    bridge = await TwilioBridge.connect(twilio_ws.send_text, "ws://gw:8080/v1/tts/stream", voice="alice")
+    async for raw in twilio_messages:
+        msg = await bridge.handle_twilio(raw)       # start / mark / stop handled here
+        if msg.event == "media": stt.feed(msg.pcm16())
+    ...
+    await bridge.say("Hello"); await bridge.say(" there!"); await bridge.end_turn()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from .audio import ulaw_decode
+from .client import Context, GatewayClient
+
+FRAME_BYTES = 160  # 20 ms of 8 kHz μ-law: the frame size Twilio plays
+ULAW_SILENCE = 0xFF  # μ-law code of a zero sample
+
+SendText = Callable[[str], Awaitable[None]]
+
+
+# ---- what the agent receives ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TwilioMessage:
+    """One message from Twilio, parsed. ``payload`` holds inbound μ-law for `media`."""
+
+    event: str
+    data: dict[str, Any]
+    payload: bytes = b""
+
+    def pcm16(self) -> np.ndarray:
+        """Inbound audio as int16 samples at 8 kHz (what a speech recogniser wants)."""
+        return ulaw_decode(self.payload)
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    stream_sid: str
+    call_sid: str = ""
+    account_sid: str = ""
+    custom_parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SegmentPlayed:
+    """Twilio confirmed the caller heard this segment to its end."""
+
+    turn_id: str
+    segment_index: int
+    text: str
+    text_end: int  # character offset into the turn's text, end of this segment
+    last: bool  # the turn's final segment: the whole reply was heard
+
+
+@dataclass(frozen=True)
+class TurnError:
+    turn_id: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CallEnded:
+    reason: str  # "stop" (Twilio hung up) or "closed"
+
+
+BridgeEvent = SegmentPlayed | TurnError | CallEnded
+
+
+@dataclass(frozen=True)
+class BargeInResult:
+    """What the caller heard of the interrupted turn."""
+
+    turn_id: str | None
+    heard_text: str  # segments confirmed played, in order
+    interrupted_text: str  # the segment that was playing when cut (may be partly heard)
+    frames_sent: int  # media frames of this turn handed to Twilio
+
+
+# ---- per-turn state --------------------------------------------------------------------
+
+
+@dataclass
+class _Segment:
+    index: int
+    text: str
+    text_end: int
+    start_sample: int  # audio_offset at 8 kHz: first sample of this segment
+    end_sample: int | None = None  # known when the next segment starts or the turn ends
+    marked: bool = False
+    played: bool = False
+
+
+@dataclass
+class _Turn:
+    turn_id: str
+    ctx: Context
+    segments: list[_Segment] = field(default_factory=list)
+    samples_sent: int = 0
+    frames_sent: int = 0
+    remainder: bytes = b""
+    finished: bool = False  # the gateway sent done/cancelled: nothing more will come
+    cleared: bool = False  # barge-in: nothing more goes to Twilio
+    ended: bool = False  # the agent called end_turn()
+    forwarder: asyncio.Task | None = None
+
+    def mark_name(self, seg: _Segment) -> str:
+        return f"{self.turn_id}/{seg.index}"
+
+    @property
+    def playing(self) -> bool:
+        """Audio of this turn may still be audible: not all its marks came back."""
+        if self.cleared:
+            return False
+        return not self.finished or any(s.marked and not s.played for s in self.segments)
+
+
+# ---- the bridge ---------------------------------------------------------------------------
+
+
+class TwilioBridge:
+    """One phone call: Twilio's Media Stream on one side, a gateway socket on the other.
+
+    All state is per call (this object). Turns are sequential: `say` after a finished
+    or interrupted turn opens the next one (``turn-1``, ``turn-2``, ... unless named).
+    """
+
+    def __init__(self, send_twilio: SendText, gateway: GatewayClient, *, owns_gateway: bool = True) -> None:
+        self._send_twilio = send_twilio
+        self.gateway = gateway
+        self._owns_gateway = owns_gateway
+        self.call: CallInfo | None = None
+        self.events: asyncio.Queue[BridgeEvent] = asyncio.Queue()
+        self._started = asyncio.Event()
+        # One lock for every frame to Twilio, so a `clear` can never be overtaken by a
+        # media frame of the turn it interrupts.
+        self._send_lock = asyncio.Lock()
+        self._turn: _Turn | None = None  # the latest turn
+        self._turns: list[_Turn] = []  # turns that may still be audible
+        self._turn_count = 0
+        self._marks: dict[str, tuple[_Turn, _Segment]] = {}
+        self.closed = False
+
+    @classmethod
+    async def connect(
+        cls, send_twilio: SendText, gateway_url: str, api_key: str | None = None, **settings: Any
+    ) -> "TwilioBridge":
+        """Open a gateway socket for one call. ``settings`` are socket defaults of the
+        protocol (`voice`, `speed`, `instruction`, `language`, `segmentation`, ...)."""
+        gateway = await GatewayClient.connect(gateway_url, api_key=api_key)
+        try:
+            await gateway.configure(**settings, format="ulaw_8000", sample_rate=8000, audio="binary")
+        except Exception:
+            await gateway.aclose()
+            raise
+        return cls(send_twilio, gateway)
+
+    # -- Twilio side -----------------------------------------------------------------
+
+    async def handle_twilio(self, raw: str | bytes | dict[str, Any]) -> TwilioMessage:
+        """Feed one message received from Twilio; returns it parsed for the agent."""
+        data = raw if isinstance(raw, dict) else json.loads(raw)
+        event = str(data.get("event", ""))
+        payload = b""
+        if event == "start":
+            start = data.get("start") or {}
+            self.call = CallInfo(
+                stream_sid=str(data.get("streamSid") or start.get("streamSid") or ""),
+                call_sid=str(start.get("callSid", "")),
+                account_sid=str(start.get("accountSid", "")),
+                custom_parameters=dict(start.get("customParameters") or {}),
+            )
+            self._started.set()
+        elif event == "media":
+            with contextlib.suppress(ValueError, TypeError):
+                payload = base64.b64decode((data.get("media") or {}).get("payload", ""))
+        elif event == "mark":
+            self._on_mark(str((data.get("mark") or {}).get("name", "")))
+        elif event == "stop":
+            await self._shutdown("stop")
+        return TwilioMessage(event, data, payload)
+
+    def _on_mark(self, name: str) -> None:
+        entry = self._marks.pop(name, None)
+        if entry is None:
+            return  # not ours, or a mark returned by a `clear`
+        turn, seg = entry
+        if turn.cleared:
+            return  # echoed because of a clear: it was never played
+        seg.played = True
+        last = turn.finished and seg is turn.segments[-1]
+        self.events.put_nowait(SegmentPlayed(turn.turn_id, seg.index, seg.text, seg.text_end, last))
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        await self._send_twilio(json.dumps(message, separators=(",", ":")))
+
+    # -- agent side: text in -------------------------------------------------------------
+
+    @property
+    def speaking(self) -> bool:
+        """True while the current turn is synthesising or still playing at Twilio."""
+        return self._turn is not None and self._turn.playing
+
+    @property
+    def turn_id(self) -> str | None:
+        return self._turn.turn_id if self._turn is not None else None
+
+    async def say(self, text: str, turn_id: str | None = None, **overrides: Any) -> str:
+        """Append text to the current turn (opening one if needed); returns its id.
+
+        ``overrides`` (voice, speed, instruction, ...) apply when this opens a turn.
+        """
+        if self.closed:
+            raise RuntimeError("the call has ended")
+        turn = self._turn
+        if turn is None or turn.ended or turn.cleared or (turn_id is not None and turn_id != turn.turn_id):
+            turn = self._open_turn(turn_id)
+            await turn.ctx.send_text(text, **overrides)
+        else:
+            await turn.ctx.send_text(text)
+        return turn.turn_id
+
+    async def flush(self) -> None:
+        """Speak what is buffered now (e.g. the LLM paused mid-sentence)."""
+        if self._turn is not None and not self._turn.ended and not self._turn.cleared:
+            await self._turn.ctx.flush()
+
+    async def end_turn(self) -> None:
+        """No more text for this turn: the rest is spoken and the last mark sent."""
+        turn = self._turn
+        if turn is not None and not turn.ended and not turn.cleared:
+            turn.ended = True
+            await turn.ctx.end()
+
+    async def speak(self, pieces: Any, turn_id: str | None = None, **overrides: Any) -> str:
+        """Convenience: stream an (async) iterable of text pieces as one turn and end it."""
+        tid: str | None = None
+        if hasattr(pieces, "__aiter__"):
+            async for piece in pieces:
+                tid = await self.say(piece, turn_id if tid is None else tid, **overrides)
+        else:
+            for piece in pieces:
+                tid = await self.say(piece, turn_id if tid is None else tid, **overrides)
+        if tid is None:
+            return ""
+        await self.end_turn()
+        return tid
+
+    async def barge_in(self) -> BargeInResult:
+        """The caller interrupted: stop synthesis, empty Twilio's buffer (`clear`)."""
+        turn = self._turn
+        if turn is None:
+            return BargeInResult(None, "", "", 0)
+        audible = [t for t in self._turns if t.playing]
+        was_playing = turn.playing
+        async with self._send_lock:
+            for t in audible:
+                t.cleared = True
+            turn.cleared = True  # even if silent now: its late audio must not follow
+            if audible and self._started.is_set() and not self.closed:
+                with contextlib.suppress(Exception):
+                    await self._send({"event": "clear", "streamSid": self.call.stream_sid if self.call else ""})
+        for t in {id(t): t for t in [*audible, turn]}.values():
+            if not t.finished:
+                with contextlib.suppress(Exception):
+                    await t.ctx.cancel()
+        heard = "".join(s.text for s in turn.segments if s.played)
+        cut = next((s.text for s in turn.segments if not s.played), "") if was_playing else ""
+        return BargeInResult(turn.turn_id, heard, cut, turn.frames_sent)
+
+    async def wait_turn_sent(self, timeout: float | None = None) -> None:
+        """Wait until all audio of the current turn has been handed to Twilio."""
+        turn = self._turn
+        if turn is not None and turn.forwarder is not None:
+            await asyncio.wait_for(asyncio.shield(turn.forwarder), timeout)
+
+    async def aclose(self) -> None:
+        await self._shutdown("closed")
+
+    async def __aenter__(self) -> "TwilioBridge":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    # -- gateway side: audio out ---------------------------------------------------------
+
+    def _open_turn(self, turn_id: str | None) -> _Turn:
+        # A new turn while the last one is still synthesising: the old audio keeps its
+        # place in Twilio's queue and the new turn's audio follows it (see `_forward`).
+        previous = self._turn
+        self._turns = [t for t in self._turns if t.playing]
+        self._turn_count += 1
+        tid = turn_id or f"turn-{self._turn_count}"
+        turn = _Turn(tid, self.gateway.context(tid))
+        after = previous.forwarder if previous is not None else None
+        turn.forwarder = asyncio.create_task(self._forward(turn, after), name=f"twilio-{tid}")
+        self._turn = turn
+        self._turns.append(turn)
+        return turn
+
+    async def _forward(self, turn: _Turn, after: asyncio.Task | None) -> None:
+        """Gateway frames/events of one turn -> Twilio media + marks, in order."""
+        if after is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(after)  # keep turns in order on the phone line
+        try:
+            async for item in turn.ctx.stream():
+                if isinstance(item, bytes):
+                    await self._media(turn, item)
+                    continue
+                kind = item.get("type")
+                if kind == "segment_started":
+                    offset = int(item.get("audio_offset", turn.samples_sent))
+                    if turn.segments and turn.segments[-1].end_sample is None:
+                        turn.segments[-1].end_sample = offset
+                    turn.segments.append(
+                        _Segment(int(item["segment_index"]), str(item.get("text", "")), int(item.get("text_end", 0)), offset)
+                    )
+                    await self._marks_due(turn)
+                elif kind == "flushed":
+                    await self._close_open_segment(turn)
+                elif kind == "done":
+                    turn.finished = True
+                    await self._close_open_segment(turn, pad=True)
+                elif kind == "cancelled":
+                    turn.finished = True
+                elif kind == "error":
+                    self.events.put_nowait(TurnError(turn.turn_id, str(item.get("code")), str(item.get("message"))))
+        finally:
+            turn.finished = True
+
+    async def _close_open_segment(self, turn: _Turn, pad: bool = False) -> None:
+        """A flush or the end of the turn: everything sent so far belongs to the
+        segments before it, so their marks go out after the last (padded) frame."""
+        if pad and turn.remainder:
+            await self._media(turn, b"", final=True)
+        for seg in turn.segments:
+            if seg.end_sample is None:
+                seg.end_sample = turn.samples_sent
+        await self._marks_due(turn)
+
+    async def _media(self, turn: _Turn, payload: bytes, final: bool = False) -> None:
+        # The gateway already sends exact 160-byte frames for ulaw_8000; re-framing
+        # here keeps Twilio's framing exact whatever the payload sizes are.
+        data = turn.remainder + payload
+        if final and len(data) % FRAME_BYTES:
+            data += bytes([ULAW_SILENCE]) * (FRAME_BYTES - len(data) % FRAME_BYTES)
+        whole = len(data) - len(data) % FRAME_BYTES
+        turn.remainder = data[whole:]
+        for i in range(0, whole, FRAME_BYTES):
+            frame = data[i : i + FRAME_BYTES]
+            await self._started.wait()  # Twilio's streamSid is needed on every message
+            async with self._send_lock:
+                if turn.cleared or self.closed:
+                    return
+                await self._send(
+                    {"event": "media", "streamSid": self.call.stream_sid if self.call else "",
+                     "media": {"payload": base64.b64encode(frame).decode("ascii")}}
+                )
+                turn.frames_sent += 1
+                turn.samples_sent += FRAME_BYTES
+            await self._marks_due(turn)
+
+    async def _marks_due(self, turn: _Turn) -> None:
+        """Send the mark of every segment whose last sample has been sent."""
+        for seg in turn.segments:
+            if seg.marked or seg.end_sample is None or turn.samples_sent < seg.end_sample:
+                continue
+            async with self._send_lock:
+                if turn.cleared or self.closed:
+                    return
+                await self._started.wait()
+                name = turn.mark_name(seg)
+                seg.marked = True
+                self._marks[name] = (turn, seg)
+                await self._send({"event": "mark", "streamSid": self.call.stream_sid if self.call else "", "mark": {"name": name}})
+
+    async def _shutdown(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._started.set()  # release forwarders waiting for `start`
+        turn = self._turn
+        if turn is not None and not turn.finished:
+            with contextlib.suppress(Exception):
+                await turn.ctx.cancel()
+        if self._owns_gateway:
+            await self.gateway.aclose()
+        if turn is not None and turn.forwarder is not None:
+            turn.forwarder.cancel()
+            with contextlib.suppress(BaseException):
+                await turn.forwarder
+        self.events.put_nowait(CallEnded(reason))
