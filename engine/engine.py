@@ -133,7 +133,8 @@ class Engine:
             from .backends.vllm_backend import VLLMBackend
             from .backends.vllm_export import ensure_vllm_export
 
-            export_dir = await asyncio.to_thread(ensure_vllm_export, model_dir)
+            lm_cfg = model.config.lm
+            export_dir = await asyncio.to_thread(ensure_vllm_export, model_dir, lm_cfg.qwen, lm_cfg, vocab)
             backend = VLLMBackend(
                 export_dir,
                 vocab,

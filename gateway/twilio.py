@@ -167,6 +167,7 @@ class TwilioBridge:
         self._send_lock = asyncio.Lock()
         self._turn: _Turn | None = None  # the latest turn
         self._turns: list[_Turn] = []  # turns that may still be audible
+        self._contexts: dict[str, Context] = {}  # every turn of the call, for `gateway_events`
         self._turn_count = 0
         self._marks: dict[str, tuple[_Turn, _Segment]] = {}
         self.closed = False
@@ -298,6 +299,11 @@ class TwilioBridge:
         cut = next((s.text for s in turn.segments if not s.played), "") if was_playing else ""
         return BargeInResult(turn.turn_id, heard, cut, turn.frames_sent)
 
+    def gateway_events(self, turn_id: str) -> list[dict[str, Any]]:
+        """The gateway's events of a turn so far (segment_started, done, ...), for logs."""
+        ctx = self._contexts.get(turn_id)
+        return list(ctx.events) if ctx is not None else []
+
     async def wait_turn_sent(self, timeout: float | None = None) -> None:
         """Wait until all audio of the current turn has been handed to Twilio."""
         turn = self._turn
@@ -323,6 +329,7 @@ class TwilioBridge:
         self._turn_count += 1
         tid = turn_id or f"turn-{self._turn_count}"
         turn = _Turn(tid, self.gateway.context(tid))
+        self._contexts[tid] = turn.ctx
         after = previous.forwarder if previous is not None else None
         turn.forwarder = asyncio.create_task(self._forward(turn, after), name=f"twilio-{tid}")
         self._turn = turn
@@ -411,14 +418,15 @@ class TwilioBridge:
             return
         self.closed = True
         self._started.set()  # release forwarders waiting for `start`
-        turn = self._turn
-        if turn is not None and not turn.finished:
+        turns = [t for t in self._turns if not t.finished]
+        for t in turns:
             with contextlib.suppress(Exception):
-                await turn.ctx.cancel()
+                await t.ctx.cancel()
         if self._owns_gateway:
             await self.gateway.aclose()
-        if turn is not None and turn.forwarder is not None:
-            turn.forwarder.cancel()
-            with contextlib.suppress(BaseException):
-                await turn.forwarder
+        for t in self._turns:
+            if t.forwarder is not None:
+                t.forwarder.cancel()
+                with contextlib.suppress(BaseException):
+                    await t.forwarder
         self.events.put_nowait(CallEnded(reason))

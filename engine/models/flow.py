@@ -78,11 +78,13 @@ class PreLookaheadLayer(nn.Module):
 class CausalConditionalCFM(nn.Module):
     """Euler ODE solver with classifier-free guidance around the DiT estimator."""
 
-    def __init__(self, cfg: FlowConfig) -> None:
+    def __init__(self, cfg: FlowConfig, estimator: nn.Module | None = None) -> None:
         super().__init__()
         self.n_timesteps = cfg.n_timesteps
         self.cfg_rate = cfg.inference_cfg_rate
-        self.estimator = DiT(cfg)
+        # CosyVoice2 runs the same solver around a U-Net (`engine.models.unet1d`); any
+        # estimator with the signature (x, mask, mu, t, spks, cond, streaming) fits.
+        self.estimator = DiT(cfg) if estimator is None else estimator
         self.register_buffer("rand_noise", fixed_noise(cfg.output_size), persistent=False)
 
     def solve(
@@ -184,6 +186,23 @@ class CausalMaskedDiffWithDiT(nn.Module):
         )
         return self.inference_chunks([chunk], streaming=streaming)[0].T.unsqueeze(0)
 
+    def token_features(self, chunks: list[FlowChunk], n_main: list[int], streaming: bool) -> torch.Tensor:
+        """`mu` for a batch of chunks: [B, 80, ratio * max(n_main)], the conditioning of every
+        mel frame on its tokens (the part CosyVoice2's flow computes differently; this causal
+        lookahead layer behaves the same with and without `streaming`)."""
+        device = self.input_embedding.weight.device
+        dtype = self.spk_embed_affine_layer.weight.dtype
+        look, n_max = self.pre_lookahead_len, max(n_main)
+        # Token features with right context: the lookahead tokens when not finalizing,
+        # zeros otherwise (the reference's right padding); zeros also fill batch padding,
+        # which the lookahead conv of real tokens never reaches.
+        emb = torch.zeros(len(chunks), n_max + look, self.cfg.input_size, device=device, dtype=dtype)
+        for i, c in enumerate(chunks):
+            ids = c.tokens.to(device=device, dtype=torch.long).clamp(min=0)
+            emb[i, : len(ids)] = self.input_embedding(ids)
+        h = self.pre_lookahead_layer(emb)  # [B, n_max, 80]
+        return h.repeat_interleave(self.token_mel_ratio, dim=1).transpose(1, 2)
+
     @torch.inference_mode()
     def inference_chunks(self, chunks: list[FlowChunk], streaming: bool = True) -> list[torch.Tensor]:
         """Decode all chunks as one right-padded batch; returns one [frames, 80] mel per chunk
@@ -209,15 +228,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         frames = [ratio * n for n in n_main]
         t_max = ratio * n_max
 
-        # Token features with right context: the lookahead tokens when not finalizing,
-        # zeros otherwise (the reference's right padding); zeros also fill batch padding,
-        # which the lookahead conv of real tokens never reaches.
-        emb = torch.zeros(batch, n_max + look, self.cfg.input_size, device=device, dtype=dtype)
-        for i, c in enumerate(chunks):
-            ids = c.tokens.to(device=device, dtype=torch.long).clamp(min=0)
-            emb[i, : len(ids)] = self.input_embedding(ids)
-        h = self.pre_lookahead_layer(emb)  # [B, n_max, 80]
-        mu = h.repeat_interleave(ratio, dim=1).transpose(1, 2)  # [B, 80, t_max]
+        mu = self.token_features(chunks, n_main, streaming)  # [B, 80, t_max]
 
         spk_in = torch.stack([c.embedding.reshape(-1) for c in chunks]).to(device=device, dtype=dtype)
         spks = self.spk_embed_affine_layer(F.normalize(spk_in, dim=1))
