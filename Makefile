@@ -21,12 +21,18 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# libopus for Opus frames (opuslib loads it at run time).
+# libopus for Opus frames (opuslib loads it at run time); the PostgreSQL server for the
+# shared-voice-store tests (they start a throwaway cluster of their own; the gateway
+# itself only needs the psycopg client wheel).
 system-deps:
-	@if ! ldconfig -p 2>/dev/null | grep -q 'libopus.so.0'; then \
-	  echo "installing libopus0 (apt)"; \
+	@PKGS=""; \
+	ldconfig -p 2>/dev/null | grep -q 'libopus.so.0' || PKGS="$$PKGS libopus0"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || PKGS="$$PKGS postgresql"; \
+	if [ -n "$$PKGS" ]; then \
+	  echo "installing$$PKGS (apt)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopus0 >/dev/null; \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$PKGS >/dev/null; \
 	fi
 
 serve: install

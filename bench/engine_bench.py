@@ -119,6 +119,9 @@ async def run_level(engine: Engine, voice, n: int, args) -> dict:
         "max_flow_batch": after.max_batch_size,
         "lm_tokens": after.lm_tokens - before.lm_tokens,
         "lm_tokens_per_s": (after.lm_tokens - before.lm_tokens) / wall,
+        # Wall time the flow+vocoder worker was busy: near wall_s means the audio stage is the bottleneck.
+        "stage_busy_s": after.stage_busy_seconds - before.stage_busy_seconds,
+        "stage_busy_share": (after.stage_busy_seconds - before.stage_busy_seconds) / wall,
     }
 
 
@@ -130,6 +133,7 @@ async def main_async(args) -> dict:
         lm_backend=args.lm_backend,
         flow_left_context=args.flow_left_context,
         warmup=True,
+        text_normalization=not args.no_text_normalization,
     )
     t0 = time.perf_counter()
     engine = await Engine.create(cfg)
@@ -158,7 +162,7 @@ async def main_async(args) -> dict:
                 f"p99={lvl['first_audio_ms']['p99']:.0f} ms | gap p95={lvl['chunk_gap_ms']['p95']:.0f} ms | "
                 f"underruns={lvl['underruns']} ({lvl['sessions_with_underrun']} sessions) | "
                 f"RTF agg={lvl['rtf_aggregate']:.3f} | flow batch mean={lvl['mean_flow_batch']:.1f} | "
-                f"LM {lvl['lm_tokens_per_s']:.0f} tok/s | errors={lvl['errors']}",
+                f"LM {lvl['lm_tokens_per_s']:.0f} tok/s | stage busy {lvl['stage_busy_share']:.0%} | errors={lvl['errors']}",
                 flush=True,
             )
     finally:
@@ -179,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--initial-hop", type=int, default=None)
     p.add_argument("--flow-left-context", type=int, default=50)
     p.add_argument("--warm-level", action="store_true", help="run each level once untimed first")
+    p.add_argument("--no-text-normalization", action="store_true",
+                   help="skip wetext (the bench sentences are plain words; wetext is not on the GPU image)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     args = p.parse_args(argv)
     report = asyncio.run(main_async(args))

@@ -16,6 +16,12 @@
 3. vLLM RAS sampling sanity (no text/stop ids, repetition rate) and decode speed:
    tokens/s at 1/16/64 concurrent streams, first-token latency, engine start time.
 Writes lm_parity.json to --out.
+
+--mode speed runs only the vLLM decode-speed part (e.g. to compare --head unified vs
+--head speech in one job); --mode parity runs only torch fp32 vs vLLM greedy, for
+exact parity use `--dtype float32` (vLLM then picks TRITON_ATTN; also set
+TRITON_F32_DEFAULT=ieee so Triton's fp32 dots are not TF32). The JSON name carries
+the mode, dtype and head: lm_parity[-<mode>-<dtype>-<head>].json.
 """
 
 from __future__ import annotations
@@ -167,7 +173,8 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
     from engine.backends.vllm_backend import VLLMBackend
 
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem,
-                          max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency))
+                          max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency),
+                          dtype=args.dtype, enforce_eager=args.enforce_eager)
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = time.perf_counter() - t
@@ -175,6 +182,10 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
 
     greedy = SamplingParams(greedy=True, fixed_length=args.tokens)
     await run_requests(backend, prompts[:2], replace(greedy, fixed_length=8), "warm")
+    if args.mode == "speed":
+        await vllm_speed(args, backend, lm_cfg, res)
+        await backend.close()
+        return
     seqs, _, _ = await run_requests(backend, prompts, greedy, "greedy")
     res["greedy_tokens"] = seqs
     # Same greedy requests again, one at a time: batch composition must not change results much.
@@ -183,6 +194,9 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
         s, _, _ = await run_requests(backend, [p], greedy, f"solo{i}")
         seqs_solo += s
     res["greedy_solo_vs_batched_identical"] = [a == b for a, b in zip(seqs_solo, seqs[:2])]
+    if args.mode == "parity":
+        await backend.close()
+        return
 
     # RAS sampling sanity: only codebook ids, exact lengths, repetition rate vs greedy.
     ras = SamplingParams(fixed_length=args.tokens, seed=1234)
@@ -213,7 +227,11 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
     res["abort_check"] = {"tokens_before": len(got), "tokens_after_abort": len(rest),
                           "active_after": backend.num_active()}
     log(f"stop check {res['stop_check']}, abort check {res['abort_check']}")
+    await vllm_speed(args, backend, lm_cfg, res)
+    await backend.close()
 
+
+async def vllm_speed(args: argparse.Namespace, backend: Any, lm_cfg: Any, res: dict[str, Any]) -> None:
     # Throughput: c concurrent RAS streams of args.speed_tokens each; warm each shape first.
     speed = []
     g = torch.Generator().manual_seed(99)
@@ -235,7 +253,6 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
             f"(x{row['realtime_factor_per_stream']:.1f} real time), first token median "
             f"{row['first_token_ms_median']:.1f} ms, max {row['first_token_ms_max']:.1f} ms")
     res["speed"] = speed
-    await backend.close()
 
 
 def main() -> None:
@@ -252,7 +269,18 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small model (CPU smoke test of the script)")
+    ap.add_argument("--mode", choices=["full", "speed", "parity"], default="full")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="vLLM export + engine dtype")
+    ap.add_argument("--head", choices=["unified", "speech"], default="unified",
+                    help="vLLM lm_head: all unified-vocab rows, or speech rows only (plugin class)")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile/CUDA graphs")
     args = ap.parse_args()
+    # The fp32 reference must be IEEE fp32, not TF32 (these are torch's defaults; be explicit).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    tag = "" if args.mode == "full" and args.dtype == "bfloat16" and args.head == "unified" else \
+        f"-{args.mode}-{args.dtype}-{args.head}"
+    json_path = Path(args.out) / f"lm_parity{tag}.json"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
@@ -269,23 +297,65 @@ def main() -> None:
     log(f"built random full-size LM in {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     export_dir = Path(args.export_dir)
-    export_from_module(lm32, cfg.qwen, cfg, vocab, export_dir, dtype=torch.bfloat16, fingerprint=f"random-{args.seed}")
+    export_from_module(lm32, cfg.qwen, cfg, vocab, export_dir, dtype=getattr(torch, args.dtype),
+                       fingerprint=f"random-{args.seed}", head=args.head)
     log(f"exported to {export_dir} in {time.perf_counter() - t:.1f} s")
 
     prompts = make_prompts(cfg, args.prompts, args.seed)
     result: dict[str, Any] = {"args": vars(args), "prompt_lengths": [len(p) for p in prompts],
                               "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
-    t = time.perf_counter()
-    ref32 = torch_greedy(lm32, prompts, args.tokens)
-    log(f"torch fp32 greedy in {time.perf_counter() - t:.1f} s")
+    ref32 = ref16 = backend_seqs = None
+    if args.mode != "speed":
+        t = time.perf_counter()
+        ref32 = torch_greedy(lm32, prompts, args.tokens)
+        log(f"torch fp32 greedy in {time.perf_counter() - t:.1f} s")
+    result["parity"] = []
+    if args.mode == "full":
+        ref16, backend_seqs = torch_bf16_part(args, lm32, cfg, vocab, prompts, ref32, dev, result)
+    vres: dict[str, Any] = {"speed": []}
+    result["vllm"] = vres
+    json_path.write_text(json.dumps(result, indent=1))  # in case vLLM dies hard
+    try:
+        asyncio.run(vllm_part(args, export_dir, vocab, prompts, cfg, vres))
+    except Exception:  # keep what was measured; the traceback goes into the JSON too
+        import traceback
+
+        vres["error"] = traceback.format_exc()
+        log("vLLM part failed:\n" + vres["error"])
+    vseqs = vres.pop("greedy_tokens", None)
+    vname = f"vllm_{args.dtype}_{args.head}"
+    if vseqs is not None and ref32 is not None:
+        result["parity"].append(compare(f"torch_fp32 vs {vname}", ref32, vseqs))
+        if ref16 is not None:
+            result["parity"].append(compare(f"torch_bf16 vs {vname}", ref16, vseqs))
+        if backend_seqs is not None:
+            result["parity"].append(compare(f"TorchLMBackend_bf16 vs {vname}", backend_seqs, vseqs))
+        result[f"teacher_forced_{vname}_vs_fp32"] = teacher_forced_agreement(lm32, prompts, vseqs, vname)
+    result["sequences"] = {"torch_fp32": ref32, "torch_bf16": ref16, vname: vseqs,
+                           "torch_backend_bf16": backend_seqs}
+    json_path.write_text(json.dumps(result, indent=1))
+    log("summary:")
+    for p in result["parity"]:
+        print(f"  {p['pair']:28s} identical {p['identical_sequences']}/{p['num_sequences']} "
+              f"match {p['positionwise_match_rate']:.4f} first_div {p['first_divergence']}")
+    for s in vres["speed"]:
+        print(f"  vllm c={s['concurrency']:3d}: {s['tokens_per_s']:8.0f} tok/s  {s['tokens_per_s_per_stream']:6.0f}/stream"
+              f"  first token {s['first_token_ms_median']:.1f} ms (max {s['first_token_ms_max']:.1f})")
+    print(f"  engine start {vres.get('engine_start_s', float('nan')):.1f} s", flush=True)
+    sys.stdout.flush()
+
+
+def torch_bf16_part(args: argparse.Namespace, lm32: CosyVoice3LM, cfg: Any, vocab: Any, prompts: list[list[int]],
+                    ref32: list[list[int]], dev: torch.device, result: dict[str, Any]) -> tuple[Any, Any]:
+    """torch bf16 greedy (own loop and TorchLMBackend) vs fp32; the bf16 baseline."""
     lm16 = CosyVoice3LM(cfg).to(dev)
     lm16.load_state_dict(lm32.state_dict())
     lm16 = lm16.to(torch.bfloat16).eval()
     t = time.perf_counter()
     ref16 = torch_greedy(lm16, prompts, args.tokens)
     log(f"torch bf16 greedy in {time.perf_counter() - t:.1f} s")
-    result["parity"] = [compare("torch_fp32 vs torch_bf16", ref32, ref16)]
+    result["parity"].append(compare("torch_fp32 vs torch_bf16", ref32, ref16))
     # The engine's TorchLMBackend (batched decode loop) on the same bf16 weights.
     backend_seqs = None
     try:
@@ -308,37 +378,8 @@ def main() -> None:
     del lm16
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
     result["teacher_forced_torch_bf16_vs_fp32"] = teacher_forced_agreement(lm32, prompts, ref16, "torch_bf16")
-    vres: dict[str, Any] = {"speed": []}
-    result["vllm"] = vres
-    (out_dir / "lm_parity.json").write_text(json.dumps(result, indent=1))  # in case vLLM dies hard
-    try:
-        asyncio.run(vllm_part(args, export_dir, vocab, prompts, cfg, vres))
-    except Exception:  # keep what was measured; the traceback goes into the JSON too
-        import traceback
-
-        vres["error"] = traceback.format_exc()
-        log("vLLM part failed:\n" + vres["error"])
-    vseqs = vres.pop("greedy_tokens", None)
-    if vseqs is not None:
-        result["parity"] += [compare("torch_fp32 vs vllm_bf16", ref32, vseqs),
-                             compare("torch_bf16 vs vllm_bf16", ref16, vseqs)]
-        if backend_seqs is not None:
-            result["parity"].append(compare("TorchLMBackend_bf16 vs vllm_bf16", backend_seqs, vseqs))
-        result["teacher_forced_vllm_vs_fp32"] = teacher_forced_agreement(lm32, prompts, vseqs, "vllm_bf16")
-    result["sequences"] = {"torch_fp32": ref32, "torch_bf16": ref16, "vllm_bf16": vseqs,
-                           "torch_backend_bf16": backend_seqs}
-    (out_dir / "lm_parity.json").write_text(json.dumps(result, indent=1))
-    log("summary:")
-    for p in result["parity"]:
-        print(f"  {p['pair']:28s} identical {p['identical_sequences']}/{p['num_sequences']} "
-              f"match {p['positionwise_match_rate']:.4f} first_div {p['first_divergence']}")
-    for s in vres["speed"]:
-        print(f"  vllm c={s['concurrency']:3d}: {s['tokens_per_s']:8.0f} tok/s  {s['tokens_per_s_per_stream']:6.0f}/stream"
-              f"  first token {s['first_token_ms_median']:.1f} ms (max {s['first_token_ms_max']:.1f})")
-    print(f"  engine start {vres.get('engine_start_s', float('nan')):.1f} s", flush=True)
-    sys.stdout.flush()
+    return ref16, backend_seqs
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     voice  = await engine.prepare_voice("alice", wav, 24000, "transcript")
     sess   = engine.open_session(voice, SessionOptions())
     uid    = await sess.submit("Hello there.")
+    uid, feed = await sess.submit_stream()    # text-in streaming: feed.append(...); feed.close()
     async for ev in sess.events(): ...        # AudioChunk | UtteranceError, in submission order
     await sess.cancel(uid)                    # barge-in
 
@@ -30,11 +31,13 @@ import numpy as np
 import torch
 
 from .backends.base import LMBackend, LMRequest, SamplingParams
+from .bistream import BistreamRequest, LengthLimits
 from .chunking import ChunkSchedule
 from .config import EngineConfig
 from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
+from .text_stream import TextFeed
 from .models.loader import LoadedModel, load_model
 from .token2wav import AudioStage, ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
@@ -255,6 +258,7 @@ class _Utterance:
     lm_done: asyncio.Event = None  # type: ignore[assignment]
     task: asyncio.Task | None = None
     request_id: str = ""
+    feed: TextFeed | None = None  # text-in streaming: the text arrives through this
 
 
 class Session:
@@ -278,6 +282,20 @@ class Session:
         return sum(1 for u in self._utts.values() if u.task is not None and not u.task.done())
 
     async def submit(self, text: str, options: SessionOptions | None = None, utterance_id: str | None = None) -> str:
+        return self._submit(text, None, options, utterance_id)
+
+    async def submit_stream(
+        self, options: SessionOptions | None = None, utterance_id: str | None = None
+    ) -> tuple[str, TextFeed]:
+        """An utterance whose text arrives while it is spoken: `feed.append(text)` as
+        it comes, `feed.close()` at its end. The LM starts on the first words
+        (`engine.bistream`); audio comes out in submission order like `submit`'s."""
+        if not hasattr(self.engine.backend, "generate_streaming"):
+            raise EngineError("unsupported", f"the {self.engine.backend.name} backend has no text-in streaming")
+        feed = TextFeed(self.engine.tokenizer.encode)
+        return self._submit("", feed, options, utterance_id), feed
+
+    def _submit(self, text: str, feed: TextFeed | None, options: SessionOptions | None, utterance_id: str | None) -> str:
         if self._finished or self._closed:
             raise EngineError("session_closed", "session no longer accepts text")
         uid = utterance_id or uuid.uuid4().hex[:12]
@@ -285,6 +303,7 @@ class Session:
             raise EngineError("duplicate_utterance", f"utterance id {uid!r} already used in this session")
         opts = options or self.options
         utt = _Utterance(uid, text, opts, asyncio.Queue(maxsize=64), UtteranceStats(submitted_at=time.monotonic()))
+        utt.feed = feed
         utt.lm_done = asyncio.Event()
         self._utts[uid] = utt
         self._stats[uid] = utt.stats
@@ -389,7 +408,51 @@ class Session:
         if not utt.cancelled:
             await utt.queue.put(item)
 
+    def _sampling(self, opts: SessionOptions, min_tokens: int = 0, max_tokens: int = 2000, fixed: int | None = None) -> SamplingParams:
+        eng = self.engine
+        samp = eng.model.config.lm.sampling
+        return SamplingParams(
+            top_p=samp.top_p,
+            top_k=samp.top_k,
+            win_size=samp.win_size,
+            tau_r=samp.tau_r,
+            greedy=opts.greedy,
+            seed=opts.seed if opts.seed is not None else eng.config.seed,
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            fixed_length=fixed,
+        )
+
+    async def _synthesize_stream(self, utt: _Utterance) -> None:
+        """Text-in streaming: one LM generation fed with text as it arrives."""
+        eng, opts, voice = self.engine, utt.options, self.voice
+        assert utt.feed is not None
+        try:
+            prompt_text, prompt_speech = eng.lm_prefix(voice, opts)
+        except ValueError as exc:
+            raise EngineError("bad_options", str(exc)) from exc
+        lm_cfg = eng.model.config.lm
+        ratio = opts.tokens_per_text_token if opts.tokens_per_text_token is not None else eng.config.tokens_per_text_token
+        limits = LengthLimits(
+            min_ratio=lm_cfg.min_token_text_ratio,
+            max_ratio=lm_cfg.max_token_text_ratio,
+            fixed_ratio=ratio,
+            # vLLM must fit prompt + text + speech into its context window.
+            hard_max=max(1, eng.config.vllm_max_model_len - len(prompt_text) - len(prompt_speech) - 512),
+        )
+        utt.request_id = f"{self.session_id}-{utt.uid}"
+        request = BistreamRequest(utt.request_id, tuple(prompt_text), tuple(prompt_speech), self._sampling(opts), limits)
+        feed = utt.feed
+        try:
+            await self._speak(utt, lambda: eng.backend.generate_streaming(request, feed.arrivals()))  # type: ignore[attr-defined]
+        except ValueError as exc:  # e.g. no <|endofprompt|> in the prompt
+            raise EngineError("bad_options", str(exc)) from exc
+        if feed.first_text_at is not None:
+            utt.stats.extra["first_text_at"] = feed.first_text_at
+
     async def _synthesize(self, utt: _Utterance) -> None:
+        if utt.feed is not None:
+            return await self._synthesize_stream(utt)
         eng, opts, voice = self.engine, utt.options, self.voice
         text_ids = await asyncio.to_thread(eng.text_ids, utt.text)
         if not text_ids:
@@ -405,28 +468,21 @@ class Session:
         ratio = opts.tokens_per_text_token if opts.tokens_per_text_token is not None else eng.config.tokens_per_text_token
         if ratio is not None:
             fixed = max(1, int(round(ratio * len(text_ids))))
-        samp = lm_cfg.sampling
-        sampling = SamplingParams(
-            top_p=samp.top_p,
-            top_k=samp.top_k,
-            win_size=samp.win_size,
-            tau_r=samp.tau_r,
-            greedy=opts.greedy,
-            seed=opts.seed if opts.seed is not None else eng.config.seed,
-            min_tokens=min_tokens,
-            max_tokens=max_tokens,
-            fixed_length=fixed,
-        )
+        sampling = self._sampling(opts, min_tokens, max_tokens, fixed)
         utt.request_id = f"{self.session_id}-{utt.uid}"
         request = LMRequest(utt.request_id, tuple(prompt), sampling)
+        await self._speak(utt, lambda: eng.backend.generate(request))
 
+    async def _speak(self, utt: _Utterance, lm_stream) -> None:
+        """Speech tokens from `lm_stream()` -> chunker -> audio stage, concurrently."""
+        eng = self.engine
         tokens: list[int] = []
         more = asyncio.Event()
 
         async def consume() -> None:
             silent_run = 0
             try:
-                async for tok in eng.backend.generate(request):
+                async for tok in lm_stream():
                     if utt.stats.first_token_at is None:
                         utt.stats.first_token_at = time.monotonic()
                     eng.lm_tokens += 1
@@ -475,6 +531,8 @@ class Session:
             if hop is None:  # LM done: finalize with everything left
                 if lm_task.exception() is not None:
                     raise lm_task.exception()  # type: ignore[misc]
+                if not tokens:  # e.g. a streamed utterance whose text was empty
+                    raise EngineError("empty_text", "nothing to speak")
                 end, finalize = len(tokens), True
             else:
                 end, finalize = sched.offset + hop, False

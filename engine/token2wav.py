@@ -7,12 +7,18 @@ so the vocoder's per-utterance stream state is always advanced in order.
 
 The stage runs its tensor work on one dedicated worker thread, so the event loop
 never blocks on it and the LM backend (its own thread or process) overlaps with it.
+
+On CUDA the flow runs under bf16 autocast by default: the DiT's matrix products are
+~90% of the stage's time and run several times faster in bf16 (the official code
+offers fp16 for the flow too); the ODE state `x` stays float32, and the vocoder stays
+float32 (its F0 net float64) because phase errors are audible.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import time
@@ -51,8 +57,13 @@ class StageStats:
 
 
 class AudioStage:
-    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64):
+    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
+                 flow_autocast: torch.dtype | None | str = "auto"):
         self.flow = flow
+        # "auto": bf16 on CUDA, none elsewhere (CPU bf16 matmuls are not faster here).
+        if flow_autocast == "auto":
+            flow_autocast = torch.bfloat16 if torch.device(device).type == "cuda" else None
+        self.flow_autocast: torch.dtype | None = flow_autocast  # type: ignore[assignment]
         self.hift = hift
         self.device = device
         self.max_batch = max_batch
@@ -156,7 +167,11 @@ class AudioStage:
 
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> list[np.ndarray]:
-        mels = self.flow.inference_chunks([j.flow for j in batch])
+        ctx = (torch.autocast(torch.device(self.device).type, dtype=self.flow_autocast)
+               if self.flow_autocast is not None else contextlib.nullcontext())
+        with ctx:
+            mels = self.flow.inference_chunks([j.flow for j in batch])
+        mels = [m.float() for m in mels]
         mels = [_stretch(m, j.speed) for m, j in zip(mels, batch)]
         pcm = self.hift.stream_step(
             [j.hift_stream for j in batch],

@@ -21,6 +21,7 @@ from starlette.staticfiles import StaticFiles
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.pool import create_engine
 from engine.hub import RANDOM_MODELS, resolve_model
 from engine.types import SessionOptions
 
@@ -28,6 +29,7 @@ from . import errors, http_api, ws
 from .auth import Auth
 from .metrics import Metrics
 from .settings import Settings
+from .voice_pg import create_voice_store
 from .voices import VoiceStore
 
 log = logging.getLogger("gateway")
@@ -76,8 +78,8 @@ def create_app(settings: Settings) -> Starlette:
         data_dir.mkdir(parents=True, exist_ok=True)
         model_dir = resolve_model(settings.model, data_dir / "models")
         log.info("loading model from %s", model_dir)
-        engine = await Engine.create(engine_config(settings, model_dir))
-        voices = VoiceStore(data_dir, engine, settings.voices)
+        engine = await create_engine(engine_config(settings, model_dir), settings.engine.devices)
+        voices = create_voice_store(settings.voice_store, data_dir, engine, settings.voices)
         await voices.open()
         if Path(settings.assets_dir).is_dir():
             await voices.register_assets(Path(settings.assets_dir))

@@ -44,6 +44,11 @@ class EngineSettings:
     warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
     vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
+    devices: tuple[str, ...] = field(
+        default=(),
+        metadata=_help("one engine per device, sessions on the least-loaded, e.g. cuda:0,cuda:1 "
+                       "(torch LM backend; empty = one engine on engine.device)"),
+    )
     tokens_per_text_token: float | None = field(
         default=None,
         metadata=_help("fix speech length: speech tokens per text token (benchmarks; random models default to 3)"),
@@ -59,6 +64,11 @@ class Settings:
         metadata=_help("model directory, hub repo id (downloaded into the data dir), or 'tiny-random' / 'full-random'"),
     )
     data_dir: Path = field(default=Path("data"), metadata=_help("voices database, voice files and model cache live here"))
+    voice_store: str = field(
+        default="sqlite",
+        metadata=_help("where voices live: 'sqlite' (in the data dir) or a postgresql://user@host:port/db URL "
+                       "shared by all replicas (password via PGPASSWORD)"),
+    )
     assets_dir: Path = field(default=Path("assets"), metadata=_help("voices registered at start: <id>.wav + <id>.txt"))
     default_voice: str = field(default="default", metadata=_help("voice used when a request names none"))
     api_keys: tuple[str, ...] = field(default=(), metadata=_help("comma-separated API keys; empty = no auth"))

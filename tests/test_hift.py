@@ -45,6 +45,8 @@ def _stream(gen: CausalHiFTGenerator, mel: torch.Tensor, chunks: list[int]) -> t
 
 
 def test_full_size_state_dict_matches_official_keys() -> None:
+    if not KEYS_FILE.exists():
+        pytest.skip(f"{KEYS_FILE} not available on this machine")
     expected = {}
     for line in KEYS_FILE.read_text().splitlines():
         if line and not line.startswith("#"):

@@ -1,140 +1,49 @@
 """HTTP API against a real uvicorn server: voices, uploads, restart, health, auth, metrics.
 
-`LiveServer` runs uvicorn in a background thread on a free loopback port and returns
-once the app's lifespan start-up has finished (an Event, no sleeps). `build_app` mounts
-`gateway.http_api.routes` with the same state object the production app factory
-builds; the engine comes from a factory so each server creates it on its own loop.
+The app is the production one (`gateway.app.create_app`) with the tiny random-weight
+engine, served by `helpers.LiveServer` on a loopback port. Engine failures are injected
+with `helpers.StageFault` around the real audio stage, never by a stand-in engine.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import socket
-import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
-from starlette.applications import Starlette
 
 from gateway.audio_files import decode_audio, wav_bytes
 from gateway.auth import Auth
-from gateway.errors import exception_handlers
-from gateway.http_api import routes
-from gateway.metrics import Metrics
-from gateway.voices import VoiceLimits, VoiceStore
-from test_voices import SR, FakeEngine, tone, tone_wav
-
-API_KEY = "sk-test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-FAST = {"tokens_per_text_token": 2.0, "seed": 0}
-
-
-def make_settings(**over: Any) -> SimpleNamespace:
-    base = dict(
-        voices=VoiceLimits(max_upload_bytes=2_000_000),
-        openai_model_aliases=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3"),
-        max_input_chars=4096,
-        default_voice="default",
-        api_keys=(API_KEY,),
-    )
-    base.update(over)
-    return SimpleNamespace(**base)
-
-
-def build_app(data_dir: Path, engine_factory: Callable[[], Awaitable[Any]], settings: SimpleNamespace,
-              holder: dict[str, Any] | None = None) -> Starlette:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        engine = await engine_factory()
-        voices = await VoiceStore(data_dir, engine, settings.voices).open()
-        app.state.gw = SimpleNamespace(engine=engine, voices=voices, settings=settings,
-                                       metrics=Metrics(), auth=Auth(settings.api_keys))
-        if holder is not None:
-            holder["gw"] = app.state.gw
-        try:
-            yield
-        finally:
-            await voices.close()
-            await engine.close()
-
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers)
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        self.ready.set()
-
-
-class LiveServer:
-    def __init__(self, app: Starlette, start_timeout: float = 180.0) -> None:
-        self.app = app
-        self.start_timeout = start_timeout
-
-    def __enter__(self) -> "LiveServer":
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-
-        def target() -> None:
-            try:
-                self.server.run(sockets=[sock])
-            finally:
-                self.server.ready.set()  # never leave the waiter hanging on a failed start
-
-        self.thread = threading.Thread(target=target, daemon=True)
-        self.thread.start()
-        if not self.server.ready.wait(self.start_timeout) or not self.server.started:
-            self.__exit__()
-            raise RuntimeError("server did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "server did not stop"
-
-    def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=120, **kw)
-
-
-async def fake_engine() -> FakeEngine:
-    return FakeEngine()
-
-
-def register(client: httpx.Client, voice_id: str | None, audio: bytes, transcript: str = "Hello there.",
-             filename: str = "prompt.wav", **extra: str) -> httpx.Response:
-    data = {"transcript": transcript, **extra}
-    if voice_id is not None:
-        data["id"] = voice_id
-    return client.post("/v1/voices", headers=AUTH, data=data, files={"file": (filename, audio, "audio/wav")})
+from helpers import (  # noqa: F401 (LiveServer, register, ... are re-exported for other test modules)
+    API_KEY,
+    AUTH,
+    FAST,
+    SAMPLES_PER_TOKEN,
+    SR,
+    LiveServer,
+    StageFault,
+    err,
+    eventually,
+    gateway_settings,
+    leftovers,
+    live_gateway,
+    register,
+    same_prompt,
+    scrape,
+    tone,
+    tone_wav,
+)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, dict[str, Any]]]:
-    holder: dict[str, Any] = {}
-    app = build_app(tmp_path_factory.mktemp("data"), fake_engine, make_settings(), holder)
-    with LiveServer(app) as srv:
-        yield srv, holder
-
-
-def err(resp: httpx.Response) -> tuple[int, str]:
-    body = resp.json()
-    assert set(body) == {"error"} and isinstance(body["error"]["message"], str)
-    return resp.status_code, body["error"]["code"]
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_gateway(tiny_model_dir, tmp_path_factory.mktemp("http")) as srv:
+        yield srv
 
 
 # --------------------------------------------------------------------------------------
@@ -143,7 +52,7 @@ def err(resp: httpx.Response) -> tuple[int, str]:
 
 
 def test_health_open_everything_else_needs_key(server) -> None:
-    srv, holder = server
+    srv = server
     with srv.client() as c:
         assert c.get("/health").json() == {"status": "ok"}
         for method, path in [("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
@@ -152,14 +61,15 @@ def test_health_open_everything_else_needs_key(server) -> None:
             assert err(resp) == (401, "unauthorized"), path
             assert resp.headers["www-authenticate"] == "Bearer"
         assert err(c.get("/ready", headers={"Authorization": "Bearer wrong"})) == (401, "unauthorized")
-        assert c.get("/ready", headers=AUTH).json() == {"status": "ready", "model": "Fake-CosyVoice3"}
+        assert c.get("/ready", headers=AUTH).json() == {"status": "ready", "model": srv.gw.engine.model_name}
+        assert srv.gw.engine.model_name == "tiny-random"
 
-        holder["gw"].engine.ready = False
+        srv.gw.engine.ready = False
         try:
             assert err(c.get("/ready", headers=AUTH)) == (503, "not_ready")
             assert c.get("/health").status_code == 200  # liveness is not readiness
         finally:
-            holder["gw"].engine.ready = True
+            srv.gw.engine.ready = True
 
 
 def test_auth_websocket_query_token() -> None:
@@ -172,10 +82,10 @@ def test_auth_websocket_query_token() -> None:
 
 
 def test_models_lists_aliases(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         ids = [m["id"] for m in c.get("/v1/models", headers=AUTH).json()["data"]]
-        assert ids == ["tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3", "Fake-CosyVoice3"]
+        assert ids == ["tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3", "tiny-random"]
         assert c.get("/v1/models/tts-1", headers=AUTH).json()["id"] == "tts-1"
         assert err(c.get("/v1/models/whisper-1", headers=AUTH)) == (404, "model_not_found")
 
@@ -186,7 +96,7 @@ def test_models_lists_aliases(server) -> None:
 
 
 def test_voice_crud(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         resp = register(c, "crud", tone_wav(4.0), "A voice for the test.", name="Crud Voice")
         assert resp.status_code == 201, resp.text
@@ -204,7 +114,7 @@ def test_voice_crud(server) -> None:
 
 
 def test_voice_json_base64_upload(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         audio = wav_bytes(tone(3.5, 16000), 16000)
         resp = c.post("/v1/voices", headers=AUTH, json={
@@ -224,7 +134,7 @@ def _flac_bytes(seconds: float) -> bytes:
 
 
 def test_voice_upload_other_container(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         resp = register(c, "flac-voice", _flac_bytes(3.5), filename="prompt.flac")
         assert resp.status_code == 201, resp.text
@@ -246,7 +156,7 @@ def test_voice_upload_other_container(server) -> None:
     ],
 )
 def test_bad_uploads(server, voice_id, audio, transcript, expected) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         resp = register(c, voice_id, audio, transcript)
         assert err(resp) == expected
@@ -254,7 +164,7 @@ def test_bad_uploads(server, voice_id, audio, transcript, expected) -> None:
 
 
 def test_missing_file_field(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         resp = c.post("/v1/voices", headers=AUTH, data={"id": "nofile", "transcript": "hi"},
                       files={"other": ("x.txt", b"abc", "text/plain")})
@@ -263,7 +173,7 @@ def test_missing_file_field(server) -> None:
 
 def test_too_large_upload_is_cut_off(server) -> None:
     """413 both when Content-Length says so and for a chunked body with no length."""
-    srv, _ = server
+    srv = server
     big = tone_wav(45.0)  # 2.16 MB > the 2 MB limit of this server
     with srv.client() as c:
         assert err(register(c, "big", big)) == (413, "audio_too_large")
@@ -323,7 +233,7 @@ def test_bounded_stream_stops_pulling_at_the_limit() -> None:
 
 
 def test_speech_errors(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         assert register(c, "speaker", tone_wav(3.5)).status_code == 201
 
@@ -340,7 +250,13 @@ def test_speech_errors(server) -> None:
         assert err(speech(speed=0.1)) == (400, "invalid_speed")
         assert err(speech(response_format="ogg")) == (400, "unsupported_format")
         assert err(speech(stream_format="ws")) == (400, "unsupported_format")
-        assert err(speech(input="please FAIL now")) == (500, "synthesis_failed")
+        # The engine failing before any audio exists is a proper 500, not a broken 200.
+        assert register(c, "faulty", tone_wav(3.5, freq=330.0)).status_code == 201
+        with StageFault(srv.gw.engine, srv.call(srv.gw.voices.get_prompt("faulty")), from_chunk=0) as fault:
+            assert err(speech(voice="faulty")) == (500, "synthesis_failed")
+            assert speech().status_code == 200  # other voices are served meanwhile
+        assert fault.count == 1
+        assert speech(voice="faulty").status_code == 200  # and the voice works once the fault is gone
         resp = c.post("/v1/audio/speech", headers={**AUTH, "Content-Type": "application/json"}, content=b"{nope")
         assert err(resp) == (400, "invalid_request")
         # A stock OpenAI voice name with no "default" voice registered is a clean 404.
@@ -348,29 +264,26 @@ def test_speech_errors(server) -> None:
 
 
 def test_client_disconnect_aborts_engine_session(server) -> None:
-    srv, holder = server
-    engine: FakeEngine = holder["gw"].engine
+    srv = server
     with srv.client() as c:
         assert register(c, "longtalk", tone_wav(3.5)).status_code in (201, 409)
+        assert leftovers(c) == {}
         body = {"model": "tts-1", "voice": "longtalk", "input": "word " * 400, "response_format": "pcm",
                 "tokens_per_text_token": 20.0}  # ~5 minutes of audio if read to the end
         with c.stream("POST", "/v1/audio/speech", headers=AUTH, json=body) as resp:
             assert resp.status_code == 200
             first = next(resp.iter_raw())
             assert len(first) > 0
-            sessions = list(engine.sessions)
-            assert len(sessions) == 1
-            session = sessions[0]
-        # Closing the response closes the connection; the server must abort the session.
-        done = threading.Event()
-        session.on_abort = done.set
-        if session.aborted:
-            done.set()
-        assert done.wait(30), "engine session was not aborted after the client left"
+            with srv.client() as probe:
+                busy = scrape(probe)
+            assert busy["cosyvoice_engine_active_sessions"] == 1 and busy["cosyvoice_sessions_active"] == 1, (busy, len(first), srv.gw.engine.stats())
+        # Closing the response closes the connection; the server must abort the session:
+        # no engine session, utterance, LM request or queued chunk is left behind.
+        eventually(lambda: leftovers(c) == {}, timeout=30)
 
 
 def test_metrics_exposition(server) -> None:
-    srv, _ = server
+    srv = server
     with srv.client() as c:
         assert register(c, "metered", tone_wav(3.5)).status_code in (201, 409)
         assert c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "metered",
@@ -399,18 +312,23 @@ def test_metrics_exposition(server) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def test_voice_survives_restart(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    settings = make_settings()
-    with LiveServer(build_app(data, fake_engine, settings)) as srv, srv.client() as c:
+def test_voice_survives_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with live_gateway(tiny_model_dir, tmp_path) as srv, srv.client() as c:
         assert register(c, "persist", tone_wav(4.0), "I will be back.").status_code == 201
         before = c.get("/v1/voices/persist", headers=AUTH).json()
+        prompt_before = srv.call(srv.gw.voices.get_prompt("persist"))
+        speech = {"model": "tts-1", "voice": "persist", "input": "Still here.", "response_format": "pcm", **FAST}
+        pcm_before = c.post("/v1/audio/speech", headers=AUTH, json=speech).content
 
-    with LiveServer(build_app(data, fake_engine, settings)) as srv, srv.client() as c:
+    with live_gateway(tiny_model_dir, tmp_path) as srv, srv.client() as c:
         assert c.get("/v1/voices/persist", headers=AUTH).json() == before
-        resp = c.post("/v1/audio/speech", headers=AUTH, json={
-            "model": "tts-1", "voice": "persist", "input": "Still here.", "response_format": "wav", **FAST})
+        assert same_prompt(srv.call(srv.gw.voices.get_prompt("persist")), prompt_before)
+        resp = c.post("/v1/audio/speech", headers=AUTH, json={**speech, "response_format": "wav"})
         assert resp.status_code == 200
         audio = decode_audio(resp.content)
         assert audio.sample_rate == SR and audio.duration_s > 0.1
-        assert float(np.sqrt(np.mean(audio.samples ** 2))) > 0.01
+        assert np.all(np.isfinite(audio.samples)) and float(np.abs(audio.samples).max()) > 0
+        # Same voice, same seed: the restarted server speaks the same samples as before.
+        assert c.post("/v1/audio/speech", headers=AUTH, json=speech).content == pcm_before
+        tokens = len(srv.gw.engine.text_ids("Still here."))
+        assert len(pcm_before) == 2 * tokens * 2 * SAMPLES_PER_TOKEN  # s16, 2 tokens per text token

@@ -137,6 +137,48 @@ def test_export_from_lm_module(tmp_path: Path) -> None:
     assert torch.equal(t["lm_head.weight"][: VOCAB.text_offset], model.llm_decoder.weight)
 
 
+def test_speech_head_export(tmp_path: Path) -> None:
+    """head="speech": lm_head = llm_decoder rows only, embeddings still unified, and
+    config.json names the plugin class with its row count."""
+    from engine.backends.vllm_model import ARCHITECTURE, HEAD_ROWS_KEY
+
+    sd = official_state(3)
+    info = export_unified_qwen2(sd, QWEN, LM, VOCAB, tmp_path, dtype=torch.float32, head="speech")
+    assert info.head == "speech" and info.head_rows == VOCAB.speech_vocab_size
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == [ARCHITECTURE]
+    assert cfg[HEAD_ROWS_KEY] == VOCAB.speech_vocab_size and cfg["vocab_size"] == VOCAB.size
+    t = read_safetensors(tmp_path / WEIGHTS_FILE)
+    assert torch.equal(t["lm_head.weight"], sd["llm_decoder.weight"])
+    assert t["model.embed_tokens.weight"].shape == (VOCAB.size, QWEN.hidden_size)
+    with pytest.raises(ValueError):
+        export_unified_qwen2(sd, QWEN, LM, VOCAB, tmp_path / "x", head="text")  # type: ignore[arg-type]
+
+
+def test_cached_speech_head_export_is_separate(tmp_path: Path) -> None:
+    torch.save(official_state(0), tmp_path / "llm.pt")
+    uni = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB)
+    sp = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="speech")
+    assert uni != sp
+    assert read_safetensors(sp / WEIGHTS_FILE)["lm_head.weight"].shape[0] == VOCAB.speech_vocab_size
+    assert read_safetensors(uni / WEIGHTS_FILE)["lm_head.weight"].shape[0] == VOCAB.size
+    stamp = (sp / WEIGHTS_FILE).stat().st_mtime_ns
+    assert ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="speech") == sp
+    assert (sp / WEIGHTS_FILE).stat().st_mtime_ns == stamp
+
+
+def test_plugin_entry_point_is_discoverable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dist-info written for source-checkout runs declares the vLLM general plugin."""
+    import importlib.metadata as md
+
+    from engine.backends.vllm_model import PLUGIN_NAME, PLUGIN_TARGET, write_plugin_dist_info
+
+    write_plugin_dist_info(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == PLUGIN_NAME]
+    assert [ep.value for ep in eps] == [PLUGIN_TARGET]
+
+
 # ------------------------------------------------------------------ RAS as a distribution
 
 

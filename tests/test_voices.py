@@ -1,171 +1,48 @@
 """VoiceStore: validation, atomic persistence, crash recovery, restart, assets.
 
-The store only needs `prepare_voice` / `voice_from_arrays` from the engine, so these
-tests use `FakeEngine` (also used by the HTTP tests for error paths): deterministic
-features derived from the audio, so "the same voice after a restart" is checkable
-bit for bit. The real tiny engine is exercised end to end in test_http_api.py.
+The store runs against the real tiny engine (random weights, real speech tokenizer and
+speaker encoder graphs): features are computed by the same code a real model uses, and
+"the same voice after a restart" is checked bit for bit against what the engine
+computed before. The engine lives on one event loop thread for the module
+(`LoopThread`); each test's scenario runs there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import sqlite3
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
-import torch
 
-from engine.types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
-from gateway.audio_files import wav_bytes
+from gateway.audio_files import decode_audio, wav_bytes
 from gateway.errors import ApiError
 from gateway.voices import VoiceInfo, VoiceLimits, VoiceStore
-
-SR = 24000
-
-
-def tone(seconds: float, sr: int = SR, freq: float = 220.0, amp: float = 0.3) -> np.ndarray:
-    t = np.arange(int(round(seconds * sr))) / sr
-    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+from helpers import SR, CountingEngine, LoopThread, create_engine, same_prompt, tone, tone_wav  # noqa: F401 (re-exported)
 
 
-def tone_wav(seconds: float, sr: int = SR, freq: float = 220.0) -> bytes:
-    return wav_bytes(tone(seconds, sr, freq), sr)
+@pytest.fixture(scope="module")
+def engine_loop(tiny_model_dir: Path) -> Iterator[tuple[LoopThread, Any]]:
+    lt = LoopThread()
+    engine = lt.run(create_engine(tiny_model_dir))
+    yield lt, engine
+    lt.run(engine.close())
+    lt.close()
 
 
-# --------------------------------------------------------------------------------------
-# A deterministic stand-in for the engine (same contract as engine.engine.Engine)
-# --------------------------------------------------------------------------------------
+@pytest.fixture
+def run(engine_loop):
+    """Run a scenario coroutine on the engine's loop."""
+    lt, _ = engine_loop
+    return lambda coro: lt.run(coro)
 
 
-@dataclass(frozen=True)
-class FakeStats:
-    active_sessions: int
-    lm_tokens: int
-
-
-class FakeSession:
-    """Speaks `tokens_per_text_token` x words tokens; 960 samples per token at speed 1."""
-
-    CHUNK = 9600
-
-    def __init__(self, engine: "FakeEngine", voice: VoicePrompt, options: SessionOptions) -> None:
-        self.engine, self.voice, self.options = engine, voice, options
-        self._queue: asyncio.Queue[AudioChunk | UtteranceError | None] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._stats: dict[str, UtteranceStats] = {}
-        self._prev: asyncio.Task | None = None
-        self.aborted = False
-        self.on_abort: Callable[[], None] | None = None  # tests hook a threading.Event here
-
-    async def submit(self, text: str, options: SessionOptions | None = None) -> str:
-        uid = f"u{len(self._tasks)}"
-        self._stats[uid] = UtteranceStats(submitted_at=time.monotonic())
-        task = asyncio.create_task(self._speak(uid, text, options or self.options, self._prev))
-        self._prev = task
-        self._tasks.append(task)
-        return uid
-
-    def utterance_stats(self, uid: str) -> UtteranceStats | None:
-        return self._stats.get(uid)
-
-    async def _speak(self, uid: str, text: str, opts: SessionOptions, prev: asyncio.Task | None) -> None:
-        if prev is not None:
-            await prev
-        if "FAIL" in text:
-            await self._queue.put(UtteranceError(uid, "engine_error", "asked to fail"))
-            return
-        tokens = max(1, round((opts.tokens_per_text_token or 2.0) * len(self.engine.text_ids(text))))
-        total = int(round(tokens * 960 / opts.speed))
-        rng = np.random.default_rng(opts.seed or 0)
-        pcm = (0.2 * np.sin(np.arange(total) * 0.05) + 0.05 * rng.standard_normal(total)).astype(np.float32)
-        start, index = 0, 0
-        while True:
-            end = min(total, start + self.CHUNK)
-            await asyncio.sleep(0)  # yield like a real pipeline would
-            await self._queue.put(AudioChunk(uid, pcm[start:end], start, end >= total, index))
-            self.engine.lm_tokens += tokens if end >= total else 0
-            self._stats[uid].num_speech_tokens = tokens
-            if end >= total:
-                return
-            start, index = end, index + 1
-
-    async def finish(self) -> None:
-        tasks = list(self._tasks)
-
-        async def close_after() -> None:
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self._queue.put(None)
-
-        self._tasks.append(asyncio.create_task(close_after()))
-
-    async def events(self) -> AsyncIterator[AudioChunk | UtteranceError]:
-        while True:
-            ev = await self._queue.get()
-            if ev is None:
-                return
-            yield ev
-
-    async def cancel(self, uid: str | None = None) -> None:
-        for t in self._tasks:
-            t.cancel()
-
-    async def abort(self) -> None:
-        if not self.aborted:
-            self.aborted = True
-            self.engine.sessions.discard(self)
-            if self.on_abort is not None:
-                self.on_abort()
-        await self.cancel(None)
-        self._queue.put_nowait(None)
-
-
-class FakeEngine:
-    sample_rate = SR
-    model_name = "Fake-CosyVoice3"
-
-    def __init__(self) -> None:
-        self.ready = True
-        self.prepared = 0
-        self.lm_tokens = 0
-        self.sessions: set[FakeSession] = set()
-
-    async def prepare_voice(self, voice_id: str, wav: np.ndarray, sample_rate: int, transcript: str) -> VoicePrompt:
-        self.prepared += 1
-        p = max(1, int(len(wav) / sample_rate * 25))
-        digest = np.frombuffer(hashlib.sha256(np.asarray(wav, np.float32).tobytes()).digest(), np.uint8)
-        tokens = np.resize(digest.astype(np.int64), p)
-        feat = np.outer(np.arange(2 * p, dtype=np.float32), np.ones(80, np.float32)) * 0.01 + digest[0]
-        emb = np.resize(digest.astype(np.float32) / 255.0, 192)
-        return self.voice_from_arrays(voice_id, transcript, tokens, feat, emb)
-
-    def voice_from_arrays(self, voice_id, transcript, speech_tokens, speech_feat, embedding) -> VoicePrompt:
-        return VoicePrompt(
-            voice_id=voice_id,
-            transcript=transcript,
-            speech_tokens=torch.as_tensor(np.asarray(speech_tokens), dtype=torch.long).reshape(-1),
-            speech_feat=torch.as_tensor(np.asarray(speech_feat), dtype=torch.float32).reshape(-1, 80),
-            embedding=torch.as_tensor(np.asarray(embedding), dtype=torch.float32).reshape(-1),
-        )
-
-    def text_ids(self, text: str) -> list[int]:
-        return list(range(len(text.split())))
-
-    def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> FakeSession:
-        s = FakeSession(self, voice, options or SessionOptions())
-        self.sessions.add(s)
-        return s
-
-    def stats(self) -> FakeStats:
-        return FakeStats(active_sessions=len(self.sessions), lm_tokens=self.lm_tokens)
-
-    async def close(self) -> None:
-        for s in list(self.sessions):
-            await s.abort()
+@pytest.fixture
+def engine(engine_loop) -> CountingEngine:
+    """The shared real engine, with a fresh prepare_voice counter per test."""
+    return CountingEngine(engine_loop[1])
 
 
 # --------------------------------------------------------------------------------------
@@ -173,17 +50,8 @@ class FakeEngine:
 # --------------------------------------------------------------------------------------
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def open_store(data_dir: Path, engine: FakeEngine | None = None, **limits) -> VoiceStore:
-    return await VoiceStore(data_dir, engine or FakeEngine(), VoiceLimits(**limits)).open()
-
-
-def same_prompt(a: VoicePrompt, b: VoicePrompt) -> bool:
-    return (a.transcript == b.transcript and torch.equal(a.speech_tokens, b.speech_tokens)
-            and torch.equal(a.speech_feat, b.speech_feat) and torch.equal(a.embedding, b.embedding))
+async def open_store(data_dir: Path, engine: Any, **limits: Any) -> VoiceStore:
+    return await VoiceStore(data_dir, engine, VoiceLimits(**limits)).open()
 
 
 def live_dirs(data_dir: Path) -> list[str]:
@@ -200,9 +68,9 @@ def db_ids(data_dir: Path) -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
-def test_register_persists_and_survives_restart(tmp_path: Path) -> None:
+def test_register_persists_and_survives_restart(tmp_path: Path, run, engine_loop) -> None:
     async def scenario() -> None:
-        engine = FakeEngine()
+        engine = CountingEngine(engine_loop[1])
         store = await open_store(tmp_path, engine)
         info = await store.register("alice", "Alice", " Hello there. ", tone_wav(4.0), audio_ext=".wav")
         assert isinstance(info, VoiceInfo)
@@ -210,6 +78,12 @@ def test_register_persists_and_survives_restart(tmp_path: Path) -> None:
         assert info.duration_s == pytest.approx(4.0, abs=1e-3)
         assert info.num_prompt_tokens == 100
         first = await store.get_prompt("alice")
+        assert engine.prepared == 1
+        # The stored prompt is exactly what the engine computes for this audio.
+        decoded = decode_audio(tone_wav(4.0))
+        direct = await engine_loop[1].prepare_voice("alice", decoded.samples, decoded.sample_rate, "Hello there.")
+        assert same_prompt(first, direct)
+        assert first.num_tokens == 100 and tuple(first.speech_feat.shape) == (200, 80)
         await store.close()
 
         # Files on disk: the original bytes untouched, features as plain arrays.
@@ -218,7 +92,7 @@ def test_register_persists_and_survives_restart(tmp_path: Path) -> None:
         assert (tmp_path / "voices" / folder / "source.wav").read_bytes() == tone_wav(4.0)
         assert db_ids(tmp_path) == ["alice"]
 
-        engine2 = FakeEngine()
+        engine2 = CountingEngine(engine_loop[1])
         store2 = await open_store(tmp_path, engine2)
         assert [v.id for v in store2.list()] == ["alice"]
         assert store2.get("alice") == info
@@ -230,9 +104,9 @@ def test_register_persists_and_survives_restart(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_generated_id_and_delete(tmp_path: Path) -> None:
+def test_generated_id_and_delete(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path)
+        store = await open_store(tmp_path, engine)
         info = await store.register(None, None, "Some words.", tone_wav(3.5))
         assert info.id.startswith("voice_") and info.name == info.id
         assert await store.delete(info.id) is True
@@ -260,9 +134,9 @@ def test_generated_id_and_delete(tmp_path: Path) -> None:
         ("ok", tone_wav(4.0), "   ", "missing_transcript", 400),
     ],
 )
-def test_register_rejects_bad_input(tmp_path: Path, voice_id, audio, transcript, code, status) -> None:
+def test_register_rejects_bad_input(tmp_path: Path, run, engine, voice_id, audio, transcript, code, status) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path)
+        store = await open_store(tmp_path, engine)
         with pytest.raises(ApiError) as err:
             await store.register(voice_id, None, transcript, audio)
         assert (err.value.code, err.value.status) == (code, status)
@@ -272,9 +146,9 @@ def test_register_rejects_bad_input(tmp_path: Path, voice_id, audio, transcript,
     run(scenario())
 
 
-def test_size_limit_and_conflict(tmp_path: Path) -> None:
+def test_size_limit_and_conflict(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path, max_upload_bytes=150_000)
+        store = await open_store(tmp_path, engine, max_upload_bytes=150_000)
         with pytest.raises(ApiError) as err:
             await store.register("big", None, "hi", tone_wav(4.0))  # 192 kB of WAV
         assert (err.value.status, err.value.code) == (413, "audio_too_large")
@@ -288,9 +162,9 @@ def test_size_limit_and_conflict(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_concurrent_registrations_of_one_id(tmp_path: Path) -> None:
+def test_concurrent_registrations_of_one_id(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path)
+        store = await open_store(tmp_path, engine)
         results = await asyncio.gather(
             *(store.register("twin", None, f"take {i}", tone_wav(3.5, freq=200 + i)) for i in range(4)),
             return_exceptions=True,
@@ -304,9 +178,9 @@ def test_concurrent_registrations_of_one_id(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_crash_before_commit_leaves_no_half_voice(tmp_path: Path) -> None:
+def test_crash_before_commit_leaves_no_half_voice(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path)
+        store = await open_store(tmp_path, engine)
         await store.register("keep", None, "kept", tone_wav(3.5))
 
         def boom(info: VoiceInfo) -> None:
@@ -322,9 +196,9 @@ def test_crash_before_commit_leaves_no_half_voice(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_recovery_removes_orphans_on_open(tmp_path: Path) -> None:
+def test_recovery_removes_orphans_on_open(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path)
+        store = await open_store(tmp_path, engine)
         await store.register("keep", None, "kept", tone_wav(3.5))
         await store.register("lost", None, "files gone", tone_wav(3.5))
         lost_dir = store.get("lost").dir_name
@@ -339,7 +213,7 @@ def test_recovery_removes_orphans_on_open(tmp_path: Path) -> None:
         (voices / "ghost.1234abcd" / "prompt.npz").write_bytes(b"no row")
         (voices / lost_dir / "prompt.npz").unlink()
 
-        store2 = await open_store(tmp_path)
+        store2 = await open_store(tmp_path, engine)
         assert [v.id for v in store2.list()] == ["keep"]
         assert db_ids(tmp_path) == ["keep"]
         assert [d.split(".")[0] for d in live_dirs(tmp_path)] == ["keep"]
@@ -349,7 +223,7 @@ def test_recovery_removes_orphans_on_open(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, caplog) -> None:
+def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, caplog, run, engine) -> None:
     assets = tmp_path / "assets"
     assets.mkdir()
     (assets / "narrator.wav").write_bytes(tone_wav(3.5))
@@ -360,7 +234,6 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
     data = tmp_path / "data"
 
     async def scenario() -> None:
-        engine = FakeEngine()
         store = await open_store(data, engine)
         assert await store.register_assets(assets) == ["narrator"]
         assert store.get("narrator").source == "asset"

@@ -60,17 +60,18 @@ class RASArgs:
 
 
 def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-              thresholds: torch.Tensor) -> torch.Tensor:
+              thresholds: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
     """The exact RAS output distribution for a batch of rows.
 
     logits:     [B, V] float32, masks already applied (-inf).
     windows:    [B, W] int64, the last W generated tokens of each row, -1 = empty slot.
     top_p:      [B] float32; top_k: [B] int64, the nucleus size limit of each row.
     thresholds: [B] float32, win_size * tau_r per row.
+    k_max:      max(top_k) if the caller knows it on the host (saves a GPU->CPU sync).
     Returns P as [B, V] float32 (rows sum to 1).
     """
     p = logits.float().softmax(dim=-1)
-    k = min(int(top_k.max()), p.shape[-1])
+    k = min(int(top_k.max()) if k_max is None else int(k_max), p.shape[-1])
     # The official code sorts stably (ties -> lower id first); topk's tie order is
     # unspecified, which only matters for exactly equal probabilities.
     top_val, top_idx = p.topk(k, dim=-1, sorted=True)
@@ -95,6 +96,21 @@ def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor, 
     correction = torch.where(repeated, -top_val * weight, q_top)
     out.scatter_add_(1, top_idx, correction)
     return out.clamp_min_(0.0)
+
+
+def _host_to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-built tensor on `device` without stalling the CPU.
+
+    A plain copy from pageable memory makes the CPU wait for the GPU to drain its
+    stream (PyTorch synchronizes), which undoes vLLM's overlap of step N+1's
+    scheduling with step N's kernels. Pinned memory + non_blocking queues the copy
+    in stream order instead; the caching host allocator keeps the buffer alive
+    until the copy has run.
+    """
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -135,32 +151,31 @@ class RASBatchState:
         if not self.rows:
             return logits
         items = sorted(self.rows.items())
-        idx = torch.tensor([i for i, _ in items], dtype=torch.long, device=logits.device)
+        dev = logits.device
+        idx = _host_to([i for i, _ in items], torch.long, dev)
         first = items[0][1].args
         speech_size, speech_vocab = first.speech_token_size, first.speech_vocab_size
         # All CosyVoice requests share one vocabulary layout (one exported model).
         rows = logits[:, :speech_vocab].index_select(0, idx).float()  # slice first: 6761 of 158697 columns
-        stop_mask = torch.tensor(
-            [r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items],
-            dtype=torch.bool, device=logits.device)
+        stop_mask = _host_to([r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items],
+                             torch.bool, dev)
         rows[:, speech_size:] = rows[:, speech_size:].masked_fill(stop_mask[:, None], _NEG_INF)
 
         ras_pos = [n for n, (_, r) in enumerate(items) if not r.args.greedy]
         if ras_pos:
             sub = [items[n][1] for n in ras_pos]
             width = max(r.args.win_size for r in sub)
-            win = torch.full((len(sub), max(width, 1)), -1, dtype=torch.long)
-            for j, r in enumerate(sub):
-                recent = list(r.output_ids[-r.args.win_size:]) if r.args.win_size > 0 else []
-                if recent:
-                    win[j, : len(recent)] = torch.tensor(recent, dtype=torch.long)
-            dev = logits.device
-            top_p = torch.tensor([r.args.top_p for r in sub], dtype=torch.float32, device=dev)
-            thr = torch.tensor([r.args.win_size * r.args.tau_r for r in sub], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([r.args.top_k for r in sub], dtype=torch.long, device=dev)
-            sel = torch.tensor(ras_pos, dtype=torch.long, device=dev)
+            win_rows = []
+            for r in sub:
+                recent = [int(t) for t in r.output_ids[-r.args.win_size:]] if r.args.win_size > 0 else []
+                win_rows.append(recent + [-1] * (max(width, 1) - len(recent)))
+            win = _host_to(win_rows, torch.long, dev)
+            top_p = _host_to([r.args.top_p for r in sub], torch.float32, dev)
+            thr = _host_to([r.args.win_size * r.args.tau_r for r in sub], torch.float32, dev)
+            top_k = _host_to([r.args.top_k for r in sub], torch.long, dev)
+            sel = _host_to(ras_pos, torch.long, dev)
             sub_logits = rows.index_select(0, sel)
-            probs = ras_probs(sub_logits, win.to(dev), top_p, top_k, thr)
+            probs = ras_probs(sub_logits, win, top_p, top_k, thr, k_max=max(r.args.top_k for r in sub))
             rows.index_copy_(0, sel, probs.log())
 
         logits[idx, :speech_vocab] = rows.to(logits.dtype)

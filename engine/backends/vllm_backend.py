@@ -82,12 +82,16 @@ class VLLMBackend:
 
     def __init__(self, export_dir: Path | str, vocab: UnifiedVocab, *,
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
-                 max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0) -> None:
+                 max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
+                 dtype: str = "bfloat16") -> None:
+        # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
+        # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
+        # environment too, or Triton's fp32 dots run in TF32.
         self.export_dir = Path(export_dir)
         self.vocab = vocab
         self.settings = VLLMEngineSettings(gpu_memory_utilization=gpu_memory_utilization,
                                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                           enforce_eager=enforce_eager, seed=seed)
+                                           enforce_eager=enforce_eager, seed=seed, dtype=dtype)
         self._llm: Any = None
         self._active: set[str] = set()
         self._aborted: set[str] = set()

@@ -8,6 +8,11 @@ the checkpoint over the *unified vocabulary* (`engine.models.vocab.UnifiedVocab`
     lm_head[0:6761)             = llm_decoder           (the speech head, no bias in CV3)
     lm_head[6761:158697)        = 0                     (text ids are masked to -inf anyway)
 
+With head="speech" lm_head keeps only its first 6761 rows and config.json names our
+`CosyVoiceQwen2ForCausalLM` (`vllm_model.py`, a vLLM plugin), which projects onto those
+rows and fills the text columns with -inf: the same logits without reading 151936 zero
+rows every decode step. head="unified" needs nothing but stock vLLM.
+
 Prompts are then plain token ids (no `prompt_embeds`), which keeps vLLM's prefix
 caching, its fast prompt path and, later, streaming input.
 
@@ -30,16 +35,19 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Literal, Mapping
 
 import torch
 
 from engine.models.config import LMConfig, Qwen2Config
 from engine.models.vocab import UnifiedVocab
 
+HeadKind = Literal["unified", "speech"]
+
 # Bump when the layout of the exported directory changes: old caches re-export.
 EXPORT_FORMAT_VERSION = 1
 EXPORT_SUBDIR = "vllm-unified"
+SPEECH_HEAD_SUBDIR = "vllm-speech-head"
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "cosyvoice_export.json"
 
@@ -72,6 +80,8 @@ class ExportInfo:
     speech_token_size: int
     text_offset: int
     dtype: str
+    head: str = "unified"
+    head_rows: int = 0  # rows of lm_head in the export
 
 
 # ---------------------------------------------------------------- safetensors I/O
@@ -129,8 +139,13 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def unified_tensors(state: Mapping[str, torch.Tensor], vocab: UnifiedVocab,
-                    dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """Map an official CosyVoice3 LM state dict to HF Qwen2 names over the unified vocab."""
+                    dtype: torch.dtype, head: HeadKind = "unified") -> list[tuple[str, torch.Tensor]]:
+    """Map an official CosyVoice3 LM state dict to HF Qwen2 names over the unified vocab.
+
+    head="unified": lm_head has vocab.size rows (text rows zero); head="speech": only
+    the speech rows (for `vllm_model.CosyVoiceQwen2ForCausalLM`)."""
+    if head not in ("unified", "speech"):
+        raise ValueError(f"unknown head kind {head!r}")
     for key in (_SPEECH_EMB, _SPEECH_HEAD, _TEXT_EMB):
         if key not in state:
             raise KeyError(f"state dict lacks {key!r}: not a CosyVoice3 LM checkpoint?")
@@ -143,15 +158,18 @@ def unified_tensors(state: Mapping[str, torch.Tensor], vocab: UnifiedVocab,
     hidden = text_emb.shape[1]
 
     embed = torch.cat([speech_emb.to(dtype), text_emb.to(dtype)], dim=0)
-    head = torch.zeros(vocab.size, hidden, dtype=dtype)
-    head[: vocab.speech_vocab_size] = speech_head.to(dtype)
+    if head == "speech":
+        head_w = speech_head.to(dtype)
+    else:
+        head_w = torch.zeros(vocab.size, hidden, dtype=dtype)
+        head_w[: vocab.speech_vocab_size] = speech_head.to(dtype)
 
     out: list[tuple[str, torch.Tensor]] = [("model.embed_tokens.weight", embed)]
     for key in sorted(state):
         if not key.startswith(_QWEN_PREFIX) or key == _TEXT_EMB:
             continue
         out.append(("model." + key[len(_QWEN_PREFIX):], state[key].to(dtype)))
-    out.append(("lm_head.weight", head))
+    out.append(("lm_head.weight", head_w))
     known = {_SPEECH_EMB, _SPEECH_HEAD, *_UNUSED}
     stray = [k for k in state if not k.startswith(_QWEN_PREFIX) and k not in known]
     if stray:
@@ -159,8 +177,10 @@ def unified_tensors(state: Mapping[str, torch.Tensor], vocab: UnifiedVocab,
     return out
 
 
-def hf_config(qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab, dtype: torch.dtype) -> dict[str, object]:
-    """The config.json vLLM reads: a stock Qwen2 over the unified vocabulary."""
+def hf_config(qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab, dtype: torch.dtype,
+              head: HeadKind = "unified") -> dict[str, object]:
+    """The config.json vLLM reads: a Qwen2 over the unified vocabulary (stock class for
+    head="unified", the speech-head plugin class for head="speech")."""
     cfg = dict(qwen.to_hf_json())
     dname = str(dtype).removeprefix("torch.")
     cfg.update(
@@ -174,27 +194,33 @@ def hf_config(qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab, dtype: torch
         # transformers 5 reads rope settings from rope_parameters; 4.x from rope_theta.
         rope_parameters={"rope_type": "default", "rope_theta": qwen.rope_theta},
     )
+    if head == "speech":
+        from engine.backends.vllm_model import ARCHITECTURE, HEAD_ROWS_KEY
+
+        cfg["architectures"] = [ARCHITECTURE]
+        cfg[HEAD_ROWS_KEY] = vocab.speech_vocab_size
     return cfg
 
 
 def export_unified_qwen2(state: Mapping[str, torch.Tensor], qwen: Qwen2Config, lm: LMConfig,
                          vocab: UnifiedVocab, out_dir: Path, *, dtype: torch.dtype = torch.bfloat16,
-                         fingerprint: str = "") -> ExportInfo:
+                         fingerprint: str = "", head: HeadKind = "unified") -> ExportInfo:
     """Write config.json + model.safetensors (+ our metadata) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Metadata goes last: its presence (with the right fingerprint) marks a complete export.
     (out_dir / META_FILE).unlink(missing_ok=True)
-    tensors = unified_tensors(state, vocab, dtype)
+    tensors = unified_tensors(state, vocab, dtype, head)
     write_safetensors(out_dir / WEIGHTS_FILE, tensors)
     del tensors
-    (out_dir / "config.json").write_text(json.dumps(hf_config(qwen, lm, vocab, dtype), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(hf_config(qwen, lm, vocab, dtype, head), indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": lm.sos, "eos_token_id": lm.eos}, indent=2))
     info = ExportInfo(path=out_dir, fingerprint=fingerprint, vocab_size=vocab.size,
                       speech_vocab_size=vocab.speech_vocab_size,
                       speech_token_size=vocab.speech_token_size,
-                      text_offset=vocab.text_offset, dtype=str(dtype).removeprefix("torch."))
+                      text_offset=vocab.text_offset, dtype=str(dtype).removeprefix("torch."), head=head,
+                      head_rows=vocab.speech_vocab_size if head == "speech" else vocab.size)
     meta = {**info.__dict__, "path": str(out_dir), "format_version": EXPORT_FORMAT_VERSION}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     return info
@@ -202,10 +228,10 @@ def export_unified_qwen2(state: Mapping[str, torch.Tensor], qwen: Qwen2Config, l
 
 def export_from_module(lm_module: torch.nn.Module, qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab,
                        out_dir: Path, *, dtype: torch.dtype = torch.bfloat16,
-                       fingerprint: str = "") -> ExportInfo:
+                       fingerprint: str = "", head: HeadKind = "unified") -> ExportInfo:
     """Export a loaded CosyVoice3LM (its parameter names equal the official ones)."""
     state = {k: v.detach() for k, v in lm_module.state_dict().items()}
-    return export_unified_qwen2(state, qwen, lm, vocab, out_dir, dtype=dtype, fingerprint=fingerprint)
+    return export_unified_qwen2(state, qwen, lm, vocab, out_dir, dtype=dtype, fingerprint=fingerprint, head=head)
 
 
 # ---------------------------------------------------------------- cache beside the model
@@ -231,19 +257,21 @@ def read_export_info(export_dir: Path) -> dict[str, object] | None:
 
 
 def ensure_vllm_export(model_dir: Path, qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab, *,
-                       dtype: torch.dtype = torch.bfloat16, checkpoint: str = "llm.pt") -> Path:
-    """Return `<model_dir>/vllm-unified`, (re-)exporting it if llm.pt changed."""
+                       dtype: torch.dtype = torch.bfloat16, checkpoint: str = "llm.pt",
+                       head: HeadKind = "unified") -> Path:
+    """Return `<model_dir>/vllm-unified` (head="speech": `vllm-speech-head`),
+    (re-)exporting it if llm.pt, the dtype or the head kind changed."""
     model_dir = Path(model_dir)
     ckpt = model_dir / checkpoint
-    out = model_dir / EXPORT_SUBDIR
+    out = model_dir / (SPEECH_HEAD_SUBDIR if head == "speech" else EXPORT_SUBDIR)
     fp = file_fingerprint(ckpt)
     meta = read_export_info(out)
     if (meta is not None and meta.get("fingerprint") == fp and meta.get("vocab_size") == vocab.size
-            and meta.get("dtype") == str(dtype).removeprefix("torch.")):
+            and meta.get("dtype") == str(dtype).removeprefix("torch.") and meta.get("head", "unified") == head):
         return out
     if out.exists():
         shutil.rmtree(out)
     # mmap keeps the 2 GB fp32 checkpoint out of RAM until each tensor is converted.
     state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-    export_unified_qwen2(state, qwen, lm, vocab, out, dtype=dtype, fingerprint=fp)
+    export_unified_qwen2(state, qwen, lm, vocab, out, dtype=dtype, fingerprint=fp, head=head)
     return out

@@ -100,6 +100,13 @@ class LMConfig:
     def fill_token(self) -> int:
         return self.speech_token_size + 3
 
+    @property
+    def text_offset(self) -> int:
+        """First text id of the unified vocabulary (`engine.models.vocab`). CosyVoice3 keeps
+        sos/task_id inside the speech table, so text follows it directly; CosyVoice2's LM
+        config (`engine.models.cv2_config.CV2LMConfig`) puts two more rows in between."""
+        return self.speech_vocab_size
+
 
 @dataclass(frozen=True)
 class FlowConfig:

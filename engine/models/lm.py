@@ -75,6 +75,7 @@ def unified_vocab(cfg: LMConfig) -> UnifiedVocab:
         speech_token_size=cfg.speech_token_size,
         speech_vocab_size=cfg.speech_vocab_size,
         text_vocab_size=cfg.qwen.vocab_size,
+        extra_rows=cfg.text_offset - cfg.speech_vocab_size,
     )
 
 

@@ -1,0 +1,426 @@
+"""Voices in PostgreSQL, shared by every gateway replica.
+
+`VoiceStore` (gateway/voices.py) keeps voices on the local disk of one gateway. A
+cluster of replicas needs one source of truth instead, so `PgVoiceStore` keeps the
+metadata, the uploaded audio and the prompt features (an ``.npz`` blob) in one table.
+Replicas share nothing but the database: no shared filesystem, no object store.
+
+Consistency, and what "at once" means here
+-------------------------------------------
+Every voice row carries ``rev``, a random id that changes on each (re-)registration.
+
+* Synthesis (`get_prompt`, used by the WebSocket and the OpenAI endpoint) asks the
+  database on every call: one primary-key lookup that returns only ``rev`` when this
+  replica's cached features are still current, and the features when they are not.
+  So a request that starts after a registration or a deletion has committed (on any
+  replica) sees it: a deleted voice is a 404 on the very next request, a replaced
+  voice is never spoken with stale features. The price is one index lookup per
+  synthesis request (well under a millisecond on a LAN), far below one LM step.
+* Writes decide in the database: a duplicate id is refused by the primary key (409 on
+  whichever replica loses), a delete reports 404 only when no row was removed.
+* Listings (`list`, `get`) are synchronous reads of an in-memory mirror, so they can
+  never block the event loop on the network. Each write sends ``NOTIFY`` in its own
+  transaction (delivered at commit); a listener task on every replica refreshes the
+  changed row. The mirror therefore lags a commit by one notification round trip
+  (milliseconds), and after a lost database connection it is reloaded in full.
+
+Failures of the database surface as HTTP 503 ``voice_store_unavailable``; nothing is
+served from a cache that could not be checked, so a delete can never be bypassed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from engine.types import VoicePrompt
+from gateway.errors import ApiError
+from gateway.voices import VoiceInfo, VoiceLimits, VoiceStore, _npz_bytes
+
+log = logging.getLogger(__name__)
+
+TABLE = "cosyvoice_voices"
+CHANNEL = "cosyvoice_voices"
+# Any constant works; it only has to be the same for every replica (pg_advisory_xact_lock).
+_SCHEMA_LOCK_KEY = 0x43565657  # "CVVW"
+
+# Metadata columns in `VoiceInfo` field order, minus dir_name (derived from rev).
+_META = ("id", "name", "transcript", "created_at", "duration_s", "sample_rate",
+         "num_prompt_tokens", "audio_sha256", "source", "audio_file")
+_META_SQL = ", ".join(_META)
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    id                TEXT PRIMARY KEY,
+    rev               TEXT NOT NULL,
+    name              TEXT NOT NULL,
+    transcript        TEXT NOT NULL,
+    created_at        DOUBLE PRECISION NOT NULL,
+    duration_s        DOUBLE PRECISION NOT NULL,
+    sample_rate       INTEGER NOT NULL,
+    num_prompt_tokens INTEGER NOT NULL,
+    audio_sha256      TEXT NOT NULL,
+    source            TEXT NOT NULL,
+    audio_file        TEXT NOT NULL,
+    audio             BYTEA NOT NULL,
+    features          BYTEA NOT NULL
+)"""
+
+
+def is_postgres_url(url: str) -> bool:
+    return url.startswith(("postgresql://", "postgres://"))
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+class VoiceStoreUnavailable(ApiError):
+    """The shared database cannot be reached; the request may be retried."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(503, "voice_store_unavailable", f"voice database unavailable: {detail}")
+
+
+@dataclass(frozen=True)
+class PgOptions:
+    """Connection tuning; the defaults suit a handful of replicas per database."""
+
+    min_connections: int = 1
+    max_connections: int = 4
+    connect_timeout_s: float = 5.0
+    # How long start-up waits for the first connections (then the gateway fails to start).
+    open_timeout_s: float = 10.0
+    # How long a request waits for a free pooled connection before a 503.
+    acquire_timeout_s: float = 10.0
+    # Longest pause between attempts to re-establish the LISTEN connection.
+    max_listen_backoff_s: float = 5.0
+
+
+def _info_from_row(row: tuple[Any, ...], rev: str) -> VoiceInfo:
+    meta = dict(zip(_META, row))
+    return VoiceInfo(dir_name=f"{meta['id']}.{rev}", **meta)
+
+
+def _arrays_from_npz(blob: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        return z["speech_tokens"], z["speech_feat"], z["embedding"]
+
+
+@dataclass(frozen=True)
+class _Cached:
+    rev: str
+    prompt: VoicePrompt
+
+
+class PgVoiceStore(VoiceStore):
+    """`VoiceStore` whose single source of truth is a PostgreSQL table.
+
+    Same public API as `VoiceStore` (validation and limits are inherited); `data_dir`
+    is unused for voices. Use ``store = PgVoiceStore(url, engine, limits); await
+    store.open()`` and ``await store.close()``.
+    """
+
+    def __init__(self, url: str, engine: Any, limits: VoiceLimits | None = None, *,
+                 cache_size: int = 256, options: PgOptions | None = None) -> None:
+        super().__init__(Path("."), engine, limits, cache_size=cache_size)
+        if not is_postgres_url(url):
+            raise ValueError(f"not a PostgreSQL URL: {redact_url(url)}")
+        self.url = url
+        self.options = options or PgOptions()
+        self._pool: Any = None  # psycopg_pool.AsyncConnectionPool once open
+        self._listener: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()
+        self._prompts: OrderedDict[str, _Cached] = OrderedDict()
+        self._revs: dict[str, str] = {}  # voice id -> rev of the mirrored metadata
+        # Bumped on every mirror change; tests and tools can wait for a change with it.
+        self._changed = asyncio.Condition()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def open(self) -> "PgVoiceStore":
+        if self._opened:
+            return self
+        from psycopg_pool import AsyncConnectionPool
+
+        opts = self.options
+        self._pool = AsyncConnectionPool(
+            self.url, min_size=opts.min_connections, max_size=opts.max_connections, open=False,
+            timeout=opts.acquire_timeout_s, kwargs={"autocommit": True, "connect_timeout": int(opts.connect_timeout_s)},
+            # A replica outlives database restarts: a dead connection is replaced at checkout.
+            check=AsyncConnectionPool.check_connection, name="voices",
+        )
+        from psycopg_pool import PoolTimeout
+
+        try:
+            try:
+                await self._pool.open(wait=True, timeout=opts.open_timeout_s)
+            except PoolTimeout as exc:
+                raise VoiceStoreUnavailable(f"no connection to {redact_url(self.url)}") from exc
+            await self._create_schema()
+            # LISTEN before the first load, so no change between the two is missed.
+            self._listener = asyncio.create_task(self._listen_forever(), name="voices-listen")
+            try:
+                await asyncio.wait_for(self._listening.wait(), timeout=opts.open_timeout_s)
+            except asyncio.TimeoutError as exc:
+                raise VoiceStoreUnavailable("LISTEN connection failed") from exc
+            await self._reload_all()
+        except BaseException:
+            await self._shutdown()
+            raise
+        self._opened = True
+        log.info("voice store: PostgreSQL %s (%d voices)", redact_url(self.url), len(self._infos))
+        return self
+
+    async def close(self) -> None:
+        async with self._write_lock:
+            await self._shutdown()
+            self._opened = False
+
+    async def _shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._listener
+            self._listener = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    @property
+    def catalog(self) -> Any:  # the SQLite catalog does not exist here
+        raise AttributeError("PgVoiceStore keeps its catalog in PostgreSQL")
+
+    @contextlib.asynccontextmanager
+    async def _conn(self) -> AsyncIterator[Any]:
+        """A pooled connection; database failures become `VoiceStoreUnavailable`."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        if self._pool is None:
+            raise RuntimeError("PgVoiceStore.open() has not been awaited")
+        try:
+            async with self._pool.connection() as conn:
+                yield conn
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.warning("voice database error: %s", exc)
+            raise VoiceStoreUnavailable(type(exc).__name__) from exc
+
+    async def _create_schema(self) -> None:
+        async with self._conn() as conn, conn.transaction():
+            # Replicas starting together would race on CREATE TABLE IF NOT EXISTS (it is
+            # not atomic against a concurrent creator); a transaction-scoped lock orders them.
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+            await conn.execute(_SCHEMA)
+
+    # -- the mirror behind list()/get() ------------------------------------------------
+    async def _reload_all(self) -> None:
+        async with self._conn() as conn:
+            cur = await conn.execute(f"SELECT rev, {_META_SQL} FROM {TABLE}")
+            rows = await cur.fetchall()
+        infos = {row[1]: _info_from_row(row[1:], row[0]) for row in rows}
+        self._infos = infos
+        self._revs = {vid: info.dir_name.rsplit(".", 1)[1] for vid, info in infos.items()}
+        for vid in [v for v, c in self._prompts.items() if self._revs.get(v) != c.rev]:
+            self._prompts.pop(vid, None)
+        await self._bump()
+
+    async def _refresh_one(self, voice_id: str) -> None:
+        async with self._conn() as conn:
+            cur = await conn.execute(f"SELECT rev, {_META_SQL} FROM {TABLE} WHERE id = %s", (voice_id,))
+            row = await cur.fetchone()
+        self._set_mirror(voice_id, None if row is None else _info_from_row(row[1:], row[0]),
+                         None if row is None else row[0])
+        await self._bump()
+
+    def _set_mirror(self, voice_id: str, info: VoiceInfo | None, rev: str | None) -> None:
+        if info is None or rev is None:
+            self._infos.pop(voice_id, None)
+            self._revs.pop(voice_id, None)
+            self._prompts.pop(voice_id, None)
+            return
+        self._infos[voice_id] = info
+        self._revs[voice_id] = rev
+        cached = self._prompts.get(voice_id)
+        if cached is not None and cached.rev != rev:
+            self._prompts.pop(voice_id, None)
+
+    async def _bump(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_for_mirror(self, predicate: Any, timeout: float) -> bool:
+        """Wait until ``predicate(self)`` holds (re-checked after each mirror change)."""
+        async def until() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: predicate(self))
+
+        try:
+            await asyncio.wait_for(until(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return bool(predicate(self))
+
+    async def _listen_forever(self) -> None:
+        import psycopg
+
+        backoff = 0.1
+        first = True
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self.url, autocommit=True, connect_timeout=int(self.options.connect_timeout_s))
+                async with conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    if first:
+                        first = False
+                        self._listening.set()
+                    else:
+                        # Notifications sent while we were disconnected are gone.
+                        await self._reload_all()
+                    backoff = 0.1
+                    async for note in conn.notifies():
+                        await self._refresh_one(note.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection lost, database restarting, ...
+                log.warning("voice change listener: %s; reconnecting in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.options.max_listen_backoff_s)
+
+    # -- synthesis path ---------------------------------------------------------------------
+    async def get_prompt(self, voice_id: str) -> VoicePrompt:
+        """The voice's prompt, checked against the database; KeyError when it is gone."""
+        cached = self._prompts.get(voice_id)
+        known_rev = cached.rev if cached is not None else ""
+        async with self._conn() as conn:
+            # One round trip either way: the features travel only when the cache is stale.
+            cur = await conn.execute(
+                f"SELECT rev, CASE WHEN rev = %s THEN NULL ELSE features END, {_META_SQL} "
+                f"FROM {TABLE} WHERE id = %s",
+                (known_rev, voice_id),
+            )
+            row = await cur.fetchone()
+        if row is None:
+            self._set_mirror(voice_id, None, None)
+            raise KeyError(voice_id)
+        rev, blob = row[0], row[1]
+        info = _info_from_row(row[2:], rev)
+        if self._revs.get(voice_id) != rev:
+            self._set_mirror(voice_id, info, rev)
+        if blob is None and cached is not None:
+            self._prompts.move_to_end(voice_id)
+            return cached.prompt
+        arrays = await asyncio.to_thread(_arrays_from_npz, bytes(blob))
+        prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
+        self._remember_prompt(voice_id, rev, prompt)
+        return prompt
+
+    def _remember_prompt(self, voice_id: str, rev: str, prompt: VoicePrompt) -> None:
+        self._prompts[voice_id] = _Cached(rev, prompt)
+        self._prompts.move_to_end(voice_id)
+        while len(self._prompts) > self._cache_size:
+            self._prompts.popitem(last=False)
+
+    async def _exists(self, voice_id: str) -> bool:
+        async with self._conn() as conn:
+            cur = await conn.execute(f"SELECT 1 FROM {TABLE} WHERE id = %s", (voice_id,))
+            return await cur.fetchone() is not None
+
+    # -- writes -------------------------------------------------------------------------------
+    async def register(self, voice_id: str | None, name: str | None, transcript: str,
+                       audio_bytes: bytes, *, audio_ext: str = "bin", source: str = "upload",
+                       replace: bool = False) -> VoiceInfo:
+        """As `VoiceStore.register`; the duplicate check is the table's primary key."""
+        if voice_id is None or voice_id == "":
+            voice_id = "voice_" + uuid.uuid4().hex[:16]
+        self.validate_id(voice_id)
+        name = (name or voice_id).strip() or voice_id
+        transcript = (transcript or "").strip()
+        self._validate_text(name, transcript)
+        # Cheap early refusal before the expensive feature extraction; the insert below
+        # is what actually decides when two replicas race.
+        if not replace and await self._exists(voice_id):
+            raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+        ext = audio_ext.lower().lstrip(".")
+        if not ext.isalnum() or not 1 <= len(ext) <= 5:
+            ext = "bin"
+
+        audio = await asyncio.to_thread(self._decode_checked, audio_bytes)
+        prompt = await self.engine.prepare_voice(voice_id, audio.samples, audio.sample_rate, transcript)
+        npz = await asyncio.to_thread(_npz_bytes, prompt)
+        rev = uuid.uuid4().hex[:12]
+        info = VoiceInfo(
+            id=voice_id, name=name, transcript=transcript, created_at=time.time(),
+            duration_s=audio.duration_s, sample_rate=audio.sample_rate,
+            num_prompt_tokens=int(prompt.num_tokens),
+            audio_sha256=hashlib.sha256(audio_bytes).hexdigest(), source=source,
+            dir_name=f"{voice_id}.{rev}", audio_file=f"source.{ext}",
+        )
+        values = [getattr(info, c) for c in _META] + [rev, audio_bytes, npz]
+        cols = ", ".join(_META + ("rev", "audio", "features"))
+        marks = ", ".join(["%s"] * len(values))
+        if replace:
+            updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in _META[1:] + ("rev", "audio", "features"))
+            conflict = f"ON CONFLICT (id) DO UPDATE SET {updates}"
+        else:
+            conflict = "ON CONFLICT (id) DO NOTHING"
+        async with self._conn() as conn, conn.transaction():
+            cur = await conn.execute(f"INSERT INTO {TABLE} ({cols}) VALUES ({marks}) {conflict} RETURNING id", values)
+            if await cur.fetchone() is None:
+                raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+            await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, voice_id))
+        self._set_mirror(voice_id, info, rev)
+        self._remember_prompt(voice_id, rev, prompt)
+        await self._bump()
+        log.info("registered voice %r (%.2f s, %d prompt tokens)", voice_id, info.duration_s, info.num_prompt_tokens)
+        return info
+
+    async def delete(self, voice_id: str) -> bool:
+        """Remove a voice everywhere; False when no replica knew it."""
+        async with self._conn() as conn, conn.transaction():
+            cur = await conn.execute(f"DELETE FROM {TABLE} WHERE id = %s RETURNING id", (voice_id,))
+            gone = await cur.fetchone() is not None
+            if gone:
+                await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, voice_id))
+        self._set_mirror(voice_id, None, None)
+        await self._bump()
+        if gone:
+            log.info("deleted voice %r", voice_id)
+        return gone
+
+    async def source_audio(self, voice_id: str) -> bytes | None:
+        """The uploaded bytes of a voice, untouched (None when it does not exist)."""
+        async with self._conn() as conn:
+            cur = await conn.execute(f"SELECT audio FROM {TABLE} WHERE id = %s", (voice_id,))
+            row = await cur.fetchone()
+        return None if row is None else bytes(row[0])
+
+
+def create_voice_store(url: str, data_dir: Path, engine: Any, limits: VoiceLimits | None = None) -> VoiceStore:
+    """The store a `voice_store` setting names: ``sqlite`` (default) or a PostgreSQL URL."""
+    spec = (url or "sqlite").strip()
+    if spec in ("sqlite", "sqlite:", "local"):
+        return VoiceStore(Path(data_dir), engine, limits)
+    if is_postgres_url(spec):
+        return PgVoiceStore(spec, engine, limits)
+    raise ValueError(f"voice_store must be 'sqlite' or a postgresql:// URL, got {redact_url(spec)!r}")

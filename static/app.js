@@ -1,0 +1,473 @@
+// Streaming demo for the CosyVoice gateway (protocol: docs/protocol.md).
+// Plain browser JavaScript, no build step, no external files.
+//
+// Flow: the text is cut into LLM-like tokens and sent to /v1/tts/stream one `text`
+// message at a time at the chosen rate; binary audio frames come back and are decoded
+// (Opus through WebCodecs where the browser has it, else 16-bit PCM) and scheduled
+// back to back on one AudioContext clock, so chunks join without gaps. Stop sends a
+// real `cancel` (barge-in) and silences what was already scheduled.
+//
+// `window.demo.state` exposes counters (scheduled buffers/seconds, first-audio time,
+// events) and every change dispatches a `demo:change` event, so tests can wait on the
+// page's own state instead of guessing with timers.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const PCM_RATE = 24000;   // the engine's rate: no resampling on the server
+  const OPUS_RATE = 48000;
+  const LEAD_S = 0.06;      // scheduling head-room so the first chunk is not clipped
+
+  const state = {
+    connected: false,
+    sessionId: null,
+    contextId: null,
+    speaking: false,
+    format: null,            // "opus" | "pcm_s16le" of the current context
+    textSentAt: null,        // performance.now() of the first text message
+    firstAudioMs: null,      // first audio frame received - first text sent
+    scheduledBuffers: 0,     // AudioBufferSourceNodes started (all contexts)
+    scheduledSeconds: 0,
+    peak: 0,                 // largest |sample| scheduled (0 would mean silence)
+    framesReceived: 0,
+    framesAfterCancel: 0,    // audio frames for a context after its `cancelled` (must stay 0)
+    segments: [],            // segment_started events of the current context
+    currentSegment: null,
+    tokensSent: 0,
+    cancelled: null,         // the server's `cancelled` event after Stop
+    heardSeconds: null,      // audio played when Stop was pressed
+    done: null,              // the server's `done` event
+    errors: [],
+    events: [],              // every server event (JSON), in order
+  };
+  const changed = () => window.dispatchEvent(new CustomEvent("demo:change"));
+
+  // ---- settings persisted in the browser ------------------------------------------
+  const apiKeyInput = $("api-key");
+  apiKeyInput.value = localStorage.getItem("cosyvoice.apiKey") || "";
+  apiKeyInput.addEventListener("change", () => {
+    localStorage.setItem("cosyvoice.apiKey", apiKeyInput.value.trim());
+    closeSocket();
+    loadVoices();
+  });
+  const authHeaders = () => (apiKeyInput.value.trim() ? { Authorization: `Bearer ${apiKeyInput.value.trim()}` } : {});
+
+  for (const [input, out, fmt] of [["rate", "rate-out", (v) => v], ["speed", "speed-out", (v) => Number(v).toFixed(2)]]) {
+    $(input).addEventListener("input", () => { $(out).textContent = fmt($(input).value); });
+  }
+
+  // ---- voices -------------------------------------------------------------------------
+  async function loadVoices() {
+    const select = $("voice");
+    const keep = select.value;
+    try {
+      const resp = await fetch("/v1/voices", { headers: authHeaders() });
+      if (!resp.ok) throw new Error(resp.status === 401 ? "API key required" : `HTTP ${resp.status}`);
+      const body = await resp.json();
+      select.replaceChildren(new Option("(server default)", ""));
+      for (const v of body.data) {
+        select.append(new Option(`${v.name || v.id} (${v.duration_s.toFixed(1)} s)`, v.id));
+      }
+      if ([...select.options].some((o) => o.value === keep)) select.value = keep;
+    } catch (err) {
+      setStatus("nv-status", `voices: ${err.message}`);
+    }
+    changed();
+  }
+  $("reload-voices").addEventListener("click", loadVoices);
+
+  let recorded = null; // Blob from the microphone
+  let recorder = null;
+  $("nv-record").addEventListener("click", async () => {
+    if (recorder && recorder.state === "recording") { recorder.stop(); return; }
+    try {
+      const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+      const parts = [];
+      recorder = new MediaRecorder(stream);
+      recorder.ondataavailable = (e) => parts.push(e.data);
+      recorder.onstop = () => {
+        stream.getTracks().forEach((t) => t.stop());
+        recorded = new Blob(parts, { type: recorder.mimeType });
+        $("nv-preview").src = URL.createObjectURL(recorded);
+        $("nv-preview").hidden = false;
+        $("nv-record").textContent = "● Record";
+        setStatus("nv-status", `recorded ${(recorded.size / 1024).toFixed(0)} KiB`);
+      };
+      recorder.start();
+      $("nv-record").textContent = "■ Stop recording";
+      setTimeout(() => recorder && recorder.state === "recording" && recorder.stop(), 12000);
+    } catch (err) {
+      setStatus("nv-status", `microphone: ${err.message}`);
+    }
+  });
+  $("nv-file").addEventListener("change", () => { recorded = null; });
+
+  $("nv-upload").addEventListener("click", async () => {
+    const file = recorded || $("nv-file").files[0];
+    if (!file) { setStatus("nv-status", "choose a file or record first"); return; }
+    const form = new FormData();
+    const ext = (file.type.split("/")[1] || "bin").split(";")[0];
+    form.append("file", file, file.name || `recording.${ext}`);
+    form.append("transcript", $("nv-text").value);
+    if ($("nv-id").value.trim()) form.append("id", $("nv-id").value.trim());
+    setStatus("nv-status", "uploading…");
+    const resp = await fetch("/v1/voices", { method: "POST", body: form, headers: authHeaders() });
+    const body = await resp.json().catch(() => ({}));
+    if (!resp.ok) { setStatus("nv-status", `error: ${(body.error && body.error.message) || resp.status}`); return; }
+    setStatus("nv-status", `registered "${body.id}"`);
+    await loadVoices();
+    $("voice").value = body.id;
+  });
+
+  function setStatus(id, text) { $(id).textContent = text; }
+
+  // ---- audio output: gapless scheduling on the AudioContext clock ----------------------
+  class Player {
+    constructor() {
+      this.ctx = new AudioContext({ latencyHint: "interactive" });
+      this.analyser = this.ctx.createAnalyser();
+      this.analyser.fftSize = 2048;
+      this.analyser.connect(this.ctx.destination);
+      this.reset();
+    }
+    reset() {
+      this.nextTime = 0;
+      this.sources = [];
+      this.timeline = []; // {t0, dur}: where each buffer of this context sits on the clock
+    }
+    schedule(samples, rate) {
+      if (!samples.length) return;
+      const buffer = this.ctx.createBuffer(1, samples.length, rate);
+      buffer.copyToChannel(samples, 0);
+      const src = this.ctx.createBufferSource();
+      src.buffer = buffer;
+      src.connect(this.analyser);
+      // Back to back: the next chunk starts where the previous one ends, unless we
+      // fell behind (network or engine gap), then as soon as possible.
+      const t0 = Math.max(this.nextTime, this.ctx.currentTime + LEAD_S);
+      src.start(t0);
+      this.nextTime = t0 + buffer.duration;
+      this.sources.push(src);
+      src.onended = () => { this.sources = this.sources.filter((s) => s !== src); };
+      this.timeline.push({ t0, dur: buffer.duration });
+      state.scheduledBuffers += 1;
+      state.scheduledSeconds += buffer.duration;
+      for (let i = 0; i < samples.length; i++) state.peak = Math.max(state.peak, Math.abs(samples[i]));
+    }
+    playedSeconds() {
+      const now = this.ctx.currentTime;
+      let played = 0;
+      for (const { t0, dur } of this.timeline) played += Math.min(Math.max(now - t0, 0), dur);
+      return played;
+    }
+    stopAll() {
+      for (const s of this.sources) { try { s.stop(); } catch (_) { /* not started */ } }
+      this.sources = [];
+      this.nextTime = 0;
+    }
+  }
+  let player = null;
+  const getPlayer = () => (player ||= new Player());
+
+  // ---- decoders ---------------------------------------------------------------------
+  async function opusSupported() {
+    if (typeof AudioDecoder === "undefined") return false;
+    try {
+      const r = await AudioDecoder.isConfigSupported({ codec: "opus", sampleRate: OPUS_RATE, numberOfChannels: 1 });
+      return !!r.supported;
+    } catch (_) { return false; }
+  }
+
+  class OpusDecoderStream {
+    // One WebCodecs decoder per context (Opus state must not cross contexts).
+    constructor(onPcm) {
+      this.ts = 0;
+      this.decoder = new AudioDecoder({
+        output: (data) => {
+          const pcm = new Float32Array(data.numberOfFrames);
+          data.copyTo(pcm, { planeIndex: 0, format: "f32-planar" });
+          onPcm(pcm, data.sampleRate);
+          data.close();
+        },
+        error: (e) => logEvent({ type: "decoder_error", message: String(e) }),
+      });
+      this.decoder.configure({ codec: "opus", sampleRate: OPUS_RATE, numberOfChannels: 1 });
+    }
+    push(packet) {
+      this.decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: this.ts, data: packet }));
+      this.ts += 20000; // µs: one 20 ms packet
+    }
+    close() { try { this.decoder.close(); } catch (_) { /* closed */ } }
+  }
+
+  function pcm16ToFloat(bytes) {
+    const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    const out = new Float32Array(bytes.byteLength >> 1);
+    for (let i = 0; i < out.length; i++) out[i] = view.getInt16(2 * i, true) / 32768;
+    return out;
+  }
+
+  // ---- the WebSocket ------------------------------------------------------------------
+  let ws = null;
+  let wsReady = null;
+  let decoder = null;      // OpusDecoderStream of the current context
+  const cancelledIds = new Set(); // the server confirmed `cancelled`
+  const stoppedIds = new Set();   // Stop pressed here: frames still in flight are dropped
+  let tokenTimer = null;
+  let contextCounter = 0;
+
+  function closeSocket() {
+    if (ws) ws.close();
+    ws = null;
+    wsReady = null;
+  }
+
+  function connect() {
+    if (wsReady) return wsReady;
+    const proto = location.protocol === "https:" ? "wss" : "ws";
+    const key = apiKeyInput.value.trim();
+    const url = `${proto}://${location.host}/v1/tts/stream${key ? `?token=${encodeURIComponent(key)}` : ""}`;
+    wsReady = new Promise((resolve, reject) => {
+      const sock = new WebSocket(url);
+      sock.binaryType = "arraybuffer";
+      sock.onmessage = (msg) => {
+        if (typeof msg.data === "string") {
+          const ev = JSON.parse(msg.data);
+          if (ev.type === "session_started") { state.sessionId = ev.session_id; resolve(sock); }
+          onEvent(ev);
+        } else {
+          onAudio(new Uint8Array(msg.data));
+        }
+      };
+      sock.onclose = (e) => {
+        const why = e.code === 1008 ? "unauthorized: set the API key" : `closed (${e.code}${e.reason ? " " + e.reason : ""})`;
+        setConn(e.code === 1000 ? "idle" : "error", why);
+        state.connected = false;
+        if (ws === sock) { ws = null; wsReady = null; }
+        reject(new Error(why));
+        finishTurn();
+        changed();
+      };
+      sock.onopen = () => { state.connected = true; setConn("open", "connected"); changed(); };
+      ws = sock;
+    });
+    return wsReady;
+  }
+
+  function setConn(kind, text) { $("conn").dataset.state = kind; $("conn").textContent = text; }
+  const send = (msg) => ws && ws.readyState === WebSocket.OPEN && ws.send(JSON.stringify(msg));
+
+  function logEvent(ev) {
+    state.events.push(ev);
+    const li = document.createElement("li");
+    const { type, ...rest } = ev;
+    li.textContent = `${type} ${JSON.stringify(rest)}`.slice(0, 240);
+    $("events").append(li);
+    $("events").scrollTop = $("events").scrollHeight;
+  }
+
+  function onEvent(ev) {
+    logEvent(ev);
+    const mine = ev.context_id === state.contextId;
+    switch (ev.type) {
+      case "context_started":
+        if (mine) { state.format = ev.format; $("codec").textContent = `${ev.format} ${ev.sample_rate / 1000} kHz`; }
+        break;
+      case "segment_started":
+        if (mine) { state.segments.push(ev); renderTranscript(); }
+        break;
+      case "done":
+        if (mine) { state.done = ev; finishTurn(); }
+        break;
+      case "cancelled":
+        cancelledIds.add(ev.context_id);
+        if (mine) { state.cancelled = ev; finishTurn(); }
+        break;
+      case "error":
+        state.errors.push(ev);
+        if (ev.code === "unauthorized") setConn("error", "unauthorized: set the API key");
+        break;
+    }
+    changed();
+  }
+
+  function onAudio(frame) {
+    const n = frame[0];
+    const cid = new TextDecoder().decode(frame.subarray(1, 1 + n));
+    const payload = frame.subarray(1 + n);
+    if (cancelledIds.has(cid)) { state.framesAfterCancel += 1; changed(); return; }
+    if (cid !== state.contextId || stoppedIds.has(cid)) return;
+    state.framesReceived += 1;
+    if (state.firstAudioMs === null && state.textSentAt !== null) {
+      state.firstAudioMs = performance.now() - state.textSentAt;
+      $("ttfa").textContent = `${Math.round(state.firstAudioMs)} ms`;
+    }
+    if (state.format === "opus" && decoder) {
+      decoder.push(payload);
+    } else {
+      getPlayer().schedule(pcm16ToFloat(payload), PCM_RATE);
+      changed();
+    }
+  }
+
+  // ---- a turn: stream tokens in, audio out --------------------------------------------
+  function tokenize(text) {
+    // LLM-like pieces: a leading space stays with its word, long words are split.
+    const pieces = [];
+    for (const m of text.matchAll(/\s*[^\s]+|\s+$/g)) {
+      const word = m[0];
+      for (let i = 0; i < word.length; i += 6) pieces.push(word.slice(i, i + 6));
+    }
+    return pieces;
+  }
+
+  async function speak() {
+    const text = $("text").value;
+    if (!text.trim()) return;
+    if (state.speaking) await stop();
+    const p = getPlayer();
+    if (p.ctx.state === "suspended") await p.ctx.resume();
+    let sock;
+    try { sock = await connect(); } catch (err) { setConn("error", err.message); return; }
+
+    const choice = $("format").value;
+    const useOpus = choice === "opus" || (choice === "auto" && (await opusSupported()));
+    contextCounter += 1;
+    const cid = `demo-${Date.now().toString(36)}-${contextCounter}`;
+    Object.assign(state, {
+      contextId: cid, speaking: true, format: useOpus ? "opus" : "pcm_s16le", textSentAt: null, firstAudioMs: null,
+      segments: [], currentSegment: null, tokensSent: 0, tokensTotal: 0, cancelled: null, done: null, heardSeconds: null,
+    });
+    p.stopAll();
+    p.reset();
+    if (decoder) decoder.close();
+    decoder = useOpus ? new OpusDecoderStream((pcm, rate) => { p.schedule(pcm, rate); changed(); }) : null;
+    $("ttfa").textContent = "…";
+    $("segment").textContent = "—";
+    $("transcript").replaceChildren();
+    $("speak").disabled = true;
+    $("stop").disabled = false;
+    $("state").textContent = "streaming";
+
+    const overrides = useOpus ? { format: "opus", sample_rate: OPUS_RATE } : { format: "pcm_s16le", sample_rate: PCM_RATE };
+    if ($("voice").value) overrides.voice = $("voice").value;
+    overrides.speed = Number($("speed").value);
+
+    const tokens = tokenize(text);
+    state.tokensTotal = tokens.length;
+    const interval = 1000 / Number($("rate").value);
+    let i = 0;
+    const sendNext = () => {
+      tokenTimer = null;
+      if (state.contextId !== cid || sock.readyState !== WebSocket.OPEN) return;
+      const msg = { type: "text", context_id: cid, text: tokens[i] };
+      if (i === 0) { Object.assign(msg, overrides); state.textSentAt = performance.now(); }
+      i += 1;
+      if (i === tokens.length) msg.end = true;
+      sock.send(JSON.stringify(msg));
+      state.tokensSent = i;
+      changed();
+      if (i < tokens.length) tokenTimer = setTimeout(sendNext, interval);
+    };
+    sendNext();
+  }
+
+  async function stop() {
+    // Barge-in: no more text, the server cancels the context (drops queued frames,
+    // aborts the LM), and audio already scheduled here is silenced at once.
+    if (tokenTimer) { clearTimeout(tokenTimer); tokenTimer = null; }
+    const cid = state.contextId;
+    if (cid) {
+      stoppedIds.add(cid);
+      if (!state.cancelled) send({ type: "cancel", context_id: cid }); // idempotent on the server
+    }
+    if (decoder) { decoder.close(); decoder = null; } // packets queued in it are not played
+    if (player) {
+      state.heardSeconds = player.playedSeconds();
+      player.stopAll();
+    }
+    markHeard(true);
+    finishTurn();
+    changed();
+  }
+
+  function finishTurn() {
+    if (tokenTimer) { clearTimeout(tokenTimer); tokenTimer = null; }
+    state.speaking = false;
+    $("speak").disabled = false;
+    $("state").textContent = state.cancelled ? "stopped (cancelled)" : state.done ? "done" : "idle";
+  }
+
+  // ---- display ------------------------------------------------------------------------
+  function renderTranscript() {
+    const root = $("transcript");
+    root.replaceChildren(...state.segments.map((s, k) => {
+      const span = document.createElement("span");
+      span.className = "seg";
+      span.dataset.k = String(k);
+      span.textContent = s.text;
+      return span;
+    }));
+  }
+
+  function segmentAt(seconds) {
+    // The segment whose first sample has been played (offsets are at the context rate).
+    let cur = null;
+    for (const s of state.segments) if (s.audio_offset_ms / 1000 <= seconds) cur = s;
+    return cur;
+  }
+
+  function markHeard(cut) {
+    if (!player) return;
+    const played = player.playedSeconds();
+    const cur = played > 0 ? segmentAt(played) : null;
+    for (const span of $("transcript").children) {
+      const s = state.segments[Number(span.dataset.k)];
+      span.classList.toggle("speaking", s === cur && !cut);
+      span.classList.toggle("spoken", s.audio_offset_ms / 1000 <= played && (s !== cur || cut));
+      span.classList.toggle("cut", cut && s.audio_offset_ms / 1000 > played);
+    }
+    if (cur !== state.currentSegment) {
+      state.currentSegment = cur;
+      $("segment").textContent = cur ? cur.text.trim() : "—";
+      changed();
+    }
+  }
+
+  const canvas = $("wave");
+  const g = canvas.getContext("2d");
+  let wave = null;
+  function draw() {
+    requestAnimationFrame(draw);
+    const w = canvas.width, h = canvas.height;
+    g.fillStyle = "#0b1016";
+    g.fillRect(0, 0, w, h);
+    g.strokeStyle = "#2a3540";
+    g.beginPath(); g.moveTo(0, h / 2); g.lineTo(w, h / 2); g.stroke();
+    if (!player) return;
+    wave ||= new Float32Array(player.analyser.fftSize);
+    player.analyser.getFloatTimeDomainData(wave);
+    g.strokeStyle = "#4cc2ff";
+    g.lineWidth = 2;
+    g.beginPath();
+    for (let i = 0; i < wave.length; i++) {
+      const x = (i / (wave.length - 1)) * w;
+      const y = h / 2 - wave[i] * (h / 2) * 0.95;
+      i ? g.lineTo(x, y) : g.moveTo(x, y);
+    }
+    g.stroke();
+    // Stop stays available while audio is still playing after the server finished.
+    $("stop").disabled = !(state.speaking || player.nextTime > player.ctx.currentTime);
+    $("scheduled").textContent = `${state.scheduledSeconds.toFixed(2)} s`;
+    if (state.contextId && (state.speaking || state.done)) {
+      $("played").textContent = `${player.playedSeconds().toFixed(2)} s`;
+      markHeard(false);
+    }
+  }
+  requestAnimationFrame(draw);
+
+  $("speak").addEventListener("click", speak);
+  $("stop").addEventListener("click", stop);
+  window.demo = { state, speak, stop, connect, loadVoices, opusSupported, player: () => player };
+  loadVoices();
+})();

@@ -1,0 +1,290 @@
+"""The static demo page in real headless Chromium against the real gateway.
+
+Chromium (Debian's `chromium`, installed by `make system-deps`) is driven over the
+DevTools protocol with the `websockets` client we already depend on, so no browser
+download is needed. The page is served by the app itself (`create_app`, tiny
+random-weight engine). Waits are event-driven: the page dispatches `demo:change` on
+every state change and the test's JavaScript resolves when its condition holds.
+
+Set UPDATE_DEMO_SCREENSHOT=1 to refresh docs/demo.png from this run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import websockets
+
+from gateway.app import create_app
+from test_twilio import API_KEY, LiveServer, gateway_settings, tone_wav
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make system-deps)")
+
+FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required", "--mute-audio", "--window-size=1280,1000",
+    "--remote-debugging-port=0",
+]
+LONG_TEXT = (
+    "Good morning, and welcome to the streaming demo. The text arrives one small piece at a time, "
+    "just like the output of a language model. Every sentence becomes a segment, and audio for the "
+    "first one starts long before the last word has been typed. This paragraph is long on purpose, "
+    "so that there is still plenty left to say when the Stop button interrupts it in the middle."
+)
+
+
+class DevTools:
+    """A minimal Chrome DevTools Protocol client: one browser, one page session."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, ws: Any) -> None:
+        self.proc = proc
+        self.ws = ws
+        self._next = 0
+        self._pending: dict[int, asyncio.Future] = {}
+        self._waiters: list[tuple[str, asyncio.Future]] = []
+        self.console: list[str] = []
+        self.session: str | None = None
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def launch(cls, profile: str) -> "DevTools":
+        proc = await asyncio.create_subprocess_exec(
+            CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+        assert proc.stderr is not None
+        url = None
+        while url is None:  # Chromium prints its DevTools address once it listens
+            line = (await asyncio.wait_for(proc.stderr.readline(), 60)).decode(errors="replace")
+            if not line:
+                raise RuntimeError("chromium exited before DevTools was up")
+            if line.startswith("DevTools listening on "):
+                url = line.split(" on ", 1)[1].strip()
+        # Keep draining stderr so Chromium never blocks on a full pipe.
+        asyncio.get_running_loop().create_task(_drain(proc.stderr))
+        ws = await websockets.connect(url, max_size=None)
+        return cls(proc, ws)
+
+    async def _read(self) -> None:
+        async for raw in self.ws:
+            msg = json.loads(raw)
+            if "id" in msg:
+                fut = self._pending.pop(msg["id"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+                continue
+            method = msg.get("method", "")
+            params = msg.get("params", {})
+            if method == "Runtime.consoleAPICalled":
+                self.console.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
+            elif method == "Runtime.exceptionThrown":
+                self.console.append("EXCEPTION " + json.dumps(params.get("exceptionDetails", {}))[:500])
+            for name, fut in list(self._waiters):
+                if name == method and not fut.done():
+                    fut.set_result(params)
+                    self._waiters.remove((name, fut))
+
+    async def call(self, method: str, params: dict[str, Any] | None = None, page: bool = True, timeout: float = 60) -> dict[str, Any]:
+        self._next += 1
+        msg: dict[str, Any] = {"id": self._next, "method": method, "params": params or {}}
+        if page and self.session is not None:
+            msg["sessionId"] = self.session
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[self._next] = fut
+        await self.ws.send(json.dumps(msg))
+        reply = await asyncio.wait_for(fut, timeout)
+        if "error" in reply:
+            raise RuntimeError(f"{method}: {reply['error']}")
+        return reply.get("result", {})
+
+    def expect(self, method: str) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((method, fut))
+        return fut
+
+    async def open_page(self, url: str) -> None:
+        target = await self.call("Target.createTarget", {"url": "about:blank"}, page=False)
+        attached = await self.call("Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}, page=False)
+        self.session = attached["sessionId"]
+        await self.call("Runtime.enable")
+        await self.call("Page.enable")
+        await self.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 1000, "deviceScaleFactor": 1, "mobile": False})
+        loaded = self.expect("Page.loadEventFired")
+        await self.call("Page.navigate", {"url": url})
+        await asyncio.wait_for(loaded, 60)
+
+    async def js(self, expression: str, timeout: float = 60) -> Any:
+        result = await self.call(
+            "Runtime.evaluate", {"expression": expression, "awaitPromise": True, "returnByValue": True}, timeout=timeout + 5
+        )
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            raise AssertionError(f"page JS failed: {details.get('exception', {}).get('description', details)}\nconsole: {self.console[-10:]}")
+        return result["result"].get("value")
+
+    async def until(self, condition: str, timeout: float = 60) -> Any:
+        """Resolve when the JS ``condition`` is truthy, re-checked on every `demo:change`."""
+        return await self.js(
+            f"""new Promise((resolve, reject) => {{
+                const check = () => {{
+                    let v;
+                    try {{ v = ({condition}); }} catch (e) {{ done(); reject(e); return; }}
+                    if (v) {{ done(); resolve(v); }}
+                }};
+                const done = () => {{ window.removeEventListener('demo:change', check); clearTimeout(timer); }};
+                const timer = setTimeout(() => {{ done(); reject(new Error('timed out waiting for: ' + {json.dumps(condition)})); }}, {int(timeout * 1000)});
+                window.addEventListener('demo:change', check);
+                check();
+            }})""",
+            timeout=timeout,
+        )
+
+    async def screenshot(self) -> bytes:
+        shot = await self.call("Page.captureScreenshot", {"format": "png"})
+        return base64.b64decode(shot["data"])
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.call("Browser.close", page=False, timeout=10)
+        self._reader.cancel()
+        with contextlib.suppress(BaseException):
+            await self.ws.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        await self.proc.wait()
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with LiveServer(create_app(gateway_settings(tiny_model_dir, tmp_path_factory.mktemp("demo")))) as srv:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            resp = c.post(
+                "/v1/voices",
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                data={"id": "alice", "transcript": "Alice reads a short sentence."},
+                files={"file": ("alice.wav", tone_wav(4.0, freq=240.0), "audio/wav")},
+            )
+            assert resp.status_code == 201, resp.text
+        yield srv
+
+
+def browse(gateway: LiveServer, scenario: Any) -> Any:
+    async def main() -> Any:
+        with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+            browser = await DevTools.launch(profile)
+            try:
+                await browser.open_page(gateway.url + "/")
+                return await scenario(browser)
+            finally:
+                await browser.close()
+
+    return asyncio.run(main())
+
+
+async def use_key_and_voice(b: DevTools, voice: str) -> None:
+    # The page asks for the voice list with the key, then offers the registered voice.
+    await b.js(f"""(() => {{ const k = document.getElementById('api-key'); k.value = {json.dumps(API_KEY)};
+                   k.dispatchEvent(new Event('change')); }})()""")
+    await b.until(f"[...document.querySelectorAll('#voice option')].some(o => o.value === {json.dumps(voice)})")
+    await b.js(f"document.getElementById('voice').value = {json.dumps(voice)}")
+
+
+def test_page_streams_audio_shows_first_audio_time_and_stop_barges_in(gateway: LiveServer) -> None:
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        assert await b.js("document.title") == "CosyVoice gateway — streaming demo"
+        await use_key_and_voice(b, "alice")
+        await b.js(f"""(() => {{
+            document.getElementById('text').value = {json.dumps(LONG_TEXT)};
+            const rate = document.getElementById('rate'); rate.value = '12'; rate.dispatchEvent(new Event('input'));
+            document.getElementById('format').value = 'auto';
+            document.getElementById('speak').click();
+        }})()""")
+        # Audio arrives, is decoded and scheduled on the AudioContext; TTFA is shown.
+        await b.until("demo.state.firstAudioMs !== null && demo.state.scheduledBuffers >= 3 && demo.state.segments.length >= 1")
+        await b.until("demo.state.currentSegment !== null")  # the clock runs: a segment is being spoken
+        await b.until("demo.player().playedSeconds() > 0.05")
+        shot = await b.screenshot()
+        before = await b.js("""({
+            ttfa: document.getElementById('ttfa').textContent,
+            segment: document.getElementById('segment').textContent,
+            format: demo.state.format, opus: null, buffers: demo.state.scheduledBuffers,
+            seconds: demo.state.scheduledSeconds, peak: demo.state.peak, ctx: demo.player().ctx.state,
+            tokensSent: demo.state.tokensSent, tokensTotal: demo.state.tokensTotal,
+            played: demo.player().playedSeconds(),
+            stopEnabled: !document.getElementById('stop').disabled,
+        })""")
+        before["opus"] = await b.js("demo.opusSupported()")
+        # Stop: a real barge-in. The server answers `cancelled` for the live context.
+        sent_at_stop = await b.js("(() => { const n = demo.state.tokensSent; document.getElementById('stop').click(); return n; })()")
+        cancelled = await b.until("demo.state.cancelled")
+        after_stop = await b.js("({sources: demo.player().sources.length, tokensSent: demo.state.tokensSent, state: document.getElementById('state').textContent})")
+        # The next turn works on the same socket, and nothing of the cancelled one came after.
+        first_session = await b.js("demo.state.sessionId")
+        await b.js("""(() => { document.getElementById('text').value = 'Short reply.';
+                       const r = document.getElementById('rate'); r.value = '200'; r.dispatchEvent(new Event('input'));
+                       document.getElementById('format').value = 'pcm';
+                       document.getElementById('speak').click(); })()""")
+        done = await b.until("demo.state.done")
+        final = await b.js("""({frames_after_cancel: demo.state.framesAfterCancel, session: demo.state.sessionId,
+                                 format: demo.state.format, errors: demo.state.errors,
+                                 types: demo.state.events.map(e => e.type)})""")
+        return dict(sent_at_stop=sent_at_stop, shot=shot, before=before, cancelled=cancelled, after_stop=after_stop, done=done, final=final,
+                    first_session=first_session, console=b.console)
+
+    r = browse(gateway, scenario)
+    before, cancelled, final = r["before"], r["cancelled"], r["final"]
+
+    # First-audio time displayed, audio really scheduled (not silence) on a running clock.
+    assert before["ttfa"].endswith(" ms") and int(before["ttfa"].split()[0]) > 0
+    assert before["buffers"] >= 3 and before["seconds"] > 0.1 and before["peak"] > 0.01
+    assert before["ctx"] == "running"
+    assert before["segment"] not in ("", "—") and before["segment"] in LONG_TEXT
+    assert before["format"] == ("opus" if before["opus"] else "pcm_s16le")
+    assert before["stopEnabled"]
+    # Stopped mid-stream: the server context was live (its text or audio not finished).
+    assert cancelled["type"] == "cancelled" and cancelled["active"] is True
+    assert cancelled["audio_samples"] > 0 and 0 < cancelled["text_end"] < len(LONG_TEXT)
+    assert r["after_stop"]["sources"] == 0, "scheduled audio must be silenced at once"
+    assert r["after_stop"]["tokensSent"] == r["sent_at_stop"]  # no text after Stop
+    assert r["after_stop"]["state"] == "stopped (cancelled)"
+    # The next turn: same socket, PCM path, completes; no frame of the cancelled turn.
+    assert final["session"] == r["first_session"]
+    assert r["done"]["type"] == "done" and r["done"]["audio_samples"] > 0
+    assert final["format"] == "pcm_s16le" and final["frames_after_cancel"] == 0
+    assert final["errors"] == [], final["errors"]
+    assert not [c for c in r["console"] if c.startswith("EXCEPTION")], r["console"]
+
+    assert r["shot"][:8] == b"\x89PNG\r\n\x1a\n" and len(r["shot"]) > 10_000
+    if os.environ.get("UPDATE_DEMO_SCREENSHOT"):
+        (ROOT / "docs" / "demo.png").write_bytes(r["shot"])
+
+
+def test_page_reports_a_missing_api_key(gateway: LiveServer) -> None:
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await b.js("document.getElementById('speak').click()")
+        await b.until("demo.state.errors.length > 0")
+        return await b.js("({code: demo.state.errors[0].code, conn: document.getElementById('conn').textContent, voices: document.getElementById('nv-status').textContent})")
+
+    r = browse(gateway, scenario)
+    assert r["code"] == "unauthorized"
+    assert "unauthorized" in r["conn"]
+    assert "API key required" in r["voices"]

@@ -1,0 +1,349 @@
+"""The Twilio Media Streams bridge against the real gateway (tiny random-weight engine).
+
+A scripted Twilio side checks what a phone line would receive: `media` messages of
+exactly 160 μ-law bytes with the call's streamSid, a `mark` after each segment's last
+frame, and a `clear` on barge-in after which no audio of the interrupted turn follows.
+The example agent (`examples/twilio_agent.py`) is driven over a real WebSocket the way
+Twilio drives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+import json
+import io
+import math
+import socket
+import sys
+import threading
+import wave
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import uvicorn
+import numpy as np
+import pytest
+import websockets
+
+from gateway.app import create_app
+from gateway.audio import ulaw_decode, ulaw_encode
+from gateway.settings import EngineSettings, Settings
+from gateway.twilio import CallEnded, SegmentPlayed, TwilioBridge
+
+ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "sk-twilio-test"
+STREAM_SID = "MZ0123456789abcdef"
+CONNECTED = {"event": "connected", "protocol": "Call", "version": "1.0.0"}
+START = {
+    "event": "start",
+    "sequenceNumber": "1",
+    "streamSid": STREAM_SID,
+    "start": {
+        "streamSid": STREAM_SID,
+        "accountSid": "AC0000",
+        "callSid": "CA0000",
+        "tracks": ["inbound"],
+        "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
+        "customParameters": {"who": "test"},
+    },
+}
+
+
+# ---- shared with test_demo_page.py: a live server on a loopback port ----------------------
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+class LiveServer:
+    """Serves an ASGI app with uvicorn in a thread (lifespan on) on a free port."""
+
+    def __init__(self, app: Any, start_timeout: float = 180.0) -> None:
+        self.app = app
+        self.start_timeout = start_timeout
+
+    def __enter__(self) -> "LiveServer":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+
+        def target() -> None:
+            try:
+                self.server.run(sockets=[sock])
+            finally:
+                self.server.ready.set()  # never leave the waiter hanging on a failed start
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+        if not self.server.ready.wait(self.start_timeout) or not self.server.started:
+            self.__exit__()
+            raise RuntimeError("server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+def tone_wav(seconds: float, freq: float, sr: int = 16000) -> bytes:
+    """A harmonic-rich tone as 16-bit WAV bytes (a stand-in voice prompt)."""
+    t = np.arange(int(seconds * sr)) / sr
+    x = 0.3 * np.sign(np.sin(2 * np.pi * freq * t)) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((x * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def gateway_settings(model_dir: Path, root: Path) -> Settings:
+    assets = root / "assets"
+    assets.mkdir(exist_ok=True)
+    (assets / "default.wav").write_bytes(tone_wav(3.0, freq=180.0))
+    (assets / "default.txt").write_text("This is the default voice.")
+    return Settings(
+        model=str(model_dir),
+        data_dir=root / "data",
+        assets_dir=assets,
+        api_keys=(API_KEY,),
+        default_voice="default",
+        # 2 speech tokens per text token: random weights never stop on their own. Warm-up
+        # keeps the first request's one-off costs out of time-to-first-audio.
+        engine=EngineSettings(device="cpu", lm_backend="torch", warmup=True, tokens_per_text_token=2.0),
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with LiveServer(create_app(gateway_settings(tiny_model_dir, tmp_path_factory.mktemp("twilio")))) as srv:
+        yield f"ws://127.0.0.1:{srv.port}/v1/tts/stream"
+
+
+class TwilioSide:
+    """Records what the bridge sends to Twilio; lets a test wait for a message."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self._changed = asyncio.Condition()
+
+    async def send(self, raw: str) -> None:
+        async with self._changed:
+            self.sent.append(json.loads(raw))
+            self._changed.notify_all()
+
+    async def wait_for(self, pred: Any, timeout: float = 60.0) -> None:
+        async def wait() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: pred(self.sent))
+
+        await asyncio.wait_for(wait(), timeout)
+
+    def marks(self) -> list[str]:
+        return [m["mark"]["name"] for m in self.sent if m["event"] == "mark"]
+
+
+def words(text: str) -> list[str]:
+    out, cur = [], ""
+    for ch in text:
+        if ch == " " and cur:
+            out.append(cur)
+            cur = ""
+        cur += ch
+    return out + [cur]
+
+
+def check_media(msg: dict[str, Any]) -> bytes:
+    assert msg["streamSid"] == STREAM_SID
+    payload = base64.b64decode(msg["media"]["payload"], validate=True)
+    assert len(payload) == 160, "Twilio media must be 20 ms of 8 kHz μ-law"
+    return payload
+
+
+TEXT = "Hello there, caller. This is the second sentence. And this is the third one!"
+
+
+def test_media_frames_and_a_mark_after_each_segment(gateway_url: str) -> None:
+    async def main() -> tuple[TwilioSide, list[dict[str, Any]], list[Any]]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(json.dumps(CONNECTED))
+        msg = await bridge.handle_twilio(json.dumps(START))
+        assert msg.event == "start" and bridge.call is not None and bridge.call.custom_parameters == {"who": "test"}
+        tid = await bridge.speak(words(TEXT))
+        await bridge.wait_turn_sent(timeout=120)
+        events = bridge.gateway_events(tid)
+        # Twilio plays the audio and echoes every mark.
+        for name in tw.marks():
+            await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
+        assert not bridge.speaking
+        played = []
+        while not bridge.events.empty():
+            played.append(bridge.events.get_nowait())
+        await bridge.aclose()
+        assert isinstance(await bridge.events.get(), CallEnded)
+        return tw, events, played
+
+    tw, events, played = asyncio.run(main())
+    starts = [e for e in events if e["type"] == "segment_started"]
+    done = [e for e in events if e["type"] == "done"]
+    assert len(starts) >= 2 and len(done) == 1
+    assert "".join(s["text"] for s in starts) == TEXT
+
+    # Every message is media or mark; media frames are exact and carry real audio.
+    assert {m["event"] for m in tw.sent} == {"media", "mark"}
+    media = [check_media(m) for m in tw.sent if m["event"] == "media"]
+    assert len(media) * 160 == done[0]["audio_samples"]
+    assert np.abs(ulaw_decode(b"".join(media)).astype(np.float64)).max() > 100
+
+    # One mark per segment, in order, right after the frame holding its last sample.
+    assert tw.marks() == [f"turn-1/{s['segment_index']}" for s in starts]
+    ends = [s["audio_offset"] for s in starts[1:]] + [done[0]["audio_samples"]]
+    frames_before = []
+    count = 0
+    for m in tw.sent:
+        if m["event"] == "media":
+            count += 1
+        else:
+            frames_before.append(count)
+    assert frames_before == [math.ceil(e / 160) for e in ends]
+    assert frames_before[-1] == len(media)  # the last mark follows the last frame
+
+    # Echoed marks become SegmentPlayed events; the last one closes the turn.
+    assert [(p.segment_index, p.text) for p in played] == [(s["segment_index"], s["text"]) for s in starts]
+    assert [p.last for p in played] == [False] * (len(starts) - 1) + [True]
+
+
+def test_barge_in_sends_clear_and_no_audio_of_the_turn_after_it(gateway_url: str) -> None:
+    long_text = " ".join(f"Sentence number {i} is here." for i in range(1, 9))
+
+    async def main() -> dict[str, Any]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        for piece in words(long_text):
+            await bridge.say(piece)
+        await bridge.end_turn()
+        await tw.wait_for(lambda sent: any(m["event"] == "mark" for m in sent))
+        first_mark = tw.marks()[0]
+        await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": first_mark}})
+        played = await bridge.events.get()
+        assert bridge.speaking
+        result = await bridge.barge_in()
+        await bridge.wait_turn_sent(timeout=60)  # the forwarder has stopped for good
+        snapshot = list(tw.sent)
+        # Twilio returns the outstanding marks after a clear: they were not played.
+        for name in tw.marks()[1:]:
+            await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
+        stray = bridge.events.qsize()
+        # The next turn is heard again.
+        tid2 = await bridge.speak(["Okay,", " go", " ahead."])
+        await bridge.wait_turn_sent(timeout=60)
+        events1 = bridge.gateway_events("turn-1")
+        await bridge.aclose()
+        return dict(sent=snapshot, all=list(tw.sent), played=played, result=result, stray=stray, tid2=tid2, events1=events1, speaking=bridge.speaking)
+
+    r = asyncio.run(main())
+    sent = r["sent"]
+    clears = [i for i, m in enumerate(sent) if m["event"] == "clear"]
+    assert len(clears) == 1 and sent[clears[0]]["streamSid"] == STREAM_SID
+    assert all(m["event"] != "media" for m in sent[clears[0] + 1 :]), "audio of the interrupted turn after clear"
+    assert all(m["event"] != "mark" for m in sent[clears[0] + 1 :])
+    for m in sent:
+        if m["event"] == "media":
+            check_media(m)
+
+    # What the caller heard: the confirmed first segment, cut during the second.
+    assert isinstance(r["played"], SegmentPlayed) and r["played"].segment_index == 0
+    res = r["result"]
+    assert res.turn_id == "turn-1" and res.heard_text == r["played"].text
+    assert res.interrupted_text and long_text.startswith(res.heard_text + res.interrupted_text)
+    assert r["stray"] == 0, "marks echoed after a clear must not count as played"
+    # The gateway context was really cancelled (if it was still producing) or done.
+    kinds = [e["type"] for e in r["events1"]]
+    assert "cancelled" in kinds or "done" in kinds
+
+    # The following turn streams normally after the clear.
+    after = r["all"][len(sent) :]
+    assert r["tid2"] == "turn-2"
+    assert sum(m["event"] == "media" for m in after) > 0 and [m["mark"]["name"] for m in after if m["event"] == "mark"][-1].startswith("turn-2/")
+
+
+# ---- the example agent, driven like Twilio drives it --------------------------------------
+
+
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("twilio_agent", ROOT / "examples" / "twilio_agent.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def ulaw_tone(frames: int, amplitude: float) -> list[str]:
+    t = np.arange(frames * 160) / 8000
+    pcm = (amplitude * 32767 * np.sin(2 * np.pi * 440 * t)).astype(np.int16)
+    data = ulaw_encode(pcm)
+    return [base64.b64encode(data[i : i + 160]).decode() for i in range(0, len(data), 160)]
+
+
+def test_example_agent_over_a_twilio_socket(gateway_url: str) -> None:
+    ex = load_example()
+    cfg = ex.AgentConfig(gateway_url=gateway_url, api_key=API_KEY, greeting=TEXT, tokens_per_second=0.0, speech_frames=3, silence_frames=4)
+    with LiveServer(ex.create_agent_app(cfg)) as agent:
+        twiml = httpx.post(f"{agent.url}/twiml", headers={"host": "agent.example"}, timeout=10)
+        assert twiml.status_code == 200 and '<Stream url="ws://agent.example/media"/>' in twiml.text
+
+        async def main() -> list[dict[str, Any]]:
+            got: list[dict[str, Any]] = []
+
+            async def until(ws: Any, pred: Any) -> None:
+                while not pred():
+                    got.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+
+            async with websockets.connect(f"ws://127.0.0.1:{agent.port}/media") as ws:
+                await ws.send(json.dumps(CONNECTED))
+                await ws.send(json.dumps(START))
+                await until(ws, lambda: any(m["event"] == "mark" for m in got))
+                # The first segment was played: echo its mark, then the caller talks.
+                await ws.send(json.dumps({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": got[-1]["mark"]["name"]}}))
+                for i, payload in enumerate(ulaw_tone(4, 0.5) + ulaw_tone(5, 0.0)):
+                    await ws.send(json.dumps({"event": "media", "streamSid": STREAM_SID, "sequenceNumber": str(i + 2),
+                                              "media": {"track": "inbound", "chunk": str(i + 1), "timestamp": str(20 * i), "payload": payload}}))
+                # The caller fell silent: the agent answers in a new turn.
+                await until(ws, lambda: any(m["event"] == "mark" and m["mark"]["name"].startswith("turn-2/") for m in got))
+                await ws.send(json.dumps({"event": "stop", "streamSid": STREAM_SID, "stop": {"callSid": "CA0000"}}))
+                with pytest.raises(websockets.ConnectionClosed):
+                    while True:
+                        got.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            return got
+
+        got = asyncio.run(main())
+    events = [m["event"] for m in got]
+    assert set(events) <= {"media", "mark", "clear"}
+    clear = events.index("clear")
+    assert events.count("clear") == 1
+    assert "media" in events[:clear] and "mark" in events[:clear]
+    for m in got:
+        if m["event"] == "media":
+            check_media(m)
+    # Marks of the greeting before the clear, the answer's after it; none of turn 1 after.
+    after = [m["mark"]["name"] for m in got[clear + 1 :] if m["event"] == "mark"]
+    assert after and all(n.startswith("turn-2/") for n in after)
+    assert "media" in events[clear + 1 :]

@@ -1,0 +1,244 @@
+"""PgVoiceStore against a real PostgreSQL server (started by the test, see pg_server.py).
+
+Two stores on one database stand for two gateway replicas. The engine is the real tiny
+random-weight engine, so the features compared here are the ones synthesis would use.
+"What happens at once" is asserted without waiting: `get_prompt`, `delete` and the 409
+check consult the database on every call. What follows a notification (the listing
+mirror) is awaited with a bounded wait on the store's change condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from gateway.audio_files import wav_bytes
+from gateway.errors import ApiError
+from gateway.voice_pg import PgOptions, PgVoiceStore, VoiceStoreUnavailable, create_voice_store, redact_url
+from gateway.voices import VoiceStore
+from pg_server import PgServer, find_pg_bindir, temporary_postgres
+
+SR = 24000
+WAIT = 10.0  # upper bound for a NOTIFY to reach the other store (normally milliseconds)
+
+if find_pg_bindir() is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must have PostgreSQL installed (Makefile system-deps)")
+    pytest.skip("PostgreSQL server binaries not installed", allow_module_level=True)
+
+
+def tone_wav(seconds: float, freq: float) -> bytes:
+    t = np.arange(int(seconds * SR)) / SR
+    return wav_bytes((0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), SR)
+
+
+@pytest.fixture(scope="module")
+def pg() -> AsyncIterator[PgServer]:
+    with temporary_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def db_url(pg: PgServer) -> str:
+    """A fresh database per test, so tests cannot see each other's voices."""
+    import psycopg
+
+    name = "t_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"postgresql://{pg.user}@127.0.0.1:{pg.port}/{name}"
+
+
+Scenario = Callable[[Engine, str], Awaitable[None]]
+
+
+def run_with_engine(tiny_model_dir: Path, db_url: str, scenario: Scenario) -> None:
+    async def main() -> None:
+        engine = await Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch",
+                                                  warmup=False))
+        try:
+            await scenario(engine, db_url)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def two_stores(engine: Engine, url: str) -> tuple[PgVoiceStore, PgVoiceStore]:
+    a, b = await asyncio.gather(PgVoiceStore(url, engine).open(), PgVoiceStore(url, engine).open())
+    return a, b
+
+
+def same_prompt(p: Any, q: Any) -> bool:
+    return (torch.equal(p.speech_tokens, q.speech_tokens) and torch.equal(p.speech_feat, q.speech_feat)
+            and torch.equal(p.embedding, q.embedding))
+
+
+def test_register_on_one_use_on_other_delete_propagates(tiny_model_dir: Path, db_url: str) -> None:
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            info = await a.register("alice", "Alice", "Hello there, this is Alice.", tone_wav(3.5, 220.0))
+            # Usable on B with no wait at all: get_prompt reads the database.
+            pb = await b.get_prompt("alice")
+            assert same_prompt(pb, await a.get_prompt("alice"))
+            assert pb.transcript == "Hello there, this is Alice."
+            # B's listing follows A's commit through NOTIFY.
+            assert await b.wait_for_mirror(lambda s: s.get("alice") is not None, WAIT)
+            assert b.get("alice").audio_sha256 == info.audio_sha256
+            assert [v.id for v in b.list()] == ["alice"]
+            # The stored upload is the uploaded bytes, untouched.
+            assert await b.source_audio("alice") == tone_wav(3.5, 220.0)
+
+            # A has the features cached; B deletes. A's very next use fails.
+            assert await b.delete("alice") is True
+            with pytest.raises(KeyError):
+                await a.get_prompt("alice")
+            assert await a.delete("alice") is False  # already gone everywhere
+            assert await b.wait_for_mirror(lambda s: "alice" not in s, WAIT)
+            assert a.list() == [] and b.list() == []
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_delete_reaches_other_listing_through_notify(tiny_model_dir: Path, db_url: str) -> None:
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            await a.register("bob", None, "Bob speaking.", tone_wav(3.2, 330.0))
+            assert await b.wait_for_mirror(lambda s: "bob" in s, WAIT)
+            await b.delete("bob")
+            # A never touches the database for this voice: only the notification can tell it.
+            assert await a.wait_for_mirror(lambda s: "bob" not in s, WAIT)
+            assert a.get("bob") is None
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_replacement_invalidates_cached_features(tiny_model_dir: Path, db_url: str, tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "narrator.txt").write_text("The narrator reads this line.")
+
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            (assets / "narrator.wav").write_bytes(tone_wav(3.0, 200.0))
+            assert await a.register_assets(assets) == ["narrator"]
+            old = await a.get_prompt("narrator")  # now cached on A
+            assert await b.register_assets(assets) == []  # unchanged: B skips it
+            (assets / "narrator.wav").write_bytes(tone_wav(4.0, 440.0))  # the asset changes
+            assert await b.register_assets(assets) == ["narrator"]
+            new_on_a = await a.get_prompt("narrator")
+            assert not same_prompt(new_on_a, old)
+            assert same_prompt(new_on_a, await b.get_prompt("narrator"))
+            assert new_on_a.num_tokens == 100  # 4 s at 25 tokens/s, not the old 3 s
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_racing_registrations_of_one_id_one_wins(tiny_model_dir: Path, db_url: str) -> None:
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            results = await asyncio.gather(
+                a.register("carol", None, "Carol one.", tone_wav(3.0, 250.0)),
+                b.register("carol", None, "Carol two.", tone_wav(3.0, 350.0)),
+                return_exceptions=True,
+            )
+            errors = [r for r in results if isinstance(r, ApiError)]
+            assert len(errors) == 1 and errors[0].status == 409 and errors[0].code == "voice_exists"
+            winner = next(r for r in results if not isinstance(r, BaseException))
+            for store in (a, b):
+                assert (await store.get_prompt("carol")).transcript == winner.transcript
+            # A later registration of the taken id is refused on either replica.
+            with pytest.raises(ApiError) as exc:
+                await a.register("carol", None, "Carol three.", tone_wav(3.0, 450.0))
+            assert exc.value.status == 409
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_restart_and_lost_connections(tiny_model_dir: Path, db_url: str) -> None:
+    import psycopg
+
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            await a.register("dave", "Dave", "Dave here.", tone_wav(3.0, 300.0))
+            before = await a.get_prompt("dave")
+            # Kill every server-side connection of this database (pool and listeners):
+            # what a database restart or failover does to the replicas.
+            dbname = url.rsplit("/", 1)[1]
+            async with await psycopg.AsyncConnection.connect(url.rsplit("/", 1)[0] + "/postgres",
+                                                             autocommit=True) as admin:
+                cur = await admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = %s", (dbname,))
+                assert (await cur.fetchone())[0] >= 2
+            # The pool replaces dead connections at checkout; requests keep working.
+            assert same_prompt(await b.get_prompt("dave"), before)
+            await b.delete("dave")
+            with pytest.raises(KeyError):
+                await a.get_prompt("dave")
+            # A's listener reconnected (and reloaded), so its listing follows too.
+            assert await a.wait_for_mirror(lambda s: "dave" not in s, WAIT)
+
+            await a.register("erin", None, "Erin speaking here.", tone_wav(3.0, 280.0))
+            kept = await a.get_prompt("erin")
+            await a.close()
+            c = await PgVoiceStore(url, engine).open()  # a replica (re)starting
+            try:
+                assert [v.id for v in c.list()] == ["erin"]
+                assert same_prompt(await c.get_prompt("erin"), kept)
+            finally:
+                await c.close()
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_unreachable_database_is_503(tiny_model_dir: Path) -> None:
+    from pg_server import free_port
+
+    async def scenario(engine: Engine, url: str) -> None:
+        store = PgVoiceStore(url, engine, options=PgOptions(open_timeout_s=0.5))
+        with pytest.raises(VoiceStoreUnavailable) as exc:
+            await store.open()
+        assert exc.value.status == 503 and exc.value.code == "voice_store_unavailable"
+        with pytest.raises(RuntimeError):  # nothing half-open is left to use
+            await store.get_prompt("anything")
+
+    run_with_engine(tiny_model_dir, f"postgresql://gw@127.0.0.1:{free_port()}/none", scenario)
+
+
+def test_create_voice_store_and_redaction(tmp_path: Path) -> None:
+    assert type(create_voice_store("sqlite", tmp_path, engine=None)) is VoiceStore
+    pg_store = create_voice_store("postgresql://u@db:5432/voices", tmp_path, engine=None)
+    assert isinstance(pg_store, PgVoiceStore)
+    with pytest.raises(ValueError):
+        create_voice_store("mysql://u@db/voices", tmp_path, engine=None)
+    assert redact_url("postgresql://u:s3cret@db:5432/v") == "postgresql://u:***@db:5432/v"
+    assert redact_url("postgresql://u@db/v") == "postgresql://u@db/v"
