@@ -21,13 +21,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# libopus for Opus frames (opuslib loads it at run time); the PostgreSQL server for the
-# shared-voice-store tests (they start a throwaway cluster of their own; the gateway
-# itself only needs the psycopg client wheel).
+# libopus for Opus frames (opuslib loads it at run time). For the scale-out tests only:
+# the PostgreSQL server (they start a throwaway cluster of their own; the gateway itself
+# only needs the psycopg client wheel) and nginx (the cluster's load balancer, run on
+# loopback in front of two gateway processes). Debian's chromium for the demo page's
+# browser test (tests/test_demo_page.py drives it over the DevTools protocol).
 system-deps:
 	@PKGS=""; \
 	ldconfig -p 2>/dev/null | grep -q 'libopus.so.0' || PKGS="$$PKGS libopus0"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || PKGS="$$PKGS postgresql"; \
+	[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || PKGS="$$PKGS nginx-light"; \
+	command -v chromium >/dev/null 2>&1 || PKGS="$$PKGS chromium"; \
 	if [ -n "$$PKGS" ]; then \
 	  echo "installing$$PKGS (apt)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

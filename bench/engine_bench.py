@@ -10,6 +10,17 @@ underrun. Reported per concurrency level: first-chunk latency percentiles (submi
 first audio of each session's first utterance), inter-chunk gaps, underruns, RTF
 (compute time / audio time, per session and aggregate), and the engine's batch sizes.
 Random weights never emit eos, so speech length is fixed with --tokens-per-text-token.
+
+Text arriving from an LLM (`--mode segment|stream --text-rate 30`): each session's
+turn is produced token by token at --text-rate tokens/s and first audio is measured
+from the FIRST text token. `segment` cuts the text with the gateway's segmenter and
+submits each segment when it is complete (today's WebSocket default); `stream` feeds
+words to the LM as they arrive (text-in streaming, `Session.submit_stream`), the
+segmenter only bounding utterances -- exactly what the WebSocket `text_mode` does.
+`--mode batch` (default) submits all text at once at t=0.
+
+    python -m bench.engine_bench --sessions 1 --mode segment --text-rate 30
+    python -m bench.engine_bench --sessions 1 --mode stream --text-rate 30
 """
 
 from __future__ import annotations
@@ -50,14 +61,57 @@ class SessionResult:
     errors: int = 0
 
 
-async def one_session(engine: Engine, voice, idx: int, n_utts: int, tptt: float, opts_kw: dict) -> SessionResult:
+async def produce_text(engine: Engine, sess, text: str, mode: str, rate: float) -> None:
+    """Deliver `text` token by token at `rate` tokens/s (an LLM), as `mode` would."""
+    from gateway.protocol import StreamCutter
+    from gateway.segmenter import Segmenter
+
+    ids = engine.tokenizer.encode(text)
+    pieces = [engine.tokenizer.decode([i]) for i in ids]
+    seg = Segmenter()
+    cutter = StreamCutter()
+    feeds: dict[int, object] = {}
+    received = ""
+    start = time.perf_counter()
+
+    async def handle(segs, final: bool = False) -> None:
+        if mode == "segment":
+            for sg in segs:
+                if sg.speakable:
+                    await sess.submit(sg.text.strip())
+            return
+        for cmd in cutter.advance("b", received, segs, final):
+            if cmd.index not in feeds:
+                _, feeds[cmd.index] = await sess.submit_stream()
+            feed = feeds[cmd.index]
+            feed.append(cmd.text)
+            if cmd.close:
+                feed.close()
+
+    for k, piece in enumerate(pieces):
+        delay = start + k / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        received += piece
+        await handle(seg.push(piece))
+    await handle(seg.end(), final=True)
+    await sess.finish()
+
+
+async def one_session(engine: Engine, voice, idx: int, n_utts: int, tptt: float, opts_kw: dict,
+                      mode: str = "batch", text_rate: float = 30.0) -> SessionResult:
     res = SessionResult()
     sr = engine.sample_rate
     sess = engine.open_session(voice, SessionOptions(tokens_per_text_token=tptt, seed=idx, **opts_kw))
-    t0 = time.perf_counter()
-    for k in range(n_utts):
-        await sess.submit(TEXTS[(idx + k) % len(TEXTS)])
-    await sess.finish()
+    t0 = time.perf_counter()  # batch: all text now; segment/stream: the first text token
+    producer = None
+    if mode == "batch":
+        for k in range(n_utts):
+            await sess.submit(TEXTS[(idx + k) % len(TEXTS)])
+        await sess.finish()
+    else:
+        turn = " ".join(TEXTS[(idx + k) % len(TEXTS)] for k in range(n_utts))
+        producer = asyncio.create_task(produce_text(engine, sess, turn, mode, text_rate))
     play_start = None
     played = 0  # samples scheduled before this chunk
     last = None
@@ -78,6 +132,8 @@ async def one_session(engine: Engine, voice, idx: int, n_utts: int, tptt: float,
             res.gaps_s.append(now - last)
         last = now
         played += ev.pcm.size
+    if producer is not None:
+        await producer
     res.audio_s = played / sr
     res.wall_s = time.perf_counter() - t0
     return res
@@ -94,7 +150,8 @@ async def run_level(engine: Engine, voice, n: int, args) -> dict:
     before = engine.stats()
     t0 = time.perf_counter()
     results = await asyncio.gather(
-        *(one_session(engine, voice, i, args.utterances, args.tokens_per_text_token, opts_kw) for i in range(n))
+        *(one_session(engine, voice, i, args.utterances, args.tokens_per_text_token, opts_kw,
+                      args.mode, args.text_rate) for i in range(n))
     )
     wall = time.perf_counter() - t0
     after = engine.stats()
@@ -139,14 +196,26 @@ async def main_async(args) -> dict:
     engine = await Engine.create(cfg)
     load_s = time.perf_counter() - t0
     wav, sr = read_wav(ROOT / "assets" / "default.wav")
-    voice = await engine.prepare_voice("bench", wav, sr, (ROOT / "assets" / "default.txt").read_text().strip())
+    transcript = (ROOT / "assets" / "default.txt").read_text().strip()
+    if args.prompt_seconds:
+        # A shorter voice prompt (text-in streaming needs ~P/3 text tokens before the
+        # first speech token). The transcript is cut proportionally: approximate, which
+        # is fine for latency with random weights.
+        keep = min(1.0, args.prompt_seconds * sr / len(wav))
+        wav = wav[: int(len(wav) * keep)]
+        words = transcript.split()
+        transcript = " ".join(words[: max(1, round(len(words) * keep))])
+    voice = await engine.prepare_voice("bench", wav, sr, transcript)
     report = {
         "model": str(args.model),
         "device": str(engine.device),
         "lm_backend": engine.backend.name,
         "tokens_per_text_token": args.tokens_per_text_token,
+        "mode": args.mode,
+        "text_rate": args.text_rate if args.mode != "batch" else None,
         "utterances_per_session": args.utterances,
         "prompt_tokens": voice.num_tokens,
+        "prompt_transcript": transcript,
         "load_s": load_s,
         "levels": [],
     }
@@ -181,6 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens-per-text-token", type=float, default=3.0,
                    help="speech tokens generated per text token (random weights never stop by themselves)")
     p.add_argument("--initial-hop", type=int, default=None)
+    p.add_argument("--mode", choices=["batch", "segment", "stream"], default="batch",
+                   help="batch: all text at t=0; segment/stream: text arrives at --text-rate (see above)")
+    p.add_argument("--text-rate", type=float, default=30.0, help="text tokens per second (segment/stream modes)")
+    p.add_argument("--prompt-seconds", type=float, default=None, help="cut the voice prompt to this length")
     p.add_argument("--flow-left-context", type=int, default=50)
     p.add_argument("--warm-level", action="store_true", help="run each level once untimed first")
     p.add_argument("--no-text-normalization", action="store_true",

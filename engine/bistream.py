@@ -83,10 +83,12 @@ class BistreamSpec:
     end_of_prompt: int | None = END_OF_PROMPT_ID
 
     @classmethod
-    def from_lm_config(cls, cfg: Any, end_of_prompt: int | None = END_OF_PROMPT_ID) -> "BistreamSpec":
-        """From an `LMConfig` (or any config with the same properties). CosyVoice2
-        callers pass `end_of_prompt=None`."""
+    def from_lm_config(cls, cfg: Any) -> "BistreamSpec":
+        """From an `LMConfig` (or any config with the same properties). CosyVoice2's
+        config puts extra prompt rows before the text (its sos/task_id table) and has
+        no <|endofprompt|> handling in bistream."""
         text_offset = getattr(cfg, "text_offset", cfg.speech_vocab_size)
+        end_of_prompt = END_OF_PROMPT_ID if text_offset == cfg.speech_vocab_size else None
         return cls(
             sos=cfg.sos,
             task_id=cfg.task_id,
@@ -271,6 +273,11 @@ class BistreamState:
             return None
         self.history.append(token)
         return self._emit(token, limit=self._max_len())
+
+    def remaining_limits(self) -> tuple[int, int]:
+        """(min, max) speech tokens still to generate once the text has ended."""
+        done = len(self.speech)
+        return max(0, self._min_len() - done), max(0, self._max_len() - done)
 
     # ------------------------------------------------------------------ internals
 

@@ -38,7 +38,7 @@ from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
 from .text_stream import TextFeed
-from .models.loader import LoadedModel, load_model
+from .models.loader import LoadedModel, family, load_model
 from .token2wav import AudioStage, ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
 
@@ -94,6 +94,8 @@ class Engine:
         self.sample_rate = mc.sample_rate
         self.model_name = model.model_dir.name
         self.vocab = unified_vocab(mc.lm)
+        # Only CosyVoice3's runtime drops long silence runs (CosyVoice2Model has none).
+        self.silent_tokens = SILENT_TOKENS if mc.version == "cosyvoice3" else frozenset()
         self.ready = False
         self.lm_tokens = 0
         self._sessions: set[Session] = set()
@@ -116,9 +118,10 @@ class Engine:
             model = load_model(model_dir, load_lm=(backend_name == "torch"))
             model.flow.to(device)
             model.hift.to(device)
-            tok = TextTokenizer.from_dir(model_dir / "CosyVoice-BlankEN")
+            version = model.config.version
+            tok = TextTokenizer.from_dir(model_dir / "CosyVoice-BlankEN", version=version)
             feat = PromptFeaturizer(
-                SpeechTokenizer(model_dir / "speech_tokenizer_v3.onnx"),
+                SpeechTokenizer(model_dir / family(version).speech_tokenizer),
                 SpeakerEncoder(model_dir / "campplus.onnx"),
                 model.config.mel,
             )
@@ -133,6 +136,11 @@ class Engine:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             backend = TorchLMBackend(model.lm, vocab, device=device, dtype=dtype, max_batch=config.lm_max_batch)
         elif backend_name == "vllm":
+            if model.config.version != "cosyvoice3":
+                # The export must also carry llm_embedding's sos/task_id rows and the
+                # llm_decoder bias (vLLM's Qwen2 lm_head has none); until it does, refuse
+                # rather than decode with a silently different head.
+                raise EngineError("bad_config", f"the vLLM backend does not support {model.config.version} yet; use backend=torch")
             from .backends.vllm_backend import VLLMBackend
             from .backends.vllm_export import ensure_vllm_export
 
@@ -237,7 +245,7 @@ class Engine:
     def lm_prefix(self, voice: VoicePrompt, opts: SessionOptions) -> tuple[list[int], list[int]]:
         """(prompt text ids, prompt speech tokens) for the LM, cached per voice and mode."""
         # Keyed by the prompt text itself, so a re-registered voice never sees a stale prefix.
-        text = lm_prompt_text(opts.mode, voice.transcript, opts.instruction)
+        text = lm_prompt_text(opts.mode, voice.transcript, opts.instruction, self.model.config.version)
         ids = self._prefix_cache.get(text)
         if ids is None:
             if len(self._prefix_cache) >= PREFIX_CACHE_SIZE:
@@ -486,7 +494,7 @@ class Session:
                     if utt.stats.first_token_at is None:
                         utt.stats.first_token_at = time.monotonic()
                     eng.lm_tokens += 1
-                    if tok in SILENT_TOKENS:
+                    if tok in eng.silent_tokens:
                         silent_run += 1
                         if silent_run > MAX_SILENT:
                             continue

@@ -3,6 +3,8 @@
     /path/to/dir            used as it is
     tiny-random             random weights, official layout, written once into the cache
     full-random             the same at the released dimensions (GPU benchmarks)
+    tiny-random-cv2         the same two for CosyVoice2-0.5B (cosyvoice2.yaml layout)
+    full-random-cv2
     Owner/Repo              downloaded from Hugging Face (ModelScope as fallback) into the cache
 
 Downloads go into `<cache>/<Owner>--<Repo>/` file by file (temp name, then rename), with
@@ -20,11 +22,17 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .models.loader import ModelDirError, detect_version
+from .models.loader import FAMILIES, ModelDirError, detect_version
 
 log = logging.getLogger(__name__)
 
-RANDOM_MODELS = {"tiny-random": "tiny", "full-random": "full"}
+# name -> (size, model version) of the random-weight directories `write_model_dir` makes.
+RANDOM_MODELS: dict[str, tuple[str, str]] = {
+    "tiny-random": ("tiny", "cosyvoice3"),
+    "full-random": ("full", "cosyvoice3"),
+    "tiny-random-cv2": ("tiny", "cosyvoice2"),
+    "full-random-cv2": ("full", "cosyvoice2"),
+}
 # Files the runtime needs; training-only extras (llm.rl.pt, batch ONNX, TRT ONNX) are skipped.
 SKIP = {"llm.rl.pt", "speech_tokenizer_v3.batch.onnx", "flow.decoder.estimator.fp32.onnx", ".gitattributes"}
 TIMEOUT = 30
@@ -33,11 +41,12 @@ TIMEOUT = 30
 def resolve_model(model: str, cache_dir: Path) -> Path:
     if model in RANDOM_MODELS:
         path = cache_dir / model
-        if not (path / "cosyvoice3.yaml").is_file():
+        size, version = RANDOM_MODELS[model]
+        if not (path / FAMILIES[version].yaml_name).is_file():
             from .models.writer import write_model_dir
 
             log.info("writing random-weight model %s into %s", model, path)
-            write_model_dir(path, RANDOM_MODELS[model], overwrite=path.exists())
+            write_model_dir(path, size, overwrite=path.exists(), version=version)
         return path
     local = Path(model).expanduser()
     if local.is_dir():

@@ -46,8 +46,8 @@ class TextFeed:
             self.first_text_at = time.monotonic()
         buf = self._pending + text
         cut = max(buf.rfind(c) for c in (" ", "\n", "\t", "\r"))
-        if cut <= 0:
-            self._pending = buf
+        if cut <= 0 or not buf[:cut].strip():
+            self._pending = buf  # no complete word yet (whitespace alone waits too)
             return
         self._pending = buf[cut:]
         self._commit(buf[:cut])

@@ -14,6 +14,49 @@ from engine.models.loader import ModelDirError
 
 from .settings import load_settings, settings_to_dict
 
+log = logging.getLogger("gateway")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT first drains instead of cutting streams.
+
+    Plain uvicorn closes every WebSocket with 1012 the moment a signal arrives. Here the
+    first signal only turns readiness off (`/ready` answers 503, new sockets are refused
+    with 1013 and new HTTP speech with 503, so a load balancer moves traffic away) and
+    waits until the engine has no session left or `drain_timeout` passes; then uvicorn
+    shuts down as usual. A second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: object, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None
+
+    def _gw(self) -> object | None:
+        return getattr(getattr(self._app, "state", None), "gw", None)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        gw = self._gw()
+        if self.drain_deadline is not None or not self.started or gw is None:
+            super().handle_exit(sig, frame)  # a second signal, or nothing to drain yet
+            return
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        gw.engine.ready = False  # type: ignore[attr-defined]
+        log.info("signal %s: draining (up to %.0f s) before shutdown", sig, self.drain_timeout)
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self.drain_deadline is None:
+            return False
+        gw = self._gw()
+        busy = gw.engine.stats().active_sessions if gw is not None else 0  # type: ignore[attr-defined]
+        if busy and time.monotonic() < self.drain_deadline:
+            return False
+        log.info("drained" if not busy else "drain timeout with %d session(s) still running", busy)
+        return True
+
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -72,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=settings.shutdown_timeout,
         limit_concurrency=settings.max_sessions + 64,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app, settings.shutdown_timeout)
     server.run()
     if not server.started:
         raise SystemExit(1)

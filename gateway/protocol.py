@@ -84,6 +84,11 @@ class ProtocolError:
 
 Mode = Literal["zero_shot", "instruct", "cross_lingual"]
 MODES = ("zero_shot", "instruct", "cross_lingual")
+# How a context's text reaches the LM: "segment" waits for each segment (sentence) and
+# speaks it as one request; "stream" feeds text to the LM as it arrives (bistream),
+# the segmenter only deciding where one LM request ends and the next begins.
+TextMode = Literal["segment", "stream"]
+TEXT_MODES = ("segment", "stream")
 TRANSPORTS = ("binary", "base64")
 MAX_INSTRUCTION_CHARS = 500
 _CONTEXT_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
@@ -102,6 +107,7 @@ class SettingsPatch:
     sample_rate: int | None = None
     audio: str | None = None
     segmentation: SegmenterConfig | None = None
+    text_mode: str | None = None
 
     def is_empty(self) -> bool:
         return all(getattr(self, f.name) is None for f in fields(self))
@@ -119,6 +125,7 @@ class ContextSettings:
     format: AudioFormat = AudioFormat("pcm_s16le", 24000)
     audio: str = "binary"
     segmentation: SegmenterConfig = SegmenterConfig()
+    text_mode: TextMode = "segment"
 
     @property
     def effective_mode(self) -> Mode:
@@ -147,6 +154,7 @@ class ContextSettings:
             format=fmt,
             audio=patch.audio if patch.audio is not None else self.audio,
             segmentation=patch.segmentation if patch.segmentation is not None else self.segmentation,
+            text_mode=patch.text_mode if patch.text_mode is not None else self.text_mode,  # type: ignore[arg-type]
         )
         if out.effective_mode == "instruct" and not out.instruction:
             return ProtocolError("invalid_message", "mode 'instruct' needs an instruction")
@@ -162,6 +170,7 @@ class ContextSettings:
             "format": self.format.name,
             "sample_rate": self.format.sample_rate,
             "audio": self.audio,
+            "text_mode": self.text_mode,
         }
 
 
@@ -282,7 +291,11 @@ def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
     audio = _opt(obj, "audio", str, "a string")
     if audio is not None and audio not in TRANSPORTS:
         raise _Invalid("invalid_message", "'audio' must be 'binary' or 'base64'")
+    text_mode = _opt(obj, "text_mode", str, "a string")
+    if text_mode is not None and text_mode not in TEXT_MODES:
+        raise _Invalid("invalid_message", "'text_mode' must be 'segment' or 'stream'")
     return SettingsPatch(
+        text_mode=text_mode,
         voice=voice,
         mode=mode,
         instruction=instruction,
@@ -392,6 +405,19 @@ class Speak:
 
 
 @dataclass(frozen=True)
+class StreamText:
+    """Stream mode: append `text` (context offset `start`) to streamed utterance
+    `index` of the context, opening it first if needed; `close` ends its text."""
+
+    context_id: str
+    index: int
+    start: int
+    text: str
+    close: bool = False
+    reason: str = "stream"  # the segmenter's reason when closing at a segment end
+
+
+@dataclass(frozen=True)
 class FlushMark:
     """Send `flushed` once everything spoken before it has been delivered."""
 
@@ -423,7 +449,50 @@ class SetStatsInterval:
     interval_ms: int
 
 
-Command = Union[Send, StartContext, Speak, FlushMark, EndContext, CancelContext, CloseAfterDrain, SetStatsInterval]
+Command = Union[
+    Send, StartContext, Speak, StreamText, FlushMark, EndContext, CancelContext, CloseAfterDrain, SetStatsInterval
+]
+
+
+@dataclass
+class StreamCutter:
+    """Stream mode: which characters go to which streamed utterance (pure).
+
+    Text is handed out as soon as a word is complete (up to the last whitespace), so
+    the LM reads it at once. The segmenter's segments still end utterances; since a
+    forced cut (an over-long sentence cut back at a clause mark) may fall before text
+    already handed out, an utterance ends at the later of the two -- always on a word
+    boundary -- and text the previous utterance already took is not given out twice.
+    """
+
+    fed: int = 0  # context characters handed out so far
+    index: int = 0  # the open (or next) utterance
+    open: bool = False
+
+    def advance(self, cid: str, text: str, segments: list[Segment], final: bool = False) -> list[StreamText]:
+        out: list[StreamText] = []
+        for seg in segments:
+            end = max(seg.end, self.fed)
+            piece = text[self.fed : end]
+            if self.open or any(ch.isalnum() for ch in piece):
+                out.append(StreamText(cid, self.index, self.fed, piece, close=True, reason=seg.reason))
+                self.index += 1
+                self.open = False
+            self.fed = end
+        rest = text[self.fed :]
+        if final:
+            if self.open:  # flush/end with only whitespace left: close what is open
+                out.append(StreamText(cid, self.index, self.fed, rest, close=True, reason="flush"))
+                self.index += 1
+                self.open = False
+            self.fed = len(text)
+            return out
+        cut = max(rest.rfind(c) for c in (" ", "\n", "\t", "\r"))
+        if cut > 0 and any(ch.isalnum() for ch in rest[:cut]):
+            out.append(StreamText(cid, self.index, self.fed, rest[:cut]))
+            self.open = True
+            self.fed += cut
+        return out
 
 
 @dataclass
@@ -436,6 +505,14 @@ class ContextState:
     text_chars: int = 0
     flushes: int = 0
     ended: bool = False
+    text: str = ""  # stream mode: the context's text so far
+    cutter: StreamCutter | None = None  # stream mode only
+
+    def speak(self, segments: list[Segment], final: bool = False) -> list[Command]:
+        """Commands that voice these new segments (and, in stream mode, new words)."""
+        if self.cutter is not None:
+            return list(self.cutter.advance(self.context_id, self.text, segments, final))
+        return [Speak(self.context_id, tuple(segments))] if segments else []
 
 
 class ConnectionState:
@@ -497,6 +574,8 @@ class ConnectionState:
         if isinstance(resolved, ProtocolError):
             return None, [Send(replace(resolved, context_id=cid).event())]
         ctx = ContextState(cid, resolved, Segmenter(resolved.segmentation))
+        if resolved.text_mode == "stream":
+            ctx.cutter = StreamCutter()
         self.contexts[cid] = ctx
         return ctx, [StartContext(cid, resolved)]
 
@@ -512,9 +591,10 @@ class ConnectionState:
         if ctx.text_chars + len(msg.text) > self.limits.max_text_chars:
             return out + [Send(ProtocolError("text_too_long", f"context text over {self.limits.max_text_chars} characters", ctx.context_id).event())]
         ctx.text_chars += len(msg.text)
+        if ctx.cutter is not None:
+            ctx.text += msg.text
         segs = ctx.segmenter.push(msg.text) if msg.text else []
-        if segs:
-            out.append(Speak(ctx.context_id, tuple(segs)))
+        out += ctx.speak(segs)
         if msg.end:
             out += self._end(ctx.context_id)
         elif msg.flush:
@@ -528,10 +608,7 @@ class ConnectionState:
             return [Send({"type": "flushed", "context_id": cid, "flush_id": 0})]
         if ctx.ended:
             return [Send(ProtocolError("context_ended", "context already ended", cid).event())]
-        out: list[Command] = []
-        segs = ctx.segmenter.flush()
-        if segs:
-            out.append(Speak(cid, tuple(segs)))
+        out: list[Command] = ctx.speak(ctx.segmenter.flush(), final=True)
         ctx.flushes += 1
         out.append(FlushMark(cid, ctx.flushes))
         return out
@@ -542,10 +619,7 @@ class ConnectionState:
             return [Send(ProtocolError("invalid_message", "unknown context", cid).event())]
         if ctx.ended:
             return []
-        out: list[Command] = []
-        segs = ctx.segmenter.end()
-        if segs:
-            out.append(Speak(cid, tuple(segs)))
+        out: list[Command] = ctx.speak(ctx.segmenter.end(), final=True)
         ctx.ended = True
         out.append(EndContext(cid))
         return out

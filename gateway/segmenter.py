@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SegmentReason = Literal["sentence", "clause", "max", "flush", "end"]
+SegmentReason = Literal["sentence", "clause", "max", "flush", "end", "stream"]  # stream: ws stream mode
 
 # Sentence terminators that need a following whitespace to count (Latin usage).
 _LATIN_SENTENCE = frozenset(".!?;…")

@@ -44,6 +44,9 @@ from .client import Context, GatewayClient
 FRAME_BYTES = 160  # 20 ms of 8 kHz μ-law: the frame size Twilio plays
 ULAW_SILENCE = 0xFF  # μ-law code of a zero sample
 
+# What Twilio plays: 8 kHz μ-law in binary frames (the bridge base64s them itself).
+TURN_FORMAT: dict[str, Any] = {"format": "ulaw_8000", "sample_rate": 8000, "audio": "binary"}
+
 SendText = Callable[[str], Awaitable[None]]
 
 
@@ -155,7 +158,7 @@ class TwilioBridge:
     or interrupted turn opens the next one (``turn-1``, ``turn-2``, ... unless named).
     """
 
-    def __init__(self, send_twilio: SendText, gateway: GatewayClient, *, owns_gateway: bool = True) -> None:
+    def __init__(self, send_twilio: SendText, gateway: GatewayClient, *, owns_gateway: bool = False) -> None:
         self._send_twilio = send_twilio
         self.gateway = gateway
         self._owns_gateway = owns_gateway
@@ -180,11 +183,11 @@ class TwilioBridge:
         protocol (`voice`, `speed`, `instruction`, `language`, `segmentation`, ...)."""
         gateway = await GatewayClient.connect(gateway_url, api_key=api_key)
         try:
-            await gateway.configure(**settings, format="ulaw_8000", sample_rate=8000, audio="binary")
+            await gateway.configure(**settings, **TURN_FORMAT)
         except Exception:
             await gateway.aclose()
             raise
-        return cls(send_twilio, gateway)
+        return cls(send_twilio, gateway, owns_gateway=True)
 
     # -- Twilio side -----------------------------------------------------------------
 
@@ -246,7 +249,8 @@ class TwilioBridge:
         turn = self._turn
         if turn is None or turn.ended or turn.cleared or (turn_id is not None and turn_id != turn.turn_id):
             turn = self._open_turn(turn_id)
-            await turn.ctx.send_text(text, **overrides)
+            # Pinned per turn, so a shared or differently configured client works too.
+            await turn.ctx.send_text(text, **overrides, **TURN_FORMAT)
         else:
             await turn.ctx.send_text(text)
         return turn.turn_id

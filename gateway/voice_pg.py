@@ -15,7 +15,8 @@ Every voice row carries ``rev``, a random id that changes on each (re-)registrat
   So a request that starts after a registration or a deletion has committed (on any
   replica) sees it: a deleted voice is a 404 on the very next request, a replaced
   voice is never spoken with stale features. The price is one index lookup per
-  synthesis request (well under a millisecond on a LAN), far below one LM step.
+  synthesis request (0.7 ms measured on loopback on a busy 2-core machine), far
+  below one LM step.
 * Writes decide in the database: a duplicate id is refused by the primary key (409 on
   whichever replica loses), a delete reports 404 only when no row was removed.
 * Listings (`list`, `get`) are synchronous reads of an in-memory mirror, so they can
@@ -40,7 +41,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -237,9 +238,8 @@ class PgVoiceStore(VoiceStore):
         async with self._conn() as conn:
             cur = await conn.execute(f"SELECT rev, {_META_SQL} FROM {TABLE}")
             rows = await cur.fetchall()
-        infos = {row[1]: _info_from_row(row[1:], row[0]) for row in rows}
-        self._infos = infos
-        self._revs = {vid: info.dir_name.rsplit(".", 1)[1] for vid, info in infos.items()}
+        self._infos = {row[1]: _info_from_row(row[1:], row[0]) for row in rows}
+        self._revs = {row[1]: row[0] for row in rows}
         for vid in [v for v, c in self._prompts.items() if self._revs.get(v) != c.rev]:
             self._prompts.pop(vid, None)
         await self._bump()
@@ -268,7 +268,7 @@ class PgVoiceStore(VoiceStore):
         async with self._changed:
             self._changed.notify_all()
 
-    async def wait_for_mirror(self, predicate: Any, timeout: float) -> bool:
+    async def wait_for_mirror(self, predicate: Callable[["PgVoiceStore"], bool], timeout: float) -> bool:
         """Wait until ``predicate(self)`` holds (re-checked after each mirror change)."""
         async def until() -> None:
             async with self._changed:

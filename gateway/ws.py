@@ -51,6 +51,7 @@ from .protocol import (
     SetStatsInterval,
     Speak,
     StartContext,
+    StreamText,
     WsLimits,
     parse_client_message,
 )
@@ -218,6 +219,7 @@ class _ContextRuntime:
     segments_started_sent: int = 0
     first_submit_at: float | None = None
     first_audio_seen: bool = False
+    streaming: "_StreamSegment | None" = None  # stream mode: the utterance taking text
 
     @property
     def rate(self) -> int:
@@ -232,6 +234,20 @@ class _ContextRuntime:
         if item.segment is not None:
             self.heard_text_end = item.segment.end
             self.segments_started_sent += 1
+
+
+@dataclass
+class _StreamSegment:
+    """Stream mode: a segment whose text is still arriving (one engine utterance)."""
+
+    index: int
+    start: int
+    feed: Any  # engine.text_stream.TextFeed
+    text: str = ""
+    reason: str = "stream"
+
+    def snapshot(self) -> Segment:
+        return Segment(self.index, self.text, self.start, self.start + len(self.text), self.reason)  # type: ignore[arg-type]
 
 
 # ---- the connection -------------------------------------------------------------------
@@ -393,6 +409,8 @@ class _Connection:
             await self._start_context(cmd)
         elif isinstance(cmd, Speak):
             await self._speak(cmd)
+        elif isinstance(cmd, StreamText):
+            await self._stream_text(cmd)
         elif isinstance(cmd, FlushMark):
             rt = self.contexts.get(cmd.context_id)
             if rt is None:
@@ -454,6 +472,33 @@ class _Connection:
                 rt.first_submit_at = time.monotonic()
             rt.pending.append(("utt", uid, seg))
             rt.segments_submitted += 1
+
+    async def _stream_text(self, cmd: StreamText) -> None:
+        """Stream mode: feed words to the open streamed utterance (opening it first)."""
+        rt = self.contexts.get(cmd.context_id)
+        if rt is None or rt.cancelled:
+            return
+        cur = rt.streaming
+        if cur is None or cur.index != cmd.index:
+            if cur is not None:  # cannot happen with StreamCutter; never leave one open
+                cur.feed.close()
+            try:
+                uid, feed = await rt.session.submit_stream(utterance_id=f"{rt.cid}-{cmd.index}")
+            except Exception as exc:
+                rt.streaming = None
+                self.send_event(ProtocolError("synthesis_failed", f"segment {cmd.index}: {exc}", rt.cid).event(), rt)
+                return
+            cur = rt.streaming = _StreamSegment(cmd.index, cmd.start, feed)
+            if rt.first_submit_at is None:
+                rt.first_submit_at = time.monotonic()
+            rt.pending.append(("utt", uid, cur))
+            rt.segments_submitted += 1
+        cur.text += cmd.text
+        cur.feed.append(cmd.text)
+        if cmd.close:
+            cur.reason = cmd.reason
+            cur.feed.close()
+            rt.streaming = None
 
     async def _cancel(self, cid: str) -> None:
         rt = self.contexts.get(cid)
@@ -572,6 +617,8 @@ class _Connection:
         """Handle one engine event; True when an utterance finished."""
         head = rt.pending[0] if rt.pending else None
         seg: Segment | None = head[2] if head is not None and head[0] == "utt" and head[1] == ev.utterance_id else None
+        if isinstance(seg, _StreamSegment):
+            seg = seg.snapshot()  # stream mode: the text received so far
         if isinstance(ev, UtteranceError):
             where = f" (text {seg.start}..{seg.end})" if seg is not None else ""
             self.send_event(ProtocolError("synthesis_failed", f"{ev.code}: {ev.message}{where}", rt.cid).event(), rt)

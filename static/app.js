@@ -36,6 +36,10 @@
     tokensSent: 0,
     cancelled: null,         // the server's `cancelled` event after Stop
     heardSeconds: null,      // audio played when Stop was pressed
+    recordingSeconds: 0,     // microphone recording in progress
+    recorded: null,          // {bytes, type, seconds} of the last recording
+    registered: null,        // the voice the last upload registered
+    uploadError: null,
     done: null,              // the server's `done` event
     errors: [],
     events: [],              // every server event (JSON), in order
@@ -83,17 +87,25 @@
     try {
       const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
       const parts = [];
+      const started = performance.now();
       recorder = new MediaRecorder(stream);
-      recorder.ondataavailable = (e) => parts.push(e.data);
+      recorder.ondataavailable = (e) => {
+        parts.push(e.data);
+        state.recordingSeconds = (performance.now() - started) / 1000;
+        setStatus("nv-status", `recording… ${state.recordingSeconds.toFixed(1)} s`);
+        changed();
+      };
       recorder.onstop = () => {
         stream.getTracks().forEach((t) => t.stop());
         recorded = new Blob(parts, { type: recorder.mimeType });
+        state.recorded = { bytes: recorded.size, type: recorded.type, seconds: state.recordingSeconds };
         $("nv-preview").src = URL.createObjectURL(recorded);
         $("nv-preview").hidden = false;
         $("nv-record").textContent = "● Record";
-        setStatus("nv-status", `recorded ${(recorded.size / 1024).toFixed(0)} KiB`);
+        setStatus("nv-status", `recorded ${state.recordingSeconds.toFixed(1)} s (${(recorded.size / 1024).toFixed(0)} KiB)`);
+        changed();
       };
-      recorder.start();
+      recorder.start(250); // a chunk every 250 ms: the elapsed time is shown while recording
       $("nv-record").textContent = "■ Stop recording";
       setTimeout(() => recorder && recorder.state === "recording" && recorder.stop(), 12000);
     } catch (err) {
@@ -113,10 +125,17 @@
     setStatus("nv-status", "uploading…");
     const resp = await fetch("/v1/voices", { method: "POST", body: form, headers: authHeaders() });
     const body = await resp.json().catch(() => ({}));
-    if (!resp.ok) { setStatus("nv-status", `error: ${(body.error && body.error.message) || resp.status}`); return; }
+    if (!resp.ok) {
+      state.uploadError = (body.error && body.error.message) || `HTTP ${resp.status}`;
+      setStatus("nv-status", `error: ${state.uploadError}`);
+      changed();
+      return;
+    }
     setStatus("nv-status", `registered "${body.id}"`);
     await loadVoices();
     $("voice").value = body.id;
+    state.registered = body;
+    changed();
   });
 
   function setStatus(id, text) { $(id).textContent = text; }
@@ -164,6 +183,9 @@
       for (const s of this.sources) { try { s.stop(); } catch (_) { /* not started */ } }
       this.sources = [];
       this.nextTime = 0;
+      // Freeze the timeline at "now" so the played time stays what was really heard.
+      const now = this.ctx.currentTime;
+      this.timeline = this.timeline.map(({ t0, dur }) => ({ t0, dur: Math.min(Math.max(now - t0, 0), dur) }));
     }
   }
   let player = null;
@@ -385,6 +407,7 @@
     if (player) {
       state.heardSeconds = player.playedSeconds();
       player.stopAll();
+      $("played").textContent = `${state.heardSeconds.toFixed(2)} s`;
     }
     markHeard(true);
     finishTurn();
@@ -447,12 +470,16 @@
     if (!player) return;
     wave ||= new Float32Array(player.analyser.fftSize);
     player.analyser.getFloatTimeDomainData(wave);
+    // Mild automatic gain (1x..8x) so quiet speech is still visible.
+    let peak = 0;
+    for (let i = 0; i < wave.length; i++) peak = Math.max(peak, Math.abs(wave[i]));
+    const gain = Math.min(8, Math.max(1, 0.8 / Math.max(peak, 1e-4)));
     g.strokeStyle = "#4cc2ff";
     g.lineWidth = 2;
     g.beginPath();
     for (let i = 0; i < wave.length; i++) {
       const x = (i / (wave.length - 1)) * w;
-      const y = h / 2 - wave[i] * (h / 2) * 0.95;
+      const y = h / 2 - wave[i] * gain * (h / 2) * 0.95;
       i ? g.lineTo(x, y) : g.moveTo(x, y);
     }
     g.stroke();

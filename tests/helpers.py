@@ -226,14 +226,20 @@ class LiveServer:
     server's own event loop (where the engine lives).
     """
 
-    def __init__(self, app: Starlette, start_timeout: float = 180.0, **config: Any) -> None:
+    def __init__(self, app: Starlette, start_timeout: float = 180.0, send_buffer: int | None = None,
+                 **config: Any) -> None:
         self.app = app
         self.start_timeout = start_timeout
+        # A fixed kernel send buffer (inherited by accepted sockets) stands in for a slow
+        # network: without it loopback buffers absorb megabytes before backpressure.
+        self.send_buffer = send_buffer
         self.config = {"log_level": "warning", "lifespan": "on", "timeout_graceful_shutdown": 5, **config}
 
     def __enter__(self) -> "LiveServer":
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.send_buffer is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -271,11 +277,11 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_gateway(model_dir: Path, root: Path, **over: Any) -> Iterator[LiveServer]:
+def live_gateway(model_dir: Path, root: Path, send_buffer: int | None = None, **over: Any) -> Iterator[LiveServer]:
     """The production app (`create_app`) with the tiny model, served on loopback."""
     from gateway.app import create_app
 
-    with LiveServer(create_app(gateway_settings(model_dir, root, **over))) as srv:
+    with LiveServer(create_app(gateway_settings(model_dir, root, **over)), send_buffer=send_buffer) as srv:
         yield srv
 
 
@@ -349,3 +355,119 @@ def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+# --------------------------------------------------------------------------------------
+# WebSocket client side
+# --------------------------------------------------------------------------------------
+
+
+class WsRecorder:
+    """Reads one socket's frames: JSON events in order, binary audio per context.
+
+    Binary frames are ``[len(context_id)][context_id][payload]`` (docs/protocol.md).
+    """
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+        self.audio: dict[str, bytearray] = {}
+
+    def of(self, kind: str, cid: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind and (cid is None or e.get("context_id") == cid)]
+
+    def finished(self, *cids: str) -> bool:
+        """Every context got `done` or `cancelled`."""
+        ended = {e.get("context_id") for e in self.events if e["type"] in ("done", "cancelled")}
+        return all(c in ended for c in cids)
+
+    async def send(self, **msg: Any) -> None:
+        import json
+
+        await self.ws.send(json.dumps(msg))
+
+    async def recv_one(self, timeout: float = 60.0) -> None:
+        import base64
+        import json
+
+        msg = await asyncio.wait_for(self.ws.recv(), timeout)
+        if isinstance(msg, bytes):
+            n = msg[0]
+            self.audio.setdefault(msg[1:1 + n].decode(), bytearray()).extend(msg[1 + n:])
+        else:
+            ev = json.loads(msg)
+            self.events.append(ev)
+            if ev["type"] == "audio":
+                self.audio.setdefault(ev["context_id"], bytearray()).extend(base64.b64decode(ev["data"]))
+
+    async def until(self, done: Callable[["WsRecorder"], bool], timeout: float = 60.0) -> "WsRecorder":
+        deadline = time.monotonic() + timeout
+        while not done(self):
+            await self.recv_one(max(0.05, deadline - time.monotonic()))
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# The gateway as a separate process (signals, crashes)
+# --------------------------------------------------------------------------------------
+
+
+class GatewayProcess:
+    """`python -m gateway` in a subprocess on a free port, for signal and crash tests.
+
+    `start()` returns once uvicorn reports it is serving (read from the process's log,
+    no polling); the log keeps being drained by a thread so the pipe never fills.
+    """
+
+    def __init__(self, model_dir: Path, root: Path, *args: str) -> None:
+        self.model_dir, self.root, self.args = Path(model_dir), Path(root), args
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/stream"
+        self.log: list[str] = []
+        self.proc: Any = None
+
+    def start(self, timeout: float = 120.0) -> "GatewayProcess":
+        import os
+        import subprocess
+        import sys
+
+        repo = Path(__file__).resolve().parent.parent
+        cmd = [sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), "--data-dir", str(self.root / "data"),
+               "--assets-dir", str(self.root / "assets"), "--engine.device", "cpu",
+               "--engine.lm-backend", "torch", "--engine.warmup", "false", *self.args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
+        env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+        self.root.mkdir(parents=True, exist_ok=True)
+        # cwd outside the repo so its config/default.yaml is not picked up.
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        up = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                self.log.append(line.rstrip())
+                if "Uvicorn running on" in line or "Application startup complete" in line:
+                    up.set()
+            up.set()  # EOF: the process ended
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not up.wait(timeout) or self.proc.poll() is not None:
+            self.kill()
+            raise RuntimeError("gateway process did not start:\n" + "\n".join(self.log[-30:]))
+        return self
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)

@@ -1,18 +1,26 @@
-"""Two real gateway processes sharing one PostgreSQL voice store (issue #11).
+"""Two real gateway processes sharing one PostgreSQL voice store, behind nginx (issue #11).
 
 Each replica is `python -m gateway --model tiny-random` with its own data dir and port,
 both pointed at one throwaway PostgreSQL server on loopback. Register on A, speak on B,
 delete on B, gone on A. Synthesis and deletion are checked on the very next request
 (the store consults the database on each); the listings, which follow a NOTIFY, are
 polled against a deadline. Start-up is awaited by polling /ready with a deadline.
+
+Then the compose profile's own deploy/nginx.conf (upstream addresses and listen port
+rewritten for loopback) balances the two: WebSockets pass through it, and a new
+session goes to the replica with fewer open connections.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,3 +171,115 @@ def test_register_on_a_speak_on_b_delete_on_b_gone_on_a(cluster: tuple[PgServer,
         with psycopg.connect(cluster[0].url) as conn:
             assert conn.execute("SELECT count(*) FROM cosyvoice_voices WHERE id = 'shared_voice'").fetchone()[0] == 0
             assert conn.execute("SELECT count(*) FROM cosyvoice_voices").fetchone()[0] == 1  # "default"
+
+
+# ------------------------------------------------------------------ nginx in front
+def find_nginx() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
+
+
+def render_nginx_conf(replicas: list[Replica], listen_port: int, root: Path) -> str:
+    """deploy/nginx.conf for loopback: compose service names become the test replicas'
+    ports. `resolve` (and its Docker DNS resolver) is dropped: it needs nginx >= 1.27.3
+    and a DNS name, while the Debian package is older and the replicas are IPs here."""
+    out: list[str] = [f"pid {root}/nginx.pid;"]
+    pending = list(replicas)
+    for line in (REPO / "deploy" / "nginx.conf").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("server gateway-gpu"):
+            params = [w for w in stripped.rstrip(";").split()[2:] if w != "resolve"]
+            line = f"        server 127.0.0.1:{pending.pop(0).port} {' '.join(params)};"
+        elif stripped.startswith("resolver "):
+            continue
+        elif stripped == "listen 8080;":
+            line = f"        listen 127.0.0.1:{listen_port};"
+        elif stripped == "http {":
+            line += "".join(f"\n    {kind}_temp_path {root}/{kind};" for kind in
+                            ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        out.append(line)
+    assert not pending, "deploy/nginx.conf has fewer upstream servers than replicas"
+    return "\n".join(out) + "\n"
+
+
+@contextlib.contextmanager
+def running_nginx(binary: str, replicas: list[Replica]) -> Iterator[int]:
+    root = Path(tempfile.mkdtemp(prefix="cvgw-nginx-"))
+    os.chmod(root, 0o777)  # workers drop root privileges and write their temp files here
+    port = free_port()
+    conf = root / "nginx.conf"
+    conf.write_text(render_nginx_conf(replicas, port, root))
+    log = root / "nginx.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([binary, "-p", str(root), "-c", str(conf), "-e", str(root / "error.log"),
+                                 "-g", "daemon off;"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"nginx exited with {proc.returncode}:\n{log.read_text()}\n"
+                            f"{(root / 'error.log').read_text() if (root / 'error.log').exists() else ''}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/lb-health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.05)  # polling a starting process against a deadline
+        yield port
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # fast shutdown, also closes proxied WebSockets
+            proc.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def sessions_active(r: Replica) -> int:
+    text = httpx.get(r.base + "/metrics", timeout=10).text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("cosyvoice_sessions_active ")]
+    return int(float(line.split()[1]))
+
+
+def test_nginx_balances_websockets_by_least_connections(cluster: tuple[PgServer, Replica, Replica]) -> None:
+    from websockets.sync.client import connect
+
+    binary = find_nginx()
+    if binary is None:
+        if os.environ.get("CI"):
+            raise RuntimeError("CI must have nginx installed (Makefile system-deps)")
+        pytest.skip("nginx not installed")
+    _, a, b = cluster
+    with running_nginx(binary, [a, b]) as port, httpx.Client(timeout=60) as http:
+        base, ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/tts/stream"
+        assert http.get(base + "/ready").status_code == 200
+        speech = http.post(base + "/v1/audio/speech", json={**SPEECH, "voice": "default"})
+        assert speech.status_code == 200 and speech.content[:4] == b"RIFF"
+        # An HTTP session closes just after its last byte: start from a quiet cluster.
+        poll(lambda: sessions_active(a) == sessions_active(b) == 0, 10, "no open sessions", [a, b])
+
+        with connect(ws_url, open_timeout=30) as ws1:
+            assert json.loads(ws1.recv(timeout=30))["type"] == "session_started"
+            first = [sessions_active(a), sessions_active(b)]
+            assert sorted(first) == [0, 1]
+            # A short request in between: plain round-robin would now send the next
+            # connection back to ws1's replica; least_conn sends it to the idle one.
+            assert http.get(base + "/v1/models").status_code == 200
+            with connect(ws_url, open_timeout=30) as ws2:
+                assert json.loads(ws2.recv(timeout=30))["type"] == "session_started"
+                assert [sessions_active(a), sessions_active(b)] == [1, 1]
+
+                # Frames flow both ways through the proxy: a whole context on ws2.
+                for msg in ({"type": "open", "context_id": "c1", "voice": "default"},
+                            {"type": "text", "context_id": "c1", "text": "Hello through the balancer."},
+                            {"type": "end", "context_id": "c1"}):
+                    ws2.send(json.dumps(msg))
+                audio_bytes, done = 0, None
+                while done is None:
+                    frame = ws2.recv(timeout=60)
+                    if isinstance(frame, bytes):
+                        audio_bytes += len(frame)
+                        continue
+                    event = json.loads(frame)
+                    assert event["type"] != "error", event
+                    if event["type"] == "done" and event["context_id"] == "c1":
+                        done = event
+                assert audio_bytes > 0 and done["audio_samples"] > 0

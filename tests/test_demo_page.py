@@ -37,6 +37,8 @@ FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--autoplay-policy=no-user-gesture-required", "--mute-audio", "--window-size=1280,1000",
     "--remote-debugging-port=0",
+    # A synthetic microphone (a beeping tone) and an auto-accepted permission prompt.
+    "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
 ]
 LONG_TEXT = (
     "Good morning, and welcome to the streaming demo. The text arrives one small piece at a time, "
@@ -236,7 +238,9 @@ def test_page_streams_audio_shows_first_audio_time_and_stop_barges_in(gateway: L
         # Stop: a real barge-in. The server answers `cancelled` for the live context.
         sent_at_stop = await b.js("(() => { const n = demo.state.tokensSent; document.getElementById('stop').click(); return n; })()")
         cancelled = await b.until("demo.state.cancelled")
-        after_stop = await b.js("({sources: demo.player().sources.length, tokensSent: demo.state.tokensSent, state: document.getElementById('state').textContent})")
+        after_stop = await b.js("""({sources: demo.player().sources.length, tokensSent: demo.state.tokensSent,
+                                     state: document.getElementById('state').textContent,
+                                     heard: demo.state.heardSeconds, played: demo.player().playedSeconds()})""")
         # The next turn works on the same socket, and nothing of the cancelled one came after.
         first_session = await b.js("demo.state.sessionId")
         await b.js("""(() => { document.getElementById('text').value = 'Short reply.';
@@ -264,6 +268,9 @@ def test_page_streams_audio_shows_first_audio_time_and_stop_barges_in(gateway: L
     assert cancelled["type"] == "cancelled" and cancelled["active"] is True
     assert cancelled["audio_samples"] > 0 and 0 < cancelled["text_end"] < len(LONG_TEXT)
     assert r["after_stop"]["sources"] == 0, "scheduled audio must be silenced at once"
+    # The played clock froze at Stop: what was heard, no more.
+    assert 0.05 < r["after_stop"]["heard"] <= before["seconds"] + 1.0
+    assert r["after_stop"]["played"] == pytest.approx(r["after_stop"]["heard"], abs=0.02)
     assert r["after_stop"]["tokensSent"] == r["sent_at_stop"]  # no text after Stop
     assert r["after_stop"]["state"] == "stopped (cancelled)"
     # The next turn: same socket, PCM path, completes; no frame of the cancelled turn.
@@ -288,3 +295,36 @@ def test_page_reports_a_missing_api_key(gateway: LiveServer) -> None:
     assert r["code"] == "unauthorized"
     assert "unauthorized" in r["conn"]
     assert "API key required" in r["voices"]
+
+
+def test_record_a_voice_in_the_browser_register_it_and_speak_with_it(gateway: LiveServer) -> None:
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await use_key_and_voice(b, "alice")
+        await b.js("""(() => { document.getElementById('new-voice').open = true;
+                       document.getElementById('nv-id').value = 'mic';
+                       document.getElementById('nv-text').value = 'A recorded prompt from the microphone.';
+                       document.getElementById('nv-record').click(); })()""")
+        # Record a little over the 3 s minimum of the voice store, then stop.
+        await b.until("demo.state.recordingSeconds >= 3.6", timeout=30)
+        await b.js("document.getElementById('nv-record').click()")
+        recorded = await b.until("demo.state.recorded")
+        await b.js("document.getElementById('nv-upload').click()")
+        registered = await b.until("demo.state.registered || (demo.state.uploadError && {error: demo.state.uploadError})")
+        selected = await b.js("document.getElementById('voice').value")
+        await b.js("""(() => { document.getElementById('text').value = 'Testing the new voice.';
+                       const r = document.getElementById('rate'); r.value = '200'; r.dispatchEvent(new Event('input'));
+                       document.getElementById('speak').click(); })()""")
+        done = await b.until("demo.state.done || demo.state.errors.length && {errors: demo.state.errors}")
+        started = await b.js("demo.state.events.find(e => e.type === 'context_started')")
+        return dict(recorded=recorded, registered=registered, selected=selected, done=done, started=started)
+
+    r = browse(gateway, scenario)
+    assert r["recorded"]["bytes"] > 1000 and r["recorded"]["seconds"] >= 3.6
+    assert r["registered"].get("id") == "mic", r["registered"]
+    assert r["registered"]["duration_s"] >= 3.0
+    assert r["selected"] == "mic"
+    assert r["started"]["voice"] == "mic"
+    assert r["done"].get("type") == "done" and r["done"]["audio_samples"] > 0, r["done"]
+    with httpx.Client(base_url=gateway.url, timeout=30) as c:
+        voices = c.get("/v1/voices", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]
+    assert "mic" in [v["id"] for v in voices]

@@ -121,11 +121,11 @@ def test_pickled_code_is_refused(tiny_model_dir, tmp_path):
     assert not marker.exists()
 
 
-def test_not_a_model_dir_and_cosyvoice2_are_clear(tmp_path):
+def test_not_a_model_dir_and_cosyvoice1_are_clear(tmp_path):
     with pytest.raises(ModelDirError, match="no cosyvoice3.yaml"):
         read_model_config(tmp_path)
-    (tmp_path / "cosyvoice2.yaml").write_text("sample_rate: 24000\n")
-    with pytest.raises(ModelDirError, match="cosyvoice2 models are not supported yet"):
+    (tmp_path / "cosyvoice.yaml").write_text("sample_rate: 22050\n")
+    with pytest.raises(ModelDirError, match="cosyvoice1 models are not supported"):
         read_model_config(tmp_path)
 
 

@@ -24,8 +24,7 @@ from openai._streaming import SSEDecoder
 from gateway.app import create_app
 from gateway.audio_files import MEDIA_TYPES, decode_audio
 from gateway.settings import EngineSettings, Settings
-from test_http_api import API_KEY, AUTH, LiveServer, register
-from test_voices import SR, tone_wav
+from helpers import API_KEY, AUTH, SR, LiveServer, register, tone_wav
 
 TEXT = "Hello there, streaming test."
 EXTRA = {"tokens_per_text_token": 2.0, "seed": 0}

@@ -347,3 +347,48 @@ def test_example_agent_over_a_twilio_socket(gateway_url: str) -> None:
     after = [m["mark"]["name"] for m in got[clear + 1 :] if m["event"] == "mark"]
     assert after and all(n.startswith("turn-2/") for n in after)
     assert "media" in events[clear + 1 :]
+
+
+def test_text_before_start_waits_for_the_stream_and_stop_ends_the_call(gateway_url: str) -> None:
+    async def main() -> tuple[TwilioSide, Any, Any, bool]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        # The agent may start talking before Twilio's `start` (no streamSid yet) ...
+        await bridge.say("Welcome, caller.")
+        # A segment's mark follows once the next segment starts (or a flush / the end).
+        await bridge.say(" Please hold on. I am checking that")
+        sent_before_start = len(tw.sent)
+        await bridge.handle_twilio(START)
+        await tw.wait_for(lambda sent: any(m["event"] == "mark" for m in sent))
+        # ... and Twilio hangs up mid-turn: the gateway context is cancelled, the call ends.
+        await bridge.handle_twilio({"event": "stop", "sequenceNumber": "9", "streamSid": STREAM_SID, "stop": {"callSid": "CA0000"}})
+        ended = await asyncio.wait_for(bridge.events.get(), 10)
+        with pytest.raises(RuntimeError):
+            await bridge.say("too late")
+        return tw, sent_before_start, ended, bridge.speaking
+
+    tw, before, ended, speaking = asyncio.run(main())
+    assert before == 0
+    assert tw.sent[0]["event"] == "media" and check_media(tw.sent[0])
+    assert tw.marks()[0] == "turn-1/0"
+    assert isinstance(ended, CallEnded) and ended.reason == "stop"
+    assert all(m["event"] in ("media", "mark") for m in tw.sent)
+
+
+def test_flush_marks_the_text_spoken_so_far(gateway_url: str) -> None:
+    async def main() -> tuple[TwilioSide, Any]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        await bridge.say("Let me check that")  # no sentence end: nothing would be spoken yet
+        await bridge.flush()  # the LLM paused (a tool call): speak what we have
+        await tw.wait_for(lambda sent: bool(tw.marks()))
+        await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": tw.marks()[0]}})
+        played = await bridge.events.get()
+        await bridge.aclose()
+        return tw, played
+
+    tw, played = asyncio.run(main())
+    assert tw.marks() == ["turn-1/0"]
+    assert tw.sent[-1]["event"] == "mark" and sum(m["event"] == "media" for m in tw.sent) > 0
+    assert isinstance(played, SegmentPlayed) and played.text == "Let me check that" and not played.last

@@ -110,15 +110,15 @@ def test_export_rejects_wrong_vocab(tmp_path: Path) -> None:
 
 def test_cached_export_follows_checkpoint(tmp_path: Path) -> None:
     torch.save(official_state(0), tmp_path / "llm.pt")
-    out = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB)
+    out = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="unified")
     first = read_safetensors(out / WEIGHTS_FILE)["lm_head.weight"].clone()
     stamp = (out / WEIGHTS_FILE).stat().st_mtime_ns
     # same checkpoint: no re-export
-    assert ensure_vllm_export(tmp_path, QWEN, LM, VOCAB) == out
+    assert ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="unified") == out
     assert (out / WEIGHTS_FILE).stat().st_mtime_ns == stamp
     # changed checkpoint: re-exported with the new weights
     torch.save(official_state(1), tmp_path / "llm.pt")
-    ensure_vllm_export(tmp_path, QWEN, LM, VOCAB)
+    ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="unified")
     second = read_safetensors(out / WEIGHTS_FILE)["lm_head.weight"]
     assert not torch.equal(first, second)
     sd1 = official_state(1)
@@ -157,7 +157,7 @@ def test_speech_head_export(tmp_path: Path) -> None:
 
 def test_cached_speech_head_export_is_separate(tmp_path: Path) -> None:
     torch.save(official_state(0), tmp_path / "llm.pt")
-    uni = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB)
+    uni = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="unified")
     sp = ensure_vllm_export(tmp_path, QWEN, LM, VOCAB, head="speech")
     assert uni != sp
     assert read_safetensors(sp / WEIGHTS_FILE)["lm_head.weight"].shape[0] == VOCAB.speech_vocab_size
@@ -177,6 +177,16 @@ def test_plugin_entry_point_is_discoverable(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.syspath_prepend(str(tmp_path))
     eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == PLUGIN_NAME]
     assert [ep.value for ep in eps] == [PLUGIN_TARGET]
+
+
+def test_auto_head_follows_plugin_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """head="auto" exports the speech head exactly when vLLM can find the plugin class."""
+    from engine.backends import vllm_export
+
+    torch.save(official_state(0), tmp_path / "llm.pt")
+    for installed, subdir in ((False, vllm_export.EXPORT_SUBDIR), (True, vllm_export.SPEECH_HEAD_SUBDIR)):
+        monkeypatch.setattr(vllm_export, "speech_head_plugin_installed", lambda v=installed: v)
+        assert ensure_vllm_export(tmp_path, QWEN, LM, VOCAB) == tmp_path / subdir
 
 
 # ------------------------------------------------------------------ RAS as a distribution

@@ -48,15 +48,28 @@ class RASArgs:
     tau_r: float = 0.1
     min_tokens: int = 0
     mask_stops: bool = False  # fixed-length requests: never stop
+    # Text-in streaming (engine.bistream): each input chunk of a resumable vLLM request
+    # carries its own args. `history` = tokens generated before this chunk (the RAS
+    # window continues across chunks); `keep_id` = one reserved id the stop mask
+    # leaves open (fill, "more text please"); at output index `force_at` of the chunk
+    # only `force_id` may be drawn (the forced fill / the length-limit stop). -1 = off.
+    history: tuple[int, ...] = ()
+    keep_id: int = -1
+    force_at: int = -1
+    force_id: int = -1
 
     def to_extra(self) -> dict[str, Any]:
-        return {EXTRA_KEY: dict(self.__dict__)}
+        d = dict(self.__dict__)
+        d["history"] = list(self.history)
+        return {EXTRA_KEY: d}
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "RASArgs | None":
         if not extra or EXTRA_KEY not in extra:
             return None
-        return cls(**extra[EXTRA_KEY])
+        d = dict(extra[EXTRA_KEY])
+        d["history"] = tuple(d.get("history", ()))
+        return cls(**d)
 
 
 def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
@@ -159,7 +172,11 @@ class RASBatchState:
         rows = logits[:, :speech_vocab].index_select(0, idx).float()  # slice first: 6761 of 158697 columns
         stop_mask = _host_to([r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items],
                              torch.bool, dev)
+        keep = [(n, r.args.keep_id) for n, (_, r) in enumerate(items) if r.args.keep_id >= 0]
+        kept = [rows[n, k].clone() for n, k in keep]  # bistream: fill survives the stop mask
         rows[:, speech_size:] = rows[:, speech_size:].masked_fill(stop_mask[:, None], _NEG_INF)
+        for (n, k), v in zip(keep, kept):
+            rows[n, k] = v
 
         ras_pos = [n for n, (_, r) in enumerate(items) if not r.args.greedy]
         if ras_pos:
@@ -167,7 +184,8 @@ class RASBatchState:
             width = max(r.args.win_size for r in sub)
             win_rows = []
             for r in sub:
-                recent = [int(t) for t in r.output_ids[-r.args.win_size:]] if r.args.win_size > 0 else []
+                seen = [*r.args.history, *r.output_ids] if r.args.history else r.output_ids
+                recent = [int(t) for t in seen[-r.args.win_size:]] if r.args.win_size > 0 else []
                 win_rows.append(recent + [-1] * (max(width, 1) - len(recent)))
             win = _host_to(win_rows, torch.long, dev)
             top_p = _host_to([r.args.top_p for r in sub], torch.float32, dev)
@@ -177,6 +195,11 @@ class RASBatchState:
             sub_logits = rows.index_select(0, sel)
             probs = ras_probs(sub_logits, win, top_p, top_k, thr, k_max=max(r.args.top_k for r in sub))
             rows.index_copy_(0, sel, probs.log())
+
+        for n, (_, r) in enumerate(items):
+            if r.args.force_at >= 0 and len(r.output_ids) == r.args.force_at:
+                rows[n] = _NEG_INF
+                rows[n, r.args.force_id] = 0.0
 
         logits[idx, :speech_vocab] = rows.to(logits.dtype)
         logits[idx, speech_vocab:] = _NEG_INF

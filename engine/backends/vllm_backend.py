@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.ras_logits import RASArgs
+from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run
 from engine.models.vocab import UnifiedVocab
 
 LOGITS_PROCESSOR_FQCN = "engine.backends.ras_logits:CosyVoiceLogitsProcessor"
@@ -70,6 +71,57 @@ def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, A
         # processor masks every stop id. Otherwise any reserved id ends the stream.
         stop_token_ids=None if fixed else stop_ids,
         ignore_eos=fixed,
+        detokenize=False,
+        extra_args=ras.to_extra(),
+    )
+
+
+def bistream_spec(vocab: UnifiedVocab) -> BistreamSpec:
+    """The interleaving ids of the exported LM (CosyVoice3, or CosyVoice2 when the
+    vocabulary has its two extra prompt rows for sos/task_id)."""
+    sts = vocab.speech_token_size
+    if getattr(vocab, "extra_rows", 0):
+        return BistreamSpec(sos=vocab.speech_vocab_size, task_id=vocab.speech_vocab_size + 1, fill=sts + 2,
+                            speech_token_size=sts, text_offset=vocab.text_offset, end_of_prompt=None)
+    return BistreamSpec(sos=sts, task_id=sts + 2, fill=sts + 3, speech_token_size=sts, text_offset=vocab.text_offset)
+
+
+def bistream_chunk_kwargs(st: BistreamState, run: Run, sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
+    """vllm.SamplingParams keyword arguments for one input chunk (= one bistream run).
+
+    Run lengths are enforced by the logits processor (`force_at`), not by
+    `max_tokens`: some vLLM versions keep the first chunk's max_tokens for the
+    whole resumable request, so every chunk gets the same, request-wide cap.
+    Streaming runs stop on `fill` (vLLM then drops that last token from the context,
+    exactly as the official bistream never feeds fill); the final run stops on any
+    reserved id, with the unistream min/max lengths. CPU-testable (no vLLM import).
+    """
+    spec = st.spec
+    cap = max(1, st.limits.hard_max + 1)
+    history = tuple(st.history[-sp.win_size:]) if sp.win_size > 0 else ()
+    common = dict(speech_token_size=vocab.speech_token_size, speech_vocab_size=vocab.speech_vocab_size,
+                  greedy=sp.greedy, top_p=sp.top_p, top_k=sp.top_k, win_size=sp.win_size, tau_r=sp.tau_r,
+                  history=history)
+    if not run.final:
+        ras = RASArgs(**common, min_tokens=0, mask_stops=True, keep_id=spec.fill,
+                      force_at=run.fill_at if run.fill_at is not None else -1, force_id=spec.fill)
+        stops, min_tokens, ignore_eos = [spec.fill], 0, True
+    else:
+        low, high = st.remaining_limits()
+        fixed = st.limits.fixed_ratio is not None
+        min_tokens = high if fixed else min(low, high)
+        ras = RASArgs(**common, min_tokens=min_tokens, mask_stops=fixed,
+                      force_at=high, force_id=vocab.speech_token_size + 1)  # eos at the length limit
+        stops, ignore_eos = list(range(vocab.speech_token_size, vocab.speech_vocab_size)), False
+    return dict(
+        temperature=0.0 if sp.greedy else 1.0,
+        top_p=1.0,
+        top_k=0,
+        seed=sp.seed,
+        max_tokens=cap,
+        min_tokens=min(min_tokens, cap),
+        stop_token_ids=stops,
+        ignore_eos=ignore_eos,
         detokenize=False,
         extra_args=ras.to_extra(),
     )
@@ -153,6 +205,101 @@ class VLLMBackend:
             self._active.discard(rid)
             self._aborted.discard(rid)
             # Closing vLLM's generator early makes it abort the request (frees the slot).
+            await stream.aclose()
+
+    async def generate_streaming(  # type: ignore[override]
+        self, request: BistreamRequest, text_source: AsyncIterator[list[int]]
+    ) -> AsyncIterator[int]:
+        """Text-in streaming as ONE resumable vLLM request fed through an async
+        generator of `StreamingInput`s: each bistream run (engine.bistream) is one
+        input chunk, sent when the previous run has ended and its text is there.
+        Semantics equal `TorchLMBackend.generate_streaming` (bench/bistream_parity.py)."""
+        if self._llm is None:
+            raise RuntimeError("VLLMBackend.start() was not awaited")
+        import asyncio
+
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            from vllm.engine.protocol import StreamingInput
+        except ImportError:  # older layouts
+            from vllm.inputs.data import StreamingInput  # type: ignore[no-redef]
+
+        rid = request.request_id
+        if rid in self._active:
+            raise ValueError(f"request id {rid!r} is already running")
+        st = request.new_state(bistream_spec(self.vocab))
+        text_changed, need_run = asyncio.Event(), asyncio.Event()
+        need_run.set()
+        failure: list[BaseException] = []
+
+        def params(run: Run) -> Any:
+            kw = bistream_chunk_kwargs(st, run, request.sampling, self.vocab)
+            return VSamplingParams(output_kind=RequestOutputKind.DELTA, **kw)
+
+        async def pump() -> None:
+            # Everything here runs on the event loop, like the consumer below, so the
+            # state machine is never touched concurrently.
+            try:
+                async for ids in text_source:
+                    st.push_text(ids)
+                    text_changed.set()
+                st.close_text()
+            except Exception as exc:
+                failure.append(exc)
+            text_changed.set()
+
+        async def inputs() -> AsyncIterator[Any]:
+            while True:
+                await need_run.wait()
+                need_run.clear()
+                while True:
+                    if failure:
+                        raise failure[0]
+                    if st.done:
+                        return
+                    run = st.next_run()
+                    if run is not None:
+                        break
+                    if st.done:
+                        return
+                    text_changed.clear()
+                    await text_changed.wait()
+                yield StreamingInput(prompt={"prompt_token_ids": list(run.feed)}, sampling_params=params(run))
+                if run.final:
+                    return  # the end of this generator is vLLM's end-of-input signal
+
+        pump_task = asyncio.create_task(pump(), name=f"text-{rid}")
+        base = VSamplingParams(output_kind=RequestOutputKind.DELTA, max_tokens=max(1, st.limits.hard_max + 1),
+                               detokenize=False)
+        stream = self._llm.generate(inputs(), base, rid)
+        self._active.add(rid)
+        try:
+            async for out in stream:
+                if rid in self._aborted:
+                    break
+                for tok in out.outputs[0].token_ids:
+                    if st.done:
+                        break
+                    if not st.in_run:
+                        raise RuntimeError(f"vLLM produced token {tok} between bistream runs")
+                    rule = st.token_rule()
+                    if rule.forced is not None and int(tok) != rule.forced:
+                        raise RuntimeError(
+                            "vLLM did not apply a streaming-input chunk's sampling params "
+                            f"(expected forced id {rule.forced}, got {tok}); unsupported vLLM version")
+                    emitted = st.on_token(int(tok))
+                    if emitted is not None:
+                        yield emitted
+                    if not st.in_run and not st.done:
+                        need_run.set()  # the run ended on fill: send the next chunk
+                if st.done or out.finished:
+                    break
+        finally:
+            pump_task.cancel()
+            self._active.discard(rid)
+            self._aborted.discard(rid)
             await stream.aclose()
 
     async def abort(self, request_id: str) -> None:

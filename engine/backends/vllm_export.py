@@ -256,11 +256,28 @@ def read_export_info(export_dir: Path) -> dict[str, object] | None:
         return None
 
 
+def speech_head_plugin_installed() -> bool:
+    """True when vLLM will find `CosyVoiceQwen2ForCausalLM`: our general-plugin entry
+    point is in the installed metadata (pyproject's entry point, or the dist-info that
+    `vllm_model.write_plugin_dist_info` writes for source-checkout runs)."""
+    from importlib.metadata import entry_points
+
+    from engine.backends.vllm_model import PLUGIN_TARGET
+
+    return any(ep.value == PLUGIN_TARGET for ep in entry_points(group="vllm.general_plugins"))
+
+
 def ensure_vllm_export(model_dir: Path, qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab, *,
                        dtype: torch.dtype = torch.bfloat16, checkpoint: str = "llm.pt",
-                       head: HeadKind = "unified") -> Path:
+                       head: HeadKind | Literal["auto"] = "auto") -> Path:
     """Return `<model_dir>/vllm-unified` (head="speech": `vllm-speech-head`),
-    (re-)exporting it if llm.pt, the dtype or the head kind changed."""
+    (re-)exporting it if llm.pt, the dtype or the head kind changed.
+
+    head="auto" picks the speech-only head (measured +24% decode tokens/s at 1 stream,
+    +41% at 64 on the H200) when its vLLM plugin is installed, else the unified head,
+    which stock vLLM loads as is."""
+    if head == "auto":
+        head = "speech" if speech_head_plugin_installed() else "unified"
     model_dir = Path(model_dir)
     ckpt = model_dir / checkpoint
     out = model_dir / (SPEECH_HEAD_SUBDIR if head == "speech" else EXPORT_SUBDIR)

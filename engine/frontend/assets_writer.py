@@ -113,17 +113,20 @@ def write_tokenizer_files(out_dir: Path, num_merges: int = NUM_MERGES) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
 
 
-def write_frontend_assets(model_dir: Path, *, tiny: bool, seed: int = 0) -> None:
+def write_frontend_assets(
+    model_dir: Path, *, tiny: bool, seed: int = 0, speech_tokenizer_file: str = SPEECH_TOKENIZER_FILE
+) -> None:
     """Write the tokenizer directory and both ONNX stand-ins into `model_dir`.
 
     `tiny` only shrinks the ONNX stand-ins' hidden width; the graphs keep the official
-    input/output signatures either way.
+    input/output signatures either way. CosyVoice2 directories name the speech tokenizer
+    `speech_tokenizer_v2.onnx` (same whisper-log-mel in, 25 Hz tokens out signature).
     """
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer_files(model_dir / TOKENIZER_SUBDIR)
     onnx_models.save_model(
-        onnx_models.build_speech_tokenizer_standin(seed=seed), model_dir / SPEECH_TOKENIZER_FILE
+        onnx_models.build_speech_tokenizer_standin(seed=seed), model_dir / speech_tokenizer_file
     )
     onnx_models.save_model(
         onnx_models.build_campplus_standin(seed=seed + 1, hidden=32 if tiny else 256),

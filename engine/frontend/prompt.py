@@ -19,10 +19,18 @@ Exact strings follow the official `example.py` / `instruct_list`:
                  `prompt_ids` instead. `<|endofprompt|>` is a special token that splits
                  BPE, so prompt_ids + text_ids equals the official encoding exactly,
                  and text_ids stay the user's text alone (handy for streamed text).
+
+CosyVoice2 (`version="cosyvoice2"`) has no system prefix (official example.py /
+frontend for CosyVoice2):
+
+* zero_shot:     prompt = transcript
+* instruct:      prompt = "<instruction><|endofprompt|>" (instruct2), no prompt speech
+* cross_lingual: no prompt text and no prompt speech
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +49,7 @@ MIN_INPUT_SAMPLE_RATE = 16000  # official load_wav refuses lower rates
 TOKEN_MEL_RATIO = 2
 
 ZERO_SHOT_PREFIX = f"{SYSTEM_PROMPT}{ENDOFPROMPT}"
+_SYSTEM_SENTENCE = re.compile(r"^\s*you are a helpful assistant\s*[.。]?\s*", re.IGNORECASE)
 
 
 class PromptFeatures(NamedTuple):
@@ -107,8 +116,22 @@ def zero_shot_prompt_text(transcript: str) -> str:
     return ZERO_SHOT_PREFIX + transcript
 
 
-def lm_prompt_text(mode: Mode, transcript: str | None = None, instruction: str | None = None) -> str:
-    """The prompt string (before tokenisation) for a mode."""
+def cv2_instruction(instruction: str) -> str:
+    """A user instruction in CosyVoice2's instruct2 form: `"<instruction><|endofprompt|>"`.
+    A leading CosyVoice3-style system sentence and anything after an embedded marker go."""
+    body = instruction.split(ENDOFPROMPT, 1)[0]
+    body = _SYSTEM_SENTENCE.sub("", body, count=1).strip()
+    if not body:
+        raise ValueError("empty instruction")
+    return body + ENDOFPROMPT
+
+
+def lm_prompt_text(
+    mode: Mode, transcript: str | None = None, instruction: str | None = None, version: str = "cosyvoice3"
+) -> str:
+    """The prompt string (before tokenisation) for a mode and model version."""
+    if version == "cosyvoice2":
+        return _cv2_prompt_text(mode, transcript, instruction)
     if mode == "zero_shot":
         if transcript is None:
             raise ValueError("zero_shot needs the prompt transcript")
@@ -122,6 +145,20 @@ def lm_prompt_text(mode: Mode, transcript: str | None = None, instruction: str |
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def _cv2_prompt_text(mode: Mode, transcript: str | None, instruction: str | None) -> str:
+    if mode == "zero_shot":
+        if transcript is None:
+            raise ValueError("zero_shot needs the prompt transcript")
+        return transcript
+    if mode == "instruct":
+        if not instruction:
+            raise ValueError("instruct needs an instruction")
+        return cv2_instruction(instruction)
+    if mode == "cross_lingual":
+        return ""
+    raise ValueError(f"unknown mode {mode!r}")
+
+
 def build_lm_text(
     tokenizer: TextTokenizer,
     mode: Mode,
@@ -129,13 +166,14 @@ def build_lm_text(
     *,
     transcript: str | None = None,
     instruction: str | None = None,
+    version: str = "cosyvoice3",
 ) -> LMTextPrompt:
     """Tokenise the LM text prompt of one request. `text` should already be
     normalised (`engine.frontend.text.normalize`); the prompt part never is, as in
     the official code (it contains `<|endofprompt|>`)."""
-    prompt = lm_prompt_text(mode, transcript, instruction)
+    prompt = lm_prompt_text(mode, transcript, instruction, version)
     prompt_ids = tuple(tokenizer.encode(prompt))
-    if tokenizer.endofprompt_id not in prompt_ids:
+    if version != "cosyvoice2" and tokenizer.endofprompt_id not in prompt_ids:
         # CosyVoice3's LM asserts the marker is present; fail here with a clear message.
         raise ValueError("CosyVoice3 prompt lacks <|endofprompt|>")
     return LMTextPrompt(

@@ -81,6 +81,12 @@ COSYVOICE3_SPECIALS: tuple[str, ...] = (
     *(f"[{unit}]" for unit in _PINYIN_UNITS),
 )
 
+# The additional specials each model version's tokenizer registers, in order.
+SPECIALS_BY_VERSION: dict[str, tuple[str, ...]] = {
+    "cosyvoice3": COSYVOICE3_SPECIALS,
+    "cosyvoice2": _CV2_SPECIALS,
+}
+
 _SYSTEM_PREFIX_RE = re.compile(r"^\s*you are a helpful assistant\s*[.。]?\s*", re.IGNORECASE)
 
 
@@ -147,8 +153,12 @@ class TextTokenizer:
         self._special_ids = dict(special_ids)
 
     @classmethod
-    def from_dir(cls, path: Path | str) -> "TextTokenizer":
-        """Load `CosyVoice-BlankEN/` (vocab.json, merges.txt, tokenizer_config.json)."""
+    def from_dir(cls, path: Path | str, version: str = "cosyvoice3") -> "TextTokenizer":
+        """Load `CosyVoice-BlankEN/` (vocab.json, merges.txt, tokenizer_config.json).
+
+        `version` picks the special-token list: CosyVoice2 registers only its 19 specials
+        (a prefix of CosyVoice3's list, so the shared ones, `<|endofprompt|>` = 151646
+        included, get the same ids); phone/pinyin tokens are plain text there."""
         path = Path(path)
         vocab: dict[str, int] = json.loads((path / "vocab.json").read_text(encoding="utf-8"))
         merges = _read_merges(path / "merges.txt")
@@ -168,7 +178,7 @@ class TextTokenizer:
         # CosyVoice3 specials: already-known ones keep their id, new ones are appended
         # one by one after the largest id so far (HF `add_special_tokens` semantics).
         last_id = max([*vocab.values(), *special_ids.values()])
-        for content in COSYVOICE3_SPECIALS:
+        for content in SPECIALS_BY_VERSION[version]:
             if content in special_ids:
                 continue
             expected = last_id + 1

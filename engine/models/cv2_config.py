@@ -32,6 +32,10 @@ class CV2LMConfig(LMConfig):
     num_reserved: int = 3  # eos (6561), an unused id (6562), fill (6563)
 
     @property
+    def eos(self) -> int:
+        return self.speech_token_size  # 6561 (CosyVoice3's 6561 is sos)
+
+    @property
     def sos(self) -> int:
         return self.speech_vocab_size  # llm_embedding row 0
 

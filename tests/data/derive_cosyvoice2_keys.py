@@ -21,11 +21,20 @@ import sys
 import types
 
 
+class _Dummy:
+    """Any name imported from a stubbed module: a base class, or a pass-through decorator."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> object:
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return object.__new__(cls)
+
+
 class _StubModule(types.ModuleType):
-    def __getattr__(self, attr: str) -> object:  # any imported name is a dummy class
+    def __getattr__(self, attr: str) -> object:
         if attr.startswith("__"):
             raise AttributeError(attr)
-        return type(attr, (), {})
+        return type(attr, (_Dummy,), {})
 
 
 def _stub(name: str) -> None:

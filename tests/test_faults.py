@@ -1,0 +1,280 @@
+"""Faults: the engine failing mid-utterance, a client that stops reading, SIGTERM while
+audio is streaming, and SIGKILL in the middle of voice registrations.
+
+Engine faults are injected into the real audio stage (`helpers.StageFault`) for one
+voice only, so the test picks the victim through the public API. Signal tests run the
+real `python -m gateway` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import socket
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import websockets
+
+from engine.types import SessionOptions
+from gateway.protocol import CLOSE_SLOW_CONSUMER, CLOSE_TRY_LATER, WsLimits
+from helpers import (
+    AUTH,
+    FAST,
+    SAMPLES_PER_TOKEN,
+    GatewayProcess,
+    LiveServer,
+    StageFault,
+    WsRecorder,
+    eventually,
+    leftovers,
+    live_gateway,
+    register,
+    scrape,
+    tone_wav,
+)
+
+# Long enough for several chunks per utterance (first chunk after 15 tokens).
+TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank today."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    limits = WsLimits(max_pending_bytes=32 << 10, max_lag_s=1.0, keepalive_interval_s=0)
+    with live_gateway(tiny_model_dir, tmp_path_factory.mktemp("faults"), send_buffer=16384, ws=limits) as srv:
+        srv.gw.session_defaults = SessionOptions(tokens_per_text_token=2.0, seed=0)
+        with srv.client() as c:
+            for vid, freq in (("good", 200.0), ("faulty", 330.0)):
+                assert register(c, vid, tone_wav(3.5, freq=freq)).status_code == 201
+        yield srv
+
+
+def _expected_samples(srv: LiveServer, text: str) -> int:
+    """24 kHz samples for `text` spoken as one segment with 2 tokens per text token."""
+    return 2 * len(srv.gw.engine.text_ids(text)) * SAMPLES_PER_TOKEN
+
+
+async def _speak(url: str, contexts: dict[str, str], timeout: float = 120.0) -> WsRecorder:
+    """One socket; each context speaks TEXT with its voice; wait until all end."""
+    async with websockets.connect(url, additional_headers=AUTH) as ws:
+        rec = WsRecorder(ws)
+        await rec.recv_one()  # session_started
+        for cid, voice in contexts.items():
+            await rec.send(type="text", context_id=cid, voice=voice, text=TEXT, end=True)
+        return await rec.until(lambda r: r.finished(*contexts), timeout)
+
+
+# --------------------------------------------------------------------------------------
+# Engine faults
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["run", "compute"])
+def test_engine_fault_mid_utterance_fails_only_that_context(server: LiveServer, where: str) -> None:
+    srv = server
+    full = _expected_samples(srv, TEXT) * 2  # pcm_s16le bytes
+    prompt = srv.call(srv.gw.voices.get_prompt("faulty"))
+
+    async def scenario() -> tuple[WsRecorder, WsRecorder]:
+        return await asyncio.gather(
+            _speak(srv.ws_url, {"bad": "faulty", "ok1": "good"}),
+            _speak(srv.ws_url, {"ok2": "good"}),
+        )
+
+    with StageFault(srv.gw.engine, prompt, from_chunk=1, where=where) as fault:
+        if where == "compute":
+            # The batch is the engine's failure unit: run the victim alone so no healthy
+            # chunk shares its batch, then the bystanders.
+            (victim,) = [asyncio.run(_speak(srv.ws_url, {"bad": "faulty"}))]
+            a, b = asyncio.run(_speak(srv.ws_url, {"ok1": "good"})), asyncio.run(_speak(srv.ws_url, {"ok2": "good"}))
+            a.events += victim.events
+            a.audio.update(victim.audio)
+        else:
+            a, b = asyncio.run(scenario())
+    assert fault.count >= 1
+    errors = a.of("error", "bad")
+    assert [e["code"] for e in errors] == ["synthesis_failed"], a.events
+    # The victim heard its first chunk, then the error, then `done` (the context ends cleanly).
+    assert 0 < len(a.audio.get("bad", b"")) < full
+    assert a.of("done", "bad")
+    for rec, cid in ((a, "ok1"), (b, "ok2")):
+        assert not rec.of("error", cid)
+        (done,) = rec.of("done", cid)
+        assert len(rec.audio[cid]) == full and done["audio_samples"] * 2 == full
+    with srv.client() as c:
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+    # The same voice speaks completely once the fault is gone.
+    again = asyncio.run(_speak(srv.ws_url, {"bad": "faulty"}))
+    assert not again.of("error") and len(again.audio["bad"]) == full
+
+
+def test_engine_fault_mid_http_stream_reports_sse_error(server: LiveServer) -> None:
+    srv = server
+    prompt = srv.call(srv.gw.voices.get_prompt("faulty"))
+    body = {"voice": "faulty", "input": TEXT, "response_format": "pcm", "stream_format": "sse", **FAST}
+    with StageFault(srv.gw.engine, prompt, from_chunk=1, where="compute"), srv.client() as c:
+        with c.stream("POST", "/v1/audio/speech", headers=AUTH, json=body) as resp:
+            assert resp.status_code == 200  # the first chunk was fine: headers are out
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert '"speech.audio.delta"' in events[0]
+    assert '"error"' in events[-1] and "synthesis_failed" in events[-1]
+    assert not any("speech.audio.done" in e for e in events)
+    with srv.client() as c:
+        resp = c.post("/v1/audio/speech", headers=AUTH, json={**body, "stream_format": "audio"})
+        assert resp.status_code == 200 and len(resp.content) == 2 * _expected_samples(srv, TEXT)
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+
+
+# --------------------------------------------------------------------------------------
+# A client that stops reading
+# --------------------------------------------------------------------------------------
+
+
+def test_client_that_stops_reading_is_cut_off_others_unharmed(server: LiveServer) -> None:
+    srv = server
+
+    def slow_consumers() -> float:
+        with srv.client() as c:
+            return scrape(c).get('cosyvoice_errors_total{code="slow_consumer"}', 0.0)
+
+    before = slow_consumers()
+
+    async def stalled() -> int | None:
+        # A small receive buffer set before connecting, then no reading at all: the
+        # kernel buffers fill, the server's queue fills and its oldest frame ages.
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        async with websockets.connect(srv.ws_url, additional_headers=AUTH, sock=sock, max_queue=1) as ws:
+            await ws.send(json.dumps({"type": "text", "context_id": "s", "voice": "good", "text": TEXT * 8,
+                                      "format": "pcm_s16le", "sample_rate": 48000, "audio": "base64", "end": True}))
+            ws.transport.pause_reading()
+            # Nothing can reach us while paused: wait for the server to report the cut.
+            await asyncio.to_thread(eventually, lambda: slow_consumers() > before, 60)
+            ws.transport.resume_reading()
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:  # what was already on the wire, then the close frame
+                    await asyncio.wait_for(ws.recv(), 30)
+            return ws.close_code
+
+    async def scenario() -> tuple[Any, WsRecorder]:
+        stall = asyncio.create_task(stalled())
+        healthy = await _speak(srv.ws_url, {"h": "good"})
+        return await stall, healthy
+
+    code, healthy = asyncio.run(scenario())
+    assert code == CLOSE_SLOW_CONSUMER, code
+    (done,) = healthy.of("done", "h")
+    assert len(healthy.audio["h"]) == 2 * _expected_samples(srv, TEXT) == done["audio_samples"] * 2
+    with srv.client() as c:
+        assert 'cosyvoice_errors_total{code="slow_consumer"}' in c.get("/metrics", headers=AUTH).text
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+
+
+# --------------------------------------------------------------------------------------
+# Signals and crashes (subprocess)
+# --------------------------------------------------------------------------------------
+
+
+def _assets(root: Path) -> None:
+    assets = root / "assets"
+    assets.mkdir(parents=True, exist_ok=True)
+    (assets / "default.wav").write_bytes(tone_wav(3.5))
+    (assets / "default.txt").write_text("The default voice.")
+
+
+def test_sigterm_drains_in_flight_context_then_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    _assets(tmp_path)
+    gw = GatewayProcess(tiny_model_dir, tmp_path, "--shutdown-timeout", "60").start()
+    try:
+        async def scenario() -> tuple[WsRecorder, Any]:
+            async with websockets.connect(gw.ws_url) as ws:
+                rec = WsRecorder(ws)
+                await rec.recv_one()
+                await rec.send(type="text", context_id="t", text=TEXT * 2, end=True)
+                await rec.until(lambda r: len(r.audio.get("t", b"")) > 0, 60)
+                gw.signal(signal.SIGTERM)  # mid-stream
+                # A newcomer during the drain is told to come back later.
+                async with websockets.connect(gw.ws_url) as late:
+                    refused = WsRecorder(late)
+                    await refused.recv_one()
+                    with pytest.raises(websockets.ConnectionClosed):
+                        await refused.recv_one(30)
+                await rec.until(lambda r: r.finished("t"), 120)
+                return rec, refused
+
+        rec, refused = asyncio.run(scenario())
+        assert refused.events[0]["code"] == "not_ready" and refused.ws.close_code == CLOSE_TRY_LATER
+        (done,) = rec.of("done", "t")
+        assert not rec.of("error") and done["audio_samples"] * 2 == len(rec.audio["t"]) > 0
+        assert gw.wait(60) == 0, "\n".join(gw.log[-20:])
+        assert any("drained" in line for line in gw.log)
+    finally:
+        gw.kill()
+
+
+def _register_forever(url: str, prefix: str, acked: dict[str, dict[str, Any]], stop: threading.Event) -> None:
+    """Register voices one after another until the server dies; remember acknowledged ones."""
+    i = 0
+    with httpx.Client(base_url=url, timeout=30) as c:
+        while not stop.is_set():
+            vid = f"{prefix}{i}"
+            try:
+                resp = register(c, vid, tone_wav(3.2 + 0.1 * (i % 5), freq=150.0 + 7 * i), f"Voice {vid}.", headers={})
+            except httpx.TransportError:
+                return
+            if resp.status_code == 201:
+                acked[vid] = resp.json()
+            i += 1
+
+
+def _check_store(data: Path, listed: list[dict[str, Any]]) -> None:
+    """No partial voice: rows, dirs and the API agree; no temp dirs are left."""
+    with sqlite3.connect(data / "voices.sqlite3") as db:
+        rows = {r[0]: r[1] for r in db.execute("SELECT id, dir_name FROM voices")}
+    assert set(rows) == {v["id"] for v in listed}
+    dirs = {p.name for p in (data / "voices").iterdir()}
+    assert dirs == set(rows.values()), (dirs, rows)
+    for d in dirs:
+        assert (data / "voices" / d / "prompt.npz").is_file()
+
+
+def test_sigkill_during_registration_loses_no_committed_voice(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    acked: dict[str, dict[str, Any]] = {}
+    kills = 3
+    for round_ in range(kills):
+        gw = GatewayProcess(tiny_model_dir, tmp_path).start()
+        stop = threading.Event()
+        workers = [threading.Thread(target=_register_forever, args=(gw.url, f"r{round_}w{w}_", acked, stop))
+                   for w in range(2)]
+        for t in workers:
+            t.start()
+        # Kill at a random point while both workers are mid-registration.
+        threading.Event().wait(rng.uniform(0.3, 1.5))
+        gw.kill()  # SIGKILL
+        stop.set()
+        for t in workers:
+            t.join(30)
+    gw = GatewayProcess(tiny_model_dir, tmp_path).start()
+    try:
+        with gw.client() as c:
+            listed = c.get("/v1/voices").json()["data"]
+            by_id = {v["id"]: v for v in listed}
+            assert acked, "no registration was acknowledged before the kills"
+            for vid, info in acked.items():
+                assert by_id.get(vid) == info, vid  # committed = still there, unchanged
+            _check_store(tmp_path / "data", listed)
+            # Every listed voice (acknowledged or committed just before a kill) is usable.
+            for vid in list(by_id)[:3] + list(by_id)[-2:]:
+                resp = c.post("/v1/audio/speech", json={"voice": vid, "input": "Check.", "response_format": "pcm", **FAST})
+                assert resp.status_code == 200 and len(resp.content) > 0, vid
+    finally:
+        gw.kill()

@@ -1,0 +1,129 @@
+"""WebSocket `text_mode: "stream"`: text goes to the LM as it arrives (bistream),
+the segmenter only bounding utterances. Protocol rules (pure) and end to end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.protocol import (
+    ConnectionState,
+    ContextSettings,
+    EndContext,
+    FlushMark,
+    Speak,
+    StreamText,
+    WsLimits,
+    parse_client_message,
+)
+from test_ws_integration import Recording, has_done, receive_until, run, send, server  # noqa: F401
+
+LIMITS = WsLimits()
+
+
+def _state() -> ConnectionState:
+    return ConnectionState(ContextSettings(voice="v"), LIMITS)
+
+
+def _text(state: ConnectionState, text: str, **kw: Any) -> list[Any]:
+    import json
+
+    return state.handle(parse_client_message(json.dumps({"type": "text", "context_id": "c", "text": text, **kw}), LIMITS))
+
+
+def _streamed(cmds: list[Any]) -> list[StreamText]:
+    return [c for c in cmds if isinstance(c, StreamText)]
+
+
+def test_stream_mode_feeds_words_before_the_sentence_ends() -> None:
+    st = _state()
+    out = _text(st, "Hello th", text_mode="stream")
+    assert _streamed(out) == [StreamText("c", 0, 0, "Hello")]  # the open word waits
+    assert not any(isinstance(c, Speak) for c in out)
+    out = _text(st, "ere, my fri")
+    # "Hello there," is the first segment (clause); " my" already belongs to the next.
+    assert _streamed(out) == [
+        StreamText("c", 0, 5, " there,", close=True, reason="clause"),
+        StreamText("c", 1, 12, " my"),
+    ]
+    out = _text(st, "end. Bye")
+    assert _streamed(out) == [StreamText("c", 1, 15, " friend.", close=True, reason="sentence")]
+    out = _text(st, " now", end=True)
+    streamed = _streamed(out)
+    assert streamed[0] == StreamText("c", 2, 23, " Bye")
+    assert streamed[-1].close and streamed[-1].index == 2
+    assert isinstance(out[-1], EndContext)
+    # Every character went out exactly once, in order.
+    full = "Hello there, my friend. Bye now"
+    pieces = [
+        c
+        for c in [StreamText("c", 0, 0, "Hello"), StreamText("c", 0, 5, " there,"), StreamText("c", 1, 12, " my"),
+                  StreamText("c", 1, 15, " friend."), *streamed]
+    ]
+    assert "".join(p.text for p in pieces) == full
+    assert [p.start for p in pieces] == [sum(len(q.text) for q in pieces[:i]) for i in range(len(pieces))]
+
+
+def test_stream_mode_flush_closes_the_open_utterance() -> None:
+    st = _state()
+    _text(st, "no punctuation ", text_mode="stream")
+    out = st.handle(parse_client_message('{"type": "flush", "context_id": "c"}', LIMITS))
+    streamed = _streamed(out)
+    assert streamed and streamed[-1].close and streamed[-1].index == 0
+    assert isinstance(out[-1], FlushMark)
+    out = _text(st, "next words ")
+    assert _streamed(out)[0].index == 1  # a new utterance after the flush
+
+
+def test_forced_cut_never_splits_text_already_streamed() -> None:
+    """An over-long sentence is cut back at a clause mark by the segmenter; text that
+    was already streamed past that mark stays with the first utterance."""
+    st = _state()
+    _text(st, "x", text_mode="stream", segmentation={"max_chars": 40, "first_min_chars": 40})
+    words = "alpha, beta gamma delta epsilon zeta eta theta iota kappa lambda mu."
+    sent: list[StreamText] = []
+    for ch in words:
+        sent += _streamed(_text(st, ch))
+    sent += _streamed(_text(st, "", end=True))
+    assert "".join(s.text for s in sent) == "x" + words
+    for a, b in zip(sent, sent[1:]):
+        assert b.start == a.start + len(a.text)
+        if a.close:
+            assert b.index == a.index + 1 and (a.start + len(a.text) == len("x" + words) or ("x" + words)[b.start].isspace())
+
+
+def test_websocket_stream_mode_end_to_end(server: Any) -> None:  # noqa: F811
+    first = "Streaming text goes to the model word by word, "
+    second = "and a second sentence follows here. "
+    third = "Then it ends"
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with __import__("websockets").connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            words = (first + second + third).split(" ")
+            for i, w in enumerate(words):
+                await send(ws, type="text", context_id="s", text=(w if i == 0 else " " + w),
+                           **({"text_mode": "stream"} if i == 0 else {}))
+            await send(ws, type="flush", context_id="s")
+            await receive_until(ws, rec, lambda r: bool(r.of("flushed", "s")))
+            await send(ws, type="text", context_id="s", text="After the flush.", end=True)
+            await receive_until(ws, rec, has_done("s"))
+        return rec
+
+    rec = run(main())
+    started = rec.of("context_started", "s")[0]
+    assert started["text_mode"] == "stream"
+    segs = rec.of("segment_started", "s")
+    full = first + second + third + "After the flush."
+    # Utterances: "...word by word," | " and a second ... here." | " Then it ends" | "After the flush."
+    assert [s["segment_index"] for s in segs] == [0, 1, 2, 3]
+    assert [s["text_start"] for s in segs] == [0, len(first) - 1, len(first + second) - 1, len(first + second + third)]
+    for s in segs:  # text known when its audio started: a prefix of the segment's text
+        assert full[s["text_start"] : s["text_end"]] == s["text"] and s["text"].strip()
+    done = rec.of("done", "s")[0]
+    assert done["segments"] == 4 and done["audio_samples"] > 0
+    assert sum(len(f) for f in rec.audio["s"]) // 2 == done["audio_samples"]
+    # the flush came after the audio of everything before it
+    i_flushed = rec.order.index(("event", "flushed"))
+    i_seg4 = [i for i, o in enumerate(rec.order) if o == ("event", "segment_started")][3]
+    assert i_flushed < i_seg4
