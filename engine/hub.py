@@ -34,7 +34,8 @@ RANDOM_MODELS: dict[str, tuple[str, str]] = {
     "full-random-cv2": ("full", "cosyvoice2"),
 }
 # Files the runtime needs; training-only extras (llm.rl.pt, batch ONNX, TRT ONNX) are skipped.
-SKIP = {"llm.rl.pt", "speech_tokenizer_v3.batch.onnx", "flow.decoder.estimator.fp32.onnx", ".gitattributes"}
+SKIP = {"llm.rl.pt", "speech_tokenizer_v3.batch.onnx", "speech_tokenizer_v2.batch.onnx", "flow.decoder.estimator.fp32.onnx",
+        "flow.encoder.fp16.zip", "flow.encoder.fp32.zip", ".gitattributes"}
 TIMEOUT = 30
 
 

@@ -54,7 +54,10 @@ class DrainingServer(uvicorn.Server):
         busy = gw.engine.stats().active_sessions if gw is not None else 0  # type: ignore[attr-defined]
         if busy and time.monotonic() < self.drain_deadline:
             return False
-        log.info("drained" if not busy else "drain timeout with %d session(s) still running", busy)
+        if busy:
+            log.warning("drain timeout: %d session(s) still running", busy)
+        else:
+            log.info("drained")
         return True
 
 

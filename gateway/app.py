@@ -21,7 +21,7 @@ from starlette.staticfiles import StaticFiles
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.pool import create_engine
+from engine.pool import EnginePool, create_engine
 from engine.hub import RANDOM_MODELS, resolve_model
 from engine.types import SessionOptions
 
@@ -41,7 +41,7 @@ class GatewayState:
     """Everything a route handler needs, reachable as `request.app.state.gw`."""
 
     settings: Settings
-    engine: Engine
+    engine: Engine | EnginePool
     voices: VoiceStore
     metrics: Metrics
     auth: Auth

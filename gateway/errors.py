@@ -22,7 +22,10 @@ invalid_speed                400     ``speed`` outside 0.25..4
 unsupported_format           400     unknown ``response_format`` / ``stream_format``
 unauthorized                 401     API keys configured and none / a wrong one sent
 voice_not_found              404     unknown voice id
+voice_store_unavailable      503     the shared voice store (PostgreSQL) cannot be reached
 model_not_found              404     ``model`` is not one of the served aliases
+not_found                    404     no such route
+method_not_allowed           405     the route exists but not for this method
 voice_exists                 409     registering an id that is already taken
 audio_too_large              413     upload over the byte limit (stopped while reading)
 request_too_large            413     a JSON speech request over 256 KiB

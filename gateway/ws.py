@@ -32,6 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 
 from .audio import ENGINE_RATE, Encoder, make_encoder
+from .errors import ApiError
 from .protocol import (
     CLOSE_IDLE,
     CLOSE_INTERNAL,
@@ -439,6 +440,10 @@ class _Connection:
         except KeyError:
             self.state.context_finished(cid)
             self.send_event(ProtocolError("voice_not_found", f"voice {settings.voice!r} is not registered", cid).event())
+            return
+        except ApiError as exc:  # e.g. the shared voice store is unreachable
+            self.state.context_finished(cid)
+            self.send_event(ProtocolError(exc.code, exc.message, cid).event())
             return
         options = dataclasses.replace(
             self.base_options, mode=settings.effective_mode, instruction=settings.instruction, speed=settings.speed

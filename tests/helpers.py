@@ -273,7 +273,7 @@ class LiveServer:
         return asyncio.run_coroutine_threadsafe(coro, self.server.loop).result(timeout)
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=120, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 120, **kw})
 
 
 @contextlib.contextmanager

@@ -225,19 +225,19 @@ def _flow_inputs(prompt_tokens: int, new_tokens: int, seed: int) -> tuple[torch.
 
 def test_flow_chunks_on_the_grid_equal_the_whole_utterance(tiny_flow: CausalMaskedDiffWithXvec) -> None:
     p = 7
-    tokens, feat, emb = _flow_inputs(p, 60, seed=3)
+    tokens, feat, emb = _flow_inputs(p, 50, seed=3)
     whole = tiny_flow.inference_chunks([FlowChunk(tokens, feat, emb, p, p, True)])[0]
-    assert whole.shape == (120, 80) and torch.isfinite(whole).all()
+    assert whole.shape == (100, 80) and torch.isfinite(whole).all()
     end = 50 - p  # first chunk ends on the 25-token grid (prompt included), +3 look-ahead
     first = tiny_flow.inference_chunks([FlowChunk(tokens[: p + end + 3], feat, emb, p, p, False)])[0]
     rest = tiny_flow.inference_chunks([FlowChunk(tokens, feat, emb, p, p + end, True)])[0]
-    assert first.shape[0] == 2 * end and rest.shape[0] == 120 - 2 * end
+    assert first.shape[0] == 2 * end and rest.shape[0] == 100 - 2 * end
     assert torch.allclose(torch.cat([first, rest]), whole, atol=1e-5)
 
 
 def test_flow_batch_equals_separate_runs(tiny_flow: CausalMaskedDiffWithXvec) -> None:
-    a = FlowChunk(*_flow_inputs(5, 30, seed=4), num_prompt_tokens=5, out_start=5, finalize=True)
-    t, f, e = _flow_inputs(9, 48, seed=5)
+    a = FlowChunk(*_flow_inputs(5, 20, seed=4), num_prompt_tokens=5, out_start=5, finalize=True)
+    t, f, e = _flow_inputs(9, 33, seed=5)
     b = FlowChunk(t, f, e, num_prompt_tokens=9, out_start=20, finalize=False)
     together = tiny_flow.inference_chunks([a, b])
     alone = [tiny_flow.inference_chunks([c])[0] for c in (a, b)]
@@ -274,7 +274,7 @@ def _official_scheme(hift: HiFTGenerator, chunks: list[torch.Tensor]) -> np.ndar
         if cache is not None:
             mel = torch.cat([cache["mel"], mel], dim=1)
         speech, source = hift.inference(mel[None], None if cache is None else cache["source"][None], noise)
-        speech, source = speech[0], source[0]
+        speech, source = speech[0].clone(), source[0]
         if cache is not None:
             speech[:hold] = speech[:hold] * window[:hold] + cache["speech"] * window[hold:]
         if final:
@@ -388,7 +388,10 @@ def test_openai_speech_endpoint_with_cv2(cv2_server: LiveServer) -> None:
 def test_websocket_stream_with_cv2(cv2_server: LiveServer) -> None:
     srv = cv2_server
     text = "This is a longer sentence so that the audio comes in several chunks."
-    expected = 2 * len(srv.gw.engine.text_ids(text)) * SAMPLES_PER_TOKEN
+    # Contexts use the gateway's fixed length for random weights (tokens per text token).
+    ratio = srv.gw.engine.config.tokens_per_text_token
+    expected = max(1, int(round(ratio * len(srv.gw.engine.text_ids(text))))) * SAMPLES_PER_TOKEN
+    assert expected > 10 * SAMPLES_PER_TOKEN
 
     async def speak() -> WsRecorder:
         async with websockets.connect(srv.ws_url, additional_headers=AUTH) as ws:
