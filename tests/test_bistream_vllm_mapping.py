@@ -103,6 +103,7 @@ def test_chunk_kwargs_streaming_and_final(lm: CosyVoice3LM) -> None:
     assert args.history == (*range(501, 510), spec.fill)  # the RAS window spans chunks
     assert args.min_tokens == 20 - 10 and args.force_at == 200 - 10 and args.force_id == vocab.speech_token_size + 1
     assert kw["stop_token_ids"] == list(range(vocab.speech_token_size, vocab.speech_vocab_size))
+    assert kw["seed"] != 3  # a chunk's random stream differs from the first chunk's
 
 
 def test_processor_keep_and_force() -> None:

@@ -54,11 +54,8 @@ def test_stream_mode_feeds_words_before_the_sentence_ends() -> None:
     assert isinstance(out[-1], EndContext)
     # Every character went out exactly once, in order.
     full = "Hello there, my friend. Bye now"
-    pieces = [
-        c
-        for c in [StreamText("c", 0, 0, "Hello"), StreamText("c", 0, 5, " there,"), StreamText("c", 1, 12, " my"),
-                  StreamText("c", 1, 15, " friend."), *streamed]
-    ]
+    pieces = [StreamText("c", 0, 0, "Hello"), StreamText("c", 0, 5, " there,"), StreamText("c", 1, 12, " my"),
+              StreamText("c", 1, 15, " friend."), *streamed]
     assert "".join(p.text for p in pieces) == full
     assert [p.start for p in pieces] == [sum(len(q.text) for q in pieces[:i]) for i in range(len(pieces))]
 
@@ -127,3 +124,26 @@ def test_websocket_stream_mode_end_to_end(server: Any) -> None:  # noqa: F811
     i_flushed = rec.order.index(("event", "flushed"))
     i_seg4 = [i for i, o in enumerate(rec.order) if o == ("event", "segment_started")][3]
     assert i_flushed < i_seg4
+
+
+def test_websocket_stream_mode_cancel_while_waiting_for_text(server: Any) -> None:  # noqa: F811
+    """The LM request of an open streamed utterance waits for more text; cancel frees it
+    at once and the socket goes on."""
+
+    async def main() -> tuple[Recording, int]:
+        rec = Recording()
+        async with __import__("websockets").connect(server.url) as ws:
+            await send(ws, type="text", context_id="w", text="Words keep coming but the sentence never ",
+                       text_mode="stream")
+            await receive_until(ws, rec, lambda r: bool(r.of("context_started", "w")))
+            await send(ws, type="cancel", context_id="w")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "w")))
+            active = server.gw.engine.backend.num_active()  # cancel awaited the engine abort
+            await send(ws, type="text", context_id="w2", text="A new context speaks.", text_mode="stream", end=True)
+            await receive_until(ws, rec, has_done("w2"))
+        return rec, active
+
+    rec, active = run(main())
+    assert active == 0
+    assert rec.of("cancelled", "w")[0]["active"] is True
+    assert rec.of("done", "w2")[0]["audio_samples"] > 0

@@ -113,11 +113,14 @@ def bistream_chunk_kwargs(st: BistreamState, run: Run, sp: SamplingParams, vocab
         ras = RASArgs(**common, min_tokens=min_tokens, mask_stops=fixed,
                       force_at=high, force_id=vocab.speech_token_size + 1)  # eos at the length limit
         stops, ignore_eos = list(range(vocab.speech_token_size, vocab.speech_vocab_size)), False
+    # Each chunk is a fresh vLLM sampling request: a seeded request would replay the
+    # same random stream in every chunk, so the seed moves on with the position.
+    seed = None if sp.seed is None else (sp.seed + 7919 * len(st.history)) % (1 << 31)
     return dict(
         temperature=0.0 if sp.greedy else 1.0,
         top_p=1.0,
         top_k=0,
-        seed=sp.seed,
+        seed=seed,
         max_tokens=cap,
         min_tokens=min(min_tokens, cap),
         stop_token_ids=stops,
