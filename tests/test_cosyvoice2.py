@@ -404,3 +404,26 @@ def test_websocket_stream_with_cv2(cv2_server: LiveServer) -> None:
     assert not rec.of("error"), rec.events
     (done,) = rec.of("done", "c")
     assert done["audio_samples"] == expected and len(rec.audio["c"]) == 2 * expected
+
+
+def test_websocket_text_stream_mode_with_cv2(cv2_server: LiveServer) -> None:
+    """Bistream (text fed to the LM word by word) runs on the CV2 vocabulary too."""
+    srv = cv2_server
+    words = "Streaming text goes to the model word by word, and then it ends.".split(" ")
+
+    async def speak() -> WsRecorder:
+        async with websockets.connect(srv.ws_url, additional_headers=AUTH) as ws:
+            rec = WsRecorder(ws)
+            await rec.recv_one()  # session_started
+            for i, w in enumerate(words):
+                extra = {"text_mode": "stream", "voice": "cv2voice"} if i == 0 else {}
+                await rec.send(type="text", context_id="s", text=w if i == 0 else " " + w,
+                               end=i == len(words) - 1, **extra)
+            return await rec.until(lambda r: r.finished("s"), timeout=120)
+
+    rec = asyncio.run(speak())
+    assert not rec.of("error"), rec.events
+    assert rec.of("context_started", "s")[0]["text_mode"] == "stream"
+    (done,) = rec.of("done", "s")
+    assert done["audio_samples"] > 10 * SAMPLES_PER_TOKEN
+    assert len(rec.audio["s"]) == 2 * done["audio_samples"]
