@@ -26,7 +26,7 @@ DEFAULT_PROMPT = REPO_ROOT / "assets" / "default.wav"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cosyvoice-tts", description="Synthesise speech to a WAV file (no server).")
-    p.add_argument("--model", default="tiny-random", help="model directory, hub repo id, tiny-random or full-random")
+    p.add_argument("--model", default="tiny-random", help="model directory, hub repo id, or tiny-random / full-random / tiny-random-cv2 / full-random-cv2")
     p.add_argument("--cache-dir", type=Path, default=Path("data/models"), help="where downloaded/random models are kept")
     p.add_argument("--text", required=True, help="text to speak")
     p.add_argument("--out", type=Path, required=True, help="output WAV path (24 kHz mono 16-bit)")
@@ -58,7 +58,7 @@ async def _run(a: argparse.Namespace) -> int:
         transcript = txt.read_text(encoding="utf-8").strip()
     wav, sr = read_wav(a.prompt_wav)
     tptt = a.tokens_per_text_token
-    if tptt is None and a.model.endswith("-random"):
+    if tptt is None and "-random" in a.model:
         tptt = 3.0
     t0 = time.perf_counter()
     engine = await Engine.create(EngineConfig(model_dir=model_dir, device=a.device, lm_backend=a.lm_backend, warmup=False))

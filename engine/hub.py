@@ -115,7 +115,7 @@ class _HuggingFace(_Hub):
 
 class _ModelScope(_Hub):
     name = "modelscope"
-    base = "https://modelscope.cn"
+    base = os.environ.get("MODELSCOPE_ENDPOINT", "https://modelscope.cn")
 
     def files(self, repo: str) -> list[str]:
         with urllib.request.urlopen(f"{self.base}/api/v1/models/{repo}/repo/files?Recursive=true", timeout=TIMEOUT) as r:

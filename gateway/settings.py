@@ -61,7 +61,7 @@ class Settings:
     port: int = field(default=8080, metadata=_help("TCP port"))
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata=_help("model directory, hub repo id (downloaded into the data dir), or 'tiny-random' / 'full-random'"),
+        metadata=_help("model directory, hub repo id (downloaded into the data dir), or a random-weight model: tiny-random, full-random, tiny-random-cv2, full-random-cv2"),
     )
     data_dir: Path = field(default=Path("data"), metadata=_help("voices database, voice files and model cache live here"))
     voice_store: str = field(

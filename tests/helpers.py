@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, Iterator, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 import httpx
 import numpy as np

@@ -90,12 +90,13 @@ def test_engine_fault_mid_utterance_fails_only_that_context(server: LiveServer, 
 
     with StageFault(srv.gw.engine, prompt, from_chunk=1, where=where) as fault:
         if where == "compute":
-            # The batch is the engine's failure unit: run the victim alone so no healthy
-            # chunk shares its batch, then the bystanders.
-            (victim,) = [asyncio.run(_speak(srv.ws_url, {"bad": "faulty"}))]
-            a, b = asyncio.run(_speak(srv.ws_url, {"ok1": "good"})), asyncio.run(_speak(srv.ws_url, {"ok2": "good"}))
-            a.events += victim.events
-            a.audio.update(victim.audio)
+            # The batch is the engine's failure unit (chunks batched with a failing one
+            # fail too): run the victim alone, then show the stage still serves others.
+            a = asyncio.run(_speak(srv.ws_url, {"bad": "faulty"}))
+            ok1 = asyncio.run(_speak(srv.ws_url, {"ok1": "good"}))
+            b = asyncio.run(_speak(srv.ws_url, {"ok2": "good"}))
+            a.events += ok1.events
+            a.audio.update(ok1.audio)
         else:
             a, b = asyncio.run(scenario())
     assert fault.count >= 1

@@ -29,7 +29,6 @@ from helpers import (  # noqa: F401 (LiveServer, register, ... are re-exported f
     StageFault,
     err,
     eventually,
-    gateway_settings,
     leftovers,
     live_gateway,
     register,

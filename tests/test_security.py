@@ -8,9 +8,9 @@ Runs against the production app (`create_app`) with the tiny engine on loopback.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
-import pickle
 import shutil
 import socket
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 import pytest
+import torch
 import websockets
 from starlette.routing import Route
 
@@ -110,7 +111,7 @@ def _tree(root: Path) -> set[Path]:
     return {p for p in root.rglob("*")}
 
 
-def test_voice_ids_cannot_escape(server: LiveServer, tmp_path: Path) -> None:
+def test_voice_ids_cannot_escape(server: LiveServer) -> None:
     data_dir = Path(server.gw.settings.data_dir).resolve()
     outside_before = set(os.listdir(data_dir.parent))
     with server.client() as c:
@@ -133,7 +134,7 @@ def test_voice_ids_cannot_escape(server: LiveServer, tmp_path: Path) -> None:
         assert resp.status_code == 201, resp.text
         resp = c.post("/v1/voices", headers=AUTH, json={
             "id": "fmt", "transcript": "hi", "format": "../../../x/y",
-            "audio": __import__("base64").b64encode(tone_wav(3.5)).decode()})
+            "audio": base64.b64encode(tone_wav(3.5)).decode()})
         assert resp.status_code == 201, resp.text
         new = _tree(data_dir) - before
         assert new and all(p.resolve().is_relative_to(data_dir / "voices") for p in new), new
@@ -251,8 +252,6 @@ def test_model_checkpoints_are_loaded_without_executing_code(tiny_model_dir: Pat
     marker = tmp_path / "pwned"
     for name in ("llm.pt", "flow.pt", "hift.pt"):
         original = (model / name).read_bytes()
-        import torch
-
         torch.save({"weights": _Payload(marker)}, model / name)
         with pytest.raises(ModelDirError, match="cannot be loaded safely"):
             load_model(model)
@@ -272,7 +271,7 @@ def test_model_yaml_cannot_construct_objects(tiny_model_dir: Path, tmp_path: Pat
     attacks = [
         f"evil: !!python/object/apply:pathlib.Path.touch [!!python/object/apply:pathlib.Path ['{marker}']]\n",
         f"evil: !!python/object/new:pathlib.Path ['{marker}']\n",
-        f"evil: !!python/name:os.system\n",
+        "evil: !!python/name:os.system\n",
     ]
     for attack in attacks:
         yaml_path.write_text(attack + original)

@@ -1,0 +1,46 @@
+"""`cosyvoice-tts` writes a WAV from the command line (offline API, no server)."""
+
+import subprocess
+import sys
+import wave
+
+
+def test_cli_synthesises_a_wav(tiny_model_dir, tmp_path):
+    out = tmp_path / "out.wav"
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "--model", str(tiny_model_dir), "--text", "Hello there.",
+         "--out", str(out), "--device", "cpu", "--tokens-per-text-token", "4", "--seed", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1 and w.getsampwidth() == 2
+        frames = w.getnframes()
+        data = w.readframes(frames)
+    # a whole number of speech tokens (960 samples each), and not silence
+    assert frames > 0 and frames % 960 == 0
+    assert max(abs(int.from_bytes(data[i:i + 2], "little", signed=True)) for i in range(0, len(data), 2)) > 0
+
+
+def test_cli_reports_a_missing_model_in_one_line(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "--model", str(tmp_path / "nope"), "--text", "x", "--out", str(tmp_path / "o.wav")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "cosyvoice-tts:" in r.stderr
+
+
+def test_gateway_without_a_reachable_hub_names_the_tiny_model(tmp_path):
+    import os
+
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", MODELSCOPE_ENDPOINT="http://127.0.0.1:9")
+    env = {k: v for k, v in env.items() if not k.startswith("COSYVOICE_GW_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway", "--data-dir", str(tmp_path), "--config", os.devnull],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--model tiny-random" in lines[0] and "Fun-CosyVoice3" in lines[0]
