@@ -174,9 +174,13 @@ def test_plugin_entry_point_is_discoverable(tmp_path: Path, monkeypatch: pytest.
     from engine.backends.vllm_model import PLUGIN_NAME, PLUGIN_TARGET, write_plugin_dist_info
 
     write_plugin_dist_info(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == PLUGIN_NAME]
+    # Only the distribution written into tmp_path (an editable install may declare it too).
+    dists = list(md.distributions(path=[str(tmp_path)]))
+    assert len(dists) == 1
+    eps = [ep for ep in dists[0].entry_points if ep.group == "vllm.general_plugins" and ep.name == PLUGIN_NAME]
     assert [ep.value for ep in eps] == [PLUGIN_TARGET]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert PLUGIN_TARGET in {ep.value for ep in md.entry_points(group="vllm.general_plugins")}
 
 
 def test_auto_head_follows_plugin_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

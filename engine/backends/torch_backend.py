@@ -147,15 +147,21 @@ class TorchLMBackend:
         self._pending.append(req)
         self._wake.set()
         try:
-            while True:
-                item = await req.queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in self._drain(req):
                 yield item
         finally:
             self._abort(req)
+
+    @staticmethod
+    async def _drain(req: _Request) -> AsyncIterator[int]:
+        """Tokens the decode loop queued for `req`, until its end or its error."""
+        while True:
+            item = await req.queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     async def generate_streaming(
         self, request: BistreamRequest, text_source: AsyncIterator[list[int]]
@@ -176,12 +182,7 @@ class TorchLMBackend:
         self._pending.append(req)
         self._wake.set()
         try:
-            while True:
-                item = await req.queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in self._drain(req):
                 yield item
         finally:
             pump.cancel()
