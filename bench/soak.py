@@ -17,7 +17,9 @@ server RSS as the baseline, then runs the soak. Every session picks one behaviou
   bytes == 2 x 960 x output_tokens and output_tokens == round(ratio x input_tokens);
 * ``http_drop``      speech stream closed after the first chunk.
 
-Afterwards it waits (bounded) for the engine to go idle and reports the /metrics
+After each round it waits (bounded) for the engine to go idle, then `--settle-seconds`
+(the server hands freed heap back to the OS once idle, see `gateway.__main__`), and
+reads the RSS. At the end it reports the /metrics
 gauges (active sessions, utterances, LM requests, queued flow chunks, open sessions:
 all must be 0), the RSS after the soak against the baseline, and the losses: completed
 sessions whose audio was incomplete or that got an unexpected error. Exit status 1 when
@@ -338,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratio", type=float, default=1.0, help="HTTP: speech tokens per text token")
     ap.add_argument("--rounds", type=int, default=3, help="the soak's sessions are split into rounds; RSS is read after each")
     ap.add_argument("--rss-tolerance-mb", type=float, default=64.0)
+    ap.add_argument("--settle-seconds", type=float, default=6.0,
+                    help="idle time before each RSS reading (the server trims its heap after 5 s idle)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra gateway flag (repeatable)")
     args = ap.parse_args(argv)
 
@@ -350,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             srv.wait_ready(300)
             warm, _ = asyncio.run(run_sessions(srv, args.warmup_sessions, args.concurrency, 120, args.seed + 1, args.ratio))
             wait_idle(srv.url, 60)
+            time.sleep(args.settle_seconds)
             baseline = rss_bytes(srv.proc.pid)
             tally, elapsed, rss_rounds = Tally(), 0.0, []
             per_round = max(1, args.sessions // args.rounds)
@@ -360,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 _merge(tally, part)
                 elapsed += dt
                 left = wait_idle(srv.url, 60)
+                time.sleep(args.settle_seconds)
                 rss_rounds.append(round(rss_bytes(srv.proc.pid) / 2**20, 1))
             after = rss_bytes(srv.proc.pid)
             metrics = scrape(srv.url)

@@ -119,6 +119,12 @@ async def _json_body(request: Request, limit: int, too_large: str = "request_too
         raise ApiError(400, "invalid_request", f"body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_request", "body must be a JSON object")
+    try:
+        # JSON escapes can spell lone UTF-16 surrogates ("\ud800"): not text, and they
+        # would fail later wherever the string is encoded (SQLite, tokenizer, responses).
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "invalid_request", "body contains a lone surrogate, which is not valid Unicode text") from exc
     return body
 
 

@@ -324,6 +324,18 @@ def _flag(obj: dict[str, Any], key: str) -> bool:
     return v
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode(obj: Any) -> bool:
+    """True when every string in ``obj`` is encodable as UTF-8 (no lone surrogates)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_client_message(raw: str | bytes, limits: WsLimits) -> ClientMessage | ProtocolError:
     """Parse and validate one client frame. Never raises."""
     if isinstance(raw, bytes):
@@ -339,6 +351,9 @@ def parse_client_message(raw: str | bytes, limits: WsLimits) -> ClientMessage | 
         return ProtocolError("invalid_json", "message is not valid JSON")
     if not isinstance(obj, dict):
         return ProtocolError("invalid_json", "message must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and not _is_unicode(obj):
+        # "\ud800" is legal JSON but not text: it would fail the tokenizer and any echo.
+        return ProtocolError("invalid_message", "message contains a lone surrogate, which is not valid Unicode text")
     cid_hint = obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
     try:
         return _parse_object(obj)

@@ -62,7 +62,14 @@ log = logging.getLogger(__name__)
 
 
 def _dumps(event: dict[str, Any]) -> str:
-    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate a client sent as a JSON escape ("\ud800") and we echo back
+        # (a voice name, a context id hint) cannot go out as UTF-8: escape everything.
+        text = json.dumps(event, ensure_ascii=True, separators=(",", ":"))
+    return text
 
 
 # ---- the socket writer --------------------------------------------------------------

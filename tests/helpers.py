@@ -427,7 +427,21 @@ class GatewayProcess:
         self.log: list[str] = []
         self.proc: Any = None
 
-    def start(self, timeout: float = 120.0) -> "GatewayProcess":
+    def start(self, timeout: float = 120.0, attempts: int = 3) -> "GatewayProcess":
+        # The port is free when chosen but may be taken (e.g. as some client's ephemeral
+        # port) before the child binds it: then the child exits and we retry on another.
+        for attempt in range(attempts):
+            if self._start_once(timeout):
+                return self
+            if not any("address already in use" in line.lower() for line in self.log) or attempt == attempts - 1:
+                break
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/stream"
+        self.kill()
+        raise RuntimeError("gateway process did not start:\n" + "\n".join(self.log[-30:]))
+
+    def _start_once(self, timeout: float) -> bool:
         import os
         import subprocess
         import sys
@@ -440,23 +454,27 @@ class GatewayProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
         env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
         self.root.mkdir(parents=True, exist_ok=True)
+        self.log = []
         # cwd outside the repo so its config/default.yaml is not picked up.
         self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, bufsize=1)
         up = threading.Event()
+        proc, log = self.proc, self.log
 
         def drain() -> None:
-            for line in self.proc.stderr:
-                self.log.append(line.rstrip())
-                if "Uvicorn running on" in line or "Application startup complete" in line:
+            for line in proc.stderr:
+                log.append(line.rstrip())
+                if "Uvicorn running on" in line:  # logged once the socket is bound
                     up.set()
             up.set()  # EOF: the process ended
 
         threading.Thread(target=drain, daemon=True).start()
-        if not up.wait(timeout) or self.proc.poll() is not None:
-            self.kill()
-            raise RuntimeError("gateway process did not start:\n" + "\n".join(self.log[-30:]))
-        return self
+        if not up.wait(timeout):
+            return False
+        if proc.poll() is not None or not any("Uvicorn running on" in line for line in log):
+            proc.wait(30)
+            return False
+        return True
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

@@ -213,7 +213,10 @@ def test_sigterm_drains_in_flight_context_then_exits_0(tiny_model_dir: Path, tmp
                 await rec.until(lambda r: r.finished("t"), 120)
                 return rec, refused
 
-        rec, refused = asyncio.run(scenario())
+        try:
+            rec, refused = asyncio.run(scenario())
+        except Exception as exc:
+            raise AssertionError("server log:\n" + "\n".join(gw.log[-25:])) from exc
         assert refused.events[0]["code"] == "not_ready" and refused.ws.close_code == CLOSE_TRY_LATER
         (done,) = rec.of("done", "t")
         assert not rec.of("error") and done["audio_samples"] * 2 == len(rec.audio["t"]) > 0
@@ -287,3 +290,27 @@ def test_sigkill_during_registration_loses_no_committed_voice(tiny_model_dir: Pa
                 assert resp.status_code == 200 and len(resp.content) > 0, vid
     finally:
         gw.kill()
+
+
+def test_idle_server_hands_freed_heap_back_once_per_burst(server: LiveServer) -> None:
+    """`DrainingServer` trims the heap when the engine is idle after work, once per burst."""
+    import uvicorn
+
+    from gateway.__main__ import DrainingServer
+
+    drainer = DrainingServer(uvicorn.Config(server.app), server.app, drain_timeout=1.0)
+    calls: list[int] = []
+    drainer._trim = lambda pad: calls.append(pad) or 1  # count instead of trimming
+    with server.client() as c:
+        resp = c.post("/v1/audio/speech", headers=AUTH, json={"voice": "good", "input": "Trim me.",
+                                                               "response_format": "pcm", **FAST})
+        assert resp.status_code == 200
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+    asyncio.run(drainer._trim_if_idle())
+    asyncio.run(drainer._trim_if_idle())  # nothing ran since: no second trim
+    assert calls == [0]
+    with server.client() as c:
+        c.post("/v1/audio/speech", headers=AUTH, json={"voice": "good", "input": "Again.", "response_format": "pcm", **FAST})
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+    asyncio.run(drainer._trim_if_idle())
+    assert calls == [0, 0]

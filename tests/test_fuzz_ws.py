@@ -229,3 +229,27 @@ def test_live_fuzz_keeps_serving_and_bystanders_unaffected(server: LiveServer) -
     with server.client() as c:
         assert c.get("/health").status_code == 200
         eventually(lambda: leftovers(c) == {}, timeout=30)
+
+
+def test_lone_surrogates_are_refused_and_never_kill_the_socket(server: LiveServer) -> None:
+    """Regression (found by the live fuzzer): JSON may spell "\\ud800", which is not
+    text; echoing it in an event crashed the socket's writer (1011) and the tokenizer
+    failed on it. Now the message is refused and the socket carries on."""
+    from gateway.ws import _dumps
+
+    async def main() -> WsRecorder:
+        async with websockets.connect(server.ws_url, additional_headers=AUTH) as ws:
+            rec = WsRecorder(ws)
+            await rec.recv_one()
+            await ws.send('{"type":"text","context_id":"a","voice":"\\ud800x","text":"Hi."}')
+            await ws.send('{"type":"open","context_id":"b","language":"\\udfff"}')
+            await ws.send('{"type":"text","context_id":"c","text":"Odd \\ud800 text.","end":true}')
+            await ws.send('{"type":"text","context_id":"b","text":"Fine \\ud83d\\ude00.","end":true}')  # a valid pair
+            return await rec.until(lambda r: r.finished("b"), 60)
+
+    rec = asyncio.run(main())
+    assert [e["code"] for e in rec.of("error")] == ["invalid_message"] * 3
+    assert not rec.of("context_started", "a") and not rec.of("context_started", "c")
+    assert rec.of("done", "b")[0]["audio_samples"] > 0
+    # Defence in depth: an event holding one still goes out, as an ASCII JSON escape.
+    assert _dumps({"voice": "\ud800"}) == '{"voice":"\\ud800"}'

@@ -174,7 +174,9 @@ class TextNormalizer:
         """Normalise one piece of text; `lang` forces the grammar (default: detect)."""
         if is_markup(text) or not text:
             return text
-        text = text.strip()
+        # Control characters (NUL, escapes, ...) are unspeakable and make wetext's FSTs
+        # assert; line breaks and tabs become spaces.
+        text = _CONTROL.sub(lambda m: " " if m.group() in "\n\r\t" else "", text).strip()
         if not text:
             return text
         chinese = contains_chinese(text) if lang is None else lang == "zh"
@@ -183,6 +185,8 @@ class TextNormalizer:
             return _zh_postprocess(text)
         return _spell_out_digits(text)
 
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 # The per-process shared normaliser. Constructing it is free; wetext is loaded on the
 # first `normalize` call, under the instance's lock.
