@@ -9,7 +9,7 @@ ARGS   ?=
 # set TORCH_SPEC="torch==2.11.0" (or keep the image's torch: TORCH_SPEC=) before `make`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: serve test install system-deps clean
+.PHONY: serve test install system-deps test-deps apt-missing clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(MAKE) --no-print-directory system-deps
@@ -21,28 +21,32 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# libopus for Opus frames (opuslib loads it at run time). For the scale-out tests only:
-# the PostgreSQL server (they start a throwaway cluster of their own; the gateway itself
-# only needs the psycopg client wheel) and nginx (the cluster's load balancer, run on
-# loopback in front of two gateway processes). Debian's chromium for the demo page's
-# browser test (tests/test_demo_page.py drives it over the DevTools protocol).
+# What the gateway itself needs from the system: libopus (opuslib loads it at run time).
 system-deps:
+	@$(MAKE) --no-print-directory apt-missing PKGS="$$(ldconfig -p 2>/dev/null | grep -q 'libopus.so.0' || echo libopus0)"
+
+# What only the tests need: the PostgreSQL server (the scale-out tests start a throwaway
+# cluster; the gateway needs just the psycopg wheel), nginx (the cluster's load balancer on
+# loopback) and Debian's chromium (the demo page's browser test, over the DevTools protocol).
+test-deps:
 	@PKGS=""; \
-	ldconfig -p 2>/dev/null | grep -q 'libopus.so.0' || PKGS="$$PKGS libopus0"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || PKGS="$$PKGS postgresql"; \
 	[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || PKGS="$$PKGS nginx-light"; \
 	command -v chromium >/dev/null 2>&1 || PKGS="$$PKGS chromium"; \
-	if [ -n "$$PKGS" ]; then \
-	  echo "installing$$PKGS (apt)"; \
+	$(MAKE) --no-print-directory apt-missing PKGS="$$PKGS"
+
+apt-missing:
+	@if [ -n "$(strip $(PKGS))" ]; then \
+	  echo "installing $(strip $(PKGS)) (apt)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$PKGS >/dev/null; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(PKGS) >/dev/null; \
 	fi
 
 serve: install
 	$(VENV)/bin/cosyvoice-gateway --model "$(MODEL)" $(ARGS)
 
-test: install
+test: install test-deps
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 clean:
