@@ -15,15 +15,12 @@ import importlib.util
 import json
 import io
 import math
-import socket
 import sys
-import threading
 import wave
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
-import uvicorn
 import numpy as np
 import pytest
 import websockets
@@ -32,6 +29,7 @@ from gateway.app import create_app
 from gateway.audio import ulaw_decode, ulaw_encode
 from gateway.settings import EngineSettings, Settings
 from gateway.twilio import CallEnded, SegmentPlayed, TwilioBridge
+from helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "sk-twilio-test"
@@ -52,51 +50,7 @@ START = {
 }
 
 
-# ---- shared with test_demo_page.py: a live server on a loopback port ----------------------
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        self.ready.set()
-
-
-class LiveServer:
-    """Serves an ASGI app with uvicorn in a thread (lifespan on) on a free port."""
-
-    def __init__(self, app: Any, start_timeout: float = 180.0) -> None:
-        self.app = app
-        self.start_timeout = start_timeout
-
-    def __enter__(self) -> "LiveServer":
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-
-        def target() -> None:
-            try:
-                self.server.run(sockets=[sock])
-            finally:
-                self.server.ready.set()  # never leave the waiter hanging on a failed start
-
-        self.thread = threading.Thread(target=target, daemon=True)
-        self.thread.start()
-        if not self.server.ready.wait(self.start_timeout) or not self.server.started:
-            self.__exit__()
-            raise RuntimeError("server did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "server did not stop"
+# ---- shared with test_demo_page.py ----------------------------------------------------------
 
 
 def tone_wav(seconds: float, freq: float, sr: int = 16000) -> bytes:
