@@ -382,6 +382,9 @@ class Session:
                     if item is None or utt.cancelled:
                         break
                     await self._events.put(item)
+                    # The last chunk or an error ends the utterance, sentinel or not.
+                    if isinstance(item, UtteranceError) or item.is_last:
+                        break
                 self._utts.pop(utt.uid, None)
             await self._events.put(None)
         finally:
