@@ -40,7 +40,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from .config import HiFTConfig
-from .hift import Snake, _hann_window
+from .hift import Snake, _hann_window, hift_trunk
 from .hift import init_random_ as _init_causal_hift_like
 
 F0_LAYERS = 5
@@ -196,20 +196,8 @@ class HiFTGenerator(nn.Module):
         """mel [B, 80, T], source [B, T * 480] -> audio [B, T * 480]."""
         cfg = self.cfg
         s_stft = self._stft(source)
-        x = self.conv_pre(mel)
-        n_kernels = len(cfg.resblock_kernel_sizes)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, cfg.lrelu_slope))
-            if i == len(self.ups) - 1:
-                x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-            xs = self.resblocks[i * n_kernels](x)
-            for j in range(1, n_kernels):
-                xs = xs + self.resblocks[i * n_kernels + j](x)
-            x = xs / n_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default 0.01 slope, as in the official code
-        half = cfg.n_fft // 2 + 1
-        wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
+        magnitude, phase = hift_trunk(self, self.conv_pre(mel), s_stft)
+        wav = self._istft(magnitude, phase)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     @torch.inference_mode()

@@ -269,6 +269,31 @@ class HiFTStream:
 # ----------------------------------------------------------------------------- the generator
 
 
+def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HiFT body shared by the causal (CosyVoice3) and CosyVoice2 generators: each
+    upsampling stage adds the excitation's STFT (through `source_downs` / `source_resblocks`),
+    then averages its multi-kernel resblocks; `conv_post` gives log-magnitude and phase.
+
+    `gen` needs `cfg`, `ups`, `source_downs`, `source_resblocks`, `resblocks`, `conv_post`;
+    `x` is the output of its `conv_pre`. Returns (magnitude, phase) for the inverse STFT.
+    """
+    cfg = gen.cfg
+    n_kernels = len(cfg.resblock_kernel_sizes)
+    for i, up in enumerate(gen.ups):
+        x = up(F.leaky_relu(x, cfg.lrelu_slope))
+        if i == len(gen.ups) - 1:
+            # One extra leading sample so the last stage lines up with the STFT's n+1 frames.
+            x = F.pad(x, (1, 0), mode="reflect")
+        x = x + gen.source_resblocks[i](gen.source_downs[i](s_stft))
+        xs = gen.resblocks[i * n_kernels](x)
+        for j in range(1, n_kernels):
+            xs = xs + gen.resblocks[i * n_kernels + j](x)
+        x = xs / n_kernels
+    x = gen.conv_post(F.leaky_relu(x))  # default 0.01 slope here, as in the official code
+    half = cfg.n_fft // 2 + 1
+    return torch.exp(x[:, :half]), torch.sin(x[:, half:])
+
+
 class CausalHiFTGenerator(nn.Module):
     def __init__(self, cfg: HiFTConfig, *, context_frames: int | None = None) -> None:
         super().__init__()
@@ -375,21 +400,8 @@ class CausalHiFTGenerator(nn.Module):
         n_frames = mel.shape[2] - cfg.conv_pre_look_right
         stft_per_frame = cfg.samples_per_frame // cfg.hop_len
         s_stft = self._stft(s_padded, stft_per_frame * n_frames + 1)
-        x = self.conv_pre(mel)
-        n_kernels = len(cfg.resblock_kernel_sizes)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, cfg.lrelu_slope))
-            if i == len(self.ups) - 1:
-                # One extra leading sample so the last stage lines up with the STFT's n+1 frames.
-                x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-            xs = self.resblocks[i * n_kernels](x)
-            for j in range(1, n_kernels):
-                xs = xs + self.resblocks[i * n_kernels + j](x)
-            x = xs / n_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default 0.01 slope here, as in the official code
-        half = cfg.n_fft // 2 + 1
-        wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]), valid_frames)
+        magnitude, phase = hift_trunk(self, self.conv_pre(mel), s_stft)
+        wav = self._istft(magnitude, phase, valid_frames)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     def _centre_pad(self, s: torch.Tensor) -> torch.Tensor:
