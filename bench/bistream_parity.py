@@ -1,7 +1,10 @@
 """Text-in streaming (bistream) parity: torch backend vs vLLM backend, greedy (run on the H200).
 
-    PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        python3 -m bench.bistream_parity --out $OUT [--dtype float32] [--cases 8]
+    PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_F32_DEFAULT=ieee \\
+        python3 -m bench.bistream_parity --out $OUT --dtype float32 --enforce-eager [--cases 8]
+
+Exits 1 when the backends disagree (see `verdict`) or the vLLM part fails, and
+prints PARITY OK / PARITY FAILED as its last line.
 
 Builds the full-size CosyVoice3 LM with seeded random weights (llm_decoder re-drawn
 with a larger std, as in bench/lm_parity.py, so greedy choices are not near-ties),
@@ -145,10 +148,12 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, case
     from engine.backends.vllm_backend import VLLMBackend
 
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
-                          max_num_seqs=64, dtype=args.dtype, enforce_eager=args.enforce_eager)
+                          max_num_seqs=64, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                          async_scheduling=args.async_scheduling)
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = time.perf_counter() - t
+    res["async_scheduling"] = backend._async_scheduling_on()
     try:
         seqs, wall = await run_backend(backend, cases, args.text_rate, "vllm")
         res["tokens"], res["wall_s"] = seqs, wall
@@ -173,6 +178,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small model on the CPU (smoke test)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="start vLLM with async scheduling (expected: generate_streaming refuses; exit 1)")
+    ap.add_argument("--require-vllm", action="store_true", help="exit 1 when vLLM is not installed")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -246,10 +254,40 @@ def main() -> None:
                 near.append({"case": k, "speech_index": d, "fp32_top2_gap": r["gaps"][steps[d]] if d < len(steps) else None})
         result["vllm_divergence_gaps"] = near
     result["sequences"] = seqs
+    failures = verdict(args, parity, vres)
+    result["verdict"] = {"ok": not failures, "failures": failures}
     json_path.write_text(json.dumps(result, indent=1))
     log("summary:")
     for p in parity:
         print(f"  {p['pair']:45s} identical {p['identical']}/{p['cases']} match {p['positionwise_match_rate']:.4f}")
+    if failures:
+        print("PARITY FAILED: " + "; ".join(failures), flush=True)
+        raise SystemExit(1)
+    print("PARITY OK", flush=True)
+
+
+def verdict(args: argparse.Namespace, parity: list[dict[str, Any]], vres: dict[str, Any]) -> list[str]:
+    """What makes the run a failure (exit status 1).
+
+    fp32 everywhere: every pair must be identical (greedy; the reference's top-2 gaps
+    say whether a near-tie could excuse a difference, so none is excused). bf16: the
+    torch fp32 pair must still be identical; bf16 pairs are reported, not judged
+    (different kernels legitimately flip near-ties), but vLLM must have run cleanly.
+    """
+    failures: list[str] = []
+    if "error" in vres:
+        failures.append("the vLLM part raised: " + vres["error"].strip().splitlines()[-1])
+    elif "skipped" in vres and (args.require_vllm or not args.tiny):
+        failures.append("vLLM was not run: " + vres["skipped"])
+    if vres.get("active_after", 0):
+        failures.append(f"{vres['active_after']} vLLM requests still active after the run")
+    if not all(vres.get("same_tokens_when_text_arrives_at_once", [True])):
+        failures.append("vLLM tokens depend on text arrival timing")
+    for p in parity:
+        judged = args.dtype == "float32" or "bf16" not in p["pair"] and "bfloat16" not in p["pair"]
+        if judged and p["identical"] != p["cases"]:
+            failures.append(f"{p['pair']}: identical {p['identical']}/{p['cases']}, first divergence {p['first_divergence']}")
+    return failures
 
 
 if __name__ == "__main__":

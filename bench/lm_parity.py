@@ -1,13 +1,24 @@
-"""vLLM vs torch parity and vLLM decode speed for the CosyVoice3 LM (run on the H200).
+"""vLLM vs torch parity and vLLM decode speed for the CosyVoice LMs (run on the H200).
 
     PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 \
         python3 -m bench.lm_parity --out $OUT [--prompts 8 --tokens 200]
 
-1. Builds the full-size CosyVoice3LM with seeded random weights. `init_random_`
-   gives N(0, 0.02) everywhere, which makes the speech logits nearly flat (std ~0.6)
-   and greedy decoding a string of near-ties; `llm_decoder` is therefore re-drawn with
-   a larger std (--decoder-std, default 0.5: logit std ~15, typical top-2 gap ~3) so
-   a greedy mismatch means a real difference, not a coin flip.
+CosyVoice2 (`Qwen2LM`: llm_embedding sos/task_id rows, llm_decoder with bias), exact
+fp32 token parity, exit status 1 if any greedy sequence differs:
+
+    PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_F32_DEFAULT=ieee \
+        python3 -m bench.lm_parity --model full-random-cv2 --mode parity --dtype float32 \
+        --enforce-eager --out $OUT --json $OUT/lm_parity_cv2.json
+
+1. Builds the LM: --model names a random model of `engine.hub` (full-random,
+   full-random-cv2, tiny-...; built in memory, nothing is written) or a model
+   directory (its llm.pt, real weights). For random weights `init_random_` gives
+   N(0, 0.02) everywhere, which makes the speech logits nearly flat (std ~0.6) and
+   greedy decoding a string of near-ties; `llm_decoder` is therefore re-drawn with a
+   larger std (--decoder-std, default 0.5: logit std ~15, typical top-2 gap ~3) so a
+   greedy mismatch means a real difference, not a coin flip. CosyVoice2's decoder
+   bias is re-drawn too (--bias-std, default 2.0), large enough that a dropped bias
+   changes most greedy tokens.
 2. Greedy, fixed-length decoding of N prompts of different lengths with the torch
    model (fp32 and bf16, on cuda, KV cache) and with vLLM (bf16) over the export.
    Reports per-prompt first divergence, whole-sequence match rate and the top-2
@@ -21,7 +32,15 @@ Writes lm_parity.json to --out.
 --head speech in one job); --mode parity runs only torch fp32 vs vLLM greedy, for
 exact parity use `--dtype float32` (vLLM then picks TRITON_ATTN; also set
 TRITON_F32_DEFAULT=ieee so Triton's fp32 dots are not TF32). The JSON name carries
-the mode, dtype and head: lm_parity[-<mode>-<dtype>-<head>].json.
+the mode, dtype and head: lm_parity[-<mode>-<dtype>-<head>][-cv2].json (or --json).
+
+--head auto (default) is the unified head for CosyVoice3 and the speech head (the
+only one that carries a bias) for CosyVoice2; the speech head needs our vLLM plugin,
+whose entry point this script makes visible itself when it is not installed.
+
+Exit status: 2 if the vLLM part failed, 1 if --check tokens (the default for
+--dtype float32 outside --mode speed) finds a greedy sequence of vLLM that differs
+from torch fp32's, else 0.
 """
 
 from __future__ import annotations
@@ -40,9 +59,12 @@ from typing import Any
 import torch
 
 from engine.backends.base import LMRequest, SamplingParams
-from engine.backends.vllm_export import export_from_module
+from engine.backends.vllm_export import export_from_module, speech_head_plugin_installed
+from engine.hub import RANDOM_MODELS
 from engine.models.config import ModelConfig
+from engine.models.cv2_config import cv2_model_config
 from engine.models.lm import CosyVoice3LM, build_prompt, init_random_, unified_vocab
+from engine.models.loader import load_state_strict, module_classes, read_model_config
 
 
 def log(msg: str) -> None:
@@ -174,7 +196,8 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
 
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem,
                           max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency),
-                          dtype=args.dtype, enforce_eager=args.enforce_eager)
+                          dtype=args.dtype, enforce_eager=args.enforce_eager,
+                          async_scheduling=args.async_scheduling)
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = time.perf_counter() - t
@@ -255,6 +278,56 @@ async def vllm_speed(args: argparse.Namespace, backend: Any, lm_cfg: Any, res: d
     res["speed"] = speed
 
 
+def build_lm(args: argparse.Namespace) -> tuple[CosyVoice3LM, Any, str]:
+    """(fp32 LM in eval mode on the CPU, its LMConfig, model version) for --model."""
+    if args.model in RANDOM_MODELS:
+        size, version = RANDOM_MODELS[args.model]
+        mc = cv2_model_config(size) if version == "cosyvoice2" else (ModelConfig.tiny() if size == "tiny" else ModelConfig())
+        lm_cls = module_classes(version)[0]
+        lm = lm_cls(mc.lm)
+        init_random_(lm, args.seed)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(args.seed + 1)
+            lm.llm_decoder.weight.copy_(torch.randn(lm.llm_decoder.weight.shape, generator=g) * args.decoder_std)
+            if lm.llm_decoder.bias is not None:  # CosyVoice2: make the bias decide arg-maxes
+                lm.llm_decoder.bias.copy_(torch.randn(lm.llm_decoder.bias.shape, generator=g) * args.bias_std)
+        return lm.eval(), mc.lm, version
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise SystemExit(f"--model {args.model!r}: neither {sorted(RANDOM_MODELS)} nor a model directory")
+    mc = read_model_config(model_dir)
+    lm = module_classes(mc.version)[0](mc.lm)
+    load_state_strict(lm, model_dir / "llm.pt", "llm.pt")
+    return lm.eval(), mc.lm, mc.version
+
+
+def make_plugin_visible(site_dir: Path) -> None:
+    """Let vLLM find the speech-head model class in a source checkout: declare the
+    plugin in site_dir and put site_dir on this process's path and PYTHONPATH (which
+    vLLM's engine-core process inherits)."""
+    from engine.backends.vllm_model import write_plugin_dist_info
+
+    write_plugin_dist_info(site_dir)
+    sys.path.insert(0, str(site_dir))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site_dir), os.environ.get("PYTHONPATH")) if p)
+    if not speech_head_plugin_installed():
+        raise SystemExit(f"the vLLM plugin entry point written into {site_dir} is not visible")
+    log(f"vLLM plugin entry point declared in {site_dir}")
+
+
+def check_tokens(result: dict[str, Any]) -> list[str]:
+    """Problems that make the token check fail: missing vLLM tokens or any torch fp32
+    vs vLLM greedy sequence that differs."""
+    pairs = [p for p in result["parity"] if p["pair"].startswith("torch_fp32 vs vllm")]
+    if not pairs:
+        return ["no vLLM greedy tokens to compare"]
+    p = pairs[0]
+    if p["identical_sequences"] != p["num_sequences"]:
+        return [f"{p['pair']}: {p['identical_sequences']}/{p['num_sequences']} identical, "
+                f"first divergence {p['first_divergence']}"]
+    return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -264,37 +337,57 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decoder-std", type=float, default=0.5)
-    ap.add_argument("--export-dir", default="/tmp/cv3-vllm-unified")
+    ap.add_argument("--bias-std", type=float, default=2.0, help="CosyVoice2 llm_decoder bias std (random models)")
+    ap.add_argument("--model", default=None,
+                    help=f"random model name ({', '.join(RANDOM_MODELS)}) or a model directory; "
+                         "default full-random (tiny-random with --tiny)")
+    ap.add_argument("--export-dir", default=None, help="default /tmp/cv3-vllm-unified (CosyVoice2: /tmp/cv2-vllm-speech)")
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small model (CPU smoke test of the script)")
     ap.add_argument("--mode", choices=["full", "speed", "parity"], default="full")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="vLLM export + engine dtype")
-    ap.add_argument("--head", choices=["unified", "speech"], default="unified",
-                    help="vLLM lm_head: all unified-vocab rows, or speech rows only (plugin class)")
+    ap.add_argument("--head", choices=["auto", "unified", "speech"], default="auto",
+                    help="vLLM lm_head: all unified-vocab rows, or speech rows only (plugin class); "
+                         "auto = unified for CosyVoice3, speech for CosyVoice2 (its head has a bias)")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile/CUDA graphs")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="vLLM schedules one step ahead (the engine's default is off: bistream needs it off)")
+    ap.add_argument("--json", default=None, help="result path (default <out>/lm_parity[-tag].json)")
+    ap.add_argument("--check", choices=["auto", "tokens", "off"], default="auto",
+                    help="tokens: exit 1 unless every vLLM greedy sequence equals torch fp32's; "
+                         "auto = tokens for --dtype float32 outside --mode speed")
+    ap.add_argument("--plugin-dir", default="/tmp/cosyvoice-vllm-plugin",
+                    help="where to declare the vLLM plugin if it is not installed (speech head)")
     args = ap.parse_args()
+    if args.model is None:
+        args.model = "tiny-random" if args.tiny else "full-random"
     # The fp32 reference must be IEEE fp32, not TF32 (these are torch's defaults; be explicit).
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    t = time.perf_counter()
+    lm32, cfg, version = build_lm(args)
+    cv2 = version == "cosyvoice2"
+    if args.head == "auto":
+        args.head = "speech" if lm32.llm_decoder.bias is not None else "unified"
+    if args.export_dir is None:
+        args.export_dir = "/tmp/cv2-vllm-speech" if cv2 else "/tmp/cv3-vllm-unified"
+    check = args.check if args.check != "auto" else ("tokens" if args.dtype == "float32" and args.mode != "speed"
+                                                     else "off")
     tag = "" if args.mode == "full" and args.dtype == "bfloat16" and args.head == "unified" else \
         f"-{args.mode}-{args.dtype}-{args.head}"
-    json_path = Path(args.out) / f"lm_parity{tag}.json"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else out_dir / f"lm_parity{tag}{'-cv2' if cv2 else ''}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
 
-    cfg = (ModelConfig.tiny() if args.tiny else ModelConfig()).lm
     vocab = unified_vocab(cfg)
-    t = time.perf_counter()
-    lm32 = CosyVoice3LM(cfg)
-    init_random_(lm32, args.seed)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(args.seed + 1)
-        lm32.llm_decoder.weight.copy_(torch.randn(lm32.llm_decoder.weight.shape, generator=g) * args.decoder_std)
-    lm32 = lm32.to(dev).eval()
-    log(f"built random full-size LM in {time.perf_counter() - t:.1f} s")
+    lm32 = lm32.to(dev)
+    log(f"built {args.model} ({version}) LM in {time.perf_counter() - t:.1f} s")
+    if args.head == "speech" and not speech_head_plugin_installed():
+        make_plugin_visible(Path(args.plugin_dir))
     t = time.perf_counter()
     export_dir = Path(args.export_dir)
     export_from_module(lm32, cfg.qwen, cfg, vocab, export_dir, dtype=getattr(torch, args.dtype),
@@ -302,7 +395,8 @@ def main() -> None:
     log(f"exported to {export_dir} in {time.perf_counter() - t:.1f} s")
 
     prompts = make_prompts(cfg, args.prompts, args.seed)
-    result: dict[str, Any] = {"args": vars(args), "prompt_lengths": [len(p) for p in prompts],
+    result: dict[str, Any] = {"args": vars(args), "version": version, "check": check,
+                              "prompt_lengths": [len(p) for p in prompts],
                               "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     ref32 = ref16 = backend_seqs = None
@@ -344,12 +438,23 @@ def main() -> None:
               f"  first token {s['first_token_ms_median']:.1f} ms (max {s['first_token_ms_max']:.1f})")
     print(f"  engine start {vres.get('engine_start_s', float('nan')):.1f} s", flush=True)
     sys.stdout.flush()
+    if "error" in vres:
+        log(f"FAILED: the vLLM part raised (traceback in {json_path})")
+        sys.exit(2)
+    if check == "tokens":
+        problems = check_tokens(result)
+        result["check_failures"] = problems
+        json_path.write_text(json.dumps(result, indent=1))
+        if problems:
+            log("FAILED token check: " + "; ".join(problems))
+            sys.exit(1)
+        log("token check passed: every vLLM greedy sequence equals torch fp32's")
 
 
 def torch_bf16_part(args: argparse.Namespace, lm32: CosyVoice3LM, cfg: Any, vocab: Any, prompts: list[list[int]],
                     ref32: list[list[int]], dev: torch.device, result: dict[str, Any]) -> tuple[Any, Any]:
     """torch bf16 greedy (own loop and TorchLMBackend) vs fp32; the bf16 baseline."""
-    lm16 = CosyVoice3LM(cfg).to(dev)
+    lm16 = type(lm32)(cfg).to(dev)  # CosyVoice3LM or CosyVoice2's Qwen2LM
     lm16.load_state_dict(lm32.state_dict())
     lm16 = lm16.to(torch.bfloat16).eval()
     t = time.perf_counter()

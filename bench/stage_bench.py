@@ -1,12 +1,26 @@
 """Time the audio stage's two halves (flow DiT, HiFT vocoder) at the full model size.
 
-    python -m bench.stage_bench --device cuda --batches 1,8,32 --json out.json
+    python -m bench.stage_bench --device cuda --batches 1,8,32,64 --json out.json
 
-Flow: `inference_chunks` on chunks of `--prompt-tokens` prompt + `--new-tokens` tokens
-(the engine's typical window: prompt + 50 left context + hop + lookahead), float32 vs
-bf16 autocast (what `AudioStage` uses on CUDA), with the relative mel difference
-between the two. Vocoder: one `stream_step` of `2 * --new-tokens` mel frames per
-stream. Random weights (`init_random_`); times are medians of `--reps` after warm-up.
+Flow: `decode_chunks` on the engine's typical window: `--prompt-tokens` prompt +
+`--context-tokens` left context + `--new-tokens` new tokens + 3 lookahead (rows after the
+first get 5 or 10 fewer new tokens, so batches are ragged like the stage's), under bf16
+autocast as `AudioStage` runs it on CUDA. Per batch size it reports
+
+* `flow_eager_ms`: eager, unpadded (the stage without graphs);
+* `flow_graph_ms`: through `FlowGraphRunner` (CUDA graphs, padded to the bucket), and
+  `graph_first_ms`, the first call (warm-up + capture + replay);
+* `graph_vs_padded_max_abs`: graph vs the eager solve at the same padded shape (same
+  kernels: expected 0 or close);
+* `graph_vs_eager_max_abs` / `_rel`: graph vs unpadded eager (bf16 kernel-choice noise);
+* on the `--check-batches` rows (prompt 7 tokens longer, so frames and rows both get
+  padded): the same checks, plus float32 graphs vs float32 eager.
+
+The run exits with status 1 if a bf16 graph result is off by more than `--tol-abs` (max
+abs) or `--tol-rel` (relative norm) from the eager solve at its padded shape, or by more
+than `--tol-rel` from the plain eager result. `--fp32` adds the float32 eager time and the bf16-vs-fp32 difference.
+Vocoder: one `stream_step` of the new tokens' mel frames per stream. Random weights
+(`init_random_`); times are medians of `--reps` after one warm-up call.
 """
 
 from __future__ import annotations
@@ -15,76 +29,154 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 from engine.models import flow as flow_mod
 from engine.models import hift as hift_mod
 from engine.models.config import ModelConfig
 from engine.models.flow import FlowChunk
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    fn()  # warm-up (kernel selection, allocator)
+    """Median seconds of `reps` calls after one warm-up call (reps=0: just the one call, nan)."""
+    fn()  # warm-up (kernel selection, allocator, graph capture)
+    if reps == 0:
+        return float("nan")
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
+def max_abs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    x, y = torch.cat([m.float() for m in a]), torch.cat([m.float() for m in b])
+    return float((x - y).norm() / y.norm())
+
+
 @torch.inference_mode()
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--prompt-tokens", type=int, default=125)
-    p.add_argument("--new-tokens", type=int, default=150)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--check-batches", default="3,13",
+                   help="extra batch sizes, with 7 more prompt tokens, only checked graph vs eager (row and frame padding)")
+    p.add_argument("--prompt-tokens", type=int, default=150)
+    p.add_argument("--context-tokens", type=int, default=50)
+    p.add_argument("--new-tokens", type=int, default=25)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the CUDA-graph runner too (default: on CUDA)")
+    p.add_argument("--fp32", action="store_true", help="also time float32 eager")
+    p.add_argument("--tol-abs", type=float, default=5e-2, help="graph vs eager at the same padded shape, max abs")
+    p.add_argument("--tol-rel", type=float, default=2e-2, help="graph vs eager (padded and unpadded), relative norm")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     dev = torch.device(args.device)
+    graphs = (dev.type == "cuda") if args.graphs is None else args.graphs
     cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
-    flow = flow_mod.CausalMaskedDiffWithDiT(cfg.flow)
-    flow_mod.init_random_(flow, 0)
-    flow = flow.to(dev).eval()
-    hift = hift_mod.CausalHiFTGenerator(cfg.hift)
-    hift_mod.init_random_(hift, 0)
-    hift = hift.to(dev).eval()
+    flow = flow_mod.init_random_(flow_mod.CausalMaskedDiffWithDiT(cfg.flow), 0).to(dev).eval()
+    hift = hift_mod.init_random_(hift_mod.CausalHiFTGenerator(cfg.hift), 0).to(dev).eval()
     g = torch.Generator().manual_seed(0)
-    tp, tn = args.prompt_tokens, args.new_tokens
+    tp, tc = args.prompt_tokens, args.context_tokens
+    look = cfg.flow.pre_lookahead_len
+    prompt = (torch.randint(0, cfg.flow.vocab_size, (tp,), generator=g), torch.randn(2 * tp, 80, generator=g),
+              torch.randn(192, generator=g))
+    bf16 = torch.bfloat16 if dev.type == "cuda" else None
 
-    def chunk() -> FlowChunk:
-        toks = torch.randint(0, cfg.flow.vocab_size, (tp + tn,), generator=g)
-        return FlowChunk(tokens=toks.to(dev), prompt_feat=torch.randn(2 * tp, 80, generator=g).to(dev),
-                         embedding=torch.randn(192, generator=g).to(dev), num_prompt_tokens=tp,
-                         out_start=tp, finalize=False)
+    odd = (torch.randint(0, cfg.flow.vocab_size, (tp + 7,), generator=g), torch.randn(2 * (tp + 7), 80, generator=g),
+           torch.randn(192, generator=g))
 
-    rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
-        chunks = [chunk() for _ in range(b)]
-        row: dict[str, float | int] = {"batch": b, "frames_per_chunk": 2 * (tp + tn - cfg.flow.pre_lookahead_len)}
-        outs = {}
-        for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-            def run(dtype: torch.dtype | None = dtype) -> object:
-                ctx = torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-                with ctx:
-                    out = flow.inference_chunks(chunks)
-                outs[name] = out
+    def chunk(i: int, voice: tuple[torch.Tensor, ...] = prompt) -> FlowChunk:
+        new = max(1, args.new_tokens - 5 * (i % 3))
+        toks = torch.randint(0, cfg.flow.vocab_size, (tc + new + look,), generator=g)
+        n_prompt = len(voice[0])
+        return FlowChunk(tokens=torch.cat((voice[0], toks)), prompt_feat=voice[1], embedding=voice[2],
+                         num_prompt_tokens=n_prompt, out_start=n_prompt + tc, finalize=False,
+                         noise_offset=2 * 25 * (i % 4))
+
+    def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+        return torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    policy = GraphPolicy()
+    # Off CUDA, --graphs runs the runner's padded static-buffer path without capture (a smoke test).
+    runner = FlowGraphRunner(flow.decoder, policy, autocast_dtype=bf16, capture=dev.type == "cuda") if graphs else None
+    padded_eager = FlowGraphRunner(flow.decoder, policy, autocast_dtype=bf16, capture=False)
+    runner32 = FlowGraphRunner(flow.decoder, policy, capture=dev.type == "cuda") if graphs else None
+    rows, failed = [], False
+    plan = [(int(x), True) for x in args.batches.split(",") if x]
+    if runner is not None:
+        plan += [(int(x), False) for x in args.check_batches.split(",") if x]
+    for b, timing in plan:
+        chunks = [chunk(i) if timing else chunk(i, odd) for i in range(b)]
+        reps = args.reps if timing else 0
+        outs: dict[str, list[torch.Tensor]] = {}
+        shapes: dict[str, flow_mod.FlowBatchShape] = {}
+
+        def run(name: str, dtype: torch.dtype | None, solver: FlowGraphRunner | None = None) -> Callable[[], object]:
+            def fn() -> object:
+                with autocast(dtype):
+                    out, shape = flow.decode_chunks(chunks, solver=solver)
+                outs[name], shapes[name] = out, shape
                 return out
-            row[f"flow_{name}_ms"] = 1e3 * timed(run, dev, args.reps)
-        a, c = torch.cat([m.float() for m in outs["fp32"]]), torch.cat([m.float() for m in outs["bf16"]])
-        row["bf16_rel_diff"] = float((a - c).norm() / a.norm())
-        mels = [m.float().T.contiguous() for m in outs["fp32"]]
+            return fn
+
+        row: dict[str, object] = {"batch": b, "timed": timing,
+                                   "frames_per_chunk": 2 * (len(chunks[0].tokens) - look)}
+        row["flow_eager_ms"] = 1e3 * timed(run("eager", bf16), dev, reps)
+        if args.fp32 and timing:
+            row["flow_fp32_ms"] = 1e3 * timed(run("fp32", None), dev, args.reps)
+            row["bf16_vs_fp32_rel"] = rel(outs["eager"], outs["fp32"])
+        if runner is not None:
+            fn = run("graph", bf16, runner)
+            sync(dev)
+            t = time.perf_counter()
+            fn()
+            sync(dev)
+            row["graph_first_ms"] = 1e3 * (time.perf_counter() - t)
+            row["flow_graph_ms"] = 1e3 * timed(fn, dev, reps)
+            row["padded_shape"] = [shapes["graph"].rows, shapes["graph"].frames]
+            run("padded_eager", bf16, padded_eager)()
+            row["graph_vs_padded_max_abs"] = max_abs(outs["graph"], outs["padded_eager"])
+            row["graph_vs_padded_rel"] = rel(outs["graph"], outs["padded_eager"])
+            row["graph_vs_eager_max_abs"] = max_abs(outs["graph"], outs["eager"])
+            row["graph_vs_eager_rel"] = rel(outs["graph"], outs["eager"])
+            if timing:
+                row["speedup"] = row["flow_eager_ms"] / row["flow_graph_ms"]  # type: ignore[operator]
+            if not timing and runner32 is not None:
+                # float32 graphs on the padding-check batches: padding exactness without bf16 noise.
+                run("graph32", None, runner32)()
+                run("eager32", None)()
+                row["fp32_graph_vs_eager_max_abs"] = max_abs(outs["graph32"], outs["eager32"])
+                row["fp32_graph_vs_eager_rel"] = rel(outs["graph32"], outs["eager32"])
+            ok = (row["graph_vs_padded_max_abs"] <= args.tol_abs  # type: ignore[operator]
+                  and row["graph_vs_padded_rel"] <= args.tol_rel and row["graph_vs_eager_rel"] <= args.tol_rel)  # type: ignore[operator]
+            row["graph_ok"] = ok
+            failed |= not ok
+        if not timing:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        mels = [m.float().T.contiguous() for m in outs["eager"]]
 
         def voc() -> object:
             streams = [hift.new_stream() for _ in range(b)]
@@ -93,11 +185,20 @@ def main(argv: list[str] | None = None) -> None:
         row["audio_s_per_chunk"] = mels[0].shape[1] / 50.0
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-              "torch": torch.__version__, "rows": rows}
+    report: dict[str, object] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                                 "torch": torch.__version__, "rows": rows}
+    if runner is not None:
+        report["graphs"] = vars(runner.stats) | {"num_graphs": runner.num_graphs}
+        if dev.type == "cuda":
+            report["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+    if failed:
+        print("FAIL: CUDA-graph output differs from eager beyond tolerance", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

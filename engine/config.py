@@ -27,10 +27,18 @@ class EngineConfig:
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
     flow_left_context: int = 50
     max_gpu_batch: int = 64  # chunks per flow/vocoder batch
+    # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
+    flow_cuda_graphs: bool = True
+    # Extra GPUs for the flow+vocoder stage (its bottleneck): one stage copy per device,
+    # the LM stays on `device`. Empty = one stage on `device`.
+    stage_devices: tuple[str, ...] = ()
     text_normalization: bool = True
     warmup: bool = True
     vllm_gpu_memory_utilization: float = 0.35
     vllm_max_model_len: int = 4096
+    # vLLM's async scheduling runs one step ahead; a paused streaming-input (bistream)
+    # request then leaks one token sampled past its fill, so bistream needs it off.
+    vllm_async_scheduling: bool = False
     lm_max_batch: int = 64
     seed: int | None = None
     # Random weights never emit eos; benchmarks and the random demo models fix the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 import time
@@ -37,8 +38,10 @@ from .config import EngineConfig
 from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
-from .text_stream import TextFeed
+from .flow_graphs import prompt_shapes
 from .models.loader import LoadedModel, family, load_model
+from .stage_pool import StagePool
+from .text_stream import TextFeed
 from .token2wav import AudioStage, ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
 
@@ -70,6 +73,43 @@ class EngineStats:
     dropped_chunks: int
     lm_tokens: int
     stage_busy_seconds: float
+    # Work actually done by the audio stage (benchmarks turn these into FLOP/s):
+    # flow = padded batch rows x padded mel frames summed over batches (CFG doubling not
+    # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
+    flow_frames: int = 0
+    vocoder_frames: int = 0
+    # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
+    # and an in-process LM hold now and at most since start. A vLLM engine core in its
+    # own process is not included.
+    cuda_memory_allocated_bytes: int = 0
+    cuda_max_memory_allocated_bytes: int = 0
+
+
+def _cuda_memory(device: torch.device) -> dict[str, int]:
+    """The CUDA allocator's current and peak bytes on `device` (zeros elsewhere)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    return {
+        "cuda_memory_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+        "cuda_max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+    }
+
+
+def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
+    """The flow+vocoder stage: one on `device`, or one copy per `config.stage_devices`."""
+    def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module) -> AudioStage:
+        return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_cuda_graphs=config.flow_cuda_graphs)
+
+    if not config.stage_devices:
+        return one(device, model.flow, model.hift)
+    stages = []
+    for name in config.stage_devices:
+        dev = torch.device(name)
+        same = dev == device or (dev.type == device.type == "cpu")
+        flow = model.flow if same and not stages else copy.deepcopy(model.flow).to(dev)
+        hift = model.hift if same and not stages else copy.deepcopy(model.hift).to(dev)
+        stages.append(one(dev, flow, hift))
+    return StagePool(stages)
 
 
 class Engine:
@@ -100,6 +140,8 @@ class Engine:
         self.lm_tokens = 0
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
+        self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
+        self._background: set[asyncio.Task[int]] = set()
         self._ids = itertools.count()
 
     # ----------------------------------------------------------------- lifecycle
@@ -136,11 +178,8 @@ class Engine:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             backend = TorchLMBackend(model.lm, vocab, device=device, dtype=dtype, max_batch=config.lm_max_batch)
         elif backend_name == "vllm":
-            if model.config.version != "cosyvoice3":
-                # The export must also carry llm_embedding's sos/task_id rows and the
-                # llm_decoder bias (vLLM's Qwen2 lm_head has none); until it does, refuse
-                # rather than decode with a silently different head.
-                raise EngineError("bad_config", f"the vLLM backend does not support {model.config.version} yet; use backend=torch")
+            # CosyVoice2 too: its export carries llm_embedding's sos/task_id rows and the
+            # llm_decoder bias (speech-head plugin class); prompts are the same unified ids.
             from .backends.vllm_backend import VLLMBackend
             from .backends.vllm_export import ensure_vllm_export
 
@@ -151,11 +190,12 @@ class Engine:
                 vocab,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 max_model_len=config.vllm_max_model_len,
+                async_scheduling=config.vllm_async_scheduling,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")
         await backend.start()
-        stage = AudioStage(model.flow, model.hift, device, max_batch=config.max_gpu_batch)
+        stage = build_stage(model, device, config)
         await stage.start()
         engine = cls(config, model, backend, stage, tok, feat, device)
         if config.warmup:
@@ -171,6 +211,8 @@ class Engine:
         await self.synthesize("Warm up.", voice, SessionOptions(tokens_per_text_token=4.0, seed=0))
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         for s in list(self._sessions):
             await s.abort()
         await self.stage.close()
@@ -184,7 +226,24 @@ class Engine:
         if wav.ndim == 2:
             wav = wav.mean(axis=1 if wav.shape[1] <= 8 else 0)
         tokens, feat, emb = await asyncio.to_thread(self.featurizer.featurize, wav, int(sample_rate))
-        return self.voice_from_arrays(voice_id, transcript, tokens, feat, emb)
+        voice = self.voice_from_arrays(voice_id, transcript, tokens, feat, emb)
+        await self.warm_voice(voice)
+        return voice
+
+    async def warm_voice(self, voice: VoicePrompt) -> int:
+        """Capture the flow's CUDA graphs for every batch shape this voice's chunks can
+        produce, so no request pays for a capture (about 50 graphs, seconds, once per
+        prompt length); returns how many were captured (0 off CUDA or when done before)."""
+        P = voice.num_tokens
+        if P in self._warmed_prompts or not hasattr(self.stage, "warm_graphs"):
+            return 0
+        self._warmed_prompts.add(P)
+        cfg, look = self.config, self.model.config.flow.pre_lookahead_len
+        # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
+        # tokens (a final chunk takes whatever is left); the runner pads them into buckets.
+        shapes = prompt_shapes(P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1),
+                               left_context=cfg.flow_left_context)
+        return await self.stage.warm_graphs(shapes)
 
     def voice_from_arrays(self, voice_id: str, transcript: str, speech_tokens, speech_feat, embedding) -> VoicePrompt:
         return VoicePrompt(
@@ -199,6 +258,12 @@ class Engine:
     def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> "Session":
         if not self.ready and self.config.warmup and voice.voice_id != "__warmup__":
             raise EngineError("not_ready", "engine is still loading")
+        if voice.num_tokens not in self._warmed_prompts and self.ready:
+            # A voice from the store (featurised before this process started): warm its
+            # graphs in the background; until then new shapes are captured on first use.
+            task = asyncio.get_running_loop().create_task(self.warm_voice(voice), name=f"warm-{voice.voice_id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         s = Session(self, voice, options or SessionOptions(), f"s{next(self._ids)}")
         self._sessions.add(s)
         return s
@@ -232,6 +297,9 @@ class Engine:
             dropped_chunks=st.dropped,
             lm_tokens=self.lm_tokens,
             stage_busy_seconds=st.busy_seconds,
+            flow_frames=int(getattr(st, "flow_frames", 0)),
+            vocoder_frames=int(getattr(st, "vocoder_frames", 0)),
+            **_cuda_memory(self.device),
         )
 
     # ----------------------------------------------------------------- prompts
@@ -572,9 +640,10 @@ class Session:
         seq = torch.cat([prompt_tokens, torch.tensor(tokens[win_start:stop], dtype=torch.long)])
         P = int(prompt_tokens.numel())
         chunk = FlowChunk(
-            tokens=seq.to(self.engine.device),
-            prompt_feat=self.voice.speech_feat.to(self.engine.device),
-            embedding=self.voice.embedding.to(self.engine.device),
+            # CPU tensors: the stage moves a whole batch to its device in one copy each.
+            tokens=seq,
+            prompt_feat=self.voice.speech_feat,
+            embedding=self.voice.embedding,
             num_prompt_tokens=P,
             out_start=P + offset - win_start,
             finalize=finalize,

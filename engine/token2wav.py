@@ -12,6 +12,12 @@ On CUDA the flow runs under bf16 autocast by default: the DiT's matrix products 
 ~90% of the stage's time and run several times faster in bf16 (the official code
 offers fp16 for the flow too); the ODE state `x` stays float32, and the vocoder stays
 float32 (its F0 net float64) because phase errors are audible.
+
+On CUDA the CosyVoice3 flow's ODE solve also runs as CUDA graphs (`engine.flow_graphs`):
+batches are padded to (rows, frames) buckets, exactly, and one graph per bucket replays
+the 10 x 22 DiT blocks' kernels in one launch. Per batch the stage makes a handful of
+host->device copies (index planes, not per-chunk pieces) and one device->host copy for
+all of the batch's PCM.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .flow_graphs import FlowGraphRunner, GraphPolicy
+from .models.dit import DiT
 from .models.flow import FlowChunk
 
 log = logging.getLogger(__name__)
@@ -54,12 +62,23 @@ class StageStats:
     max_batch_size: int = 0
     busy_seconds: float = 0.0
     queued: int = 0
+    # Work done, for throughput figures: flow = sum over batches of padded rows x padded
+    # frames the ODE ran at (before the guidance doubling); vocoder = mel frames vocoded.
+    flow_frames: int = 0
+    vocoder_frames: int = 0
 
 
 class AudioStage:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
-                 flow_autocast: torch.dtype | None | str = "auto"):
+                 flow_autocast: torch.dtype | None | str = "auto", flow_cuda_graphs: bool = True,
+                 graph_policy: GraphPolicy | None = None):
         self.flow = flow
+        # Graphs only where they exist (CUDA) and for the CosyVoice3 DiT (the padding
+        # argument is made for it; CosyVoice2's U-Net runs eagerly).
+        estimator = getattr(getattr(flow, "decoder", None), "estimator", None)
+        self.flow_cuda_graphs = flow_cuda_graphs and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
+        self.graph_policy = graph_policy or GraphPolicy()
+        self._graphs: FlowGraphRunner | None = None
         # "auto": bf16 on CUDA, none elsewhere (CPU bf16 matmuls are not faster here).
         if flow_autocast == "auto":
             flow_autocast = torch.bfloat16 if torch.device(device).type == "cuda" else None
@@ -147,7 +166,7 @@ class AudioStage:
                 continue
             t0 = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._pool, self._compute, batch)
+                results, flow_frames, vocoder_frames = await loop.run_in_executor(self._pool, self._compute, batch)
             except Exception as exc:  # fail this batch's chunks, keep serving others
                 log.exception("audio stage batch failed")
                 for job in batch:
@@ -161,24 +180,59 @@ class AudioStage:
             st.last_batch_size = len(batch)
             st.max_batch_size = max(st.max_batch_size, len(batch))
             st.busy_seconds += dt
+            st.flow_frames += flow_frames
+            st.vocoder_frames += vocoder_frames
             for job, pcm in zip(batch, results):
                 if not job.future.done():
                     job.future.set_result(pcm)
 
+    def graph_runner(self) -> FlowGraphRunner | None:
+        """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
+        if self.flow_cuda_graphs and self._graphs is None:
+            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, autocast_dtype=self.flow_autocast)
+        return self._graphs
+
+    async def warm_graphs(self, shapes: list[tuple[int, int]]) -> int:
+        """Capture the flow graphs for these (chunks, frames) batch shapes now, on the stage's
+        worker thread; returns how many were captured (0 when graphs are off)."""
+        runner = self.graph_runner()
+        if runner is None:
+            return 0
+        # One worker job per shape, so chunks queued meanwhile run between captures
+        # instead of waiting for the whole set (seconds).
+        loop, captured = asyncio.get_running_loop(), 0
+        for shape in shapes:
+            captured += await loop.run_in_executor(self._pool, runner.warm, [shape])
+        return captured
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.flow_autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=self.flow_autocast)
+
     @torch.inference_mode()
-    def _compute(self, batch: list[ChunkJob]) -> list[np.ndarray]:
-        ctx = (torch.autocast(torch.device(self.device).type, dtype=self.flow_autocast)
-               if self.flow_autocast is not None else contextlib.nullcontext())
-        with ctx:
-            mels = self.flow.inference_chunks([j.flow for j in batch])
-        mels = [m.float() for m in mels]
-        mels = [_stretch(m, j.speed) for m, j in zip(mels, batch)]
+    def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
+        """PCM per chunk, the flow's padded rows x frames and the vocoded mel frames."""
+        with self._autocast():
+            mels, shape = self.flow.decode_chunks([j.flow for j in batch], solver=self.graph_runner())
+        mels = [_stretch(m.float(), j.speed) for m, j in zip(mels, batch)]
+        vocoder_frames = sum(int(m.shape[0]) for m in mels)
         pcm = self.hift.stream_step(
             [j.hift_stream for j in batch],
             [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
             [j.flow.finalize for j in batch],
         )
-        return [p.detach().float().cpu().numpy().reshape(-1) for p in pcm]
+        return _to_host(pcm), shape.rows * shape.frames, vocoder_frames
+
+
+def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:
+    """All chunks' samples in one device->host copy (one sync instead of one per chunk)."""
+    flat = [p.detach().reshape(-1).float() for p in pcm]
+    if not flat:
+        return []
+    sizes = [int(p.numel()) for p in flat]
+    host = torch.cat(flat).cpu().numpy()
+    return np.split(host, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [host]
 
 
 def _stretch(mel: torch.Tensor, speed: float) -> torch.Tensor:

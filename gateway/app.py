@@ -62,11 +62,14 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_hop=e.max_hop,
         flow_left_context=e.flow_left_context,
         max_gpu_batch=e.max_gpu_batch,
+        flow_cuda_graphs=e.flow_cuda_graphs,
+        stage_devices=e.stage_devices,
         lm_max_batch=e.lm_max_batch,
         text_normalization=e.text_normalization,
         warmup=e.warmup,
         vllm_gpu_memory_utilization=e.vllm_gpu_memory_utilization,
         vllm_max_model_len=e.vllm_max_model_len,
+        vllm_async_scheduling=e.vllm_async_scheduling,
         tokens_per_text_token=ratio,
     )
 

@@ -21,7 +21,9 @@ from typing import Any
 PREFIX = "cosyvoice"
 
 # Engine stats fields that only ever grow: exposed as Prometheus counters (`_total`).
-ENGINE_COUNTERS: frozenset[str] = frozenset({"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds"})
+ENGINE_COUNTERS: frozenset[str] = frozenset(
+    {"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds", "flow_frames", "vocoder_frames"}
+)
 
 FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -68,6 +70,22 @@ def _fmt(value: float) -> str:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return repr(float(value))
+
+
+def process_rss_bytes() -> int | None:
+    """This process's resident set size (Linux /proc; None elsewhere).
+
+    Read at scrape time so that a benchmark can tell the gateway's memory per idle and
+    per active session without knowing its PID (it may run on another host).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _label(value: object) -> str:
@@ -133,6 +151,7 @@ class Metrics:
             lines.append(f"# HELP {name} {doc}")
             lines.append(f"# TYPE {name} {kind}")
 
+        rss = process_rss_bytes()  # a /proc read: outside the lock
         with self._lock:
             head(f"{p}_sessions_opened_total", "counter", "Sessions (WebSocket or HTTP speech requests) opened.")
             lines.append(f"{p}_sessions_opened_total {self._sessions_opened}")
@@ -148,6 +167,9 @@ class Metrics:
             head(f"{p}_http_requests_total", "counter", "HTTP requests by route and status.")
             for (route, status), n in sorted(self._requests.items()):
                 lines.append(f'{p}_http_requests_total{{route="{_label(route)}",status="{status}"}} {n}')
+            if rss is not None:
+                head(f"{p}_process_resident_memory_bytes", "gauge", "Resident memory of the gateway process.")
+                lines.append(f"{p}_process_resident_memory_bytes {rss}")
             if self._batch_sizes.n:
                 head(f"{p}_batch_size", "histogram", "Batch sizes of GPU steps, as reported to the gateway.")
                 lines.extend(self._batch_sizes.lines(f"{p}_batch_size"))

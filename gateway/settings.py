@@ -39,11 +39,21 @@ class EngineSettings:
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))
+    flow_cuda_graphs: bool = field(default=True, metadata=_help("run the CosyVoice3 flow's ODE solve as CUDA graphs (CUDA only)"))
+    stage_devices: tuple[str, ...] = field(
+        default=(),
+        metadata=_help("flow+vocoder stage copies, one per device, e.g. cuda:0,cuda:1; the LM stays on "
+                       "engine.device (empty = one stage on engine.device)"),
+    )
     lm_max_batch: int = field(default=64, metadata=_help("torch LM backend: sequences per decode step"))
     text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))
     warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
     vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
+    vllm_async_scheduling: bool = field(
+        default=False,
+        metadata=_help("vLLM: schedule one step ahead (faster decode; text_mode 'stream' contexts are then refused)"),
+    )
     devices: tuple[str, ...] = field(
         default=(),
         metadata=_help("one engine per device, sessions on the least-loaded, e.g. cuda:0,cuda:1 "

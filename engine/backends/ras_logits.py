@@ -22,10 +22,23 @@ The per-request parameters travel in `SamplingParams.extra_args[EXTRA_KEY]` so o
 engine serves RAS, greedy and plain requests side by side. The batch bookkeeping
 (`RASBatchState`) is plain torch so it is tested on CPU; the vLLM class at the bottom
 only exists when vLLM is importable.
+
+Text-in streaming (bistream) sends one resumable vLLM request per utterance, one
+input chunk per run, each chunk with its own args. vLLM 0.26 hands a new chunk to
+the processors as a *re-added* row: the worker removes the request from the
+persistent batch and adds it again with the chunk's SamplingParams, the whole
+context so far as prompt ids and a fresh (emptied) output list
+(gpu_model_runner.py `_update_streaming_request`). Because a wrong forced id would
+be wrong audio, each chunk's args also say what the processor must observe when the
+chunk arrives (`context_len`, the fill position implied by the context); any
+mismatch -- params of an older chunk, a stop token left in the context by async
+scheduling, outputs restarting without a re-add -- makes the row draw only
+`desync_id`, which ends the chunk and makes the client raise.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +46,7 @@ import torch
 
 EXTRA_KEY = "cosyvoice"
 _NEG_INF = float("-inf")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,13 @@ class RASArgs:
     keep_id: int = -1
     force_at: int = -1
     force_id: int = -1
+    # Checks of a bistream chunk against what the processor observes (-1/0 = off):
+    # the number of prompt ids the chunk must arrive with (the whole context so far),
+    # the block size that fixes where fill falls given that context, and the id the
+    # row is forced to when a check fails.
+    context_len: int = -1
+    fill_period: int = 0
+    desync_id: int = -1
 
     def to_extra(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -126,18 +147,52 @@ def _host_to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def expected_fill_at(prompt_ids: Sequence[int], speech_token_size: int, period: int) -> int:
+    """Where a streaming bistream chunk must draw fill, from its context alone.
+
+    A fill closes a speech block of `period` tokens that starts after the last text
+    token; the speech ids at the end of the context (the voice prompt's last partial
+    block, or none after a fresh text block) count towards it. A full trailing block
+    does not close it (the official `next_fill_index` then asks for a whole new
+    block), hence the modulo. Equals `BistreamState`'s `Run.fill_at` for every layout.
+    """
+    trailing = 0
+    for t in reversed(prompt_ids):
+        if not 0 <= int(t) < speech_token_size:
+            break
+        trailing += 1
+    return period - trailing % period
+
+
+def chunk_mismatch(args: RASArgs, prompt_ids: Sequence[int] | None) -> str | None:
+    """Why a chunk's args do not fit the context it arrived with (None: they fit)."""
+    if prompt_ids is None or args.context_len < 0:
+        return None
+    if len(prompt_ids) != args.context_len:
+        return (f"chunk arrived with {len(prompt_ids)} context ids, its params expect {args.context_len} "
+                "(params of another chunk, or a sampled stop id kept in the context)")
+    if args.fill_period > 0 and args.force_at >= 0:
+        want = expected_fill_at(prompt_ids, args.speech_token_size, args.fill_period)
+        if want != args.force_at:
+            return f"chunk forces fill at {args.force_at}, its context implies {want}"
+    return None
+
+
 @dataclass
 class _Row:
     args: RASArgs
     output_ids: Sequence[int]  # a live reference: vLLM appends to it every step
+    desync: str | None = None  # set once a check fails; the row then only draws desync_id
+    seen: int = 0  # len(output_ids) at the last step: it never shrinks within one chunk
 
 
 class RASBatchState:
     """Tracks which batch rows carry CosyVoice requests and transforms their logits.
 
-    Mirrors vLLM v1's persistent-batch protocol: `update(added, removed, moved)` is
-    called before each step with added = (index, params, prompt_ids, output_ids),
-    removed = [index], moved = (a, b, swap?) in that order.
+    Mirrors vLLM v1's persistent-batch protocol (vllm/v1/sample/logits_processor/
+    interface.py `BatchUpdate`): before a step, added = (index, params, prompt_ids,
+    output_ids), removed = [index], moved = (a, b, swap?), applied in the order
+    removed, added, moved (an added row may take a removed row's index).
     """
 
     def __init__(self) -> None:
@@ -145,14 +200,18 @@ class RASBatchState:
 
     def update(self, added: Sequence[tuple[int, Any, Any, Sequence[int]]], removed: Sequence[int],
                moved: Sequence[tuple[int, int, bool]]) -> None:
-        for index, params, _prompt, output_ids in added:
+        for index in removed:
+            self.rows.pop(index, None)
+        for index, params, prompt, output_ids in added:
             args = RASArgs.from_extra(getattr(params, "extra_args", None))
             if args is None:
                 self.rows.pop(index, None)  # the slot now holds a foreign request
-            else:
-                self.rows[index] = _Row(args, output_ids)
-        for index in removed:
-            self.rows.pop(index, None)
+                continue
+            row = _Row(args, output_ids, seen=len(output_ids))
+            row.desync = chunk_mismatch(args, prompt)
+            if row.desync is not None:
+                log.error("CosyVoice bistream desync at batch row %d: %s", index, row.desync)
+            self.rows[index] = row
         for a, b, swap in moved:
             ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
             if ra is not None:
@@ -197,7 +256,17 @@ class RASBatchState:
             rows.index_copy_(0, sel, probs.log())
 
         for n, (_, r) in enumerate(items):
-            if r.args.force_at >= 0 and len(r.output_ids) == r.args.force_at:
+            produced = len(r.output_ids)
+            if r.desync is None and produced < r.seen and r.args.context_len >= 0:
+                # Outputs restarted without a re-add: a new chunk began but its params
+                # never reached this processor.
+                r.desync = f"outputs went back from {r.seen} to {produced} without new chunk params"
+                log.error("CosyVoice bistream desync: %s", r.desync)
+            r.seen = produced
+            if r.desync is not None and r.args.desync_id >= 0:
+                rows[n] = _NEG_INF
+                rows[n, r.args.desync_id] = 0.0
+            elif r.args.force_at >= 0 and produced == r.args.force_at:
                 rows[n] = _NEG_INF
                 rows[n, r.args.force_id] = 0.0
 

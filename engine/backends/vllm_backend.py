@@ -9,6 +9,19 @@ requests get the same masks and temperature 0.
 vLLM is imported only inside `start()`: its engine core runs in a child process,
 so the engine must be built from running code (`main()`), never at import, and CPU
 installs without vLLM can still import this module.
+
+Text-in streaming needs vLLM's *synchronous* scheduler (`async_scheduling=False`,
+this backend's default). With async scheduling (vLLM 0.26's default) the engine
+core schedules step N+1 of a request before step N's token is known
+(v1/engine/core.py `step_with_batch_queue`). When step N samples a chunk's stop id
+(fill), the request pauses for more input, which vLLM does not count as finished
+(v1/request.py `RequestStatus`: WAITING_FOR_STREAMING_REQ < PREEMPTED), so the
+already scheduled step N+1 still runs: it feeds fill to the model, and its token is
+appended and streamed (v1/core/sched/scheduler.py `update_from_output`, which only
+skips *finished* requests), and because fill's position is then counted as
+computed, `_update_request_as_session` keeps fill in the context. Both break the
+bistream layout (fill is never fed); that was the "expected forced id 6564, got
+3942" on the H200: the leaked token shifted the client's count by one.
 """
 
 from __future__ import annotations
@@ -37,6 +50,9 @@ class VLLMEngineSettings:
     enforce_eager: bool = False  # True skips torch.compile + CUDA graphs (faster start, slower decode)
     dtype: str = "bfloat16"
     seed: int = 0
+    # False: text-in streaming is exact (see the module docstring). True (vLLM's own
+    # default) overlaps scheduling with the GPU step; generate_streaming then refuses.
+    async_scheduling: bool = False
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -86,26 +102,38 @@ def bistream_spec(vocab: UnifiedVocab) -> BistreamSpec:
     return BistreamSpec(sos=sts, task_id=sts + 2, fill=sts + 3, speech_token_size=sts, text_offset=vocab.text_offset)
 
 
+def desync_id(vocab: UnifiedVocab) -> int:
+    """A reserved id no model ever needs (the last stop row): the logits processor
+    draws it when a bistream chunk does not fit its context, and the client raises."""
+    return vocab.speech_vocab_size - 1
+
+
 def bistream_chunk_kwargs(st: BistreamState, run: Run, sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
-    """vllm.SamplingParams keyword arguments for one input chunk (= one bistream run).
+    """vllm.SamplingParams keyword arguments for one input chunk (= one bistream run),
+    built right after `st.next_run()` returned `run`.
 
     Run lengths are enforced by the logits processor (`force_at`), not by
-    `max_tokens`: some vLLM versions keep the first chunk's max_tokens for the
-    whole resumable request, so every chunk gets the same, request-wide cap.
-    Streaming runs stop on `fill` (vLLM then drops that last token from the context,
-    exactly as the official bistream never feeds fill); the final run stops on any
-    reserved id, with the unistream min/max lengths. CPU-testable (no vLLM import).
+    `max_tokens`: vLLM 0.26 keeps the first chunk's max_tokens for the whole
+    resumable request (`_update_request_as_session` never updates
+    `Request.max_tokens`), so every chunk gets the same, request-wide cap.
+    Streaming runs stop on `fill` (the synchronous scheduler then drops that last
+    token from the context, exactly as the official bistream never feeds fill); the
+    final run stops on any reserved id, with the unistream min/max lengths.
+    `context_len` / `fill_period` let the processor check the chunk against the
+    context it arrives with. CPU-testable (no vLLM import).
     """
     spec = st.spec
     cap = max(1, st.limits.hard_max + 1)
     history = tuple(st.history[-sp.win_size:]) if sp.win_size > 0 else ()
+    bad = desync_id(vocab)
     common = dict(speech_token_size=vocab.speech_token_size, speech_vocab_size=vocab.speech_vocab_size,
                   greedy=sp.greedy, top_p=sp.top_p, top_k=sp.top_k, win_size=sp.win_size, tau_r=sp.tau_r,
-                  history=history)
+                  history=history, context_len=len(st.context), desync_id=bad)
     if not run.final:
         ras = RASArgs(**common, min_tokens=0, mask_stops=True, keep_id=spec.fill,
-                      force_at=run.fill_at if run.fill_at is not None else -1, force_id=spec.fill)
-        stops, min_tokens, ignore_eos = [spec.fill], 0, True
+                      force_at=run.fill_at if run.fill_at is not None else -1, force_id=spec.fill,
+                      fill_period=spec.mix_speech)
+        stops, min_tokens, ignore_eos = [spec.fill, bad], 0, True
     else:
         low, high = st.remaining_limits()
         fixed = st.limits.fixed_ratio is not None
@@ -113,8 +141,9 @@ def bistream_chunk_kwargs(st: BistreamState, run: Run, sp: SamplingParams, vocab
         ras = RASArgs(**common, min_tokens=min_tokens, mask_stops=fixed,
                       force_at=high, force_id=vocab.speech_token_size + 1)  # eos at the length limit
         stops, ignore_eos = list(range(vocab.speech_token_size, vocab.speech_vocab_size)), False
-    # Each chunk is a fresh vLLM sampling request: a seeded request would replay the
-    # same random stream in every chunk, so the seed moves on with the position.
+    # vLLM 0.26 keeps the first chunk's torch.Generator for the whole request (a re-added
+    # streaming row is not re-seeded), so only the first chunk's seed matters there;
+    # moving it on with the position keeps chunks independent where a version re-seeds.
     seed = None if sp.seed is None else (sp.seed + 7919 * len(st.history)) % (1 << 31)
     return dict(
         temperature=0.0 if sp.greedy else 1.0,
@@ -138,7 +167,7 @@ class VLLMBackend:
     def __init__(self, export_dir: Path | str, vocab: UnifiedVocab, *,
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
                  max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
-                 dtype: str = "bfloat16") -> None:
+                 dtype: str = "bfloat16", async_scheduling: bool = False) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -146,7 +175,8 @@ class VLLMBackend:
         self.vocab = vocab
         self.settings = VLLMEngineSettings(gpu_memory_utilization=gpu_memory_utilization,
                                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                           enforce_eager=enforce_eager, seed=seed, dtype=dtype)
+                                           enforce_eager=enforce_eager, seed=seed, dtype=dtype,
+                                           async_scheduling=async_scheduling)
         self._llm: Any = None
         self._active: set[str] = set()
         self._aborted: set[str] = set()
@@ -170,6 +200,7 @@ class VLLMBackend:
             enable_prefix_caching=s.enable_prefix_caching,
             enforce_eager=s.enforce_eager,
             seed=s.seed,
+            async_scheduling=s.async_scheduling,
             # By name: the engine core (a child process) imports it itself.
             logits_processors=[LOGITS_PROCESSOR_FQCN],
             disable_log_stats=True,
@@ -210,36 +241,53 @@ class VLLMBackend:
             # Closing vLLM's generator early makes it abort the request (frees the slot).
             await stream.aclose()
 
+    def _chunk_params(self, kwargs: dict[str, Any]) -> Any:
+        """vllm.SamplingParams of one streaming-input chunk (a method so CPU tests can
+        drive `generate_streaming` against a simulation of vLLM's streaming input)."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+
+    def _streaming_input(self, ids: list[int], params: Any) -> Any:
+        try:
+            from vllm.engine.protocol import StreamingInput
+        except ImportError:  # older layouts
+            from vllm.inputs.data import StreamingInput  # type: ignore[no-redef]
+        return StreamingInput(prompt={"prompt_token_ids": ids}, sampling_params=params)
+
+    def _async_scheduling_on(self) -> bool:
+        """What the running engine actually does (vLLM resolves None to on)."""
+        cfg = getattr(self._llm, "vllm_config", None)
+        sched = getattr(cfg, "scheduler_config", None)
+        return bool(getattr(sched, "async_scheduling", self.settings.async_scheduling))
+
     async def generate_streaming(  # type: ignore[override]
         self, request: BistreamRequest, text_source: AsyncIterator[list[int]]
     ) -> AsyncIterator[int]:
         """Text-in streaming as ONE resumable vLLM request fed through an async
         generator of `StreamingInput`s: each bistream run (engine.bistream) is one
         input chunk, sent when the previous run has ended and its text is there.
-        Semantics equal `TorchLMBackend.generate_streaming` (bench/bistream_parity.py)."""
+        Semantics equal `TorchLMBackend.generate_streaming` (bench/bistream_parity.py).
+
+        Every token is checked against the state machine's rule; a token the rule
+        forbids (a wrong forced id, a stop where none may be, the processor's desync
+        id, a token between runs) raises instead of becoming audio."""
         if self._llm is None:
             raise RuntimeError("VLLMBackend.start() was not awaited")
+        if self._async_scheduling_on():
+            raise RuntimeError("text-in streaming on vLLM needs async_scheduling=False: with async scheduling "
+                               "a paused streaming request decodes one extra step past its fill token")
         import asyncio
-
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        try:
-            from vllm.engine.protocol import StreamingInput
-        except ImportError:  # older layouts
-            from vllm.inputs.data import StreamingInput  # type: ignore[no-redef]
 
         rid = request.request_id
         if rid in self._active:
             raise ValueError(f"request id {rid!r} is already running")
         st = request.new_state(bistream_spec(self.vocab))
+        sts, bad = self.vocab.speech_token_size, desync_id(self.vocab)
         text_changed, need_run = asyncio.Event(), asyncio.Event()
         need_run.set()
         failure: list[BaseException] = []
-
-        def params(run: Run) -> Any:
-            kw = bistream_chunk_kwargs(st, run, request.sampling, self.vocab)
-            return VSamplingParams(output_kind=RequestOutputKind.DELTA, **kw)
 
         async def pump() -> None:
             # Everything here runs on the event loop, like the consumer below, so the
@@ -269,13 +317,26 @@ class VLLMBackend:
                         return
                     text_changed.clear()
                     await text_changed.wait()
-                yield StreamingInput(prompt={"prompt_token_ids": list(run.feed)}, sampling_params=params(run))
+                kw = bistream_chunk_kwargs(st, run, request.sampling, self.vocab)
+                yield self._streaming_input(list(run.feed), self._chunk_params(kw))
                 if run.final:
                     return  # the end of this generator is vLLM's end-of-input signal
 
+        def check(tok: int) -> None:
+            if tok == bad:
+                raise RuntimeError("the CosyVoice logits processor found a streaming-input chunk that does not fit "
+                                   "its context (see the engine log); unsupported vLLM behaviour")
+            if not st.in_run:
+                raise RuntimeError(f"vLLM produced token {tok} between bistream runs")
+            rule = st.token_rule()
+            if rule.forced is not None and tok != rule.forced:
+                raise RuntimeError("vLLM did not apply a streaming-input chunk's sampling params "
+                                   f"(expected forced id {rule.forced}, got {tok}); unsupported vLLM version")
+            if tok >= sts and not (rule.allow_stop or (rule.allow_fill and tok == st.spec.fill)):
+                raise RuntimeError(f"vLLM sampled reserved id {tok} where the bistream rule forbids it")
+
         pump_task = asyncio.create_task(pump(), name=f"text-{rid}")
-        base = VSamplingParams(output_kind=RequestOutputKind.DELTA, max_tokens=max(1, st.limits.hard_max + 1),
-                               detokenize=False)
+        base = self._chunk_params(dict(max_tokens=max(1, st.limits.hard_max + 1), detokenize=False))
         stream = self._llm.generate(inputs(), base, rid)
         self._active.add(rid)
         try:
@@ -285,13 +346,7 @@ class VLLMBackend:
                 for tok in out.outputs[0].token_ids:
                     if st.done:
                         break
-                    if not st.in_run:
-                        raise RuntimeError(f"vLLM produced token {tok} between bistream runs")
-                    rule = st.token_rule()
-                    if rule.forced is not None and int(tok) != rule.forced:
-                        raise RuntimeError(
-                            "vLLM did not apply a streaming-input chunk's sampling params "
-                            f"(expected forced id {rule.forced}, got {tok}); unsupported vLLM version")
+                    check(int(tok))
                     emitted = st.on_token(int(tok))
                     if emitted is not None:
                         yield emitted

@@ -9,6 +9,12 @@ this class as the architecture. `compute_logits` projects onto those rows and
 returns them inside a full-width row of -inf, because vLLM's sampler and batch
 bookkeeping size their buffers by `config.vocab_size`.
 
+CosyVoice2's `llm_decoder` has a bias. Its export sets `cosyvoice_head_bias: true`
+in config.json, and the class then builds lm_head with a bias parameter (loaded
+from `lm_head.bias` by vLLM's ordinary weight loader) and passes it to the logits
+processor, which adds it after the projection. Without the key (CosyVoice3 exports)
+the head has no bias and the logits are computed exactly as before.
+
 vLLM finds the class through its general-plugin entry point
 (`vllm.general_plugins`, see `register`), which it loads in every process it starts
 (the API process and the spawned engine core). The entry point is declared in the
@@ -27,6 +33,8 @@ ARCHITECTURE = "CosyVoiceQwen2ForCausalLM"
 CLASS_FQCN = "engine.backends.vllm_model:CosyVoiceQwen2ForCausalLM"
 # config.json key holding the number of lm_head rows (the speech vocabulary).
 HEAD_ROWS_KEY = "cosyvoice_head_rows"
+# config.json key: true when lm_head has a bias (CosyVoice2's llm_decoder); absent = no bias.
+HEAD_BIAS_KEY = "cosyvoice_head_bias"
 PLUGIN_NAME = "cosyvoice_speech_head"
 PLUGIN_TARGET = "engine.backends.vllm_model:register"
 
@@ -61,7 +69,8 @@ def _build_class() -> type:
     from vllm.model_executor.models.utils import maybe_prefix
 
     class _CosyVoiceQwen2ForCausalLM(Qwen2ForCausalLM):  # type: ignore[misc,valid-type]
-        """Qwen2ForCausalLM with an lm_head over the first `cosyvoice_head_rows` ids only."""
+        """Qwen2ForCausalLM with an lm_head over the first `cosyvoice_head_rows` ids only,
+        with a bias when config.json sets `cosyvoice_head_bias`."""
 
         def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -73,16 +82,27 @@ def _build_class() -> type:
                 raise ValueError("the speech-head export never ties embeddings")
             self.head_rows = rows
             self.full_vocab = int(config.vocab_size)
+            # A real bool only: a stray string "false" must not switch the bias on.
+            bias = getattr(config, HEAD_BIAS_KEY, False) is True
             # Replaces the full-vocabulary head built by the parent (freed before loading).
-            self.lm_head = ParallelLMHead(rows, config.hidden_size, quant_config=self.quant_config,
+            self.lm_head = ParallelLMHead(rows, config.hidden_size, bias=bias, quant_config=self.quant_config,
                                           prefix=maybe_prefix(prefix, "lm_head"))
             self.logits_processor = LogitsProcessor(rows)
 
+        def load_weights(self, weights: Any) -> set[str]:
+            loaded = super().load_weights(weights)
+            # vLLM's unloaded-weights check skips layers with a quant method (lm_head
+            # included), so a bias missing from the file would stay uninitialised memory.
+            if getattr(self.lm_head, "bias", None) is not None and "lm_head.bias" not in loaded:
+                raise ValueError(f"config.json sets {HEAD_BIAS_KEY} but the checkpoint has no lm_head.bias")
+            return loaded
+
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-            speech = self.logits_processor(self.lm_head, hidden_states)
+            # lm_head.bias is None without the config key: then exactly the unbiased call.
+            speech = self.logits_processor(self.lm_head, hidden_states, self.lm_head.bias)
             if speech is None:  # non-last pipeline rank
                 return None
-            # Ids past the head are text ids: never generated, so -inf (exp -> 0).
+            # Ids past the head (text ids; CosyVoice2's sos/task_id rows) are never generated: -inf.
             full = speech.new_full((*speech.shape[:-1], self.full_vocab), float("-inf"))
             full[..., : self.head_rows] = speech
             return full

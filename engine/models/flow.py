@@ -31,6 +31,7 @@ as one padded batch; see `FlowChunk`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -195,20 +196,36 @@ class CausalMaskedDiffWithDiT(nn.Module):
         look, n_max = self.pre_lookahead_len, max(n_main)
         # Token features with right context: the lookahead tokens when not finalizing,
         # zeros otherwise (the reference's right padding); zeros also fill batch padding,
-        # which the lookahead conv of real tokens never reaches.
-        emb = torch.zeros(len(chunks), n_max + look, self.cfg.input_size, device=device, dtype=dtype)
-        for i, c in enumerate(chunks):
-            ids = c.tokens.to(device=device, dtype=torch.long).clamp(min=0)
-            emb[i, : len(ids)] = self.input_embedding(ids)
+        # which the lookahead conv of real tokens never reaches. One padded id matrix and
+        # one embedding lookup for the whole batch (not one per chunk).
+        ids, valid = _padded_ids(chunks, n_max + look, device)
+        emb = self.input_embedding(ids).to(dtype).masked_fill(~valid.unsqueeze(-1), 0.0)
         h = self.pre_lookahead_layer(emb)  # [B, n_max, 80]
         return h.repeat_interleave(self.token_mel_ratio, dim=1).transpose(1, 2)
 
     @torch.inference_mode()
-    def inference_chunks(self, chunks: list[FlowChunk], streaming: bool = True) -> list[torch.Tensor]:
+    def inference_chunks(
+        self, chunks: list[FlowChunk], streaming: bool = True, solver: FlowSolver | None = None
+    ) -> list[torch.Tensor]:
         """Decode all chunks as one right-padded batch; returns one [frames, 80] mel per chunk
         (the frames of tokens[out_start : T - lookahead_if_not_finalize])."""
+        return self.decode_chunks(chunks, streaming, solver)[0]
+
+    @torch.inference_mode()
+    def decode_chunks(
+        self, chunks: list[FlowChunk], streaming: bool = True, solver: FlowSolver | None = None
+    ) -> tuple[list[torch.Tensor], FlowBatchShape]:
+        """`inference_chunks` plus the padded shape the ODE solver ran at.
+
+        `solver` replaces `self.decoder.solve` (e.g. the CUDA-graph runner of
+        `engine.flow_graphs`); it may ask for more rows and frames than the chunks need
+        (`padded_shape`), which are filled exactly like the ordinary batch padding: mask
+        0, zero noise/mu/cond/speaker. Padding cannot change the real frames: every op of
+        the estimator is per row, its convolutions are causal, and attention only reads
+        keys whose mask is 1.
+        """
         if not chunks:
-            return []
+            return [], FlowBatchShape(0, 0)
         device = self.input_embedding.weight.device
         dtype = self.spk_embed_affine_layer.weight.dtype
         ratio, look = self.token_mel_ratio, self.pre_lookahead_len
@@ -227,26 +244,119 @@ class CausalMaskedDiffWithDiT(nn.Module):
         batch, n_max = len(chunks), max(n_main)
         frames = [ratio * n for n in n_main]
         t_max = ratio * n_max
+        rows, t_pad = (batch, t_max) if solver is None else solver.padded_shape(batch, t_max)
+        if rows < batch or t_pad < t_max:
+            raise ValueError(f"solver padded shape {(rows, t_pad)} is smaller than the batch {(batch, t_max)}")
 
         mu = self.token_features(chunks, n_main, streaming)  # [B, 80, t_max]
-
-        spk_in = torch.stack([c.embedding.reshape(-1) for c in chunks]).to(device=device, dtype=dtype)
+        spk_in = _stack_rows([c.embedding.reshape(-1) for c in chunks], device, dtype)
         spks = self.spk_embed_affine_layer(F.normalize(spk_in, dim=1))
+        if rows > batch or t_pad > t_max:
+            mu = F.pad(mu, (0, t_pad - t_max, 0, 0, 0, rows - batch))
+            spks = F.pad(spks, (0, 0, 0, rows - batch))
 
-        cond = torch.zeros(batch, n_mel, t_max, device=device, dtype=dtype)
-        mask = torch.zeros(batch, 1, t_max, device=device, dtype=dtype)
-        noise = torch.zeros(batch, n_mel, t_max, device=device, dtype=dtype)
-        source = self.decoder.rand_noise
-        for i, c in enumerate(chunks):
-            p = ratio * c.num_prompt_tokens
-            cond[i, :, :p] = c.prompt_feat.to(device=device, dtype=dtype).T
-            mask[i, :, : frames[i]] = 1
-            idx = torch.arange(frames[i], device=source.device)
-            idx = torch.where(idx >= p, idx + c.noise_offset, idx)
-            noise[i, :, : frames[i]] = source[0, :, idx].to(device=device, dtype=dtype)
+        # Noise, prompt condition and mask come from one gather each, driven by index
+        # planes built on the host and copied to the device once (not ~6 small kernels
+        # and copies per chunk).
+        prompt_frames = [ratio * c.num_prompt_tokens for c in chunks]
+        feats, feat_base = _prompt_table(chunks, n_mel, device, dtype)
+        plan = _gather_plan(frames, prompt_frames, [c.noise_offset for c in chunks], feat_base, rows, t_pad)
+        plan = plan.to(device)
+        noise_idx, cond_idx, valid = plan[0], plan[1], plan[2]
+        mask = valid.to(dtype).unsqueeze(1)  # [rows, 1, t_pad]
+        source = self.decoder.rand_noise[0]  # [80, NOISE_FRAMES]
+        if source.device != device:
+            source = source.to(device)
+        noise = source.to(dtype)[:, noise_idx.reshape(-1)].view(n_mel, rows, t_pad).transpose(0, 1).contiguous()
+        noise = noise * mask  # padding gathered column 0; zero it (exact: x * 1 == x elsewhere)
+        cond = feats[cond_idx.reshape(-1)].view(rows, t_pad, n_mel).transpose(1, 2).contiguous()
 
-        mel = self.decoder.solve(noise, mask, mu, spks, cond, streaming)
-        return [mel[i, :, ratio * c.out_start : frames[i]].T for i, c in enumerate(chunks)]
+        run = self.decoder.solve if solver is None else solver
+        mel = run(noise, mask, mu, spks, cond, streaming)
+        out = [mel[i, :, ratio * c.out_start : frames[i]].T for i, c in enumerate(chunks)]
+        return out, FlowBatchShape(rows, t_pad)
+
+
+@dataclass(frozen=True)
+class FlowBatchShape:
+    """Shape one `decode_chunks` call ran the ODE at: padded rows x padded frames (before
+    the classifier-free-guidance doubling)."""
+
+    rows: int
+    frames: int
+
+
+class FlowSolver(Protocol):
+    """A stand-in for `CausalConditionalCFM.solve` that may run at a padded shape."""
+
+    def padded_shape(self, rows: int, frames: int) -> tuple[int, int]: ...
+
+    def __call__(
+        self,
+        noise: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        streaming: bool,
+    ) -> torch.Tensor: ...
+
+
+def _stack_rows(rows: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Stack 1-D tensors into [B, C] on `device` (host rows: stacked there, one copy)."""
+    return torch.stack(rows).to(device=device, dtype=dtype)
+
+
+def _padded_ids(chunks: list[FlowChunk], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids right-padded to [B, length] (padding id 0, negative ids clamped to 0 like
+    the reference) and the matching validity mask, on `device`."""
+    seqs = [c.tokens.reshape(-1) for c in chunks]
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
+    ids = F.pad(ids, (0, length - ids.shape[1]))
+    ids = ids.to(device=device, dtype=torch.long).clamp(min=0)
+    valid = torch.arange(length) < lengths.unsqueeze(1)
+    return ids, valid.to(device)
+
+
+def _prompt_table(
+    chunks: list[FlowChunk], n_mel: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, list[int]]:
+    """All distinct prompt mels stacked as rows [1 + sum(frames), n_mel] after one zero row,
+    and each chunk's first row in it (chunks of one voice usually share the tensor)."""
+    parts = [torch.zeros(1, n_mel, dtype=dtype, device=chunks[0].prompt_feat.device)]
+    starts: dict[int, int] = {}
+    base, offset = [], 1
+    for c in chunks:
+        key = id(c.prompt_feat)
+        if key not in starts:
+            starts[key] = offset
+            parts.append(c.prompt_feat.to(device=parts[0].device, dtype=dtype))
+            offset += c.prompt_feat.shape[0]
+        base.append(starts[key])
+    return torch.cat(parts).to(device), base
+
+
+def _gather_plan(
+    frames: list[int], prompt_frames: list[int], noise_offsets: list[int], feat_base: list[int], rows: int, t_pad: int
+) -> torch.Tensor:
+    """Host-side index planes [3, rows, t_pad] (int64) for one batch:
+
+    0: column of the fixed noise for each frame: f for prompt frames, f + noise_offset
+       after the prompt (0 on padding, zeroed later by the mask);
+    1: row of the prompt table for prompt frames, 0 (the zero row) elsewhere;
+    2: 1 on real frames, 0 on padded frames and rows.
+    """
+    n = len(frames)
+    f = torch.arange(t_pad).unsqueeze(0)  # [1, T]
+    col = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(1)  # noqa: E731
+    n_frames, p, off, base = col(frames), col(prompt_frames), col(noise_offsets), col(feat_base)
+    valid = f < n_frames
+    noise_idx = torch.where(f >= p, f + off, f) * valid
+    cond_idx = torch.where(f < p, base + f, 0)
+    plan = torch.zeros(3, rows, t_pad, dtype=torch.long)
+    plan[0, :n], plan[1, :n], plan[2, :n] = noise_idx, cond_idx, valid
+    return plan
 
 
 def init_random_(module: nn.Module, seed: int) -> nn.Module:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the H200 machine (device tool), the machine still warm from bench/gpu/x2_checks.sh (or
+# after `bash .gpu/a/stage.sh` and `bash .gpu/b/stage.sh`):
+#   run(command="bash bench/gpu/ws_load_run.sh single", carry=[".whl", ".whl_av"])
+#   run(command="bash bench/gpu/ws_load_run.sh multi",  carry=[".whl", ".whl_av"])
+# The WebSocket load benchmark (bench/ws_load.py) against real gateway processes with the
+# full-size random CosyVoice3 model and the vLLM LM:
+#   single: one GPU (CUDA_VISIBLE_DEVICES=0): the product at 1..128 sessions, then the
+#           baseline (batch 1, whole-prefix flow, no CUDA graphs) at 1, 8, 32, one invocation;
+#   multi:  two GPUs: the LM and one flow+vocoder stage on GPU 0, a second stage on GPU 1.
+# Environment: LEVELS / BASE_LEVELS (session levels), BASELINE=0 (single: no baseline run),
+# RAMP=S (sessions start spread over S seconds instead of all at once), LEVEL_TIMEOUT (s).
+# .whl holds the gateway's pure-Python wheels (uvicorn, websockets, python-multipart, soxr),
+# .whl_av PyAV (decodes uploaded voices): neither is in the GPU image.
+set -uo pipefail
+MODE="${1:-single}"
+BUNDLE="$PWD"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+T0=$SECONDS
+test -f /tmp/site/.vllm-ready || { echo "vLLM bundle not staged: run .gpu/a and .gpu/b first" >&2; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$BUNDLE"/.whl/*.whl "$BUNDLE"/.whl_av/*.whl || exit 4
+export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
+python3 -c "from pathlib import Path; from engine.hub import resolve_model; print(resolve_model('full-random', Path('/tmp/models')))" > $OUT/model.log 2>&1
+COMMON=(--launch --model full-random --model-cache /tmp/models --engine.device cuda --engine.lm-backend vllm
+        --engine.text-normalization false --rate 30 --timeout "${LEVEL_TIMEOUT:-90}" ${RAMP:+--ramp "$RAMP"})
+if [ "$MODE" = single ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  ARGS=(--sessions "${LEVELS:-1,8,32,64,128}")
+  [ "${BASELINE:-1}" = 0 ] || ARGS+=(--baseline --baseline-sessions "${BASE_LEVELS:-1,8,32}")
+else
+  export CUDA_VISIBLE_DEVICES=0,1
+  ARGS=(--sessions "${LEVELS:-64,128,256}" --engine.stage-devices cuda:0,cuda:1)
+fi
+echo "prep done at $((SECONDS - T0)) s"
+timeout $((585 - (SECONDS - T0))) python3 -m bench.ws_load "${COMMON[@]}" "${ARGS[@]}" \
+  --json $OUT/ws_load_$MODE.json --plot $OUT/ws_load_$MODE.svg > $OUT/ws_load_$MODE.log 2>&1
+echo "ws_load $MODE rc=$? at $((SECONDS - T0)) s"
+nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $OUT/ws_load_$MODE.log 2>&1
+grep -v "^(EngineCore" $OUT/ws_load_$MODE.log | grep -v "^\s*$" | tail -30

@@ -1,0 +1,125 @@
+"""Real-time playback accounting for streamed audio, as pure functions of timelines.
+
+A streaming client plays audio as it arrives. Playback starts with the first chunk
+(after an optional jitter buffer) and then consumes `sample_rate` samples per second of
+wall time. If the next chunk has not arrived when the playhead reaches it, the listener
+hears a stall: an *underrun*. Like a real player, playback then resumes when the chunk
+arrives, so one late chunk is one underrun, not a cascade of them.
+
+Silence caused by the *text* is not the TTS's fault: when the first chunk of a segment
+is due before that segment's text was complete (the LLM had not written it yet), the
+player idles until the text was complete (`ready_at`) without counting an underrun;
+only the time after that is an underrun.
+
+Everything here is deterministic arithmetic on (time, samples) lists, so it can be
+tested with exact numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One audio chunk as the client received it."""
+
+    t: float  # arrival time, seconds on the client's clock
+    samples: int
+    ready_at: float | None = None  # first chunk of a segment: when its text was complete
+
+
+@dataclass(frozen=True)
+class Playback:
+    underruns: int
+    underrun_s: float  # total stall time heard
+    text_wait_s: float  # silence while waiting for the text (not counted as underrun)
+    gaps_s: tuple[float, ...]  # inter-arrival times of consecutive chunks
+    audio_s: float
+    play_start: float | None
+    play_end: float | None  # when the last sample has been played
+
+
+def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s: float = 0.0) -> Playback:
+    """Play `arrivals` (in arrival order) on a virtual clock; see the module doc."""
+    if sample_rate <= 0:
+        raise ValueError("sample_rate must be positive")
+    if not arrivals:
+        return Playback(0, 0.0, 0.0, (), 0.0, None, None)
+    underruns, stalled, waited = 0, 0.0, 0.0
+    gaps = tuple(b.t - a.t for a, b in zip(arrivals, arrivals[1:]))
+    play_start = arrivals[0].t + prebuffer_s
+    position = play_start  # wall time at which the playhead reaches the next chunk
+    total = 0
+    for i, chunk in enumerate(arrivals):
+        if i > 0:
+            due = position
+            if chunk.ready_at is not None and chunk.ready_at > due:
+                waited += chunk.ready_at - due
+                due = chunk.ready_at
+            if chunk.t > due:
+                underruns += 1
+                stalled += chunk.t - due
+                due = chunk.t
+            position = due
+        position += chunk.samples / sample_rate
+        total += chunk.samples
+    return Playback(underruns, stalled, waited, gaps, total / sample_rate, play_start, position)
+
+
+# ---- small statistics -------------------------------------------------------------------
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics
+    (numpy's default method); None for no values (JSON null, unlike NaN)."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    if not 0.0 <= q <= 100.0:
+        raise ValueError("q must be within [0, 100]")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary_ms(values_s: Iterable[float], qs: tuple[float, ...] = (50, 95, 99)) -> dict[str, float | None]:
+    """{"p50": ..., "p95": ..., "p99": ..., "max": ..., "n": ...} in milliseconds."""
+    xs = [float(v) for v in values_s]
+    out: dict[str, float | None] = {f"p{q:g}": _ms(percentile(xs, q)) for q in qs}
+    out["max"] = _ms(max(xs)) if xs else None
+    out["n"] = len(xs)
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is 0 (a ratio that does not exist)."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def text_ready_time(text_end: int, sends: Sequence[tuple[float, int]],
+                    flushes: Sequence[tuple[float, int]] = ()) -> float | None:
+    """When a segment ending at character `text_end` could be spoken.
+
+    sends:   (time, characters sent so far) after each text message, in order.
+    flushes: (time, characters sent so far) of each flush.
+    The segment's text was complete when its last character was sent; a segment that
+    the flush closed (it ends exactly where the text stood at a flush that came at or
+    after that moment) is ready at the flush.
+    """
+    last_byte = next((t for t, n in sends if n >= text_end), None)
+    if last_byte is None:
+        return None
+    for t, n in flushes:
+        if n == text_end and t >= last_byte:
+            return t
+    return last_byte

@@ -1,0 +1,905 @@
+"""WebSocket load benchmark: N concurrent streaming sessions against a real gateway.
+
+    python -m bench.ws_load --launch --model tiny-random --engine.device cpu \\
+        --sessions 1,2,4 --baseline --baseline-sessions 1,2 --rate 30 --json out.json --plot out.svg
+    python -m bench.ws_load --url http://127.0.0.1:8080 --sessions 8,32 --rate 0
+
+`--launch` starts `python -m gateway` itself (every option this tool does not know is
+passed to the gateway), so it knows the server's PID and can start the *baseline*: the
+same code with `--engine.max-gpu-batch 1 --engine.flow-left-context -1`, i.e. like the
+seed project (each chunk its own flow/vocoder call, no batching across sessions, and
+the flow re-reads the whole prefix every chunk). `--url` measures a running gateway.
+
+Per level, N sessions connect (idle), then start together (or spread over `--ramp`
+seconds). Each opens one context with a registered 3-5 s voice, streams the paragraph
+as LLM-like word pieces at `--rate` pieces/s (0 = in one message), flushes, ends, and
+plays the audio on a virtual real-time clock (`bench.playback`).
+
+Reported per level (see `level_report`): first-audio latency from the moment a
+segment's text was complete (its last character sent, or the flush that closed it) to
+its first audio byte -- for each context's first segment (`first_audio_ms`, the
+headline) and for every segment (`segment_first_audio_ms`; later segments also wait
+for the earlier ones' audio, since a context's audio is delivered in order) --
+chunk gaps, underruns, RTF, completed sessions and errors, GPU utilisation (pynvml),
+achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
+gateway RSS per session (from `/metrics`).
+
+Speech length. Random weights never stop speaking, so the gateway generates a fixed
+number of speech tokens per text token (`--engine.tokens-per-text-token`). The bench
+sets it so that the *audio* is as long as real speech of the text would be: English is
+spoken at about 14 characters per second (150 words/min of 4.7-letter words plus a
+space) and CosyVoice3 emits 25 speech tokens per second, so a text of C characters
+gets 25 * C / 14 speech tokens, divided by the number of text tokens the served
+model's tokenizer makes of it. With the real Qwen2 tokenizer (about 4.4 characters per
+English token) that is about 7.9 speech tokens per text token; the random models' small
+stand-in tokenizer cuts text into ~2x more pieces, hence a ~2x smaller factor for the
+same audio length. `--tokens-per-text-token` overrides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+import numpy as np
+
+from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
+from bench.svg_plot import Chart, Series, render_svg
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_RATE = 24000
+SPEECH_TOKENS_PER_SECOND = 25.0
+SPOKEN_CHARS_PER_SECOND = 14.0
+PROMPT_SECONDS = 4.25  # the first sentence of assets/default.wav (a 3-5 s prompt)
+PROMPT_TRANSCRIPT = "Hello, this is the default voice of the CosyVoice gateway."
+BASELINE_FLAGS = ("--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1", "--engine.flow-cuda-graphs", "false")
+DEFAULT_TEXT = (
+    "Thanks for calling, I have found your order. It shipped this morning and should arrive "
+    "on Tuesday between nine and eleven. Would you like me to send the tracking link by text "
+    "message, or is there anything else I can help you with today?"
+)
+VOICE_ID = "bench-voice"
+
+# /metrics series the report reads (the engine's counters and gauges, gateway RSS).
+M_LM = "cosyvoice_engine_lm_tokens_total"
+M_FLOW = "cosyvoice_engine_flow_frames_total"
+M_VOC = "cosyvoice_engine_vocoder_frames_total"
+M_CHUNKS = "cosyvoice_engine_chunks_total"
+M_BATCHES = "cosyvoice_engine_batches_total"
+M_BUSY = "cosyvoice_engine_stage_busy_seconds_total"
+M_CUDA = "cosyvoice_engine_cuda_memory_allocated_bytes"
+M_RSS = "cosyvoice_process_resident_memory_bytes"
+M_ACTIVE = "cosyvoice_engine_active_sessions"
+
+
+# ---- text -------------------------------------------------------------------------------
+
+_PIECE = re.compile(r"\s*[A-Za-z0-9']+|\s*[^\sA-Za-z0-9']+|\s+")
+
+
+def split_tokens(text: str, max_piece: int = 5) -> list[str]:
+    """Cut text into LLM-like pieces: a word with its leading space, punctuation on its
+    own, long words in pieces of at most `max_piece` characters. Joined they give `text`."""
+    out: list[str] = []
+    for m in _PIECE.finditer(text):
+        piece = m.group(0)
+        while len(piece) > max_piece:
+            out.append(piece[:max_piece])
+            piece = piece[max_piece:]
+        if piece:
+            out.append(piece)
+    return out
+
+
+def calibrated_tokens_per_text_token(text: str, n_text_tokens: int,
+                                     chars_per_second: float = SPOKEN_CHARS_PER_SECOND) -> float:
+    """Speech tokens per text token that make `text` as long as it would be spoken."""
+    if n_text_tokens <= 0:
+        raise ValueError("the text has no tokens")
+    speech_tokens = SPEECH_TOKENS_PER_SECOND * len(text.strip()) / chars_per_second
+    return round(speech_tokens / n_text_tokens, 2)
+
+
+def prompt_wav() -> tuple[bytes, str]:
+    """The benchmark voice: the first 4.25 s (first sentence) of assets/default.wav."""
+    from engine.wavio import read_wav
+
+    pcm, sr = read_wav(ROOT / "assets" / "default.wav")
+    pcm = pcm[: int(PROMPT_SECONDS * sr)]
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue(), PROMPT_TRANSCRIPT
+
+
+# ---- the gateway ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class LaunchedGateway:
+    """`python -m gateway` as a child process on a free loopback port."""
+
+    def __init__(self, model_dir: Path, flags: Sequence[str], workdir: Path, ready_timeout: float) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flags = list(flags)
+        self.log: list[str] = []
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "assets").mkdir(exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, "-m", "gateway", "--model", str(Path(model_dir).resolve()), "--host", "127.0.0.1",
+               "--port", str(self.port), "--data-dir", str(workdir / "data"),
+               "--assets-dir", str(workdir / "assets"), "--log-level", "warning", *self.flags]
+        self.command = cmd
+        # cwd outside the repository: its config/default.yaml must not change the run.
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=self._drain, daemon=True).start()
+        self._wait_ready(ready_timeout)
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+
+    def _wait_ready(self, timeout: float) -> None:
+        # A tool polling a readiness endpoint (not a test): the model may take minutes.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("gateway exited:\n" + "\n".join(self.log[-30:]))
+            try:
+                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError("gateway not ready in time:\n" + "\n".join(self.log[-30:]))
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # drains, then exits
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    resp = await client.get("/metrics")
+    resp.raise_for_status()
+    out: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+async def ensure_voice(client: httpx.AsyncClient, voice_id: str) -> dict[str, Any]:
+    audio, transcript = prompt_wav()
+    resp = await client.post("/v1/voices", data={"id": voice_id, "transcript": transcript},
+                             files={"file": ("prompt.wav", audio, "audio/wav")})
+    if resp.status_code not in (200, 201, 409):
+        raise RuntimeError(f"voice registration failed: {resp.status_code} {resp.text}")
+    return {"voice_id": voice_id, "prompt_seconds": PROMPT_SECONDS, "transcript": transcript,
+            "registered": resp.status_code != 409}
+
+
+# ---- one session ------------------------------------------------------------------------
+
+
+@dataclass
+class SegmentSeen:
+    index: int
+    text_end: int
+    started_at: float
+    first_audio_at: float | None = None
+
+
+@dataclass
+class SessionRecord:
+    """What one client did and saw, with client-clock (perf_counter) times."""
+
+    sends: list[tuple[float, int]] = field(default_factory=list)  # (t, chars sent so far)
+    flushes: list[tuple[float, int]] = field(default_factory=list)
+    segments: list[SegmentSeen] = field(default_factory=list)
+    audio: list[tuple[float, int, int]] = field(default_factory=list)  # (t, samples, segment position)
+    errors: list[str] = field(default_factory=list)
+    done_at: float | None = None
+    completed: bool = False
+
+
+@dataclass(frozen=True)
+class SessionResult:
+    completed: bool
+    errors: tuple[str, ...]
+    first_audio_s: float | None
+    segment_first_audio_s: tuple[float, ...]
+    gaps_s: tuple[float, ...]
+    underruns: int
+    underrun_s: float
+    text_wait_s: float
+    audio_s: float
+    generation_s: float | None  # first text sent -> last audio byte
+
+
+def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0) -> SessionResult:
+    """Latencies and playback of one session from its record (pure)."""
+    ready = [text_ready_time(s.text_end, rec.sends, rec.flushes) for s in rec.segments]
+    lat = [s.first_audio_at - r for s, r in zip(rec.segments, ready)
+           if s.first_audio_at is not None and r is not None]
+    first = None
+    if rec.segments and rec.segments[0].first_audio_at is not None and ready[0] is not None:
+        first = rec.segments[0].first_audio_at - ready[0]
+    arrivals: list[Arrival] = []
+    seen: set[int] = set()
+    for t, samples, pos in rec.audio:
+        ready_at = None
+        if pos >= 0 and pos not in seen:
+            seen.add(pos)
+            ready_at = ready[pos]
+        arrivals.append(Arrival(t, samples, ready_at))
+    pb = simulate_playback(arrivals, sample_rate, prebuffer_s)
+    gen = rec.audio[-1][0] - rec.sends[0][0] if rec.audio and rec.sends else None
+    return SessionResult(rec.completed, tuple(rec.errors), first, tuple(lat), pb.gaps_s, pb.underruns,
+                         pb.underrun_s, pb.text_wait_s, pb.audio_s, gen)
+
+
+class WsSession:
+    """One WebSocket connection carrying one context (a turn)."""
+
+    def __init__(self, ws_url: str, idx: int, headers: dict[str, str] | None) -> None:
+        self.ws_url, self.idx, self.headers = ws_url, idx, headers
+        self.ws: Any = None
+        self.rec = SessionRecord()
+
+    async def connect(self, timeout: float) -> None:
+        import websockets
+
+        self.ws = await websockets.connect(self.ws_url, additional_headers=self.headers, max_size=None,
+                                           open_timeout=timeout, ping_interval=None)
+        first = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        if first.get("type") != "session_started":
+            raise RuntimeError(f"expected session_started, got {first}")
+
+    async def run(self, pieces: Sequence[str], rate: float, start_at: float, settings: dict[str, Any],
+                  timeout: float) -> SessionRecord:
+        rec, cid = self.rec, f"c{self.idx}"
+        reader = asyncio.create_task(self._read(cid))
+        try:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+            sent = 0
+            messages = ["".join(pieces)] if rate <= 0 else list(pieces)
+            t0 = time.perf_counter()
+            for k, piece in enumerate(messages):
+                if rate > 0:
+                    await asyncio.sleep(max(0.0, t0 + k / rate - time.perf_counter()))
+                msg = {"type": "text", "context_id": cid, "text": piece, **(settings if k == 0 else {})}
+                await self.ws.send(json.dumps(msg))
+                sent += len(piece)
+                rec.sends.append((time.perf_counter(), sent))
+            await self.ws.send(json.dumps({"type": "flush", "context_id": cid}))
+            rec.flushes.append((time.perf_counter(), sent))
+            await self.ws.send(json.dumps({"type": "end", "context_id": cid}))
+            await asyncio.wait_for(asyncio.shield(reader), timeout)
+        except Exception as exc:  # a failed session is a result, not a crash of the bench
+            rec.errors.append(f"client:{type(exc).__name__}")
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+        return rec
+
+    async def _read(self, cid: str) -> None:
+        import websockets
+
+        rec = self.rec
+        try:
+            async for msg in self.ws:
+                now = time.perf_counter()
+                if isinstance(msg, bytes):
+                    n = msg[0]
+                    if msg[1:1 + n].decode("utf-8", "replace") != cid:
+                        continue
+                    pos = len(rec.segments) - 1
+                    if pos >= 0 and rec.segments[pos].first_audio_at is None:
+                        rec.segments[pos].first_audio_at = now
+                    rec.audio.append((now, (len(msg) - 1 - n) // 2, pos))
+                    continue
+                ev = json.loads(msg)
+                kind = ev.get("type")
+                if kind == "segment_started":
+                    rec.segments.append(SegmentSeen(int(ev["segment_index"]), int(ev["text_end"]), now))
+                elif kind == "error":
+                    rec.errors.append(str(ev.get("code")))
+                elif kind == "done":
+                    rec.done_at, rec.completed = now, True
+                    return
+        except websockets.ConnectionClosed:
+            rec.errors.append("connection_closed")
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            with contextlib.suppress(Exception):
+                await self.ws.close()
+
+
+# ---- GPU sampling -----------------------------------------------------------------------
+
+
+class GpuSampler:
+    """GPU utilisation and memory sampled by pynvml in a thread (None when unavailable)."""
+
+    def __init__(self, index: int, interval: float = 0.1) -> None:
+        self.interval = interval
+        self.util: list[float] = []
+        self.mem: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+        self._handle: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+        except Exception:  # no driver, no pynvml, no GPU: "n/a"
+            self._nvml = None
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def memory_used(self) -> int | None:
+        if not self.available:
+            return None
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def __enter__(self) -> "GpuSampler":
+        if self.available:
+            self._stop.clear()
+            self.util, self.mem = [], []
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _loop(self) -> None:
+        nv = self._nvml
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                self.util.append(float(nv.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+                self.mem.append(int(nv.nvmlDeviceGetMemoryInfo(self._handle).used))
+            self._stop.wait(self.interval)  # pacing between samples
+
+    def report(self) -> dict[str, Any] | str:
+        if not self.available or not self.util:
+            return "n/a"
+        return {"util_mean_pct": round(sum(self.util) / len(self.util), 1), "util_max_pct": max(self.util),
+                "mem_used_max_mb": round(max(self.mem) / 2**20, 1), "samples": len(self.util)}
+
+
+# ---- one level --------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """The gateway under test and what the bench knows about it."""
+
+    name: str  # "product" | "baseline"
+    url: str
+    headers: dict[str, str] | None
+    pid: int | None = None
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://").replace("https://", "wss://") + "/v1/tts/stream"
+
+
+@dataclass
+class BenchContext:
+    pieces: list[str]
+    rate: float
+    ramp: float
+    voice_id: str
+    text_mode: str
+    timeout: float
+    prebuffer_s: float
+    flops: Any = None  # bench.flops.ModelFlops | None
+    peak_flops: float | None = None
+    gpu: GpuSampler | None = None
+    kv_tokens_per_session: float | None = None
+
+
+async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
+                        pid: int | None) -> None:
+    """Track the peak of gauges during a level (RSS, CUDA memory) until `stop`."""
+    while not stop.is_set():
+        with contextlib.suppress(Exception):
+            m = await scrape(client)
+            if pid is not None and M_RSS not in m:
+                rss = rss_of(pid)
+                if rss is not None:
+                    m[M_RSS] = float(rss)
+            for key in (M_RSS, M_CUDA, M_ACTIVE):
+                if key in m:
+                    peaks[key] = max(peaks.get(key, 0.0), m[key])
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.25)
+
+
+def _mb(x: float | None) -> float | None:
+    return None if x is None else round(x / 2**20, 2)
+
+
+async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client:
+        before = await scrape(client)
+        if target.pid is not None and M_RSS not in before:
+            before[M_RSS] = float(rss_of(target.pid) or 0)
+        sessions = [WsSession(target.ws_url, i, target.headers) for i in range(n)]
+        connected = await asyncio.gather(*(s.connect(ctx.timeout) for s in sessions), return_exceptions=True)
+        live = [s for s, c in zip(sessions, connected) if not isinstance(c, BaseException)]
+        connect_errors = [f"connect:{type(c).__name__}" for c in connected if isinstance(c, BaseException)]
+        idle = await scrape(client)
+        if target.pid is not None and M_RSS not in idle:
+            idle[M_RSS] = float(rss_of(target.pid) or 0)
+        peaks: dict[str, float] = {}
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll_metrics(client, stop, peaks, target.pid))
+        settings = {"voice": ctx.voice_id, "format": "pcm_s16le", "sample_rate": SAMPLE_RATE,
+                    "text_mode": ctx.text_mode}
+        gpu = ctx.gpu if ctx.gpu is not None else contextlib.nullcontext()
+        with gpu:
+            t0 = time.perf_counter() + 0.05
+            records = await asyncio.gather(*(
+                s.run(ctx.pieces, ctx.rate, t0 + (ctx.ramp * i / n if n > 1 else 0.0), settings, ctx.timeout)
+                for i, s in enumerate(live)))
+            ends = [r.audio[-1][0] for r in records if r.audio]
+            wall = (max(ends) if ends else time.perf_counter()) - t0
+        stop.set()
+        await poller
+        after = await scrape(client)
+        for key in (M_RSS, M_CUDA):  # a level shorter than one poll still has a peak
+            if key in after:
+                peaks[key] = max(peaks.get(key, 0.0), after[key])
+        await asyncio.gather(*(s.close() for s in live))
+    results = [analyse(r, SAMPLE_RATE, ctx.prebuffer_s) for r in records]
+    return level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def level_report(n: int, results: Sequence[SessionResult], connect_errors: Sequence[str], wall: float,
+                 before: dict[str, float], idle: dict[str, float], peaks: dict[str, float],
+                 after: dict[str, float], ctx: BenchContext) -> dict[str, Any]:
+    codes: dict[str, int] = {}
+    for code in [e for r in results for e in r.errors] + list(connect_errors):
+        codes[code] = codes.get(code, 0) + 1
+    audio = sum(r.audio_s for r in results)
+    rtfs = [r.generation_s / r.audio_s for r in results if r.generation_s is not None and r.audio_s > 0]
+    lm_tokens = int(_delta(after, before, M_LM))
+    flow_frames = int(_delta(after, before, M_FLOW))
+    voc_frames = int(_delta(after, before, M_VOC))
+    chunks = int(_delta(after, before, M_CHUNKS))
+    batches = int(_delta(after, before, M_BATCHES))
+    flops: dict[str, Any] | str = "n/a"
+    if ctx.flops is not None and wall > 0:
+        f = ctx.flops.total(lm_tokens, flow_frames, chunks, voc_frames)
+        achieved = f["total"] / wall
+        flops = {**{k: float(v) for k, v in f.items()}, "achieved_flops_per_s": achieved,
+                 "peak_flops_per_s": ctx.peak_flops,
+                 "fraction_of_peak": ratio(achieved, ctx.peak_flops),
+                 "counted_from": {"lm_tokens": lm_tokens, "flow_frames": flow_frames, "flow_rows": chunks,
+                                  "vocoder_frames": voc_frames}}
+    rss0 = before.get(M_RSS)
+    rss_idle = idle.get(M_RSS)
+    rss_peak = peaks.get(M_RSS)
+    cuda_peak = peaks.get(M_CUDA)
+    gpu_mem: dict[str, Any] = {
+        "torch_allocated_per_session_mb": _mb((cuda_peak - before.get(M_CUDA, 0.0)) / n)
+        if cuda_peak is not None and M_CUDA in before and before.get(M_CUDA, 0) > 0 else None,
+        "lm_kv_estimate_per_session_mb": _mb(ctx.flops.kv_bytes_per_token * ctx.kv_tokens_per_session)
+        if ctx.flops is not None and ctx.kv_tokens_per_session else None,
+    }
+    return {
+        "sessions": n,
+        "completed": sum(1 for r in results if r.completed),
+        "errors": sum(codes.values()),
+        "error_codes": codes,
+        "first_audio_ms": summary_ms([r.first_audio_s for r in results if r.first_audio_s is not None]),
+        "segment_first_audio_ms": summary_ms([x for r in results for x in r.segment_first_audio_s]),
+        "chunk_gap_ms": summary_ms([g for r in results for g in r.gaps_s], qs=(50, 99)),
+        "underruns": sum(r.underruns for r in results),
+        "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
+        "sessions_with_underrun": sum(1 for r in results if r.underruns),
+        "text_wait_ms": round(sum(r.text_wait_s for r in results) * 1e3, 3),
+        "audio_s": round(audio, 3),
+        "wall_s": round(wall, 3),
+        "rtf": percentile(rtfs, 50),
+        "rtf_max": max(rtfs) if rtfs else None,
+        "rtf_aggregate": wall / audio if audio else None,
+        "server": {
+            "lm_tokens": lm_tokens, "flow_frames": flow_frames, "vocoder_frames": voc_frames,
+            "flow_chunks": chunks, "flow_batches": batches,
+            "mean_flow_batch": chunks / batches if batches else None,
+            "stage_busy_share": _delta(after, before, M_BUSY) / wall if wall > 0 else None,
+            "max_active_sessions": peaks.get(M_ACTIVE),
+        },
+        "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",
+        "flops": flops,
+        "gpu_memory": gpu_mem,
+        "rss": {
+            "before_mb": _mb(rss0), "idle_mb": _mb(rss_idle), "active_peak_mb": _mb(rss_peak),
+            "per_idle_session_mb": _mb((rss_idle - rss0) / n) if rss_idle is not None and rss0 is not None else None,
+            "per_active_session_mb": _mb((rss_peak - rss0) / n) if rss_peak is not None and rss0 is not None else None,
+        },
+    }
+
+
+# ---- comparing product and baseline -----------------------------------------------------
+
+
+def largest_clean_level(levels: Sequence[dict[str, Any]]) -> int | None:
+    """The largest concurrency whose sessions all completed without an underrun."""
+    ok = [lv["sessions"] for lv in levels
+          if lv["underruns"] == 0 and lv["errors"] == 0 and lv["completed"] == lv["sessions"]]
+    return max(ok) if ok else None
+
+
+def compare(product: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """product / baseline at every level both ran (below 1 = the product is better for
+    latencies and RTF), and the largest underrun-free level of each (above 1 = better)."""
+    base = {lv["sessions"]: lv for lv in baseline}
+    shared = []
+    for lv in product:
+        b = base.get(lv["sessions"])
+        if b is None:
+            continue
+        shared.append({
+            "sessions": lv["sessions"],
+            "first_audio_p50": ratio(lv["first_audio_ms"]["p50"], b["first_audio_ms"]["p50"]),
+            "first_audio_p95": ratio(lv["first_audio_ms"]["p95"], b["first_audio_ms"]["p95"]),
+            "segment_first_audio_p50": ratio(lv["segment_first_audio_ms"]["p50"], b["segment_first_audio_ms"]["p50"]),
+            "rtf": ratio(lv["rtf"], b["rtf"]),
+            "rtf_aggregate": ratio(lv["rtf_aggregate"], b["rtf_aggregate"]),
+        })
+    p_clean, b_clean = largest_clean_level(product), largest_clean_level(baseline)
+    return {"levels": shared, "largest_level_without_underrun": {
+        "product": p_clean, "baseline": b_clean, "ratio": ratio(p_clean, b_clean)}}
+
+
+def plot(report: dict[str, Any]) -> str:
+    series = []
+    styles = {"product": "#1f77b4", "baseline": "#d62728"}
+    for mode in ("product", "baseline"):
+        levels = report["results"].get(mode) or []
+        for q, dashed in (("p50", False), ("p95", True)):
+            pts = tuple((float(lv["sessions"]), lv["first_audio_ms"][q]) for lv in levels
+                        if lv["first_audio_ms"][q] is not None)
+            if pts:
+                series.append(Series(f"{mode} {q}", pts, styles[mode], dashed))
+    return render_svg(Chart("First-audio latency vs concurrent sessions", "concurrent sessions",
+                            "first audio (ms)", tuple(series)))
+
+
+def table(report: dict[str, Any]) -> str:
+    head = (f"{'mode':9s} {'sess':>5s} {'done':>5s} {'err':>4s} {'fa p50':>8s} {'fa p95':>8s} {'fa p99':>8s} "
+            f"{'seg p95':>8s} {'gap p99':>8s} {'underrun':>9s} {'u.sess':>6s} {'RTF':>6s} {'batch':>6s} "
+            f"{'GPU%':>5s} {'%peak':>6s} {'RSS/act':>8s}")
+    lines = [head, "-" * len(head)]
+
+    def f(v: Any, fmt: str = ".0f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for mode in ("product", "baseline"):
+        for lv in report["results"].get(mode) or []:
+            gpu = lv["gpu"]["util_mean_pct"] if isinstance(lv["gpu"], dict) else None
+            frac = lv["flops"].get("fraction_of_peak") if isinstance(lv["flops"], dict) else None
+            lines.append(
+                f"{mode:9s} {lv['sessions']:5d} {lv['completed']:5d} {lv['errors']:4d} "
+                f"{f(lv['first_audio_ms']['p50']):>8s} {f(lv['first_audio_ms']['p95']):>8s} "
+                f"{f(lv['first_audio_ms']['p99']):>8s} {f(lv['segment_first_audio_ms']['p95']):>8s} "
+                f"{f(lv['chunk_gap_ms']['p99']):>8s} {lv['underruns']:4d}/{lv['underrun_ms'] / 1e3:4.1f}s "
+                f"{lv['sessions_with_underrun']:6d} {f(lv['rtf'], '.3f'):>6s} "
+                f"{f(lv['server']['mean_flow_batch'], '.1f'):>6s} {f(gpu):>5s} "
+                f"{f(None if frac is None else 100 * frac, '.2f'):>6s} {f(lv['rss']['per_active_session_mb'], '.1f'):>8s}")
+    cmp = report.get("comparison")
+    if cmp:
+        for row in cmp["levels"]:
+            lines.append(f"ratio product/baseline @ {row['sessions']} sessions: first-audio p50 "
+                         f"{f(row['first_audio_p50'], '.3f')}, p95 {f(row['first_audio_p95'], '.3f')}, "
+                         f"RTF {f(row['rtf'], '.3f')}")
+        c = cmp["largest_level_without_underrun"]
+        lines.append(f"largest level without underrun: product {c['product']}, baseline {c['baseline']}")
+    return "\n".join(lines)
+
+
+# ---- the run ----------------------------------------------------------------------------
+
+
+def parse_levels(text: str) -> list[int]:
+    levels = [int(x) for x in str(text).split(",") if x.strip()]
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"bad session levels {text!r}")
+    return levels
+
+
+async def _warm(target: Target, ctx: BenchContext) -> None:
+    """One untimed single session (first-call allocations, lazy imports)."""
+    s = WsSession(target.ws_url, 999_999, target.headers)
+    with contextlib.suppress(Exception):
+        await s.connect(ctx.timeout)
+        await s.run(ctx.pieces[: max(4, len(ctx.pieces) // 4)], 0.0, time.perf_counter(),
+                    {"voice": ctx.voice_id, "format": "pcm_s16le", "text_mode": ctx.text_mode}, ctx.timeout)
+    await s.close()
+
+
+async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, warm: bool,
+                     out: list[dict[str, Any]], on_level: Callable[[], None] = lambda: None) -> None:
+    """Run every level against `target`, appending to `out` (and calling `on_level`
+    after each, so that a run cut short still leaves its finished levels)."""
+    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=120) as client:
+        await ensure_voice(client, ctx.voice_id)
+    if warm:
+        await _warm(target, ctx)
+    for n in levels:
+        lv = await run_level(target, n, ctx)
+        out.append(lv)
+        on_level()
+        fa = lv["first_audio_ms"]
+        print(f"[{target.name}] sessions={n} completed={lv['completed']} errors={lv['errors']} "
+              f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} rtf={lv['rtf']}",
+              flush=True)
+
+
+def nvml_index() -> int:
+    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES=1 makes the gateway's cuda:0 NVML's 1."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+def _token_counter(model_dir: Path | None) -> Callable[[str], int] | None:
+    """Text tokens of a string under the served model's tokenizer (None without a model)."""
+    if model_dir is None:
+        return None
+    from engine.frontend.tokenizer import TextTokenizer
+    from engine.models.loader import read_model_config
+
+    version = read_model_config(model_dir).version
+    tok = TextTokenizer.from_dir(model_dir / "CosyVoice-BlankEN", version=version)
+    return lambda text: len(tok.encode(text))
+
+
+def kv_tokens_per_session(count: Callable[[str], int], text: str, tptt: float) -> float:
+    """LM context of one session at its longest: prompt transcript + prompt speech + the
+    whole paragraph's text and speech (an upper bound: each segment is its own request)."""
+    n = count(text)
+    return count(PROMPT_TRANSCRIPT) + PROMPT_SECONDS * SPEECH_TOKENS_PER_SECOND + n * (1 + tptt)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.ws_load", description=__doc__, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Options not listed here are passed to the launched gateway (e.g. --engine.device cuda).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--launch", action="store_true", help="start `python -m gateway` (with the unknown options)")
+    where.add_argument("--url", help="base URL of a running gateway, e.g. http://127.0.0.1:8080")
+    p.add_argument("--model", default=None,
+                   help="model of the launched gateway (default tiny-random); with --url only for FLOP counting")
+    p.add_argument("--model-cache", type=Path, default=ROOT / "data" / "models",
+                   help="where random/hub models are written or downloaded")
+    p.add_argument("--workdir", type=Path, default=None, help="launched gateways' data dirs (default: a temp dir)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--sessions", default="1,8,32", help="comma-separated concurrency levels")
+    p.add_argument("--baseline", action="store_true", help="also run the baseline gateway (--launch only)")
+    p.add_argument("--baseline-sessions", default=None, help="baseline levels (default: --sessions)")
+    p.add_argument("--rate", type=float, default=30.0, help="text pieces per second per session (0 = all at once)")
+    p.add_argument("--ramp", type=float, default=0.0, help="spread session starts over this many seconds")
+    p.add_argument("--text", default=DEFAULT_TEXT)
+    p.add_argument("--text-file", type=Path, default=None)
+    p.add_argument("--text-mode", choices=("segment", "stream"), default="segment")
+    p.add_argument("--tokens-per-text-token", type=float, default=None,
+                   help="speech tokens per text token (default: calibrated to 14 spoken chars/s, see above)")
+    p.add_argument("--prebuffer-ms", type=float, default=0.0, help="client jitter buffer before playback starts")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-session limit in seconds")
+    p.add_argument("--no-warm", action="store_true", help="skip the untimed warm-up session")
+    p.add_argument("--no-flops", action="store_true", help="skip FLOP counting")
+    p.add_argument("--gpu-index", type=int, default=None,
+                   help="NVML index of the gateway's GPU (default: the first of CUDA_VISIBLE_DEVICES, else 0)")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args, gateway_flags = build_parser().parse_known_args(argv)
+    if args.baseline and not args.launch:
+        raise SystemExit("--baseline needs --launch (the bench starts the baseline gateway itself)")
+    if gateway_flags and not args.launch:
+        raise SystemExit(f"unknown options {gateway_flags} (gateway options need --launch)")
+    text = args.text_file.read_text().strip() if args.text_file else args.text
+    pieces = split_tokens(text)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+
+    if args.launch and args.model is None:
+        args.model = "tiny-random"
+    model_dir: Path | None = None
+    if args.model:
+        from engine.hub import resolve_model
+
+        model_dir = resolve_model(args.model, args.model_cache)
+    count = _token_counter(model_dir)
+    n_text = count(text) if count else None
+    tptt = args.tokens_per_text_token
+    if tptt is None:
+        tptt = calibrated_tokens_per_text_token(text, n_text) if n_text else 7.9
+    device = _flag_value(gateway_flags, "--engine.device") or "auto"
+    use_cuda = _cuda_available() and device != "cpu"
+
+    peak = None
+    count_flops: Callable[[], Any] | None = None
+    if not args.no_flops and model_dir is not None:
+        from bench.flops import count_model_flops, measure_peak_flops
+
+        # The peak first, alone on the device. On CUDA the model FLOPs are counted before
+        # any gateway starts: vLLM's start-up memory profiling fails when another process
+        # frees GPU memory meanwhile. On CPU they are counted while the first gateway loads.
+        peak = measure_peak_flops() if use_cuda else None
+        if use_cuda:
+            counted = count_model_flops(model_dir, "cuda")
+            count_flops = lambda: counted  # noqa: E731
+        else:
+            flops_dir = model_dir
+            count_flops = lambda: count_model_flops(flops_dir, "cpu")  # noqa: E731
+    gpu = GpuSampler(args.gpu_index if args.gpu_index is not None else nvml_index()) if use_cuda else None
+    ctx = BenchContext(pieces, args.rate, args.ramp, VOICE_ID, args.text_mode, args.timeout,
+                       args.prebuffer_ms / 1e3, None, peak, gpu if gpu and gpu.available else None,
+                       kv_tokens_per_session(count, text, tptt) if count else None)
+    levels = parse_levels(args.sessions)
+    base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
+
+    report: dict[str, Any] = {
+        "settings": {
+            "model": args.model, "model_dir": str(model_dir) if model_dir else None,
+            "gateway_flags": gateway_flags, "baseline_flags": list(BASELINE_FLAGS) if args.baseline else None,
+            "url": args.url, "sessions": levels, "baseline_sessions": base_levels if args.baseline else None,
+            "rate_tokens_per_s": args.rate, "ramp_s": args.ramp, "text_mode": args.text_mode,
+            "text": text, "text_chars": len(text), "text_pieces": len(pieces), "text_tokens": n_text,
+            # With --url the running gateway's own setting applies; this is what it should be.
+            "tokens_per_text_token": tptt,
+            "speech_length_rule": f"{SPEECH_TOKENS_PER_SECOND:g} speech tokens/s at {SPOKEN_CHARS_PER_SECOND:g} "
+                                  "spoken chars/s, divided by the served tokenizer's tokens for the text",
+            "expected_audio_s_per_session": round(len(text) / SPOKEN_CHARS_PER_SECOND, 2),
+            "voice": {"id": VOICE_ID, "prompt_seconds": PROMPT_SECONDS, "transcript": PROMPT_TRANSCRIPT},
+            "prebuffer_ms": args.prebuffer_ms, "sample_rate": SAMPLE_RATE,
+            "first_audio_definition": "segment text complete (last character sent, or the flush that closed it) "
+                                      "-> first audio byte of that segment",
+        },
+        "model_flops": "n/a",
+        "peak_flops_per_s": peak if peak is not None else "n/a",
+        "results": {"product": [], "baseline": []},
+    }
+
+    def save() -> None:
+        if args.baseline and report["results"]["baseline"]:
+            report["comparison"] = compare(report["results"]["product"], report["results"]["baseline"])
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2, allow_nan=False))
+
+    async def go() -> None:
+        counting = asyncio.create_task(asyncio.to_thread(count_flops)) if count_flops else None
+
+        async def flops_ready() -> None:
+            if counting is None or counting.done() and report["model_flops"] != "n/a":
+                return
+            try:
+                ctx.flops = await counting
+                report["model_flops"] = ctx.flops.to_json()
+            except Exception as exc:  # FLOPs are one figure among many: report, go on
+                report["model_flops"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+        if not args.launch:
+            await flops_ready()
+            target = Target("product", args.url.rstrip("/"), headers)
+            await run_target(target, levels, ctx, not args.no_warm, report["results"]["product"], save)
+            return
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ws-load-"))
+        flags = [*gateway_flags, "--engine.tokens-per-text-token", str(tptt)]
+        runs = [("product", flags, levels)]
+        if args.baseline:
+            runs.append(("baseline", [*flags, *BASELINE_FLAGS], base_levels))
+        for name, fl, lv in runs:
+            gw = await asyncio.to_thread(LaunchedGateway, model_dir, fl, workdir / name, args.ready_timeout)
+            try:
+                await flops_ready()
+                target = Target(name, gw.url, headers, gw.pid)
+                report["settings"].setdefault("launch_commands", {})[name] = gw.command
+                await run_target(target, lv, ctx, not args.no_warm, report["results"][name], save)
+            finally:
+                await asyncio.to_thread(gw.stop)
+
+    asyncio.run(go())
+    save()
+    if args.plot:
+        args.plot.write_text(plot(report))
+    print(table(report), flush=True)
+    return report
+
+
+def _flag_value(flags: Sequence[str], name: str) -> str | None:
+    value = None
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif f.startswith(name + "="):
+            value = f.split("=", 1)[1]
+    return value
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+if __name__ == "__main__":
+    main()

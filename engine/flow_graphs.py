@@ -1,0 +1,309 @@
+"""CUDA graphs for the flow's ODE solve (CosyVoice3 DiT): 10 Euler steps x 22 DiT blocks
+are ~10k small kernels per chunk batch, so at small batches the GPU waits on the CPU
+launching them. Replaying a captured graph launches them all at once.
+
+A graph has fixed shapes, so `FlowGraphRunner` pads every batch up to a bucket:
+
+* rows (chunks, before the guidance doubling) to the next of `GraphPolicy.batch_buckets`;
+* frames to the next multiple of `GraphPolicy.frame_multiple`.
+
+The padding is exact (see `CausalMaskedDiffWithDiT.decode_chunks`): padded rows and frames
+carry mask 0 and zero inputs, the estimator works row by row, its convolutions only look
+left and attention never reads a masked key, so the real frames are the same numbers as
+without padding (up to kernel choice for the different GEMM/attention sizes).
+
+One graph per (rows, frames, streaming) bucket, captured lazily on first use (or ahead of
+time with `warm`), at most `max_graphs` kept (least recently used dropped) and none above
+`max_frames` (those batches run eagerly). All graphs read from and write to one set of
+static buffers (views of the same flat tensors: replays are sequential, and every replay
+copies its inputs in first) and allocate their intermediates from one shared memory pool.
+
+With `capture=False` (the default off CUDA) the runner keeps all of this except the graph
+itself: it pads, copies into the static buffers, solves eagerly on them and copies out.
+That path is what the CPU tests check against the plain `inference_chunks`.
+
+Autocast: the stage runs the flow under bf16 autocast. Autocast caches the bf16 copy of
+each weight for the length of its region; a copy cached *before* a capture would be baked
+into the graph as an address whose memory is later freed. So the cache is cleared right
+before and right after each capture: inside the capture the first DiT call records the
+weight casts (into the graph's pool) and the other nine reuse them, as in eager mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+# PyTorch allows one graph capture at a time per process; with one stage per GPU
+# (`engine.stage_pool`) several worker threads may want to capture at once. A lock, not
+# state: replays and eager work never take it.
+_CAPTURE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class GraphPolicy:
+    """Which shapes get a graph. 50 frames is the DiT's attention block (and 1 s of mel),
+    so a padded batch never starts a new block just for padding."""
+
+    batch_buckets: tuple[int, ...] = BATCH_BUCKETS
+    frame_multiple: int = 50
+    max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
+    max_graphs: int = 64  # a voice needs ~7 row x ~7 frame buckets
+    warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
+
+    def bucket(self, rows: int, frames: int) -> tuple[int, int] | None:
+        """(padded rows, padded frames) for a batch, or None when no graph may serve it."""
+        fitting = [b for b in self.batch_buckets if b >= rows]
+        padded_frames = -(-frames // self.frame_multiple) * self.frame_multiple
+        if not fitting or rows < 1 or frames < 1 or padded_frames > self.max_frames:
+            return None
+        return min(fitting), padded_frames
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0  # solves served by a graph (or by the static buffers when capture is off)
+    eager: int = 0  # solves with no bucket (too many rows or frames) or after a capture failure
+    evictions: int = 0
+
+
+@dataclass
+class _Views:
+    """The static tensors of one bucket (views into the runner's flat buffers)."""
+
+    noise: torch.Tensor  # [R, C, T]
+    mask: torch.Tensor  # [R, 1, T]
+    mu: torch.Tensor  # [R, C, T]
+    spks: torch.Tensor  # [R, C]
+    cond: torch.Tensor  # [R, C, T]
+    out: torch.Tensor  # [R, C, T]
+
+
+class FlowGraphRunner:
+    """Drop-in `solver` for `CausalMaskedDiffWithDiT.decode_chunks` (see `FlowSolver`)."""
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        policy: GraphPolicy | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        capture: bool | None = None,
+    ) -> None:
+        self.decoder = decoder  # a CausalConditionalCFM (has .solve and .rand_noise)
+        self.policy = policy or GraphPolicy()
+        self.autocast_dtype = autocast_dtype
+        self.device = decoder.rand_noise.device
+        self.capture = (self.device.type == "cuda") if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graph capture needs the decoder on a CUDA device")
+        if self.policy.max_graphs < 1:
+            raise ValueError("GraphPolicy.max_graphs must be at least 1")
+        self.stats = GraphStats()
+        self._channels = int(decoder.rand_noise.shape[1])
+        self._flat: dict[str, torch.Tensor] = {}
+        self._graphs: OrderedDict[tuple[int, int, bool], object] = OrderedDict()
+        self._pool: object | None = None
+        self._stream: torch.cuda.Stream | None = None  # warm-up and capture stream (CUDA only)
+        self._broken = False  # a capture failed: run eagerly from then on
+
+    # ------------------------------------------------------------------ public
+    def padded_shape(self, rows: int, frames: int) -> tuple[int, int]:
+        """The shape a batch of `rows` x `frames` is solved at (itself when no bucket fits)."""
+        return self.policy.bucket(rows, frames) or (rows, frames)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        noise: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        streaming: bool,
+    ) -> torch.Tensor:
+        """Same contract as `CausalConditionalCFM.solve`: mel [B, C, T] float32."""
+        rows, _, frames = noise.shape
+        shape = self.policy.bucket(rows, frames)
+        if shape is None or self._broken:
+            self.stats.eager += 1
+            with self._autocast():
+                return self.decoder.solve(noise, mask, mu, spks, cond, streaming)
+        views = self._views(*shape, dtype=noise.dtype)
+        for dst, src in ((views.noise, noise), (views.mask, mask), (views.mu, mu), (views.spks, spks), (views.cond, cond)):
+            _copy_padded(dst, src)
+        if not self._run(shape, views, streaming):
+            self.stats.eager += 1
+            with self._autocast():
+                return self.decoder.solve(noise, mask, mu, spks, cond, streaming)
+        self.stats.replays += 1
+        # A copy: the next replay overwrites the static output.
+        return views.out[:rows, :, :frames].clone()
+
+    @torch.inference_mode()
+    def warm(self, shapes: Iterable[tuple[int, int]], streaming: bool = True) -> int:
+        """Capture the graphs for these (rows, frames) batch shapes now (e.g. at engine start,
+        so no request pays for a capture); returns how many were captured. A no-op without
+        capture."""
+        if not self.capture:
+            return 0
+        captured = 0
+        for rows, frames in shapes:
+            shape = self.policy.bucket(rows, frames)
+            if shape is None or (*shape, streaming) in self._graphs or self._broken:
+                continue
+            views = self._views(*shape, dtype=self.decoder.rand_noise.dtype)
+            # Inputs only need to be finite for the warm-up runs; every replay copies its own.
+            for t in (views.noise, views.mu, views.spks, views.cond):
+                t.zero_()
+            views.mask.fill_(1.0)
+            before = self.stats.captures
+            self._run(shape, views, streaming, replay=False)
+            captured += self.stats.captures - before
+        return captured
+
+    # ------------------------------------------------------------------ internals
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _views(self, rows: int, frames: int, dtype: torch.dtype) -> _Views:
+        """Views of the flat static buffers for one bucket; the buffers are allocated once
+        at the largest bucket so captured graphs never see them move."""
+        c = self._channels
+        big_rows, big_frames = max(self.policy.batch_buckets), self.policy.max_frames
+        if not self._flat or self._flat["noise"].dtype != dtype:
+            self._graphs.clear()  # graphs point into the old buffers
+            sizes = {"noise": big_rows * c * big_frames, "mu": big_rows * c * big_frames,
+                     "cond": big_rows * c * big_frames, "out": big_rows * c * big_frames,
+                     "mask": big_rows * big_frames, "spks": big_rows * c}
+            # The output is float32 whatever the input dtype: `solve` returns float32.
+            self._flat = {k: torch.zeros(n, device=self.device, dtype=dtype if k != "out" else torch.float32)
+                          for k, n in sizes.items()}
+
+        def view(name: str, *shape: int) -> torch.Tensor:
+            n = 1
+            for s in shape:
+                n *= s
+            return self._flat[name][:n].view(*shape)
+
+        return _Views(noise=view("noise", rows, c, frames), mask=view("mask", rows, 1, frames),
+                      mu=view("mu", rows, c, frames), spks=view("spks", rows, c),
+                      cond=view("cond", rows, c, frames), out=view("out", rows, c, frames))
+
+    def _solve_into(self, views: _Views, streaming: bool) -> None:
+        x = self.decoder.solve(views.noise, views.mask, views.mu, views.spks, views.cond, streaming)
+        views.out.copy_(x)
+
+    def _run(self, shape: tuple[int, int], views: _Views, streaming: bool, replay: bool = True) -> bool:
+        """Fill views.out for the inputs already in the static buffers; False = not done
+        (capture failed), the caller solves eagerly."""
+        if not self.capture:
+            with self._autocast():
+                self._solve_into(views, streaming)
+            return True
+        # Capture and replay on the decoder's device (a stage on cuda:1 runs its worker
+        # thread with cuda:0 current otherwise).
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:
+            key = (*shape, streaming)
+            graph = self._graphs.get(key)
+            if graph is None:
+                try:
+                    with _CAPTURE_LOCK:
+                        graph = self._capture(views, streaming)
+                except Exception:  # a capture problem must not take the stage down
+                    log.exception("CUDA graph capture failed for %s; the flow runs eagerly from now on", key)
+                    self._broken = True
+                    self._graphs.clear()
+                    return False
+                self._graphs[key] = graph
+                self.stats.captures += 1
+                while len(self._graphs) > self.policy.max_graphs:
+                    self._graphs.popitem(last=False)
+                    self.stats.evictions += 1
+            self._graphs.move_to_end(key)
+            if replay:
+                graph.replay()  # type: ignore[attr-defined]
+        return True
+
+    def _capture(self, views: _Views, streaming: bool) -> object:
+        """Warm up on a side stream, then capture one solve into a new graph (on this
+        runner's own capture stream and shared pool, both on the decoder's device)."""
+        current = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        side = self._stream
+        side.wait_stream(current)
+        with torch.cuda.stream(side), self._autocast():
+            for _ in range(self.policy.warmup_iters):
+                self._solve_into(views, streaming)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        torch.clear_autocast_cache()
+        try:
+            with self._autocast():
+                # thread_local: the LM backend may use the GPU from other threads meanwhile.
+                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                    self._solve_into(views, streaming)
+        finally:
+            torch.clear_autocast_cache()
+        return graph
+
+
+def _copy_padded(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, zero-padded at the end of every dim (dst is a static buffer)."""
+    if dst.shape == src.shape:
+        dst.copy_(src)
+        return
+    dst.zero_()
+    dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
+
+
+def prompt_shapes(
+    prompt_tokens: int,
+    hops: Iterable[int],
+    left_context: int = 50,
+    rows: Iterable[int] = BATCH_BUCKETS,
+    block: int = 25,
+    ratio: int = 2,
+) -> list[tuple[int, int]]:
+    """Batch shapes the engine's chunks of one voice produce, to `warm` at start.
+
+    A chunk's flow window is prompt + left context + hop tokens (the lookahead makes no
+    frames). The context is 0 for the first chunk and then, because the engine cuts the
+    window on whole `block`s, anywhere in (left_context - block, left_context]; so a
+    voice meets these frame counts, for every row bucket.
+    """
+    frames = set()
+    for hop in hops:
+        frames.add(ratio * (prompt_tokens + hop))  # first chunk: no context yet
+        if left_context >= 0:
+            for ctx in range(max(0, left_context - block + 1), left_context + 1):
+                frames.add(ratio * (prompt_tokens + ctx + hop))
+    return [(r, f) for r in rows for f in sorted(frames)]
+
+
+def iter_shapes(rows: Iterable[int], frames: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """All (rows, frames) pairs, for `FlowGraphRunner.warm`."""
+    frames = list(frames)
+    for r in rows:
+        for f in frames:
+            yield r, f

@@ -1,0 +1,90 @@
+"""Several audio stages behind the one-stage interface: the flow+vocoder work on more GPUs.
+
+The flow+vocoder stage is the engine's bottleneck (the LM runs at a fraction of its
+capacity while the stage is saturated), so the cheapest use of a second GPU is a second
+copy of the stage: each utterance is placed on the stage with the fewest live
+utterances when its vocoder stream is created, and all of its chunks run there (the
+vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
+
+`StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `run`,
+`drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `start`, `close`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numpy as np
+
+from .token2wav import AudioStage, ChunkJob, StageStats
+
+
+class PooledStream:
+    """A vocoder stream bound to one stage of the pool."""
+
+    __slots__ = ("stage_index", "inner", "__weakref__")
+
+    def __init__(self, stage_index: int, inner: object) -> None:
+        self.stage_index = stage_index
+        self.inner = inner
+
+
+class StagePool:
+    def __init__(self, stages: list[AudioStage]) -> None:
+        if not stages:
+            raise ValueError("a stage pool needs at least one stage")
+        self.stages = stages
+        # Live streams per stage: a stream is dropped with its utterance, so the weak
+        # sets count utterances in progress without any bookkeeping on the hot path.
+        self._live: list[weakref.WeakSet[PooledStream]] = [weakref.WeakSet() for _ in stages]
+
+    @property
+    def devices(self) -> list[object]:
+        return [s.device for s in self.stages]
+
+    def load(self) -> list[int]:
+        """Live utterances per stage."""
+        return [len(s) for s in self._live]
+
+    def new_stream(self) -> PooledStream:
+        loads = self.load()
+        index = loads.index(min(loads))
+        stream = PooledStream(index, self.stages[index].new_stream())
+        self._live[index].add(stream)
+        return stream
+
+    async def run(self, job: ChunkJob) -> np.ndarray:
+        pooled = job.hift_stream
+        if not isinstance(pooled, PooledStream):
+            raise TypeError("job.hift_stream must come from StagePool.new_stream()")
+        stage = self.stages[pooled.stage_index]
+        return await stage.run(dataclasses.replace(job, hift_stream=pooled.inner))
+
+    def drop_cancelled(self) -> int:
+        return sum(s.drop_cancelled() for s in self.stages)
+
+    def pending_for(self, is_cancelled: object) -> int:
+        return sum(s.pending_for(is_cancelled) for s in self.stages)
+
+    @property
+    def stats(self) -> StageStats:
+        """Counters summed over the stages (maxima for the `max_`/`last_` gauges)."""
+        total = StageStats()
+        for f in dataclasses.fields(StageStats):
+            values = [getattr(s.stats, f.name) for s in self.stages]
+            merged = max(values) if f.name.startswith(("max_", "last_")) else sum(values)
+            setattr(total, f.name, merged)
+        return total
+
+    async def warm_graphs(self, shapes: list[tuple[int, int]]) -> int:
+        """Capture the flow graphs for these batch shapes on every stage."""
+        return sum([await s.warm_graphs(shapes) for s in self.stages])
+
+    async def start(self) -> None:
+        for s in self.stages:
+            await s.start()
+
+    async def close(self) -> None:
+        for s in self.stages:
+            await s.close()

@@ -1,0 +1,252 @@
+"""The flow's CUDA-graph runner (engine/flow_graphs.py) and the audio stage around it, on CPU.
+
+CUDA graphs themselves need a GPU (bench/stage_bench.py checks graph == eager there).
+Everything around them runs here with capture off, through the same code: bucket choice,
+padding to the bucket (which must not change a single real frame beyond float noise),
+copy into and out of the shared static buffers, the eager fallback, the graph cache
+(with a stand-in "graph" that replays by solving eagerly on the static buffers), and the
+stage's counters and single host copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from engine.flow_graphs import FlowGraphRunner, GraphPolicy, iter_shapes, prompt_shapes
+from engine.models.config import ModelConfig
+from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+from engine.models.hift import CausalHiFTGenerator
+from engine.models.hift import init_random_ as hift_init_random_
+from engine.token2wav import AudioStage, ChunkJob, _to_host
+
+# Small buckets so the tiny model exercises row and frame padding in every test.
+POLICY = GraphPolicy(batch_buckets=(1, 2, 4, 8), frame_multiple=50, max_frames=200, max_graphs=3)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def flow() -> CausalMaskedDiffWithDiT:
+    torch.set_num_threads(1)
+    return init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=1234).eval()
+
+
+def _chunks(n: int, seed: int) -> list[FlowChunk]:
+    """n chunks of two voices with mixed lengths, offsets and finalize flags."""
+    g = torch.Generator().manual_seed(seed)
+    voices = []
+    for tp in (13, 21):
+        voices.append((torch.randint(0, 6561, (tp,), generator=g), torch.randn(2 * tp, 80, generator=g),
+                       torch.randn(192, generator=g)))
+    out = []
+    for i in range(n):
+        pt, pf, emb = voices[i % 2]
+        tp = len(pt)
+        new = int(torch.randint(5, 30, (1,), generator=g))
+        ctx = int(torch.randint(0, 2, (1,), generator=g)) * 25
+        finalize = i % 3 == 2
+        look = 0 if finalize else 3
+        toks = torch.randint(0, 6561, (ctx + new + look,), generator=g)
+        out.append(FlowChunk(torch.cat((pt, toks)), pf, emb, tp, out_start=tp + ctx, finalize=finalize,
+                             noise_offset=2 * 25 * (i % 4)))
+    return out
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+def test_bucket_choice() -> None:
+    p = GraphPolicy()
+    assert p.bucket(1, 1) == (1, 50)
+    assert p.bucket(3, 120) == (4, 150)
+    assert p.bucket(5, 150) == (8, 150)  # already a multiple: no extra frames
+    assert p.bucket(33, 451) == (64, 500)
+    assert p.bucket(64, 1500) == (64, 1500)
+    assert p.bucket(65, 100) is None  # more rows than the largest bucket
+    assert p.bucket(2, 1501) is None  # longer than max_frames
+    assert p.bucket(0, 100) is None
+    runner = FlowGraphRunner(init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), 0).decoder, p)
+    assert runner.padded_shape(3, 120) == (4, 150)
+    assert runner.padded_shape(65, 120) == (65, 120)  # no bucket: solved as is
+    assert not runner.capture  # CPU: never captures
+    assert list(iter_shapes([1, 2], [50, 100])) == [(1, 50), (1, 100), (2, 50), (2, 100)]
+    # A 150-token prompt, hops 15 then 25: first chunk 330 frames, later 2 * (150 + 26..50 + hop).
+    shapes = prompt_shapes(150, hops=[15, 25], left_context=50, rows=[1])
+    assert shapes[0] == (1, 330) and shapes[-1] == (1, 450)
+    assert {p.bucket(*s) for s in shapes} == {(1, 350), (1, 400), (1, 450)}  # what warm() would capture
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 6])
+def test_padded_buckets_equal_plain_decoding(flow: CausalMaskedDiffWithDiT, n: int) -> None:
+    chunks = _chunks(n, seed=n)
+    plain, plain_shape = flow.decode_chunks(chunks)
+    runner = FlowGraphRunner(flow.decoder, POLICY)
+    padded, shape = flow.decode_chunks(chunks, solver=runner)
+    assert _max_diff(plain, padded) <= TOL
+    assert runner.stats.replays == 1 and runner.stats.eager == 0
+    rows, frames = plain_shape.rows, plain_shape.frames
+    assert (shape.rows, shape.frames) == POLICY.bucket(rows, frames)
+    assert shape.rows > rows or shape.frames > frames or (rows, frames) == (1, 50)  # padding really happened
+    # The plain path is today's inference_chunks.
+    assert _max_diff(flow.inference_chunks(chunks), plain) == 0.0
+
+
+def test_static_buffers_carry_nothing_between_batches(flow: CausalMaskedDiffWithDiT) -> None:
+    """A big batch then a small one through the same flat buffers: the small one must not
+    see the big one's leftovers, whether it arrives padded or not."""
+    runner = FlowGraphRunner(flow.decoder, POLICY)
+    big, small = _chunks(7, seed=11), _chunks(2, seed=12)
+    assert _max_diff(flow.inference_chunks(big, solver=runner), flow.inference_chunks(big)) <= TOL
+    assert _max_diff(flow.inference_chunks(small, solver=runner), flow.inference_chunks(small)) <= TOL
+    # Unpadded inputs handed straight to the runner: it zero-pads into its buffers itself.
+    g = torch.Generator().manual_seed(3)
+    rows, frames = 3, 70
+    noise, mu, cond = (torch.randn(rows, 80, frames, generator=g) for _ in range(3))
+    spks = torch.randn(rows, 80, generator=g)
+    mask = torch.ones(rows, 1, frames)
+    mask[1, :, 40:] = 0
+    with torch.inference_mode():
+        want = flow.decoder.solve(noise, mask, mu, spks, cond, True)
+    got = runner(noise, mask, mu, spks, cond, True)
+    assert got.shape == want.shape
+    real = mask.expand_as(want).bool()
+    assert float((got - want)[real].abs().max()) <= TOL
+
+
+def test_no_bucket_falls_back_to_eager(flow: CausalMaskedDiffWithDiT) -> None:
+    chunks = _chunks(9, seed=5)  # 9 rows > the largest bucket (8)
+    runner = FlowGraphRunner(flow.decoder, POLICY)
+    out, shape = flow.decode_chunks(chunks, solver=runner)
+    assert runner.stats.eager == 1 and runner.stats.replays == 0
+    assert shape.rows == 9 and shape.frames % 2 == 0 and shape.frames % 50 != 0
+    assert _max_diff(out, flow.inference_chunks(chunks)) == 0.0
+    long = _chunks(1, seed=6)[0]
+    tokens = torch.cat((long.tokens, torch.randint(0, 6561, (100,))))  # > 200 frames
+    too_long = replace(long, tokens=tokens)
+    assert _max_diff(flow.inference_chunks([too_long], solver=runner), flow.inference_chunks([too_long])) == 0.0
+    assert runner.stats.eager == 2
+
+
+# ----------------------------------------------------------------------------- graph cache
+
+
+class _EagerGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: replay() re-runs the recorded solve on the
+    static buffers, which is what a real replay computes."""
+
+    def __init__(self, fn) -> None:  # noqa: ANN001
+        self.fn = fn
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.fn()
+
+
+class _CpuGraphRunner(FlowGraphRunner):
+    def __init__(self, *args, fail: bool = False, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.capture = True  # take the graph path with the stand-in graph
+        self.fail = fail
+        self.made: list[_EagerGraph] = []
+
+    def _capture(self, views, streaming):  # noqa: ANN001, ANN202
+        if self.fail:
+            raise RuntimeError("capture invalidated")
+        graph = _EagerGraph(lambda: self._solve_into(views, streaming))
+        self.made.append(graph)
+        return graph
+
+
+def test_graph_cache_captures_once_per_bucket_and_evicts_lru(flow: CausalMaskedDiffWithDiT) -> None:
+    runner = _CpuGraphRunner(flow.decoder, POLICY)
+    a, b = _chunks(3, seed=21), _chunks(2, seed=22)  # rows 3 -> 4, rows 2 -> 2
+    for _ in range(2):
+        assert _max_diff(flow.inference_chunks(a, solver=runner), flow.inference_chunks(a)) <= TOL
+    assert runner.stats.captures == 1 and runner.stats.replays == 2 and runner.made[0].replays == 2
+    assert _max_diff(flow.inference_chunks(b, solver=runner), flow.inference_chunks(b)) <= TOL
+    assert runner.stats.captures == 2 and runner.num_graphs == 2
+    # Non-streaming is a different graph (different attention mask).
+    flow.inference_chunks(b, streaming=False, solver=runner)
+    assert runner.stats.captures == 3
+    # warm() captures missing buckets only; max_graphs = 3 evicts the least recently used.
+    _, shape_b = flow.decode_chunks(b, solver=runner)  # a replay, and b is now the most recent
+    assert runner.stats.captures == 3
+    assert runner.warm([(shape_b.rows, shape_b.frames)]) == 0  # cached already
+    captured = runner.warm([(1, 50), (1, 40)])  # both map to (1, 50): one capture
+    assert captured == 1 and runner.stats.evictions == 1 and runner.num_graphs == 3
+    # a's graph was the least recently used: using it again recaptures.
+    before = runner.stats.captures
+    assert _max_diff(flow.inference_chunks(a, solver=runner), flow.inference_chunks(a)) <= TOL
+    assert runner.stats.captures == before + 1
+
+
+def test_capture_failure_disables_graphs_but_serves_the_batch(flow: CausalMaskedDiffWithDiT) -> None:
+    runner = _CpuGraphRunner(flow.decoder, POLICY, fail=True)
+    chunks = _chunks(3, seed=31)
+    out = flow.inference_chunks(chunks, solver=runner)
+    assert _max_diff(out, flow.inference_chunks(chunks)) <= TOL
+    assert runner.stats.captures == 0 and runner.stats.eager == 1
+    flow.inference_chunks(chunks, solver=runner)
+    assert runner.stats.eager == 2 and runner.num_graphs == 0
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def _stage_run(stage: AudioStage, chunks: list[FlowChunk]) -> list[np.ndarray]:
+    async def go() -> list[np.ndarray]:
+        await stage.start()
+        try:
+            jobs = [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                             is_cancelled=lambda: False) for c in chunks]
+            return list(await asyncio.gather(*(stage.run(j) for j in jobs)))
+        finally:
+            await stage.close()
+
+    return asyncio.run(go())
+
+
+def test_stage_counts_frames_and_pads_exactly(flow: CausalMaskedDiffWithDiT) -> None:
+    hift = hift_init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift), seed=3).eval()
+    chunks = _chunks(3, seed=41)
+    plain_stage = AudioStage(flow, hift, torch.device("cpu"))
+    assert not plain_stage.flow_cuda_graphs and plain_stage.graph_runner() is None  # CPU: off
+    plain = _stage_run(plain_stage, chunks)
+    st = plain_stage.stats
+    assert st.batches == 1 and st.chunks == 3
+    _, shape = flow.decode_chunks(chunks)
+    assert st.flow_frames == shape.rows * shape.frames == 3 * shape.frames
+    mel_frames = sum(2 * (len(c.tokens) - (0 if c.finalize else 3) - c.out_start) for c in chunks)
+    assert st.vocoder_frames == mel_frames
+
+    # The same batch through the padded static-buffer path (what CUDA replays).
+    padded_stage = AudioStage(flow, hift, torch.device("cpu"), graph_policy=POLICY)
+    padded_stage.flow_cuda_graphs = True
+    padded_stage._graphs = FlowGraphRunner(flow.decoder, POLICY)
+    padded = _stage_run(padded_stage, chunks)
+    assert padded_stage.stats.flow_frames == 4 * POLICY.bucket(3, shape.frames)[1]
+    assert padded_stage.stats.vocoder_frames == mel_frames
+    assert [p.shape for p in padded] == [p.shape for p in plain]
+    assert all(p.size > 0 for p in plain)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain, padded)) <= 1e-4
+
+
+def test_to_host_splits_one_copy_per_chunk() -> None:
+    parts = [torch.arange(5.0), torch.zeros(0), torch.arange(3.0).reshape(1, 3) + 10, torch.tensor([7.0])]
+    host = _to_host(parts)
+    assert [h.tolist() for h in host] == [[0, 1, 2, 3, 4], [], [10, 11, 12], [7]]
+    assert all(h.dtype == np.float32 for h in host)
+    assert _to_host([]) == []

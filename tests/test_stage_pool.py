@@ -1,0 +1,64 @@
+"""Several flow+vocoder stages behind one engine (`engine.stage_devices`), on CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine.stage_pool import StagePool
+from engine.token2wav import ChunkJob
+from engine.types import AudioChunk, SessionOptions
+from tests.test_engine import collect, default_voice, run
+
+
+def _speak_four(engine):
+    async def go():
+        voice = await default_voice(engine)
+        sessions = []
+        for i in range(4):
+            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=i))
+            await s.submit(f"Caller {i} would like to hear this sentence.")
+            await s.finish()
+            sessions.append(s)
+        results = await asyncio.gather(*(collect(s) for s in sessions))
+        pcm = []
+        for events in results:
+            assert all(isinstance(e, AudioChunk) for e in events), events
+            pcm.append(np.concatenate([e.pcm for e in events]))
+        return pcm
+
+    return go()
+
+
+def test_two_stages_split_the_utterances_and_give_the_same_audio(tiny_model_dir):
+    async def pooled(engine):
+        assert isinstance(engine.stage, StagePool) and len(engine.stage.stages) == 2
+        pcm = await _speak_four(engine)
+        per_stage = [s.stats.chunks for s in engine.stage.stages]
+        return pcm, per_stage, engine.stats().chunks
+
+    single = run(tiny_model_dir, _speak_four, warmup=False)
+    pcm, per_stage, total = run(tiny_model_dir, pooled, warmup=False, stage_devices=("cpu", "cpu"))
+    assert all(n > 0 for n in per_stage), per_stage  # both stages did work
+    assert total == sum(per_stage)  # the engine's stats add the stages up
+    for a, b in zip(single, pcm):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_pool_places_new_streams_on_the_least_loaded_stage(tiny_model_dir):
+    async def fn(engine):
+        pool = engine.stage
+        first, second = pool.new_stream(), pool.new_stream()
+        assert {first.stage_index, second.stage_index} == {0, 1}
+        assert pool.load() == [1, 1]
+        del first  # its utterance ended: the stage is free again
+        third = pool.new_stream()
+        assert pool.load() == [1, 1] and third is not None
+        with pytest.raises(TypeError):
+            await pool.run(ChunkJob(flow=None, hift_stream=object(), speed=1.0, chunk_index=0,  # type: ignore[arg-type]
+                                    is_cancelled=lambda: False))
+
+    run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"))

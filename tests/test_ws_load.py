@@ -1,0 +1,265 @@
+"""The WebSocket load benchmark (`bench.ws_load`): its pure accounting on synthetic
+timelines with exact expected values, the SVG writer, and one real end-to-end run that
+launches the gateway (tiny random-weight model, CPU) for the product and the baseline."""
+
+from __future__ import annotations
+
+import json
+import random
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
+from bench.svg_plot import Chart, Series, render_svg
+from bench.ws_load import (
+    SegmentSeen,
+    SessionRecord,
+    analyse,
+    calibrated_tokens_per_text_token,
+    compare,
+    largest_clean_level,
+    main,
+    split_tokens,
+)
+
+SR = 1000  # samples per second in the synthetic timelines: 500 samples = 0.5 s
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+# ---- playback ---------------------------------------------------------------------------
+
+
+def test_playback_on_time_stream_has_no_underrun() -> None:
+    pb = simulate_playback([Arrival(0.0, 1000), Arrival(0.5, 1000), Arrival(1.9, 1000)], SR)
+    assert pb.underruns == 0 and pb.underrun_s == 0.0
+    assert pb.audio_s == 3.0
+    assert pb.play_start == 0.0 and pb.play_end == 3.0
+    assert pb.gaps_s == pytest.approx((0.5, 1.4))
+
+
+def test_one_late_chunk_is_one_underrun_and_playback_resumes() -> None:
+    # Chunk 2 is due at 0.5 s but arrives at 1.0: a 0.5 s stall. Playback resumes at
+    # 1.0, so chunk 3 (due 1.5, arrived 1.2) and chunk 4 (due 2.5, arrived 2.5) are on time.
+    arrivals = [Arrival(0.0, 500), Arrival(1.0, 500), Arrival(1.2, 1000), Arrival(2.5, 500)]
+    pb = simulate_playback(arrivals, SR)
+    assert pb.underruns == 1
+    assert pb.underrun_s == pytest.approx(0.5)
+    assert pb.play_end == pytest.approx(3.0)
+
+
+def test_every_late_chunk_counts() -> None:
+    pb = simulate_playback([Arrival(0.0, 100), Arrival(0.3, 100), Arrival(0.6, 100)], SR)
+    # due 0.1 (arrived 0.3: 0.2 late), then due 0.4 (arrived 0.6: 0.2 late)
+    assert pb.underruns == 2
+    assert pb.underrun_s == pytest.approx(0.4)
+
+
+def test_silence_waiting_for_text_is_not_an_underrun() -> None:
+    # Segment 2's text was only complete at 2.0 s (the LLM was slow), its audio came at
+    # 2.3 s: 1.0 s of text wait (from 1.0, end of segment 1) and 0.3 s of underrun.
+    pb = simulate_playback([Arrival(0.0, 1000), Arrival(2.3, 1000, ready_at=2.0)], SR)
+    assert pb.text_wait_s == pytest.approx(1.0)
+    assert pb.underruns == 1 and pb.underrun_s == pytest.approx(0.3)
+    # Audio that follows its text in time is simply on time.
+    pb = simulate_playback([Arrival(0.0, 1000), Arrival(1.5, 1000, ready_at=1.6)], SR)
+    assert pb.underruns == 0 and pb.text_wait_s == pytest.approx(0.6)
+
+
+def test_prebuffer_absorbs_jitter() -> None:
+    arrivals = [Arrival(0.0, 200), Arrival(0.35, 200)]
+    assert simulate_playback(arrivals, SR).underruns == 1
+    buffered = simulate_playback(arrivals, SR, prebuffer_s=0.2)
+    assert buffered.underruns == 0 and buffered.play_start == pytest.approx(0.2)
+
+
+def test_playback_of_nothing() -> None:
+    pb = simulate_playback([], SR)
+    assert (pb.underruns, pb.audio_s, pb.play_start, pb.gaps_s) == (0, 0.0, None, ())
+    with pytest.raises(ValueError):
+        simulate_playback([Arrival(0.0, 1)], 0)
+
+
+# ---- statistics -------------------------------------------------------------------------
+
+
+def test_percentile_exact_and_like_numpy() -> None:
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([4, 1, 3, 2], 0) == 1 and percentile([4, 1, 3, 2], 100) == 4
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    rng = random.Random(0)
+    xs = [rng.uniform(0, 100) for _ in range(37)]
+    for q in (1, 25, 50, 95, 99):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summary_in_milliseconds() -> None:
+    s = summary_ms([0.1, 0.2, 0.3])
+    assert s == {"p50": 200.0, "p95": 290.0, "p99": 298.0, "max": 300.0, "n": 3}
+    assert summary_ms([]) == {"p50": None, "p95": None, "p99": None, "max": None, "n": 0}
+
+
+def test_ratio() -> None:
+    assert ratio(1.0, 4.0) == 0.25
+    assert ratio(None, 1.0) is None and ratio(1.0, None) is None and ratio(1.0, 0) is None
+
+
+def test_text_ready_time() -> None:
+    sends = [(1.0, 5), (2.0, 12), (3.0, 20)]
+    flushes = [(3.5, 20)]
+    assert text_ready_time(12, sends, flushes) == 2.0  # its last character went at 2.0
+    assert text_ready_time(8, sends, flushes) == 2.0  # ... inside the second message
+    assert text_ready_time(20, sends, flushes) == 3.5  # closed by the flush
+    assert text_ready_time(20, sends) == 3.0
+    assert text_ready_time(25, sends, flushes) is None
+
+
+def test_analyse_session_record() -> None:
+    rec = SessionRecord(
+        sends=[(10.0, 13), (10.5, 30)],
+        flushes=[(10.6, 30)],
+        segments=[SegmentSeen(0, 13, 10.7, 10.8), SegmentSeen(1, 30, 12.0, 12.1)],
+        # segment 0: 1.0 s + 0.5 s of audio; segment 1: 1.0 s, on time at 12.1 (due 12.3)
+        audio=[(10.8, 24000, 0), (11.5, 12000, 0), (12.1, 24000, 1)],
+        done_at=12.2,
+        completed=True,
+    )
+    res = analyse(rec, sample_rate=24000)
+    assert res.completed and res.errors == ()
+    assert res.first_audio_s == pytest.approx(0.8)  # 10.0 -> 10.8
+    assert res.segment_first_audio_s == pytest.approx((0.8, 1.5))  # 10.6 (flush) -> 12.1
+    assert res.underruns == 0 and res.audio_s == pytest.approx(2.5)
+    assert res.generation_s == pytest.approx(2.1)
+    assert res.gaps_s == pytest.approx((0.7, 0.6))
+    late = analyse(SessionRecord(sends=[(0.0, 5)], segments=[SegmentSeen(0, 5, 0.1, 0.1)],
+                                 audio=[(0.1, 2400, 0), (0.5, 2400, 0)]), sample_rate=24000)
+    assert late.underruns == 1 and late.underrun_s == pytest.approx(0.3)
+    assert not late.completed
+
+
+def _level(n: int, p50: float, p95: float, rtf: float, underruns: int = 0, completed: int | None = None) -> dict:
+    return {"sessions": n, "completed": n if completed is None else completed, "errors": 0,
+            "underruns": underruns, "rtf": rtf, "rtf_aggregate": rtf / n,
+            "first_audio_ms": {"p50": p50, "p95": p95}, "segment_first_audio_ms": {"p50": p50}}
+
+
+def test_compare_product_and_baseline() -> None:
+    product = [_level(1, 100, 150, 0.2), _level(8, 120, 200, 0.3), _level(32, 200, 400, 0.5, underruns=2)]
+    baseline = [_level(1, 200, 300, 0.4), _level(8, 600, 1000, 1.5, underruns=3)]
+    cmp = compare(product, baseline)
+    assert [row["sessions"] for row in cmp["levels"]] == [1, 8]
+    assert cmp["levels"][0]["first_audio_p50"] == 0.5 and cmp["levels"][0]["first_audio_p95"] == 0.5
+    assert cmp["levels"][1]["first_audio_p95"] == 0.2 and cmp["levels"][1]["rtf"] == pytest.approx(0.2)
+    assert cmp["largest_level_without_underrun"] == {"product": 8, "baseline": 1, "ratio": 8.0}
+    assert largest_clean_level([_level(4, 1, 1, 1, completed=3)]) is None  # a lost session is not clean
+
+
+# ---- text and speech length -------------------------------------------------------------
+
+
+def test_split_tokens_is_lossless_and_word_piece_sized() -> None:
+    text = "Hello, extraordinary world! It's 10:30 now.\nNew line"
+    pieces = split_tokens(text)
+    assert "".join(pieces) == text
+    assert all(0 < len(p) <= 5 for p in pieces)
+    assert pieces[:3] == ["Hello", ",", " extr"]
+
+
+def test_calibrated_speech_length() -> None:
+    # 14 characters are one second of speech = 25 speech tokens; over 5 text tokens.
+    assert calibrated_tokens_per_text_token("abcdefghijklmn", 5) == 5.0
+    assert calibrated_tokens_per_text_token("abcdefghijklmn", 5, chars_per_second=7.0) == 10.0
+    with pytest.raises(ValueError):
+        calibrated_tokens_per_text_token("abc", 0)
+
+
+# ---- the plot ---------------------------------------------------------------------------
+
+
+def test_svg_is_valid_deterministic_and_escaped() -> None:
+    chart = Chart("Latency <ms> & sessions", "sessions", "ms", (
+        Series("product p50", ((1.0, 100.0), (8.0, 150.0), (64.0, 420.0))),
+        Series("a<b & c", ((1.0, 300.0), (8.0, 900.0)), "#d62728", dashed=True),
+        Series("single", ((2.0, 50.0),)),
+    ))
+    svg = render_svg(chart)
+    assert svg == render_svg(chart)
+    root = ET.fromstring(svg)
+    assert root.tag == f"{SVG}svg"
+    lines = root.findall(f"{SVG}polyline")
+    assert len(lines) == 2  # one per series with at least two points
+    assert lines[1].get("stroke-dasharray") == "6 4"
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "a<b & c" in texts and "Latency <ms> & sessions" in texts
+    # log x axis: powers of two from 1 to 64, evenly spaced
+    for label in ("1", "2", "4", "8", "16", "32", "64"):
+        assert label in texts
+    xs = [float(p.split(",")[0]) for p in lines[0].get("points").split()]
+    assert xs[1] - xs[0] == pytest.approx(xs[2] - xs[1])  # 1, 8, 64 are equally spaced in log2
+
+
+# ---- end to end -------------------------------------------------------------------------
+
+
+def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out, svg = tmp_path / "load.json", tmp_path / "load.svg"
+    report = main([
+        "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
+        "--sessions", "2", "--baseline", "--baseline-sessions", "2", "--rate", "0", "--no-warm",
+        "--text", "Hello there. How are you?", "--json", str(out), "--plot", str(svg),
+        # gateway flags
+        "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
+        "--engine.text-normalization", "false",
+    ])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))
+    st = data["settings"]
+    assert st["tokens_per_text_token"] > 0 and st["text"].startswith("Hello there")
+    assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
+                                    "--engine.flow-cuda-graphs", "false"]
+    for mode in ("product", "baseline"):
+        (lv,) = data["results"][mode]
+        assert lv["sessions"] == 2 and lv["completed"] == 2 and lv["errors"] == 0, lv
+        assert lv["first_audio_ms"]["n"] == 2 and lv["first_audio_ms"]["p50"] > 0
+        assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
+        assert lv["audio_s"] > 0 and lv["rtf"] > 0
+        server = lv["server"]
+        assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
+        assert lv["flops"]["total"] > 0 and lv["flops"]["achieved_flops_per_s"] > 0
+        assert lv["rss"]["before_mb"] > 0 and lv["rss"]["active_peak_mb"] >= lv["rss"]["before_mb"]
+        assert lv["gpu"] == "n/a"
+    # The baseline never batches flow/vocoder chunks across sessions.
+    assert data["results"]["baseline"][0]["server"]["mean_flow_batch"] == 1.0
+    (row,) = data["comparison"]["levels"]
+    assert row["sessions"] == 2
+    for key in ("first_audio_p50", "first_audio_p95", "rtf"):
+        assert row[key] is not None and row[key] > 0
+    assert "largest_level_without_underrun" in data["comparison"]
+    root = ET.fromstring(svg.read_text())
+    assert len(root.findall(f"{SVG}polyline")) == 0  # one level each: markers only
+    assert len(root.findall(f"{SVG}circle")) == 4  # product/baseline x p50/p95
+
+
+def test_metrics_expose_stage_work_and_process_memory() -> None:
+    from engine.engine import EngineStats
+    from gateway.metrics import Metrics
+
+    stats = EngineStats(active_sessions=1, active_utterances=1, lm_active=0, flow_queue=0, last_batch_size=2,
+                        max_batch_size=3, batches=4, chunks=5, dropped_chunks=0, lm_tokens=60,
+                        stage_busy_seconds=1.5, flow_frames=700, vocoder_frames=300,
+                        cuda_memory_allocated_bytes=1024, cuda_max_memory_allocated_bytes=2048)
+    series = {}
+    for line in Metrics().render(stats).splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    assert series["cosyvoice_engine_flow_frames_total"] == 700
+    assert series["cosyvoice_engine_vocoder_frames_total"] == 300
+    assert series["cosyvoice_engine_cuda_memory_allocated_bytes"] == 1024
+    assert series["cosyvoice_engine_cuda_max_memory_allocated_bytes"] == 2048
+    assert series["cosyvoice_process_resident_memory_bytes"] > 10 * 2**20  # this Python process
