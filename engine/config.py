@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 LMBackendName = Literal["auto", "torch", "vllm"]
+StagePolicy = Literal["first_chunks", "deadline"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ class EngineConfig:
     max_gpu_batch: int = 64  # chunks per flow/vocoder batch
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
+    # Batches with more chunks than this skip the graphs and run eagerly at their exact
+    # row count (graphs pad rows to a power of two and gain little at large batches).
+    # 64 = the largest graph bucket, i.e. every batch up to 64 chunks uses a graph.
+    flow_graph_max_rows: int = 64
+    # How the audio stage picks each batch from the queued chunks:
+    # "first_chunks": first chunks of utterances first, then FIFO, up to max_gpu_batch;
+    # "deadline": most urgent playback deadline first, grouped by similar window length
+    # (less padding); see `engine.token2wav.deadline_batch`.
+    stage_policy: StagePolicy = "first_chunks"
     # Extra GPUs for the flow+vocoder stage (its bottleneck): one stage copy per device,
     # the LM stays on `device`. Empty = one stage on `device`.
     stage_devices: tuple[str, ...] = ()
@@ -44,6 +54,14 @@ class EngineConfig:
     # Random weights never emit eos; benchmarks and the random demo models fix the
     # speech length instead (25 tokens = 1 s). Used when a request does not set it.
     tokens_per_text_token: float | None = None
+
+    def __post_init__(self) -> None:
+        # Fail at configuration time, not when the first stage is built after model load.
+        if self.stage_policy not in get_args(StagePolicy):
+            raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
+                             f"not {self.stage_policy!r}")
+        if self.flow_graph_max_rows < 0:
+            raise ValueError("flow_graph_max_rows must be >= 0")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

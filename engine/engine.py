@@ -38,7 +38,7 @@ from .config import EngineConfig
 from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
-from .flow_graphs import prompt_shapes
+from .flow_graphs import GraphPolicy, prompt_shapes
 from .models.loader import LoadedModel, family, load_model
 from .stage_pool import StagePool
 from .text_stream import TextFeed
@@ -52,6 +52,20 @@ log = logging.getLogger(__name__)
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT = 5
 PREFIX_CACHE_SIZE = 4096
+# A later chunk is due this long before the audio already sent runs out at the client:
+# room for the batch's own compute, the network and the client's jitter buffer.
+DEADLINE_MARGIN_S = 0.25
+
+
+def playback_deadline(now: float, first_audio_at: float | None, samples_emitted: int, sample_rate: int,
+                      margin: float = DEADLINE_MARGIN_S) -> float:
+    """When an utterance's next chunk is needed (time.monotonic seconds), for the stage's
+    "deadline" policy. Before any audio it is needed now (first audio latency). After, it
+    is needed when a client that started playing at the first audio plays out what it
+    has, less `margin`; a chunk whose deadline has passed is an underrun already."""
+    if first_audio_at is None or samples_emitted <= 0:
+        return now
+    return first_audio_at + samples_emitted / sample_rate - margin
 
 
 class EngineError(RuntimeError):
@@ -98,7 +112,9 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
 def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
     """The flow+vocoder stage: one on `device`, or one copy per `config.stage_devices`."""
     def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module) -> AudioStage:
-        return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_cuda_graphs=config.flow_cuda_graphs)
+        return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_cuda_graphs=config.flow_cuda_graphs,
+                          graph_policy=GraphPolicy().with_max_rows(config.flow_graph_max_rows),
+                          policy=config.stage_policy)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -368,6 +384,9 @@ class Session:
         (`engine.bistream`); audio comes out in submission order like `submit`'s."""
         if not hasattr(self.engine.backend, "generate_streaming"):
             raise EngineError("unsupported", f"the {self.engine.backend.name} backend has no text-in streaming")
+        refusal = getattr(self.engine.backend, "streaming_input_refusal", lambda: None)()
+        if refusal is not None:
+            raise EngineError("unsupported", refusal)
         feed = TextFeed(self.engine.tokenizer.encode)
         return self._submit("", feed, options, utterance_id), feed
 
@@ -616,6 +635,7 @@ class Session:
             else:
                 end, finalize = sched.offset + hop, False
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
+            job.deadline = playback_deadline(time.monotonic(), utt.stats.first_audio_at, emitted, eng.sample_rate)
             pcm = await eng.stage.run(job)
             if utt.cancelled:
                 return

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 import torch
@@ -61,6 +61,20 @@ class GraphPolicy:
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
     max_graphs: int = 64  # a voice needs ~7 row x ~7 frame buckets
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
+
+    def with_max_rows(self, max_rows: int) -> "GraphPolicy":
+        """This policy with no graph above `max_rows` rows: larger batches run eagerly at
+        their exact row count. Graphs pay mostly at small batches (launch-bound), while a
+        large batch padded to the next power of two can cost up to ~2x the compute, so
+        capping the buckets trades the small graph gain for no row padding. `max_rows`
+        itself becomes a bucket, so every batch of up to `max_rows` rows still has one;
+        0 means no graphs at all."""
+        if max_rows < 0:
+            raise ValueError("max_rows must be >= 0")
+        kept = {b for b in self.batch_buckets if b <= max_rows}
+        if max_rows > 0:
+            kept.add(max_rows)
+        return replace(self, batch_buckets=tuple(sorted(kept)))
 
     def bucket(self, rows: int, frames: int) -> tuple[int, int] | None:
         """(padded rows, padded frames) for a batch, or None when no graph may serve it."""

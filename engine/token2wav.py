@@ -1,9 +1,10 @@
 """The GPU stage: speech tokens -> mel (flow) -> 24 kHz PCM (vocoder), batched across sessions.
 
-Every scheduling step takes the ready chunks of *all* utterances (first chunks first),
-runs them through one flow batch and one vocoder batch, and resolves each chunk's
-future. One utterance has at most one chunk in flight (its chunker awaits the result),
-so the vocoder's per-utterance stream state is always advanced in order.
+Every scheduling step takes the ready chunks of *all* utterances (first chunks first,
+or by playback deadline: see `deadline_batch`), runs them through one flow batch and
+one vocoder batch, and resolves each chunk's future. One utterance has at most one
+chunk in flight (its chunker awaits the result), so the vocoder's per-utterance
+stream state is always advanced in order.
 
 The stage runs its tensor work on one dedicated worker thread, so the event loop
 never blocks on it and the LM backend (its own thread or process) overlaps with it.
@@ -27,14 +28,16 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence, get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .config import StagePolicy
 from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .models.dit import DiT
 from .models.flow import FlowChunk
@@ -51,6 +54,50 @@ class ChunkJob:
     is_cancelled: Callable[[], bool]
     future: asyncio.Future[np.ndarray] = field(repr=False, default=None)  # type: ignore[assignment]
     seq: int = 0
+    # When this chunk's audio is needed (time.monotonic seconds); only the "deadline"
+    # policy reads it. Unset = as urgent as can be.
+    deadline: float = -math.inf
+
+
+STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
+
+
+@dataclass(frozen=True)
+class BatchCandidate:
+    """What the deadline policy looks at in one queued chunk."""
+
+    deadline: float  # time.monotonic seconds
+    window: int  # flow window in speech tokens (the batch is padded to its longest)
+    seq: int  # queue order: breaks deadline ties first-come first-served
+
+
+def deadline_batch(candidates: Sequence[BatchCandidate], max_batch: int, window_tolerance: float = 0.25) -> list[int]:
+    """Indices of the candidates to run as the next batch, most urgent first.
+
+    The most urgent candidate always runs, so a chunk waits at most until it is the most
+    urgent one. Others join in deadline order while the batch's longest window stays within
+    (1 + window_tolerance) x its shortest: a batch is padded to its longest window, so this
+    bounds every row's padding by that fraction. A candidate that does not fit is skipped,
+    not a stop: a later, fitting one may still join. The rest wait for a later batch.
+    """
+    if max_batch < 1:
+        raise ValueError("max_batch must be at least 1")
+    order = sorted(range(len(candidates)), key=lambda i: (candidates[i].deadline, candidates[i].seq))
+    chosen: list[int] = []
+    shortest = longest = 0
+    for i in order:
+        if len(chosen) == max_batch:
+            break
+        w = candidates[i].window
+        if chosen:
+            lo, hi = min(shortest, w), max(longest, w)
+            if hi > (1.0 + window_tolerance) * lo:
+                continue
+            shortest, longest = lo, hi
+        else:
+            shortest = longest = w
+        chosen.append(i)
+    return chosen
 
 
 @dataclass
@@ -71,7 +118,12 @@ class StageStats:
 class AudioStage:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
                  flow_autocast: torch.dtype | None | str = "auto", flow_cuda_graphs: bool = True,
-                 graph_policy: GraphPolicy | None = None):
+                 graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
+                 window_tolerance: float = 0.25):
+        if policy not in STAGE_POLICIES:
+            raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
+        self.policy = policy
+        self.window_tolerance = window_tolerance  # "deadline" policy: see deadline_batch
         self.flow = flow
         # Graphs only where they exist (CUDA) and for the CosyVoice3 DiT (the padding
         # argument is made for it; CosyVoice2's U-Net runs eagerly).
@@ -149,9 +201,16 @@ class AudioStage:
     def _take_batch(self) -> list[ChunkJob]:
         self.drop_cancelled()
         live = self._pending
-        # First chunks jump the queue: they decide first-audio latency.
-        live.sort(key=lambda j: (j.chunk_index > 0, j.seq))
-        batch, self._pending = live[: self.max_batch], live[self.max_batch :]
+        if self.policy == "deadline":
+            picked = deadline_batch([BatchCandidate(j.deadline, len(j.flow.tokens), j.seq) for j in live],
+                                    self.max_batch, self.window_tolerance)
+            taken = set(picked)
+            batch = [live[i] for i in picked]
+            self._pending = [j for i, j in enumerate(live) if i not in taken]
+        else:
+            # First chunks jump the queue: they decide first-audio latency.
+            live.sort(key=lambda j: (j.chunk_index > 0, j.seq))
+            batch, self._pending = live[: self.max_batch], live[self.max_batch :]
         self.stats.queued = len(self._pending)
         return batch
 

@@ -63,6 +63,8 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_left_context=e.flow_left_context,
         max_gpu_batch=e.max_gpu_batch,
         flow_cuda_graphs=e.flow_cuda_graphs,
+        flow_graph_max_rows=e.flow_graph_max_rows,
+        stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_devices=e.stage_devices,
         lm_max_batch=e.lm_max_batch,
         text_normalization=e.text_normalization,

@@ -40,6 +40,16 @@ class EngineSettings:
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))
     flow_cuda_graphs: bool = field(default=True, metadata=_help("run the CosyVoice3 flow's ODE solve as CUDA graphs (CUDA only)"))
+    flow_graph_max_rows: int = field(
+        default=64,
+        metadata=_help("flow batches with more chunks than this run eagerly at their exact size instead of "
+                       "padded to a CUDA graph bucket (64 = all batches use graphs)"),
+    )
+    stage_policy: str = field(
+        default="first_chunks",
+        metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks first, then FIFO) or "
+                       "deadline (most urgent playback deadline first, grouped by similar window length)"),
+    )
     stage_devices: tuple[str, ...] = field(
         default=(),
         metadata=_help("flow+vocoder stage copies, one per device, e.g. cuda:0,cuda:1; the LM stays on "

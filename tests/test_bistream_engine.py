@@ -112,3 +112,25 @@ def test_empty_stream_is_an_error_and_session_goes_on(tiny_model_dir: Path) -> N
     events, u1, u2 = _run(tiny_model_dir, fn)
     assert isinstance(events[0], UtteranceError) and events[0].utterance_id == u1 and events[0].code == "empty_text"
     assert all(isinstance(e, AudioChunk) and e.utterance_id == u2 for e in events[1:]) and len(events) > 1
+
+
+def test_backend_that_cannot_stream_input_is_refused_clearly(tiny_model_dir: Path) -> None:
+    """A vLLM engine with async scheduling on cannot take text-in streaming: the session says
+    so with an `unsupported` error before any work starts, and plain utterances still work."""
+    import pytest
+
+    from engine.engine import EngineError
+
+    async def fn(engine: Engine):
+        engine.backend.streaming_input_refusal = lambda: "async scheduling is on"  # type: ignore[attr-defined]
+        voice = await _voice(engine)
+        sess = engine.open_session(voice, SessionOptions(tokens_per_text_token=2.0, seed=0))
+        with pytest.raises(EngineError) as err:
+            await sess.submit_stream()
+        u = await sess.submit("Still fine.")
+        await sess.finish()
+        return err.value, [ev async for ev in sess.events()], u
+
+    err, events, u = _run(tiny_model_dir, fn)
+    assert err.code == "unsupported" and "async scheduling" in str(err)
+    assert events and all(isinstance(e, AudioChunk) and e.utterance_id == u for e in events)

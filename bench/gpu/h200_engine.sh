@@ -6,14 +6,7 @@
 set -uo pipefail
 # Run from the repo root: .gpu/b and .whl live there; the code is this script's tree (a frozen
 # snapshot under .gpu/snap when other work is in progress in the checkout).
-BUNDLE="$PWD"
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$ROOT"
-T0=$SECONDS
-if [ ! -f /tmp/site/.vllm-ready ]; then bash "$BUNDLE/.gpu/b/stage.sh" || exit 3; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$BUNDLE"/.whl/*.whl || exit 4
-export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
+. "$(dirname "$0")/prepare.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > $OUT/gpu.txt 2>&1
 # Warm vLLM's imports (writes its .pyc) and the model dir while the stage bench runs.
 ( python3 -c "import vllm.engine.arg_utils, vllm.v1.engine.async_llm" > $OUT/preimport.log 2>&1 ) &

@@ -6,13 +6,7 @@
 set -uo pipefail
 # Run from the repo root: .gpu/b and .whl live there; the code is this script's tree (a frozen
 # snapshot under .gpu/snap when other work is in progress in the checkout).
-BUNDLE="$PWD"
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$ROOT"
-T0=$SECONDS
-test -f /tmp/site/.vllm-ready || { echo "machine went cold: run stage a/b again" >&2; exit 5; }
-export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
+. "$(dirname "$0")/prepare.sh"
 for H in unified speech; do
   timeout 200 python3 -m bench.lm_parity --mode speed --head $H --out $OUT --export-dir /tmp/exp-$H > $OUT/speed-$H.log 2>&1
   echo "speed $H rc=$? at $((SECONDS - T0)) s"

@@ -14,15 +14,7 @@
 # .whl_av PyAV (decodes uploaded voices): neither is in the GPU image.
 set -uo pipefail
 MODE="${1:-single}"
-BUNDLE="$PWD"
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$ROOT"
-T0=$SECONDS
-test -f /tmp/site/.vllm-ready || { echo "vLLM bundle not staged: run .gpu/a and .gpu/b first" >&2; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$BUNDLE"/.whl/*.whl "$BUNDLE"/.whl_av/*.whl || exit 4
-export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
+. "$(dirname "$0")/prepare.sh"
 python3 -c "from pathlib import Path; from engine.hub import resolve_model; print(resolve_model('full-random', Path('/tmp/models')))" > $OUT/model.log 2>&1
 COMMON=(--launch --model full-random --model-cache /tmp/models --engine.device cuda --engine.lm-backend vllm
         --engine.text-normalization false --rate 30 --timeout "${LEVEL_TIMEOUT:-90}" ${RAMP:+--ramp "$RAMP"})

@@ -11,14 +11,7 @@
 # tails are printed at the end).
 set -uo pipefail
 L=/tmp/logs; mkdir -p $L
-BUNDLE="$PWD"
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$ROOT"
-T0=$SECONDS
-if [ ! -f /tmp/site/.vllm-ready ]; then bash "$BUNDLE/.gpu/b/stage.sh" || exit 3; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$BUNDLE"/.whl/*.whl || exit 4
-export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
+. "$(dirname "$0")/prepare.sh"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > $L/gpu.txt 2>&1
 left() { echo $((575 - (SECONDS - T0))); }
 (

@@ -262,6 +262,13 @@ class VLLMBackend:
         sched = getattr(cfg, "scheduler_config", None)
         return bool(getattr(sched, "async_scheduling", self.settings.async_scheduling))
 
+    def streaming_input_refusal(self) -> str | None:
+        """Why this engine cannot take text-in streaming requests, or None when it can."""
+        if self._async_scheduling_on():
+            return ("text-in streaming needs the vLLM engine's async scheduling off "
+                    "(engine.vllm_async_scheduling: false)")
+        return None
+
     async def generate_streaming(  # type: ignore[override]
         self, request: BistreamRequest, text_source: AsyncIterator[list[int]]
     ) -> AsyncIterator[int]:

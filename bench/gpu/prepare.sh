@@ -1,0 +1,20 @@
+# Sourced (not run) by the bench/gpu/*.sh scripts on the device machine, from the repo root:
+# stages the vLLM bundle when a carried .gpu/b is there and /tmp/site is not ready yet, installs
+# the carried wheels (.whl: uvicorn, websockets, python-multipart, soxr; .whl_av: PyAV),
+# exports the environment and registers our vLLM plugin. Sets ROOT and T0.
+BUNDLE="$PWD"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+T0=$SECONDS
+if [ ! -f /tmp/site/.vllm-ready ]; then
+  if [ -f "$BUNDLE/.gpu/b/stage.sh" ]; then bash "$BUNDLE/.gpu/b/stage.sh" || exit 3
+  else echo "vLLM bundle not staged: run .gpu/a/stage.sh, then carry .gpu/b" >&2; exit 3; fi
+fi
+for d in .whl .whl_av; do
+  if compgen -G "$BUNDLE/$d/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$BUNDLE"/$d/*.whl || exit 4
+  fi
+done
+export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"

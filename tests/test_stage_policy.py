@@ -1,0 +1,282 @@
+"""The audio stage's opt-in batching options (issue #12), on CPU with the tiny model:
+
+* `deadline_batch`, the pure selection of the "deadline" policy (order, window grouping,
+  max_batch, ties);
+* the stage picking its batches with it (and still dropping cancelled chunks), while the
+  default policy keeps "first chunks first, then FIFO";
+* the engine under `stage_policy="deadline"`: the same audio as the default policy, every
+  chunk present and in order, deadlines as documented;
+* `flow_graph_max_rows`: batches above the cap skip the graph path;
+* both options through Settings (YAML, env, flags) into the EngineConfig.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import DEADLINE_MARGIN_S, build_stage, playback_deadline
+from engine.flow_graphs import BATCH_BUCKETS, FlowGraphRunner, GraphPolicy
+from engine.models.config import ModelConfig
+from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+from engine.models.hift import CausalHiFTGenerator
+from engine.models.hift import init_random_ as hift_init_random_
+from engine.token2wav import AudioStage, BatchCandidate, ChunkJob, deadline_batch
+from engine.types import AudioChunk, SessionOptions
+from gateway.app import engine_config
+from gateway.settings import load_settings
+from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
+from tests.test_flow_graphs import _chunks, _max_diff
+
+# ----------------------------------------------------------------------------- selection
+
+
+def _cands(*rows: tuple[float, int]) -> list[BatchCandidate]:
+    """(deadline, window) per candidate; seq = position (queue order)."""
+    return [BatchCandidate(deadline=d, window=w, seq=i) for i, (d, w) in enumerate(rows)]
+
+
+def test_deadline_batch_orders_by_deadline_then_queue_order() -> None:
+    cands = _cands((5.0, 100), (1.0, 100), (3.0, 100), (1.0, 100), (-2.0, 100))
+    # -2 first; the two 1.0 ties in queue order (1 before 3); then 3.0, 5.0.
+    assert deadline_batch(cands, max_batch=8) == [4, 1, 3, 2, 0]
+    assert deadline_batch(cands, max_batch=2) == [4, 1]
+    assert deadline_batch(cands, max_batch=1) == [4]
+    assert deadline_batch([], max_batch=4) == []
+    with pytest.raises(ValueError):
+        deadline_batch(cands, max_batch=0)
+
+
+def test_deadline_batch_groups_windows_within_the_tolerance() -> None:
+    cands = _cands(
+        (0.0, 100),  # most urgent: always taken, whatever its window
+        (1.0, 130),  # 130 > 1.25 x 100: skipped
+        (2.0, 110),  # fits (110 / 100)
+        (3.0, 90),  # fits: longest 110 <= 1.25 x 90 = 112.5
+        (4.0, 80),  # 110 > 1.25 x 80 = 100: skipped
+        (5.0, 125),  # 125 > 1.25 x 90: skipped (the band only narrows)
+        (6.0, 95),
+    )
+    assert deadline_batch(cands, max_batch=8) == [0, 2, 3, 6]
+    assert deadline_batch(cands, max_batch=3) == [0, 2, 3]
+    # A looser tolerance takes everything; a zero tolerance only equal windows.
+    assert deadline_batch(cands, max_batch=8, window_tolerance=1.0) == [0, 1, 2, 3, 4, 5, 6]
+    assert deadline_batch(_cands((0.0, 50), (1.0, 51), (2.0, 50)), max_batch=8, window_tolerance=0.0) == [0, 2]
+    # The long window skipped above anchors the next batch once it is the most urgent left.
+    rest = [c for i, c in enumerate(cands) if i not in (0, 2, 3, 6)]
+    assert [rest[i].seq for i in deadline_batch(rest, max_batch=8)] == [1, 5]
+
+
+def test_playback_deadline() -> None:
+    sr = 24000
+    assert playback_deadline(100.0, None, 0, sr) == 100.0  # no audio yet: needed now
+    assert playback_deadline(100.0, 90.0, 0, sr) == 100.0
+    # 2 s delivered since first audio at t=90: it runs out at 92, due a margin before.
+    assert playback_deadline(100.0, 90.0, 2 * sr, sr) == pytest.approx(92.0 - DEADLINE_MARGIN_S)
+    assert playback_deadline(100.0, 90.0, 2 * sr, sr, margin=0.0) == pytest.approx(92.0)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+@pytest.fixture(scope="module")
+def flow() -> CausalMaskedDiffWithDiT:
+    torch.set_num_threads(1)
+    return init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=1234).eval()
+
+
+@pytest.fixture(scope="module")
+def hift() -> CausalHiFTGenerator:
+    return hift_init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift), seed=3).eval()
+
+
+class _RecordingStage(AudioStage):
+    """The real stage, noting which queued jobs (by seq) each batch ran."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.batches: list[list[int]] = []
+
+    def _compute(self, batch: list[ChunkJob]):  # noqa: ANN202
+        self.batches.append([j.seq for j in batch])
+        return super()._compute(batch)
+
+
+def _chunk(window: int, seed: int) -> FlowChunk:
+    g = torch.Generator().manual_seed(seed)
+    tp = 13
+    return FlowChunk(tokens=torch.randint(0, 6561, (window,), generator=g), prompt_feat=torch.randn(2 * tp, 80, generator=g),
+                     embedding=torch.randn(192, generator=g), num_prompt_tokens=tp, out_start=tp, finalize=True)
+
+
+def _run_queued(stage: AudioStage, specs: list[tuple[int, int, float, bool]]) -> list[object]:
+    """Queue one job per (window, chunk_index, deadline, cancelled) before the stage's loop
+    first runs (its task is created after theirs, so it finds them all queued), then run
+    them; returns each job's PCM or exception."""
+    async def go() -> list[object]:
+        jobs = [ChunkJob(flow=_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=idx,
+                         is_cancelled=lambda c=cancelled: c, deadline=deadline)
+                for i, (w, idx, deadline, cancelled) in enumerate(specs)]
+        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
+        await stage.start()
+        try:
+            return list(await asyncio.gather(*tasks, return_exceptions=True))
+        finally:
+            await stage.close()
+
+    return asyncio.run(go())
+
+
+SPECS = [  # (window tokens, chunk index, deadline, cancelled)
+    (60, 3, 5.0, False),  # seq 0: a later chunk, not due for a while
+    (30, 0, 1.0, False),  # seq 1: a first chunk
+    (60, 2, 0.5, False),  # seq 2: a later chunk about to underrun
+    (30, 0, 2.0, True),  # seq 3: cancelled before the stage saw it
+    (32, 0, 3.0, False),  # seq 4: a first chunk, window close to seq 1's
+]
+
+
+def test_deadline_stage_batches_by_deadline_and_window(flow, hift) -> None:
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, policy="deadline")
+    out = _run_queued(stage, SPECS)
+    # Most urgent (seq 2, 60 tokens) with the other 60-token chunk; then the two ~30s.
+    assert stage.batches == [[2, 0], [1, 4]]
+    assert isinstance(out[3], asyncio.CancelledError) and stage.stats.dropped == 1
+    assert all(isinstance(out[i], np.ndarray) and out[i].size == 2 * (SPECS[i][0] - 13) * 480 for i in (0, 1, 2, 4))
+    assert stage.stats.chunks == 4 and stage.stats.queued == 0
+
+    # The default policy on the same queue: first chunks first, then FIFO, one batch,
+    # deadlines ignored; the audio is the same (padding is exact).
+    default = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8)
+    assert default.policy == "first_chunks"
+    base = _run_queued(default, SPECS)
+    assert default.batches == [[1, 4, 0, 2]]
+    for i in (0, 1, 2, 4):
+        assert float(np.abs(out[i] - base[i]).max()) <= 1e-4
+
+    # max_batch still caps a deadline batch.
+    capped = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=1, policy="deadline")
+    _run_queued(capped, SPECS)
+    assert capped.batches == [[2], [1], [4], [0]]
+
+    with pytest.raises(ValueError, match="stage policy"):
+        AudioStage(flow, hift, torch.device("cpu"), policy="shortest_first")
+
+
+# ----------------------------------------------------------------------------- graph rows
+
+
+def test_graph_policy_max_rows(flow) -> None:
+    assert GraphPolicy().with_max_rows(64) == GraphPolicy()  # the default changes nothing
+    assert GraphPolicy().with_max_rows(8).batch_buckets == (1, 2, 4, 8)
+    assert GraphPolicy().with_max_rows(10).batch_buckets == (1, 2, 4, 8, 10)  # the cap is a bucket
+    assert GraphPolicy().with_max_rows(0).batch_buckets == ()
+    capped = GraphPolicy().with_max_rows(8)
+    assert capped.bucket(8, 120) == (8, 150) and capped.bucket(3, 120) == (4, 150)
+    assert capped.bucket(9, 120) is None  # more rows than the cap: eager, exact rows
+    assert GraphPolicy().with_max_rows(0).bucket(1, 50) is None
+    with pytest.raises(ValueError):
+        GraphPolicy().with_max_rows(-1)
+
+    # Through the runner (capture off on CPU, same padding path): <= 3 rows padded into a
+    # bucket, 4 rows solved as they are; both equal the plain decoding.
+    policy = GraphPolicy(batch_buckets=(1, 2, 4, 8), frame_multiple=50, max_frames=200).with_max_rows(3)
+    runner = FlowGraphRunner(flow.decoder, policy)
+    three, four = _chunks(3, seed=51), _chunks(4, seed=52)
+    out, shape = flow.decode_chunks(three, solver=runner)
+    assert runner.stats.replays == 1 and runner.stats.eager == 0 and shape.rows == 3 and shape.frames % 50 == 0
+    assert _max_diff(out, flow.inference_chunks(three)) <= 1e-5
+    out, shape = flow.decode_chunks(four, solver=runner)
+    assert runner.stats.replays == 1 and runner.stats.eager == 1 and shape.rows == 4
+    assert _max_diff(out, flow.inference_chunks(four)) == 0.0
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def test_build_stage_takes_both_options(tiny_model_dir) -> None:
+    async def fn(engine):
+        return build_stage(engine.model, torch.device("cpu"),
+                           EngineConfig(model_dir=tiny_model_dir, stage_policy="deadline", flow_graph_max_rows=8))
+
+    stage = run(tiny_model_dir, fn, warmup=False)
+    assert stage.policy == "deadline" and stage.graph_policy.batch_buckets == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match="stage_policy"):
+        EngineConfig(model_dir=tiny_model_dir, stage_policy="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flow_graph_max_rows"):
+        EngineConfig(model_dir=tiny_model_dir, flow_graph_max_rows=-1)
+
+
+def _four_sessions(seen: list[tuple[object, int, float]]):
+    async def go(engine):
+        original = engine.stage.run
+
+        async def spy(job: ChunkJob) -> np.ndarray:  # notes each job's deadline, runs it unchanged
+            seen.append((job.hift_stream, job.chunk_index, job.deadline))
+            return await original(job)
+
+        engine.stage.run = spy
+        voice = await default_voice(engine)
+        sessions = []
+        for i in range(4):
+            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=i))
+            uid = await s.submit(f"Caller {i} would like to hear this sentence.")
+            await s.finish()
+            sessions.append((s, uid))
+        results = await asyncio.gather(*(collect(s) for s, _ in sessions))
+        return [(events, s.utterance_stats(uid)) for (s, uid), events in zip(sessions, results)], engine.stage.policy
+
+    return go
+
+
+def test_deadline_policy_gives_the_same_audio_in_order(tiny_model_dir) -> None:
+    base_seen: list[tuple[object, int, float]] = []
+    seen: list[tuple[object, int, float]] = []
+    base, base_policy = run(tiny_model_dir, _four_sessions(base_seen), warmup=False)
+    got, policy = run(tiny_model_dir, _four_sessions(seen), warmup=False, stage_policy="deadline")
+    assert (base_policy, policy) == ("first_chunks", "deadline")
+    for (events, st), (base_events, _) in zip(got, base):
+        assert all(isinstance(e, AudioChunk) for e in events), events
+        assert [c.chunk_index for c in events] == list(range(len(events))) and len(events) >= 2
+        assert events[-1].is_last and not any(c.is_last for c in events[:-1])
+        assert [c.start_sample for c in events] == list(np.cumsum([0] + [c.pcm.size for c in events[:-1]]))
+        assert sum(c.pcm.size for c in events) == len(st.speech_tokens) * TOKEN_SAMPLES
+        pcm, want = np.concatenate([c.pcm for c in events]), np.concatenate([c.pcm for c in base_events])
+        assert pcm.shape == want.shape
+        np.testing.assert_allclose(pcm, want, atol=1e-4)
+    # Deadlines: each utterance's later chunks are due after its first chunk was queued and
+    # strictly later chunk by chunk (each delivered chunk adds its playing time).
+    by_utt: dict[int, list[tuple[int, float]]] = {}
+    for stream, index, deadline in seen:
+        by_utt.setdefault(id(stream), []).append((index, deadline))
+    assert len(by_utt) == 4
+    for chunks in by_utt.values():
+        assert [i for i, _ in chunks] == list(range(len(chunks)))
+        deadlines = [d for _, d in chunks]
+        assert all(b > a for a, b in zip(deadlines, deadlines[1:])), deadlines
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_settings_reach_the_engine_config(tmp_path) -> None:
+    s, _ = load_settings([], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert (cfg.stage_policy, cfg.flow_graph_max_rows) == ("first_chunks", 64)  # today's behaviour
+    s, _ = load_settings(["--engine.stage-policy", "deadline", "--engine.flow-graph-max-rows", "8"], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert (cfg.stage_policy, cfg.flow_graph_max_rows) == ("deadline", 8)
+    env = {"COSYVOICE_GW_ENGINE__STAGE_POLICY": "deadline", "COSYVOICE_GW_ENGINE__FLOW_GRAPH_MAX_ROWS": "16"}
+    s, _ = load_settings([], environ=env)
+    assert (s.engine.stage_policy, s.engine.flow_graph_max_rows) == ("deadline", 16)
+    yml = tmp_path / "gw.yaml"
+    yml.write_text("engine:\n  stage_policy: deadline\n  flow_graph_max_rows: 4\n")
+    s, _ = load_settings(["--config", str(yml), "--engine.stage-policy", "first_chunks"], environ={})
+    assert (s.engine.stage_policy, s.engine.flow_graph_max_rows) == ("first_chunks", 4)  # flag beats YAML
+    s, _ = load_settings(["--engine.stage-policy", "nope"], environ={})
+    with pytest.raises(ValueError, match="stage_policy"):
+        engine_config(s, tmp_path)
