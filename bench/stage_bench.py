@@ -19,6 +19,15 @@ autocast as `AudioStage` runs it on CUDA. Per batch size it reports
 The run exits with status 1 if a bf16 graph result is off by more than `--tol-abs` (max
 abs) or `--tol-rel` (relative norm) from the eager solve at its padded shape, or by more
 than `--tol-rel` from the plain eager result. `--fp32` adds the float32 eager time and the bf16-vs-fp32 difference.
+
+`--prompt-cache` also times the flow prompt cache (`engine.flow_prompt_cache`, eager,
+bf16 on CUDA): `prompt_cache_build_ms` (building the voice's entry once, outside the
+timings), `flow_cached_ms` (decoding from the cache), `cached_frames` (frames per row the
+ODE ran at, vs `frames_per_chunk`), `cached_speedup` (eager / cached) and
+`cached_vs_eager_max_abs` / `_rel`; on the first batch also float32 cached vs float32
+eager (`fp32_cached_vs_eager_max_abs`). The run exits with status 1 if the cached result
+is off by more than `--tol-rel` (relative norm) from eager, or the float32 one by more
+than `--tol-cache-fp32` (max abs).
 Vocoder: one `stream_step` of the new tokens' mel frames per stream. Random weights
 (`init_random_`); times are medians of `--reps` after one warm-up call.
 """
@@ -37,6 +46,7 @@ from typing import Callable
 import torch
 
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy
+from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
 from engine.models import flow as flow_mod
 from engine.models import hift as hift_mod
 from engine.models.config import ModelConfig
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp32", action="store_true", help="also time float32 eager")
     p.add_argument("--tol-abs", type=float, default=5e-2, help="graph vs eager at the same padded shape, max abs")
     p.add_argument("--tol-rel", type=float, default=2e-2, help="graph vs eager (padded and unpadded), relative norm")
+    p.add_argument("--prompt-cache", action="store_true", help="also time the flow prompt K/V cache (see above)")
+    p.add_argument("--tol-cache-fp32", type=float, default=1e-3, help="float32 cached vs eager, max abs")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -146,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.fp32 and timing:
             row["flow_fp32_ms"] = 1e3 * timed(run("fp32", None), dev, args.reps)
             row["bf16_vs_fp32_rel"] = rel(outs["eager"], outs["fp32"])
+        if args.prompt_cache and timing:
+            ok = time_prompt_cache(flow, chunks, row, outs, bf16, dev, args, fp32_check=not any(
+                r.get("timed") and "flow_cached_ms" in r for r in rows))
+            row["cached_ok"] = ok
+            failed |= not ok
         if runner is not None:
             fn = run("graph", bf16, runner)
             sync(dev)
@@ -195,9 +212,52 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if failed:
-        print("FAIL: CUDA-graph output differs from eager beyond tolerance", file=sys.stderr)
+        print("FAIL: CUDA-graph or prompt-cache output differs from eager beyond tolerance", file=sys.stderr)
         return 1
     return 0
+
+
+def time_prompt_cache(flow: flow_mod.CausalMaskedDiffWithDiT, chunks: list[FlowChunk], row: dict[str, object],
+                      outs: dict[str, list[torch.Tensor]], dtype: torch.dtype | None, dev: torch.device,
+                      args: argparse.Namespace, fp32_check: bool) -> bool:
+    """Fill `row` with the prompt cache's figures for this batch (`outs["eager"]` is the
+    reference); returns whether it matched within the tolerances."""
+    def autocast(dt: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+        return torch.autocast(dev.type, dtype=dt) if dt is not None else contextlib.nullcontext()
+
+    def build(dt: torch.dtype | None) -> tuple[PromptCache, list[object]]:
+        cache = PromptCache()
+        with autocast(dt):
+            entries = cache.entries_for(flow, chunks)
+        return cache, entries
+
+    sync(dev)
+    t = time.perf_counter()
+    cache, entries = build(dtype)
+    sync(dev)
+    row["prompt_cache_build_ms"] = 1e3 * (time.perf_counter() - t)
+    row["prompt_cache_frames"] = max((e.frames for e in entries if e is not None), default=0)
+    row["prompt_cache_mib"] = cache.nbytes / 2**20
+    got: dict[str, object] = {}
+
+    def fn() -> object:
+        with autocast(dtype):
+            got["out"], got["shape"] = decode_with_prompt_cache(flow, chunks, entries)  # type: ignore[arg-type]
+        return got["out"]
+
+    row["flow_cached_ms"] = 1e3 * timed(fn, dev, args.reps)
+    row["cached_frames"] = got["shape"].frames  # type: ignore[attr-defined]
+    row["cached_speedup"] = row["flow_eager_ms"] / row["flow_cached_ms"]  # type: ignore[operator]
+    row["cached_vs_eager_max_abs"] = max_abs(got["out"], outs["eager"])  # type: ignore[arg-type]
+    row["cached_vs_eager_rel"] = rel(got["out"], outs["eager"])  # type: ignore[arg-type]
+    ok = row["cached_vs_eager_rel"] <= args.tol_rel  # type: ignore[operator]
+    if fp32_check:
+        _, entries32 = build(None)
+        cached32, _ = decode_with_prompt_cache(flow, chunks, entries32)  # type: ignore[arg-type]
+        eager32, _ = flow.decode_chunks(chunks)
+        row["fp32_cached_vs_eager_max_abs"] = max_abs(cached32, eager32)
+        ok = ok and row["fp32_cached_vs_eager_max_abs"] <= args.tol_cache_fp32  # type: ignore[operator]
+    return bool(ok)
 
 
 if __name__ == "__main__":

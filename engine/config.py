@@ -34,6 +34,11 @@ class EngineConfig:
     # row count (graphs pad rows to a power of two and gain little at large batches).
     # 64 = the largest graph bucket, i.e. every batch up to 64 chunks uses a graph.
     flow_graph_max_rows: int = 64
+    # Cache each voice prompt's DiT keys/values (`engine.flow_prompt_cache`) so batches
+    # that run eagerly (more chunks than flow_graph_max_rows, or no graphs) compute only
+    # the frames after the prompt's cached blocks. Exact, off by default, not yet measured.
+    flow_prompt_cache: bool = False
+    flow_prompt_cache_bytes: int = 4 << 30  # per stage (GPU); least recently used voices go first
     # How the audio stage picks each batch from the queued chunks:
     # "first_chunks": first chunks of utterances first, then FIFO, up to max_gpu_batch;
     # "deadline": most urgent playback deadline first, grouped by similar window length
@@ -62,6 +67,8 @@ class EngineConfig:
                              f"not {self.stage_policy!r}")
         if self.flow_graph_max_rows < 0:
             raise ValueError("flow_graph_max_rows must be >= 0")
+        if self.flow_prompt_cache_bytes < 0:
+            raise ValueError("flow_prompt_cache_bytes must be >= 0")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -92,6 +92,10 @@ class EngineStats:
     # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
     flow_frames: int = 0
     vocoder_frames: int = 0
+    # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
+    # and the bytes it holds.
+    prompt_cache_hits: int = 0
+    prompt_cache_bytes: int = 0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
     # own process is not included.
@@ -114,7 +118,8 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
     def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module) -> AudioStage:
         return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_cuda_graphs=config.flow_cuda_graphs,
                           graph_policy=GraphPolicy().with_max_rows(config.flow_graph_max_rows),
-                          policy=config.stage_policy)
+                          policy=config.stage_policy,
+                          prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -249,8 +254,16 @@ class Engine:
     async def warm_voice(self, voice: VoicePrompt) -> int:
         """Capture the flow's CUDA graphs for every batch shape this voice's chunks can
         produce, so no request pays for a capture (about 50 graphs, seconds, once per
-        prompt length); returns how many were captured (0 off CUDA or when done before)."""
+        prompt length); returns how many were captured (0 off CUDA or when done before).
+        With `flow_prompt_cache` also builds the voice's prompt K/V cache entry on every stage
+        (per voice, not per prompt length; a later chunk would otherwise build it on first use)."""
         P = voice.num_tokens
+        if self.config.flow_prompt_cache and voice.voice_id != "__warmup__":
+            prompt = FlowChunk(tokens=voice.speech_tokens, prompt_feat=voice.speech_feat, embedding=voice.embedding,
+                               num_prompt_tokens=P, out_start=P, finalize=True)
+            for stage in getattr(self.stage, "stages", [self.stage]):
+                if hasattr(stage, "warm_prompt"):
+                    await stage.warm_prompt(prompt)
         if P in self._warmed_prompts or not hasattr(self.stage, "warm_graphs"):
             return 0
         self._warmed_prompts.add(P)
@@ -313,8 +326,10 @@ class Engine:
             dropped_chunks=st.dropped,
             lm_tokens=self.lm_tokens,
             stage_busy_seconds=st.busy_seconds,
-            flow_frames=int(getattr(st, "flow_frames", 0)),
-            vocoder_frames=int(getattr(st, "vocoder_frames", 0)),
+            flow_frames=st.flow_frames,
+            vocoder_frames=st.vocoder_frames,
+            prompt_cache_hits=st.prompt_cache_hits,
+            prompt_cache_bytes=st.prompt_cache_bytes,
             **_cuda_memory(self.device),
         )
 

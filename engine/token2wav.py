@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .config import StagePolicy
 from .flow_graphs import FlowGraphRunner, GraphPolicy
+from .flow_prompt_cache import PromptCache, decode_with_prompt_cache, supports_prompt_cache
 from .models.dit import DiT
 from .models.flow import FlowChunk
 
@@ -110,16 +111,21 @@ class StageStats:
     busy_seconds: float = 0.0
     queued: int = 0
     # Work done, for throughput figures: flow = sum over batches of padded rows x padded
-    # frames the ODE ran at (before the guidance doubling); vocoder = mel frames vocoded.
+    # frames the ODE ran at (before the guidance doubling; with the prompt cache only the
+    # frames after the cached prefix); vocoder = mel frames vocoded.
     flow_frames: int = 0
     vocoder_frames: int = 0
+    # Flow prompt cache (off unless enabled): chunks decoded from a cached prompt prefix,
+    # and the bytes the cache holds now.
+    prompt_cache_hits: int = 0
+    prompt_cache_bytes: int = 0
 
 
 class AudioStage:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
                  flow_autocast: torch.dtype | None | str = "auto", flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
-                 window_tolerance: float = 0.25):
+                 window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -131,6 +137,11 @@ class AudioStage:
         self.flow_cuda_graphs = flow_cuda_graphs and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
         self.graph_policy = graph_policy or GraphPolicy()
         self._graphs: FlowGraphRunner | None = None
+        # Prompt K/V cache (`engine.flow_prompt_cache`), None = off. It serves the batches
+        # that run eagerly anyway (more rows than the largest graph bucket); small batches
+        # keep their CUDA graphs. Touched only on the worker thread.
+        self.prompt_cache = (PromptCache(prompt_cache_bytes)
+                             if prompt_cache_bytes is not None and supports_prompt_cache(flow) else None)
         # "auto": bf16 on CUDA, none elsewhere (CPU bf16 matmuls are not faster here).
         if flow_autocast == "auto":
             flow_autocast = torch.bfloat16 if torch.device(device).type == "cuda" else None
@@ -241,6 +252,9 @@ class AudioStage:
             st.busy_seconds += dt
             st.flow_frames += flow_frames
             st.vocoder_frames += vocoder_frames
+            if self.prompt_cache is not None:  # the worker is done with the batch: no race
+                st.prompt_cache_hits = self.prompt_cache.stats.hits
+                st.prompt_cache_bytes = self.prompt_cache.nbytes
             for job, pcm in zip(batch, results):
                 if not job.future.done():
                     job.future.set_result(pcm)
@@ -264,6 +278,32 @@ class AudioStage:
             captured += await loop.run_in_executor(self._pool, runner.warm, [shape])
         return captured
 
+    async def warm_prompt(self, chunk: FlowChunk) -> bool:
+        """Build the prompt cache entry of this chunk's voice now, on the worker thread
+        (under the flow's autocast, like its use); False when the cache is off or the
+        prompt has nothing to cache."""
+        if self.prompt_cache is None:
+            return False
+        cache = self.prompt_cache
+
+        def build() -> bool:
+            with torch.inference_mode(), self._autocast():
+                return cache.get_or_build(self.flow, chunk) is not None
+
+        built = await asyncio.get_running_loop().run_in_executor(self._pool, build)
+        self.stats.prompt_cache_bytes = cache.nbytes
+        return built
+
+    def _runs_eagerly(self, chunks: list[FlowChunk]) -> bool:
+        """Whether no CUDA graph would serve this batch (graphs off, more rows than the largest
+        bucket, or more frames than the graphs' limit): those batches use the prompt cache."""
+        runner = self.graph_runner()
+        if runner is None:
+            return True
+        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
+        frames = ratio * max(len(c.tokens) - (0 if c.finalize else look) for c in chunks)
+        return runner.policy.bucket(len(chunks), frames) is None
+
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.flow_autocast is None:
             return contextlib.nullcontext()
@@ -272,8 +312,13 @@ class AudioStage:
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
         """PCM per chunk, the flow's padded rows x frames and the vocoded mel frames."""
+        chunks = [j.flow for j in batch]
         with self._autocast():
-            mels, shape = self.flow.decode_chunks([j.flow for j in batch], solver=self.graph_runner())
+            if self.prompt_cache is not None and self._runs_eagerly(chunks):
+                entries = self.prompt_cache.entries_for(self.flow, chunks)
+                mels, shape = decode_with_prompt_cache(self.flow, chunks, entries)
+            else:
+                mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
         mels = [_stretch(m.float(), j.speed) for m, j in zip(mels, batch)]
         vocoder_frames = sum(int(m.shape[0]) for m in mels)
         pcm = self.hift.stream_step(

@@ -64,6 +64,8 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_gpu_batch=e.max_gpu_batch,
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,
+        flow_prompt_cache=e.flow_prompt_cache,
+        flow_prompt_cache_bytes=e.flow_prompt_cache_mib << 20,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_devices=e.stage_devices,
         lm_max_batch=e.lm_max_batch,

@@ -45,6 +45,16 @@ class EngineSettings:
         metadata=_help("flow batches with more chunks than this run eagerly at their exact size instead of "
                        "padded to a CUDA graph bucket (64 = all batches use graphs)"),
     )
+    flow_prompt_cache: bool = field(
+        default=False,
+        metadata=_help("cache each voice prompt's flow DiT keys/values so eager flow batches (more chunks than "
+                       "flow_graph_max_rows, or no CUDA graphs) skip the prompt's frames; exact, off by default"),
+    )
+    flow_prompt_cache_mib: int = field(
+        default=4096,
+        metadata=_help("memory budget of the flow prompt cache per flow/vocoder stage in MiB (least recently used "
+                       "voices are evicted; ~1.8 MB per cached prompt frame at full size in bf16)"),
+    )
     stage_policy: str = field(
         default="first_chunks",
         metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks first, then FIFO) or "

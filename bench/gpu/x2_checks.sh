@@ -3,7 +3,7 @@
 #   run(command="bash bench/gpu/x2_checks.sh", carry=[".gpu/b", ".whl"], kind="nvidia-h200-x2")
 # The correctness and latency checks, two chains in parallel, one GPU each (every result is
 # a single-GPU measurement):
-#   GPU 0: flow CUDA graphs vs eager (stage_bench), bistream torch-vs-vLLM parity (fp32),
+#   GPU 0: flow CUDA graphs and the prompt K/V cache vs eager (stage_bench), bistream torch-vs-vLLM parity (fp32),
 #          then vLLM decode speed with async scheduling off and on.
 #   GPU 1: CosyVoice2 torch-vs-vLLM token parity (fp32), then first audio bistream vs
 #          segment mode (engine_bench, text at 30 tokens/s).
@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.max.
 left() { echo $((575 - (SECONDS - T0))); }
 (
   export CUDA_VISIBLE_DEVICES=0
-  timeout 200 python3 -m bench.stage_bench --device cuda --batches 1,8,32,64 --check-batches 3,13 --reps 5 \
+  timeout 200 python3 -m bench.stage_bench --device cuda --batches 1,8,32,64 --check-batches 3,13 --reps 5 --graphs --prompt-cache \
     --json $OUT/stage_graphs.json > $L/stage_graphs.log 2>&1
   echo "stage_bench rc=$? at $((SECONDS - T0)) s"
   TRITON_F32_DEFAULT=ieee timeout $(( $(left) < 220 ? $(left) : 220 )) python3 -m bench.bistream_parity --out $OUT \

@@ -31,11 +31,20 @@ Architecture facts that matter for numerical parity with the official code:
 * Attention mask: key padding mask AND, when streaming, a block-causal mask over
   `static_chunk_size` frames (frame i sees frames < (i // chunk + 1) * chunk, i.e.
   its own chunk and all earlier ones). Attention outputs of padded frames are zeroed.
+
+Prompt prefix (`DiTPrefix`, used by `engine.flow_prompt_cache`): in streaming mode the
+frames of whole 50-frame blocks at the start of a row depend only on those frames, so a
+caller may run the DiT over the later frames only and hand in, per block, the keys and
+values the earlier frames produced, plus the last `CONV_CONTEXT` frames of the input
+projection that the causal position convolutions read. `DiTRecord` collects exactly
+those pieces from an ordinary call. Both are explicit arguments, no hooks.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +60,37 @@ CONV_POS_KERNEL = 31
 CONV_POS_GROUPS = 16
 ROTARY_BASE = 10000.0
 NORM_EPS = 1e-6
+# Frames of the input projection before a row's first new frame that the two causal
+# convolutions of the position embedding reach (each looks kernel - 1 frames back).
+CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)
+
+
+@dataclass
+class DiTPrefix:
+    """Cached frames [0, C_i) of each row for one DiT call (one Euler step, all CFG rows).
+
+    join:         per block: (new keys, new values) [B, H, L, dh] -> all keys and values
+                  [B, H, Cmax + L, dh] with the prefix first (rotated at its own positions).
+    key_mask:     [B, Cmax] bool, True for row i's real prefix keys (j < C_i).
+    positions:    [B] long, C_i: absolute position of each row's first input frame.
+    conv_context: [B, CONV_CONTEXT, D], the input projection over frames [C_i - 60, C_i)
+                  (zeros where that is before frame 0, like the convolutions' padding).
+    """
+
+    join: Sequence[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
+    key_mask: torch.Tensor
+    positions: torch.Tensor
+    conv_context: torch.Tensor
+
+
+@dataclass
+class DiTRecord:
+    """What an ordinary DiT call leaves for `DiTPrefix`: per block the rotated keys and the
+    values [B, H, T, dh], and the last CONV_CONTEXT frames of the input projection."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    conv_context: torch.Tensor | None = None
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
@@ -87,6 +127,22 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
+def prefixed_attention_mask(prefix_mask: torch.Tensor, pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
+    """SDPA bool mask [B, 1, T, P + T] for queries at frames [C_i, C_i + T) of each row
+    over keys = P cached prefix slots then the T new frames.
+
+    Every query sees all of its row's real prefix keys (C_i is a whole number of blocks
+    before it). Among the new frames the block-causal rule is the usual one counted from
+    C_i, since C_i is a multiple of `chunk` (the blocks stay aligned).
+    """
+    batch, length = pad_mask.shape
+    new = pad_mask[:, None, :] & block_causal_mask(length, chunk, pad_mask.device).unsqueeze(0)
+    old = prefix_mask[:, None, :].expand(batch, length, prefix_mask.shape[1])
+    mask = torch.cat((old, new), dim=-1)
+    empty = ~mask.any(dim=-1, keepdim=True)  # padded rows: see attention_mask
+    return (mask | empty).unsqueeze(1)
+
+
 class TimestepEmbedding(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -105,11 +161,24 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
-        h = x.transpose(1, 2)
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor | None = None, context_valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D]. `context` [B, CONV_CONTEXT, D]: the input frames just
+        before x (see DiTPrefix), zeros where they would be before frame 0, which
+        `context_valid` [B, CONV_CONTEXT] (bool) marks False; without context x starts at
+        frame 0 (zero left padding)."""
+        h = x if context is None else torch.cat((context.to(x.dtype), x), dim=1)
+        h = h.transpose(1, 2)
         h = self.conv1(F.pad(h, (self.kernel_size - 1, 0)))
+        if context_valid is not None:
+            # conv1 outputs "before frame 0" are conv2's zero padding in a full-length run.
+            keep = F.pad(context_valid, (0, x.shape[1]), value=True)
+            h = h * keep.unsqueeze(1).to(h.dtype)
         h = self.conv2(F.pad(h, (self.kernel_size - 1, 0)))
-        return h.transpose(1, 2)
+        # The context's own outputs are dropped; the ones of x only read conv1 outputs at
+        # most kernel - 1 frames back, which read inputs at most kernel - 1 further back.
+        return h[:, :, h.shape[2] - x.shape[1] :].transpose(1, 2)
 
 
 class InputEmbedding(nn.Module):
@@ -118,11 +187,21 @@ class InputEmbedding(nn.Module):
         self.proj = nn.Linear(2 * mel_dim + mu_dim + spk_dim, dim)
         self.conv_pos_embed = CausalConvPositionEmbedding(dim)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
         # All inputs are frame-major [B, T, C] except spks [B, C], broadcast over frames.
         spk = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
-        h = self.proj(torch.cat((x, cond, mu, spk), dim=-1))
-        return self.conv_pos_embed(h) + h
+        return self.proj(torch.cat((x, cond, mu, spk), dim=-1))
+
+    def forward(
+        self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+        context: torch.Tensor | None = None, context_valid: torch.Tensor | None = None,
+        record: DiTRecord | None = None,
+    ) -> torch.Tensor:
+        h = self.project(x, cond, mu, spks)
+        if record is not None:
+            # Left-pad with zeros when shorter than the context: the convs' own padding.
+            record.conv_context = F.pad(h, (0, 0, max(0, CONV_CONTEXT - h.shape[1]), 0))[:, -CONV_CONTEXT:]
+        return self.conv_pos_embed(h, context, context_valid) + h
 
 
 class RotaryEmbedding(nn.Module):
@@ -138,6 +217,11 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
         angles = torch.outer(pos, self.inv_freq)
         return angles.repeat_interleave(2, dim=-1)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Angles at given absolute positions: [..., L] ints -> [..., L, dim_head]."""
+        pos = positions.to(self.inv_freq.dtype).unsqueeze(-1)
+        return (pos * self.inv_freq).repeat_interleave(2, dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -194,14 +278,27 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        pad_mask: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        join: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        record: DiTRecord | None = None,
     ) -> torch.Tensor:
+        """`join` prepends cached prefix keys/values (mask then covers them too);
+        `record` receives this call's keys and values."""
         batch, length, _ = x.shape
         # Rotary on the un-split projections: only head 0 gets position information.
         q = apply_rotary(self.to_q(x), *rope)
         k = apply_rotary(self.to_k(x), *rope)
         v = self.to_v(x)
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
+        if record is not None:
+            record.keys.append(k)
+            record.values.append(v)
+        if join is not None:
+            k, v = join(k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
         out = self.to_out[0](out)
@@ -238,9 +335,11 @@ class DiTBlock(nn.Module):
         mask: torch.Tensor,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        join: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        record: DiTRecord | None = None,
     ) -> torch.Tensor:
         normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
-        x = x + gate_a[:, None] * self.attn(normed, mask, pad_mask, rope)
+        x = x + gate_a[:, None] * self.attn(normed, mask, pad_mask, rope, join, record)
         normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS) * (1 + scale_m[:, None]) + shift_m[:, None]
         return x + gate_m[:, None] * self.ff(normed)
 
@@ -270,19 +369,39 @@ class DiT(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         streaming: bool = False,
+        prefix: DiTPrefix | None = None,
+        record: DiTRecord | None = None,
     ) -> torch.Tensor:
         """x, mu, cond: [B, 80, T]; mask: [B, 1, T] (1 = real frame); t: [B] or scalar;
-        spks: [B, 80]. Returns the velocity [B, 80, T] (channel-major, like the reference)."""
+        spks: [B, 80]. Returns the velocity [B, 80, T] (channel-major, like the reference).
+
+        With `prefix` (streaming only) the T input frames of row i are frames
+        [C_i, C_i + T) of the sequence and the earlier ones come from the cache; with
+        `record` this call's keys, values and conv context are collected."""
         batch, _, length = x.shape
         if t.ndim == 0:
             t = t.expand(batch)
         temb = self.time_embed(t)
-        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        context = context_valid = None
+        if prefix is not None:
+            context = prefix.conv_context
+            before = torch.arange(-CONV_CONTEXT, 0, device=prefix.positions.device)
+            context_valid = (prefix.positions.unsqueeze(1) + before) >= 0  # [B, CONV_CONTEXT]
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks,
+                             context, context_valid, record)
         pad_mask = mask[:, 0, :].bool()
-        attn_mask = attention_mask(pad_mask, self.static_chunk_size if streaming else None)
-        angles = self.rotary_embed(length)
+        if prefix is None:
+            attn_mask = attention_mask(pad_mask, self.static_chunk_size if streaming else None)
+            angles = self.rotary_embed(length)
+        else:
+            if not streaming:
+                raise ValueError("a cached prefix is only exact with block-causal (streaming) attention")
+            attn_mask = prefixed_attention_mask(prefix.key_mask, pad_mask, self.static_chunk_size)
+            offsets = torch.arange(length, device=prefix.positions.device)
+            angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        for block in self.transformer_blocks:
-            h = block(h, temb, attn_mask, pad_mask, rope)
+        for i, block in enumerate(self.transformer_blocks):
+            join = None if prefix is None else prefix.join[i]
+            h = block(h, temb, attn_mask, pad_mask, rope, join, record)
         h = self.norm_out(h, temb)
         return self.proj_out(h).transpose(1, 2)

@@ -31,14 +31,14 @@ as one padded batch; see `FlowChunk`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import FlowConfig
-from .dit import DiT
+from .dit import DiT, DiTPrefix, DiTRecord
 
 # Seed and size of the reference's fixed noise: 50 frames/s x 300 s.
 NOISE_SEED = 0
@@ -96,12 +96,23 @@ class CausalConditionalCFM(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         streaming: bool,
+        prefix: Sequence[DiTPrefix] | None = None,
+        record: list[DiTRecord] | None = None,
     ) -> torch.Tensor:
         """noise, mu, cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80] -> mel [B, 80, T].
 
         The batch is doubled: rows [0, B) are conditional, rows [B, 2B) unconditional
         (mu, spks, cond zeroed), exactly like the reference's 2-row batch for B = 1.
+        `prefix[k]` (DiT only) is step k's cached prefix of all 2B rows; `record` gets
+        one `DiTRecord` per step (see `engine.models.dit`).
         """
+        extra: list[dict[str, object]] = [{} for _ in range(self.n_timesteps)]
+        for k in range(self.n_timesteps):
+            if prefix is not None:
+                extra[k]["prefix"] = prefix[k]
+            if record is not None:
+                record.append(DiTRecord())
+                extra[k]["record"] = record[-1]
         batch = noise.shape[0]
         x = noise
         t_span = cosine_time_grid(self.n_timesteps, noise.device, noise.dtype)
@@ -114,7 +125,8 @@ class CausalConditionalCFM(nn.Module):
         t = t_span[0]
         dt = t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            v = self.estimator(torch.cat((x, x)), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming)
+            v = self.estimator(torch.cat((x, x)), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming,
+                               **extra[step - 1])
             v_cond, v_uncond = v[:batch], v[batch:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             t = t + dt
@@ -211,21 +223,12 @@ class CausalMaskedDiffWithDiT(nn.Module):
         (the frames of tokens[out_start : T - lookahead_if_not_finalize])."""
         return self.decode_chunks(chunks, streaming, solver)[0]
 
-    @torch.inference_mode()
-    def decode_chunks(
-        self, chunks: list[FlowChunk], streaming: bool = True, solver: FlowSolver | None = None
-    ) -> tuple[list[torch.Tensor], FlowBatchShape]:
-        """`inference_chunks` plus the padded shape the ODE solver ran at.
-
-        `solver` replaces `self.decoder.solve` (e.g. the CUDA-graph runner of
-        `engine.flow_graphs`); it may ask for more rows and frames than the chunks need
-        (`padded_shape`), which are filled exactly like the ordinary batch padding: mask
-        0, zero noise/mu/cond/speaker. Padding cannot change the real frames: every op of
-        the estimator is per row, its convolutions are causal, and attention only reads
-        keys whose mask is 1.
-        """
-        if not chunks:
-            return [], FlowBatchShape(0, 0)
+    def prepare_batch(
+        self, chunks: list[FlowChunk], streaming: bool = True, rows: int | None = None, t_pad: int | None = None
+    ) -> FlowBatchInputs:
+        """Noise, mask, mu, speaker and prompt condition of a chunk batch, right-padded to
+        `rows` x `t_pad` (default: the batch's own size) with mask 0 and zero inputs.
+        Does not look at `out_start` (the prompt cache feeds prompt-only chunks here)."""
         device = self.input_embedding.weight.device
         dtype = self.spk_embed_affine_layer.weight.dtype
         ratio, look = self.token_mel_ratio, self.pre_lookahead_len
@@ -236,17 +239,14 @@ class CausalMaskedDiffWithDiT(nn.Module):
             tp = c.num_prompt_tokens
             if c.prompt_feat.shape[0] != ratio * tp:
                 raise ValueError(f"prompt_feat has {c.prompt_feat.shape[0]} frames, expected {ratio * tp}")
-            if not tp <= c.out_start <= n:
-                raise ValueError(f"out_start {c.out_start} outside [{tp}, {n}]")
             last_noise = ratio * n - 1 + (c.noise_offset if n > tp else 0)
             if last_noise >= self.decoder.rand_noise.shape[2]:
                 raise ValueError(f"utterance too long for the fixed noise ({last_noise + 1} frames)")
         batch, n_max = len(chunks), max(n_main)
         frames = [ratio * n for n in n_main]
         t_max = ratio * n_max
-        rows, t_pad = (batch, t_max) if solver is None else solver.padded_shape(batch, t_max)
-        if rows < batch or t_pad < t_max:
-            raise ValueError(f"solver padded shape {(rows, t_pad)} is smaller than the batch {(batch, t_max)}")
+        rows = batch if rows is None else rows
+        t_pad = t_max if t_pad is None else t_pad
 
         mu = self.token_features(chunks, n_main, streaming)  # [B, 80, t_max]
         spk_in = _stack_rows([c.embedding.reshape(-1) for c in chunks], device, dtype)
@@ -270,11 +270,52 @@ class CausalMaskedDiffWithDiT(nn.Module):
         noise = source.to(dtype)[:, noise_idx.reshape(-1)].view(n_mel, rows, t_pad).transpose(0, 1).contiguous()
         noise = noise * mask  # padding gathered column 0; zero it (exact: x * 1 == x elsewhere)
         cond = feats[cond_idx.reshape(-1)].view(rows, t_pad, n_mel).transpose(1, 2).contiguous()
+        return FlowBatchInputs(noise, mask, mu, spks, cond, frames)
+
+    @torch.inference_mode()
+    def decode_chunks(
+        self, chunks: list[FlowChunk], streaming: bool = True, solver: FlowSolver | None = None
+    ) -> tuple[list[torch.Tensor], FlowBatchShape]:
+        """`inference_chunks` plus the padded shape the ODE solver ran at.
+
+        `solver` replaces `self.decoder.solve` (e.g. the CUDA-graph runner of
+        `engine.flow_graphs`); it may ask for more rows and frames than the chunks need
+        (`padded_shape`), which are filled exactly like the ordinary batch padding: mask
+        0, zero noise/mu/cond/speaker. Padding cannot change the real frames: every op of
+        the estimator is per row, its convolutions are causal, and attention only reads
+        keys whose mask is 1.
+        """
+        if not chunks:
+            return [], FlowBatchShape(0, 0)
+        ratio, look = self.token_mel_ratio, self.pre_lookahead_len
+        n_main = [len(c.tokens) - (0 if c.finalize else look) for c in chunks]
+        for c, n in zip(chunks, n_main):
+            if not c.num_prompt_tokens <= c.out_start <= n:
+                raise ValueError(f"out_start {c.out_start} outside [{c.num_prompt_tokens}, {n}]")
+        batch, t_max = len(chunks), ratio * max(n_main)
+        rows, t_pad = (batch, t_max) if solver is None else solver.padded_shape(batch, t_max)
+        if rows < batch or t_pad < t_max:
+            raise ValueError(f"solver padded shape {(rows, t_pad)} is smaller than the batch {(batch, t_max)}")
+        inputs = self.prepare_batch(chunks, streaming, rows, t_pad)
+        noise, mask, mu, spks, cond = inputs.noise, inputs.mask, inputs.mu, inputs.spks, inputs.cond
+        frames = inputs.frames
 
         run = self.decoder.solve if solver is None else solver
         mel = run(noise, mask, mu, spks, cond, streaming)
         out = [mel[i, :, ratio * c.out_start : frames[i]].T for i, c in enumerate(chunks)]
         return out, FlowBatchShape(rows, t_pad)
+
+
+@dataclass
+class FlowBatchInputs:
+    """The ODE inputs of a chunk batch (see `CausalMaskedDiffWithDiT.prepare_batch`)."""
+
+    noise: torch.Tensor  # [rows, 80, T]
+    mask: torch.Tensor  # [rows, 1, T]
+    mu: torch.Tensor  # [rows, 80, T]
+    spks: torch.Tensor  # [rows, 80]
+    cond: torch.Tensor  # [rows, 80, T]
+    frames: list[int]  # real frames per chunk (main tokens x ratio)
 
 
 @dataclass(frozen=True)

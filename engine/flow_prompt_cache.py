@@ -1,0 +1,312 @@
+"""Opt-in cache of a voice prompt's DiT keys/values for the CosyVoice3 flow (issue #12).
+
+Every streaming chunk re-runs the flow's ODE over prompt + left context + new frames,
+and the prompt is usually the larger part. With block-causal (streaming) attention most
+of the prompt's work is the same in every chunk of every utterance of a voice:
+
+* the DiT's attention is block-causal over 50-frame blocks counted from frame 0 (the
+  prompt comes first), its position convolutions are causal, everything else works
+  frame by frame, and so does the Euler update;
+* a prompt frame's inputs are the prompt mel (`cond`), the fixed noise column of the same
+  index (no noise offset inside the prompt), the speaker vector and the flow time, and
+  `mu`, which for token j reads tokens j-2 .. j+3 (the lookahead layer). So the frames of
+  prompt tokens 0 .. P-4 depend on the prompt alone.
+
+Hence for the first C = 50 * floor(2 (P - 3) / 50) frames (whole blocks of prompt-only
+frames) every Euler step, CFG row and DiT block sees the same hidden states, keys and
+values in every chunk of that voice. `PromptKV` records them once (an ordinary DiT run
+over those C frames with a `DiTRecord` per step); `decode_with_prompt_cache` then runs the
+ODE over frames [C, T) only, with the cached keys/values prepended in every attention and
+the last 60 frames of the input projection before C fed to the position convolutions
+(`DiTPrefix`). Rotary angles are absolute (cached keys were rotated at their own
+positions) and C is a whole number of blocks, so the block-causal rule carries over
+unchanged. Rows without an entry (prompts too short for one block: C = 0) simply run
+from frame 0 in the same batch.
+
+Memory: steps x 2 CFG rows x layers x (K + V) x dim per cached frame, 1.8 MB per frame
+at full size in bf16 (10 x 2 x 22 x 2 x 1024 x 2 bytes; a 106-token prompt caches 200
+frames, 360 MB); `PromptCache` bounds the total with LRU eviction. One cache per audio stage (entries live on its device, built in its
+autocast dtype), used only from the stage's worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, DiTRecord
+from .models.flow import CausalMaskedDiffWithDiT, FlowBatchShape, FlowChunk
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_BYTES = 4 << 30
+
+
+def cacheable_frames(num_prompt_tokens: int, token_mel_ratio: int, lookahead: int, block: int) -> int:
+    """C: the whole attention blocks of frames whose inputs come from the prompt alone
+    (tokens 0 .. P - lookahead - 1, whose lookahead stays inside the prompt)."""
+    prompt_only = token_mel_ratio * max(0, num_prompt_tokens - lookahead)
+    return block * (prompt_only // block)
+
+
+@dataclass
+class PromptKV:
+    """One voice's cached prefix: frames [0, frames) at every Euler step.
+
+    keys, values: [steps, layers, 2, heads, frames, dim_head] (CFG row 0 = conditional,
+                  1 = unconditional), keys already rotated at their positions.
+    conv_context: [steps, 2, CONV_CONTEXT, dim], the input projection over frames
+                  [frames - 60, frames) (zeros before frame 0).
+    """
+
+    frames: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    conv_context: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.conv_context))
+
+
+def supports_prompt_cache(flow: torch.nn.Module) -> bool:
+    """Only the CosyVoice3 flow (DiT estimator) has the block structure the cache needs."""
+    estimator = getattr(getattr(flow, "decoder", None), "estimator", None)
+    return isinstance(flow, CausalMaskedDiffWithDiT) and isinstance(estimator, DiT)
+
+
+def prompt_frames(flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> int:
+    """C for this chunk's prompt (0: nothing to cache)."""
+    return cacheable_frames(chunk.num_prompt_tokens, flow.token_mel_ratio, flow.pre_lookahead_len,
+                            flow.decoder.estimator.static_chunk_size)
+
+
+@torch.inference_mode()
+def build_prompt_kv(flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV | None:
+    """Run the ODE over the prompt's first C frames once and keep what later chunks need.
+    Call it under the same autocast as the decoding (the cached tensors keep its dtype)."""
+    frames = prompt_frames(flow, chunk)
+    if frames == 0:
+        return None
+    p = chunk.num_prompt_tokens
+    # The prompt alone, its last `lookahead` tokens as right context: frames
+    # [0, 2 (P - 3)) >= C, computed exactly as inside any chunk of this voice.
+    prompt = FlowChunk(tokens=chunk.tokens[:p], prompt_feat=chunk.prompt_feat, embedding=chunk.embedding,
+                       num_prompt_tokens=p, out_start=p, finalize=False)
+    inputs = flow.prepare_batch([prompt], streaming=True)
+
+    def head(t: torch.Tensor) -> torch.Tensor:
+        return t[..., :frames].contiguous()
+
+    steps: list[DiTRecord] = []
+    flow.decoder.solve(head(inputs.noise), head(inputs.mask), head(inputs.mu), inputs.spks, head(inputs.cond),
+                       True, record=steps)
+    return PromptKV(
+        frames=frames,
+        keys=torch.stack([torch.stack(r.keys) for r in steps]),
+        values=torch.stack([torch.stack(r.values) for r in steps]),
+        conv_context=torch.stack([r.conv_context for r in steps if r.conv_context is not None]),
+    )
+
+
+class _StepPrefixes:
+    """`DiTPrefix` of each Euler step for one batch, built when the solver asks for it.
+
+    Row layout follows the solver's CFG doubling: rows [0, B) conditional, [B, 2B)
+    unconditional. Cached keys are padded to the batch's largest C with key mask False;
+    the per-layer `join` writes prefix and new keys into one buffer (one copy per layer).
+    """
+
+    def __init__(self, entries: list[PromptKV | None], device: torch.device) -> None:
+        self.entries = entries
+        self.batch = len(entries)
+        starts = [0 if e is None else e.frames for e in entries]
+        self.width = max(starts)
+        # Rows sharing an entry (one voice) are filled by one indexed copy.
+        groups: dict[int, tuple[PromptKV, list[int]]] = {}
+        for i, e in enumerate(entries):
+            if e is not None:
+                groups.setdefault(id(e), (e, []))[1].append(i)
+        self.groups = [(e, torch.tensor(rows, device=device), torch.tensor(rows, device=device) + self.batch)
+                       for e, rows in groups.values()]
+        self.ragged = any(s < self.width for s in starts)
+        c = torch.tensor(starts, device=device)
+        self.positions = torch.cat((c, c))
+        self.key_mask = torch.arange(self.width, device=device).unsqueeze(0) < self.positions.unsqueeze(1)
+        some = self.groups[0][0]
+        self.n_steps, self.n_layers = some.keys.shape[0], some.keys.shape[1]
+
+    def __len__(self) -> int:
+        return self.n_steps
+
+    def __getitem__(self, step: int) -> DiTPrefix:
+        some = self.groups[0][0].conv_context
+        context = some.new_zeros(2 * self.batch, CONV_CONTEXT, some.shape[-1])
+        for e, cond_rows, uncond_rows in self.groups:
+            context[cond_rows] = e.conv_context[step, 0]
+            context[uncond_rows] = e.conv_context[step, 1]
+        joins = [self._joiner(step, layer) for layer in range(self.n_layers)]
+        return DiTPrefix(join=joins, key_mask=self.key_mask, positions=self.positions, conv_context=context)
+
+    def _joiner(self, step: int, layer: int):  # noqa: ANN202 (a closure over one step and layer)
+        def join(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._prepend(keys, step, layer, "keys"), self._prepend(values, step, layer, "values")
+
+        return join
+
+    def _prepend(self, new: torch.Tensor, step: int, layer: int, which: str) -> torch.Tensor:
+        rows, heads, length, dim = new.shape
+        # Zeros under the key mask where rows' prefixes are shorter: a masked value must
+        # still be finite (0 x NaN would poison the attention output).
+        alloc = torch.zeros if self.ragged else torch.empty
+        out = alloc(rows, heads, self.width + length, dim, dtype=new.dtype, device=new.device)
+        for e, cond_rows, uncond_rows in self.groups:
+            cached = getattr(e, which)[step, layer]  # [2, H, C, dh]
+            out[cond_rows, :, : e.frames] = cached[0].to(new.dtype)
+            out[uncond_rows, :, : e.frames] = cached[1].to(new.dtype)
+        out[:, :, self.width :] = new
+        return out
+
+
+@torch.inference_mode()
+def decode_with_prompt_cache(
+    flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None]
+) -> tuple[list[torch.Tensor], FlowBatchShape]:
+    """Same frames as `flow.decode_chunks(chunks, streaming=True)`, computing only frames
+    [C_i, T_i) of each row (C_i = entries[i].frames, 0 for None). The shape returned is
+    the one the ODE ran at: rows x the longest row's new frames."""
+    if not chunks:
+        return [], FlowBatchShape(0, 0)
+    if len(entries) != len(chunks):
+        raise ValueError("one prompt cache entry (or None) per chunk")
+    if all(e is None for e in entries):
+        return flow.decode_chunks(chunks, streaming=True)
+    ratio = flow.token_mel_ratio
+    for c in chunks:
+        n = len(c.tokens) - (0 if c.finalize else flow.pre_lookahead_len)
+        if not c.num_prompt_tokens <= c.out_start <= n:
+            raise ValueError(f"out_start {c.out_start} outside [{c.num_prompt_tokens}, {n}]")
+    for c, e in zip(chunks, entries):
+        if e is not None and e.frames != prompt_frames(flow, c):
+            raise ValueError("prompt cache entry does not match the chunk's prompt length")
+    inputs = flow.prepare_batch(chunks, streaming=True)
+    device, t_full = inputs.noise.device, inputs.noise.shape[2]
+    starts = [0 if e is None else e.frames for e in entries]
+    new_frames = [f - c for f, c in zip(inputs.frames, starts)]
+    length = max(new_frames)
+
+    # Row i's frames [C_i, C_i + length) shifted to the front; padding past each row's
+    # end gets mask 0 and zero inputs, exactly like ordinary batch padding.
+    offsets = torch.arange(length, device=device).unsqueeze(0)
+    index = (torch.tensor(starts, device=device).unsqueeze(1) + offsets).clamp(max=t_full - 1)
+    valid = (offsets < torch.tensor(new_frames, device=device).unsqueeze(1)).to(inputs.mask.dtype)
+
+    def shift(t: torch.Tensor) -> torch.Tensor:
+        picked = t.gather(2, index.unsqueeze(1).expand(-1, t.shape[1], -1))
+        return picked * valid.unsqueeze(1)
+
+    prefixes = _StepPrefixes(entries, device)
+    mel = flow.decoder.solve(shift(inputs.noise), valid.unsqueeze(1), shift(inputs.mu), inputs.spks,
+                             shift(inputs.cond), True, prefix=prefixes)
+    out = [mel[i, :, ratio * c.out_start - s : f - s].T
+           for i, (c, s, f) in enumerate(zip(chunks, starts, inputs.frames))]
+    return out, FlowBatchShape(len(chunks), length)
+
+
+@dataclass
+class PromptCacheStats:
+    hits: int = 0  # chunks decoded from a cached prefix
+    builds: int = 0
+    evictions: int = 0
+    too_large: int = 0  # entries bigger than the whole budget (not kept, not used)
+
+
+class PromptCache:
+    """Bounded LRU of `PromptKV` by voice prompt content (tokens, mel, speaker vector).
+
+    Keys are content digests, so every `VoicePrompt` object of one voice finds the same
+    entry; the digest of a prompt mel tensor is remembered per live tensor object, so a
+    chunk costs hashing only its few hundred prompt tokens and the speaker vector."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        if budget_bytes < 0:
+            raise ValueError("budget_bytes must be >= 0")
+        self.budget_bytes = budget_bytes
+        self.stats = PromptCacheStats()
+        self._entries: OrderedDict[bytes, PromptKV] = OrderedDict()
+        self._feat_digests: dict[int, tuple[weakref.ref[torch.Tensor], bytes]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def key(self, chunk: FlowChunk) -> bytes:
+        p = chunk.num_prompt_tokens
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self._feat_digest(chunk.prompt_feat))
+        h.update(_tensor_bytes(chunk.tokens.reshape(-1)[:p].to(torch.long)))
+        h.update(_tensor_bytes(chunk.embedding.reshape(-1).float()))
+        return h.digest()
+
+    def _feat_digest(self, feat: torch.Tensor) -> bytes:
+        known = self._feat_digests.get(id(feat))
+        if known is not None and known[0]() is feat:
+            return known[1]
+        digest = hashlib.blake2b(_tensor_bytes(feat.float()), digest_size=16).digest()
+        key = id(feat)
+        # Forget the digest with its tensor (before the id can be reused).
+        ref = weakref.ref(feat, lambda _r, k=key, d=self._feat_digests: d.pop(k, None))
+        self._feat_digests[key] = (ref, digest)
+        return digest
+
+    def get(self, chunk: FlowChunk) -> PromptKV | None:
+        key = self.key(chunk)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def get_or_build(self, flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV | None:
+        """The chunk's entry, built (and the least recently used ones evicted) if missing;
+        None when its prompt has no whole block to cache or the entry exceeds the budget."""
+        if prompt_frames(flow, chunk) == 0:
+            return None
+        key = self.key(chunk)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry
+        entry = build_prompt_kv(flow, chunk)
+        if entry is None:
+            return None
+        self.stats.builds += 1
+        if entry.nbytes > self.budget_bytes:
+            self.stats.too_large += 1
+            log.warning("flow prompt cache entry of %d bytes exceeds the budget (%d); not cached",
+                        entry.nbytes, self.budget_bytes)
+            return None
+        self._entries[key] = entry
+        total = self.nbytes
+        while total > self.budget_bytes:
+            _, old = self._entries.popitem(last=False)
+            total -= old.nbytes
+            self.stats.evictions += 1
+        return entry
+
+    def entries_for(self, flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk]) -> list[PromptKV | None]:
+        """Per chunk its entry (built when missing) or None; counts the hits."""
+        found = [self.get_or_build(flow, c) for c in chunks]
+        self.stats.hits += sum(e is not None for e in found)
+        return found
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().numpy().tobytes()

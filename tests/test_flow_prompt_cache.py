@@ -1,0 +1,280 @@
+"""The flow prompt cache (engine/flow_prompt_cache.py): cached decoding gives the frames of
+the ordinary `decode_chunks`, the cache is bounded, and the engine option changes only
+the work done, not the audio. Tiny random-weight model, float32, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.flow_prompt_cache import (
+    PromptCache,
+    build_prompt_kv,
+    cacheable_frames,
+    decode_with_prompt_cache,
+    prompt_frames,
+)
+from engine.models.config import ModelConfig
+from engine.models.dit import CausalConvPositionEmbedding, CONV_CONTEXT
+from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+from engine.types import SessionOptions
+
+TOL = 1e-5
+LOOK = 3
+
+
+@pytest.fixture(scope="module")
+def flow() -> CausalMaskedDiffWithDiT:
+    torch.set_num_threads(1)
+    model = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    init_random_(model, seed=4321)
+    return model.eval()
+
+
+@dataclasses.dataclass
+class Voice:
+    tokens: torch.Tensor
+    feat: torch.Tensor
+    emb: torch.Tensor
+    speech: torch.Tensor  # the utterance's speech tokens
+
+    @property
+    def p(self) -> int:
+        return int(self.tokens.numel())
+
+
+def make_voice(p: int, seed: int) -> Voice:
+    g = torch.Generator().manual_seed(seed)
+    return Voice(torch.randint(0, 6561, (p,), generator=g), torch.randn(2 * p, 80, generator=g),
+                 torch.randn(192, generator=g), torch.randint(0, 6561, (200,), generator=g))
+
+
+def chunk(v: Voice, offset: int, end: int, finalize: bool, left: int = 50) -> FlowChunk:
+    """A chunk the way `Session._flow_job` builds it (left-context window on the 25 grid)."""
+    win = max(0, (offset - left) // 25 * 25)
+    stop = end if finalize else end + LOOK
+    return FlowChunk(tokens=torch.cat((v.tokens, v.speech[win:stop])), prompt_feat=v.feat, embedding=v.emb,
+                     num_prompt_tokens=v.p, out_start=v.p + offset - win, finalize=finalize, noise_offset=2 * win)
+
+
+# P = 60 -> C = 100, P = 38 -> C = 50, P = 20 -> C = 0 (too short for a prompt-only block).
+@pytest.fixture(scope="module")
+def voices() -> list[Voice]:
+    return [make_voice(60, 1), make_voice(38, 2), make_voice(20, 3)]
+
+
+def test_cacheable_frames_are_whole_prompt_only_blocks(flow: CausalMaskedDiffWithDiT) -> None:
+    assert cacheable_frames(106, 2, 3, 50) == 200  # 206 prompt-only frames -> 4 blocks
+    assert cacheable_frames(28, 2, 3, 50) == 50
+    assert cacheable_frames(27, 2, 3, 50) == 0  # 48 prompt-only frames: no whole block
+    assert cacheable_frames(2, 2, 3, 50) == 0
+    v = make_voice(60, 1)
+    assert prompt_frames(flow, chunk(v, 0, 15, False)) == 100
+
+
+def test_conv_context_reproduces_the_full_convolution() -> None:
+    torch.manual_seed(0)
+    conv = CausalConvPositionEmbedding(32).eval()
+    x = torch.randn(2, 170, 32)
+    full = conv(x)
+    for c in (0, 50, 100):
+        context = x[:, max(0, c - CONV_CONTEXT) : c]
+        context = torch.nn.functional.pad(context, (0, 0, CONV_CONTEXT - context.shape[1], 0))
+        valid = (torch.arange(-CONV_CONTEXT, 0) + c >= 0).expand(2, -1)
+        assert torch.allclose(conv(x[:, c:], context, valid), full[:, c:], atol=1e-6)
+    # Without the validity mask a row starting at frame 0 would see Mish(bias) where the
+    # full run has conv2's zero padding: the mask is what makes C == 0 rows exact.
+    assert not torch.allclose(conv(x, torch.zeros(2, CONV_CONTEXT, 32)), full, atol=1e-6)
+
+
+def test_cached_decode_equals_decode_chunks(flow: CausalMaskedDiffWithDiT, voices: list[Voice]) -> None:
+    a, b, z = voices
+    chunks = [
+        chunk(a, 0, 15, False),  # first chunk
+        chunk(b, 40, 90, False),  # middle chunk with a left-context window (noise offset)
+        chunk(a, 90, 140, False),  # middle chunk of the longer prompt, different length
+        chunk(z, 15, 40, False),  # C == 0: runs from frame 0 in the same batch
+        chunk(b, 140, 163, True),  # final chunk
+        chunk(a, 0, 7, True),  # a short whole utterance (final first chunk)
+    ]
+    ref, ref_shape = flow.decode_chunks(chunks)
+    cache = PromptCache()
+    entries = cache.entries_for(flow, chunks)
+    assert [None if e is None else e.frames for e in entries] == [100, 50, 100, None, 50, 100]
+    assert cache.stats.builds == 2 and len(cache) == 2 and cache.stats.hits == 5
+    got, shape = decode_with_prompt_cache(flow, chunks, entries)
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got):
+        assert g.shape == r.shape and r.shape[0] > 0
+        assert (g - r).abs().max().item() <= TOL
+    # Fewer frames computed: the longest row minus its cached prefix, not the longest row.
+    assert shape.rows == ref_shape.rows and shape.frames < ref_shape.frames
+    # Every row alone gives the same frames as in the padded batch.
+    for c, e, g in zip(chunks, entries, got):
+        alone, _ = decode_with_prompt_cache(flow, [c], [e])
+        assert (alone[0] - g).abs().max().item() <= TOL
+
+
+def test_cached_decode_is_the_same_arithmetic_in_float64(voices: list[Voice]) -> None:
+    """In float64 the rounding noise of different matrix sizes vanishes: any difference
+    left would be a real dependence of the output on the skipped frames."""
+    model = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    init_random_(model, seed=4321)
+    model = model.double().eval()
+    a, b, z = (replace(v, feat=v.feat.double(), emb=v.emb.double()) for v in voices)
+    chunks = [chunk(a, 65, 110, False), chunk(z, 0, 15, False), chunk(b, 0, 20, True)]
+    ref, _ = model.decode_chunks(chunks)
+    got, _ = decode_with_prompt_cache(model, chunks, PromptCache().entries_for(model, chunks))
+    for r, g in zip(ref, got):
+        assert (g - r).abs().max().item() <= 1e-12
+
+
+def test_one_entry_per_voice_content(flow: CausalMaskedDiffWithDiT, voices: list[Voice]) -> None:
+    a = voices[0]
+    cache = PromptCache()
+    first = cache.get_or_build(flow, chunk(a, 0, 15, False))
+    # Another tensor object with the same prompt (a reloaded voice) finds the same entry.
+    copy = FlowChunk(tokens=chunk(a, 15, 40, False).tokens, prompt_feat=a.feat.clone(), embedding=a.emb.clone(),
+                     num_prompt_tokens=a.p, out_start=a.p + 15, finalize=False)
+    assert cache.get_or_build(flow, copy) is first and cache.stats.builds == 1
+    # A different speaker vector is a different voice.
+    other = replace(copy, embedding=a.emb + 1.0)
+    assert cache.get_or_build(flow, other) is not first and cache.stats.builds == 2
+    assert cache.get_or_build(flow, chunk(voices[2], 0, 15, False)) is None  # C == 0
+
+
+def test_lru_eviction_within_the_byte_budget(flow: CausalMaskedDiffWithDiT, voices: list[Voice]) -> None:
+    a, b, _ = voices
+    size_a = build_prompt_kv(flow, chunk(a, 0, 15, False)).nbytes
+    size_b = build_prompt_kv(flow, chunk(b, 0, 15, False)).nbytes
+    assert size_a > size_b  # K/V bytes scale with the cached frames (100 vs 50)
+    v3 = make_voice(40, 9)  # C = 50
+    cache = PromptCache(budget_bytes=size_a + size_b)
+    ea = cache.get_or_build(flow, chunk(a, 0, 15, False))
+    cache.get_or_build(flow, chunk(b, 0, 15, False))
+    assert cache.nbytes == size_a + size_b and cache.stats.evictions == 0
+    assert cache.get(chunk(a, 0, 15, False)) is ea  # a is now the most recently used
+    cache.get_or_build(flow, chunk(v3, 0, 15, False))  # evicts b (least recently used)
+    assert cache.stats.evictions == 1 and len(cache) == 2
+    assert cache.get(chunk(b, 0, 15, False)) is None and cache.get(chunk(a, 0, 15, False)) is ea
+    assert cache.nbytes <= cache.budget_bytes
+    tiny = PromptCache(budget_bytes=size_b - 1)
+    assert tiny.get_or_build(flow, chunk(b, 0, 15, False)) is None  # larger than the whole budget
+    assert tiny.stats.too_large == 1 and len(tiny) == 0
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+async def _run_sessions(tiny_model_dir, **overrides) -> tuple[list[np.ndarray], object]:  # noqa: ANN001
+    cfg = EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch", warmup=False,
+                       initial_hop=5, max_hop=25, flow_left_context=25, seed=0, **overrides)
+    engine = await Engine.create(cfg)
+    try:
+        sr = engine.sample_rate
+        t = np.arange(int(2.5 * sr)) / sr  # ~2.5 s prompt: 60+ tokens, at least one whole block
+        wav = (0.1 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
+        voice = await engine.prepare_voice("v", wav, sr, "A prompt.")
+        short = await engine.prepare_voice("s", wav[: sr // 2], sr, "Short.")
+        opts = [SessionOptions(tokens_per_text_token=3.0, seed=i) for i in range(4)]
+        texts = ["Hello there, how are you?", "One two three four.", "A short one.", "Testing the cache."]
+        voices = [voice, voice, short, voice]
+        outs = await asyncio.gather(*(engine.synthesize(x, v, o) for x, v, o in zip(texts, voices, opts)))
+        return list(outs), engine.stage.stats
+    finally:
+        await engine.close()
+
+
+def test_engine_audio_is_unchanged_by_the_prompt_cache(tiny_model_dir) -> None:  # noqa: ANN001
+    base, base_stats = asyncio.run(_run_sessions(tiny_model_dir))
+    cached, stats = asyncio.run(_run_sessions(tiny_model_dir, flow_prompt_cache=True, flow_graph_max_rows=0))
+    assert len(base) == len(cached) == 4
+    for x, y in zip(base, cached):
+        assert x.shape == y.shape and x.size > 0
+        assert float(np.abs(x - y).max()) <= 1e-4
+    assert base_stats.prompt_cache_hits == 0 and base_stats.prompt_cache_bytes == 0
+    assert stats.prompt_cache_hits > 0 and stats.prompt_cache_bytes > 0
+    assert stats.vocoder_frames == base_stats.vocoder_frames
+    assert stats.flow_frames < base_stats.flow_frames
+
+
+def test_settings_reach_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    from engine.engine import build_stage
+    from engine.models.loader import load_model
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    s, _ = load_settings([], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert cfg.flow_prompt_cache is False and cfg.flow_prompt_cache_bytes == 4 << 30  # off by default
+    s, _ = load_settings(["--engine.flow-prompt-cache", "true", "--engine.flow-prompt-cache-mib", "64"], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert cfg.flow_prompt_cache is True and cfg.flow_prompt_cache_bytes == 64 << 20
+    env = {"COSYVOICE_GW_ENGINE__FLOW_PROMPT_CACHE": "true"}
+    assert load_settings([], environ=env)[0].engine.flow_prompt_cache is True
+    with pytest.raises(ValueError, match="flow_prompt_cache_bytes"):
+        EngineConfig(model_dir=tmp_path, flow_prompt_cache_bytes=-1)
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    on = build_stage(model, torch.device("cpu"), replace(cfg, model_dir=tiny_model_dir))
+    off = build_stage(model, torch.device("cpu"), EngineConfig(model_dir=tiny_model_dir))
+    assert on.prompt_cache is not None and on.prompt_cache.budget_bytes == 64 << 20
+    assert off.prompt_cache is None
+
+
+def test_stage_bench_checks_the_prompt_cache(tmp_path, capsys) -> None:  # noqa: ANN001
+    from bench import stage_bench
+
+    common = ["--tiny", "--device", "cpu", "--batches", "2", "--reps", "0", "--no-graphs", "--prompt-tokens", "40",
+              "--context-tokens", "25", "--new-tokens", "10", "--prompt-cache"]
+    assert stage_bench.main([*common, "--json", str(tmp_path / "r.json")]) == 0
+    import json
+
+    row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    assert row["cached_ok"] is True and row["prompt_cache_frames"] == 50
+    assert row["cached_frames"] == row["frames_per_chunk"] - 50
+    assert row["fp32_cached_vs_eager_max_abs"] <= 1e-5
+    # A mismatch beyond the tolerance (here: any difference at all is too much) fails the run.
+    assert stage_bench.main([*common, "--tol-cache-fp32", "-1"]) == 1
+    assert "prompt-cache" in capsys.readouterr().err
+
+
+def test_stage_uses_the_cache_only_where_no_graph_serves(tiny_model_dir) -> None:  # noqa: ANN001
+    from engine.flow_graphs import GraphPolicy
+    from engine.models.loader import load_model
+    from engine.token2wav import AudioStage, ChunkJob
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    stage = AudioStage(model.flow, model.hift, torch.device("cpu"), graph_policy=GraphPolicy().with_max_rows(2),
+                       prompt_cache_bytes=1 << 30)
+    # CPU has no CUDA graphs; the runner's uncaptured padded path stands in for them here.
+    stage.flow_cuda_graphs = True
+    v = make_voice(60, 5)
+
+    def jobs(n: int) -> list[ChunkJob]:
+        return [ChunkJob(flow=chunk(v, 10 * i, 10 * i + 15, False), hift_stream=stage.new_stream(), speed=1.0,
+                         chunk_index=0, is_cancelled=lambda: False) for i in range(n)]
+
+    try:
+        small = jobs(2)
+        pcm, frames, _ = stage._compute(small)
+        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 0
+        big = jobs(3)
+        pcm_big, frames_big, _ = stage._compute(big)
+        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 3
+        # The cached batch ran 100 frames per row fewer than its full window.
+        full = 2 * max(len(j.flow.tokens) - LOOK for j in big)
+        assert frames_big == 3 * (full - 100)
+        # Same audio as the graph path for the same chunks (fresh vocoder streams).
+        ref, _, _ = stage._compute([replace(j, hift_stream=stage.new_stream()) for j in big[:2]])
+        for a, b in zip(pcm_big[:2], ref):
+            assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-4
+    finally:
+        stage._pool.shutdown(wait=True)
