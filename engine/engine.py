@@ -261,9 +261,7 @@ class Engine:
         if self.config.flow_prompt_cache and voice.voice_id != "__warmup__":
             prompt = FlowChunk(tokens=voice.speech_tokens, prompt_feat=voice.speech_feat, embedding=voice.embedding,
                                num_prompt_tokens=P, out_start=P, finalize=True)
-            for stage in getattr(self.stage, "stages", [self.stage]):
-                if hasattr(stage, "warm_prompt"):
-                    await stage.warm_prompt(prompt)
+            await self.stage.warm_prompt(prompt)
         if P in self._warmed_prompts or not hasattr(self.stage, "warm_graphs"):
             return 0
         self._warmed_prompts.add(P)

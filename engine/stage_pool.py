@@ -7,7 +7,8 @@ utterances when its vocoder stream is created, and all of its chunks run there (
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
 `StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `run`,
-`drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `start`, `close`.
+`drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`,
+`close`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class StagePool:
     async def warm_graphs(self, shapes: list[tuple[int, int]]) -> int:
         """Capture the flow graphs for these batch shapes on every stage."""
         return sum([await s.warm_graphs(shapes) for s in self.stages])
+
+    async def warm_prompt(self, chunk: object) -> bool:
+        """Build the voice's flow prompt cache entry on every stage."""
+        return all([await s.warm_prompt(chunk) for s in self.stages])
 
     async def start(self) -> None:
         for s in self.stages:

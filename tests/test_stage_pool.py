@@ -62,3 +62,12 @@ def test_pool_places_new_streams_on_the_least_loaded_stage(tiny_model_dir):
                                     is_cancelled=lambda: False))
 
     run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"))
+
+
+def test_registering_a_voice_builds_its_prompt_cache_on_every_stage(tiny_model_dir):
+    async def fn(engine):
+        await default_voice(engine)
+        return [s.prompt_cache.nbytes for s in engine.stage.stages]
+
+    sizes = run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"), flow_prompt_cache=True)
+    assert len(sizes) == 2 and all(n > 0 for n in sizes), sizes
