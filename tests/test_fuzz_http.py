@@ -22,6 +22,7 @@ from typing import Any, Iterator
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -203,7 +204,14 @@ def test_fuzz_every_route_server_alive_bystander_unharmed(server: LiveServer) ->
     expected = 2 * 2 * len(server.gw.engine.text_ids(BYSTANDER_TEXT)) * 960  # s16, 2 tokens/text token
     assert first.status_code == second.status_code == 200
     assert len(first.content) == len(second.content) == expected
-    assert first.content == second.content  # same seed, same audio: nothing leaked in from the fuzz
+    # Same seed, same audio: nothing leaked in from the fuzz. Not bit for bit: the bystander's
+    # chunks share flow batches with whatever the fuzzer got through, and a batch of another
+    # shape rounds differently in the last bit (seen: one sample 1 LSB apart). A leak (other
+    # text, other voice, shifted state) moves samples by far more than 2 LSB.
+    a = np.frombuffer(first.content, dtype="<i2").astype(np.int32)
+    b = np.frombuffer(second.content, dtype="<i2").astype(np.int32)
+    assert np.abs(a).max() > 100  # real audio, so the bound below means something
+    assert np.abs(a - b).max() <= 2, np.abs(a - b).max()
     with server.client() as c:
         assert c.get("/v1/voices/keeper", headers=AUTH).status_code == 200
         assert "internal_error" not in c.get("/metrics", headers=AUTH).text
