@@ -32,14 +32,8 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +42,8 @@ from typing import Any
 import httpx
 import numpy as np
 import websockets
+
+from bench.launch import LaunchedGateway, rss_bytes
 
 SAMPLES_PER_TOKEN = 960
 IDLE_GAUGES = ("cosyvoice_engine_active_sessions", "cosyvoice_engine_active_utterances",
@@ -60,60 +56,11 @@ TEXTS = ("Hello there.", "How can I help you today?", "The weather is fine, than
 # ---- the server process ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (Linux /proc; psutil is not a dependency)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-class ServerProcess:
-    def __init__(self, model: str, root: Path, extra: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/stream"
-        repo = Path(__file__).resolve().parent.parent
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
-        env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "gateway", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-               "--data-dir", str(root / "data"), "--assets-dir", str(root / "assets"), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line.rstrip())
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "\n".join(self.log[-20:]))
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server not ready in time")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+def _rss(srv: LaunchedGateway) -> int:
+    rss = rss_bytes(srv.pid)
+    if rss is None:
+        raise RuntimeError("cannot read the server's RSS from /proc")
+    return rss
 
 
 # ---- sessions --------------------------------------------------------------------------
@@ -250,7 +197,7 @@ async def http_session(client: httpx.AsyncClient, kind: str, rng: random.Random,
     tally.count(tally.ok, kind)
 
 
-async def run_sessions(srv: ServerProcess, n: int, concurrency: int, max_seconds: float, seed: int,
+async def run_sessions(srv: LaunchedGateway, n: int, concurrency: int, max_seconds: float, seed: int,
                        ratio: float) -> tuple[Tally, float]:
     tally = Tally()
     rng = random.Random(seed)
@@ -349,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         write_voice(root)
         extra = ["--engine.device", "cpu", "--engine.lm-backend", "torch", *args.server_arg]
-        srv = ServerProcess(args.model, root, extra)
+        srv = LaunchedGateway(args.model, extra, root)
         try:
             srv.wait_ready(300)
             warm, _ = asyncio.run(run_sessions(srv, args.warmup_sessions, args.concurrency, 120, args.seed + 1, args.ratio))
             wait_idle(srv.url, 60)
             time.sleep(args.settle_seconds)
-            baseline = rss_bytes(srv.proc.pid)
+            baseline = _rss(srv)
             tally, elapsed, rss_rounds = Tally(), 0.0, []
             per_round = max(1, args.sessions // args.rounds)
             t_end = time.monotonic() + args.max_seconds
@@ -366,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed += dt
                 left = wait_idle(srv.url, 60)
                 time.sleep(args.settle_seconds)
-                rss_rounds.append(round(rss_bytes(srv.proc.pid) / 2**20, 1))
-            after = rss_bytes(srv.proc.pid)
+                rss_rounds.append(round(_rss(srv) / 2**20, 1))
+            after = _rss(srv)
             metrics = scrape(srv.url)
         finally:
             code = srv.stop()

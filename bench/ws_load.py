@@ -45,10 +45,6 @@ import io
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -60,6 +56,7 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
+from bench.launch import LaunchedGateway, rss_bytes
 from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
 from bench.svg_plot import Chart, Series, render_svg
 
@@ -133,80 +130,6 @@ def prompt_wav() -> tuple[bytes, str]:
 
 
 # ---- the gateway ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class LaunchedGateway:
-    """`python -m gateway` as a child process on a free loopback port."""
-
-    def __init__(self, model_dir: Path, flags: Sequence[str], workdir: Path, ready_timeout: float) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = list(flags)
-        self.log: list[str] = []
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "assets").mkdir(exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "gateway", "--model", str(Path(model_dir).resolve()), "--host", "127.0.0.1",
-               "--port", str(self.port), "--data-dir", str(workdir / "data"),
-               "--assets-dir", str(workdir / "assets"), "--log-level", "warning", *self.flags]
-        self.command = cmd
-        # cwd outside the repository: its config/default.yaml must not change the run.
-        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
-        self._wait_ready(ready_timeout)
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line.rstrip())
-
-    def _wait_ready(self, timeout: float) -> None:
-        # A tool polling a readiness endpoint (not a test): the model may take minutes.
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("gateway exited:\n" + "\n".join(self.log[-30:]))
-            try:
-                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError("gateway not ready in time:\n" + "\n".join(self.log[-30:]))
-
-    @property
-    def pid(self) -> int:
-        return int(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)  # drains, then exits
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
@@ -469,7 +392,7 @@ async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: d
         with contextlib.suppress(Exception):
             m = await scrape(client)
             if pid is not None and M_RSS not in m:
-                rss = rss_of(pid)
+                rss = rss_bytes(pid)
                 if rss is not None:
                     m[M_RSS] = float(rss)
             for key in (M_RSS, M_CUDA, M_ACTIVE):
@@ -487,14 +410,14 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
     async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client:
         before = await scrape(client)
         if target.pid is not None and M_RSS not in before:
-            before[M_RSS] = float(rss_of(target.pid) or 0)
+            before[M_RSS] = float(rss_bytes(target.pid) or 0)
         sessions = [WsSession(target.ws_url, i, target.headers) for i in range(n)]
         connected = await asyncio.gather(*(s.connect(ctx.timeout) for s in sessions), return_exceptions=True)
         live = [s for s, c in zip(sessions, connected) if not isinstance(c, BaseException)]
         connect_errors = [f"connect:{type(c).__name__}" for c in connected if isinstance(c, BaseException)]
         idle = await scrape(client)
         if target.pid is not None and M_RSS not in idle:
-            idle[M_RSS] = float(rss_of(target.pid) or 0)
+            idle[M_RSS] = float(rss_bytes(target.pid) or 0)
         peaks: dict[str, float] = {}
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_metrics(client, stop, peaks, target.pid))
@@ -865,7 +788,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.baseline:
             runs.append(("baseline", [*flags, *BASELINE_FLAGS], base_levels))
         for name, fl, lv in runs:
-            gw = await asyncio.to_thread(LaunchedGateway, model_dir, fl, workdir / name, args.ready_timeout)
+            gw = LaunchedGateway(Path(model_dir).resolve(), fl, workdir / name)
+            await asyncio.to_thread(gw.wait_ready, args.ready_timeout)
             try:
                 await flops_ready()
                 target = Target(name, gw.url, headers, gw.pid)
