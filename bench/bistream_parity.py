@@ -90,7 +90,9 @@ async def run_backend(backend: Any, cases: list, rate: float, tag: str) -> tuple
 
 @torch.no_grad()
 def uncached_reference(lm: CosyVoice3LM, req: BistreamRequest, arrivals: list[list[int]]) -> dict[str, Any]:
-    """fp32, whole context every step: tokens, context and per-step top-2 gaps."""
+    """Greedy decoding without a KV cache: each step re-runs the whole context the state
+    machine says was fed (fp32 for the parity runs). Returns the speech tokens, the run
+    history, the context and the per-step top-2 logit gaps. The CPU tests use it too."""
     dev = next(lm.parameters()).device
     st = req.new_state(BistreamSpec.from_lm_config(lm.cfg))
     for a in arrivals:
@@ -114,10 +116,11 @@ def uncached_reference(lm: CosyVoice3LM, req: BistreamRequest, arrivals: list[li
                 logits[sts:] = float("-inf")
                 if rule.allow_fill:
                     logits[fill] = keep
-            top2 = logits.topk(2)
-            gaps.append(float(top2.values[0] - top2.values[1]))
-            st.on_token(int(top2.indices[0]))
-    return {"speech": st.speech, "history": st.history, "context_len": len(st.context), "gaps": gaps}
+            top2 = logits.topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            st.on_token(int(torch.argmax(logits)))  # argmax, like the backends (first index on ties)
+    return {"speech": st.speech, "history": st.history, "context": st.context, "context_len": len(st.context),
+            "gaps": gaps}
 
 
 def compare(name: str, ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:

@@ -9,9 +9,10 @@ from typing import TypeVar
 import pytest
 import torch
 
+from bench.bistream_parity import uncached_reference
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.torch_backend import TorchLMBackend
-from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, LengthLimits
+from engine.bistream import BistreamRequest, BistreamState, LengthLimits
 from engine.models.config import ModelConfig
 from engine.models.lm import END_OF_PROMPT_ID, CosyVoice3LM, init_random_, unified_vocab
 
@@ -42,32 +43,10 @@ def _request(rid: str, ratio: float = 3.0, **kw: object) -> BistreamRequest:
                            LengthLimits(fixed_ratio=ratio), **kw)  # type: ignore[arg-type]
 
 
-@torch.inference_mode()
 def reference(lm: CosyVoice3LM, req: BistreamRequest, arrivals: list[list[int]]) -> tuple[list[int], list[int]]:
-    """Greedy decoding without a KV cache: each step re-runs the whole context the
-    state machine says was fed. Returns (speech tokens, context)."""
-    st = req.new_state(BistreamSpec.from_lm_config(lm.cfg))
-    for a in arrivals:
-        st.push_text(a)
-    st.close_text()
-    sts, fill = lm.cfg.speech_token_size, lm.cfg.fill_token
-    while not st.done:
-        run = st.next_run()
-        if run is None:
-            break
-        while st.in_run:
-            rule = st.token_rule()
-            if rule.forced is not None:
-                st.on_token(rule.forced)
-                continue
-            logits = lm.speech_logits(lm(torch.tensor([st.context]))[0, -1]).float()
-            if not rule.allow_stop:
-                keep = logits[fill].clone()
-                logits[sts:] = float("-inf")
-                if rule.allow_fill:
-                    logits[fill] = keep
-            st.on_token(int(torch.argmax(logits)))
-    return st.speech, st.context
+    """The uncached greedy reference of the GPU parity bench: (speech tokens, context)."""
+    ref = uncached_reference(lm, req, arrivals)
+    return ref["speech"], ref["context"]
 
 
 async def _source(arrivals: list[list[int]], gate: asyncio.Event | None = None, gate_at: int = 0) -> AsyncIterator[list[int]]:
