@@ -5,7 +5,9 @@
 Flow: `decode_chunks` on the engine's typical window: `--prompt-tokens` prompt +
 `--context-tokens` left context + `--new-tokens` new tokens + 3 lookahead (rows after the
 first get 5 or 10 fewer new tokens, so batches are ragged like the stage's), under bf16
-autocast as `AudioStage` runs it on CUDA. Per batch size it reports
+weights and activations as `AudioStage` runs it on CUDA (`engine.flow_dtype`; `--autocast` runs
+the previous mode instead: float32 weights under bf16 autocast; `--compile` compiles the DiT
+blocks, `engine.flow_compile`). Per batch size it reports
 
 * `flow_eager_ms`: eager, unpadded (the stage without graphs);
 * `flow_graph_ms`: through `FlowGraphRunner` (CUDA graphs, padded to the bucket), and
@@ -20,11 +22,13 @@ The run exits with status 1 if a bf16 graph result is off by more than `--tol-ab
 abs) or `--tol-rel` (relative norm) from the eager solve at its padded shape, or by more
 than `--tol-rel` from the plain eager result. `--fp32` adds the float32 eager time and the bf16-vs-fp32 difference.
 
-`--prompt-cache` also times the flow prompt cache (`engine.flow_prompt_cache`, eager,
-bf16 on CUDA): `prompt_cache_build_ms` (building the voice's entry once, outside the
-timings), `flow_cached_ms` (decoding from the cache), `cached_frames` (frames per row the
-ODE ran at, vs `frames_per_chunk`), `cached_speedup` (eager / cached) and
-`cached_vs_eager_max_abs` / `_rel`; on the first batch also float32 cached vs float32
+`--prompt-cache` also times the flow prompt cache (`engine.flow_prompt_cache`, bf16 on
+CUDA): `prompt_cache_build_ms` (building the voice's entry once, outside the timings),
+`flow_cached_ms` (decoding from the cache, eager), `cached_frames` (frames per row the
+ODE ran at, vs `frames_per_chunk`), `cached_speedup` (eager / cached),
+`cached_vs_eager_max_abs` / `_rel`, and with `--graphs` `flow_cached_graph_ms` (the cache
+through the graph runner: a CUDA graph up to `prefix_max_rows` rows) and
+`cached_graph_vs_eager_rel`; on the first batch also float32 cached vs float32
 eager (`fp32_cached_vs_eager_max_abs`). The run exits with status 1 if the cached result
 is off by more than `--tol-rel` (relative norm) from eager, or the float32 one by more
 than `--tol-cache-fp32` (max abs).
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import statistics
 import sys
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-cache", action="store_true", help="also time the flow prompt K/V cache (see above)")
     p.add_argument("--tol-cache-fp32", type=float, default=1e-3, help="float32 cached vs eager, max abs")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks (engine.flow_compile)")
+    p.add_argument("--autocast", action="store_true",
+                   help="bf16 autocast over float32 weights (the stage's mode before engine.flow_dtype)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     dev = torch.device(args.device)
@@ -114,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt = (torch.randint(0, cfg.flow.vocab_size, (tp,), generator=g), torch.randn(2 * tp, 80, generator=g),
               torch.randn(192, generator=g))
     bf16 = torch.bfloat16 if dev.type == "cuda" else None
+    # The stage's bf16 mode: a bf16 copy of the flow, no autocast (or, with --autocast,
+    # the fp32 flow under bf16 autocast, the mode before engine.flow_dtype).
+    low = flow if (bf16 is None or args.autocast) else copy.deepcopy(flow).to(bf16)
+    if args.compile:  # engine.flow_compile: the low-precision flow's DiT blocks
+        low.decoder.estimator.compile_blocks()
+
+    def flow_for(dtype: torch.dtype | None) -> flow_mod.CausalMaskedDiffWithDiT:
+        return flow if dtype is None else low
 
     odd = (torch.randint(0, cfg.flow.vocab_size, (tp + 7,), generator=g), torch.randn(2 * (tp + 7), 80, generator=g),
            torch.randn(192, generator=g))
@@ -127,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                          noise_offset=2 * 25 * (i % 4))
 
     def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
-        return torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        on = dtype is not None and args.autocast
+        return torch.autocast(dev.type, dtype=dtype) if on else contextlib.nullcontext()
+
+    amp = bf16 if args.autocast else None
 
     policy = GraphPolicy()
     # Off CUDA, --graphs runs the runner's padded static-buffer path without capture (a smoke test).
-    runner = FlowGraphRunner(flow.decoder, policy, autocast_dtype=bf16, capture=dev.type == "cuda") if graphs else None
-    padded_eager = FlowGraphRunner(flow.decoder, policy, autocast_dtype=bf16, capture=False)
+    runner = FlowGraphRunner(low.decoder, policy, autocast_dtype=amp, capture=dev.type == "cuda") if graphs else None
+    padded_eager = FlowGraphRunner(low.decoder, policy, autocast_dtype=amp, capture=False)
     runner32 = FlowGraphRunner(flow.decoder, policy, capture=dev.type == "cuda") if graphs else None
     rows, failed = [], False
     plan = [(int(x), True) for x in args.batches.split(",") if x]
@@ -147,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         def run(name: str, dtype: torch.dtype | None, solver: FlowGraphRunner | None = None) -> Callable[[], object]:
             def fn() -> object:
                 with autocast(dtype):
-                    out, shape = flow.decode_chunks(chunks, solver=solver)
+                    out, shape = flow_for(dtype).decode_chunks(chunks, solver=solver)
                 outs[name], shapes[name] = out, shape
                 return out
             return fn
@@ -159,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             row["flow_fp32_ms"] = 1e3 * timed(run("fp32", None), dev, args.reps)
             row["bf16_vs_fp32_rel"] = rel(outs["eager"], outs["fp32"])
         if args.prompt_cache and timing:
-            ok = time_prompt_cache(flow, chunks, row, outs, bf16, dev, args, fp32_check=not any(
+            ok = time_prompt_cache(flow, low, chunks, row, outs, bf16, dev, args, runner, fp32_check=not any(
                 r.get("timed") and "flow_cached_ms" in r for r in rows))
             row["cached_ok"] = ok
             failed |= not ok
@@ -217,18 +236,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def time_prompt_cache(flow: flow_mod.CausalMaskedDiffWithDiT, chunks: list[FlowChunk], row: dict[str, object],
+def time_prompt_cache(flow: flow_mod.CausalMaskedDiffWithDiT, low: flow_mod.CausalMaskedDiffWithDiT,
+                      chunks: list[FlowChunk], row: dict[str, object],
                       outs: dict[str, list[torch.Tensor]], dtype: torch.dtype | None, dev: torch.device,
-                      args: argparse.Namespace, fp32_check: bool) -> bool:
+                      args: argparse.Namespace, runner: FlowGraphRunner | None, fp32_check: bool) -> bool:
     """Fill `row` with the prompt cache's figures for this batch (`outs["eager"]` is the
-    reference); returns whether it matched within the tolerances."""
+    reference; `low` is the flow in the stage's low precision); returns whether it matched
+    within the tolerances."""
     def autocast(dt: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
-        return torch.autocast(dev.type, dtype=dt) if dt is not None else contextlib.nullcontext()
+        on = dt is not None and args.autocast
+        return torch.autocast(dev.type, dtype=dt) if on else contextlib.nullcontext()
+
+    def flow_for(dt: torch.dtype | None) -> flow_mod.CausalMaskedDiffWithDiT:
+        return flow if dt is None else low
 
     def build(dt: torch.dtype | None) -> tuple[PromptCache, list[object]]:
         cache = PromptCache()
         with autocast(dt):
-            entries = cache.entries_for(flow, chunks)
+            entries = cache.entries_for(flow_for(dt), chunks)
         return cache, entries
 
     sync(dev)
@@ -242,7 +267,7 @@ def time_prompt_cache(flow: flow_mod.CausalMaskedDiffWithDiT, chunks: list[FlowC
 
     def fn() -> object:
         with autocast(dtype):
-            got["out"], got["shape"] = decode_with_prompt_cache(flow, chunks, entries)  # type: ignore[arg-type]
+            got["out"], got["shape"] = decode_with_prompt_cache(flow_for(dtype), chunks, entries)  # type: ignore[arg-type]
         return got["out"]
 
     row["flow_cached_ms"] = 1e3 * timed(fn, dev, args.reps)
@@ -251,6 +276,20 @@ def time_prompt_cache(flow: flow_mod.CausalMaskedDiffWithDiT, chunks: list[FlowC
     row["cached_vs_eager_max_abs"] = max_abs(got["out"], outs["eager"])  # type: ignore[arg-type]
     row["cached_vs_eager_rel"] = rel(got["out"], outs["eager"])  # type: ignore[arg-type]
     ok = row["cached_vs_eager_rel"] <= args.tol_rel  # type: ignore[operator]
+    if runner is not None:
+        # The cached prefixes through the graph runner (static prefix buffers; a graph when
+        # the batch fits prefix_max_rows, eagerly otherwise).
+        def graph_fn() -> object:
+            with autocast(dtype):
+                got["gout"], got["gshape"] = decode_with_prompt_cache(  # type: ignore[arg-type]
+                    flow_for(dtype), chunks, entries, solver=runner)
+            return got["gout"]
+
+        graph_fn()  # capture
+        row["flow_cached_graph_ms"] = 1e3 * timed(graph_fn, dev, args.reps)
+        row["cached_graph_shape"] = [got["gshape"].rows, got["gshape"].frames]  # type: ignore[attr-defined]
+        row["cached_graph_vs_eager_rel"] = rel(got["gout"], outs["eager"])  # type: ignore[arg-type]
+        ok = ok and row["cached_graph_vs_eager_rel"] <= args.tol_rel  # type: ignore[operator]
     if fp32_check:
         _, entries32 = build(None)
         cached32, _ = decode_with_prompt_cache(flow, chunks, entries32)  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
 from .flow_graphs import GraphPolicy, prompt_shapes
+from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
 from .stage_pool import StagePool
 from .text_stream import TextFeed
@@ -116,7 +117,8 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
 def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
     """The flow+vocoder stage: one on `device`, or one copy per `config.stage_devices`."""
     def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module) -> AudioStage:
-        return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_cuda_graphs=config.flow_cuda_graphs,
+        return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
+                          flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
                           graph_policy=GraphPolicy().with_max_rows(config.flow_graph_max_rows),
                           policy=config.stage_policy,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None)
@@ -268,9 +270,21 @@ class Engine:
         cfg, look = self.config, self.model.config.flow.pre_lookahead_len
         # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
         # tokens (a final chunk takes whatever is left); the runner pads them into buckets.
-        shapes = prompt_shapes(P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1),
-                               left_context=cfg.flow_left_context)
+        shapes: list[tuple[int, ...]] = list(prompt_shapes(
+            P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1), left_context=cfg.flow_left_context))
+        cached = self._cached_prompt_frames(P)
+        if cached:
+            # From the prompt cache the ODE runs over the frames after the cached prefix.
+            shapes = [(rows, frames - cached, cached) for rows, frames in shapes]
         return await self.stage.warm_graphs(shapes)
+
+    def _cached_prompt_frames(self, num_prompt_tokens: int) -> int:
+        """C of a P-token prompt when the flow prompt cache serves this model, else 0."""
+        flow = self.model.flow
+        if not self.config.flow_prompt_cache or not supports_prompt_cache(flow):
+            return 0
+        return cacheable_frames(num_prompt_tokens, flow.token_mel_ratio, flow.pre_lookahead_len,
+                                flow.decoder.estimator.static_chunk_size)
 
     def voice_from_arrays(self, voice_id: str, transcript: str, speech_tokens, speech_feat, embedding) -> VoicePrompt:
         return VoicePrompt(

@@ -36,10 +36,12 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+
+from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,11 @@ class GraphPolicy:
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
     max_graphs: int = 64  # a voice needs ~7 row x ~7 frame buckets
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
+    # Batches decoded from the flow prompt cache get graphs up to this many rows and this
+    # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full
+    # size, so the defaults reserve 4.3 GB once the first such batch runs).
+    prefix_max_rows: int = 8
+    prefix_max_frames: int = 300
 
     def with_max_rows(self, max_rows: int) -> "GraphPolicy":
         """This policy with no graph above `max_rows` rows: larger batches run eagerly at
@@ -76,11 +83,14 @@ class GraphPolicy:
             kept.add(max_rows)
         return replace(self, batch_buckets=tuple(sorted(kept)))
 
-    def bucket(self, rows: int, frames: int) -> tuple[int, int] | None:
-        """(padded rows, padded frames) for a batch, or None when no graph may serve it."""
+    def bucket(self, rows: int, frames: int, width: int = 0) -> tuple[int, int] | None:
+        """(padded rows, padded frames) for a batch, or None when no graph may serve it;
+        `width`: the longest cached prompt prefix of its rows in frames (0 = none)."""
         fitting = [b for b in self.batch_buckets if b >= rows]
         padded_frames = -(-frames // self.frame_multiple) * self.frame_multiple
         if not fitting or rows < 1 or frames < 1 or padded_frames > self.max_frames:
+            return None
+        if width and (min(fitting) > self.prefix_max_rows or width > self.prefix_max_frames):
             return None
         return min(fitting), padded_frames
 
@@ -103,6 +113,7 @@ class _Views:
     spks: torch.Tensor  # [R, C]
     cond: torch.Tensor  # [R, C, T]
     out: torch.Tensor  # [R, C, T]
+    prefix: PrefixViews | None = None  # cached prompt prefixes (width > 0 buckets)
 
 
 class FlowGraphRunner:
@@ -127,15 +138,21 @@ class FlowGraphRunner:
         self.stats = GraphStats()
         self._channels = int(decoder.rand_noise.shape[1])
         self._flat: dict[str, torch.Tensor] = {}
-        self._graphs: OrderedDict[tuple[int, int, bool], object] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, int, bool, int], object] = OrderedDict()
+        self._prefix: PrefixBuffers | None = None
         self._pool: object | None = None
         self._stream: torch.cuda.Stream | None = None  # warm-up and capture stream (CUDA only)
         self._broken = False  # a capture failed: run eagerly from then on
 
     # ------------------------------------------------------------------ public
-    def padded_shape(self, rows: int, frames: int) -> tuple[int, int]:
+    def padded_shape(self, rows: int, frames: int, width: int = 0) -> tuple[int, int]:
         """The shape a batch of `rows` x `frames` is solved at (itself when no bucket fits)."""
-        return self.policy.bucket(rows, frames) or (rows, frames)
+        return self.policy.bucket(rows, frames, width) or (rows, frames)
+
+    @property
+    def prefix_bytes(self) -> int:
+        """Memory held by the static prompt-prefix buffers (0 until a prefix batch ran)."""
+        return 0 if self._prefix is None else self._prefix.nbytes
 
     @property
     def num_graphs(self) -> int:
@@ -150,38 +167,49 @@ class FlowGraphRunner:
         spks: torch.Tensor,
         cond: torch.Tensor,
         streaming: bool,
+        prefix: Sequence[PromptKV | None] | None = None,
     ) -> torch.Tensor:
-        """Same contract as `CausalConditionalCFM.solve`: mel [B, C, T] float32."""
+        """Same contract as `CausalConditionalCFM.solve`: mel [B, C, T] float32. With
+        `prefix` (one flow prompt cache entry or None per row, streaming only) the inputs are
+        each row's frames after its cached prefix, as in `decode_with_prompt_cache`."""
         rows, _, frames = noise.shape
-        shape = self.policy.bucket(rows, frames)
-        if shape is None or self._broken:
+        width = prefix_width(prefix)
+        shape = self.policy.bucket(rows, frames, width)
+
+        def eager() -> torch.Tensor:
             self.stats.eager += 1
+            steps = StepPrefixes(list(prefix), noise.device) if width else None  # type: ignore[arg-type]
             with self._autocast():
-                return self.decoder.solve(noise, mask, mu, spks, cond, streaming)
-        views = self._views(*shape, dtype=noise.dtype)
+                return self.decoder.solve(noise, mask, mu, spks, cond, streaming, prefix=steps)
+
+        if shape is None or self._broken:
+            return eager()
+        views = self._views(*shape, dtype=noise.dtype, width=width)
         for dst, src in ((views.noise, noise), (views.mask, mask), (views.mu, mu), (views.spks, spks), (views.cond, cond)):
             _copy_padded(dst, src)
+        if views.prefix is not None:
+            views.prefix.fill(prefix)  # type: ignore[arg-type]
         if not self._run(shape, views, streaming):
-            self.stats.eager += 1
-            with self._autocast():
-                return self.decoder.solve(noise, mask, mu, spks, cond, streaming)
+            return eager()
         self.stats.replays += 1
         # A copy: the next replay overwrites the static output.
         return views.out[:rows, :, :frames].clone()
 
     @torch.inference_mode()
-    def warm(self, shapes: Iterable[tuple[int, int]], streaming: bool = True) -> int:
-        """Capture the graphs for these (rows, frames) batch shapes now (e.g. at engine start,
-        so no request pays for a capture); returns how many were captured. A no-op without
-        capture."""
+    def warm(self, shapes: Iterable[tuple[int, ...]], streaming: bool = True) -> int:
+        """Capture the graphs for these (rows, frames) or (rows, frames, prefix width) batch
+        shapes now (e.g. at engine start, so no request pays for a capture); returns how many
+        were captured. A no-op without capture."""
         if not self.capture:
             return 0
         captured = 0
-        for rows, frames in shapes:
-            shape = self.policy.bucket(rows, frames)
-            if shape is None or (*shape, streaming) in self._graphs or self._broken:
+        for rows, frames, *rest in shapes:
+            width = rest[0] if rest else 0
+            shape = self.policy.bucket(rows, frames, width)
+            if shape is None or (*shape, streaming, width) in self._graphs or self._broken:
                 continue
-            views = self._views(*shape, dtype=self.decoder.rand_noise.dtype)
+            # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
+            views = self._views(*shape, dtype=self.decoder.rand_noise.dtype, width=width)
             # Inputs only need to be finite for the warm-up runs; every replay copies its own.
             for t in (views.noise, views.mu, views.spks, views.cond):
                 t.zero_()
@@ -197,7 +225,7 @@ class FlowGraphRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _views(self, rows: int, frames: int, dtype: torch.dtype) -> _Views:
+    def _views(self, rows: int, frames: int, dtype: torch.dtype, width: int = 0) -> _Views:
         """Views of the flat static buffers for one bucket; the buffers are allocated once
         at the largest bucket so captured graphs never see them move."""
         c = self._channels
@@ -217,12 +245,20 @@ class FlowGraphRunner:
                 n *= s
             return self._flat[name][:n].view(*shape)
 
+        prefix = None
+        if width:
+            if self._prefix is None:
+                self._prefix = PrefixBuffers(self.decoder.estimator, self.decoder.n_timesteps, self.policy.prefix_max_rows,
+                                             self.policy.prefix_max_frames, self.device,
+                                             self.autocast_dtype or dtype)  # the cached K/V's dtype
+            prefix = self._prefix.views(rows, width)
         return _Views(noise=view("noise", rows, c, frames), mask=view("mask", rows, 1, frames),
                       mu=view("mu", rows, c, frames), spks=view("spks", rows, c),
-                      cond=view("cond", rows, c, frames), out=view("out", rows, c, frames))
+                      cond=view("cond", rows, c, frames), out=view("out", rows, c, frames), prefix=prefix)
 
     def _solve_into(self, views: _Views, streaming: bool) -> None:
-        x = self.decoder.solve(views.noise, views.mask, views.mu, views.spks, views.cond, streaming)
+        steps = None if views.prefix is None else views.prefix.steps()
+        x = self.decoder.solve(views.noise, views.mask, views.mu, views.spks, views.cond, streaming, prefix=steps)
         views.out.copy_(x)
 
     def _run(self, shape: tuple[int, int], views: _Views, streaming: bool, replay: bool = True) -> bool:
@@ -236,7 +272,7 @@ class FlowGraphRunner:
         # thread with cuda:0 current otherwise).
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
-            key = (*shape, streaming)
+            key = (*shape, streaming, 0 if views.prefix is None else views.prefix.key_mask.shape[1])
             graph = self._graphs.get(key)
             if graph is None:
                 try:

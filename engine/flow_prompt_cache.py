@@ -25,17 +25,25 @@ from frame 0 in the same batch.
 
 Memory: steps x 2 CFG rows x layers x (K + V) x dim per cached frame, 1.8 MB per frame
 at full size in bf16 (10 x 2 x 22 x 2 x 1024 x 2 bytes; a 106-token prompt caches 200
-frames, 360 MB); `PromptCache` bounds the total with LRU eviction. One cache per audio stage (entries live on its device, built in its
-autocast dtype), used only from the stage's worker thread.
+frames, 360 MB); `PromptCache` bounds the total with LRU eviction. One cache per audio stage (entries live on its device, in its flow
+dtype), used only from the stage's worker thread.
+
+CUDA graphs: a captured solve cannot follow per-batch Python lists of tensors, so for
+small batches `PrefixBuffers` gives the cached prefixes a fixed address: the graph
+runner (`engine.flow_graphs`) copies the batch's entries in before each replay (one
+copy per entry and CFG row, ~0.5 GB for a 5 s prompt) and the captured attention reads
+them from there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
@@ -88,8 +96,8 @@ def prompt_frames(flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> int:
 
 @torch.inference_mode()
 def build_prompt_kv(flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV | None:
-    """Run the ODE over the prompt's first C frames once and keep what later chunks need.
-    Call it under the same autocast as the decoding (the cached tensors keep its dtype)."""
+    """Run the ODE over the prompt's first C frames once and keep what later chunks need
+    (in the flow's dtype, which the cached tensors keep)."""
     frames = prompt_frames(flow, chunk)
     if frames == 0:
         return None
@@ -114,12 +122,12 @@ def build_prompt_kv(flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV
     )
 
 
-class _StepPrefixes:
+class StepPrefixes:
     """`DiTPrefix` of each Euler step for one batch, built when the solver asks for it.
 
     Row layout follows the solver's CFG doubling: rows [0, B) conditional, [B, 2B)
-    unconditional. Cached keys are padded to the batch's largest C with key mask False;
-    the per-layer `join` writes prefix and new keys into one buffer (one copy per layer).
+    unconditional. Cached keys are padded to the batch's largest C with key mask False,
+    one layer at a time (`_LayerKV`: only the block being run holds its padded copy).
     """
 
     def __init__(self, entries: list[PromptKV | None], device: torch.device) -> None:
@@ -150,42 +158,142 @@ class _StepPrefixes:
         for e, cond_rows, uncond_rows in self.groups:
             context[cond_rows] = e.conv_context[step, 0]
             context[uncond_rows] = e.conv_context[step, 1]
-        joins = [self._joiner(step, layer) for layer in range(self.n_layers)]
-        return DiTPrefix(join=joins, key_mask=self.key_mask, positions=self.positions, conv_context=context)
+        return DiTPrefix(layer_kv=_LayerKV(self, step), key_mask=self.key_mask, positions=self.positions,
+                         conv_context=context)
 
-    def _joiner(self, step: int, layer: int):  # noqa: ANN202 (a closure over one step and layer)
-        def join(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._prepend(keys, step, layer, "keys"), self._prepend(values, step, layer, "values")
-
-        return join
-
-    def _prepend(self, new: torch.Tensor, step: int, layer: int, which: str) -> torch.Tensor:
-        rows, heads, length, dim = new.shape
+    def padded(self, step: int, layer: int, which: str) -> torch.Tensor:
+        """All rows' cached keys or values of one step and layer, [2B, H, width, dh]."""
+        some = getattr(self.groups[0][0], which)
+        _, _, _, heads, _, dim = some.shape
         # Zeros under the key mask where rows' prefixes are shorter: a masked value must
         # still be finite (0 x NaN would poison the attention output).
         alloc = torch.zeros if self.ragged else torch.empty
-        out = alloc(rows, heads, self.width + length, dim, dtype=new.dtype, device=new.device)
+        out = alloc(2 * self.batch, heads, self.width, dim, dtype=some.dtype, device=some.device)
         for e, cond_rows, uncond_rows in self.groups:
             cached = getattr(e, which)[step, layer]  # [2, H, C, dh]
-            out[cond_rows, :, : e.frames] = cached[0].to(new.dtype)
-            out[uncond_rows, :, : e.frames] = cached[1].to(new.dtype)
-        out[:, :, self.width :] = new
+            out[cond_rows, :, : e.frames] = cached[0]
+            out[uncond_rows, :, : e.frames] = cached[1]
         return out
+
+
+class _LayerKV(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """`DiTPrefix.layer_kv` of one step, padded on demand (one layer's copy alive at a time)."""
+
+    def __init__(self, prefixes: StepPrefixes, step: int) -> None:
+        self.prefixes, self.step = prefixes, step
+
+    def __len__(self) -> int:
+        return self.prefixes.n_layers
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        p = self.prefixes
+        return p.padded(self.step, layer, "keys"), p.padded(self.step, layer, "values")
+
+
+def prefix_width(entries: Sequence[PromptKV | None] | None) -> int:
+    """The batch's longest cached prefix in frames (0: nothing cached)."""
+    return max((e.frames for e in entries or () if e is not None), default=0)
+
+
+@dataclass
+class PrefixViews:
+    """Fixed-address home of one batch's cached prefixes (views of `PrefixBuffers`), so a
+    CUDA graph captured over them replays with whatever batch was copied in last.
+
+    keys, values: [steps, layers, 2R, heads, W, dim_head] (rows [0, R) conditional,
+                  [R, 2R) unconditional); key_mask [2R, W]; positions [2R];
+                  conv_context [steps, 2R, CONV_CONTEXT, dim].
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mask: torch.Tensor
+    positions: torch.Tensor
+    conv_context: torch.Tensor
+
+    def fill(self, entries: Sequence[PromptKV | None]) -> None:
+        """Copy the batch's entries in (rows past len(entries) get none). Slots past a row's
+        C keep older finite values: the key mask hides them."""
+        rows = self.key_mask.shape[0] // 2
+        if len(entries) > rows:
+            raise ValueError(f"{len(entries)} entries for {rows} prefix rows")
+        self.conv_context.zero_()
+        starts = [0] * rows
+        for i, e in enumerate(entries):
+            if e is None:
+                continue
+            if e.frames > self.keys.shape[4]:
+                raise ValueError(f"prefix of {e.frames} frames exceeds the buffer's {self.keys.shape[4]}")
+            starts[i] = e.frames
+            for dst, src in ((self.keys, e.keys), (self.values, e.values)):
+                dst[:, :, i, :, : e.frames].copy_(src[:, :, 0])
+                dst[:, :, rows + i, :, : e.frames].copy_(src[:, :, 1])
+            self.conv_context[:, i].copy_(e.conv_context[:, 0])
+            self.conv_context[:, rows + i].copy_(e.conv_context[:, 1])
+        c = torch.tensor(starts + starts)
+        self.positions.copy_(c)
+        self.key_mask.copy_(torch.arange(self.key_mask.shape[1]).unsqueeze(0) < c.unsqueeze(1))
+
+    def steps(self) -> list[DiTPrefix]:
+        """One `DiTPrefix` per Euler step over these buffers (what a captured solve reads)."""
+        return [DiTPrefix(layer_kv=[(self.keys[step, layer], self.values[step, layer])
+                                    for layer in range(self.keys.shape[1])],
+                          key_mask=self.key_mask, positions=self.positions, conv_context=self.conv_context[step])
+                for step in range(self.keys.shape[0])]
+
+
+class PrefixBuffers:
+    """Flat static tensors sized for `max_rows` chunks x `max_frames` cached frames, from
+    which `views` cuts every (rows, width) bucket (allocated once: captured graphs must
+    never see them move). Memory: 2 x steps x 2 x layers x heads x dim_head per row and
+    frame, 1.8 MB at full size in bf16, so 8 rows x 300 frames take 4.3 GB."""
+
+    def __init__(self, dit: DiT, steps: int, max_rows: int, max_frames: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        attn = dit.transformer_blocks[0].attn
+        self.shape = (steps, len(dit.transformer_blocks), attn.heads, attn.dim_head)
+        self.dim = attn.heads * attn.dim_head
+        self.max_rows, self.max_frames = max_rows, max_frames
+        n_kv = steps * self.shape[1] * 2 * max_rows * attn.heads * max_frames * attn.dim_head
+        self._keys = torch.zeros(n_kv, device=device, dtype=dtype)
+        self._values = torch.zeros(n_kv, device=device, dtype=dtype)
+        self._mask = torch.zeros(2 * max_rows * max_frames, device=device, dtype=torch.bool)
+        self._positions = torch.zeros(2 * max_rows, device=device, dtype=torch.long)
+        self._conv = torch.zeros(steps * 2 * max_rows * CONV_CONTEXT * self.dim, device=device, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._keys, self._values, self._mask, self._conv))
+
+    def views(self, rows: int, width: int) -> PrefixViews:
+        if rows > self.max_rows or width > self.max_frames:
+            raise ValueError(f"prefix bucket {rows} x {width} exceeds {self.max_rows} x {self.max_frames}")
+        steps, layers, heads, dh = self.shape
+
+        def cut(flat: torch.Tensor, *shape: int) -> torch.Tensor:
+            return flat[: math.prod(shape)].view(*shape)
+
+        return PrefixViews(keys=cut(self._keys, steps, layers, 2 * rows, heads, width, dh),
+                           values=cut(self._values, steps, layers, 2 * rows, heads, width, dh),
+                           key_mask=cut(self._mask, 2 * rows, width), positions=cut(self._positions, 2 * rows),
+                           conv_context=cut(self._conv, steps, 2 * rows, CONV_CONTEXT, self.dim))
 
 
 @torch.inference_mode()
 def decode_with_prompt_cache(
-    flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None]
+    flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None],
+    solver: PrefixSolver | None = None,
 ) -> tuple[list[torch.Tensor], FlowBatchShape]:
     """Same frames as `flow.decode_chunks(chunks, streaming=True)`, computing only frames
     [C_i, T_i) of each row (C_i = entries[i].frames, 0 for None). The shape returned is
-    the one the ODE ran at: rows x the longest row's new frames."""
+    the one the ODE ran at: rows x the longest row's new frames, or the solver's padded
+    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself)."""
     if not chunks:
         return [], FlowBatchShape(0, 0)
     if len(entries) != len(chunks):
         raise ValueError("one prompt cache entry (or None) per chunk")
     if all(e is None for e in entries):
-        return flow.decode_chunks(chunks, streaming=True)
+        return flow.decode_chunks(chunks, streaming=True, solver=solver)
     ratio = flow.token_mel_ratio
     for c in chunks:
         n = len(c.tokens) - (0 if c.finalize else flow.pre_lookahead_len)
@@ -210,12 +318,26 @@ def decode_with_prompt_cache(
         picked = t.gather(2, index.unsqueeze(1).expand(-1, t.shape[1], -1))
         return picked * valid.unsqueeze(1)
 
-    prefixes = _StepPrefixes(entries, device)
-    mel = flow.decoder.solve(shift(inputs.noise), valid.unsqueeze(1), shift(inputs.mu), inputs.spks,
-                             shift(inputs.cond), True, prefix=prefixes)
+    args = (shift(inputs.noise), valid.unsqueeze(1), shift(inputs.mu), inputs.spks, shift(inputs.cond), True)
+    if solver is None:
+        mel = flow.decoder.solve(*args, prefix=StepPrefixes(entries, device))
+        shape = FlowBatchShape(len(chunks), length)
+    else:
+        mel = solver(*args, prefix=entries)
+        shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries)))
     out = [mel[i, :, ratio * c.out_start - s : f - s].T
            for i, (c, s, f) in enumerate(zip(chunks, starts, inputs.frames))]
-    return out, FlowBatchShape(len(chunks), length)
+    return out, shape
+
+
+class PrefixSolver(Protocol):
+    """A `FlowSolver` that also takes the batch's prompt cache entries (the graph runner)."""
+
+    def padded_shape(self, rows: int, frames: int, width: int = 0) -> tuple[int, int]: ...
+
+    def __call__(self, noise: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+                 cond: torch.Tensor, streaming: bool,
+                 prefix: Sequence[PromptKV | None] | None = None) -> torch.Tensor: ...
 
 
 @dataclass

@@ -78,7 +78,7 @@ class StagePool:
             setattr(total, f.name, merged)
         return total
 
-    async def warm_graphs(self, shapes: list[tuple[int, int]]) -> int:
+    async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
         """Capture the flow graphs for these batch shapes on every stage."""
         return sum([await s.warm_graphs(shapes) for s in self.stages])
 

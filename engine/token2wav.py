@@ -9,10 +9,12 @@ stream state is always advanced in order.
 The stage runs its tensor work on one dedicated worker thread, so the event loop
 never blocks on it and the LM backend (its own thread or process) overlaps with it.
 
-On CUDA the flow runs under bf16 autocast by default: the DiT's matrix products are
-~90% of the stage's time and run several times faster in bf16 (the official code
-offers fp16 for the flow too); the ODE state `x` stays float32, and the vocoder stays
-float32 (its F0 net float64) because phase errors are audible.
+On CUDA the flow runs in bf16 by default (`flow_dtype`): its weights are cast once and
+every activation stays bf16, like the official code's fp16 flow. (Autocast, used before,
+kept the DiT's LayerNorms, residual stream and modulations in float32 and re-cast each
+matrix product's input: the H200 profile showed those memory-bound passes at ~65% of a
+large batch's time, GEMMs at 20%.) The ODE state `x` and the flow time stay float32, and
+the vocoder stays float32 (its F0 net float64) because phase errors are audible.
 
 On CUDA the CosyVoice3 flow's ODE solve also runs as CUDA graphs (`engine.flow_graphs`):
 batches are padded to (rows, frames) buckets, exactly, and one graph per bucket replays
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import math
@@ -123,7 +124,7 @@ class StageStats:
 
 class AudioStage:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
-                 flow_autocast: torch.dtype | None | str = "auto", flow_cuda_graphs: bool = True,
+                 flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None):
         if policy not in STAGE_POLICIES:
@@ -137,15 +138,22 @@ class AudioStage:
         self.flow_cuda_graphs = flow_cuda_graphs and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
         self.graph_policy = graph_policy or GraphPolicy()
         self._graphs: FlowGraphRunner | None = None
-        # Prompt K/V cache (`engine.flow_prompt_cache`), None = off. It serves the batches
-        # that run eagerly anyway (more rows than the largest graph bucket); small batches
-        # keep their CUDA graphs. Touched only on the worker thread.
+        # Prompt K/V cache (`engine.flow_prompt_cache`), None = off. Touched only on the
+        # worker thread.
         self.prompt_cache = (PromptCache(prompt_cache_bytes)
                              if prompt_cache_bytes is not None and supports_prompt_cache(flow) else None)
-        # "auto": bf16 on CUDA, none elsewhere (CPU bf16 matmuls are not faster here).
-        if flow_autocast == "auto":
-            flow_autocast = torch.bfloat16 if torch.device(device).type == "cuda" else None
-        self.flow_autocast: torch.dtype | None = flow_autocast  # type: ignore[assignment]
+        # "auto": bf16 on CUDA, float32 elsewhere (CPU bf16 matmuls are not faster here).
+        if flow_dtype == "auto":
+            flow_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if not isinstance(flow_dtype, torch.dtype) or not flow_dtype.is_floating_point:
+            raise ValueError(f"flow_dtype must be a floating torch dtype, got {flow_dtype!r}")
+        self.flow_dtype: torch.dtype = flow_dtype
+        flow.to(dtype=flow_dtype)  # in place: the stage owns its flow
+        # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
+        # or when graphs are warmed, on the worker thread.
+        self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
+        if self.flow_compile:
+            estimator.compile_blocks()
         self.hift = hift
         self.device = device
         self.max_batch = max_batch
@@ -262,12 +270,13 @@ class AudioStage:
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
         if self.flow_cuda_graphs and self._graphs is None:
-            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, autocast_dtype=self.flow_autocast)
+            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy)
         return self._graphs
 
-    async def warm_graphs(self, shapes: list[tuple[int, int]]) -> int:
-        """Capture the flow graphs for these (chunks, frames) batch shapes now, on the stage's
-        worker thread; returns how many were captured (0 when graphs are off)."""
+    async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
+        """Capture the flow graphs for these (chunks, frames[, cached prefix frames]) batch
+        shapes now, on the stage's worker thread; returns how many were captured (0 when
+        graphs are off)."""
         runner = self.graph_runner()
         if runner is None:
             return 0
@@ -280,45 +289,31 @@ class AudioStage:
 
     async def warm_prompt(self, chunk: FlowChunk) -> bool:
         """Build the prompt cache entry of this chunk's voice now, on the worker thread
-        (under the flow's autocast, like its use); False when the cache is off or the
+        (in the flow's dtype, like its use); False when the cache is off or the
         prompt has nothing to cache."""
         if self.prompt_cache is None:
             return False
         cache = self.prompt_cache
 
         def build() -> bool:
-            with torch.inference_mode(), self._autocast():
+            with torch.inference_mode():
                 return cache.get_or_build(self.flow, chunk) is not None
 
         built = await asyncio.get_running_loop().run_in_executor(self._pool, build)
         self.stats.prompt_cache_bytes = cache.nbytes
         return built
 
-    def _runs_eagerly(self, chunks: list[FlowChunk]) -> bool:
-        """Whether no CUDA graph would serve this batch (graphs off, more rows than the largest
-        bucket, or more frames than the graphs' limit): those batches use the prompt cache."""
-        runner = self.graph_runner()
-        if runner is None:
-            return True
-        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
-        frames = ratio * max(len(c.tokens) - (0 if c.finalize else look) for c in chunks)
-        return runner.policy.bucket(len(chunks), frames) is None
-
-    def _autocast(self) -> contextlib.AbstractContextManager[object]:
-        if self.flow_autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(torch.device(self.device).type, dtype=self.flow_autocast)
-
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
         """PCM per chunk, the flow's padded rows x frames and the vocoded mel frames."""
         chunks = [j.flow for j in batch]
-        with self._autocast():
-            if self.prompt_cache is not None and self._runs_eagerly(chunks):
-                entries = self.prompt_cache.entries_for(self.flow, chunks)
-                mels, shape = decode_with_prompt_cache(self.flow, chunks, entries)
-            else:
-                mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
+        if self.prompt_cache is not None:
+            # Small batches replay a graph over the cached prefixes (copied into static
+            # buffers), larger ones run eagerly: the runner decides, like without the cache.
+            entries = self.prompt_cache.entries_for(self.flow, chunks)
+            mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner())
+        else:
+            mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
         mels = [_stretch(m.float(), j.speed) for m, j in zip(mels, batch)]
         vocoder_frames = sum(int(m.shape[0]) for m in mels)
         pcm = self.hift.stream_step(

@@ -62,6 +62,8 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_hop=e.max_hop,
         flow_left_context=e.flow_left_context,
         max_gpu_batch=e.max_gpu_batch,
+        flow_dtype=e.flow_dtype,  # type: ignore[arg-type]
+        flow_compile=e.flow_compile,
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,
         flow_prompt_cache=e.flow_prompt_cache,

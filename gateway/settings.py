@@ -39,6 +39,15 @@ class EngineSettings:
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))
+    flow_dtype: str = field(
+        default="auto",
+        metadata=_help("flow precision: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16"),
+    )
+    flow_compile: bool = field(
+        default=True,
+        metadata=_help("torch.compile the CosyVoice3 flow's DiT blocks (fused elementwise kernels; compiles at "
+                       "start; CUDA only)"),
+    )
     flow_cuda_graphs: bool = field(default=True, metadata=_help("run the CosyVoice3 flow's ODE solve as CUDA graphs (CUDA only)"))
     flow_graph_max_rows: int = field(
         default=64,
@@ -46,9 +55,9 @@ class EngineSettings:
                        "padded to a CUDA graph bucket (64 = all batches use graphs)"),
     )
     flow_prompt_cache: bool = field(
-        default=False,
-        metadata=_help("cache each voice prompt's flow DiT keys/values so eager flow batches (more chunks than "
-                       "flow_graph_max_rows, or no CUDA graphs) skip the prompt's frames; exact, off by default"),
+        default=True,
+        metadata=_help("cache each voice prompt's flow DiT keys/values so flow batches skip the prompt's frames "
+                       "(exact; CosyVoice3)"),
     )
     flow_prompt_cache_mib: int = field(
         default=4096,

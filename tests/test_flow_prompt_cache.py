@@ -193,8 +193,8 @@ async def _run_sessions(tiny_model_dir, **overrides) -> tuple[list[np.ndarray], 
 
 
 def test_engine_audio_is_unchanged_by_the_prompt_cache(tiny_model_dir) -> None:  # noqa: ANN001
-    base, base_stats = asyncio.run(_run_sessions(tiny_model_dir))
-    cached, stats = asyncio.run(_run_sessions(tiny_model_dir, flow_prompt_cache=True, flow_graph_max_rows=0))
+    base, base_stats = asyncio.run(_run_sessions(tiny_model_dir, flow_prompt_cache=False))
+    cached, stats = asyncio.run(_run_sessions(tiny_model_dir, flow_graph_max_rows=0))  # on by default
     assert len(base) == len(cached) == 4
     for x, y in zip(base, cached):
         assert x.shape == y.shape and x.size > 0
@@ -213,18 +213,18 @@ def test_settings_reach_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: AN
 
     s, _ = load_settings([], environ={})
     cfg = engine_config(s, tmp_path)
-    assert cfg.flow_prompt_cache is False and cfg.flow_prompt_cache_bytes == 4 << 30  # off by default
-    s, _ = load_settings(["--engine.flow-prompt-cache", "true", "--engine.flow-prompt-cache-mib", "64"], environ={})
+    assert cfg.flow_prompt_cache is True and cfg.flow_prompt_cache_bytes == 4 << 30  # on by default
+    s, _ = load_settings(["--engine.flow-prompt-cache-mib", "64"], environ={})
     cfg = engine_config(s, tmp_path)
     assert cfg.flow_prompt_cache is True and cfg.flow_prompt_cache_bytes == 64 << 20
-    env = {"COSYVOICE_GW_ENGINE__FLOW_PROMPT_CACHE": "true"}
-    assert load_settings([], environ=env)[0].engine.flow_prompt_cache is True
+    env = {"COSYVOICE_GW_ENGINE__FLOW_PROMPT_CACHE": "false"}
+    assert load_settings([], environ=env)[0].engine.flow_prompt_cache is False
     with pytest.raises(ValueError, match="flow_prompt_cache_bytes"):
         EngineConfig(model_dir=tmp_path, flow_prompt_cache_bytes=-1)
 
     model = load_model(tiny_model_dir, load_lm=False)
     on = build_stage(model, torch.device("cpu"), replace(cfg, model_dir=tiny_model_dir))
-    off = build_stage(model, torch.device("cpu"), EngineConfig(model_dir=tiny_model_dir))
+    off = build_stage(model, torch.device("cpu"), EngineConfig(model_dir=tiny_model_dir, flow_prompt_cache=False))
     assert on.prompt_cache is not None and on.prompt_cache.budget_bytes == 64 << 20
     assert off.prompt_cache is None
 
@@ -246,7 +246,42 @@ def test_stage_bench_checks_the_prompt_cache(tmp_path, capsys) -> None:  # noqa:
     assert "prompt-cache" in capsys.readouterr().err
 
 
-def test_stage_uses_the_cache_only_where_no_graph_serves(tiny_model_dir) -> None:  # noqa: ANN001
+def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMaskedDiffWithDiT,
+                                                                 voices: list[Voice]) -> None:
+    """The static-buffer path a CUDA graph replays (capture off on CPU: same buffers, same
+    padding, solved eagerly) gives the frames of the ordinary decode: ragged prefixes (two
+    voices and a C == 0 row), rows and frames padded to the bucket, stale buffer contents
+    from a previous batch, and a batch beyond the prefix bucket limits (eager fallback)."""
+    from engine.flow_graphs import FlowGraphRunner, GraphPolicy
+
+    a, b, z = voices
+    policy = GraphPolicy(batch_buckets=(1, 2, 4, 8), frame_multiple=50, max_frames=400,
+                         prefix_max_rows=4, prefix_max_frames=100)
+    runner = FlowGraphRunner(flow.decoder, policy, capture=False)
+    cache = PromptCache()
+    batches = [
+        [chunk(a, 90, 140, False), chunk(b, 40, 90, False), chunk(z, 15, 40, False)],  # 3 -> 4 rows
+        [chunk(b, 0, 15, False)],  # narrower prefix after a wider one: stale slots stay masked
+        [chunk(a, 0, 15, False)] * 5,  # 5 rows > prefix_max_rows: eager
+    ]
+    for chunks in batches:
+        ref, _ = flow.decode_chunks(chunks)
+        entries = cache.entries_for(flow, chunks)
+        replays, eager = runner.stats.replays, runner.stats.eager
+        got, shape = decode_with_prompt_cache(flow, chunks, entries, solver=runner)
+        for r, g in zip(ref, got):
+            assert g.shape == r.shape and (g - r).abs().max().item() <= TOL
+        if len(chunks) <= 4:
+            assert runner.stats.replays == replays + 1 and shape.frames % 50 == 0
+            assert shape.rows == (4 if len(chunks) == 3 else 1)
+        else:
+            assert runner.stats.eager == eager + 1 and shape.rows == 5
+    assert runner.prefix_bytes > 0
+    # A prompt prefix wider than the buffers cannot take a graph.
+    assert policy.bucket(2, 100, width=150) is None and policy.bucket(2, 100, width=100) == (2, 100)
+
+
+def test_stage_uses_the_cache_with_and_without_graphs(tiny_model_dir) -> None:  # noqa: ANN001
     from engine.flow_graphs import GraphPolicy
     from engine.models.loader import load_model
     from engine.token2wav import AudioStage, ChunkJob
@@ -264,17 +299,26 @@ def test_stage_uses_the_cache_only_where_no_graph_serves(tiny_model_dir) -> None
 
     try:
         small = jobs(2)
+        full = 2 * max(len(j.flow.tokens) - LOOK for j in small)
         pcm, frames, _ = stage._compute(small)
-        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 0
+        # A graph bucket (2 rows) over the cached prefixes: the frames after the 100 cached
+        # ones, padded to the 50-frame bucket.
+        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 2
+        assert frames == 2 * (-(-(full - 100) // 50) * 50)
         big = jobs(3)
         pcm_big, frames_big, _ = stage._compute(big)
-        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 3
-        # The cached batch ran 100 frames per row fewer than its full window.
+        # More rows than the largest graph bucket: eager, exact rows, still from the cache.
+        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 5
         full = 2 * max(len(j.flow.tokens) - LOOK for j in big)
         assert frames_big == 3 * (full - 100)
-        # Same audio as the graph path for the same chunks (fresh vocoder streams).
-        ref, _, _ = stage._compute([replace(j, hift_stream=stage.new_stream()) for j in big[:2]])
-        for a, b in zip(pcm_big[:2], ref):
+        # Same audio as the stage without the cache (fresh vocoder streams).
+        plain = AudioStage(model.flow, model.hift, torch.device("cpu"))
+        try:
+            ref, _, _ = plain._compute([replace(j, hift_stream=plain.new_stream()) for j in big])
+            ref_small, _, _ = plain._compute([replace(j, hift_stream=plain.new_stream()) for j in small])
+        finally:
+            plain._pool.shutdown(wait=True)
+        for a, b in zip(pcm_big + pcm, ref + ref_small):
             assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-4
     finally:
         stage._pool.shutdown(wait=True)

@@ -221,7 +221,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     st = data["settings"]
     assert st["tokens_per_text_token"] > 0 and st["text"].startswith("Hello there")
     assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
-                                    "--engine.flow-cuda-graphs", "false"]
+                                    "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false"]
     for mode in ("product", "baseline"):
         (lv,) = data["results"][mode]
         assert lv["sessions"] == 2 and lv["completed"] == 2 and lv["errors"] == 0, lv

@@ -9,7 +9,8 @@
 #           baseline (batch 1, whole-prefix flow, no CUDA graphs) at 1, 8, 32, one invocation;
 #   multi:  two GPUs: the LM and one flow+vocoder stage on GPU 0, a second stage on GPU 1.
 # Environment: LEVELS / BASE_LEVELS (session levels), BASELINE=0 (single: no baseline run),
-# RAMP=S (sessions start spread over S seconds instead of all at once), LEVEL_TIMEOUT (s).
+# RAMP=S (sessions start spread over S seconds instead of all at once), LEVEL_TIMEOUT (s),
+# EXTRA="--engine.x y ..." (more gateway options for the product runs).
 # .whl holds the gateway's pure-Python wheels (uvicorn, websockets, python-multipart, soxr),
 # .whl_av PyAV (decodes uploaded voices): neither is in the GPU image.
 set -uo pipefail
@@ -17,7 +18,7 @@ MODE="${1:-single}"
 . "$(dirname "$0")/prepare.sh"
 python3 -c "from pathlib import Path; from engine.hub import resolve_model; print(resolve_model('full-random', Path('/tmp/models')))" > $OUT/model.log 2>&1
 COMMON=(--launch --model full-random --model-cache /tmp/models --engine.device cuda --engine.lm-backend vllm
-        --engine.text-normalization false --rate 30 --timeout "${LEVEL_TIMEOUT:-90}" ${RAMP:+--ramp "$RAMP"})
+        --engine.text-normalization false --rate 30 --timeout "${LEVEL_TIMEOUT:-90}" ${RAMP:+--ramp "$RAMP"} ${EXTRA:-})
 if [ "$MODE" = single ]; then
   export CUDA_VISIBLE_DEVICES=0
   ARGS=(--sessions "${LEVELS:-1,8,32,64,128}")

@@ -42,6 +42,7 @@ those pieces from an ordinary call. Both are explicit arguments, no hooks.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -69,15 +70,16 @@ CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)
 class DiTPrefix:
     """Cached frames [0, C_i) of each row for one DiT call (one Euler step, all CFG rows).
 
-    join:         per block: (new keys, new values) [B, H, L, dh] -> all keys and values
-                  [B, H, Cmax + L, dh] with the prefix first (rotated at its own positions).
+    layer_kv:     per block: the prefix keys and values [B, H, Cmax, dh] (keys rotated at
+                  their own positions; slots j >= C_i of row i finite, masked). May be lazy:
+                  a block reads only its own entry.
     key_mask:     [B, Cmax] bool, True for row i's real prefix keys (j < C_i).
     positions:    [B] long, C_i: absolute position of each row's first input frame.
     conv_context: [B, CONV_CONTEXT, D], the input projection over frames [C_i - 60, C_i)
                   (zeros where that is before frame 0, like the convolutions' padding).
     """
 
-    join: Sequence[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
+    layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
     key_mask: torch.Tensor
     positions: torch.Tensor
     conv_context: torch.Tensor
@@ -149,7 +151,9 @@ class TimestepEmbedding(nn.Module):
         self.time_mlp = nn.Sequential(nn.Linear(TIME_FREQ_DIM, dim), nn.SiLU(), nn.Linear(dim, dim))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.time_mlp(timestep_sinusoid(t))
+        # The sinusoid of 1000 t needs t in float32 (a bf16 t is off by up to 0.4%, i.e.
+        # several radians); the MLP then runs in the weights' dtype.
+        return self.time_mlp(timestep_sinusoid(t.float()).to(self.time_mlp[0].weight.dtype))
 
 
 class CausalConvPositionEmbedding(nn.Module):
@@ -231,13 +235,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     becomes (a cos - b sin, b cos + a sin). Computed in float32 like the reference
     (which disables autocast here).
     """
+    return rotate_(x.clone(), cos, sin)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in place. Only 64 of the 1024 channels turn, so writing them back
+    into x beats rebuilding the whole tensor (a full copy of q and of k per block)."""
     width = cos.shape[-1]
-    dtype = x.dtype
-    rot, rest = x[..., :width].float(), x[..., width:]
+    rot = x[..., :width].float()
     pairs = rot.unflatten(-1, (-1, 2))
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    rot = rot * cos + swapped * sin
-    return torch.cat((rot.to(dtype), rest), dim=-1)
+    x[..., :width] = (rot * cos + swapped * sin).to(x.dtype)
+    return x
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """LayerNorm(x) * (1 + scale) + shift, per row [B, D] over frames; one fused
+    multiply-add instead of two passes (the DiT is memory-bound on such passes)."""
+    return torch.addcmul(shift[:, None], F.layer_norm(x, x.shape[-1:], eps=NORM_EPS), 1 + scale[:, None])
 
 
 class AdaLayerNormZero(nn.Module):
@@ -249,9 +264,7 @@ class AdaLayerNormZero(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.linear(F.silu(temb)).chunk(6, dim=-1)
-        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        normed = normed * (1 + scale_a[:, None]) + shift_a[:, None]
-        return normed, gate_a, shift_m, scale_m, gate_m
+        return modulate(x, shift_a, scale_a), gate_a, shift_m, scale_m, gate_m
 
 
 class AdaLayerNormZeroFinal(nn.Module):
@@ -261,8 +274,7 @@ class AdaLayerNormZeroFinal(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)  # (scale, shift) order
-        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-        return normed * (1 + scale[:, None]) + shift[:, None]
+        return modulate(x, shift, scale)
 
 
 class Attention(nn.Module):
@@ -283,22 +295,22 @@ class Attention(nn.Module):
         mask: torch.Tensor,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        join: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         record: DiTRecord | None = None,
     ) -> torch.Tensor:
-        """`join` prepends cached prefix keys/values (mask then covers them too);
-        `record` receives this call's keys and values."""
+        """`prefix_kv`: cached prefix keys/values put before this call's (the mask then
+        covers them too); `record` receives this call's keys and values."""
         batch, length, _ = x.shape
         # Rotary on the un-split projections: only head 0 gets position information.
-        q = apply_rotary(self.to_q(x), *rope)
-        k = apply_rotary(self.to_k(x), *rope)
+        q = rotate_(self.to_q(x), *rope)
+        k = rotate_(self.to_k(x), *rope)
         v = self.to_v(x)
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
         if record is not None:
             record.keys.append(k)
             record.values.append(v)
-        if join is not None:
-            k, v = join(k, v)
+        if prefix_kv is not None:
+            k, v = torch.cat((prefix_kv[0], k), dim=2), torch.cat((prefix_kv[1], v), dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
         out = self.to_out[0](out)
@@ -335,13 +347,20 @@ class DiTBlock(nn.Module):
         mask: torch.Tensor,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        join: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         record: DiTRecord | None = None,
     ) -> torch.Tensor:
         normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
-        x = x + gate_a[:, None] * self.attn(normed, mask, pad_mask, rope, join, record)
-        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS) * (1 + scale_m[:, None]) + shift_m[:, None]
-        return x + gate_m[:, None] * self.ff(normed)
+        x = torch.addcmul(x, gate_a[:, None], self.attn(normed, mask, pad_mask, rope, prefix_kv, record))
+        return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
+
+
+def _run_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
+               record: DiTRecord | None) -> torch.Tensor:
+    """One block call; a function of its inputs (the block's weights included), so one
+    compiled graph of it serves all blocks."""
+    return block(h, temb, mask, pad_mask, rope, kv, record)
 
 
 class DiT(nn.Module):
@@ -359,6 +378,23 @@ class DiT(nn.Module):
         )
         self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, mel)
+        self._compiled_block: Callable[..., torch.Tensor] | None = None
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
+        every block, batch and length). The DiT's time is mostly memory-bound elementwise
+        passes between its matrix products (LayerNorm, modulation, gates, rotary, layout
+        copies), which the compiler fuses. Calls that record keys/values stay eager."""
+        self._compiled_block = torch.compile(_run_block, dynamic=True, backend=backend)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
+        # A compiled callable does not deep-copy (a stage copy per GPU); the copy starts
+        # uncompiled and its stage compiles it again.
+        state = dict(self.__dict__, _compiled_block=None)
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        return clone
 
     def forward(
         self,
@@ -400,8 +436,9 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
+        run = self._compiled_block if self._compiled_block is not None and record is None else _run_block
         for i, block in enumerate(self.transformer_blocks):
-            join = None if prefix is None else prefix.join[i]
-            h = block(h, temb, attn_mask, pad_mask, rope, join, record)
+            kv = None if prefix is None else prefix.layer_kv[i]
+            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record)
         h = self.norm_out(h, temb)
         return self.proj_out(h).transpose(1, 2)

@@ -114,8 +114,11 @@ class CausalConditionalCFM(nn.Module):
                 record.append(DiTRecord())
                 extra[k]["record"] = record[-1]
         batch = noise.shape[0]
-        x = noise
-        t_span = cosine_time_grid(self.n_timesteps, noise.device, noise.dtype)
+        # The estimator runs in the inputs' dtype (the weights'); the ODE state and the
+        # flow time stay float32, so ten Euler updates do not accumulate bf16 rounding.
+        dtype = noise.dtype
+        x = noise.float()
+        t_span = cosine_time_grid(self.n_timesteps, noise.device, torch.float32)
         mask_in = torch.cat((mask, mask))
         mu_in = torch.cat((mu, torch.zeros_like(mu)))
         spks_in = torch.cat((spks, torch.zeros_like(spks)))
@@ -125,8 +128,9 @@ class CausalConditionalCFM(nn.Module):
         t = t_span[0]
         dt = t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            v = self.estimator(torch.cat((x, x)), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming,
-                               **extra[step - 1])
+            x_in = torch.cat((x, x)).to(dtype)
+            v = self.estimator(x_in, mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming,
+                               **extra[step - 1]).float()
             v_cond, v_uncond = v[:batch], v[batch:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             t = t + dt

@@ -195,7 +195,7 @@ class CausalConditionalDecoder(nn.Module):
         streaming: bool = False,
     ) -> torch.Tensor:
         """x, mu, cond [B, 80, T]; mask [B, 1, T]; t [B]; spks [B, 80] -> velocity [B, 80, T]."""
-        t_emb = self.time_mlp(timestep_sinusoid(t, self.in_channels).to(t.dtype))
+        t_emb = self.time_mlp(timestep_sinusoid(t.float(), self.in_channels).to(self.time_mlp.linear_1.weight.dtype))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)
         allowed = attention_mask(mask[:, 0] > 0, self.static_chunk_size if streaming else None)
         bias = ((~allowed).to(h.dtype) * MASK_BIAS)[:, None]  # [B, 1, T, T]

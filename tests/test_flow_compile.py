@@ -1,0 +1,81 @@
+"""`engine.flow_compile`: the DiT blocks through torch.compile trace as one graph without
+breaks (plain batches and batches over cached prompt prefixes), and give the eager
+frames. The `aot_eager` backend runs the traced graph without code generation, which
+keeps this test fast on CPU; the GPU uses inductor (`bench.stage_bench --compile`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+
+from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
+from engine.models.config import ModelConfig
+from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+
+
+def _chunk(g: torch.Generator, new: int, prompt: int = 60) -> FlowChunk:
+    return FlowChunk(tokens=torch.randint(0, 6561, (prompt + new + 3,), generator=g),
+                     prompt_feat=torch.randn(2 * prompt, 80, generator=g), embedding=torch.randn(192, generator=g),
+                     num_prompt_tokens=prompt, out_start=prompt, finalize=False)
+
+
+@pytest.fixture(scope="module")
+def flows() -> tuple[CausalMaskedDiffWithDiT, CausalMaskedDiffWithDiT]:
+    torch.set_num_threads(1)
+    flow = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), 7).eval()
+    compiled = copy.deepcopy(flow)
+    compiled.decoder.estimator.compile_blocks(backend="aot_eager")
+    return flow, compiled
+
+
+def test_compiled_blocks_give_the_eager_frames(flows: tuple[CausalMaskedDiffWithDiT, ...]) -> None:
+    flow, compiled = flows
+    g = torch.Generator().manual_seed(0)
+    torch._dynamo.utils.counters.clear()
+    batches = [[_chunk(g, 20), _chunk(g, 25)], [_chunk(g, 40), _chunk(g, 10), _chunk(g, 33)]]
+    for chunks in batches:  # two shapes: the dynamic graph serves both
+        ref, _ = flow.decode_chunks(chunks)
+        got, _ = compiled.decode_chunks(chunks)
+        for r, x in zip(ref, got):
+            assert x.shape == r.shape and (x - r).abs().max().item() <= 1e-5
+    cache = PromptCache()
+    chunks = batches[1]
+    ref, _ = flow.decode_chunks(chunks)
+    got, shape = decode_with_prompt_cache(compiled, chunks, cache.entries_for(compiled, chunks))
+    assert shape.frames < 2 * 73  # the cached path really ran
+    for r, x in zip(ref, got):
+        assert (x - r).abs().max().item() <= 1e-5
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # One graph for plain batches, one for cached prefixes (per-row rotary positions).
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_deep_copy_starts_uncompiled(flows: tuple[CausalMaskedDiffWithDiT, ...]) -> None:
+    _, compiled = flows
+    assert compiled.decoder.estimator._compiled_block is not None
+    assert copy.deepcopy(compiled).decoder.estimator._compiled_block is None
+
+
+def test_the_setting_reaches_the_stage(tmp_path) -> None:  # noqa: ANN001
+    from engine.token2wav import AudioStage
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    s, _ = load_settings(["--engine.flow-compile", "false"], environ={})
+    assert engine_config(s, tmp_path).flow_compile is False
+    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_compile is True  # the default
+    flow = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), 7)
+    stage = AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_compile=True)
+    try:  # CUDA only, like the flow's CUDA graphs: CPU ignores it
+        assert not stage.flow_compile and flow.decoder.estimator._compiled_block is None
+    finally:
+        stage._pool.shutdown(wait=True)
+    stage = AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cuda"), flow_compile=True)  # never run here
+    try:
+        assert stage.flow_compile and flow.decoder.estimator._compiled_block is not None
+    finally:
+        stage._pool.shutdown(wait=True)
