@@ -62,7 +62,9 @@ class EngineConfig:
     # vLLM's async scheduling runs one step ahead; a paused streaming-input (bistream)
     # request then leaks one token sampled past its fill, so bistream needs it off.
     vllm_async_scheduling: bool = False
-    lm_max_batch: int = 64
+    # Sequences the LM decodes together (torch backend: per step; vLLM: max_num_seqs);
+    # utterances beyond it wait for a slot.
+    lm_max_batch: int = 256
     seed: int | None = None
     # Random weights never emit eos; benchmarks and the random demo models fix the
     # speech length instead (25 tokens = 1 s). Used when a request does not set it.

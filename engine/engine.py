@@ -213,6 +213,7 @@ class Engine:
                 vocab,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 max_model_len=config.vllm_max_model_len,
+                max_num_seqs=config.lm_max_batch,
                 async_scheduling=config.vllm_async_scheduling,
             )
         else:

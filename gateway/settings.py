@@ -74,7 +74,8 @@ class EngineSettings:
         metadata=_help("flow+vocoder stage copies, one per device, e.g. cuda:0,cuda:1; the LM stays on "
                        "engine.device (empty = one stage on engine.device)"),
     )
-    lm_max_batch: int = field(default=64, metadata=_help("torch LM backend: sequences per decode step"))
+    lm_max_batch: int = field(default=256, metadata=_help("LM sequences decoded together (torch: per step; "
+                                                          "vLLM: max_num_seqs); more utterances wait"))
     text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))
     warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))

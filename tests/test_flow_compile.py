@@ -79,3 +79,50 @@ def test_the_setting_reaches_the_stage(tmp_path) -> None:  # noqa: ANN001
         assert stage.flow_compile and flow.decoder.estimator._compiled_block is not None
     finally:
         stage._pool.shutdown(wait=True)
+
+
+def test_a_failing_compiler_falls_back_to_eager(flows: tuple[CausalMaskedDiffWithDiT, ...], caplog) -> None:  # noqa: ANN001
+    flow, _ = flows
+    broken = copy.deepcopy(flow)
+
+    def no_compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        raise RuntimeError("no compiler here")
+
+    broken.decoder.estimator.compile_blocks(backend=no_compiler)
+    chunks = [_chunk(torch.Generator().manual_seed(3), 20)]
+    ref, _ = flow.decode_chunks(chunks)
+    with caplog.at_level("ERROR"):
+        got, _ = broken.decode_chunks(chunks)
+    assert (got[0] - ref[0]).abs().max().item() <= 1e-6
+    assert broken.decoder.estimator._compiled_block is None
+    assert "torch.compile of the DiT blocks failed" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["cosyvoice3", "cosyvoice2"])
+def test_the_stage_runs_the_flow_in_bf16(family: str) -> None:
+    """The GPU default (bf16 weights and activations, float32 ODE state) exercised on CPU for
+    both flows: every input reaches the networks in the weights' dtype, and the mel stays
+    close to float32 (bf16 rounding only)."""
+    from engine.models.cv2_config import cv2_model_config
+    from engine.models.cv2_flow import CausalMaskedDiffWithXvec
+    from engine.models.hift import CausalHiFTGenerator
+    from engine.token2wav import AudioStage
+
+    if family == "cosyvoice3":
+        flow = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), 7).eval()
+    else:
+        flow = init_random_(CausalMaskedDiffWithXvec(cv2_model_config("tiny").flow), 7).eval()
+    g = torch.Generator().manual_seed(1)
+    chunks = [_chunk(g, 20, prompt=30), _chunk(g, 31, prompt=30)]
+    ref, _ = flow.decode_chunks(chunks)
+    stage = AudioStage(flow, CausalHiFTGenerator(ModelConfig.tiny().hift), torch.device("cpu"),
+                       flow_dtype=torch.bfloat16)
+    try:
+        assert next(flow.parameters()).dtype is torch.bfloat16
+        got, _ = flow.decode_chunks(chunks)
+    finally:
+        stage._pool.shutdown(wait=True)
+    for r, x in zip(ref, got):
+        assert x.dtype is torch.float32 and torch.isfinite(x).all()
+        rel = ((x - r).norm() / r.norm()).item()
+        assert 0 < rel < 0.05, rel  # bf16 changed the numbers, by rounding only

@@ -43,6 +43,7 @@ those pieces from an ordinary call. Both are explicit arguments, no hooks.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -52,6 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import FlowConfig
+
+log = logging.getLogger(__name__)
 
 # Width of the sinusoidal time feature fed to the time MLP (official default).
 TIME_FREQ_DIM = 256
@@ -355,7 +358,7 @@ class DiTBlock(nn.Module):
         return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
 
 
-def _run_block(block: DiTBlock, h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
+def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
                record: DiTRecord | None) -> torch.Tensor:
     """One block call; a function of its inputs (the block's weights included), so one
@@ -379,18 +382,28 @@ class DiT(nn.Module):
         self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
+        self._compiled_ran = False  # the compiled blocks completed a call (so compiling works)
 
-    def compile_blocks(self, backend: str = "inductor") -> None:
+    def compile_blocks(self, backend: str | Callable[..., object] = "inductor") -> None:
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
         every block, batch and length). The DiT's time is mostly memory-bound elementwise
         passes between its matrix products (LayerNorm, modulation, gates, rotary, layout
         copies), which the compiler fuses. Calls that record keys/values stay eager."""
         self._compiled_block = torch.compile(_run_block, dynamic=True, backend=backend)
+        self._compiled_ran = False
+
+    def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, temb: torch.Tensor,
+                    attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
+        for i, block in enumerate(self.transformer_blocks):
+            kv = None if prefix is None else prefix.layer_kv[i]
+            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record)
+        return h
 
     def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
         # A compiled callable does not deep-copy (a stage copy per GPU); the copy starts
         # uncompiled and its stage compiles it again.
-        state = dict(self.__dict__, _compiled_block=None)
+        state = dict(self.__dict__, _compiled_block=None, _compiled_ran=False)
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         clone.__dict__.update(copy.deepcopy(state, memo))
@@ -436,9 +449,20 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        run = self._compiled_block if self._compiled_block is not None and record is None else _run_block
-        for i, block in enumerate(self.transformer_blocks):
-            kv = None if prefix is None else prefix.layer_kv[i]
-            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record)
-        h = self.norm_out(h, temb)
+        blocks = (h, temb, attn_mask, pad_mask, rope, prefix, record)
+        if self._compiled_block is not None and record is None:
+            try:
+                h_out = self._run_blocks(self._compiled_block, *blocks)
+                self._compiled_ran = True
+            except Exception:
+                if self._compiled_ran:
+                    raise  # compiling worked before: a real error of this call
+                # No working compiler (no Triton, no C compiler, an unsupported op): the
+                # flow stays correct, only slower.
+                log.exception("torch.compile of the DiT blocks failed; the flow runs them eagerly")
+                self._compiled_block = None
+                h_out = self._run_blocks(_run_block, *blocks)
+        else:
+            h_out = self._run_blocks(_run_block, *blocks)
+        h = self.norm_out(h_out, temb)
         return self.proj_out(h).transpose(1, 2)
