@@ -23,7 +23,9 @@ headline) and for every segment (`segment_first_audio_ms`; later segments also w
 for the earlier ones' audio, since a context's audio is delivered in order) --
 chunk gaps, underruns, RTF, completed sessions and errors, GPU utilisation (pynvml),
 achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
-gateway RSS per session (from `/metrics`).
+gateway RSS per session (from `/metrics`), and the server's breakdown of every
+utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech token,
+-> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back).
 
 Speech length. Random weights never stop speaking, so the gateway generates a fixed
 number of speech tokens per text token (`--engine.tokens-per-text-token`). The bench
@@ -86,6 +88,14 @@ M_BUSY = "cosyvoice_engine_stage_busy_seconds_total"
 M_CUDA = "cosyvoice_engine_cuda_memory_allocated_bytes"
 M_RSS = "cosyvoice_process_resident_memory_bytes"
 M_ACTIVE = "cosyvoice_engine_active_sessions"
+M_FIRST_CHUNKS = "cosyvoice_engine_first_chunks_total"
+# Where each utterance's first chunk spends its time (engine counters of summed seconds).
+FIRST_CHUNK_PHASES = {
+    "lm_first_token": "cosyvoice_engine_first_chunk_lm_first_token_seconds_total",
+    "lm_decode": "cosyvoice_engine_first_chunk_lm_decode_seconds_total",
+    "stage_wait": "cosyvoice_engine_first_chunk_stage_wait_seconds_total",
+    "stage": "cosyvoice_engine_first_chunk_stage_seconds_total",
+}
 
 
 # ---- text -------------------------------------------------------------------------------
@@ -480,6 +490,10 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "lm_kv_estimate_per_session_mb": _mb(ctx.flops.kv_bytes_per_token * ctx.kv_tokens_per_session)
         if ctx.flops is not None and ctx.kv_tokens_per_session else None,
     }
+    first_chunks = _delta(after, before, M_FIRST_CHUNKS)
+    phases = ({name: round(1e3 * _delta(after, before, key) / first_chunks, 3)
+               for name, key in FIRST_CHUNK_PHASES.items()} | {"utterances": int(first_chunks)}
+              if first_chunks > 0 else None)
     return {
         "sessions": n,
         "completed": sum(1 for r in results if r.completed),
@@ -487,6 +501,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "error_codes": codes,
         "first_audio_ms": summary_ms([r.first_audio_s for r in results if r.first_audio_s is not None]),
         "segment_first_audio_ms": summary_ms([x for r in results for x in r.segment_first_audio_s]),
+        # Server side, mean per utterance (segment): text in -> first speech token -> first
+        # chunk's tokens queued -> its stage batch starts -> its audio is back.
+        "first_chunk_phases_ms": phases,
         "chunk_gap_ms": summary_ms([g for r in results for g in r.gaps_s], qs=(50, 99)),
         "underruns": sum(r.underruns for r in results),
         "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
@@ -627,8 +644,8 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
         on_level()
         fa = lv["first_audio_ms"]
         print(f"[{target.name}] sessions={n} completed={lv['completed']} errors={lv['errors']} "
-              f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} rtf={lv['rtf']}",
-              flush=True)
+              f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} rtf={lv['rtf']} "
+              f"first-chunk phases (ms)={lv['first_chunk_phases_ms']}", flush=True)
 
 
 def nvml_index() -> int:

@@ -97,11 +97,44 @@ class EngineStats:
     # and the bytes it holds.
     prompt_cache_hits: int = 0
     prompt_cache_bytes: int = 0
+    # Where the first chunk of each utterance spends its time (sums of seconds over
+    # `first_chunks` utterances): text in -> first speech token (text processing, LM
+    # queue and prefill), -> the chunk's tokens decoded and queued to the stage, -> the
+    # stage starts its batch, -> its audio is back. (With text_mode "stream" the first
+    # phase includes waiting for the text.)
+    first_chunks: int = 0
+    first_chunk_lm_first_token_seconds: float = 0.0
+    first_chunk_lm_decode_seconds: float = 0.0
+    first_chunk_stage_wait_seconds: float = 0.0
+    first_chunk_stage_seconds: float = 0.0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
     # own process is not included.
     cuda_memory_allocated_bytes: int = 0
     cuda_max_memory_allocated_bytes: int = 0
+
+
+@dataclass
+class FirstChunkTimes:
+    """Running sums of the first-chunk phases (see EngineStats); one per engine."""
+
+    count: int = 0
+    lm_first_token: float = 0.0
+    lm_decode: float = 0.0
+    stage_wait: float = 0.0
+    stage: float = 0.0
+
+    def add(self, submitted: float, first_token: float, queued: float, started: float, done: float) -> None:
+        self.count += 1
+        self.lm_first_token += first_token - submitted
+        self.lm_decode += queued - first_token
+        self.stage_wait += max(0.0, started - queued)
+        self.stage += done - max(started, queued)
+
+    def stats_fields(self) -> dict[str, float | int]:
+        return {"first_chunks": self.count, "first_chunk_lm_first_token_seconds": self.lm_first_token,
+                "first_chunk_lm_decode_seconds": self.lm_decode, "first_chunk_stage_wait_seconds": self.stage_wait,
+                "first_chunk_stage_seconds": self.stage}
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
@@ -161,6 +194,7 @@ class Engine:
         self.silent_tokens = SILENT_TOKENS if mc.version == "cosyvoice3" else frozenset()
         self.ready = False
         self.lm_tokens = 0
+        self.first_chunk_times = FirstChunkTimes()
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -343,6 +377,7 @@ class Engine:
             vocoder_frames=st.vocoder_frames,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
+            **self.first_chunk_times.stats_fields(),
             **_cuda_memory(self.device),
         )
 
@@ -663,10 +698,14 @@ class Session:
             else:
                 end, finalize = sched.offset + hop, False
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
-            job.deadline = playback_deadline(time.monotonic(), utt.stats.first_audio_at, emitted, eng.sample_rate)
+            queued_at = time.monotonic()
+            job.deadline = playback_deadline(queued_at, utt.stats.first_audio_at, emitted, eng.sample_rate)
             pcm = await eng.stage.run(job)
             if utt.cancelled:
                 return
+            if sched.index == 0 and utt.stats.first_token_at is not None:
+                eng.first_chunk_times.add(utt.stats.submitted_at, utt.stats.first_token_at, queued_at,
+                                          job.started_at or queued_at, time.monotonic())
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)

@@ -59,6 +59,9 @@ class ChunkJob:
     # When this chunk's audio is needed (time.monotonic seconds); only the "deadline"
     # policy reads it. Unset = as urgent as can be.
     deadline: float = -math.inf
+    # When the stage began computing the batch holding this chunk (time.monotonic), so
+    # the caller can tell waiting in the queue from computing.
+    started_at: float = 0.0
 
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
@@ -243,6 +246,9 @@ class AudioStage:
             if not batch:
                 continue
             t0 = time.perf_counter()
+            started = time.monotonic()
+            for job in batch:
+                job.started_at = started
             try:
                 results, flow_frames, vocoder_frames = await loop.run_in_executor(self._pool, self._compute, batch)
             except Exception as exc:  # fail this batch's chunks, keep serving others

@@ -226,6 +226,13 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         (lv,) = data["results"][mode]
         assert lv["sessions"] == 2 and lv["completed"] == 2 and lv["errors"] == 0, lv
         assert lv["first_audio_ms"]["n"] == 2 and lv["first_audio_ms"]["p50"] > 0
+        # The server's first-chunk breakdown covers every utterance (two sentences per session)
+        # and its phases add up to no more than the slowest first audio the clients saw.
+        ph = lv["first_chunk_phases_ms"]
+        assert ph["utterances"] == lv["segment_first_audio_ms"]["n"], ph
+        assert all(ph[k] >= 0 for k in ("lm_first_token", "lm_decode", "stage_wait")) and ph["stage"] > 0
+        assert sum(ph[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \
+            <= lv["segment_first_audio_ms"]["max"]
         assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
         server = lv["server"]
