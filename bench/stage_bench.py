@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     # the fp32 flow under bf16 autocast, the mode before engine.flow_dtype).
     low = flow if (bf16 is None or args.autocast) else copy.deepcopy(flow).to(bf16)
     if args.compile:  # engine.flow_compile: the low-precision flow's DiT blocks
+        if low is flow:  # --autocast: keep the float32 reference runs uncompiled
+            low = copy.deepcopy(flow)
         low.decoder.estimator.compile_blocks()
 
     def flow_for(dtype: torch.dtype | None) -> flow_mod.CausalMaskedDiffWithDiT:

@@ -40,7 +40,8 @@ class EngineConfig:
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
     # row count (graphs pad rows to a power of two and gain little at large batches).
-    # 64 = the largest graph bucket, i.e. every batch up to 64 chunks uses a graph.
+    # 64 = the largest graph bucket. With the prompt cache, batches served from it take
+    # graphs only up to GraphPolicy.prefix_max_rows (8) chunks.
     flow_graph_max_rows: int = 64
     # Cache each voice prompt's DiT keys/values (`engine.flow_prompt_cache`) so every flow
     # batch computes only the frames after the prompt's cached blocks (CUDA graphs up to

@@ -147,12 +147,17 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
     }
 
 
+def graph_policy(config: EngineConfig) -> GraphPolicy:
+    """Which flow batch shapes get CUDA graphs."""
+    return GraphPolicy().with_max_rows(config.flow_graph_max_rows)
+
+
 def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
     """The flow+vocoder stage: one on `device`, or one copy per `config.stage_devices`."""
     def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module) -> AudioStage:
         return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
                           flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
-                          graph_policy=GraphPolicy().with_max_rows(config.flow_graph_max_rows),
+                          graph_policy=graph_policy(config),
                           policy=config.stage_policy,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None)
 
@@ -307,10 +312,14 @@ class Engine:
         # tokens (a final chunk takes whatever is left); the runner pads them into buckets.
         shapes: list[tuple[int, ...]] = list(prompt_shapes(
             P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1), left_context=cfg.flow_left_context))
-        cached = self._cached_prompt_frames(P)
-        if cached:
+        cached, policy = self._cached_prompt_frames(P), graph_policy(cfg)
+        if cached and policy.prefix_bucket(cached) <= policy.prefix_max_frames:
             # From the prompt cache the ODE runs over the frames after the cached prefix.
             shapes = [(rows, frames - cached, cached) for rows, frames in shapes]
+        elif cached:
+            # A prefix too wide for the prefix graphs: small batches take the plain graphs
+            # (AudioStage._cache_pays), larger ones run eagerly from the cache.
+            shapes = [(rows, frames) for rows, frames in shapes if rows <= policy.prefix_max_rows]
         return await self.stage.warm_graphs(shapes)
 
     def _cached_prompt_frames(self, num_prompt_tokens: int) -> int:

@@ -22,7 +22,8 @@ With `capture=False` (the default off CUDA) the runner keeps all of this except 
 itself: it pads, copies into the static buffers, solves eagerly on them and copies out.
 That path is what the CPU tests check against the plain `inference_chunks`.
 
-Autocast: the stage runs the flow under bf16 autocast. Autocast caches the bf16 copy of
+Autocast (`autocast_dtype`, for a float32 flow run in bf16 this way; the stage itself now
+casts the flow's weights instead, `engine.flow_dtype`). Autocast caches the bf16 copy of
 each weight for the length of its region; a copy cached *before* a capture would be baked
 into the graph as an address whose memory is later freed. So the cache is cleared right
 before and right after each capture: inside the capture the first DiT call records the
@@ -61,13 +62,16 @@ class GraphPolicy:
     batch_buckets: tuple[int, ...] = BATCH_BUCKETS
     frame_multiple: int = 50
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
-    max_graphs: int = 64  # a voice needs ~7 row x ~7 frame buckets
+    max_graphs: int = 96  # a voice needs ~7 row x ~7 frame buckets (x its prefix width bucket)
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
     # Batches decoded from the flow prompt cache get graphs up to this many rows and this
     # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full
     # size, so the defaults reserve 4.3 GB once the first such batch runs).
     prefix_max_rows: int = 8
     prefix_max_frames: int = 300
+    # Prefix widths are padded up to a multiple of this (masked slots, exact), so voices
+    # with different prompt lengths share graphs: 100, 200 or 300 frames.
+    prefix_multiple: int = 100
 
     def with_max_rows(self, max_rows: int) -> "GraphPolicy":
         """This policy with no graph above `max_rows` rows: larger batches run eagerly at
@@ -83,6 +87,10 @@ class GraphPolicy:
             kept.add(max_rows)
         return replace(self, batch_buckets=tuple(sorted(kept)))
 
+    def prefix_bucket(self, width: int) -> int:
+        """The cached-prefix width a graph is captured at (0 for none)."""
+        return -(-width // self.prefix_multiple) * self.prefix_multiple if width > 0 else 0
+
     def bucket(self, rows: int, frames: int, width: int = 0) -> tuple[int, int] | None:
         """(padded rows, padded frames) for a batch, or None when no graph may serve it;
         `width`: the longest cached prompt prefix of its rows in frames (0 = none)."""
@@ -90,7 +98,7 @@ class GraphPolicy:
         padded_frames = -(-frames // self.frame_multiple) * self.frame_multiple
         if not fitting or rows < 1 or frames < 1 or padded_frames > self.max_frames:
             return None
-        if width and (min(fitting) > self.prefix_max_rows or width > self.prefix_max_frames):
+        if width and (min(fitting) > self.prefix_max_rows or self.prefix_bucket(width) > self.prefix_max_frames):
             return None
         return min(fitting), padded_frames
 
@@ -140,6 +148,7 @@ class FlowGraphRunner:
         self._flat: dict[str, torch.Tensor] = {}
         self._graphs: OrderedDict[tuple[int, int, bool, int], object] = OrderedDict()
         self._prefix: PrefixBuffers | None = None
+        self._no_prefix_buffers = False  # allocating them failed (out of memory): prefix batches run eagerly
         self._pool: object | None = None
         self._stream: torch.cuda.Stream | None = None  # warm-up and capture stream (CUDA only)
         self._broken = False  # a capture failed: run eagerly from then on
@@ -175,6 +184,8 @@ class FlowGraphRunner:
         rows, _, frames = noise.shape
         width = prefix_width(prefix)
         shape = self.policy.bucket(rows, frames, width)
+        if width and shape is not None and self._prefix_buffers(self.autocast_dtype or noise.dtype) is None:
+            shape = None
 
         def eager() -> torch.Tensor:
             self.stats.eager += 1
@@ -184,7 +195,7 @@ class FlowGraphRunner:
 
         if shape is None or self._broken:
             return eager()
-        views = self._views(*shape, dtype=noise.dtype, width=width)
+        views = self._views(*shape, dtype=noise.dtype, width=self.policy.prefix_bucket(width))
         for dst, src in ((views.noise, noise), (views.mask, mask), (views.mu, mu), (views.spks, spks), (views.cond, cond)):
             _copy_padded(dst, src)
         if views.prefix is not None:
@@ -204,12 +215,15 @@ class FlowGraphRunner:
             return 0
         captured = 0
         for rows, frames, *rest in shapes:
-            width = rest[0] if rest else 0
+            width = self.policy.prefix_bucket(rest[0] if rest else 0)
             shape = self.policy.bucket(rows, frames, width)
+            dtype = self.decoder.rand_noise.dtype
             if shape is None or (*shape, streaming, width) in self._graphs or self._broken:
                 continue
+            if width and self._prefix_buffers(self.autocast_dtype or dtype) is None:
+                continue
             # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
-            views = self._views(*shape, dtype=self.decoder.rand_noise.dtype, width=width)
+            views = self._views(*shape, dtype=dtype, width=width)
             # Inputs only need to be finite for the warm-up runs; every replay copies its own.
             for t in (views.noise, views.mu, views.spks, views.cond):
                 t.zero_()
@@ -247,14 +261,27 @@ class FlowGraphRunner:
 
         prefix = None
         if width:
-            if self._prefix is None:
-                self._prefix = PrefixBuffers(self.decoder.estimator, self.decoder.n_timesteps, self.policy.prefix_max_rows,
-                                             self.policy.prefix_max_frames, self.device,
-                                             self.autocast_dtype or dtype)  # the cached K/V's dtype
-            prefix = self._prefix.views(rows, width)
+            buffers = self._prefix_buffers(self.autocast_dtype or dtype)
+            assert buffers is not None  # callers check first
+            prefix = buffers.views(rows, width)
         return _Views(noise=view("noise", rows, c, frames), mask=view("mask", rows, 1, frames),
                       mu=view("mu", rows, c, frames), spks=view("spks", rows, c),
                       cond=view("cond", rows, c, frames), out=view("out", rows, c, frames), prefix=prefix)
+
+    def _prefix_buffers(self, dtype: torch.dtype) -> PrefixBuffers | None:
+        """The static prompt-prefix buffers (allocated on first use, in the cached K/V's
+        dtype), or None when they do not fit in memory: prefix batches then run eagerly."""
+        if self._prefix is None and not self._no_prefix_buffers:
+            try:
+                self._prefix = PrefixBuffers(self.decoder.estimator, self.decoder.n_timesteps,
+                                             self.policy.prefix_max_rows, self.policy.prefix_max_frames,
+                                             self.device, dtype)
+            except torch.OutOfMemoryError:
+                log.warning("no memory for the flow's prompt-prefix graph buffers (%d rows x %d frames); "
+                            "cached-prefix batches run eagerly", self.policy.prefix_max_rows,
+                            self.policy.prefix_max_frames)
+                self._no_prefix_buffers = True
+        return self._prefix
 
     def _solve_into(self, views: _Views, streaming: bool) -> None:
         steps = None if views.prefix is None else views.prefix.steps()

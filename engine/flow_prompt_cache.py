@@ -1,4 +1,5 @@
-"""Opt-in cache of a voice prompt's DiT keys/values for the CosyVoice3 flow (issue #12).
+"""Cache of a voice prompt's DiT keys/values for the CosyVoice3 flow (issue #12; on by
+default, `engine.flow_prompt_cache`).
 
 Every streaming chunk re-runs the flow's ODE over prompt + left context + new frames,
 and the prompt is usually the larger part. With block-causal (streaming) attention most
@@ -423,11 +424,18 @@ class PromptCache:
             self.stats.evictions += 1
         return entry
 
-    def entries_for(self, flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk]) -> list[PromptKV | None]:
-        """Per chunk its entry (built when missing) or None; counts the hits."""
+    def entries_for(self, flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk],
+                    count_hits: bool = True) -> list[PromptKV | None]:
+        """Per chunk its entry (built when missing) or None; counts the hits unless told
+        not to (the caller may decide not to use them: `count`)."""
         found = [self.get_or_build(flow, c) for c in chunks]
-        self.stats.hits += sum(e is not None for e in found)
+        if count_hits:
+            self.count(found)
         return found
+
+    def count(self, entries: Sequence[PromptKV | None]) -> None:
+        """Record that these entries served a batch."""
+        self.stats.hits += sum(e is not None for e in entries)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

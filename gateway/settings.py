@@ -52,7 +52,8 @@ class EngineSettings:
     flow_graph_max_rows: int = field(
         default=64,
         metadata=_help("flow batches with more chunks than this run eagerly at their exact size instead of "
-                       "padded to a CUDA graph bucket (64 = all batches use graphs)"),
+                       "padded to a CUDA graph bucket (64 = the largest bucket; batches from the prompt cache "
+                       "use graphs up to 8 chunks)"),
     )
     flow_prompt_cache: bool = field(
         default=True,

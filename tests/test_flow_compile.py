@@ -126,3 +126,34 @@ def test_the_stage_runs_the_flow_in_bf16(family: str) -> None:
         assert x.dtype is torch.float32 and torch.isfinite(x).all()
         rel = ((x - r).norm() / r.norm()).item()
         assert 0 < rel < 0.05, rel  # bf16 changed the numbers, by rounding only
+
+
+def test_a_bf16_flow_keeps_exact_rotary_positions() -> None:
+    """Casting the flow to bf16 must not round the rotary frequencies or positions: frame
+    257 would become 256 and angles past frame 1000 would be off by radians."""
+    flow = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), 7)
+    rotary = flow.decoder.estimator.rotary_embed
+    ref_seq, ref_at = rotary(1500), rotary.at(torch.tensor([[257, 777, 1499]]))
+    flow.to(torch.bfloat16)
+    assert rotary.inv_freq.dtype is torch.float32 and flow.decoder.estimator.proj_out.weight.dtype is torch.bfloat16
+    assert torch.equal(rotary(1500), ref_seq) and torch.equal(rotary.at(torch.tensor([[257, 777, 1499]])), ref_at)
+    flow.to(torch.float32)
+    assert torch.equal(rotary(1500), ref_seq)
+
+
+def test_only_compile_errors_fall_back() -> None:
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from engine.models.dit import _is_compile_error
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        raise RuntimeError("no compiler here")
+
+    try:
+        torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))
+    except Exception as exc:  # noqa: BLE001 (whatever dynamo raises for a failing backend)
+        compile_error = exc
+    assert _is_compile_error(compile_error) and isinstance(compile_error, BackendCompilerFailed)
+    # A runtime error of the call itself (e.g. out of memory) is not a reason to stop compiling.
+    assert not _is_compile_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not _is_compile_error(RuntimeError("shape mismatch"))

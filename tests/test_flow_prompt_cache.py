@@ -250,8 +250,10 @@ def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMask
                                                                  voices: list[Voice]) -> None:
     """The static-buffer path a CUDA graph replays (capture off on CPU: same buffers, same
     padding, solved eagerly) gives the frames of the ordinary decode: ragged prefixes (two
-    voices and a C == 0 row), rows and frames padded to the bucket, stale buffer contents
-    from a previous batch, and a batch beyond the prefix bucket limits (eager fallback)."""
+    voices and a C == 0 row), rows and frames padded to the bucket, prefixes of 50 and 100
+    frames sharing the 100-frame width bucket, buffers poisoned between batches (huge
+    keys/values, every slot unmasked, wrong positions: each batch must overwrite or mask
+    all of it), and a batch beyond the prefix bucket limits (eager fallback)."""
     from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 
     a, b, z = voices
@@ -265,6 +267,13 @@ def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMask
         [chunk(a, 0, 15, False)] * 5,  # 5 rows > prefix_max_rows: eager
     ]
     for chunks in batches:
+        if runner._prefix is not None:
+            buffers = runner._prefix
+            with torch.inference_mode():  # the buffers are inference tensors
+                for t in (buffers._keys, buffers._values, buffers._conv):
+                    t.normal_(0.0, 30.0)
+                buffers._mask.fill_(True)
+                buffers._positions.fill_(77)
         ref, _ = flow.decode_chunks(chunks)
         entries = cache.entries_for(flow, chunks)
         replays, eager = runner.stats.replays, runner.stats.eager
@@ -277,8 +286,9 @@ def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMask
         else:
             assert runner.stats.eager == eager + 1 and shape.rows == 5
     assert runner.prefix_bytes > 0
-    # A prompt prefix wider than the buffers cannot take a graph.
-    assert policy.bucket(2, 100, width=150) is None and policy.bucket(2, 100, width=100) == (2, 100)
+    # Widths share buckets of 100 frames; a prefix wider than the buffers cannot take a graph.
+    assert [policy.prefix_bucket(w) for w in (0, 50, 100, 101)] == [0, 100, 100, 200]
+    assert policy.bucket(2, 100, width=150) is None and policy.bucket(2, 100, width=50) == (2, 100)
 
 
 def test_stage_uses_the_cache_with_and_without_graphs(tiny_model_dir) -> None:  # noqa: ANN001
@@ -320,5 +330,36 @@ def test_stage_uses_the_cache_with_and_without_graphs(tiny_model_dir) -> None:  
             plain._pool.shutdown(wait=True)
         for a, b in zip(pcm_big + pcm, ref + ref_small):
             assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-4
+    finally:
+        stage._pool.shutdown(wait=True)
+
+
+def test_a_prefix_too_wide_for_the_prefix_graphs_keeps_the_plain_graph(tiny_model_dir) -> None:  # noqa: ANN001
+    """Small batches of a voice whose cached prefix exceeds GraphPolicy.prefix_max_frames take
+    the plain graph of the whole window (launch-bound: a graph beats the skipped frames);
+    batches above prefix_max_rows still run eagerly from the cache."""
+    from engine.flow_graphs import GraphPolicy
+    from engine.models.loader import load_model
+    from engine.token2wav import AudioStage, ChunkJob
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    policy = GraphPolicy(batch_buckets=(1, 2, 4), frame_multiple=50, max_frames=400,
+                         prefix_max_rows=2, prefix_max_frames=50)
+    stage = AudioStage(model.flow, model.hift, torch.device("cpu"), graph_policy=policy, prompt_cache_bytes=1 << 30)
+    stage.flow_cuda_graphs = True  # the runner's uncaptured padded path stands in for graphs on CPU
+    v = make_voice(60, 5)  # C = 100 > prefix_max_frames
+
+    def jobs(n: int) -> list[ChunkJob]:
+        return [ChunkJob(flow=chunk(v, 10 * i, 10 * i + 15, False), hift_stream=stage.new_stream(), speed=1.0,
+                         chunk_index=0, is_cancelled=lambda: False) for i in range(n)]
+
+    try:
+        small = jobs(2)
+        _, frames, _ = stage._compute(small)
+        full = 2 * max(len(j.flow.tokens) - LOOK for j in small)
+        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 0
+        assert frames == 2 * (-(-full // 50) * 50)  # the whole window, padded to the bucket
+        _, frames, _ = stage._compute(jobs(3))  # 3 rows > prefix_max_rows: eager from the cache
+        assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 3
     finally:
         stage._pool.shutdown(wait=True)

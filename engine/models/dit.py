@@ -67,6 +67,9 @@ NORM_EPS = 1e-6
 # Frames of the input projection before a row's first new frame that the two causal
 # convolutions of the position embedding reach (each looks kernel - 1 frames back).
 CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)
+# Compiled variants dynamo may keep for the shared block function: ~3 per stage device
+# (plain batches, cached-prefix batches and a duck-sizing respecialisation of those).
+COMPILE_CACHE_LIMIT = 64
 
 
 @dataclass
@@ -219,6 +222,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, dim_head, 2).float() / dim_head))
         self.register_buffer("inv_freq", inv_freq)  # persistent: part of the checkpoint
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "RotaryEmbedding":
+        # The frequencies stay float32 whatever dtype the model is cast to (its device
+        # still follows): in bf16 both they and the positions would round (position 257
+        # becomes 256, an angle error of up to several radians past frame 1000).
+        exact = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = exact.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
+
     def forward(self, length: int) -> torch.Tensor:
         """[T, dim_head] angles; channels 2i and 2i+1 share the angle pos * inv_freq[i]."""
         pos = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
@@ -358,6 +371,12 @@ class DiTBlock(nn.Module):
         return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
 
 
+def _is_compile_error(exc: BaseException) -> bool:
+    """Whether `exc` comes from torch.compile's machinery (dynamo, inductor, a backend)."""
+    return any(type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+               for e in (exc, exc.__cause__) if e is not None)
+
+
 def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
                record: DiTRecord | None) -> torch.Tensor:
@@ -382,15 +401,18 @@ class DiT(nn.Module):
         self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
-        self._compiled_ran = False  # the compiled blocks completed a call (so compiling works)
 
     def compile_blocks(self, backend: str | Callable[..., object] = "inductor") -> None:
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
         every block, batch and length). The DiT's time is mostly memory-bound elementwise
         passes between its matrix products (LayerNorm, modulation, gates, rotary, layout
         copies), which the compiler fuses. Calls that record keys/values stay eager."""
+        # Every stage's DiT shares this one function, so its compiled variants (plain and
+        # prefix batches, per device and dtype) share dynamo's per-function cache limit (8).
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), COMPILE_CACHE_LIMIT))
         self._compiled_block = torch.compile(_run_block, dynamic=True, backend=backend)
-        self._compiled_ran = False
 
     def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, temb: torch.Tensor,
                     attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -403,7 +425,7 @@ class DiT(nn.Module):
     def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
         # A compiled callable does not deep-copy (a stage copy per GPU); the copy starts
         # uncompiled and its stage compiles it again.
-        state = dict(self.__dict__, _compiled_block=None, _compiled_ran=False)
+        state = dict(self.__dict__, _compiled_block=None)
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         clone.__dict__.update(copy.deepcopy(state, memo))
@@ -453,12 +475,11 @@ class DiT(nn.Module):
         if self._compiled_block is not None and record is None:
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
-                self._compiled_ran = True
-            except Exception:
-                if self._compiled_ran:
-                    raise  # compiling worked before: a real error of this call
-                # No working compiler (no Triton, no C compiler, an unsupported op): the
-                # flow stays correct, only slower.
+            except Exception as exc:
+                if not _is_compile_error(exc):
+                    raise  # e.g. out of memory: an error of this call, not of compiling
+                # No working compiler (no Triton, no C compiler, an unsupported op), on any
+                # of the compiled variants: the flow stays correct, only slower.
                 log.exception("torch.compile of the DiT blocks failed; the flow runs them eagerly")
                 self._compiled_block = None
                 h_out = self._run_blocks(_run_block, *blocks)
