@@ -42,6 +42,7 @@ from .flow_graphs import GraphPolicy, prompt_shapes
 from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
 from .stage_pool import StagePool
+from .stage_profile import StageProfiler
 from .text_stream import TextFeed
 from .token2wav import AudioStage, ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
@@ -154,12 +155,17 @@ def graph_policy(config: EngineConfig) -> GraphPolicy:
 
 def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
     """The flow+vocoder stage: one on `device`, or one copy per `config.stage_devices`."""
-    def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module) -> AudioStage:
+    def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module, index: int = 0) -> AudioStage:
+        profiler = None
+        if config.stage_profile_dir:
+            profiler = StageProfiler(Path(config.stage_profile_dir) / f"stage{index}", config.stage_profile_start,
+                                     config.stage_profile_batches, cuda=dev.type == "cuda")
         return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
                           flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
                           graph_policy=graph_policy(config),
                           policy=config.stage_policy,
-                          prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None)
+                          prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
+                          profiler=profiler)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -169,7 +175,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
         same = dev == device or (dev.type == device.type == "cpu")
         flow = model.flow if same and not stages else copy.deepcopy(model.flow).to(dev)
         hift = model.hift if same and not stages else copy.deepcopy(model.hift).to(dev)
-        stages.append(one(dev, flow, hift))
+        stages.append(one(dev, flow, hift, len(stages)))
     return StagePool(stages)
 
 

@@ -43,6 +43,7 @@ from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, supports_prompt_cache
 from .models.dit import DiT
 from .models.flow import FlowChunk
+from .stage_profile import StageProfiler
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ class AudioStage:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
                  flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
-                 window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None):
+                 window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
+                 profiler: StageProfiler | None = None):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -157,6 +159,7 @@ class AudioStage:
         self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
         if self.flow_compile:
             estimator.compile_blocks()
+        self.profiler = profiler  # engine.stage_profile_dir: a window of batches under torch.profiler
         self.hift = hift
         self.device = device
         self.max_batch = max_batch
@@ -250,7 +253,8 @@ class AudioStage:
             for job in batch:
                 job.started_at = started
             try:
-                results, flow_frames, vocoder_frames = await loop.run_in_executor(self._pool, self._compute, batch)
+                results, flow_frames, vocoder_frames = await loop.run_in_executor(
+                    self._pool, self._run_batch, self.stats.batches, batch)
             except Exception as exc:  # fail this batch's chunks, keep serving others
                 log.exception("audio stage batch failed")
                 for job in batch:
@@ -308,6 +312,11 @@ class AudioStage:
         built = await asyncio.get_running_loop().run_in_executor(self._pool, build)
         self.stats.prompt_cache_bytes = cache.nbytes
         return built
+
+    def _run_batch(self, index: int, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
+        if self.profiler is None:
+            return self._compute(batch)
+        return self.profiler.run(index, len(batch), lambda: self._compute(batch))
 
     def _cache_pays(self, chunks: list[FlowChunk], entries: list[PromptKV | None]) -> bool:
         """Whether to decode this batch from the prompt cache. Yes, except for a small batch

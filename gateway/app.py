@@ -70,6 +70,9 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_prompt_cache_bytes=e.flow_prompt_cache_mib << 20,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_devices=e.stage_devices,
+        stage_profile_dir=e.stage_profile_dir,
+        stage_profile_start=e.stage_profile_start,
+        stage_profile_batches=e.stage_profile_batches,
         lm_max_batch=e.lm_max_batch,
         text_normalization=e.text_normalization,
         warmup=e.warmup,

@@ -70,6 +70,13 @@ class EngineSettings:
         metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks first, then FIFO) or "
                        "deadline (most urgent playback deadline first, grouped by similar window length)"),
     )
+    stage_profile_dir: str = field(
+        default="",
+        metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory "
+                       "(empty = off)"),
+    )
+    stage_profile_start: int = field(default=20, metadata=_help("first stage batch profiled"))
+    stage_profile_batches: int = field(default=20, metadata=_help("stage batches profiled"))
     stage_devices: tuple[str, ...] = field(
         default=(),
         metadata=_help("flow+vocoder stage copies, one per device, e.g. cuda:0,cuda:1; the LM stays on "

@@ -1,0 +1,119 @@
+"""Profile the audio stage while it serves real traffic (`engine.stage_profile_dir`).
+
+The flow benchmarks time the networks alone; under load the stage also spends time on the
+host between and around kernels (batch assembly, cache lookups, the vocoder, the copy of the
+PCM back), and the load benchmark saw the GPU only ~65% busy while the stage was ~90% busy.
+This profiler answers where that goes: it runs `torch.profiler` over a window of the stage's
+own batches (`start` .. `start + count - 1`, counted from the stage's first batch) and writes
+
+* `stage_profile.json`: per batch its chunks, wall time and, on CUDA, the time the GPU was
+  running kernels inside it (the union of the kernel intervals; every batch ends with a
+  device-to-host copy, so all of its kernels finish inside its wall time), plus totals;
+* `stage_profile.txt`: the operators and kernels of the window by total time.
+
+It lives on the stage's worker thread (the only thread that runs the stage's tensor work),
+so the profiler starts and stops there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class StageProfiler:
+    out_dir: Path
+    start: int = 20
+    count: int = 20
+    cuda: bool = False
+    done: bool = False
+    _prof: torch.profiler.profile | None = None
+    _t0_ns: int = 0
+    _batches: list[tuple[int, int]] = field(default_factory=list)  # (stage batch index, chunks)
+
+    def run(self, index: int, chunks: int, fn: Callable[[], T]) -> T:
+        """Run one batch's work (`fn`, on the worker thread), profiled inside the window."""
+        if self.done or index < self.start:
+            return fn()
+        if self._prof is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.start()
+            self._t0_ns = time.perf_counter_ns()
+        with torch.profiler.record_function(f"stage_batch_{index}"):
+            out = fn()
+        self._batches.append((index, chunks))
+        if len(self._batches) >= self.count:
+            self._finish()
+        return out
+
+    def _finish(self) -> None:
+        assert self._prof is not None
+        self._prof.stop()
+        self.done = True
+        try:
+            self._write(self._prof)
+        except Exception:  # a profile must never take the stage down
+            log.exception("writing the stage profile failed")
+        self._prof = None
+
+    def _write(self, prof: torch.profiler.profile) -> None:
+        events = prof.events()
+        ranges = {e.name: e for e in events if e.name.startswith("stage_batch_")}
+        kernels = sorted(((e.time_range.start, e.time_range.end) for e in events
+                          if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda r: r[0])
+        rows: list[dict[str, Any]] = []
+        for index, chunks in self._batches:
+            r = ranges.get(f"stage_batch_{index}")
+            if r is None:
+                continue
+            start, end = r.time_range.start, r.time_range.end
+            row: dict[str, Any] = {"batch": index, "chunks": chunks, "wall_ms": (end - start) / 1e3}
+            if self.cuda:
+                busy = _union_within(kernels, start, end)
+                row["gpu_busy_ms"] = busy / 1e3
+                row["gpu_busy_share"] = busy / (end - start) if end > start else None
+            rows.append(row)
+        wall = sum(r["wall_ms"] for r in rows)
+        report: dict[str, Any] = {"batches": rows, "wall_ms": wall, "chunks": sum(r["chunks"] for r in rows),
+                                  "window_ms": (time.perf_counter_ns() - self._t0_ns) / 1e6}
+        if self.cuda:
+            busy = sum(r["gpu_busy_ms"] for r in rows)
+            report["gpu_busy_ms"] = busy
+            report["gpu_busy_share"] = busy / wall if wall > 0 else None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "stage_profile.json").write_text(json.dumps(report, indent=2))
+        sort = "cuda_time_total" if self.cuda else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+        (self.out_dir / "stage_profile.txt").write_text(table)
+        log.info("stage profile of %d batches written to %s", len(rows), self.out_dir)
+
+
+def _union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Total length of the union of sorted `intervals`, clipped to [lo, hi]."""
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in intervals:
+        s, e = max(s, lo), min(e, hi)
+        if e <= s:
+            continue
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start  # type: ignore[operator]
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start  # type: ignore[operator]
+    return total
