@@ -59,6 +59,12 @@ class StageProfiler:
             self._finish()
         return out
 
+    def close(self) -> None:
+        """Stop a window cut short (the stage is closing) and write what it holds. Call it on
+        the worker thread: a profiler left running past its thread crashes the process at exit."""
+        if self._prof is not None and not self.done:
+            self._finish()
+
     def _finish(self) -> None:
         assert self._prof is not None
         self._prof.stop()

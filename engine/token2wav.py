@@ -191,6 +191,8 @@ class AudioStage:
             if not job.future.done():
                 job.future.cancel()
         self._pending.clear()
+        if self.profiler is not None:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.profiler.close)
         self._pool.shutdown(wait=True)
 
     async def run(self, job: ChunkJob) -> np.ndarray:
