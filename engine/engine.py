@@ -50,10 +50,11 @@ from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, V
 
 log = logging.getLogger(__name__)
 
+# Flow context cache with an unbounded left context: a 60 s utterance's frames at most
+# (longer utterances slide over their last 60 s; see engine.flow_context_cache).
+UNBOUNDED_CONTEXT_FRAMES = 3000
 # FSQ codes of silence and breath (CosyVoice3Model.silent_tokens); runs longer than
 # MAX_SILENT are dropped so the model cannot stall in silence.
-# Flow context cache with an unbounded left context: a 60 s utterance's frames at most.
-UNBOUNDED_CONTEXT_FRAMES = 3000
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT = 5
 PREFIX_CACHE_SIZE = 4096

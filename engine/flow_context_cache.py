@@ -13,18 +13,27 @@ after them.
 
 What a chunk attends to. Prompt blocks [0, C), then this cache's frames [end - F, end), then
 its own frames, all at their absolute positions (rotary angles of cached keys were applied
-when they were computed). With `flow_left_context = -1` nothing is dropped and the frames
-equal the whole-prefix recomputation (the official streaming decode) up to rounding, which
-`tests/test_flow_context_cache.py` checks; with a bounded context every block sees up to F
-frames of its own past, where the recomputing path shows the newest frames a shorter past.
+when they were computed). With `flow_left_context = -1` nothing is dropped (up to 60 s of
+frames; longer utterances slide) and every chunk equals the whole-prefix recomputation (the
+official streaming decode) up to rounding: `tests/test_flow_context_cache.py` checks it in
+float64, windows that drop blocks and mixed batches included. A bounded context is a
+*different approximation* from the recomputing path's: the cache keeps F = 2 x left
+frames (whole blocks), each computed with its own full past, while the recomputing window
+holds left to left + 24 tokens, recomputed, plus the whole prompt tail [C, 2P). So with a
+bounded context, turning the cache on changes the audio (by ~2-3% of the mel in float64 on
+the tiny model, even in chunks where the recomputing path is still exact); with -1 it does
+not.
 
 When it is used. Batches that run eagerly (more chunks than the prefix graphs take: the
-high-load case this is for). A chunk decoded any other way (a CUDA graph) does not record,
+high-load case this is for); final chunks record nothing. A chunk decoded any other way (a
+CUDA graph) does not record,
 so its utterance's cache can no longer continue; it starts again only while the utterance's
 window still begins at its first token (no frames dropped yet), and otherwise that utterance
 recomputes its context as without this cache. Memory: 1.8 MB per cached frame at full size
 in bf16 (two CFG rows x 10 steps x 22 blocks x keys and values), ~180 MB per utterance for
-100 frames, bounded per stage by `flow_context_cache_bytes` (utterances beyond it recompute).
+100 frames. `flow_context_cache_bytes` bounds the caches a stage holds: a cache that would
+grow past it is freed and its utterance recomputes. (A batch's newly recorded frames are
+held once more until they are committed: up to rows x F x 1.8 MB.)
 """
 
 from __future__ import annotations
@@ -60,6 +69,18 @@ class ContextKV:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.conv_context) if t is not None)
+
+    @staticmethod
+    def bytes_per_frame(dit: DiT, n_steps: int) -> int:
+        """Keys + values of one frame at every step, CFG row and block."""
+        attn = dit.transformer_blocks[0].attn
+        itemsize = next(dit.parameters()).element_size()
+        return 2 * n_steps * 2 * len(dit.transformer_blocks) * attn.heads * attn.dim_head * itemsize
+
+    def stop(self) -> None:
+        """The cache can no longer serve this utterance: free it; the utterance recomputes."""
+        self.keys = self.values = self.conv_context = None
+        self.stopped = True
 
 
 @dataclass
@@ -134,6 +155,8 @@ class ContextBatch:
             ctx.keys, ctx.values = new_k.contiguous(), new_v.contiguous()
             ctx.conv_context = convs[:, rows].contiguous()
             ctx.end = plan.block_end + plan.offset
+        # The batch's recorded keys/values are in the caches now; do not hold them longer.
+        self.records, self.keys, self.values = [], None, None
 
 
 class ContextCache:
@@ -153,14 +176,15 @@ class ContextCache:
         return sum(c.nbytes for c in list(self._live))
 
     def plan(self, dit: DiT, n_steps: int, entries: list[PromptKV | None], contexts: list[ContextKV | None],
-             frames: list[int], offsets: list[int], prompt_frames: list[int]) -> ContextBatch:
+             frames: list[int], offsets: list[int], prompt_frames: list[int], finals: list[bool]) -> ContextBatch:
         """Each row's prefix and recording plan. `frames`: each chunk's main frames in its
-        window; `offsets`: absolute minus window index for frames past the prompt (twice the
+        window; `finals`: whether it is its utterance's last chunk; `offsets`: absolute minus
+        window index for frames past the prompt (twice the
         first token of the window); `prompt_frames`: 2 x prompt tokens."""
-        over_budget = self.nbytes > self.budget_bytes
+        held = self.nbytes
         rows: list[PromptKV | ContextPrefix | None] = []
         plans: list[_RowPlan] = []
-        for e, ctx, t, off, p2 in zip(entries, contexts, frames, offsets, prompt_frames):
+        for e, ctx, t, off, p2, last in zip(entries, contexts, frames, offsets, prompt_frames, finals):
             if e is None or ctx is None or ctx.stopped:
                 rows.append(e)
                 plans.append(_RowPlan(None, 0 if e is None else e.start, off, 0, 0))
@@ -175,15 +199,23 @@ class ContextCache:
                 rows.append(e)  # (re)starting from the prompt's cached blocks
                 start_w = e.start
             else:  # the window has moved past what the cache could serve: recompute from now on
-                ctx.stopped = True
+                ctx.stop()
                 rows.append(e)
                 plans.append(_RowPlan(None, e.start, off, 0, 0))
                 continue
             block_end = self.block * (t // self.block)
-            keep = min(ctx.max_frames, max(0, block_end - start_w))
-            if over_budget and ctx.keys is None:
-                keep = 0  # no room for a new cache: this utterance recomputes
-                ctx.stopped = True
+            # A final chunk has no next chunk to serve: nothing to record.
+            keep = 0 if last else min(ctx.max_frames, max(0, block_end - start_w))
+            grown = min(ctx.max_frames, ctx.frames + keep) - ctx.frames
+            if keep and held + grown * ctx.bytes_per_frame(dit, n_steps) > self.budget_bytes:
+                # No room: this utterance recomputes its context from now on (frees its cache).
+                if isinstance(rows[-1], ContextPrefix):
+                    rows[-1] = e
+                    start_w = e.start
+                ctx.stop()
+                plans.append(_RowPlan(None, start_w, off, 0, 0))
+                continue
+            held += grown * ctx.bytes_per_frame(dit, n_steps)
             plans.append(_RowPlan(ctx, start_w, off, block_end, keep))
         batch = ContextBatch(rows, plans)
         if any(p.keep for p in plans):

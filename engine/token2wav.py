@@ -362,12 +362,13 @@ class AudioStage:
         recorded = False
         if cache is not None and entries is not None and self._cache_pays(chunks, entries):
             cache.count(entries)
-            if self.context_cache is not None and any(contexts) and not self._prefix_graph(chunks, entries):
+            if (self.context_cache is not None and any(contexts) and prefix_width(entries) > 0
+                    and not self._prefix_graph(chunks, entries)):
                 # An eager batch: the utterances' own cached frames too, and record the new ones.
                 plan = self.context_cache.plan(
                     self.flow.decoder.estimator, self.flow.decoder.n_timesteps, entries, contexts,
                     self._frames(chunks), [c.noise_offset for c in chunks],
-                    [self.flow.token_mel_ratio * c.num_prompt_tokens for c in chunks])
+                    [self.flow.token_mel_ratio * c.num_prompt_tokens for c in chunks], [c.finalize for c in chunks])
                 mels, shape = decode_with_prompt_cache(self.flow, chunks, plan.entries, record=plan.records or None)
                 plan.commit()
                 recorded = True
