@@ -58,12 +58,14 @@ class EngineConfig:
     # "deadline": most urgent playback deadline first, grouped by similar window length
     # (less padding); see `engine.token2wav.deadline_batch`.
     stage_policy: StagePolicy = "first_chunks"
-    # Profile the audio stage while it serves (`engine.stage_profile`): batches
-    # stage_profile_start .. + stage_profile_batches - 1 of each stage under torch.profiler,
+    # Profile the audio stage while it serves (`engine.stage_profile`):
+    # stage_profile_batches batches of each stage under torch.profiler, from the first one at
+    # index stage_profile_start or later with at least stage_profile_min_chunks chunks,
     # written to this directory (one subdirectory per stage). Empty = off.
     stage_profile_dir: str = ""
     stage_profile_start: int = 20
     stage_profile_batches: int = 20
+    stage_profile_min_chunks: int = 0
     # Extra GPUs for the flow+vocoder stage (its bottleneck): one stage copy per device,
     # the LM stays on `device`. Empty = one stage on `device`.
     stage_devices: tuple[str, ...] = ()
@@ -89,8 +91,9 @@ class EngineConfig:
                              f"not {self.stage_policy!r}")
         if self.flow_dtype not in get_args(FlowDType):
             raise ValueError(f"flow_dtype must be one of {', '.join(get_args(FlowDType))}, not {self.flow_dtype!r}")
-        if self.stage_profile_start < 0 or self.stage_profile_batches < 1:
-            raise ValueError("stage_profile_start must be >= 0 and stage_profile_batches >= 1")
+        if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
+            raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
+                             "stage_profile_batches >= 1")
         if self.flow_graph_max_rows < 0:
             raise ValueError("flow_graph_max_rows must be >= 0")
         if self.flow_context_cache and not (self.flow_prompt_cache and (self.flow_left_context < 0

@@ -163,7 +163,8 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
         profiler = None
         if config.stage_profile_dir:
             profiler = StageProfiler(Path(config.stage_profile_dir) / f"stage{index}", config.stage_profile_start,
-                                     config.stage_profile_batches, cuda=dev.type == "cuda")
+                                     config.stage_profile_batches, cuda=dev.type == "cuda",
+                                     min_chunks=config.stage_profile_min_chunks)
         return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
                           flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
                           graph_policy=graph_policy(config),

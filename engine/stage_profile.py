@@ -4,7 +4,8 @@ The flow benchmarks time the networks alone; under load the stage also spends ti
 host between and around kernels (batch assembly, cache lookups, the vocoder, the copy of the
 PCM back), and the load benchmark saw the GPU only ~65% busy while the stage was ~90% busy.
 This profiler answers where that goes: it runs `torch.profiler` over a window of the stage's
-own batches (`start` .. `start + count - 1`, counted from the stage's first batch) and writes
+own batches (`count` of them, from the first batch at index `start` or later, counted from the
+stage's first batch, that holds at least `min_chunks` chunks: a load level) and writes
 
 * `stage_profile.json`: per batch its chunks, wall time and, on CUDA, the time the GPU was
   running kernels inside it (the union of the kernel intervals; every batch ends with a
@@ -36,6 +37,7 @@ class StageProfiler:
     start: int = 20
     count: int = 20
     cuda: bool = False
+    min_chunks: int = 0
     done: bool = False
     _prof: torch.profiler.profile | None = None
     _t0_ns: int = 0
@@ -43,7 +45,7 @@ class StageProfiler:
 
     def run(self, index: int, chunks: int, fn: Callable[[], T]) -> T:
         """Run one batch's work (`fn`, on the worker thread), profiled inside the window."""
-        if self.done or index < self.start:
+        if self.done or index < self.start or (self._prof is None and chunks < self.min_chunks):
             return fn()
         if self._prof is None:
             activities = [torch.profiler.ProfilerActivity.CPU]

@@ -75,6 +75,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_profile_dir=e.stage_profile_dir,
         stage_profile_start=e.stage_profile_start,
         stage_profile_batches=e.stage_profile_batches,
+        stage_profile_min_chunks=e.stage_profile_min_chunks,
         lm_max_batch=e.lm_max_batch,
         text_normalization=e.text_normalization,
         warmup=e.warmup,

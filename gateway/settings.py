@@ -87,6 +87,8 @@ class EngineSettings:
     )
     stage_profile_start: int = field(default=20, metadata=_help("first stage batch profiled"))
     stage_profile_batches: int = field(default=20, metadata=_help("stage batches profiled"))
+    stage_profile_min_chunks: int = field(
+        default=0, metadata=_help("the profiled window opens at the first batch with at least this many chunks"))
     stage_devices: tuple[str, ...] = field(
         default=(),
         metadata=_help("flow+vocoder stage copies, one per device, e.g. cuda:0,cuda:1; the LM stays on "

@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stage_profile import _union_within
+from engine.stage_profile import StageProfiler, _union_within
 from engine.types import SessionOptions
 
 
@@ -56,9 +56,21 @@ def test_a_window_cut_short_by_closing_is_written(tiny_model_dir, tmp_path) -> N
     assert [b["batch"] for b in report["batches"]] == list(range(batches))
 
 
+def test_the_window_opens_at_the_first_batch_of_the_requested_size(tmp_path) -> None:  # noqa: ANN001
+    """`min_chunks` skips the small batches before a load level; once open, the window
+    takes every batch, small ones too."""
+    prof = StageProfiler(tmp_path, start=1, count=3, min_chunks=4)
+    sizes = [8, 1, 2, 5, 1, 9, 7]
+    assert [prof.run(i, n, lambda n=n: n * 10) for i, n in enumerate(sizes)] == [n * 10 for n in sizes]
+    report = json.loads((tmp_path / "stage_profile.json").read_text())
+    assert [(b["batch"], b["chunks"]) for b in report["batches"]] == [(3, 5), (4, 1), (5, 9)]
+
+
 def test_profile_settings_are_validated(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="stage_profile"):
         EngineConfig(model_dir=tmp_path, stage_profile_batches=0)
+    with pytest.raises(ValueError, match="stage_profile"):
+        EngineConfig(model_dir=tmp_path, stage_profile_min_chunks=-1)
 
 
 def test_gpu_busy_is_the_union_of_kernel_intervals() -> None:
