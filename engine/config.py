@@ -48,11 +48,6 @@ class EngineConfig:
     # GraphPolicy.prefix_max_rows chunks, eager above). Exact; CosyVoice3 only.
     flow_prompt_cache: bool = True
     flow_prompt_cache_bytes: int = 4 << 30  # per stage (GPU); least recently used voices go first
-    # Also cache each utterance's recent keys/values (`engine.flow_context_cache`): eager
-    # flow batches then compute only a chunk's new frames. Off by default: not measured
-    # yet. Needs flow_prompt_cache and flow_left_context -1 or >= 25.
-    flow_context_cache: bool = False
-    flow_context_cache_bytes: int = 16 << 30  # per stage; utterances beyond it recompute
     # How the audio stage picks each batch from the queued chunks:
     # "first_chunks": first chunks of utterances first, then FIFO, up to max_gpu_batch;
     # "deadline": most urgent playback deadline first, grouped by similar window length
@@ -96,11 +91,6 @@ class EngineConfig:
                              "stage_profile_batches >= 1")
         if self.flow_graph_max_rows < 0:
             raise ValueError("flow_graph_max_rows must be >= 0")
-        if self.flow_context_cache and not (self.flow_prompt_cache and (self.flow_left_context < 0
-                                                                         or self.flow_left_context >= 25)):
-            raise ValueError("flow_context_cache needs flow_prompt_cache and flow_left_context -1 or >= 25")
-        if self.flow_context_cache_bytes < 0:
-            raise ValueError("flow_context_cache_bytes must be >= 0")
         if self.flow_prompt_cache_bytes < 0:
             raise ValueError("flow_prompt_cache_bytes must be >= 0")
 

@@ -39,7 +39,6 @@ from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
 from .flow_graphs import GraphPolicy, prompt_shapes
-from .flow_context_cache import ContextKV
 from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
 from .stage_pool import StagePool
@@ -50,9 +49,6 @@ from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, V
 
 log = logging.getLogger(__name__)
 
-# Flow context cache with an unbounded left context: a 60 s utterance's frames at most
-# (longer utterances slide over their last 60 s; see engine.flow_context_cache).
-UNBOUNDED_CONTEXT_FRAMES = 3000
 # FSQ codes of silence and breath (CosyVoice3Model.silent_tokens); runs longer than
 # MAX_SILENT are dropped so the model cannot stall in silence.
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
@@ -170,8 +166,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           graph_policy=graph_policy(config),
                           policy=config.stage_policy,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
-                          profiler=profiler,
-                          context_cache_bytes=config.flow_context_cache_bytes if config.flow_context_cache else None)
+                          profiler=profiler)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -701,7 +696,6 @@ class Session:
             lookahead=flow_cfg.pre_lookahead_len,
         )
         stream = eng.stage.new_stream()
-        context = self._new_context()
         prompt_tokens = voice.speech_tokens
         emitted = 0
         while True:
@@ -720,7 +714,6 @@ class Session:
             else:
                 end, finalize = sched.offset + hop, False
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
-            job.context = context
             queued_at = time.monotonic()
             job.deadline = playback_deadline(queued_at, utt.stats.first_audio_at, emitted, eng.sample_rate)
             pcm = await eng.stage.run(job)
@@ -741,15 +734,6 @@ class Session:
                 utt.stats.finished_at = time.monotonic()
                 return
             sched.advance(end - sched.offset)
-
-    def _new_context(self) -> ContextKV | None:
-        """This utterance's flow context cache (`engine.flow_context_cache`): as many frames as
-        the left context reaches (whole 50-frame blocks; all of them when it is unbounded)."""
-        cfg = self.engine.config
-        if not cfg.flow_context_cache:
-            return None
-        left = cfg.flow_left_context
-        return ContextKV(max_frames=UNBOUNDED_CONTEXT_FRAMES if left < 0 else 50 * -(-left // 25))
 
     def _flow_job(self, tokens, prompt_tokens, offset, end, finalize, stream, speed, index, utt, flow_cfg) -> ChunkJob:
         left = self.engine.config.flow_left_context

@@ -82,26 +82,6 @@ class PromptKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.conv_context))
 
-    # The row-prefix interface that `StepPrefixes`, `PrefixViews` and
-    # `decode_with_prompt_cache` read (`engine.flow_context_cache.ContextPrefix` has it too):
-    # the row computes from frame `start` of its window, at absolute position `position`;
-    # its cached keys/values are `parts` (keys, values, offset in the prefix).
-    @property
-    def prompt_frames(self) -> int:
-        return self.frames
-
-    @property
-    def start(self) -> int:
-        return self.frames
-
-    @property
-    def position(self) -> int:
-        return self.frames
-
-    @property
-    def parts(self) -> tuple[tuple[torch.Tensor, torch.Tensor, int], ...]:
-        return ((self.keys, self.values, 0),)
-
 
 def supports_prompt_cache(flow: torch.nn.Module) -> bool:
     """Only the CosyVoice3 flow (DiT estimator) has the block structure the cache needs."""
@@ -151,61 +131,49 @@ class StepPrefixes:
     one layer at a time (`_LayerKV`: only the block being run holds its padded copy).
     """
 
-    def __init__(self, entries: Sequence[PromptKV | None], device: torch.device) -> None:
+    def __init__(self, entries: list[PromptKV | None], device: torch.device) -> None:
         self.entries = entries
         self.batch = len(entries)
-        widths = [0 if e is None else e.frames for e in entries]
-        self.width = max(widths)
-
-        def rows(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-            t = torch.tensor(ids, device=device)
-            return t, t + self.batch
-
-        # Rows sharing a part (one voice's prompt) are filled by one indexed copy.
-        parts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, list[int]]] = {}
-        convs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        starts = [0 if e is None else e.frames for e in entries]
+        self.width = max(starts)
+        # Rows sharing an entry (one voice) are filled by one indexed copy.
+        groups: dict[int, tuple[PromptKV, list[int]]] = {}
         for i, e in enumerate(entries):
-            if e is None:
-                continue
-            for keys, values, offset in e.parts:
-                parts.setdefault((id(keys), offset), (keys, values, offset, []))[3].append(i)
-            convs.setdefault(id(e.conv_context), (e.conv_context, []))[1].append(i)
-        self.groups = [(k, v, off, *rows(ids)) for k, v, off, ids in parts.values()]
-        self.conv_groups = [(conv, *rows(ids)) for conv, ids in convs.values()]
-        self.ragged = any(w < self.width for w in widths)
-        w = torch.tensor(widths, device=device)
-        self.key_mask = torch.arange(self.width, device=device).unsqueeze(0) < torch.cat((w, w)).unsqueeze(1)
-        p = torch.tensor([0 if e is None else e.position for e in entries], device=device)
-        self.positions = torch.cat((p, p))
+            if e is not None:
+                groups.setdefault(id(e), (e, []))[1].append(i)
+        self.groups = [(e, torch.tensor(rows, device=device), torch.tensor(rows, device=device) + self.batch)
+                       for e, rows in groups.values()]
+        self.ragged = any(s < self.width for s in starts)
+        c = torch.tensor(starts, device=device)
+        self.positions = torch.cat((c, c))
+        self.key_mask = torch.arange(self.width, device=device).unsqueeze(0) < self.positions.unsqueeze(1)
         some = self.groups[0][0]
-        self.n_steps, self.n_layers = some.shape[0], some.shape[1]
+        self.n_steps, self.n_layers = some.keys.shape[0], some.keys.shape[1]
 
     def __len__(self) -> int:
         return self.n_steps
 
     def __getitem__(self, step: int) -> DiTPrefix:
-        some = self.conv_groups[0][0]
+        some = self.groups[0][0].conv_context
         context = some.new_zeros(2 * self.batch, CONV_CONTEXT, some.shape[-1])
-        for conv, cond_rows, uncond_rows in self.conv_groups:
-            context[cond_rows] = conv[step, 0]
-            context[uncond_rows] = conv[step, 1]
+        for e, cond_rows, uncond_rows in self.groups:
+            context[cond_rows] = e.conv_context[step, 0]
+            context[uncond_rows] = e.conv_context[step, 1]
         return DiTPrefix(layer_kv=_LayerKV(self, step), key_mask=self.key_mask, positions=self.positions,
                          conv_context=context)
 
     def padded(self, step: int, layer: int, which: str) -> torch.Tensor:
         """All rows' cached keys or values of one step and layer, [2B, H, width, dh]."""
-        pick = 0 if which == "keys" else 1
-        some = self.groups[0][pick]
+        some = getattr(self.groups[0][0], which)
         _, _, _, heads, _, dim = some.shape
         # Zeros under the key mask where rows' prefixes are shorter: a masked value must
         # still be finite (0 x NaN would poison the attention output).
         alloc = torch.zeros if self.ragged else torch.empty
         out = alloc(2 * self.batch, heads, self.width, dim, dtype=some.dtype, device=some.device)
-        for *kv, offset, cond_rows, uncond_rows in self.groups:
-            cached = kv[pick][step, layer]  # [2, H, n, dh]
-            n = cached.shape[2]
-            out[cond_rows, :, offset : offset + n] = cached[0]
-            out[uncond_rows, :, offset : offset + n] = cached[1]
+        for e, cond_rows, uncond_rows in self.groups:
+            cached = getattr(e, which)[step, layer]  # [2, H, C, dh]
+            out[cond_rows, :, : e.frames] = cached[0]
+            out[uncond_rows, :, : e.frames] = cached[1]
         return out
 
 
@@ -251,23 +219,21 @@ class PrefixViews:
         if len(entries) > rows:
             raise ValueError(f"{len(entries)} entries for {rows} prefix rows")
         self.conv_context.zero_()
-        widths, positions = [0] * rows, [0] * rows
+        starts = [0] * rows
         for i, e in enumerate(entries):
             if e is None:
                 continue
             if e.frames > self.keys.shape[4]:
                 raise ValueError(f"prefix of {e.frames} frames exceeds the buffer's {self.keys.shape[4]}")
-            widths[i], positions[i] = e.frames, e.position
-            for keys, values, offset in e.parts:
-                n = keys.shape[4]
-                for dst, src in ((self.keys, keys), (self.values, values)):
-                    dst[:, :, i, :, offset : offset + n].copy_(src[:, :, 0])
-                    dst[:, :, rows + i, :, offset : offset + n].copy_(src[:, :, 1])
+            starts[i] = e.frames
+            for dst, src in ((self.keys, e.keys), (self.values, e.values)):
+                dst[:, :, i, :, : e.frames].copy_(src[:, :, 0])
+                dst[:, :, rows + i, :, : e.frames].copy_(src[:, :, 1])
             self.conv_context[:, i].copy_(e.conv_context[:, 0])
             self.conv_context[:, rows + i].copy_(e.conv_context[:, 1])
-        w = torch.tensor(widths + widths)
-        self.positions.copy_(torch.tensor(positions + positions))
-        self.key_mask.copy_(torch.arange(self.key_mask.shape[1]).unsqueeze(0) < w.unsqueeze(1))
+        c = torch.tensor(starts + starts)
+        self.positions.copy_(c)
+        self.key_mask.copy_(torch.arange(self.key_mask.shape[1]).unsqueeze(0) < c.unsqueeze(1))
 
     def steps(self) -> list[DiTPrefix]:
         """One `DiTPrefix` per Euler step over these buffers (what a captured solve reads)."""
@@ -317,20 +283,17 @@ class PrefixBuffers:
 @torch.inference_mode()
 def decode_with_prompt_cache(
     flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None],
-    solver: PrefixSolver | None = None, record: list[DiTRecord] | None = None,
+    solver: PrefixSolver | None = None,
 ) -> tuple[list[torch.Tensor], FlowBatchShape]:
     """Same frames as `flow.decode_chunks(chunks, streaming=True)`, computing only frames
-    [C_i, T_i) of each row (C_i = entries[i].start, 0 for None). The shape returned is
+    [C_i, T_i) of each row (C_i = entries[i].frames, 0 for None). The shape returned is
     the one the ODE ran at: rows x the longest row's new frames, or the solver's padded
-    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself).
-    `record` (eager only): one `DiTRecord` per Euler step, filled by the solve."""
+    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself)."""
     if not chunks:
         return [], FlowBatchShape(0, 0)
     if len(entries) != len(chunks):
         raise ValueError("one prompt cache entry (or None) per chunk")
-    if solver is not None and record is not None:
-        raise ValueError("recording needs the eager solve")
-    if all(e is None for e in entries) and record is None:
+    if all(e is None for e in entries):
         return flow.decode_chunks(chunks, streaming=True, solver=solver)
     ratio = flow.token_mel_ratio
     for c in chunks:
@@ -338,13 +301,11 @@ def decode_with_prompt_cache(
         if not c.num_prompt_tokens <= c.out_start <= n:
             raise ValueError(f"out_start {c.out_start} outside [{c.num_prompt_tokens}, {n}]")
     for c, e in zip(chunks, entries):
-        if e is not None and e.prompt_frames != prompt_frames(flow, c):
+        if e is not None and e.frames != prompt_frames(flow, c):
             raise ValueError("prompt cache entry does not match the chunk's prompt length")
     inputs = flow.prepare_batch(chunks, streaming=True)
     device, t_full = inputs.noise.device, inputs.noise.shape[2]
-    starts = [0 if e is None else e.start for e in entries]
-    if any(s >= f for s, f in zip(starts, inputs.frames)):
-        raise ValueError("a row's cached prefix covers all of its frames")
+    starts = [0 if e is None else e.frames for e in entries]
     new_frames = [f - c for f, c in zip(inputs.frames, starts)]
     length = max(new_frames)
 
@@ -360,8 +321,7 @@ def decode_with_prompt_cache(
 
     args = (shift(inputs.noise), valid.unsqueeze(1), shift(inputs.mu), inputs.spks, shift(inputs.cond), True)
     if solver is None:
-        steps = StepPrefixes(entries, device) if any(e is not None for e in entries) else None
-        mel = flow.decoder.solve(*args, prefix=steps, record=record)
+        mel = flow.decoder.solve(*args, prefix=StepPrefixes(entries, device))
         shape = FlowBatchShape(len(chunks), length)
     else:
         mel = solver(*args, prefix=entries)

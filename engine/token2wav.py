@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from .config import StagePolicy
-from .flow_context_cache import ContextCache, ContextKV
 from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, supports_prompt_cache
 from .models.dit import DiT
@@ -64,8 +63,6 @@ class ChunkJob:
     # When the stage began computing the batch holding this chunk (time.monotonic), so
     # the caller can tell waiting in the queue from computing.
     started_at: float = 0.0
-    # The utterance's cached flow keys/values (`engine.flow_context_cache`), or None.
-    context: ContextKV | None = None
 
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
@@ -134,7 +131,7 @@ class AudioStage:
                  flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
-                 profiler: StageProfiler | None = None, context_cache_bytes: int | None = None):
+                 profiler: StageProfiler | None = None):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -150,10 +147,6 @@ class AudioStage:
         # worker thread.
         self.prompt_cache = (PromptCache(prompt_cache_bytes)
                              if prompt_cache_bytes is not None and supports_prompt_cache(flow) else None)
-        # Per-utterance keys/values of recent frames (`engine.flow_context_cache`): needs the
-        # prompt cache (the context follows the prompt's cached blocks).
-        self.context_cache = (ContextCache(context_cache_bytes, flow.decoder.estimator.static_chunk_size)
-                              if context_cache_bytes is not None and self.prompt_cache is not None else None)
         # "auto": bf16 on CUDA, float32 elsewhere (CPU bf16 matmuls are not faster here).
         if flow_dtype == "auto":
             flow_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -333,24 +326,16 @@ class AudioStage:
         window has a graph: a small batch is launch-bound, so the graph is worth more than
         the skipped frames (H200: ~30 ms graph vs ~170 ms eager from the cache at 1 chunk)."""
         runner = self.graph_runner()
-        if runner is None or prefix_width(entries) == 0 or self._prefix_graph(chunks, entries):
-            return True
-        policy, rows = runner.policy, len(chunks)
-        return not (rows <= policy.prefix_max_rows and policy.bucket(rows, max(self._frames(chunks))) is not None)
-
-    def _frames(self, chunks: list[FlowChunk]) -> list[int]:
-        """Each chunk's mel frames in its window (the lookahead tokens make none)."""
-        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
-        return [ratio * (len(c.tokens) - (0 if c.finalize else look)) for c in chunks]
-
-    def _prefix_graph(self, chunks: list[FlowChunk], entries: list[PromptKV | None]) -> bool:
-        """Whether a CUDA graph over the cached prompt prefixes serves this batch."""
-        runner = self.graph_runner()
         width = prefix_width(entries)
         if runner is None or width == 0:
-            return False
-        new = max(f - (0 if e is None else e.start) for f, e in zip(self._frames(chunks), entries))
-        return runner.policy.bucket(len(chunks), new, width) is not None
+            return True
+        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
+        full = [ratio * (len(c.tokens) - (0 if c.finalize else look)) for c in chunks]
+        new = max(f - (0 if e is None else e.frames) for f, e in zip(full, entries))
+        policy, rows = runner.policy, len(chunks)
+        if policy.bucket(rows, new, width) is not None:
+            return True  # a graph over the cached prefixes
+        return not (rows <= policy.prefix_max_rows and policy.bucket(rows, max(full)) is not None)
 
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
@@ -358,28 +343,13 @@ class AudioStage:
         chunks = [j.flow for j in batch]
         cache = self.prompt_cache
         entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
-        contexts = [j.context for j in batch]
-        recorded = False
         if cache is not None and entries is not None and self._cache_pays(chunks, entries):
             cache.count(entries)
-            if (self.context_cache is not None and any(contexts) and prefix_width(entries) > 0
-                    and not self._prefix_graph(chunks, entries)):
-                # An eager batch: the utterances' own cached frames too, and record the new ones.
-                plan = self.context_cache.plan(
-                    self.flow.decoder.estimator, self.flow.decoder.n_timesteps, entries, contexts,
-                    self._frames(chunks), [c.noise_offset for c in chunks],
-                    [self.flow.token_mel_ratio * c.num_prompt_tokens for c in chunks], [c.finalize for c in chunks])
-                mels, shape = decode_with_prompt_cache(self.flow, chunks, plan.entries, record=plan.records or None)
-                plan.commit()
-                recorded = True
-            else:
-                # Small batches replay a graph over the cached prefixes (copied into static
-                # buffers), larger ones run eagerly: the runner decides, like without the cache.
-                mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner())
+            # Small batches replay a graph over the cached prefixes (copied into static
+            # buffers), larger ones run eagerly: the runner decides, like without the cache.
+            mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner())
         else:
             mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
-        if self.context_cache is not None and not recorded:
-            ContextCache.reset(contexts)
         mels = [_stretch(m.float(), j.speed) for m, j in zip(mels, batch)]
         vocoder_frames = sum(int(m.shape[0]) for m in mels)
         pcm = self.hift.stream_step(

@@ -65,16 +65,6 @@ class EngineSettings:
         metadata=_help("memory budget of the flow prompt cache per flow/vocoder stage in MiB (least recently used "
                        "voices are evicted; ~1.8 MB per cached prompt frame at full size in bf16)"),
     )
-    flow_context_cache: bool = field(
-        default=False,
-        metadata=_help("also cache each utterance's recent flow keys/values so eager flow batches compute only "
-                       "new frames (needs flow_prompt_cache; not measured yet)"),
-    )
-    flow_context_cache_mib: int = field(
-        default=16384,
-        metadata=_help("memory budget of the flow context caches per flow/vocoder stage in MiB (~1.8 MB per "
-                       "cached frame at full size in bf16; utterances beyond it recompute)"),
-    )
     stage_policy: str = field(
         default="first_chunks",
         metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks first, then FIFO) or "

@@ -93,41 +93,12 @@ class DiTPrefix:
 
 @dataclass
 class DiTRecord:
-    """What a DiT call leaves for `DiTPrefix`: per block the rotated keys and the values
-    [B, H, T, dh], and the last CONV_CONTEXT frames of the input projection.
-
-    With `keep` ([B, n] frame indices into this call's frames) only those frames are kept,
-    written into `sink_keys` / `sink_values` ([layers, B, H, n, dh]) as each block runs, so a
-    large batch never holds all of its keys and values at once; with `conv_keep` ([B,
-    CONV_CONTEXT] indices into the call's conv context followed by its input projection)
-    `conv_context` holds those frames instead of the last ones."""
+    """What an ordinary DiT call leaves for `DiTPrefix`: per block the rotated keys and the
+    values [B, H, T, dh], and the last CONV_CONTEXT frames of the input projection."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     conv_context: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-    sink_keys: torch.Tensor | None = None
-    sink_values: torch.Tensor | None = None
-    conv_keep: torch.Tensor | None = None
-
-    def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.keep is None:
-            self.keys.append(k)
-            self.values.append(v)
-            return
-        assert self.sink_keys is not None and self.sink_values is not None
-        index = self.keep[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.sink_keys[layer].copy_(k.gather(2, index))
-        self.sink_values[layer].copy_(v.gather(2, index))
-
-    def add_projection(self, h: torch.Tensor, context: torch.Tensor | None) -> None:
-        if self.conv_keep is None:
-            # Left-pad with zeros when shorter than the context: the convs' own padding.
-            self.conv_context = F.pad(h, (0, 0, max(0, CONV_CONTEXT - h.shape[1]), 0))[:, -CONV_CONTEXT:]
-            return
-        before = h.new_zeros(h.shape[0], CONV_CONTEXT, h.shape[2]) if context is None else context.to(h.dtype)
-        frames = torch.cat((before, h), dim=1)
-        self.conv_context = frames.gather(1, self.conv_keep[..., None].expand(-1, -1, h.shape[2]))
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
@@ -238,7 +209,8 @@ class InputEmbedding(nn.Module):
     ) -> torch.Tensor:
         h = self.project(x, cond, mu, spks)
         if record is not None:
-            record.add_projection(h, context)
+            # Left-pad with zeros when shorter than the context: the convs' own padding.
+            record.conv_context = F.pad(h, (0, 0, max(0, CONV_CONTEXT - h.shape[1]), 0))[:, -CONV_CONTEXT:]
         return self.conv_pos_embed(h, context, context_valid) + h
 
 
@@ -340,22 +312,25 @@ class Attention(nn.Module):
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        record: DiTRecord | None = None,
+    ) -> torch.Tensor:
         """`prefix_kv`: cached prefix keys/values put before this call's (the mask then
-        covers them too). Returns the output and this call's own keys and values."""
+        covers them too); `record` receives this call's keys and values."""
         batch, length, _ = x.shape
         # Rotary on the un-split projections: only head 0 gets position information.
         q = rotate_(self.to_q(x), *rope)
         k = rotate_(self.to_k(x), *rope)
         v = self.to_v(x)
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
-        keys, values = k, v
+        if record is not None:
+            record.keys.append(k)
+            record.values.append(v)
         if prefix_kv is not None:
-            keys, values = torch.cat((prefix_kv[0], k), dim=2), torch.cat((prefix_kv[1], v), dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            k, v = torch.cat((prefix_kv[0], k), dim=2), torch.cat((prefix_kv[1], v), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
         out = self.to_out[0](out)
-        return out * pad_mask.unsqueeze(-1).to(out.dtype), k, v
+        return out * pad_mask.unsqueeze(-1).to(out.dtype)
 
 
 class FeedForward(nn.Module):
@@ -389,12 +364,11 @@ class DiTBlock(nn.Module):
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block's output and its attention's own keys and values (for `DiTRecord`)."""
+        record: DiTRecord | None = None,
+    ) -> torch.Tensor:
         normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
-        attn, k, v = self.attn(normed, mask, pad_mask, rope, prefix_kv)
-        x = torch.addcmul(x, gate_a[:, None], attn)
-        return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m))), k, v
+        x = torch.addcmul(x, gate_a[:, None], self.attn(normed, mask, pad_mask, rope, prefix_kv, record))
+        return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
 
 
 def _is_compile_error(exc: BaseException) -> bool:
@@ -404,11 +378,11 @@ def _is_compile_error(exc: BaseException) -> bool:
 
 
 def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor],
-               kv: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
+               record: DiTRecord | None) -> torch.Tensor:
     """One block call; a function of its inputs (the block's weights included), so one
     compiled graph of it serves all blocks."""
-    return block(h, temb, mask, pad_mask, rope, kv)
+    return block(h, temb, mask, pad_mask, rope, kv, record)
 
 
 class DiT(nn.Module):
@@ -432,7 +406,7 @@ class DiT(nn.Module):
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
         every block, batch and length). The DiT's time is mostly memory-bound elementwise
         passes between its matrix products (LayerNorm, modulation, gates, rotary, layout
-        copies), which the compiler fuses."""
+        copies), which the compiler fuses. Calls that record keys/values stay eager."""
         # Every stage's DiT shares this one function, so its compiled variants (plain and
         # prefix batches, per device and dtype) share dynamo's per-function cache limit (8).
         config = torch._dynamo.config
@@ -445,9 +419,7 @@ class DiT(nn.Module):
                     prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
         for i, block in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer_kv[i]
-            h, k, v = run(block, h, temb, attn_mask, pad_mask, rope, kv)
-            if record is not None:
-                record.add(i, k, v)
+            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record)
         return h
 
     def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
@@ -500,7 +472,7 @@ class DiT(nn.Module):
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
         blocks = (h, temb, attn_mask, pad_mask, rope, prefix, record)
-        if self._compiled_block is not None:
+        if self._compiled_block is not None and record is None:
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
             except Exception as exc:

@@ -104,16 +104,15 @@ class CausalConditionalCFM(nn.Module):
         The batch is doubled: rows [0, B) are conditional, rows [B, 2B) unconditional
         (mu, spks, cond zeroed), exactly like the reference's 2-row batch for B = 1.
         `prefix[k]` (DiT only) is step k's cached prefix of all 2B rows; `record` gets
-        one `DiTRecord` per step (see `engine.models.dit`), or fills the ones it holds.
+        one `DiTRecord` per step (see `engine.models.dit`).
         """
         extra: list[dict[str, object]] = [{} for _ in range(self.n_timesteps)]
         for k in range(self.n_timesteps):
             if prefix is not None:
                 extra[k]["prefix"] = prefix[k]
             if record is not None:
-                if len(record) <= k:  # the caller may hand in prepared records (DiTRecord.keep)
-                    record.append(DiTRecord())
-                extra[k]["record"] = record[k]
+                record.append(DiTRecord())
+                extra[k]["record"] = record[-1]
         batch = noise.shape[0]
         # The estimator runs in the inputs' dtype (the weights'); the ODE state and the
         # flow time stay float32, so ten Euler updates do not accumulate bf16 rounding.
