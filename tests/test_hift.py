@@ -90,6 +90,30 @@ def test_noise_table_replays_official_build_order() -> None:
     assert torch.equal(torch.rand(3 * SPF, 9, generator=g), official_prefix)
 
 
+def test_device_noise_table_continues_into_the_stream_generator() -> None:
+    """Noise rows come from the device table, then from the stream's generator past its end:
+    together the same sequence as drawing the official table from its start."""
+    cfg = ModelConfig.tiny().hift
+    g = CausalHiFTGenerator(cfg, noise_table_seconds=2.5 * SPF / cfg.sampling_rate)  # 2.5 frames
+    ref = torch.Generator()
+    ref.set_state(g.noise_state)
+    expected = torch.rand(9 * SPF, 9, generator=ref)
+    stream_gen = g.new_stream().noise
+    spans = [(0, 1), (1, 3), (4, 2), (6, 3)]  # inside, across the end, past it (in order)
+    got = torch.cat([g._noise(stream_gen, start, n) for start, n in spans])
+    assert torch.equal(got, expected)
+
+
+def test_a_short_noise_table_changes_nothing(gen: CausalHiFTGenerator) -> None:
+    """Streams that outrun the device table (here after 7.5 frames) sound the same."""
+    short = init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift,
+                                             noise_table_seconds=7.5 * SPF / gen.cfg.sampling_rate), seed=3)
+    short.fold_weight_norm()
+    mel = _mel(40, seed=8)
+    torch.testing.assert_close(_stream(short.eval(), mel, [12, 9, 11]), _stream(gen, mel, [12, 9, 11]), rtol=0, atol=0)
+    torch.testing.assert_close(short.inference(mel[None]), gen.inference(mel[None]), rtol=0, atol=0)
+
+
 def test_random_init_gives_nontrivial_audio(gen: CausalHiFTGenerator) -> None:
     wav = gen.inference(_mel(30, seed=2, batch=2))
     assert wav.shape == (2, 30 * SPF)

@@ -32,6 +32,12 @@ per utterance is therefore O(samples actually synthesised), never the 259 MB tab
 Not needed: `rand_ini` (the linear down-sampling in `SineGen2._f02sine` samples positions
 480*i + 239/240 only, never position 0 where it is added) and the `uv` table (it only feeds the
 noise-branch output that inference discards).
+
+Every utterance reads the same table from sample 0, so its first `noise_table_seconds` live on
+the vocoder's device once (`_NoiseTable`, 52 MB for 60 s) and a batch slices it there. Drawing
+each stream's slice on the CPU instead cost a CPU RNG pass per stream and batch, and its
+copy to the GPU made the host wait for the whole flow batch queued before it. Past the table,
+a stream's own generator (started at the table's end state) continues the same sequence.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ _CFM_NOISE_NUMEL = 1 * 80 * 50 * 300
 _FLOW_VOCAB, _FLOW_MEL_DIM, _FLOW_SPK_DIM = 6561, 80, 192
 _F0_LOOKAHEAD = 3  # frames condnet[0] (kernel 4, right-causal) looks ahead
 _F0_LEFT_LAYERS = 4  # kernel-3 left-causal convs after it, 2 frames of history each
+NOISE_TABLE_SECONDS = 60.0  # device-resident prefix of the noise table (module docstring)
 
 
 # ----------------------------------------------------------------------------- conv building blocks
@@ -216,6 +223,14 @@ def _noise_table_state(cfg: HiFTConfig) -> torch.Tensor:
     return g.get_state()
 
 
+@dataclass(eq=False)
+class _NoiseTable:
+    """The first rows of the noise table on one device, and the CPU generator state after them."""
+
+    rows: torch.Tensor  # [samples, harmonics + 1]
+    end_state: torch.Tensor
+
+
 def _hann_window(n: int) -> torch.Tensor:
     """Periodic Hann window computed like scipy's get_window('hann', n) in float64, then float32."""
     angle = np.linspace(-np.pi, np.pi, n + 1)[:-1]
@@ -251,7 +266,7 @@ class HiFTStream:
     Frame counters are absolute mel-frame indices within the utterance.
     """
 
-    noise: torch.Generator  # positioned at sample `f0_done * samples_per_frame` of the table
+    noise: torch.Generator  # positioned at sample max(table length, f0_done * samples_per_frame)
     phase: torch.Tensor  # [H] float64, accumulated phase after frame f0_done-1
     mel: torch.Tensor  # [80, k] mel frames [mel_start, received)
     source: torch.Tensor  # [k' * spf] excitation of frames [source_start, f0_done)
@@ -295,9 +310,12 @@ def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor) -> tuple[t
 
 
 class CausalHiFTGenerator(nn.Module):
-    def __init__(self, cfg: HiFTConfig, *, context_frames: int | None = None) -> None:
+    def __init__(self, cfg: HiFTConfig, *, context_frames: int | None = None,
+                 noise_table_seconds: float = NOISE_TABLE_SECONDS) -> None:
         super().__init__()
         self.cfg = cfg
+        self.noise_table_samples = int(noise_table_seconds * cfg.sampling_rate)
+        self._noise_table: _NoiseTable | None = None  # built on first use, on the module's device
         ch = cfg.base_channels
         n_stft = cfg.n_fft + 2  # real + imaginary bins
         self.m_source = NSFSource(cfg)
@@ -349,10 +367,32 @@ class CausalHiFTGenerator(nn.Module):
     def _device(self) -> torch.device:
         return self.m_source.l_linear.weight.device
 
-    def _noise(self, gen: torch.Generator, frames: int) -> torch.Tensor:
-        spf = self.cfg.samples_per_frame
-        table = torch.rand(frames * spf, self.cfg.nb_harmonics + 1, generator=gen)
-        return table.to(device=self._device, dtype=self._dtype)
+    def _table(self) -> _NoiseTable:
+        t = self._noise_table
+        if t is None or t.rows.device != self._device or t.rows.dtype != self._dtype:
+            gen = torch.Generator(device="cpu")
+            gen.set_state(self.noise_state)
+            rows = torch.rand(self.noise_table_samples, self.cfg.nb_harmonics + 1, generator=gen)
+            t = self._noise_table = _NoiseTable(rows.to(device=self._device, dtype=self._dtype), gen.get_state())
+        return t
+
+    def _noise(self, gen: torch.Generator, start_frame: int, frames: int) -> torch.Tensor:
+        """Noise rows of frames [start_frame, start_frame + frames) of one stream; `gen` is
+        that stream's generator, positioned past the device table (draws happen in order)."""
+        spf, table = self.cfg.samples_per_frame, self._table().rows
+        lo, hi = start_frame * spf, (start_frame + frames) * spf
+        n_table = table.shape[0]
+        if hi <= n_table:
+            return table[lo:hi]
+        tail = torch.rand(hi - max(lo, n_table), self.cfg.nb_harmonics + 1, generator=gen)
+        tail = tail.to(device=self._device, dtype=self._dtype)
+        return torch.cat([table[lo:], tail]) if lo < n_table else tail
+
+    def _generator(self) -> torch.Generator:
+        """A stream's generator: at the end of the device table."""
+        gen = torch.Generator(device="cpu")
+        gen.set_state(self._table().end_state)
+        return gen
 
     # ------------------------------------------------------------------ network pieces
 
@@ -431,10 +471,8 @@ class CausalHiFTGenerator(nn.Module):
         if n_out <= 0:
             return mel.new_zeros(b, 0)
         f0 = self._predict_f0(F.pad(mel, (0, _F0_LOOKAHEAD)) if finalize else mel)
-        gen = torch.Generator(device="cpu")
-        gen.set_state(self.noise_state)
         phase0 = torch.zeros(b, cfg.nb_harmonics + 1, dtype=torch.float64, device=mel.device)
-        s, _ = self.m_source(f0, phase0, self._noise(gen, n_f0).unsqueeze(0))
+        s, _ = self.m_source(f0, phase0, self._noise(self._generator(), 0, n_f0).unsqueeze(0))
         s_padded = torch.stack([self._centre_pad(row) for row in s])
         mel_in = F.pad(mel, (0, look)) if finalize else mel[:, :, : n_net + look]
         valid = torch.full((b,), (spf // cfg.hop_len) * n_net + 1, device=mel.device)
@@ -443,10 +481,8 @@ class CausalHiFTGenerator(nn.Module):
     # ------------------------------------------------------------------ streaming
 
     def new_stream(self) -> HiFTStream:
-        gen = torch.Generator(device="cpu")
-        gen.set_state(self.noise_state)
         return HiFTStream(
-            noise=gen,
+            noise=self._generator(),
             phase=torch.zeros(self.cfg.nb_harmonics + 1, dtype=torch.float64, device=self._device),
             mel=torch.zeros(self.cfg.in_channels, 0, dtype=self._dtype, device=self._device),
             source=torch.zeros(0, dtype=self._dtype, device=self._device),
@@ -512,7 +548,7 @@ class CausalHiFTGenerator(nn.Module):
             F.pad(f0_all[b, st.f0_done - s0 : t - s0], (0, n_max - n))
             for b, (st, s0, t, n) in enumerate(zip(streams, starts, targets, new_counts))
         ])
-        noise = torch.stack([F.pad(self._noise(st.noise, n), (0, 0, 0, (n_max - n) * spf))
+        noise = torch.stack([F.pad(self._noise(st.noise, st.f0_done, n), (0, 0, 0, (n_max - n) * spf))
                              for st, n in zip(streams, new_counts)])
         phase0 = torch.stack([st.phase for st in streams])
         s, acc = self.m_source(f0, phase0, noise)

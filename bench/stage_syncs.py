@@ -1,0 +1,159 @@
+"""Where the audio stage makes the host wait for the GPU, and how busy the GPU is in a batch.
+
+    python -m bench.stage_syncs --device cuda --batches 1,8,32,64 --json out.json
+
+Under load the stage was ~90% busy while the GPU ran kernels only ~65% of the time. Every
+point where the host waits for the device (a device-to-host copy, a pageable host-to-device
+copy, `.item()`) empties the GPU's queue: the Python work after it runs with the GPU idle.
+This tool builds the stage the engine builds (`engine.build_stage` with the default
+`EngineConfig`: bf16 flow, compiled DiT, CUDA graphs, prompt cache; `--config k=v` changes a
+field) on a full-size random model and runs batches of chunks shaped like the load
+benchmark's (prompt `--prompt-tokens`, 50 tokens of left context, 25/20/15 new tokens + 3
+lookahead; every row its own vocoder stream, advanced batch after batch). Per batch size:
+
+* `wall_ms`, `gpu_busy_ms`, `gpu_busy_share`: medians over `--reps` batches of
+  `AudioStage._compute` (flow, vocoder, PCM to host) and of the union of the CUDA kernel
+  intervals inside it (`engine.stage_profile`);
+* `syncs`: each line of this repository whose call made the host wait for the device during
+  one batch (`torch.cuda.set_sync_debug_mode`), with how often; CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import build_stage
+from engine.hub import resolve_model
+from engine.models.flow import FlowChunk
+from engine.models.loader import load_model
+from engine.stage_profile import StageProfiler
+from engine.token2wav import AudioStage, ChunkJob
+
+ROOT = Path(__file__).resolve().parents[1]
+LEFT, LOOKAHEAD = 50, 3
+
+
+def make_batch(stage: AudioStage, streams: list[object], prompt: tuple[torch.Tensor, ...], step: int) -> list[ChunkJob]:
+    """One chunk per stream, as the engine's `_flow_job` cuts them, `step` chunks into each
+    utterance (the window slides with it)."""
+    tokens, feat, emb = prompt
+    p = int(tokens.numel())
+    gen = torch.Generator().manual_seed(step)
+    jobs = []
+    for i, stream in enumerate(streams):
+        new = (25, 20, 15)[i % 3]
+        offset = LEFT + 25 * step
+        window = torch.randint(0, 6561, (LEFT + new + LOOKAHEAD,), generator=gen)
+        chunk = FlowChunk(tokens=torch.cat([tokens, window]), prompt_feat=feat, embedding=emb,
+                          num_prompt_tokens=p, out_start=p + LEFT, finalize=False, noise_offset=2 * (offset - LEFT))
+        jobs.append(ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=step + 1,
+                             is_cancelled=lambda: False))
+    return jobs
+
+
+def find_syncs(stage: AudioStage, batch: list[ChunkJob]) -> dict[str, int]:
+    """Lines of this repository that made the host wait for the device in one `_compute`."""
+    seen: Counter[str] = Counter()
+
+    def hook(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if "synchronizing" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1]
+                if f.filename.startswith(str(ROOT)) and not f.filename.endswith("stage_syncs.py")]
+        where = ours[-1] if ours else None
+        seen[f"{Path(where.filename).relative_to(ROOT)}:{where.lineno} {where.line}" if where else filename] += 1
+
+    previous = warnings.showwarning
+    warnings.showwarning = hook
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = hook
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                stage._compute(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = previous
+    return dict(seen.most_common())
+
+
+def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool) -> dict[str, Any]:
+    streams = [stage.new_stream() for _ in range(rows)]
+    step = 0
+    for _ in range(2):  # compile, graph capture, prompt cache entry
+        stage._compute(make_batch(stage, streams, prompt, step))
+        step += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = StageProfiler(Path(tmp), start=0, count=reps, cuda=cuda)
+        for i in range(reps):
+            batch = make_batch(stage, streams, prompt, step)
+            step += 1
+            prof.run(i, rows, lambda batch=batch: stage._compute(batch))
+        report = json.loads((Path(tmp) / "stage_profile.json").read_text())
+    out: dict[str, Any] = {"rows": rows, "wall_ms": statistics.median(b["wall_ms"] for b in report["batches"])}
+    if cuda:
+        out["gpu_busy_ms"] = statistics.median(b["gpu_busy_ms"] for b in report["batches"])
+        out["gpu_busy_share"] = out["gpu_busy_ms"] / out["wall_ms"]
+        out["syncs"] = find_syncs(stage, make_batch(stage, streams, prompt, step))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="full-random", help="model dir or hub name (default full-random)")
+    p.add_argument("--model-cache", type=Path, default=Path("/tmp/models"))
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=106)
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an EngineConfig field for the stage (e.g. flow_compile=false)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    model_dir = resolve_model(args.model, args.model_cache)
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    overrides: dict[str, Any] = {}
+    for item in args.config:
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"unknown EngineConfig field {name!r}")
+        default = getattr(EngineConfig(model_dir=model_dir), name)
+        overrides[name] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
+    config = EngineConfig(model_dir=model_dir, device=args.device, **overrides)
+    model = load_model(model_dir, load_lm=False)
+    stage = build_stage(model, device, config)
+    assert isinstance(stage, AudioStage)
+    g = torch.Generator().manual_seed(0)
+    n = args.prompt_tokens
+    prompt = (torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g) * 2 - 5,
+              torch.randn(192, generator=g))
+    results = [measure(stage, prompt, int(b), args.reps, device.type == "cuda") for b in args.batches.split(",")]
+    report = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": results}
+    for r in results:
+        busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
+        print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}")
+        for where, count in r.get("syncs", {}).items():
+            print(f"        sync x{count}: {where}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
