@@ -104,6 +104,7 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
             batch = make_batch(stage, streams, prompt, step)
             step += 1
             prof.run(i, rows, lambda batch=batch: stage._compute(batch))
+        prof.close()
         report = json.loads((Path(tmp) / "stage_profile.json").read_text())
     out: dict[str, Any] = {"rows": rows, "wall_ms": statistics.median(b["wall_ms"] for b in report["batches"])}
     if cuda:
@@ -143,15 +144,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.prompt_tokens
     prompt = (torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g) * 2 - 5,
               torch.randn(192, generator=g))
-    results = [measure(stage, prompt, int(b), args.reps, device.type == "cuda") for b in args.batches.split(",")]
-    report = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": results}
-    for r in results:
+    report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": []}
+    for b in args.batches.split(","):  # printed and saved as they come: a cut-short run keeps them
+        r = measure(stage, prompt, int(b), args.reps, device.type == "cuda")
+        report["results"].append(r)
         busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
-        print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}")
+        print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}", flush=True)
         for where, count in r.get("syncs", {}).items():
-            print(f"        sync x{count}: {where}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+            print(f"        sync x{count}: {where}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -13,13 +13,17 @@ stage's first batch, that holds at least `min_chunks` chunks: a load level) and 
 * `stage_profile.txt`: the operators and kernels of the window by total time.
 
 It lives on the stage's worker thread (the only thread that runs the stage's tensor work),
-so the profiler starts and stops there.
+so the profiler starts and stops there; the analysis and the files are done on a thread of
+their own (for a compiled flow under load they take tens of seconds, which on the worker
+thread stalled every session). The GPU-side copies of the `stage_batch_N` annotations are not
+kernels and are left out of the busy time.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +44,7 @@ class StageProfiler:
     min_chunks: int = 0
     done: bool = False
     _prof: torch.profiler.profile | None = None
+    _writer: threading.Thread | None = None
     _t0_ns: int = 0
     _batches: list[tuple[int, int]] = field(default_factory=list)  # (stage batch index, chunks)
 
@@ -62,26 +67,32 @@ class StageProfiler:
         return out
 
     def close(self) -> None:
-        """Stop a window cut short (the stage is closing) and write what it holds. Call it on
-        the worker thread: a profiler left running past its thread crashes the process at exit."""
+        """Stop a window cut short (the stage is closing), and wait until the profile is
+        written. Call it on the worker thread: a profiler left running past its thread
+        crashes the process at exit."""
         if self._prof is not None and not self.done:
             self._finish()
+        if self._writer is not None:
+            self._writer.join()
 
     def _finish(self) -> None:
         assert self._prof is not None
-        self._prof.stop()
+        prof, self._prof = self._prof, None
+        prof.stop()
         self.done = True
+        self._writer = threading.Thread(target=self._write_safely, args=(prof,), name="stage-profile-writer")
+        self._writer.start()
+
+    def _write_safely(self, prof: torch.profiler.profile) -> None:
         try:
-            self._write(self._prof)
+            self._write(prof)
         except Exception:  # a profile must never take the stage down
             log.exception("writing the stage profile failed")
-        self._prof = None
 
     def _write(self, prof: torch.profiler.profile) -> None:
         events = prof.events()
         ranges = {e.name: e for e in events if e.name.startswith("stage_batch_")}
-        kernels = sorted(((e.time_range.start, e.time_range.end) for e in events
-                          if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda r: r[0])
+        kernels = kernel_intervals(events)
         rows: list[dict[str, Any]] = []
         for index, chunks in self._batches:
             r = ranges.get(f"stage_batch_{index}")
@@ -107,6 +118,14 @@ class StageProfiler:
         table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
         (self.out_dir / "stage_profile.txt").write_text(table)
         log.info("stage profile of %d batches written to %s", len(rows), self.out_dir)
+
+
+def kernel_intervals(events: Any) -> list[tuple[float, float]]:
+    """(start, end) of the device's kernels and copies, sorted: CUDA-side events less the
+    GPU copies of `record_function` annotations, which span whole batches."""
+    return sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False) and not e.name.startswith("stage_batch_"))
 
 
 def _union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

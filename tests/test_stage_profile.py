@@ -8,10 +8,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stage_profile import StageProfiler, _union_within
+from engine.stage_profile import StageProfiler, _union_within, kernel_intervals
 from engine.types import SessionOptions
 
 
@@ -62,6 +63,7 @@ def test_the_window_opens_at_the_first_batch_of_the_requested_size(tmp_path) -> 
     prof = StageProfiler(tmp_path, start=1, count=3, min_chunks=4)
     sizes = [8, 1, 2, 5, 1, 9, 7]
     assert [prof.run(i, n, lambda n=n: n * 10) for i, n in enumerate(sizes)] == [n * 10 for n in sizes]
+    prof.close()  # waits for the writer thread
     report = json.loads((tmp_path / "stage_profile.json").read_text())
     assert [(b["batch"], b["chunks"]) for b in report["batches"]] == [(3, 5), (4, 1), (5, 9)]
 
@@ -78,3 +80,18 @@ def test_gpu_busy_is_the_union_of_kernel_intervals() -> None:
     assert _union_within(kernels, 0.0, 100.0) == 12.0 + 5.0 + 10.0  # overlaps counted once
     assert _union_within(kernels, 8.0, 35.0) == 4.0 + 5.0 + 5.0  # clipped to the batch
     assert _union_within([], 0.0, 1.0) == 0.0
+
+
+def test_busy_time_counts_kernels_not_the_gpu_copies_of_annotations() -> None:
+    """On CUDA the profiler also puts each `stage_batch_N` range on the GPU timeline; counted
+    as a kernel it made every batch look 100% busy (the first H200 profile)."""
+    from types import SimpleNamespace
+
+    def event(name: str, start: float, end: float, cuda: bool = True, annotation: bool = False) -> SimpleNamespace:
+        device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [event("stage_batch_3", 0, 100, annotation=True), event("stage_batch_4", 100, 200),
+              event("gemm", 30, 40), event("aten::mm", 0, 100, cuda=False), event("attn", 10, 20)]
+    assert kernel_intervals(events) == [(10, 20), (30, 40)]
