@@ -136,12 +136,14 @@ class StepPrefixes:
         self.batch = len(entries)
         starts = [0 if e is None else e.frames for e in entries]
         self.width = max(starts)
-        # Rows sharing an entry (one voice) are filled by one indexed copy.
+        # Rows sharing an entry (one voice) are filled together: by broadcast slice copies
+        # when they form a few runs (the usual case), else by one indexed copy per CFG half.
+        # (The indexed copy was 10% of the GPU time of a loaded stage on the H200.)
         groups: dict[int, tuple[PromptKV, list[int]]] = {}
         for i, e in enumerate(entries):
             if e is not None:
                 groups.setdefault(id(e), (e, []))[1].append(i)
-        self.groups = [(e, torch.tensor(rows, device=device), torch.tensor(rows, device=device) + self.batch)
+        self.groups = [(e, _row_selectors(rows, 0, device), _row_selectors(rows, self.batch, device))
                        for e, rows in groups.values()]
         self.ragged = any(s < self.width for s in starts)
         c = torch.tensor(starts, device=device)
@@ -157,8 +159,10 @@ class StepPrefixes:
         some = self.groups[0][0].conv_context
         context = some.new_zeros(2 * self.batch, CONV_CONTEXT, some.shape[-1])
         for e, cond_rows, uncond_rows in self.groups:
-            context[cond_rows] = e.conv_context[step, 0]
-            context[uncond_rows] = e.conv_context[step, 1]
+            for rows in cond_rows:
+                context[rows] = e.conv_context[step, 0]
+            for rows in uncond_rows:
+                context[rows] = e.conv_context[step, 1]
         return DiTPrefix(layer_kv=_LayerKV(self, step), key_mask=self.key_mask, positions=self.positions,
                          conv_context=context)
 
@@ -172,9 +176,28 @@ class StepPrefixes:
         out = alloc(2 * self.batch, heads, self.width, dim, dtype=some.dtype, device=some.device)
         for e, cond_rows, uncond_rows in self.groups:
             cached = getattr(e, which)[step, layer]  # [2, H, C, dh]
-            out[cond_rows, :, : e.frames] = cached[0]
-            out[uncond_rows, :, : e.frames] = cached[1]
+            for rows in cond_rows:
+                out[rows, :, : e.frames] = cached[0]
+            for rows in uncond_rows:
+                out[rows, :, : e.frames] = cached[1]
         return out
+
+
+MAX_SLICE_RUNS = 4
+
+
+def _row_selectors(rows: list[int], offset: int, device: torch.device) -> list[slice | torch.Tensor]:
+    """How to address `rows` (+ `offset`) of a batch tensor: one slice per contiguous run
+    when there are at most MAX_SLICE_RUNS of them, else one index tensor."""
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    if len(runs) <= MAX_SLICE_RUNS:
+        return [slice(a + offset, b + offset) for a, b in runs]
+    return [torch.tensor(rows, device=device) + offset]
 
 
 class _LayerKV(Sequence[tuple[torch.Tensor, torch.Tensor]]):

@@ -363,3 +363,30 @@ def test_a_prefix_too_wide_for_the_prefix_graphs_keeps_the_plain_graph(tiny_mode
         assert stage.graph_runner().stats.replays == 1 and stage.prompt_cache.stats.hits == 3
     finally:
         stage._pool.shutdown(wait=True)
+
+
+def test_rows_of_a_voice_are_addressed_by_slices_or_one_index() -> None:
+    from engine.flow_prompt_cache import MAX_SLICE_RUNS, _row_selectors
+
+    cpu = torch.device("cpu")
+    assert _row_selectors([0, 1, 2, 3], 0, cpu) == [slice(0, 4)]
+    assert _row_selectors([0, 1, 3, 5, 6], 8, cpu) == [slice(8, 10), slice(11, 12), slice(13, 15)]
+    scattered = list(range(0, 2 * (MAX_SLICE_RUNS + 1), 2))  # one run more than slices take
+    (index,) = _row_selectors(scattered, 3, cpu)
+    assert torch.equal(index, torch.tensor(scattered) + 3)
+
+
+def test_slice_and_index_row_copies_give_identical_prefixes(flow: CausalMaskedDiffWithDiT, voices: list[Voice],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Voices interleaved row by row (index copies past MAX_SLICE_RUNS runs) and in runs
+    (slice copies): the same cached prefixes, bit for bit."""
+    import engine.flow_prompt_cache as fpc
+
+    a, b, _ = voices
+    chunks = [chunk(v, 40, 60 + 5 * i, False) for i, v in enumerate([a, b] * 3)]
+    entries = PromptCache().entries_for(flow, chunks)
+    sliced, _ = decode_with_prompt_cache(flow, chunks, entries)
+    monkeypatch.setattr(fpc, "MAX_SLICE_RUNS", 0)
+    indexed, _ = decode_with_prompt_cache(flow, chunks, entries)
+    for s, i in zip(sliced, indexed):
+        assert torch.equal(s, i)
