@@ -48,6 +48,12 @@ class EngineConfig:
     # GraphPolicy.prefix_max_rows chunks, eager above). Exact; CosyVoice3 only.
     flow_prompt_cache: bool = True
     flow_prompt_cache_bytes: int = 4 << 30  # per stage (GPU); least recently used voices go first
+    # Run a flow batch whose chunks differ much in length as up to three calls of similar
+    # lengths (`engine.token2wav.split_by_length`): under staggered arrivals a batch mixes
+    # first chunks (~50 frames) with later ones (~300) and a single call pads every row to
+    # the longest (H200, sessions spread over 5 s: 228-281 computed frames per chunk against
+    # 127-141 in a burst). Off by default: not measured on the GPU yet.
+    flow_split_batches: bool = False
     # How the audio stage picks each batch from the queued chunks:
     # "first_chunks": first chunks of utterances first, then FIFO, up to max_gpu_batch;
     # "deadline": most urgent playback deadline first, grouped by similar window length

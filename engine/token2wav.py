@@ -106,6 +106,49 @@ def deadline_batch(candidates: Sequence[BatchCandidate], max_batch: int, window_
     return chosen
 
 
+# `engine.flow_split_batches`: the fixed cost of one more flow call, in row-frames of ODE work
+# (the H200 stage bench: an eager batch from the prompt cache takes ~36 ms plus ~0.049 ms per
+# row x frame, so a call costs about as much as 730 row-frames).
+SPLIT_CALL_COST = 730
+SPLIT_MAX_CALLS = 3
+
+
+def split_by_length(frames: Sequence[int], call_cost: float = SPLIT_CALL_COST,
+                    max_calls: int = SPLIT_MAX_CALLS) -> list[list[int]]:
+    """A flow batch's rows (their computed frames) as at most `max_calls` calls of similar
+    length, minimising sum over calls of (call_cost + rows x longest row): every call is
+    padded to its longest row, so one call over chunks of very different lengths computes
+    mostly padding (under staggered arrivals, a first chunk of ~50 frames next to later
+    ones of ~300). Returns the calls (row indices, ascending) from shortest to longest; one
+    call holding every row when splitting does not pay."""
+    if max_calls < 1:
+        raise ValueError("max_calls must be at least 1")
+    lengths = sorted(set(frames))
+    count = [sum(1 for f in frames if f == x) for x in lengths]
+    m = len(lengths)
+    # best[k][j]: cheapest cover of the j shortest lengths with k calls; a call spans
+    # lengths [i, j) and costs call_cost + (its rows) x lengths[j - 1].
+    inf = float("inf")
+    best = [[inf] * (m + 1) for _ in range(max_calls + 1)]
+    cut = [[0] * (m + 1) for _ in range(max_calls + 1)]
+    best[0][0] = 0.0
+    for k in range(1, max_calls + 1):
+        for j in range(1, m + 1):
+            rows = 0
+            for i in range(j - 1, -1, -1):
+                rows += count[i]
+                cost = best[k - 1][i] + call_cost + rows * lengths[j - 1]
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    calls = min(range(1, max_calls + 1), key=lambda k: (best[k][m], k))
+    bounds, j = [], m
+    for k in range(calls, 0, -1):
+        i = cut[k][j]
+        bounds.append((lengths[i], lengths[j - 1]))
+        j = i
+    return [[r for r, f in enumerate(frames) if lo <= f <= hi] for lo, hi in reversed(bounds)]
+
+
 @dataclass
 class StageStats:
     batches: int = 0
@@ -131,7 +174,7 @@ class AudioStage:
                  flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
-                 profiler: StageProfiler | None = None):
+                 profiler: StageProfiler | None = None, split_batches: bool = False):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -160,6 +203,7 @@ class AudioStage:
         if self.flow_compile:
             estimator.compile_blocks()
         self.profiler = profiler  # engine.stage_profile_dir: a window of batches under torch.profiler
+        self.split_batches = split_batches  # engine.flow_split_batches: see split_by_length
         self.hift = hift
         self.device = device
         self.max_batch = max_batch
@@ -337,12 +381,18 @@ class AudioStage:
             return True  # a graph over the cached prefixes
         return not (rows <= policy.prefix_max_rows and policy.bucket(rows, max(full)) is not None)
 
-    @torch.inference_mode()
-    def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
-        """PCM per chunk, the flow's padded rows x frames and the vocoded mel frames."""
-        chunks = [j.flow for j in batch]
+    def _flow_calls(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> list[list[int]]:
+        """The batch's rows per flow call: all in one, or by length (`split_batches`)."""
+        if not self.split_batches or len(chunks) < 2:
+            return [list(range(len(chunks)))]
+        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
+        cached = [0] * len(chunks) if entries is None else [0 if e is None else e.frames for e in entries]
+        return split_by_length([ratio * (len(c.tokens) - (0 if c.finalize else look)) - k
+                                for c, k in zip(chunks, cached)])
+
+    def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> tuple[list[torch.Tensor], int]:
+        """One flow call: mel per chunk and the padded rows x frames it ran."""
         cache = self.prompt_cache
-        entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
         if cache is not None and entries is not None and self._cache_pays(chunks, entries):
             cache.count(entries)
             # Small batches replay a graph over the cached prefixes (copied into static
@@ -350,14 +400,31 @@ class AudioStage:
             mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner())
         else:
             mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
-        mels = [_stretch(m.float(), j.speed) for m, j in zip(mels, batch)]
+        return mels, shape.rows * shape.frames
+
+    @torch.inference_mode()
+    def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
+        """PCM per chunk, the flow's padded rows x frames and the vocoded mel frames."""
+        chunks = [j.flow for j in batch]
+        cache = self.prompt_cache
+        entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        flow_work = 0
+        for rows in self._flow_calls(chunks, entries):
+            part, work = self._decode([chunks[i] for i in rows], None if entries is None else [entries[i] for i in rows])
+            flow_work += work
+            for i, m in zip(rows, part):
+                out[i] = m
+        decoded = [m for m in out if m is not None]
+        assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
+        mels = [_stretch(m.float(), j.speed) for m, j in zip(decoded, batch)]
         vocoder_frames = sum(int(m.shape[0]) for m in mels)
         pcm = self.hift.stream_step(
             [j.hift_stream for j in batch],
             [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
             [j.flow.finalize for j in batch],
         )
-        return _to_host(pcm), shape.rows * shape.frames, vocoder_frames
+        return _to_host(pcm), flow_work, vocoder_frames
 
 
 def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:

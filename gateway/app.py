@@ -68,6 +68,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_graph_max_rows=e.flow_graph_max_rows,
         flow_prompt_cache=e.flow_prompt_cache,
         flow_prompt_cache_bytes=e.flow_prompt_cache_mib << 20,
+        flow_split_batches=e.flow_split_batches,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_devices=e.stage_devices,
         stage_profile_dir=e.stage_profile_dir,

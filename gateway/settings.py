@@ -60,6 +60,11 @@ class EngineSettings:
         metadata=_help("cache each voice prompt's flow DiT keys/values so flow batches skip the prompt's frames "
                        "(exact; CosyVoice3)"),
     )
+    flow_split_batches: bool = field(
+        default=False,
+        metadata=_help("run a flow batch whose chunks differ much in length as up to three calls of similar "
+                       "lengths (less padding under staggered arrivals; not measured on a GPU yet)"),
+    )
     flow_prompt_cache_mib: int = field(
         default=4096,
         metadata=_help("memory budget of the flow prompt cache per flow/vocoder stage in MiB (least recently used "

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import AudioStage, BatchCandidate, ChunkJob, deadline_batch
+from engine.token2wav import AudioStage, BatchCandidate, ChunkJob, deadline_batch, split_by_length
 from engine.types import AudioChunk, SessionOptions
 from gateway.app import engine_config
 from gateway.settings import load_settings
@@ -280,3 +281,90 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
     s, _ = load_settings(["--engine.stage-policy", "nope"], environ={})
     with pytest.raises(ValueError, match="stage_policy"):
         engine_config(s, tmp_path)
+
+
+# ----------------------------------------------------------------------------- split by length
+
+
+def _cost(calls: list[list[int]], frames: list[int], call_cost: float) -> float:
+    return sum(call_cost + len(c) * max(frames[i] for i in c) for c in calls)
+
+
+def test_split_by_length_separates_short_chunks_from_long_ones() -> None:
+    frames = [300, 50, 300, 50, 300, 50, 50, 300]
+    assert split_by_length(frames, call_cost=730) == [[1, 3, 5, 6], [0, 2, 4, 7]]
+    assert split_by_length(frames, call_cost=5000) == [list(range(8))]  # a call costs more than the padding
+    assert split_by_length([120] * 5, call_cost=0) == [list(range(5))]  # nothing to gain from equal lengths
+    assert split_by_length([10, 100, 1000], call_cost=1, max_calls=2) == [[0, 1], [2]]
+    assert split_by_length([7], call_cost=730) == [[0]]
+    with pytest.raises(ValueError):
+        split_by_length(frames, max_calls=0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_split_by_length_is_the_cheapest_partition(seed: int) -> None:
+    """Against every partition of the rows into at most three calls (brute force)."""
+    import itertools
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 8))
+    frames = [int(x) for x in rng.choice([40, 50, 120, 200, 210, 320], size=n)]
+    call_cost = float(rng.choice([0, 100, 730, 3000]))
+    calls = split_by_length(frames, call_cost=call_cost)
+    assert sorted(i for c in calls for i in c) == list(range(n)) and all(c == sorted(c) for c in calls)
+    best = min(
+        _cost([[i for i in range(n) if labels[i] == g] for g in set(labels)], frames, call_cost)
+        for labels in itertools.product(range(3), repeat=n)
+    )
+    assert _cost(calls, frames, call_cost) == pytest.approx(best)
+
+
+def test_a_split_batch_gives_the_same_audio_with_fewer_frames(tiny_model_dir) -> None:  # noqa: ANN001
+    """Six first chunks (50 computed frames) and three later ones (320) in one batch: split,
+    the stage runs two flow calls instead of padding every row to 320 frames."""
+    from dataclasses import replace
+
+    from engine.models.loader import load_model
+    from tests.test_flow_prompt_cache import chunk, make_voice
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    v = make_voice(60, 5)
+    chunks = [chunk(v, 0, 15, False)] * 6 + [chunk(v, 100, 200, False)] * 3
+    stages = {split: AudioStage(model.flow, model.hift, torch.device("cpu"), prompt_cache_bytes=1 << 30,
+                                split_batches=split) for split in (False, True)}
+    try:
+        results = {}
+        for split, stage in stages.items():
+            jobs = [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                             is_cancelled=lambda: False) for c in chunks]
+            entries = stage.prompt_cache.entries_for(stage.flow, chunks)
+            calls = stage._flow_calls(chunks, entries)
+            assert calls == ([list(range(6)), [6, 7, 8]] if split else [list(range(9))])
+            results[split] = stage._compute([replace(j) for j in jobs])
+        short = stages[True]._decode(chunks[:1], entries[:1])[1]
+        long = stages[True]._decode(chunks[-1:], entries[-1:])[1]
+        assert long > 5 * short
+        (pcm, frames, vocoded), (pcm_split, frames_split, vocoded_split) = results[False], results[True]
+        assert frames == 9 * long and frames_split == 6 * short + 3 * long
+        assert vocoded == vocoded_split
+        for a, b in zip(pcm, pcm_split):
+            assert a.shape == b.shape and a.size > 0 and float(np.abs(a - b).max()) <= 1e-4
+    finally:
+        for stage in stages.values():
+            stage._pool.shutdown(wait=True)
+
+
+def test_split_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    s, _ = load_settings([], environ={})
+    assert engine_config(s, tmp_path).flow_split_batches is False
+    s, _ = load_settings(["--engine.flow-split-batches", "true"], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert cfg.flow_split_batches is True
+    from engine.models.loader import load_model
+
+    stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
+                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu"))
+    try:
+        assert stage.split_batches is True
+    finally:
+        stage._pool.shutdown(wait=True)
