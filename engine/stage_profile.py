@@ -101,7 +101,7 @@ class StageProfiler:
             start, end = r.time_range.start, r.time_range.end
             row: dict[str, Any] = {"batch": index, "chunks": chunks, "wall_ms": (end - start) / 1e3}
             if self.cuda:
-                busy = _union_within(kernels, start, end)
+                busy = union_within(kernels, start, end)
                 row["gpu_busy_ms"] = busy / 1e3
                 row["gpu_busy_share"] = busy / (end - start) if end > start else None
             rows.append(row)
@@ -128,7 +128,7 @@ def kernel_intervals(events: Any) -> list[tuple[float, float]]:
                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith("stage_batch_"))
 
 
-def _union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Total length of the union of sorted `intervals`, clipped to [lo, hi]."""
     total, cur_start, cur_end = 0.0, None, None
     for s, e in intervals:

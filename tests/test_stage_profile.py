@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stage_profile import StageProfiler, _union_within, kernel_intervals
+from engine.stage_profile import StageProfiler, union_within, kernel_intervals
 from engine.types import SessionOptions
 
 
@@ -77,9 +77,9 @@ def test_profile_settings_are_validated(tmp_path) -> None:  # noqa: ANN001
 
 def test_gpu_busy_is_the_union_of_kernel_intervals() -> None:
     kernels = [(0.0, 10.0), (5.0, 12.0), (20.0, 25.0), (30.0, 40.0)]
-    assert _union_within(kernels, 0.0, 100.0) == 12.0 + 5.0 + 10.0  # overlaps counted once
-    assert _union_within(kernels, 8.0, 35.0) == 4.0 + 5.0 + 5.0  # clipped to the batch
-    assert _union_within([], 0.0, 1.0) == 0.0
+    assert union_within(kernels, 0.0, 100.0) == 12.0 + 5.0 + 10.0  # overlaps counted once
+    assert union_within(kernels, 8.0, 35.0) == 4.0 + 5.0 + 5.0  # clipped to the batch
+    assert union_within([], 0.0, 1.0) == 0.0
 
 
 def test_busy_time_counts_kernels_not_the_gpu_copies_of_annotations() -> None:
