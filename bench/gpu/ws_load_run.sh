@@ -10,7 +10,9 @@
 #   multi:  two GPUs: the LM and one flow+vocoder stage on GPU 0, a second stage on GPU 1.
 # Environment: LEVELS / BASE_LEVELS (session levels), BASELINE=0 (single: no baseline run),
 # RAMP=S (sessions start spread over S seconds instead of all at once), LEVEL_TIMEOUT (s),
-# EXTRA="--engine.x y ..." (more gateway options for the product runs).
+# EXTRA="--engine.x y ..." (more gateway options for the product runs),
+# VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
+# its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call).
 # .whl holds the gateway's pure-Python wheels (uvicorn, websockets, python-multipart, soxr),
 # .whl_av PyAV (decodes uploaded voices): neither is in the GPU image.
 set -uo pipefail
@@ -28,6 +30,18 @@ else
   ARGS=(--sessions "${LEVELS:-64,128,256}" --engine.stage-devices cuda:0,cuda:1)
 fi
 echo "prep done at $((SECONDS - T0)) s"
+if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
+  IFS=';' read -ra VS <<< "$VARIANTS"
+  for i in "${!VS[@]}"; do
+    left=$(( (585 - (SECONDS - T0)) / (${#VS[@]} - i) ))  # the time left, shared by the runs still to go
+    # shellcheck disable=SC2086
+    timeout "$left" python3 -m bench.ws_load "${COMMON[@]}" --sessions "${LEVELS:-1,8,32,64,128}" ${VS[$i]} \
+      --json $OUT/ws_load_single_v$i.json > $OUT/ws_load_single_v$i.log 2>&1
+    echo "variant $i (${VS[$i]}) rc=$? at $((SECONDS - T0)) s"
+    grep -v "^(EngineCore" $OUT/ws_load_single_v$i.log | grep -E "^\[product\]" | tail -8
+  done
+  exit 0
+fi
 timeout $((585 - (SECONDS - T0))) python3 -m bench.ws_load "${COMMON[@]}" "${ARGS[@]}" \
   --json $OUT/ws_load_$MODE.json --plot $OUT/ws_load_$MODE.svg > $OUT/ws_load_$MODE.log 2>&1
 echo "ws_load $MODE rc=$? at $((SECONDS - T0)) s"
