@@ -10,8 +10,9 @@ every conv is centred ("same" padding), upsampling uses transposed convs, and:
   half of a frame already bends towards the next frame's pitch), sin, times 0.1 where
   voiced; plus Gaussian noise; merged by `m_source.l_linear` + tanh. The official random
   initial phase never reaches the output (the linear down-sampling reads only samples
-  480i + 239/240) and is left out. The noise comes from a per-stream generator (the
-  official one draws from the global RNG), so a given stream is reproducible.
+  480i + 239/240) and is left out. The noise comes from a per-stream generator on the
+  vocoder's device (the official one draws from the global RNG), so a given stream is
+  reproducible on a given device type (CPU and CUDA generators differ).
 * Decoder: conv_pre, 3 x (leaky ReLU, transposed conv, + STFT-of-source branch, mean of 3
   resblocks), conv_post, exp/sin -> inverse STFT (n_fft 16, hop 4), clamp to 0.99.
 
@@ -109,7 +110,10 @@ class SourceModuleHnNSF(nn.Module):
         sines = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha  # [B, T*spf, H]
         uv = torch.repeat_interleave((f0 > cfg.nsf_voiced_threshold).to(f0.dtype), spf, dim=1)[:, :, None]
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        gauss = torch.randn(sines.shape, generator=noise, dtype=torch.float32).to(device=f0.device, dtype=f0.dtype)
+        # Drawn where the generator lives (the vocoder's device, `new_stream`): a CPU draw
+        # and its pageable copy would make the host wait for the GPU's queued flow batch.
+        gauss = torch.randn(sines.shape, generator=noise, dtype=torch.float32, device=noise.device)
+        gauss = gauss.to(device=f0.device, dtype=f0.dtype)
         waves = sines * uv + noise_amp * gauss
         return torch.tanh(self.l_linear(waves)).squeeze(-1)
 
@@ -212,7 +216,7 @@ class HiFTGenerator(nn.Module):
         excitation. `noise` defaults to a generator seeded with `noise_seed`."""
         mel = mel.to(device=self._device, dtype=self._dtype)
         if noise is None:
-            noise = torch.Generator(device="cpu").manual_seed(self.noise_seed)
+            noise = torch.Generator(device=self._device).manual_seed(self.noise_seed)
         f0 = self.f0_predictor(mel)
         source = self.m_source(f0, noise)
         if cache_source is not None and cache_source.shape[-1] > 0:
@@ -224,7 +228,7 @@ class HiFTGenerator(nn.Module):
 
     def new_stream(self) -> CV2HiFTStream:
         return CV2HiFTStream(
-            noise=torch.Generator(device="cpu").manual_seed(self.noise_seed),
+            noise=torch.Generator(device=self._device).manual_seed(self.noise_seed),
             mel=torch.zeros(self.cfg.in_channels, 0, dtype=self._dtype, device=self._device),
         )
 
