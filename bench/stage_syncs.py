@@ -11,9 +11,9 @@ field) on a full-size random model and runs batches of chunks shaped like the lo
 benchmark's (prompt `--prompt-tokens`, 50 tokens of left context, 25/20/15 new tokens + 3
 lookahead; every row its own vocoder stream, advanced batch after batch). Per batch size:
 
-* `wall_ms`: the median over `--reps` batches of `AudioStage._compute` (flow, vocoder, PCM
-  to host); `gpu_busy_ms` / `gpu_busy_share`: the union of the CUDA kernel intervals per
-  batch, and as a share of the batches' wall time (kernels only are recorded: cheap);
+* `wall_ms`: the mean over `--reps` batches of `AudioStage._compute` (flow, vocoder, PCM
+  to host); `gpu_busy_ms`: the mean union of the CUDA kernel intervals per batch, and
+  `gpu_busy_share` their ratio (kernels only are recorded: cheap to read back);
 * `syncs`: each line of this repository whose call made the host wait for the device during
   one batch (`torch.cuda.set_sync_debug_mode`), with how often; CUDA only.
 """
@@ -74,7 +74,8 @@ def find_syncs(stage: AudioStage, batch: list[ChunkJob]) -> dict[str, int]:
         if "synchronizing" not in str(message):
             return
         ours = [f for f in traceback.extract_stack()[:-1]
-                if f.filename.startswith(str(ROOT)) and not f.filename.endswith("stage_syncs.py")]
+                if f.filename.startswith(str(ROOT)) and not f.filename.endswith("stage_syncs.py")
+                and "site-packages" not in f.filename]  # a virtualenv inside the repository
         where = ours[-1] if ours else None
         seen[f"{Path(where.filename).relative_to(ROOT)}:{where.lineno} {where.line}" if where else filename] += 1
 
@@ -111,12 +112,12 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
             t0 = time.perf_counter()
             stage._compute(batch)
             walls.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"rows": rows, "wall_ms": 1e3 * statistics.median(walls)}
+    out: dict[str, Any] = {"rows": rows, "wall_ms": 1e3 * statistics.fmean(walls)}
     if cuda:
         kernels = kernel_intervals(prof.events())
         busy_us = union_within(kernels, -math.inf, math.inf)
         out["gpu_busy_ms"] = busy_us / 1e3 / reps
-        out["gpu_busy_share"] = busy_us / 1e6 / sum(walls)
+        out["gpu_busy_share"] = out["gpu_busy_ms"] / out["wall_ms"]
         out["syncs"] = find_syncs(stage, make_batch(stage, streams, prompt, step))
     return out
 

@@ -220,24 +220,32 @@ class AudioStage:
 
     async def start(self) -> None:
         if self._task is None:
+            # The vocoder's device noise table (CausalHiFTGenerator): built here on the worker,
+            # not by the first session's `new_stream` on the event loop.
+            prepare = getattr(self.hift, "build_noise_table", None)
+            if prepare is not None:
+                await asyncio.get_running_loop().run_in_executor(self._pool, prepare)
             self._task = asyncio.create_task(self._loop(), name="audio-stage")
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        for job in self._pending:
-            if not job.future.done():
-                job.future.cancel()
-        self._pending.clear()
-        if self.profiler is not None:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self.profiler.close)
-        self._pool.shutdown(wait=True)
+        try:
+            if self._task is not None:
+                self._task.cancel()
+                try:
+                    await self._task
+                except asyncio.CancelledError:
+                    pass
+                self._task = None
+            for job in self._pending:
+                if not job.future.done():
+                    job.future.cancel()
+            self._pending.clear()
+        finally:
+            # Whatever went wrong above: a profiler left running crashes the process at exit.
+            if self.profiler is not None:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self.profiler.close)
+            self._pool.shutdown(wait=True)
 
     async def run(self, job: ChunkJob) -> np.ndarray:
         """Queue one chunk and wait for its PCM (float32, 24 kHz)."""

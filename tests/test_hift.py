@@ -114,6 +114,16 @@ def test_a_short_noise_table_changes_nothing(gen: CausalHiFTGenerator) -> None:
     torch.testing.assert_close(short.inference(mel[None]), gen.inference(mel[None]), rtol=0, atol=0)
 
 
+def test_noise_table_is_built_ahead_and_follows_the_module() -> None:
+    g = CausalHiFTGenerator(ModelConfig.tiny().hift)
+    g.build_noise_table()  # what AudioStage.start does on its worker
+    assert g._noise_table is not None and g._noise_table.rows.dtype == torch.float32
+    g.double()  # a module move or cast drops the table; the next use rebuilds it to match
+    assert g._noise_table is None
+    g.new_stream()
+    assert g._noise_table is not None and g._noise_table.rows.dtype == torch.float64
+
+
 def test_random_init_gives_nontrivial_audio(gen: CausalHiFTGenerator) -> None:
     wav = gen.inference(_mel(30, seed=2, batch=2))
     assert wav.shape == (2, 30 * SPF)

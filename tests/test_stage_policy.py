@@ -320,35 +320,39 @@ def test_split_by_length_is_the_cheapest_partition(seed: int) -> None:
 
 
 def test_a_split_batch_gives_the_same_audio_with_fewer_frames(tiny_model_dir) -> None:  # noqa: ANN001
-    """Six first chunks (50 computed frames) and three later ones (320) in one batch: split,
-    the stage runs two flow calls instead of padding every row to 320 frames."""
+    """First chunks (~50 computed frames) interleaved with later ones (~320), two voices, in
+    one batch: split, the stage runs two flow calls instead of padding every row to the
+    longest, and every chunk still gets its own audio (in batch order)."""
     from dataclasses import replace
 
     from engine.models.loader import load_model
     from tests.test_flow_prompt_cache import chunk, make_voice
 
     model = load_model(tiny_model_dir, load_lm=False)
-    v = make_voice(60, 5)
-    chunks = [chunk(v, 0, 15, False)] * 6 + [chunk(v, 100, 200, False)] * 3
+    v, w = make_voice(60, 5), make_voice(60, 6)
+    chunks = [chunk(v, 100, 200, False), chunk(v, 0, 15, False), chunk(w, 100, 200, False), chunk(w, 0, 15, False),
+              chunk(v, 0, 13, False), chunk(v, 125, 225, False), chunk(w, 0, 12, False), chunk(v, 0, 15, False)]
+    short, long = [1, 3, 4, 6, 7], [0, 2, 5]
     stages = {split: AudioStage(model.flow, model.hift, torch.device("cpu"), prompt_cache_bytes=1 << 30,
                                 split_batches=split) for split in (False, True)}
     try:
         results = {}
         for split, stage in stages.items():
+            entries = stage.prompt_cache.entries_for(stage.flow, chunks)
+            assert stage._flow_calls(chunks, entries) == ([short, long] if split else [list(range(8))])
             jobs = [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
                              is_cancelled=lambda: False) for c in chunks]
-            entries = stage.prompt_cache.entries_for(stage.flow, chunks)
-            calls = stage._flow_calls(chunks, entries)
-            assert calls == ([list(range(6)), [6, 7, 8]] if split else [list(range(9))])
             results[split] = stage._compute([replace(j) for j in jobs])
-        short = stages[True]._decode(chunks[:1], entries[:1])[1]
-        long = stages[True]._decode(chunks[-1:], entries[-1:])[1]
-        assert long > 5 * short
+        row = [stages[True]._decode([c], [e])[1] for c, e in zip(chunks, entries)]  # one row: its frames
+        assert max(row[i] for i in long) > 5 * max(row[i] for i in short)
         (pcm, frames, vocoded), (pcm_split, frames_split, vocoded_split) = results[False], results[True]
-        assert frames == 9 * long and frames_split == 6 * short + 3 * long
+        assert frames == 8 * max(row)
+        assert frames_split == 5 * max(row[i] for i in short) + 3 * max(row[i] for i in long)
         assert vocoded == vocoded_split
+        # Float32 on the CPU: other padding, other summation order (measured ~1.5e-4 at most).
         for a, b in zip(pcm, pcm_split):
-            assert a.shape == b.shape and a.size > 0 and float(np.abs(a - b).max()) <= 1e-4
+            assert a.shape == b.shape and a.size > 0 and float(np.abs(a - b).max()) <= 5e-4
+        assert float(np.abs(pcm[0] - pcm[2]).max()) > 1e-2  # rows differ: their order matters
     finally:
         for stage in stages.values():
             stage._pool.shutdown(wait=True)

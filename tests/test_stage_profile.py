@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stage_profile import StageProfiler, union_within, kernel_intervals
+from engine.stage_profile import StageProfiler, batch_ranges, kernel_intervals, union_within
 from engine.types import SessionOptions
 
 
@@ -95,3 +95,18 @@ def test_busy_time_counts_kernels_not_the_gpu_copies_of_annotations() -> None:
     events = [event("stage_batch_3", 0, 100, annotation=True), event("stage_batch_4", 100, 200),
               event("gemm", 30, 40), event("aten::mm", 0, 100, cuda=False), event("attn", 10, 20)]
     assert kernel_intervals(events) == [(10, 20), (30, 40)]
+
+
+def test_a_batch_lasts_as_long_as_its_host_range() -> None:
+    """The GPU copy of a batch's range starts later than the host range: the wall time
+    is the host's (the first H200 profile read the GPU copies)."""
+    from types import SimpleNamespace
+
+    def event(name: str, start: float, end: float, cuda: bool) -> SimpleNamespace:
+        device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=True)
+
+    events = [event("stage_batch_1", 0, 100, cuda=False), event("stage_batch_1", 30, 90, cuda=True),
+              event("stage_batch_2", 100, 180, cuda=False), event("stage_batch_2", 150, 170, cuda=True)]
+    assert batch_ranges(events) == {"stage_batch_1": (0, 100), "stage_batch_2": (100, 180)}
