@@ -85,6 +85,7 @@ M_VOC = "cosyvoice_engine_vocoder_frames_total"
 M_CHUNKS = "cosyvoice_engine_chunks_total"
 M_BATCHES = "cosyvoice_engine_batches_total"
 M_BUSY = "cosyvoice_engine_stage_busy_seconds_total"
+M_HANDOFF = "cosyvoice_engine_stage_handoff_seconds_total"
 M_CUDA = "cosyvoice_engine_cuda_memory_allocated_bytes"
 M_RSS = "cosyvoice_process_resident_memory_bytes"
 M_ACTIVE = "cosyvoice_engine_active_sessions"
@@ -519,6 +520,8 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "flow_chunks": chunks, "flow_batches": batches,
             "mean_flow_batch": chunks / batches if batches else None,
             "stage_busy_share": _delta(after, before, M_BUSY) / wall if wall > 0 else None,
+            # Of that share: the stage waiting for its worker thread or the event loop.
+            "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,
             "max_active_sessions": peaks.get(M_ACTIVE),
         },
         "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",

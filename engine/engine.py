@@ -89,6 +89,8 @@ class EngineStats:
     dropped_chunks: int
     lm_tokens: int
     stage_busy_seconds: float
+    # Of stage_busy_seconds: thread and event-loop hand-offs around the batches (StageStats).
+    stage_handoff_seconds: float = 0.0
     # Work actually done by the audio stage (benchmarks turn these into FLOP/s):
     # flow = padded batch rows x padded mel frames summed over batches (CFG doubling not
     # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
@@ -389,6 +391,7 @@ class Engine:
             dropped_chunks=st.dropped,
             lm_tokens=self.lm_tokens,
             stage_busy_seconds=st.busy_seconds,
+            stage_handoff_seconds=st.handoff_seconds,
             flow_frames=st.flow_frames,
             vocoder_frames=st.vocoder_frames,
             prompt_cache_hits=st.prompt_cache_hits,

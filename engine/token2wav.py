@@ -157,6 +157,10 @@ class StageStats:
     last_batch_size: int = 0
     max_batch_size: int = 0
     busy_seconds: float = 0.0
+    # Of busy_seconds: the hand-offs around each batch (the worker thread picking it up, and
+    # the event loop resuming once the worker is done). When they grow, the stage waits
+    # for a busy event loop or interpreter, not for the GPU.
+    handoff_seconds: float = 0.0
     queued: int = 0
     # Work done, for throughput figures: flow = sum over batches of padded rows x padded
     # frames the ODE ran at (before the guidance doubling; with the prompt cache only the
@@ -307,16 +311,18 @@ class AudioStage:
             for job in batch:
                 job.started_at = started
             try:
-                results, flow_frames, vocoder_frames = await loop.run_in_executor(
-                    self._pool, self._run_batch, self.stats.batches, batch)
+                began, (results, flow_frames, vocoder_frames), ended = await loop.run_in_executor(
+                    self._pool, self._timed_batch, self.stats.batches, batch)
             except Exception as exc:  # fail this batch's chunks, keep serving others
                 log.exception("audio stage batch failed")
                 for job in batch:
                     if not job.future.done():
                         job.future.set_exception(exc)
                 continue
-            dt = time.perf_counter() - t0
+            resumed = time.perf_counter()
+            dt = resumed - t0
             st = self.stats
+            st.handoff_seconds += (began - t0) + (resumed - ended)
             st.batches += 1
             st.chunks += len(batch)
             st.last_batch_size = len(batch)
@@ -366,6 +372,13 @@ class AudioStage:
         built = await asyncio.get_running_loop().run_in_executor(self._pool, build)
         self.stats.prompt_cache_bytes = cache.nbytes
         return built
+
+    def _timed_batch(self, index: int,
+                     batch: list[ChunkJob]) -> tuple[float, tuple[list[np.ndarray], int, int], float]:
+        """`_run_batch` between two perf_counter readings taken on the worker thread."""
+        began = time.perf_counter()
+        out = self._run_batch(index, batch)
+        return began, out, time.perf_counter()
 
     def _run_batch(self, index: int, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
         if self.profiler is None:

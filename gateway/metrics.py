@@ -22,7 +22,8 @@ PREFIX = "cosyvoice"
 
 # Engine stats fields that only ever grow: exposed as Prometheus counters (`_total`).
 ENGINE_COUNTERS: frozenset[str] = frozenset(
-    {"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds", "flow_frames", "vocoder_frames",
+    {"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds", "stage_handoff_seconds",
+     "flow_frames", "vocoder_frames",
      "prompt_cache_hits", "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",
      "first_chunk_stage_wait_seconds", "first_chunk_stage_seconds"}
 )

@@ -13,11 +13,13 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.stage_profile import StageProfiler, batch_ranges, kernel_intervals, union_within
+from engine.token2wav import StageStats
 from engine.types import SessionOptions
 
 
-async def _speak(cfg: EngineConfig) -> int:
-    """One utterance at a time (each chunk then is a batch of its own); the stage's batches."""
+async def _speak(cfg: EngineConfig, stats: list[StageStats] | None = None) -> int:
+    """One utterance at a time (each chunk then is a batch of its own); the stage's batches
+    (and its stats, appended to `stats`)."""
     engine = await Engine.create(cfg)
     try:
         sr = engine.sample_rate
@@ -26,6 +28,8 @@ async def _speak(cfg: EngineConfig) -> int:
         opts = SessionOptions(tokens_per_text_token=3.0, seed=0)
         for text in ("Hello there, my friend, how are you?", "One two three four five six seven."):
             await engine.synthesize(text, voice, opts)
+        if stats is not None:
+            stats.append(engine.stage.stats)
         return engine.stage.stats.batches
     finally:
         await engine.close()
@@ -66,6 +70,18 @@ def test_the_window_opens_at_the_first_batch_of_the_requested_size(tmp_path) -> 
     prof.close()  # waits for the writer thread
     report = json.loads((tmp_path / "stage_profile.json").read_text())
     assert [(b["batch"], b["chunks"]) for b in report["batches"]] == [(3, 5), (4, 1), (5, 9)]
+
+
+def test_the_stage_counts_its_handoffs_inside_its_busy_time(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Each batch's busy time = worker pickup + compute + event-loop resume; the two
+    hand-offs are counted apart (the wait for a busy loop or interpreter, not the device)."""
+    seen: list[StageStats] = []
+    cfg = EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch", warmup=False, initial_hop=5,
+                       max_hop=25, seed=0)
+    batches = asyncio.run(_speak(cfg, seen))
+    (st,) = seen
+    assert batches >= 4 and st.batches == batches
+    assert 0 < st.handoff_seconds < st.busy_seconds
 
 
 def test_profile_settings_are_validated(tmp_path) -> None:  # noqa: ANN001

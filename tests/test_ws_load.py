@@ -237,6 +237,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
         server = lv["server"]
         assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
+        assert 0 <= server["stage_handoff_share"] <= server["stage_busy_share"]
         assert lv["flops"]["total"] > 0 and lv["flops"]["achieved_flops_per_s"] > 0
         assert lv["rss"]["before_mb"] > 0 and lv["rss"]["active_peak_mb"] >= lv["rss"]["before_mb"]
         assert lv["gpu"] == "n/a"
@@ -258,7 +259,7 @@ def test_metrics_expose_stage_work_and_process_memory() -> None:
 
     stats = EngineStats(active_sessions=1, active_utterances=1, lm_active=0, flow_queue=0, last_batch_size=2,
                         max_batch_size=3, batches=4, chunks=5, dropped_chunks=0, lm_tokens=60,
-                        stage_busy_seconds=1.5, flow_frames=700, vocoder_frames=300,
+                        stage_busy_seconds=1.5, stage_handoff_seconds=0.25, flow_frames=700, vocoder_frames=300,
                         cuda_memory_allocated_bytes=1024, cuda_max_memory_allocated_bytes=2048)
     series = {}
     for line in Metrics().render(stats).splitlines():
@@ -266,6 +267,7 @@ def test_metrics_expose_stage_work_and_process_memory() -> None:
             name, value = line.rsplit(" ", 1)
             series[name] = float(value)
     assert series["cosyvoice_engine_flow_frames_total"] == 700
+    assert series["cosyvoice_engine_stage_handoff_seconds_total"] == 0.25
     assert series["cosyvoice_engine_vocoder_frames_total"] == 300
     assert series["cosyvoice_engine_cuda_memory_allocated_bytes"] == 1024
     assert series["cosyvoice_engine_cuda_max_memory_allocated_bytes"] == 2048
