@@ -44,6 +44,10 @@ class ChunkSchedule:
             return hop
         return None
 
+    def tokens_needed(self) -> int:
+        """Generated tokens at which `ready` returns the next hop (before the LM is done)."""
+        return self.offset + self.next_hop() + self.lookahead
+
     def advance(self, hop: int) -> None:
         self.offset += hop
         self.index += 1

@@ -422,6 +422,13 @@ class Engine:
 
 
 @dataclass
+class _Wake:
+    """When an utterance's LM consumer wakes its chunker: once this many tokens exist."""
+
+    at: int = 0
+
+
+@dataclass
 class _Utterance:
     uid: str
     text: str
@@ -658,6 +665,10 @@ class Session:
         eng = self.engine
         tokens: list[int] = []
         more = asyncio.Event()
+        # The chunker sleeps until `wake.at` tokens exist (its next chunk's need), not one
+        # wake-up per token: at 64 sessions that is thousands of task switches a second on
+        # the event loop the audio stage and every WebSocket share.
+        wake = _Wake()
 
         async def consume() -> None:
             silent_run = 0
@@ -673,21 +684,23 @@ class Session:
                     else:
                         silent_run = 0
                     tokens.append(tok)
-                    more.set()
+                    if len(tokens) >= wake.at:
+                        more.set()
             finally:
                 utt.lm_done.set()
                 more.set()
 
         lm_task = asyncio.create_task(consume(), name=f"lm-{utt.uid}")
         try:
-            await self._chunk_loop(utt, tokens, more, lm_task)
+            await self._chunk_loop(utt, tokens, more, wake, lm_task)
         finally:
             if not lm_task.done():
                 lm_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await lm_task
 
-    async def _chunk_loop(self, utt: _Utterance, tokens: list[int], more: asyncio.Event, lm_task: asyncio.Task) -> None:
+    async def _chunk_loop(self, utt: _Utterance, tokens: list[int], more: asyncio.Event, wake: "_Wake",
+                          lm_task: asyncio.Task) -> None:
         eng, voice, opts = self.engine, self.voice, utt.options
         cfg = eng.config
         flow_cfg = eng.model.config.flow
@@ -705,6 +718,7 @@ class Session:
             lm_finished = lm_task.done()
             hop = sched.ready(len(tokens))
             if hop is None and not lm_finished:
+                wake.at = sched.tokens_needed()
                 more.clear()
                 await more.wait()
                 continue

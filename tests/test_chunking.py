@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,3 +50,13 @@ def test_schedules_are_independent_objects():
     for _ in range(3):
         a.advance(a.next_hop())
     assert b.next_hop() == 15 and b.offset == 0
+
+
+@pytest.mark.parametrize("prompt", [0, 7, 24, 25, 106])
+@pytest.mark.parametrize("initial", [0, 5, 15])
+def test_tokens_needed_is_where_ready_turns(prompt: int, initial: int) -> None:
+    s = ChunkSchedule(prompt_tokens=prompt, initial_hop=initial, max_hop=100, lookahead=3)
+    for _ in range(6):
+        need = s.tokens_needed()
+        assert s.ready(need - 1) is None and s.ready(need) == s.next_hop()
+        s.advance(s.ready(need))

@@ -174,3 +174,26 @@ def test_submit_after_finish_is_refused(tiny_model_dir):
         return await collect(s)
 
     assert run(tiny_model_dir, fn, warmup=False) == []
+
+
+def test_the_chunker_wakes_per_chunk_not_per_token(tiny_model_dir, monkeypatch):
+    """The LM consumer wakes the chunker only once its next chunk's tokens exist: a handful
+    of schedule checks per chunk, not one per generated token (each a task switch on the
+    event loop every session shares)."""
+    from engine.chunking import ChunkSchedule
+
+    checks = []
+    ready = ChunkSchedule.ready
+    monkeypatch.setattr(ChunkSchedule, "ready", lambda self, n: checks.append(n) or ready(self, n))
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=8.0, seed=3))
+        uid = await s.submit("A longer sentence, so that there are several chunks to look at here.")
+        await s.finish()
+        await collect(s)
+        return s.utterance_stats(uid)
+
+    st = run(tiny_model_dir, fn, warmup=False)
+    assert st.num_speech_tokens > 100 and st.chunks >= 4
+    assert len(checks) <= 3 * st.chunks + 2 < st.num_speech_tokens / 4
