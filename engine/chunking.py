@@ -4,9 +4,16 @@ The flow decoder attends in 50-frame (25-token) blocks counted from the start of
 prompt, and needs `lookahead` tokens beyond a chunk's end. The schedule:
 
     chunk 0: `initial_hop` tokens (small, for first-audio latency; 0 = skip)
-    chunk 1: up to the next 25-token boundary counted from the prompt:
-             hop = 25 + (-(P + offset) mod 25)
+    chunk 1: up to a 25-token boundary counted from the prompt: the next one,
+             r = -(P + offset) mod 25, when r >= initial_hop, else the one after
+             (25 + r; without an initial hop always 25 + r, as the official code)
     then:    hops double from 50 up to `max_hop`
+
+Chunk 1 must be decoded while chunk 0 plays (initial_hop / 25 s). Always taking 25 + r
+made it up to 49 tokens: with `initial_hop` 5 (0.2 s of audio) the LM alone needs ~0.15 s
+for 42 tokens at one session's ~280 tokens/s, and the H200 run stalled 0.1 s right after
+the first chunk. Ending at the nearer boundary when that is no shorter than chunk 0 keeps
+the grid and lets audio ahead of the playback grow from the start.
     last:    whatever is left once the LM is done (finalize, no lookahead)
 
 All state is per utterance (`ChunkSchedule` instances are never shared), unlike the
@@ -34,7 +41,10 @@ class ChunkSchedule:
             return self.initial_hop
         k = self.index - (1 if self.initial_hop > 0 else 0)  # chunks since the grid phase began
         if k == 0:
-            return GRID + (-(self.prompt_tokens + self.offset)) % GRID
+            to_grid = (-(self.prompt_tokens + self.offset)) % GRID
+            if self.initial_hop > 0 and to_grid >= self.initial_hop:
+                return to_grid
+            return GRID + to_grid
         return max(GRID, min(self.max_hop, GRID * 2**k))
 
     def ready(self, available: int) -> int | None:

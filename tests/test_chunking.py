@@ -16,9 +16,23 @@ def hops(prompt: int, initial: int, n: int, max_hop: int = 100) -> list[int]:
 
 
 def test_schedule_with_initial_hop_realigns_to_grid_then_doubles():
-    # P = 87: first 15, then up to the next multiple of 25 counted from the prompt.
-    assert hops(87, 15, 6) == [15, 48, 50, 100, 100, 100]
-    assert (87 + 15 + 48) % GRID == 0
+    # P = 87: first 15, then up to the next multiple of 25 counted from the prompt (23
+    # tokens away: no shorter than the first chunk), then doubling.
+    assert hops(87, 15, 6) == [15, 23, 50, 100, 100, 100]
+    assert (87 + 15 + 23) % GRID == 0
+    # P = 106: the next boundary is 4 tokens after the first chunk, shorter than it: the
+    # one after (29).
+    assert hops(106, 15, 3) == [15, 29, 50]
+    # A 5-token first chunk for P = 106: the boundary 14 tokens on, not 39.
+    assert hops(106, 5, 3) == [5, 14, 50]
+
+
+@given(st.integers(0, 400), st.integers(1, 40))
+def test_the_second_chunk_is_no_shorter_than_the_first_nor_longer_than_needed(prompt, initial):
+    first, second = hops(prompt, initial, 2)
+    assert first == initial and (prompt + first + second) % GRID == 0  # ends on the grid
+    assert second >= min(initial, GRID)  # audio ahead of playback grows
+    assert second < GRID or second - GRID < initial  # the nearest boundary that does
 
 
 def test_official_schedule_without_initial_hop():
