@@ -8,13 +8,13 @@ prompt, and needs `lookahead` tokens beyond a chunk's end. The schedule:
              r = -(P + offset) mod 25, when r >= initial_hop, else the one after
              (25 + r; without an initial hop always 25 + r, as the official code)
     then:    hops double from 50 up to `max_hop`
+    last:    whatever is left once the LM is done (finalize, no lookahead)
 
 Chunk 1 must be decoded while chunk 0 plays (initial_hop / 25 s). Always taking 25 + r
 made it up to 49 tokens: with `initial_hop` 5 (0.2 s of audio) the LM alone needs ~0.15 s
 for 42 tokens at one session's ~280 tokens/s, and the H200 run stalled 0.1 s right after
 the first chunk. Ending at the nearer boundary when that is no shorter than chunk 0 keeps
 the grid and lets audio ahead of the playback grow from the start.
-    last:    whatever is left once the LM is done (finalize, no lookahead)
 
 All state is per utterance (`ChunkSchedule` instances are never shared), unlike the
 official code whose shared `token_hop_len` leaks between concurrent requests.

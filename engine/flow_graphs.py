@@ -365,15 +365,16 @@ def prompt_shapes(
     """Batch shapes the engine's chunks of one voice produce, to `warm` at start.
 
     A chunk's flow window is prompt + left context + hop tokens (the lookahead makes no
-    frames). The context is 0 for the first chunk and then, because the engine cuts the
-    window on whole `block`s, anywhere in (left_context - block, left_context]; so a
-    voice meets these frame counts, for every row bucket.
+    frames). The context is everything before the chunk until it reaches `left_context`
+    tokens, then, because the engine starts the window on a whole `block`, anywhere in
+    [left_context, left_context + block); so a voice meets these frame counts, for every
+    row bucket.
     """
     frames = set()
     for hop in hops:
         frames.add(ratio * (prompt_tokens + hop))  # first chunk: no context yet
         if left_context >= 0:
-            for ctx in range(max(0, left_context - block + 1), left_context + 1):
+            for ctx in range(1, left_context + block):
                 frames.add(ratio * (prompt_tokens + ctx + hop))
     return [(r, f) for r in rows for f in sorted(frames)]
 

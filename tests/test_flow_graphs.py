@@ -79,10 +79,10 @@ def test_bucket_choice() -> None:
     assert runner.padded_shape(65, 120) == (65, 120)  # no bucket: solved as is
     assert not runner.capture  # CPU: never captures
     assert list(iter_shapes([1, 2], [50, 100])) == [(1, 50), (1, 100), (2, 50), (2, 100)]
-    # A 150-token prompt, hops 15 then 25: first chunk 330 frames, later 2 * (150 + 26..50 + hop).
+    # A 150-token prompt, hops 15 then 25: first chunk 330 frames, later 2 * (150 + 1..74 + hop).
     shapes = prompt_shapes(150, hops=[15, 25], left_context=50, rows=[1])
-    assert shapes[0] == (1, 330) and shapes[-1] == (1, 450)
-    assert {p.bucket(*s) for s in shapes} == {(1, 350), (1, 400), (1, 450)}  # what warm() would capture
+    assert shapes[0] == (1, 330) and shapes[-1] == (1, 498)
+    assert {p.bucket(*s) for s in shapes} == {(1, 350), (1, 400), (1, 450), (1, 500)}  # what warm() would capture
 
 
 # ----------------------------------------------------------------------------- exactness

@@ -34,6 +34,7 @@ if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra VS <<< "$VARIANTS"
   for i in "${!VS[@]}"; do
     left=$(( (585 - (SECONDS - T0)) / (${#VS[@]} - i) ))  # the time left, shared by the runs still to go
+    [ "$left" -ge 30 ] || { echo "variant $i and later: no time left"; break; }
     # shellcheck disable=SC2086
     timeout "$left" python3 -m bench.ws_load "${COMMON[@]}" --sessions "${LEVELS:-1,8,32,64,128}" ${VS[$i]} \
       --json $OUT/ws_load_single_v$i.json > $OUT/ws_load_single_v$i.log 2>&1
