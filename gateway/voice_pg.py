@@ -341,6 +341,12 @@ class PgVoiceStore(VoiceStore):
         while len(self._prompts) > self._cache_size:
             self._prompts.popitem(last=False)
 
+    async def _current_info(self, voice_id: str) -> VoiceInfo | None:
+        # The mirror may not have seen another replica's write yet (its NOTIFY is in
+        # flight), so replicas starting together would each re-register the same asset.
+        await self._refresh_one(voice_id)
+        return self._infos.get(voice_id)
+
     async def _exists(self, voice_id: str) -> bool:
         async with self._conn() as conn:
             cur = await conn.execute(f"SELECT 1 FROM {TABLE} WHERE id = %s", (voice_id,))

@@ -407,7 +407,7 @@ class VoiceStore:
                 continue
             audio_bytes = await asyncio.to_thread(wav.read_bytes)
             transcript = (await asyncio.to_thread(txt.read_text, encoding="utf-8")).strip()
-            existing = self._infos.get(voice_id)
+            existing = await self._current_info(voice_id)
             if (existing is not None and existing.audio_sha256 == hashlib.sha256(audio_bytes).hexdigest()
                     and existing.transcript == transcript):
                 log.info("asset voice %r already registered and unchanged; skipped", voice_id)
@@ -420,6 +420,10 @@ class VoiceStore:
                 continue
             done.append(voice_id)
         return done
+
+    async def _current_info(self, voice_id: str) -> VoiceInfo | None:
+        """The voice as the store of record has it now (a replicated store asks its database)."""
+        return self._infos.get(voice_id)
 
     async def close(self) -> None:
         async with self._write_lock:  # let a registration in flight commit first
