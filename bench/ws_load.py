@@ -62,6 +62,7 @@ import numpy as np
 from bench.launch import LaunchedGateway, rss_bytes
 from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
 from bench.svg_plot import Chart, Series, render_svg
+from gateway.audio import AudioFormat, resolve_format
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_RATE = 24000
@@ -90,6 +91,7 @@ M_CUDA = "cosyvoice_engine_cuda_memory_allocated_bytes"
 M_RSS = "cosyvoice_process_resident_memory_bytes"
 M_ACTIVE = "cosyvoice_engine_active_sessions"
 M_FIRST_CHUNKS = "cosyvoice_engine_first_chunks_total"
+M_LAG = "cosyvoice_event_loop_lag_seconds"
 # Where each utterance's first chunk spends its time (engine counters of summed seconds).
 FIRST_CHUNK_PHASES = {
     "lm_first_token": "cosyvoice_engine_first_chunk_lm_first_token_seconds_total",
@@ -230,8 +232,9 @@ def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: flo
 class WsSession:
     """One WebSocket connection carrying one context (a turn)."""
 
-    def __init__(self, ws_url: str, idx: int, headers: dict[str, str] | None) -> None:
-        self.ws_url, self.idx, self.headers = ws_url, idx, headers
+    def __init__(self, ws_url: str, idx: int, headers: dict[str, str] | None,
+                 fmt: AudioFormat = AudioFormat("pcm_s16le", SAMPLE_RATE)) -> None:
+        self.ws_url, self.idx, self.headers, self.fmt = ws_url, idx, headers, fmt
         self.ws: Any = None
         self.rec = SessionRecord()
 
@@ -286,7 +289,7 @@ class WsSession:
                     pos = len(rec.segments) - 1
                     if pos >= 0 and rec.segments[pos].first_audio_at is None:
                         rec.segments[pos].first_audio_at = now
-                    rec.audio.append((now, (len(msg) - 1 - n) // 2, pos))
+                    rec.audio.append((now, self.fmt.samples_in(msg[1 + n:]), pos))
                     continue
                 ev = json.loads(msg)
                 kind = ev.get("type")
@@ -396,6 +399,8 @@ class BenchContext:
     peak_flops: float | None = None
     gpu: GpuSampler | None = None
     kv_tokens_per_session: float | None = None
+    # What the sessions ask for: Opus and G.711 put the gateway's encoders under load too.
+    fmt: AudioFormat = AudioFormat("pcm_s16le", SAMPLE_RATE)
 
 
 async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
@@ -424,7 +429,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         before = await scrape(client)
         if target.pid is not None and M_RSS not in before:
             before[M_RSS] = float(rss_bytes(target.pid) or 0)
-        sessions = [WsSession(target.ws_url, i, target.headers) for i in range(n)]
+        sessions = [WsSession(target.ws_url, i, target.headers, ctx.fmt) for i in range(n)]
         connected = await asyncio.gather(*(s.connect(ctx.timeout) for s in sessions), return_exceptions=True)
         live = [s for s, c in zip(sessions, connected) if not isinstance(c, BaseException)]
         connect_errors = [f"connect:{type(c).__name__}" for c in connected if isinstance(c, BaseException)]
@@ -434,7 +439,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         peaks: dict[str, float] = {}
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_metrics(client, stop, peaks, target.pid))
-        settings = {"voice": ctx.voice_id, "format": "pcm_s16le", "sample_rate": SAMPLE_RATE,
+        settings = {"voice": ctx.voice_id, "format": ctx.fmt.name, "sample_rate": ctx.fmt.sample_rate,
                     "text_mode": ctx.text_mode}
         gpu = ctx.gpu if ctx.gpu is not None else contextlib.nullcontext()
         with gpu:
@@ -451,12 +456,25 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
             if key in after:
                 peaks[key] = max(peaks.get(key, 0.0), after[key])
         await asyncio.gather(*(s.close() for s in live))
-    results = [analyse(r, SAMPLE_RATE, ctx.prebuffer_s) for r in records]
+    results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s) for r in records]
     return level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
 
 
 def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def loop_lag_summary(after: dict[str, float], before: dict[str, float]) -> dict[str, Any] | None:
+    """The gateway event loop's lateness during the level, from its histogram's deltas."""
+    n = _delta(after, before, M_LAG + "_count")
+    if n <= 0:
+        return None
+
+    def over(le: str) -> float:
+        return round(1 - _delta(after, before, f'{M_LAG}_bucket{{le="{le}"}}') / n, 4)
+
+    return {"samples": int(n), "mean_ms": round(1e3 * _delta(after, before, M_LAG + "_sum") / n, 3),
+            "share_over_20ms": over("0.02"), "share_over_100ms": over("0.1")}
 
 
 def level_report(n: int, results: Sequence[SessionResult], connect_errors: Sequence[str], wall: float,
@@ -523,6 +541,8 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # Of that share: the stage waiting for its worker thread or the event loop.
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,
             "max_active_sessions": peaks.get(M_ACTIVE),
+            # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
+            "event_loop_lag": loop_lag_summary(after, before),
         },
         "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",
         "flops": flops,
@@ -700,6 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-mode", choices=("segment", "stream"), default="segment")
     p.add_argument("--tokens-per-text-token", type=float, default=None,
                    help="speech tokens per text token (default: calibrated to 14 spoken chars/s, see above)")
+    p.add_argument("--format", choices=("pcm_s16le", "opus", "ulaw_8000"), default="pcm_s16le",
+                   help="audio format of every session (at its default rate: 24 kHz, 48 kHz, 8 kHz)")
     p.add_argument("--prebuffer-ms", type=float, default=0.0, help="client jitter buffer before playback starts")
     p.add_argument("--timeout", type=float, default=600.0, help="per-session limit in seconds")
     p.add_argument("--no-warm", action="store_true", help="skip the untimed warm-up session")
@@ -755,7 +777,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gpu = GpuSampler(args.gpu_index if args.gpu_index is not None else nvml_index()) if use_cuda else None
     ctx = BenchContext(pieces, args.rate, args.ramp, VOICE_ID, args.text_mode, args.timeout,
                        args.prebuffer_ms / 1e3, None, peak, gpu if gpu and gpu.available else None,
-                       kv_tokens_per_session(count, text, tptt) if count else None)
+                       kv_tokens_per_session(count, text, tptt) if count else None,
+                       resolve_format(args.format, 24000 if args.format == "pcm_s16le" else None))
     levels = parse_levels(args.sessions)
     base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
 
@@ -772,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                   "spoken chars/s, divided by the served tokenizer's tokens for the text",
             "expected_audio_s_per_session": round(len(text) / SPOKEN_CHARS_PER_SECOND, 2),
             "voice": {"id": VOICE_ID, "prompt_seconds": PROMPT_SECONDS, "transcript": PROMPT_TRANSCRIPT},
-            "prebuffer_ms": args.prebuffer_ms, "sample_rate": SAMPLE_RATE,
+            "prebuffer_ms": args.prebuffer_ms, "format": args.format, "sample_rate": ctx.fmt.sample_rate,
             "first_audio_definition": "segment text complete (last character sent, or the flush that closed it) "
                                       "-> first audio byte of that segment",
         },

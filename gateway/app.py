@@ -27,6 +27,8 @@ from engine.types import SessionOptions
 
 from . import errors, http_api, ws
 from .auth import Auth
+from .encode_pool import EncodePool
+from .loop_monitor import LoopLagMonitor
 from .metrics import Metrics
 from .settings import Settings
 from .voice_pg import create_voice_store
@@ -45,6 +47,7 @@ class GatewayState:
     voices: VoiceStore
     metrics: Metrics
     auth: Auth
+    encode_pool: EncodePool
     # Base options of every WebSocket context (requests override them).
     session_defaults: SessionOptions = SessionOptions()
 
@@ -97,13 +100,19 @@ def create_app(settings: Settings) -> Starlette:
         await voices.open()
         if Path(settings.assets_dir).is_dir():
             await voices.register_assets(Path(settings.assets_dir))
-        app.state.gw = GatewayState(settings, engine, voices, Metrics(), Auth(settings.api_keys))
+        encode_pool = EncodePool(settings.audio.encode_threads)
+        metrics = Metrics()
+        app.state.gw = GatewayState(settings, engine, voices, metrics, Auth(settings.api_keys), encode_pool)
+        lag = LoopLagMonitor(metrics.observe_loop_lag)
+        lag.start()
         log.info("ready: model=%s backend=%s device=%s", engine.model_name, engine.backend.name, engine.device)
         try:
             yield
         finally:
+            await lag.stop()
             await voices.close()
             await engine.close()
+            encode_pool.close()
 
     routes = [
         *http_api.routes,

@@ -30,6 +30,7 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
 
 FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Metrics:
         self._sessions_active = 0
         self._first_audio = Histogram(FIRST_AUDIO_BUCKETS)
         self._batch_sizes = Histogram(BATCH_BUCKETS)
+        self._loop_lag = Histogram(LOOP_LAG_BUCKETS)
         self._errors: dict[str, int] = {}
         self._requests: dict[tuple[str, int], int] = {}
         self._audio_seconds = 0.0
@@ -127,6 +129,10 @@ class Metrics:
     def observe_batch_size(self, size: int) -> None:
         with self._lock:
             self._batch_sizes.observe(size)
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        with self._lock:
+            self._loop_lag.observe(seconds)
 
     def add_audio_seconds(self, seconds: float) -> None:
         with self._lock:
@@ -170,6 +176,10 @@ class Metrics:
             head(f"{p}_http_requests_total", "counter", "HTTP requests by route and status.")
             for (route, status), n in sorted(self._requests.items()):
                 lines.append(f'{p}_http_requests_total{{route="{_label(route)}",status="{status}"}} {n}')
+            if self._loop_lag.n:
+                head(f"{p}_event_loop_lag_seconds", "histogram",
+                     "How late the event loop woke a periodic check (its wait is every callback's wait).")
+                lines.extend(self._loop_lag.lines(f"{p}_event_loop_lag_seconds"))
             if rss is not None:
                 head(f"{p}_process_resident_memory_bytes", "gauge", "Resident memory of the gateway process.")
                 lines.append(f"{p}_process_resident_memory_bytes {rss}")

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from gateway.audio import EncoderOptions
 from gateway.protocol import WsLimits
 from gateway.voices import VoiceLimits
 
@@ -139,6 +140,7 @@ class Settings:
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))
     engine: EngineSettings = field(default_factory=EngineSettings)
     ws: WsLimits = field(default_factory=WsLimits)
+    audio: EncoderOptions = field(default_factory=EncoderOptions)
     voices: VoiceLimits = field(default_factory=VoiceLimits)
 
 

@@ -463,7 +463,7 @@ class _Connection:
             self.send_event(ProtocolError("not_ready" if code == "not_ready" else "internal_error", str(exc), cid).event())
             return
         raw_id = cid.encode("utf-8")
-        rt = _ContextRuntime(cid, settings, session, make_encoder(settings.format.name, settings.format.sample_rate), bytes([len(raw_id)]) + raw_id)
+        rt = _ContextRuntime(cid, settings, session, self._new_encoder(settings), bytes([len(raw_id)]) + raw_id)
         self.contexts[cid] = rt
         rt.pump = asyncio.create_task(self._pump(rt), name=f"{self.session_id}-{cid}-pump")
         self.send_event({"type": "context_started", "context_id": cid, **settings.describe()}, rt)
@@ -573,10 +573,13 @@ class _Connection:
             rt.out_produced += samples
             await self.writer.put_audio(_Item(data, rt, len(data), samples=samples))
 
+    def _new_encoder(self, settings: ContextSettings) -> Encoder:
+        return make_encoder(settings.format.name, settings.format.sample_rate, self.gw.settings.audio)
+
     async def _drain_encoder(self, rt: _ContextRuntime) -> None:
         """End of a flush/context: drain the encoder and start a fresh one."""
-        await self._emit_frames(rt, rt.encoder.flush(), None)
-        rt.encoder = make_encoder(rt.settings.format.name, rt.settings.format.sample_rate)
+        await self._emit_frames(rt, await self.gw.encode_pool.flush(rt.encoder), None)
+        rt.encoder = self._new_encoder(rt.settings)
         rt.in_base, rt.out_base = rt.in_samples, rt.out_produced
 
     async def _settle(self, rt: _ContextRuntime) -> None:
@@ -659,7 +662,7 @@ class _Connection:
         if pcm.size and not rt.first_audio_seen and rt.first_submit_at is not None:
             rt.first_audio_seen = True
             self.gw.metrics.observe_first_audio(time.monotonic() - rt.first_submit_at)
-        frames = rt.encoder.encode(pcm)
+        frames = await self.gw.encode_pool.encode(rt.encoder, pcm)
         rt.in_samples += int(pcm.size)
         await self._emit_frames(rt, frames, seg)
         if ev.is_last:

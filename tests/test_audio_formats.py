@@ -12,6 +12,8 @@ import pytest
 from gateway.audio import (
     PCM_RATES,
     AudioFormatError,
+    EncoderOptions,
+    float_to_s16,
     alaw_decode,
     alaw_encode,
     decode_frames,
@@ -90,6 +92,17 @@ def test_g711_exact_20ms_frames_and_roundtrip(fmt: str) -> None:
     assert max_step(y[50 : n - 50]) < 2 * np.pi * 440 * 0.5 / 8000 * 1.2
 
 
+@pytest.mark.parametrize("fmt,codec", [("ulaw_8000", ulaw_encode), ("alaw_8000", alaw_encode)])
+def test_g711_frames_are_the_per_frame_encoding(fmt: str, codec) -> None:
+    # The encoder codes a whole chunk's frames in one pass; each frame must still be
+    # exactly what coding that frame alone gives.
+    x = sine(0.41, amp=0.8)
+    frames = encode_all(fmt, None, random_chunks(x, seed=3))
+    ref = decode_frames(resolve_format("pcm_f32le", 8000), encode_all("pcm_f32le", 8000, [x]))
+    s16 = float_to_s16(np.concatenate([ref, np.zeros(-len(ref) % 160, np.float32)]))
+    assert frames == [codec(s16[i : i + 160]) for i in range(0, len(s16), 160)]
+
+
 def test_g711_codecs_against_known_values() -> None:
     s = np.array([0, 1000, -1000, 32767, -32768], np.int16)
     # Reference values from the ITU-T G.711 tables (as produced by the classic audioop).
@@ -121,6 +134,24 @@ def test_opus_packets_decode_to_continuous_sine(rate: int) -> None:
     crossings = np.sum((core[:-1] < 0) & (core[1:] >= 0))
     assert abs(crossings / (len(core) / rate) - 440) < 10
     assert max_step(core) < 2 * np.pi * 440 * 0.3 / rate * 1.5
+
+
+def test_opus_options_reach_the_codec() -> None:
+    x = sine(0.4, amp=0.3)
+    low = make_encoder("opus", 48000, EncoderOptions(opus_bitrate=8000, opus_complexity=0))
+    high = make_encoder("opus", 48000, EncoderOptions(opus_bitrate=64000, opus_complexity=10))
+    a, b = low.encode(x) + low.flush(), high.encode(x) + high.flush()
+    assert len(a) == len(b) == 20
+    assert sum(map(len, a)) * 3 < sum(map(len, b))  # the bitrate is applied
+    for frames in (a, b):
+        y = decode_frames(resolve_format("opus", 48000), frames)
+        assert 0.15 < float(np.sqrt(np.mean(y[4800:14400] ** 2))) < 0.26
+    with pytest.raises(ValueError, match="opus_complexity"):
+        EncoderOptions(opus_complexity=11)
+    with pytest.raises(ValueError, match="opus_bitrate"):
+        EncoderOptions(opus_bitrate=1000)
+    with pytest.raises(ValueError, match="encode_threads"):
+        EncoderOptions(encode_threads=-1)
 
 
 def test_format_validation() -> None:

@@ -27,7 +27,8 @@ from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 
 from engine.types import SessionOptions
-from gateway.audio import decode_frames, resolve_format
+from gateway.audio import EncoderOptions, decode_frames, resolve_format
+from gateway.encode_pool import EncodePool
 from gateway.protocol import CLOSE_POLICY, WsLimits
 from gateway.ws import tts_websocket
 
@@ -106,9 +107,10 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
         gw = SimpleNamespace(
             engine=engine,
             voices=_Voices({VOICE: prompt}),
-            settings=SimpleNamespace(ws=limits, default_voice=VOICE),
+            settings=SimpleNamespace(ws=limits, default_voice=VOICE, audio=EncoderOptions()),
             metrics=_Metrics(),
             auth=_Auth(),
+            encode_pool=EncodePool(2),
             session_defaults=SessionOptions(tokens_per_text_token=2.0, seed=0),
         )
         app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", tts_websocket)])
@@ -122,6 +124,7 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
         ready.set()
         await task
         await engine.close()
+        gw.encode_pool.close()
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
     thread.start()

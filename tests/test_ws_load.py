@@ -212,6 +212,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
         "--sessions", "2", "--baseline", "--baseline-sessions", "2", "--rate", "0", "--no-warm",
         "--text", "Hello there. How are you?", "--json", str(out), "--plot", str(svg),
+        "--format", "opus",  # puts the gateway's encode threads in the path
         # gateway flags
         "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
         "--engine.text-normalization", "false",
@@ -220,6 +221,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert data == json.loads(json.dumps(report))
     st = data["settings"]
     assert st["tokens_per_text_token"] > 0 and st["text"].startswith("Hello there")
+    assert st["format"] == "opus" and st["sample_rate"] == 48000
     assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
                                     "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false"]
     for mode in ("product", "baseline"):
@@ -238,6 +240,8 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         server = lv["server"]
         assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
+        lag = server["event_loop_lag"]  # sampled every 50 ms; a CPU level lasts seconds
+        assert lag["samples"] >= 1 and lag["mean_ms"] >= 0 and 0 <= lag["share_over_100ms"] <= lag["share_over_20ms"] <= 1
         assert lv["flops"]["total"] > 0 and lv["flops"]["achieved_flops_per_s"] > 0
         assert lv["rss"]["before_mb"] > 0 and lv["rss"]["active_peak_mb"] >= lv["rss"]["before_mb"]
         assert lv["gpu"] == "n/a"

@@ -28,6 +28,8 @@ from gateway.protocol import (
     WsLimits,
     parse_client_message,
 )
+from gateway.audio import EncoderOptions
+from gateway.encode_pool import EncodePool
 from gateway.ws import FrameWriter, _Item
 
 LIMITS = WsLimits(max_message_bytes=1000, max_contexts=2, max_text_chars=50)
@@ -292,8 +294,9 @@ def test_slow_consumer_is_closed_with_4001_and_memory_stays_bounded() -> None:
         gw = SimpleNamespace(
             engine=SimpleNamespace(open_session=lambda voice, options: session, model_name="fake", sample_rate=24000),
             voices=Voices(),
-            settings=SimpleNamespace(ws=limits, default_voice="v"),
+            settings=SimpleNamespace(ws=limits, default_voice="v", audio=EncoderOptions()),
             metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None),
+            encode_pool=EncodePool(0),
         )
         sock = _NeverReadingSocket([json.dumps({"type": "text", "context_id": "a", "text": "Speak forever."})])
         conn = _Connection(sock, gw)  # type: ignore[arg-type]
