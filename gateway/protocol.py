@@ -265,7 +265,13 @@ def _parse_segmentation(obj: Any) -> SegmenterConfig | None:
         raise _Invalid("invalid_message", f"segmentation: {exc}") from None
 
 
+_PATCH_KEYS = frozenset(f.name for f in fields(SettingsPatch))  # the JSON keys are the field names
+_NO_PATCH = SettingsPatch()
+
+
 def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
+    if _PATCH_KEYS.isdisjoint(obj):
+        return _NO_PATCH  # the common case: a text message carrying text only
     voice = _opt(obj, "voice", str, "a string")
     if voice is not None and not voice:
         raise _Invalid("invalid_message", "'voice' must not be empty")

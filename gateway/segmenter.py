@@ -21,6 +21,7 @@ Design points:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,8 @@ _LATIN_CLAUSE = frozenset(",:")
 _CJK_CLAUSE = frozenset("，、：")
 # Closers that stay with the sentence they close.
 _CLOSERS = frozenset("\"')]}”’»」』】）》")
+# Where a boundary can start: a terminator, a clause mark or a newline.
+_MARK = re.compile("[" + re.escape("".join(sorted(_LATIN_SENTENCE | _CJK_SENTENCE | _LATIN_CLAUSE | _CJK_CLAUSE))) + "\n]")
 # "Mr." & co: a period after these words does not end a sentence. Lower-cased, no dot.
 _ABBREVIATIONS = frozenset(
     "mr mrs ms dr prof sr jr st vs etc eg ie cf al fig figs approx dept est inc ltd co corp "
@@ -109,8 +112,11 @@ def _scan(buf: str, final: bool) -> list[_Boundary]:
     """
     out: list[_Boundary] = []
     n = len(buf)
-    i = 0
-    while i < n:
+    # The buffer is re-scanned on every append (one LLM token): the regex skips the
+    # ordinary characters in C, so only the marks cost Python steps.
+    m = _MARK.search(buf)
+    while m is not None:
+        i = m.start()
         ch = buf[i]
         if ch == "\n":
             j = i + 1
@@ -119,14 +125,10 @@ def _scan(buf: str, final: bool) -> list[_Boundary]:
             if j >= n and not final:
                 break  # more newlines may follow
             out.append(_Boundary(j, True))
-            i = j
-            continue
-        latin = ch in _LATIN_SENTENCE or ch in _LATIN_CLAUSE
-        cjk = ch in _CJK_SENTENCE or ch in _CJK_CLAUSE
-        if not (latin or cjk):
-            i += 1
+            m = _MARK.search(buf, j)
             continue
         # Extend over a run of terminators and closing quotes: "?!", "...", "。」".
+        cjk = ch in _CJK_SENTENCE or ch in _CJK_CLAUSE
         j = i + 1
         sentence = ch in _LATIN_SENTENCE or ch in _CJK_SENTENCE
         while j < n and (buf[j] in _LATIN_SENTENCE or buf[j] in _CJK_SENTENCE or buf[j] in _CLOSERS):
@@ -139,7 +141,7 @@ def _scan(buf: str, final: bool) -> list[_Boundary]:
         if cjk or nxt.isspace():
             if not (ch == "." and j == i + 1 and _is_abbreviation(buf, i)):
                 out.append(_Boundary(j, sentence))
-        i = j
+        m = _MARK.search(buf, j)
     return out
 
 

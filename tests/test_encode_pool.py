@@ -108,12 +108,15 @@ def test_zero_threads_and_cheap_formats_stay_on_the_loop() -> None:
     asyncio.run(main())
 
 
-def test_encode_cost_bench_reports_every_format_and_loop_run(tmp_path) -> None:
-    from bench.encode_cost import FORMATS, main
+def test_host_cost_bench_reports_every_format_and_loop_run(tmp_path) -> None:
+    from bench.host_cost import FORMATS, main
 
     out = tmp_path / "cost.json"
     report = main(["--seconds", "2", "--reps", "1", "--complexities", "0,10", "--streams", "3",
                    "--threads", "2", "--loop-seconds", "0.5", "--json", str(out)])
+    tp = report["text_path"]
+    # "Thanks for calling," (an early first clause), then the three sentence ends
+    assert tp["segments_per_context"] == 4 and tp["cpu_us_per_message"] > 0
     assert [(r["format"], r["sample_rate"]) for r in report["formats"]] == list(FORMATS)
     cost = {(r["format"], r["sample_rate"]): r["cpu_ms_per_audio_s"] for r in report["formats"]}
     assert cost[("opus", 48000)] > cost[("pcm_s16le", 24000)] > 0  # a codec costs more than a cast

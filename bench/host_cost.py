@@ -1,9 +1,14 @@
-"""What the gateway's audio encoders cost the host, and what the encode threads buy.
+"""What a session's gateway-side work costs the host CPU, and what the encode threads buy.
 
-    python -m bench.encode_cost --json docs/bench/encode_cost.json
+    python -m bench.host_cost --json docs/bench/host_cost.json
 
-Every session's audio is encoded in the gateway process. Two measurements, both on the
-bundled speech recording (`assets/default.wav`, looped), fed in engine-sized chunks:
+Everything here runs in the gateway process, on its one event loop unless said otherwise:
+
+* `text_path`: CPU time per incoming LLM-token message (JSON parse, protocol state,
+  segmenter), over the load benchmark's paragraph cut into its token pieces.
+
+The audio side, on the bundled speech recording (`assets/default.wav`, looped), fed in
+engine-sized chunks:
 
 * `formats`: CPU time per second of audio for one stream of each wire format (one
   thread, best of `--reps`), and what that means in real-time streams per core;
@@ -28,10 +33,12 @@ from typing import Any
 import numpy as np
 
 from bench.playback import percentile
+from bench.ws_load import DEFAULT_TEXT, split_tokens
 from engine.wavio import read_wav
 from gateway.audio import ENGINE_RATE, EncoderOptions, make_encoder, resolve_format
 from gateway.encode_pool import EncodePool
 from gateway.loop_monitor import LoopLagMonitor
+from gateway.protocol import ConnectionState, ContextSettings, Speak, WsLimits, parse_client_message
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = (("pcm_s16le", 24000), ("pcm_s16le", 48000), ("ulaw_8000", 8000), ("opus", 24000), ("opus", 48000))
@@ -43,6 +50,27 @@ def speech(seconds: float) -> np.ndarray:
         raise SystemExit(f"assets/default.wav is {sr} Hz, expected {ENGINE_RATE}")
     x = np.asarray(pcm, np.float32).reshape(-1)
     return np.tile(x, int(np.ceil(seconds * ENGINE_RATE / x.size)))[: int(seconds * ENGINE_RATE)]
+
+
+def text_path_cost(text: str, reps: int) -> dict[str, Any]:
+    """CPU per text message, best of `reps` passes over 50 contexts of `text`."""
+    limits = WsLimits()
+    defaults = ContextSettings(voice="v", format=resolve_format("pcm_s16le", ENGINE_RATE))
+    pieces = split_tokens(text)
+    messages = [json.dumps({"type": "text", "context_id": "c", "text": p}) for p in pieces]
+    end = json.dumps({"type": "end", "context_id": "c"})
+    best, segments = float("inf"), 0
+    for _ in range(reps):
+        t = time.process_time()
+        for _ in range(50):
+            state = ConnectionState(defaults, limits)
+            commands = [c for m in messages for c in state.handle(parse_client_message(m, limits))]
+            commands += state.handle(parse_client_message(end, limits))
+        best = min(best, time.process_time() - t)
+        segments = sum(len(c.segments) for c in commands if isinstance(c, Speak))
+    us = 1e6 * best / (50 * (len(messages) + 1))
+    return {"messages_per_context": len(messages) + 1, "segments_per_context": segments,
+            "cpu_us_per_message": round(us, 2), "messages_per_core_s": round(1e6 / us)}
 
 
 def cpu_cost(fmt: str, rate: int, x: np.ndarray, chunk: int, opts: EncoderOptions, reps: int) -> dict[str, Any]:
@@ -109,8 +137,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     x = speech(args.seconds)
     chunk = int(args.chunk_s * ENGINE_RATE)
-    report: dict[str, Any] = {"cpu": os.cpu_count(), "chunk_s": args.chunk_s, "formats": [], "opus_complexity": [],
-                              "loop": []}
+    report: dict[str, Any] = {"cpu": os.cpu_count(), "chunk_s": args.chunk_s,
+                              "text_path": text_path_cost(DEFAULT_TEXT, args.reps),
+                              "formats": [], "opus_complexity": [], "loop": []}
+    tp = report["text_path"]
+    print(f"text path: {tp['cpu_us_per_message']:.2f} us CPU per LLM-token message "
+          f"({tp['messages_per_core_s']} messages per core-second; {tp['segments_per_context']} segments per context)")
     for fmt, rate in FORMATS:
         resolve_format(fmt, rate)
         row = cpu_cost(fmt, rate, x, chunk, EncoderOptions(), args.reps)
