@@ -48,6 +48,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .device_copy import tensor_on
 from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, DiTRecord
 from .models.flow import CausalMaskedDiffWithDiT, FlowBatchShape, FlowChunk
 
@@ -146,7 +147,7 @@ class StepPrefixes:
         self.groups = [(e, _row_selectors(rows, 0, device), _row_selectors(rows, self.batch, device))
                        for e, rows in groups.values()]
         self.ragged = any(s < self.width for s in starts)
-        c = torch.tensor(starts, device=device)
+        c = tensor_on(starts, torch.long, device)
         self.positions = torch.cat((c, c))
         self.key_mask = torch.arange(self.width, device=device).unsqueeze(0) < self.positions.unsqueeze(1)
         some = self.groups[0][0]
@@ -197,7 +198,7 @@ def _row_selectors(rows: list[int], offset: int, device: torch.device) -> list[s
             runs.append([r, r + 1])
     if len(runs) <= MAX_SLICE_RUNS:
         return [slice(a + offset, b + offset) for a, b in runs]
-    return [torch.tensor(rows, device=device) + offset]
+    return [tensor_on(rows, torch.long, device) + offset]
 
 
 class _LayerKV(Sequence[tuple[torch.Tensor, torch.Tensor]]):
@@ -335,8 +336,8 @@ def decode_with_prompt_cache(
     # Row i's frames [C_i, C_i + length) shifted to the front; padding past each row's
     # end gets mask 0 and zero inputs, exactly like ordinary batch padding.
     offsets = torch.arange(length, device=device).unsqueeze(0)
-    index = (torch.tensor(starts, device=device).unsqueeze(1) + offsets).clamp(max=t_full - 1)
-    valid = (offsets < torch.tensor(new_frames, device=device).unsqueeze(1)).to(inputs.mask.dtype)
+    index = (tensor_on(starts, torch.long, device).unsqueeze(1) + offsets).clamp(max=t_full - 1)
+    valid = (offsets < tensor_on(new_frames, torch.long, device).unsqueeze(1)).to(inputs.mask.dtype)
 
     def shift(t: torch.Tensor) -> torch.Tensor:
         picked = t.gather(2, index.unsqueeze(1).expand(-1, t.shape[1], -1))

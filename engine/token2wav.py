@@ -19,8 +19,9 @@ the vocoder stays float32 (its F0 net float64) because phase errors are audible.
 On CUDA the CosyVoice3 flow's ODE solve also runs as CUDA graphs (`engine.flow_graphs`):
 batches are padded to (rows, frames) buckets, exactly, and one graph per bucket replays
 the 10 x 22 DiT blocks' kernels in one launch. Per batch the stage makes a handful of
-host->device copies (index planes, not per-chunk pieces) and one device->host copy for
-all of the batch's PCM.
+host->device copies (index planes, not per-chunk pieces), queued from pinned memory so
+the host never waits for the GPU mid-batch (`engine.device_copy`), and one device->host
+copy for all of the batch's PCM: the batch's one wait.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from engine.device_copy import tensor_on
+
 EXTRA_KEY = "cosyvoice"
 _NEG_INF = float("-inf")
 log = logging.getLogger(__name__)
@@ -132,21 +134,6 @@ def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor, 
     return out.clamp_min_(0.0)
 
 
-def _host_to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host-built tensor on `device` without stalling the CPU.
-
-    A plain copy from pageable memory makes the CPU wait for the GPU to drain its
-    stream (PyTorch synchronizes), which undoes vLLM's overlap of step N+1's
-    scheduling with step N's kernels. Pinned memory + non_blocking queues the copy
-    in stream order instead; the caching host allocator keeps the buffer alive
-    until the copy has run.
-    """
-    t = torch.tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def expected_fill_at(prompt_ids: Sequence[int], speech_token_size: int, period: int) -> int:
     """Where a streaming bistream chunk must draw fill, from its context alone.
 
@@ -224,12 +211,12 @@ class RASBatchState:
             return logits
         items = sorted(self.rows.items())
         dev = logits.device
-        idx = _host_to([i for i, _ in items], torch.long, dev)
+        idx = tensor_on([i for i, _ in items], torch.long, dev)
         first = items[0][1].args
         speech_size, speech_vocab = first.speech_token_size, first.speech_vocab_size
         # All CosyVoice requests share one vocabulary layout (one exported model).
         rows = logits[:, :speech_vocab].index_select(0, idx).float()  # slice first: 6761 of 158697 columns
-        stop_mask = _host_to([r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items],
+        stop_mask = tensor_on([r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items],
                              torch.bool, dev)
         keep = [(n, r.args.keep_id) for n, (_, r) in enumerate(items) if r.args.keep_id >= 0]
         kept = [rows[n, k].clone() for n, k in keep]  # bistream: fill survives the stop mask
@@ -246,11 +233,11 @@ class RASBatchState:
                 seen = [*r.args.history, *r.output_ids] if r.args.history else r.output_ids
                 recent = [int(t) for t in seen[-r.args.win_size:]] if r.args.win_size > 0 else []
                 win_rows.append(recent + [-1] * (max(width, 1) - len(recent)))
-            win = _host_to(win_rows, torch.long, dev)
-            top_p = _host_to([r.args.top_p for r in sub], torch.float32, dev)
-            thr = _host_to([r.args.win_size * r.args.tau_r for r in sub], torch.float32, dev)
-            top_k = _host_to([r.args.top_k for r in sub], torch.long, dev)
-            sel = _host_to(ras_pos, torch.long, dev)
+            win = tensor_on(win_rows, torch.long, dev)
+            top_p = tensor_on([r.args.top_p for r in sub], torch.float32, dev)
+            thr = tensor_on([r.args.win_size * r.args.tau_r for r in sub], torch.float32, dev)
+            top_k = tensor_on([r.args.top_k for r in sub], torch.long, dev)
+            sel = tensor_on(ras_pos, torch.long, dev)
             sub_logits = rows.index_select(0, sel)
             probs = ras_probs(sub_logits, win, top_p, top_k, thr, k_max=max(r.args.top_k for r in sub))
             rows.index_copy_(0, sel, probs.log())

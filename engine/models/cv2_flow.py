@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..device_copy import to_device
 from .config import FlowConfig
 from .conformer import UpsampleConformerEncoder
 from .cv2_config import CV2FlowConfig
@@ -63,7 +64,7 @@ class CausalMaskedDiffWithXvec(CausalMaskedDiffWithDiT):
         emb = torch.zeros(len(chunks), n_max + self.pre_lookahead_len, self.cfg.input_size, device=device, dtype=dtype)
         totals = []
         for i, c in enumerate(chunks):
-            ids = c.tokens.to(device=device, dtype=torch.long).clamp(min=0)
+            ids = to_device(c.tokens, device, torch.long).clamp(min=0)
             emb[i, : len(ids)] = self.input_embedding(ids)
             totals.append(len(ids))
         h = self.encoder(emb, n_main, totals, streaming)  # [B, 2 * n_max, 512]

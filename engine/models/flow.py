@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device_copy import to_device
 from .config import FlowConfig
 from .dit import DiT, DiTPrefix, DiTRecord
 
@@ -265,7 +266,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         prompt_frames = [ratio * c.num_prompt_tokens for c in chunks]
         feats, feat_base = _prompt_table(chunks, n_mel, device, dtype)
         plan = _gather_plan(frames, prompt_frames, [c.noise_offset for c in chunks], feat_base, rows, t_pad)
-        plan = plan.to(device)
+        plan = to_device(plan, device)
         noise_idx, cond_idx, valid = plan[0], plan[1], plan[2]
         mask = valid.to(dtype).unsqueeze(1)  # [rows, 1, t_pad]
         source = self.decoder.rand_noise[0]  # [80, NOISE_FRAMES]
@@ -349,7 +350,7 @@ class FlowSolver(Protocol):
 
 def _stack_rows(rows: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Stack 1-D tensors into [B, C] on `device` (host rows: stacked there, one copy)."""
-    return torch.stack(rows).to(device=device, dtype=dtype)
+    return to_device(torch.stack(rows), device, dtype)
 
 
 def _padded_ids(chunks: list[FlowChunk], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,9 +360,9 @@ def _padded_ids(chunks: list[FlowChunk], length: int, device: torch.device) -> t
     lengths = torch.tensor([len(s) for s in seqs])
     ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
     ids = F.pad(ids, (0, length - ids.shape[1]))
-    ids = ids.to(device=device, dtype=torch.long).clamp(min=0)
+    ids = to_device(ids, device, torch.long).clamp(min=0)
     valid = torch.arange(length) < lengths.unsqueeze(1)
-    return ids, valid.to(device)
+    return ids, to_device(valid, device)
 
 
 def _prompt_table(
@@ -379,7 +380,7 @@ def _prompt_table(
             parts.append(c.prompt_feat.to(device=parts[0].device, dtype=dtype))
             offset += c.prompt_feat.shape[0]
         base.append(starts[key])
-    return torch.cat(parts).to(device), base
+    return to_device(torch.cat(parts), device), base
 
 
 def _gather_plan(

@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from engine.device_copy import tensor_on, to_device
 from engine.models.config import HiFTConfig
 
 # Sizes of what the official build draws from the RNG between `set_all_random_seed(0)` (flow
@@ -394,7 +395,7 @@ class CausalHiFTGenerator(nn.Module):
         if hi <= n_table:
             return table[lo:hi]
         tail = torch.rand(hi - max(lo, n_table), self.cfg.nb_harmonics + 1, generator=gen)
-        tail = tail.to(device=self._device, dtype=self._dtype)
+        tail = to_device(tail, self._device, self._dtype)
         return torch.cat([table[lo:], tail]) if lo < n_table else tail
 
     def _generator(self) -> torch.Generator:
@@ -584,7 +585,9 @@ class CausalHiFTGenerator(nn.Module):
             sources.append(src)
         width = max(x.shape[0] for x in sources)
         s_padded = torch.stack([F.pad(x, (0, width - x.shape[0])) for x in sources])
-        valid = torch.tensor([stft_per_frame * n + 1 for n in n_net], device=self._device)
+        # Queued, not waited for: the host would otherwise stop here until the whole flow
+        # batch ran, and launch the vocoder with the GPU idle.
+        valid = tensor_on([stft_per_frame * n + 1 for n in n_net], torch.long, self._device)
         wav = self._decode(torch.stack(mels), s_padded, valid)
         pieces = []
         for b, (st, s0, t) in enumerate(zip(streams, starts, targets)):
