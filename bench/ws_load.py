@@ -92,6 +92,7 @@ M_RSS = "cosyvoice_process_resident_memory_bytes"
 M_ACTIVE = "cosyvoice_engine_active_sessions"
 M_FIRST_CHUNKS = "cosyvoice_engine_first_chunks_total"
 M_LAG = "cosyvoice_event_loop_lag_seconds"
+M_LOOP_CPU = "cosyvoice_event_loop_cpu_seconds_total"
 # Where each utterance's first chunk spends its time (engine counters of summed seconds).
 FIRST_CHUNK_PHASES = {
     "lm_first_token": "cosyvoice_engine_first_chunk_lm_first_token_seconds_total",
@@ -464,8 +465,11 @@ def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def loop_lag_summary(after: dict[str, float], before: dict[str, float]) -> dict[str, Any] | None:
-    """The gateway event loop's lateness during the level, from its histogram's deltas."""
+def loop_lag_summary(after: dict[str, float], before: dict[str, float], wall: float,
+                     audio_s: float) -> dict[str, Any] | None:
+    """The gateway event loop during the level, from its metrics' deltas: how late it ran
+    and how much CPU its thread used (busy share of the wall time; per second of audio
+    delivered, the figure that scales to more sessions)."""
     n = _delta(after, before, M_LAG + "_count")
     if n <= 0:
         return None
@@ -473,8 +477,11 @@ def loop_lag_summary(after: dict[str, float], before: dict[str, float]) -> dict[
     def over(le: str) -> float:
         return round(1 - _delta(after, before, f'{M_LAG}_bucket{{le="{le}"}}') / n, 4)
 
+    cpu = _delta(after, before, M_LOOP_CPU)
     return {"samples": int(n), "mean_ms": round(1e3 * _delta(after, before, M_LAG + "_sum") / n, 3),
-            "share_over_20ms": over("0.02"), "share_over_100ms": over("0.1")}
+            "share_over_20ms": over("0.02"), "share_over_100ms": over("0.1"),
+            "busy_share": round(cpu / wall, 4) if wall > 0 else None,
+            "cpu_ms_per_audio_s": round(1e3 * cpu / audio_s, 3) if audio_s > 0 else None}
 
 
 def level_report(n: int, results: Sequence[SessionResult], connect_errors: Sequence[str], wall: float,
@@ -542,7 +549,7 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,
             "max_active_sessions": peaks.get(M_ACTIVE),
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
-            "event_loop_lag": loop_lag_summary(after, before),
+            "event_loop": loop_lag_summary(after, before, wall, audio),
         },
         "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",
         "flops": flops,

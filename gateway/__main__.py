@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.hub import resolve_model
 
-    from .app import create_app
+    from .app import create_app, transport_options
 
     # Resolve (and download, with a progress bar) before uvicorn starts, so that a
     # missing model is one clear line on stderr rather than a failed lifespan.
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,
-        ws_max_size=settings.ws.max_message_bytes,
         timeout_graceful_shutdown=settings.shutdown_timeout,
         limit_concurrency=settings.max_sessions + 64,
+        **transport_options(settings),  # type: ignore[arg-type]
     )
     server = DrainingServer(config, app, settings.shutdown_timeout)
     server.run()

@@ -88,6 +88,15 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
     )
 
 
+def transport_options(settings: Settings) -> dict[str, object]:
+    """uvicorn options that come from the settings (every server of the app uses them)."""
+    # The transport's frame limit sits well above the protocol's so that an oversize frame
+    # gets the `message_too_large` error event (the app reads it and answers) on a live
+    # socket; only absurd frames are refused by the transport (close 1009).
+    return {"ws_max_size": max(4 * settings.ws.max_message_bytes, 1 << 20),
+            "ws_per_message_deflate": settings.ws.per_message_deflate}
+
+
 def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -103,7 +112,7 @@ def create_app(settings: Settings) -> Starlette:
         encode_pool = EncodePool(settings.audio.encode_threads)
         metrics = Metrics()
         app.state.gw = GatewayState(settings, engine, voices, metrics, Auth(settings.api_keys), encode_pool)
-        lag = LoopLagMonitor(metrics.observe_loop_lag)
+        lag = LoopLagMonitor(metrics.observe_loop_lag, add_cpu=metrics.add_loop_cpu)
         lag.start()
         log.info("ready: model=%s backend=%s device=%s", engine.model_name, engine.backend.name, engine.device)
         try:

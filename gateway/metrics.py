@@ -106,6 +106,7 @@ class Metrics:
         self._first_audio = Histogram(FIRST_AUDIO_BUCKETS)
         self._batch_sizes = Histogram(BATCH_BUCKETS)
         self._loop_lag = Histogram(LOOP_LAG_BUCKETS)
+        self._loop_cpu = 0.0
         self._errors: dict[str, int] = {}
         self._requests: dict[tuple[str, int], int] = {}
         self._audio_seconds = 0.0
@@ -133,6 +134,10 @@ class Metrics:
     def observe_loop_lag(self, seconds: float) -> None:
         with self._lock:
             self._loop_lag.observe(seconds)
+
+    def add_loop_cpu(self, seconds: float) -> None:
+        with self._lock:
+            self._loop_cpu += seconds
 
     def add_audio_seconds(self, seconds: float) -> None:
         with self._lock:
@@ -180,6 +185,9 @@ class Metrics:
                 head(f"{p}_event_loop_lag_seconds", "histogram",
                      "How late the event loop woke a periodic check (its wait is every callback's wait).")
                 lines.extend(self._loop_lag.lines(f"{p}_event_loop_lag_seconds"))
+                head(f"{p}_event_loop_cpu_seconds_total", "counter",
+                     "CPU time of the event loop's thread (the engine's and encoders' threads excluded).")
+                lines.append(f"{p}_event_loop_cpu_seconds_total {_fmt(self._loop_cpu)}")
             if rss is not None:
                 head(f"{p}_process_resident_memory_bytes", "gauge", "Resident memory of the gateway process.")
                 lines.append(f"{p}_process_resident_memory_bytes {rss}")

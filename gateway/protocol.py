@@ -24,7 +24,7 @@ from .segmenter import Segment, Segmenter, SegmenterConfig
 
 @dataclass(frozen=True)
 class WsLimits:
-    """Per-socket limits of the streaming endpoint (wired into `gateway.settings`)."""
+    """Per-socket limits and transport options of the streaming endpoint (wired into `gateway.settings`)."""
 
     max_message_bytes: int = field(default=65536, metadata={"help": "largest client frame; larger ones get message_too_large"})
     max_contexts: int = field(default=16, metadata={"help": "concurrently active contexts per socket"})
@@ -33,6 +33,11 @@ class WsLimits:
     max_lag_s: float = field(default=10.0, metadata={"help": "close a socket (4001) whose oldest queued frame waited this long"})
     idle_timeout_s: float = field(default=300.0, metadata={"help": "close (4000) after this long without client messages or active contexts"})
     keepalive_interval_s: float = field(default=20.0, metadata={"help": "server keepalive event after this much silence (0 = off)"})
+    per_message_deflate: bool = field(
+        default=False,
+        metadata={"help": "accept permessage-deflate compression (off: audio does not compress, and deflating "
+                          "every frame took most of the event loop's send time)"},
+    )
 
 
 # ---- close codes and error codes ------------------------------------------------------

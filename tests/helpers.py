@@ -279,9 +279,10 @@ class LiveServer:
 @contextlib.contextmanager
 def live_gateway(model_dir: Path, root: Path, send_buffer: int | None = None, **over: Any) -> Iterator[LiveServer]:
     """The production app (`create_app`) with the tiny model, served on loopback."""
-    from gateway.app import create_app
+    from gateway.app import create_app, transport_options
 
-    with LiveServer(create_app(gateway_settings(model_dir, root, **over)), send_buffer=send_buffer) as srv:
+    settings = gateway_settings(model_dir, root, **over)
+    with LiveServer(create_app(settings), send_buffer=send_buffer, **transport_options(settings)) as srv:
         yield srv
 
 

@@ -43,7 +43,9 @@ from helpers import AUTH, SAMPLES_PER_TOKEN, LiveServer, WsRecorder, eventually,
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 DOCUMENTED = set(re.findall(r"^\| `([a-z_]+)` \|", DOCS.read_text(), re.M)) & ERROR_CODES
-LIMITS = WsLimits(max_message_bytes=4096, max_contexts=4, max_text_chars=600, keepalive_interval_s=0)
+# Compression on here (off by default): the fuzzed socket runs through the deflate path too.
+LIMITS = WsLimits(max_message_bytes=4096, max_contexts=4, max_text_chars=600, keepalive_interval_s=0,
+                  per_message_deflate=True)
 FIELDS = ["type", "context_id", "text", "voice", "mode", "instruction", "speed", "language", "format",
           "sample_rate", "audio", "segmentation", "flush", "end", "stats_interval_ms", "text_mode"]
 TYPES = ["text", "open", "flush", "end", "cancel", "config", "keepalive", "close"]
@@ -163,6 +165,7 @@ async def _fuzz_socket(url: str, seed: int, n: int) -> tuple[WsRecorder, dict[st
     rng = random.Random(seed)
     counts: dict[str, int] = {}
     async with websockets.connect(url, additional_headers=AUTH, max_size=None) as ws:
+        assert [type(e).__name__ for e in ws.protocol.extensions] == ["PerMessageDeflate"]
         rec = WsRecorder(ws)
         await rec.recv_one()
         # Keep reading while sending (a socket that does not read is a slow consumer).

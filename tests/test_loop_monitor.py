@@ -11,27 +11,32 @@ from gateway.loop_monitor import LoopLagMonitor
 from gateway.metrics import Metrics
 
 
-def test_a_blocked_loop_shows_up_as_lag() -> None:
-    async def main() -> list[float]:
+def test_a_busy_loop_shows_up_as_lag_and_cpu() -> None:
+    async def main() -> tuple[list[float], list[float]]:
         samples: list[float] = []
+        cpu: list[float] = []
         seen = asyncio.Event()
 
         def observe(lag: float) -> None:
             samples.append(lag)
             seen.set()
 
-        mon = LoopLagMonitor(observe, interval=0.02)
+        mon = LoopLagMonitor(observe, interval=0.02, add_cpu=cpu.append)
         mon.start()
         await seen.wait()  # the monitor is now asleep, due within 20 ms
         seen.clear()
-        time.sleep(0.3)  # the load being measured: a callback that hogs the loop
+        cpu.clear()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3:  # the load being measured: a callback that hogs the loop
+            pass
         await seen.wait()
         await mon.stop()
-        return samples
+        return samples, cpu
 
-    samples = asyncio.run(main())
-    assert samples[-1] >= 0.3 - 0.02
+    samples, cpu = asyncio.run(main())
+    assert samples[-1] >= 0.3 - 0.02  # wall time >= the 0.3 s of CPU it burned
     assert all(s >= 0 for s in samples)
+    assert sum(cpu) >= 0.3 and all(c >= 0 for c in cpu)
     with pytest.raises(ValueError):
         LoopLagMonitor(lambda _: None, interval=0)
 
@@ -45,3 +50,6 @@ def test_lag_histogram_is_rendered() -> None:
     assert 'cosyvoice_event_loop_lag_seconds_bucket{le="0.001"} 1' in text
     assert 'cosyvoice_event_loop_lag_seconds_bucket{le="0.05"} 2' in text
     assert "cosyvoice_event_loop_lag_seconds_count 3" in text
+    m.add_loop_cpu(0.25)
+    m.add_loop_cpu(0.5)
+    assert "cosyvoice_event_loop_cpu_seconds_total 0.75" in m.render()

@@ -23,6 +23,7 @@ import torch
 import websockets
 from starlette.routing import Route
 
+from gateway.app import transport_options
 from gateway.auth import OPEN_PATHS
 from gateway.protocol import CLOSE_POLICY
 from helpers import API_KEY, AUTH, FAST, LiveServer, err, live_gateway, register, tone_wav
@@ -218,15 +219,31 @@ def test_chunked_json_speech_body_is_cut_at_the_limit(server: LiveServer) -> Non
 
 def test_websocket_frame_size_is_bounded(server: LiveServer) -> None:
     limit = server.gw.settings.ws.max_message_bytes
+    transport_limit = transport_options(server.gw.settings)["ws_max_size"]
+    assert isinstance(transport_limit, int) and transport_limit > limit
 
-    async def main() -> dict[str, Any]:
+    async def main() -> tuple[dict[str, Any], int | None, list[Any]]:
         async with websockets.connect(server.ws_url, additional_headers=AUTH, max_size=None) as ws:
+            # The client offers permessage-deflate; the gateway declines it by default
+            # (audio does not compress; deflating it cost the event loop).
+            extensions = list(ws.protocol.extensions)
             await ws.recv()
             await ws.send(json.dumps({"type": "text", "context_id": "c", "text": "a" * (limit + 10)}))
-            return json.loads(await asyncio.wait_for(ws.recv(), 10))
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        # Just over the limit: an error event on a live socket (above). Far over it: the
+        # transport refuses the frame with the standard close code.
+        async with websockets.connect(server.ws_url, additional_headers=AUTH, max_size=None) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "text", "context_id": "c", "text": "a" * transport_limit}))
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws.recv(), 10)
+            return ev, ws.close_code, extensions
 
-    ev = asyncio.run(main())
+    ev, code, extensions = asyncio.run(main())
     assert (ev["type"], ev["code"]) == ("error", "message_too_large")
+    assert code == 1009
+    assert extensions == []
 
 
 # --------------------------------------------------------------------------------------
