@@ -445,9 +445,11 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         gpu = ctx.gpu if ctx.gpu is not None else contextlib.nullcontext()
         with gpu:
             t0 = time.perf_counter() + 0.05
+            cpu0 = time.thread_time()  # this loop's thread: the clients' own work
             records = await asyncio.gather(*(
                 s.run(ctx.pieces, ctx.rate, t0 + (ctx.ramp * i / n if n > 1 else 0.0), settings, ctx.timeout)
                 for i, s in enumerate(live)))
+            client_cpu = time.thread_time() - cpu0
             ends = [r.audio[-1][0] for r in records if r.audio]
             wall = (max(ends) if ends else time.perf_counter()) - t0
         stop.set()
@@ -458,7 +460,14 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
                 peaks[key] = max(peaks.get(key, 0.0), after[key])
         await asyncio.gather(*(s.close() for s in live))
     results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s) for r in records]
-    return level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
+    report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
+    # The bench's own event loop timestamps every frame: when it is busy, its lateness
+    # reads as the gateway's. Near 1.0 the level measured the client, not the server.
+    report["client_loop_busy_share"] = round(client_cpu / wall, 4) if wall > 0 else None
+    if wall > 0 and client_cpu / wall > 0.5:
+        print(f"[warning] the bench client's loop was {client_cpu / wall:.0%} busy at {n} sessions: "
+              "its timestamps may be late; run several bench processes with fewer sessions each", flush=True)
+    return report
 
 
 def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:

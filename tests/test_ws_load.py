@@ -243,6 +243,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         loop = server["event_loop"]  # sampled every 50 ms; a CPU level lasts seconds
         assert loop["samples"] >= 1 and loop["mean_ms"] >= 0 and 0 <= loop["share_over_100ms"] <= loop["share_over_20ms"] <= 1
         assert 0 < loop["busy_share"] <= 1.05 and loop["cpu_ms_per_audio_s"] > 0  # the loop served the sessions
+        assert 0 < lv["client_loop_busy_share"] <= 1.05  # the bench's own loop did work too
         assert lv["flops"]["total"] > 0 and lv["flops"]["achieved_flops_per_s"] > 0
         assert lv["rss"]["before_mb"] > 0 and lv["rss"]["active_peak_mb"] >= lv["rss"]["before_mb"]
         assert lv["gpu"] == "n/a"
