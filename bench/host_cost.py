@@ -103,7 +103,7 @@ async def paced_streams(x: np.ndarray, streams: int, threads: int, chunk_s: floa
         while k * chunk_s < seconds:
             due = start + k * chunk_s
             await asyncio.sleep(max(0.0, due - loop.time()))
-            off = (k * chunk) % (x.size - chunk)
+            off = (k * chunk) % max(1, x.size - chunk)
             await pool.encode(enc, x[off : off + chunk])
             behind.append(loop.time() - due - chunk_s)  # done after the next chunk was due: behind
             k += 1

@@ -148,16 +148,21 @@ def prompt_wav() -> tuple[bytes, str]:
 # ---- the gateway ------------------------------------------------------------------------
 
 
-async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
-    resp = await client.get("/metrics")
-    resp.raise_for_status()
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {series (name with labels): value}."""
     out: dict[str, float] = {}
-    for line in resp.text.splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             with contextlib.suppress(ValueError):
                 out[name] = float(value)
     return out
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    resp = await client.get("/metrics")
+    resp.raise_for_status()
+    return parse_metrics(resp.text)
 
 
 async def ensure_voice(client: httpx.AsyncClient, voice_id: str) -> dict[str, Any]:
@@ -483,8 +488,9 @@ def loop_lag_summary(after: dict[str, float], before: dict[str, float], wall: fl
     if n <= 0:
         return None
 
-    def over(le: str) -> float:
-        return round(1 - _delta(after, before, f'{M_LAG}_bucket{{le="{le}"}}') / n, 4)
+    def over(le: str) -> float | None:
+        key = f'{M_LAG}_bucket{{le="{le}"}}'
+        return round(1 - _delta(after, before, key) / n, 4) if key in after else None
 
     cpu = _delta(after, before, M_LOOP_CPU)
     return {"samples": int(n), "mean_ms": round(1e3 * _delta(after, before, M_LAG + "_sum") / n, 3),

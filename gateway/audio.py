@@ -70,16 +70,19 @@ def resolve_format(name: str, sample_rate: int | None) -> AudioFormat:
 
 @dataclass(frozen=True)
 class EncoderOptions:
-    """Codec settings shared by every stream (wired into `gateway.settings` as ``audio``)."""
+    """Codec settings of the WebSocket streams (wired into `gateway.settings` as ``audio``;
+    `/v1/audio/speech` encodes its files through PyAV with fixed settings)."""
 
-    opus_bitrate: int = field(default=32000, metadata={"help": "Opus bitrate in bit/s (6000-510000)"})
+    opus_bitrate: int = field(default=32000, metadata={"help": "WebSocket Opus bitrate in bit/s (6000-510000)"})
     opus_complexity: int = field(
         default=10,
-        metadata={"help": "Opus encoder complexity 0-10; 5 costs ~1/6 of 10's CPU on speech (docs/benchmarks.md)"},
+        metadata={"help": "WebSocket Opus encoder complexity 0-10; 6 and below cost ~1/5 of 10's CPU on speech "
+                          "(docs/benchmarks.md)"},
     )
     encode_threads: int = field(
         default=4,
-        metadata={"help": "threads that run Opus, G.711 and resampling off the event loop (0 = on the loop)"},
+        metadata={"help": "threads that encode WebSocket Opus off the event loop (0 = on the loop; PCM and "
+                          "G.711 always stay on it)"},
     )
 
     def __post_init__(self) -> None:
@@ -228,7 +231,7 @@ def alaw_decode(data: bytes) -> np.ndarray:
 class G711Encoder(_FramedEncoder):
     """μ-law / A-law at 8 kHz in exact 160-byte (20 ms) frames."""
 
-    inline = True  # ~0.25 ms of CPU per second of audio, resampling included
+    inline = True  # ~0.3 ms of CPU per second of audio, resampling included (bench/host_cost.py)
 
     def _encode_frames(self, block: np.ndarray) -> list[bytes]:
         # Sample by sample, so one pass over the block gives the same bytes as one per

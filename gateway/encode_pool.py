@@ -7,8 +7,9 @@ libopus is called through ctypes, which releases the GIL, so the threads encode
 streams in parallel on several cores. Encoders that cost less than the hop (PCM,
 G.711) stay on the loop.
 
-Each stream still has one encoder, used by one caller at a time: the WebSocket pump
-awaits each call before the next, so a stream's frames keep their order.
+Each stream still has one encoder, used by one caller at a time: the WebSocket code calls
+it under the context's lock and awaits each call before the next, so a stream's frames
+keep their order.
 """
 
 from __future__ import annotations
@@ -38,15 +39,28 @@ class EncodePool:
     async def _run(self, encoder: Encoder, work: Callable[[], T]) -> T:
         if self._executor is None or encoder.inline:
             return work()
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, work)
+        try:
+            job = self._executor.submit(work)
+        except RuntimeError:  # shut down (the app is stopping): finish on the loop
+            return work()
+        fut = asyncio.wrap_future(job)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The thread still holds the encoder: let it finish before the caller's
-            # cleanup (or anyone else) can touch it again. Milliseconds at most.
-            await asyncio.wait([fut])
+            # Not started yet: it never will be, and the caller may go at once (a barge-in
+            # must not wait behind other streams' queued chunks). Running: the thread holds
+            # the encoder, so wait until it lets go (one encode, milliseconds), through
+            # any further cancellation, before the caller's clean-up can touch it.
+            if not job.cancel():
+                while not fut.done():
+                    try:
+                        await asyncio.wait([fut])
+                    except asyncio.CancelledError:
+                        pass
             raise
 
     def close(self) -> None:
+        """Stop taking work. What is queued still runs on the threads (its callers get their
+        frames), but the event loop does not wait for it."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=False)

@@ -92,6 +92,65 @@ def test_cancelled_caller_waits_for_the_thread_to_release_the_encoder() -> None:
     asyncio.run(main())
 
 
+def test_cancelling_a_queued_encode_returns_at_once_and_it_never_runs() -> None:
+    async def main() -> None:
+        pool = EncodePool(1)
+        busy, queued = _GatedEncoder(), _GatedEncoder()
+        queued.gate.set()
+        try:
+            first = asyncio.create_task(pool.encode(busy, np.zeros(10, np.float32)))
+            await asyncio.to_thread(busy.entered.wait)  # the one thread is taken
+            second = asyncio.create_task(pool.encode(queued, np.zeros(10, np.float32)))
+            await asyncio.sleep(0)  # let it reach the queue
+            second.cancel()
+            # Returns while the thread is still blocked: a barge-in does not wait for
+            # other streams' queued chunks (a wait here would hang until the timeout).
+            done, _ = await asyncio.wait([second], timeout=30)
+            assert done and second.cancelled() and not busy.finished
+            busy.gate.set()
+            assert await first == [b"x"]
+            assert queued.threads == []  # cancelled before it started: never ran
+        finally:
+            busy.gate.set()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_second_cancel_still_waits_for_the_running_encode() -> None:
+    async def main() -> None:
+        pool = EncodePool(1)
+        enc = _GatedEncoder()
+        try:
+            task = asyncio.create_task(pool.encode(enc, np.zeros(10, np.float32)))
+            await asyncio.to_thread(enc.entered.wait)
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()  # e.g. the pump cancelled by a client cancel and by connection teardown
+            done, _ = await asyncio.wait([task], timeout=0.2)
+            assert not done
+            enc.gate.set()
+            await asyncio.wait([task])
+            assert task.cancelled() and enc.finished
+        finally:
+            enc.gate.set()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_closed_pool_encodes_on_the_loop() -> None:
+    async def main() -> None:
+        pool = EncodePool(2)
+        pool.close()
+        enc = _GatedEncoder()
+        enc.gate.set()
+        assert await pool.encode(enc, np.zeros(10, np.float32)) == [b"x"]
+        assert enc.threads == [threading.current_thread().name]
+
+    asyncio.run(main())
+
+
 def test_zero_threads_and_cheap_formats_stay_on_the_loop() -> None:
     async def main() -> None:
         enc = _GatedEncoder()
