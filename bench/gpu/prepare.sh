@@ -1,7 +1,7 @@
 # Sourced (not run) by the bench/gpu/*.sh scripts on the device machine, from the repo root:
 # stages the vLLM bundle when a carried .gpu/b is there and /tmp/site is not ready yet, installs
-# the carried wheels (.whl: uvicorn, websockets, python-multipart, soxr; .whl_av: PyAV),
-# exports the environment and registers our vLLM plugin. Sets ROOT and T0.
+# the carried wheels (built here by bench/gpu/wheels.sh: .whl, the server stack with uvloop;
+# .whl_av, PyAV), exports the environment and registers our vLLM plugin. Sets ROOT and T0.
 BUNDLE="$PWD"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -18,3 +18,7 @@ for d in .whl .whl_av; do
 done
 export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
+# What the gateway will run on: uvloop/httptools (a production install) or asyncio/h11, and
+# whether Opus over WebSocket can work (opuslib needs the system libopus).
+python3 -c "import importlib.util as u, ctypes.util as c; print('server stack: uvloop', bool(u.find_spec('uvloop')), \
+'httptools', bool(u.find_spec('httptools')), '| libopus', c.find_library('opus'))"

@@ -13,8 +13,9 @@
 # EXTRA="--engine.x y ..." (more gateway options for the product runs),
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
 # its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call).
-# .whl holds the gateway's pure-Python wheels (uvicorn, websockets, python-multipart, soxr),
-# .whl_av PyAV (decodes uploaded voices): neither is in the GPU image.
+# .whl holds the gateway's server stack (uvicorn with uvloop and httptools, websockets,
+# python-multipart, soxr, opuslib), .whl_av PyAV (decodes uploaded voices): neither is in the
+# GPU image. Build both here with `bash bench/gpu/wheels.sh`.
 set -uo pipefail
 MODE="${1:-single}"
 . "$(dirname "$0")/prepare.sh"
