@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from typing import AsyncIterator
 
 import numpy as np
 
@@ -67,12 +69,26 @@ class _GatedEncoder:
         return []
 
 
+@contextlib.asynccontextmanager
+async def _pool(threads: int, *gated: _GatedEncoder) -> AsyncIterator[EncodePool]:
+    """A pool that is closed, and whose gated encoders are released, however the test ends."""
+    pool = EncodePool(threads)
+    try:
+        yield pool
+    finally:
+        for enc in gated:
+            enc.gate.set()
+        pool.close()
+
+
+ZEROS = np.zeros(10, np.float32)
+
+
 def test_cancelled_caller_waits_for_the_thread_to_release_the_encoder() -> None:
     async def main() -> None:
-        pool = EncodePool(1)
         enc = _GatedEncoder()
-        try:
-            task = asyncio.create_task(pool.encode(enc, np.zeros(10, np.float32)))
+        async with _pool(1, enc) as pool:
+            task = asyncio.create_task(pool.encode(enc, ZEROS))
             await asyncio.to_thread(enc.entered.wait)
             task.cancel()
             done, _ = await asyncio.wait([task], timeout=0.2)
@@ -85,22 +101,18 @@ def test_cancelled_caller_waits_for_the_thread_to_release_the_encoder() -> None:
                 pass
             assert enc.finished
             assert enc.threads[0].startswith("encode")
-        finally:
-            enc.gate.set()
-            pool.close()
 
     asyncio.run(main())
 
 
 def test_cancelling_a_queued_encode_returns_at_once_and_it_never_runs() -> None:
     async def main() -> None:
-        pool = EncodePool(1)
         busy, queued = _GatedEncoder(), _GatedEncoder()
         queued.gate.set()
-        try:
-            first = asyncio.create_task(pool.encode(busy, np.zeros(10, np.float32)))
+        async with _pool(1, busy) as pool:
+            first = asyncio.create_task(pool.encode(busy, ZEROS))
             await asyncio.to_thread(busy.entered.wait)  # the one thread is taken
-            second = asyncio.create_task(pool.encode(queued, np.zeros(10, np.float32)))
+            second = asyncio.create_task(pool.encode(queued, ZEROS))
             await asyncio.sleep(0)  # let it reach the queue
             second.cancel()
             # Returns while the thread is still blocked: a barge-in does not wait for
@@ -110,19 +122,15 @@ def test_cancelling_a_queued_encode_returns_at_once_and_it_never_runs() -> None:
             busy.gate.set()
             assert await first == [b"x"]
             assert queued.threads == []  # cancelled before it started: never ran
-        finally:
-            busy.gate.set()
-            pool.close()
 
     asyncio.run(main())
 
 
 def test_a_second_cancel_still_waits_for_the_running_encode() -> None:
     async def main() -> None:
-        pool = EncodePool(1)
         enc = _GatedEncoder()
-        try:
-            task = asyncio.create_task(pool.encode(enc, np.zeros(10, np.float32)))
+        async with _pool(1, enc) as pool:
+            task = asyncio.create_task(pool.encode(enc, ZEROS))
             await asyncio.to_thread(enc.entered.wait)
             task.cancel()
             await asyncio.sleep(0)
@@ -132,9 +140,6 @@ def test_a_second_cancel_still_waits_for_the_running_encode() -> None:
             enc.gate.set()
             await asyncio.wait([task])
             assert task.cancelled() and enc.finished
-        finally:
-            enc.gate.set()
-            pool.close()
 
     asyncio.run(main())
 
@@ -145,7 +150,7 @@ def test_a_closed_pool_encodes_on_the_loop() -> None:
         pool.close()
         enc = _GatedEncoder()
         enc.gate.set()
-        assert await pool.encode(enc, np.zeros(10, np.float32)) == [b"x"]
+        assert await pool.encode(enc, ZEROS) == [b"x"]
         assert enc.threads == [threading.current_thread().name]
 
     asyncio.run(main())
@@ -155,7 +160,7 @@ def test_zero_threads_and_cheap_formats_stay_on_the_loop() -> None:
     async def main() -> None:
         enc = _GatedEncoder()
         enc.gate.set()
-        await EncodePool(0).encode(enc, np.zeros(10, np.float32))
+        await EncodePool(0).encode(enc, ZEROS)
         pcm = make_encoder("pcm_s16le", 24000)
         pool = EncodePool(2)
         try:
