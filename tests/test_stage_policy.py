@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from helpers import assert_same_audio
 from engine.engine import DEADLINE_MARGIN_S, build_stage, playback_deadline
 from engine.flow_graphs import BATCH_BUCKETS, FlowGraphRunner, GraphPolicy
 from engine.models.config import ModelConfig
@@ -247,8 +248,7 @@ def test_deadline_policy_gives_the_same_audio_in_order(tiny_model_dir) -> None:
         assert [c.start_sample for c in events] == list(np.cumsum([0] + [c.pcm.size for c in events[:-1]]))
         assert sum(c.pcm.size for c in events) == len(st.speech_tokens) * TOKEN_SAMPLES
         pcm, want = np.concatenate([c.pcm for c in events]), np.concatenate([c.pcm for c in base_events])
-        assert pcm.shape == want.shape
-        np.testing.assert_allclose(pcm, want, atol=1e-4)
+        assert_same_audio(pcm, want)
     # Deadlines: each utterance's later chunks are due after its first chunk was queued and
     # strictly later chunk by chunk (each delivered chunk adds its playing time).
     by_utt: dict[int, list[tuple[int, float]]] = {}

@@ -6,20 +6,26 @@
 #            loop and h11), websockets, python-multipart, soxr, opuslib (Opus over WebSocket;
 #            needs the system libopus, which prepare.sh reports)
 #   .whl_av  PyAV (decodes uploaded voices)
-# Both are git-ignored (.git/info/exclude) and carried: run(..., carry=[".whl", ".whl_av"]).
+# Both are git-ignored (.gitignore) and carried: run(..., carry=[".whl", ".whl_av"]).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PIP=(.venv/bin/python -m pip)
-version() { "${PIP[@]}" show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
+version() {
+  local v
+  v=$("${PIP[@]}" show "$1" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  [ -n "$v" ] || { echo "wheels.sh: $1 is not installed in .venv (run make install first)" >&2; exit 1; }
+  echo "$v"
+}
 TARGET=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform any)
+pkgs=()
+for p in uvicorn uvloop httptools websockets python-multipart soxr; do v=$(version "$p"); pkgs+=("$p==$v"); done
+opus=$(version opuslib)
+av=$(version av)
 rm -rf .whl .whl_av
 mkdir -p .whl .whl_av
-pkgs=()
-for p in uvicorn uvloop httptools websockets python-multipart soxr; do pkgs+=("$p==$(version "$p")"); done
 "${PIP[@]}" download -q "${TARGET[@]}" -d .whl "${pkgs[@]}"
-"${PIP[@]}" wheel -q --no-deps -w .whl "opuslib==$(version opuslib)"  # sdist only; pure Python
-"${PIP[@]}" download -q "${TARGET[@]}" -d .whl_av "av==$(version av)"
-for d in .whl .whl_av; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
+"${PIP[@]}" wheel -q --no-deps -w .whl "opuslib==$opus"  # sdist only; pure Python
+"${PIP[@]}" download -q "${TARGET[@]}" -d .whl_av "av==$av"
 du -sh .whl .whl_av
 ls .whl .whl_av
