@@ -3,7 +3,9 @@
     python -m bench.serve_loop asyncio|uvloop [gateway options...]
 
 `python -m gateway` lets uvicorn pick (uvloop when installed); this pins it, so that a load
-run (`bench/ws_load.py --url ...`) can compare the two on the same machine.
+run (`bench/ws_load.py --url ...`) can compare the two on the same machine. It is plain
+uvicorn, not the gateway's draining server with its connection limit: compare its two loops
+with each other, not with `--launch` runs.
 """
 
 from __future__ import annotations

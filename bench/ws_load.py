@@ -93,6 +93,8 @@ M_ACTIVE = "cosyvoice_engine_active_sessions"
 M_FIRST_CHUNKS = "cosyvoice_engine_first_chunks_total"
 M_LAG = "cosyvoice_event_loop_lag_seconds"
 M_LOOP_CPU = "cosyvoice_event_loop_cpu_seconds_total"
+M_LOOP_INFO = 'cosyvoice_event_loop_info{loop="'
+SERVER_WINDOW = "bench:idle_to_after_seconds"  # not a gateway series: the bench's own clock
 # Where each utterance's first chunk spends its time (engine counters of summed seconds).
 FIRST_CHUNK_PHASES = {
     "lm_first_token": "cosyvoice_engine_first_chunk_lm_first_token_seconds_total",
@@ -440,6 +442,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         live = [s for s, c in zip(sessions, connected) if not isinstance(c, BaseException)]
         connect_errors = [f"connect:{type(c).__name__}" for c in connected if isinstance(c, BaseException)]
         idle = await scrape(client)
+        t_idle = time.perf_counter()
         if target.pid is not None and M_RSS not in idle:
             idle[M_RSS] = float(rss_bytes(target.pid) or 0)
         peaks: dict[str, float] = {}
@@ -460,6 +463,8 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         stop.set()
         await poller
         after = await scrape(client)
+        # The gateway loop's figures cover idle scrape -> after scrape (handshakes excluded).
+        after[SERVER_WINDOW] = time.perf_counter() - t_idle
         for key in (M_RSS, M_CUDA):  # a level shorter than one poll still has a peak
             if key in after:
                 peaks[key] = max(peaks.get(key, 0.0), after[key])
@@ -479,23 +484,24 @@ def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def loop_lag_summary(after: dict[str, float], before: dict[str, float], wall: float,
+def loop_lag_summary(after: dict[str, float], before: dict[str, float], window: float,
                      audio_s: float) -> dict[str, Any] | None:
-    """The gateway event loop during the level, from its metrics' deltas: how late it ran
-    and how much CPU its thread used (busy share of the wall time; per second of audio
-    delivered, the figure that scales to more sessions)."""
+    """The gateway event loop between two scrapes `window` seconds apart, from its metrics'
+    deltas: which loop it is, how late it ran and how much CPU its thread used (busy share
+    of the window; per second of audio delivered, the figure that scales to more sessions)."""
     n = _delta(after, before, M_LAG + "_count")
     if n <= 0:
         return None
+    loop = next((k[len(M_LOOP_INFO):].split('"')[0] for k in after if k.startswith(M_LOOP_INFO)), None)
 
     def over(le: str) -> float | None:
         key = f'{M_LAG}_bucket{{le="{le}"}}'
         return round(1 - _delta(after, before, key) / n, 4) if key in after else None
 
     cpu = _delta(after, before, M_LOOP_CPU)
-    return {"samples": int(n), "mean_ms": round(1e3 * _delta(after, before, M_LAG + "_sum") / n, 3),
+    return {"loop": loop, "samples": int(n), "mean_ms": round(1e3 * _delta(after, before, M_LAG + "_sum") / n, 3),
             "share_over_20ms": over("0.02"), "share_over_100ms": over("0.1"),
-            "busy_share": round(cpu / wall, 4) if wall > 0 else None,
+            "busy_share": round(cpu / window, 4) if window > 0 else None,
             "cpu_ms_per_audio_s": round(1e3 * cpu / audio_s, 3) if audio_s > 0 else None}
 
 
@@ -564,7 +570,7 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,
             "max_active_sessions": peaks.get(M_ACTIVE),
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
-            "event_loop": loop_lag_summary(after, before, wall, audio),
+            "event_loop": loop_lag_summary(after, idle, after.get(SERVER_WINDOW, wall), audio),
         },
         "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",
         "flops": flops,

@@ -90,10 +90,12 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
 
 def transport_options(settings: Settings) -> dict[str, object]:
     """uvicorn options that come from the settings (every server of the app uses them)."""
-    # The transport's frame limit sits well above the protocol's so that an oversize frame
-    # gets the `message_too_large` error event (the app reads it and answers) on a live
-    # socket; only absurd frames are refused by the transport (close 1009).
-    return {"ws_max_size": max(4 * settings.ws.max_message_bytes, 1 << 20),
+    # The transport's frame limit sits above the protocol's so that an oversize frame gets
+    # the `message_too_large` error event (the app reads it and answers) on a live socket;
+    # only frames over twice the limit (at least the limit + 64 KiB) are refused by the
+    # transport, with close code 1009. Each socket buffers at most one such frame.
+    limit = settings.ws.max_message_bytes
+    return {"ws_max_size": max(2 * limit, limit + (64 << 10)),
             "ws_per_message_deflate": settings.ws.per_message_deflate}
 
 

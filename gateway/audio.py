@@ -76,8 +76,8 @@ class EncoderOptions:
     opus_bitrate: int = field(default=32000, metadata={"help": "WebSocket Opus bitrate in bit/s (6000-510000)"})
     opus_complexity: int = field(
         default=10,
-        metadata={"help": "WebSocket Opus encoder complexity 0-10; 6 and below cost ~1/5 of 10's CPU on speech "
-                          "(docs/benchmarks.md)"},
+        metadata={"help": "WebSocket Opus encoder complexity 0-10; 6 and below cost a fifth or less of 10's CPU "
+                          "on speech (docs/benchmarks.md)"},
     )
     encode_threads: int = field(
         default=4,

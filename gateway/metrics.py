@@ -11,6 +11,7 @@ engine needs no knowledge of Prometheus.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import threading
@@ -92,6 +93,15 @@ def process_rss_bytes() -> int | None:
     return None
 
 
+def _loop_name() -> str | None:
+    """'uvloop' or 'asyncio' when called on a running event loop (a scrape), else None."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
 def _label(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
@@ -166,6 +176,7 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
 
         rss = process_rss_bytes()  # a /proc read: outside the lock
+        loop = _loop_name()
         with self._lock:
             head(f"{p}_sessions_opened_total", "counter", "Sessions (WebSocket or HTTP speech requests) opened.")
             lines.append(f"{p}_sessions_opened_total {self._sessions_opened}")
@@ -188,6 +199,9 @@ class Metrics:
                 head(f"{p}_event_loop_cpu_seconds_total", "counter",
                      "CPU time of the event loop's thread (the engine's and encoders' threads excluded).")
                 lines.append(f"{p}_event_loop_cpu_seconds_total {_fmt(self._loop_cpu)}")
+            if loop is not None:
+                head(f"{p}_event_loop_info", "gauge", "The event loop implementation serving this process.")
+                lines.append(f'{p}_event_loop_info{{loop="{loop}"}} 1')
             if rss is not None:
                 head(f"{p}_process_resident_memory_bytes", "gauge", "Resident memory of the gateway process.")
                 lines.append(f"{p}_process_resident_memory_bytes {rss}")

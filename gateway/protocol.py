@@ -26,7 +26,11 @@ from .segmenter import Segment, Segmenter, SegmenterConfig
 class WsLimits:
     """Per-socket limits and transport options of the streaming endpoint (wired into `gateway.settings`)."""
 
-    max_message_bytes: int = field(default=65536, metadata={"help": "largest client frame; larger ones get message_too_large"})
+    max_message_bytes: int = field(
+        default=65536,
+        metadata={"help": "largest client frame; larger ones get message_too_large (over twice this, at least "
+                          "+64 KiB: close 1009)"},
+    )
     max_contexts: int = field(default=16, metadata={"help": "concurrently active contexts per socket"})
     max_text_chars: int = field(default=20000, metadata={"help": "total text per context"})
     max_pending_bytes: int = field(default=4 << 20, metadata={"help": "encoded audio bytes queued per socket before producers wait"})

@@ -300,7 +300,7 @@ class _Connection:
                 "model": getattr(self.gw.engine, "model_name", ""),
                 "engine_sample_rate": getattr(self.gw.engine, "sample_rate", ENGINE_RATE),
                 "defaults": {k: v for k, v in self.state.defaults.describe().items() if k in ("voice", "format", "sample_rate", "audio")},
-                "limits": dataclasses.asdict(limits),
+                "limits": {k: v for k, v in dataclasses.asdict(limits).items() if k != "per_message_deflate"},
             }
         )
         tasks = [

@@ -139,7 +139,9 @@ def _mutations(rng: random.Random, n: int) -> Iterator[tuple[str, str | bytes]]:
             base[key] = rng.choice(junk_values)
             yield kind, json.dumps(base, allow_nan=True)
         elif kind == "huge":
-            yield kind, json.dumps({"type": "text", "context_id": "h", "text": "word " * rng.randint(900, 20000)})
+            # Over max_message_bytes but under the transport's limit (the limit + 64 KiB here):
+            # message_too_large on a live socket.
+            yield kind, json.dumps({"type": "text", "context_id": "h", "text": "word " * rng.randint(900, 13000)})
         elif kind == "empty_text":
             yield kind, json.dumps({"type": "text", "context_id": f"e{i % 3}", "text": rng.choice(["", " ", "\n\t", "..."]),
                                     "end": rng.random() < 0.5})

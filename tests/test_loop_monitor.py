@@ -63,6 +63,9 @@ def test_load_report_reads_the_rendered_metrics() -> None:
     for lag in (0.001, 0.03, 0.2, 0.004):
         m.observe_loop_lag(lag)
     m.add_loop_cpu(0.5)
-    summary = loop_lag_summary(parse_metrics(m.render()), before, wall=2.0, audio_s=10.0)
-    assert summary == {"samples": 4, "mean_ms": 58.75, "share_over_20ms": 0.5, "share_over_100ms": 0.25,
+    async def scrape() -> str:  # rendered on a running loop, like the /metrics route
+        return m.render()
+
+    summary = loop_lag_summary(parse_metrics(asyncio.run(scrape())), before, window=2.0, audio_s=10.0)
+    assert summary == {"loop": "asyncio", "samples": 4, "mean_ms": 58.75, "share_over_20ms": 0.5, "share_over_100ms": 0.25,
                        "busy_share": 0.25, "cpu_ms_per_audio_s": 50.0}

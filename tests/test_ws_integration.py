@@ -30,6 +30,8 @@ from engine.types import SessionOptions
 from gateway.audio import EncoderOptions, decode_frames, resolve_format
 from gateway.encode_pool import EncodePool
 from gateway.protocol import CLOSE_POLICY, WsLimits
+from gateway.app import transport_options
+from gateway.settings import Settings
 from gateway.ws import tts_websocket
 
 VOICE = "tester"
@@ -115,7 +117,8 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
         )
         app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", tts_websocket)])
         app.state.gw = gw
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", ws="websockets-sansio")
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                ws="websockets-sansio", **transport_options(Settings(ws=limits)))
         srv = uvicorn.Server(config)
         holder.update(gw=gw, srv=srv, loop=asyncio.get_running_loop())
         task = asyncio.create_task(srv.serve())

@@ -241,6 +241,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
         loop = server["event_loop"]  # sampled every 50 ms; a CPU level lasts seconds
+        assert loop["loop"] in ("uvloop", "asyncio")
         assert loop["samples"] >= 1 and loop["mean_ms"] >= 0 and 0 <= loop["share_over_100ms"] <= loop["share_over_20ms"] <= 1
         assert 0 < loop["busy_share"] <= 1.05 and loop["cpu_ms_per_audio_s"] > 0  # the loop served the sessions
         assert 0 < lv["client_loop_busy_share"] <= 1.05  # the bench's own loop did work too
