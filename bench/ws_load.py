@@ -409,6 +409,9 @@ class BenchContext:
     kv_tokens_per_session: float | None = None
     # What the sessions ask for: Opus and G.711 put the gateway's encoders under load too.
     fmt: AudioFormat = AudioFormat("pcm_s16le", SAMPLE_RATE)
+    # Client processes the sessions are spread over (1 = this process): one event loop
+    # timestamps every frame of its sessions, and hundreds of sessions would make it late.
+    client_procs: int = 1
 
 
 async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
@@ -432,15 +435,118 @@ def _mb(x: float | None) -> float | None:
     return None if x is None else round(x / 2**20, 2)
 
 
+@dataclass(frozen=True)
+class ShardPlan:
+    """What one group of client sessions needs (picklable: it crosses to a worker process)."""
+
+    ws_url: str
+    headers: dict[str, str] | None
+    fmt: AudioFormat
+    indices: tuple[int, ...]  # session numbers of this group, out of `n`
+    n: int
+    pieces: tuple[str, ...]
+    rate: float
+    ramp: float
+    settings: dict[str, Any]
+    timeout: float
+
+
+class ClientShard:
+    """A group of sessions in this process: connect, run from a common start time, close."""
+
+    def __init__(self, plan: ShardPlan) -> None:
+        self.plan = plan
+        self.sessions = [WsSession(plan.ws_url, i, plan.headers, plan.fmt) for i in plan.indices]
+        self.live: list[WsSession] = []
+
+    async def connect(self) -> list[str]:
+        """Connects every session; returns the errors of those that failed."""
+        got = await asyncio.gather(*(s.connect(self.plan.timeout) for s in self.sessions), return_exceptions=True)
+        self.live = [s for s, c in zip(self.sessions, got) if not isinstance(c, BaseException)]
+        return [f"connect:{type(c).__name__}" for c in got if isinstance(c, BaseException)]
+
+    async def run(self, t0: float) -> tuple[list[SessionRecord], float]:
+        """Runs the live sessions (session i starts at t0 + ramp * i / n; perf_counter is
+        CLOCK_MONOTONIC on Linux, one clock for every process); returns their records and
+        the CPU time this loop's thread spent on them."""
+        p = self.plan
+        cpu0 = time.thread_time()
+        records = await asyncio.gather(*(
+            s.run(p.pieces, p.rate, t0 + (p.ramp * s.idx / p.n if p.n > 1 else 0.0), p.settings, p.timeout)
+            for s in self.live))
+        return list(records), time.thread_time() - cpu0
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.live))
+
+
+def _shard_process(plan: ShardPlan, conn: Any) -> None:
+    """A worker process's life: connect, report, wait for the start time, run, report, close."""
+    async def main() -> None:
+        shard = ClientShard(plan)
+        conn.send(await shard.connect())
+        t0 = await asyncio.to_thread(conn.recv)
+        conn.send(await shard.run(t0))
+        await asyncio.to_thread(conn.recv)  # close when told (after the server's final scrape)
+        await shard.close()
+
+    asyncio.run(main())
+
+
+class ShardProcesses:
+    """The same interface as `ClientShard`, over worker processes (one pipe each)."""
+
+    def __init__(self, plans: Sequence[ShardPlan]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for plan in plans:
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_shard_process, args=(plan, there), daemon=True)
+            proc.start()
+            self.pipes.append(here)
+            self.procs.append(proc)
+
+    async def _each(self, message: Any = None, reply: bool = True) -> list[Any]:
+        def talk(conn: Any) -> Any:
+            if message is not None:
+                conn.send(message)
+            return conn.recv() if reply else None
+
+        return await asyncio.gather(*(asyncio.to_thread(talk, c) for c in self.pipes))
+
+    async def connect(self) -> list[str]:
+        return [e for errors in await self._each() for e in errors]
+
+    async def run(self, t0: float) -> tuple[list[SessionRecord], list[float]]:
+        done = await self._each(t0)
+        return [r for records, _ in done for r in records], [cpu for _, cpu in done]
+
+    async def close(self) -> None:
+        await self._each("close", reply=False)
+        for proc in self.procs:
+            await asyncio.to_thread(proc.join, 60)
+
+
+def shard_plans(target: Target, n: int, ctx: BenchContext) -> list[ShardPlan]:
+    """Sessions 0..n-1 dealt round-robin over `ctx.client_procs` groups (so a ramp's early
+    and late starters are spread over every process)."""
+    settings = {"voice": ctx.voice_id, "format": ctx.fmt.name, "sample_rate": ctx.fmt.sample_rate,
+                "text_mode": ctx.text_mode}
+    k = max(1, min(ctx.client_procs, n))
+    return [ShardPlan(target.ws_url, target.headers, ctx.fmt, tuple(range(j, n, k)), n, tuple(ctx.pieces),
+                      ctx.rate, ctx.ramp, settings, ctx.timeout) for j in range(k)]
+
+
 async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]:
+    plans = shard_plans(target, n, ctx)
+    clients: ClientShard | ShardProcesses = ClientShard(plans[0]) if len(plans) == 1 else ShardProcesses(plans)
     async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client:
         before = await scrape(client)
         if target.pid is not None and M_RSS not in before:
             before[M_RSS] = float(rss_bytes(target.pid) or 0)
-        sessions = [WsSession(target.ws_url, i, target.headers, ctx.fmt) for i in range(n)]
-        connected = await asyncio.gather(*(s.connect(ctx.timeout) for s in sessions), return_exceptions=True)
-        live = [s for s, c in zip(sessions, connected) if not isinstance(c, BaseException)]
-        connect_errors = [f"connect:{type(c).__name__}" for c in connected if isinstance(c, BaseException)]
+        connect_errors = await clients.connect()
         idle = await scrape(client)
         t_idle = time.perf_counter()
         if target.pid is not None and M_RSS not in idle:
@@ -448,16 +554,10 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         peaks: dict[str, float] = {}
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_metrics(client, stop, peaks, target.pid))
-        settings = {"voice": ctx.voice_id, "format": ctx.fmt.name, "sample_rate": ctx.fmt.sample_rate,
-                    "text_mode": ctx.text_mode}
         gpu = ctx.gpu if ctx.gpu is not None else contextlib.nullcontext()
         with gpu:
-            t0 = time.perf_counter() + 0.05
-            cpu0 = time.thread_time()  # this loop's thread: the clients' own work
-            records = await asyncio.gather(*(
-                s.run(ctx.pieces, ctx.rate, t0 + (ctx.ramp * i / n if n > 1 else 0.0), settings, ctx.timeout)
-                for i, s in enumerate(live)))
-            client_cpu = time.thread_time() - cpu0
+            t0 = time.perf_counter() + 0.05 + 0.05 * (len(plans) > 1)  # a pipe hop to every worker first
+            records, client_cpu = await clients.run(t0)
             ends = [r.audio[-1][0] for r in records if r.audio]
             wall = (max(ends) if ends else time.perf_counter()) - t0
         stop.set()
@@ -468,15 +568,17 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         for key in (M_RSS, M_CUDA):  # a level shorter than one poll still has a peak
             if key in after:
                 peaks[key] = max(peaks.get(key, 0.0), after[key])
-        await asyncio.gather(*(s.close() for s in live))
+        await clients.close()
     results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s) for r in records]
     report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
-    # The bench's own event loop timestamps every frame: when it is busy, its lateness
+    # The bench's own event loops timestamp every frame: when one is busy, its lateness
     # reads as the gateway's. Near 1.0 the level measured the client, not the server.
-    report["client_loop_busy_share"] = round(client_cpu / wall, 4) if wall > 0 else None
-    if wall > 0 and client_cpu / wall > 0.5:
-        print(f"[warning] the bench client's loop was {client_cpu / wall:.0%} busy at {n} sessions: "
-              "its timestamps may be late; run several bench processes with fewer sessions each", flush=True)
+    busiest = max(client_cpu) if isinstance(client_cpu, list) else client_cpu
+    report["client_procs"] = len(plans)
+    report["client_loop_busy_share"] = round(busiest / wall, 4) if wall > 0 else None
+    if wall > 0 and busiest / wall > 0.5:
+        print(f"[warning] a bench client loop was {busiest / wall:.0%} busy at {n} sessions: its timestamps "
+              "may be late; spread the sessions over more processes (--client-procs)", flush=True)
     return report
 
 
@@ -748,6 +850,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-mode", choices=("segment", "stream"), default="segment")
     p.add_argument("--tokens-per-text-token", type=float, default=None,
                    help="speech tokens per text token (default: calibrated to 14 spoken chars/s, see above)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes the sessions are spread over (one event loop each; use several "
+                        "for hundreds of sessions)")
     p.add_argument("--format", choices=("pcm_s16le", "opus", "ulaw_8000"), default="pcm_s16le",
                    help="audio format of every session (at its default rate: 24 kHz, 48 kHz, 8 kHz)")
     p.add_argument("--prebuffer-ms", type=float, default=0.0, help="client jitter buffer before playback starts")
@@ -806,7 +911,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ctx = BenchContext(pieces, args.rate, args.ramp, VOICE_ID, args.text_mode, args.timeout,
                        args.prebuffer_ms / 1e3, None, peak, gpu if gpu and gpu.available else None,
                        kv_tokens_per_session(count, text, tptt) if count else None,
-                       resolve_format(args.format, 24000 if args.format == "pcm_s16le" else None))
+                       resolve_format(args.format, 24000 if args.format == "pcm_s16le" else None),
+                       max(1, args.client_procs))
     levels = parse_levels(args.sessions)
     base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
 
@@ -824,6 +930,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "expected_audio_s_per_session": round(len(text) / SPOKEN_CHARS_PER_SECOND, 2),
             "voice": {"id": VOICE_ID, "prompt_seconds": PROMPT_SECONDS, "transcript": PROMPT_TRANSCRIPT},
             "prebuffer_ms": args.prebuffer_ms, "format": args.format, "sample_rate": ctx.fmt.sample_rate,
+            "client_procs": ctx.client_procs,
             "first_audio_definition": "segment text complete (last character sent, or the flush that closed it) "
                                       "-> first audio byte of that segment",
         },

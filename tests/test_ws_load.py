@@ -260,6 +260,32 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert len(root.findall(f"{SVG}circle")) == 4  # product/baseline x p50/p95
 
 
+def test_sessions_spread_over_client_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    report = main([
+        "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
+        "--sessions", "3", "--client-procs", "2", "--rate", "0", "--no-warm", "--no-flops",
+        "--text", "Hello there. How are you?", "--json", str(tmp_path / "load.json"),
+        "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
+        "--engine.text-normalization", "false",
+    ])
+    assert report["settings"]["client_procs"] == 2
+    (lv,) = report["results"]["product"]
+    # Three sessions dealt over two worker processes, all of them measured as one level.
+    assert lv["client_procs"] == 2 and lv["completed"] == 3 and lv["errors"] == 0, lv
+    assert lv["first_audio_ms"]["n"] == 3 and lv["segment_first_audio_ms"]["n"] >= 6
+    assert lv["audio_s"] > 0 and lv["underruns"] >= 0 and 0 < lv["client_loop_busy_share"] <= 1.05
+
+
+def test_shard_plans_deal_sessions_round_robin() -> None:
+    from bench.ws_load import BenchContext, Target, shard_plans
+
+    ctx = BenchContext(["Hi."], 30.0, 2.0, "v", "segment", 60.0, 0.0, client_procs=3)
+    plans = shard_plans(Target("product", "http://h:1", None), 7, ctx)
+    assert [p.indices for p in plans] == [(0, 3, 6), (1, 4), (2, 5)]
+    assert all(p.n == 7 and p.ws_url == "ws://h:1/v1/tts/stream" for p in plans)
+    assert len(shard_plans(Target("product", "http://h:1", None), 2, ctx)) == 2  # never more than sessions
+
+
 def test_metrics_expose_stage_work_and_process_memory() -> None:
     from engine.engine import EngineStats
     from gateway.metrics import Metrics
