@@ -465,16 +465,16 @@ class ClientShard:
         self.live = [s for s, c in zip(self.sessions, got) if not isinstance(c, BaseException)]
         return [f"connect:{type(c).__name__}" for c in got if isinstance(c, BaseException)]
 
-    async def run(self, t0: float) -> tuple[list[SessionRecord], float]:
+    async def run(self, t0: float) -> tuple[list[SessionRecord], list[float]]:
         """Runs the live sessions (session i starts at t0 + ramp * i / n; perf_counter is
-        CLOCK_MONOTONIC on Linux, one clock for every process); returns their records and
-        the CPU time this loop's thread spent on them."""
+        CLOCK_MONOTONIC on Linux, one clock for every process); returns their records and,
+        per client event loop (here one), the CPU time its thread spent on them."""
         p = self.plan
         cpu0 = time.thread_time()
         records = await asyncio.gather(*(
             s.run(p.pieces, p.rate, t0 + (p.ramp * s.idx / p.n if p.n > 1 else 0.0), p.settings, p.timeout)
             for s in self.live))
-        return list(records), time.thread_time() - cpu0
+        return list(records), [time.thread_time() - cpu0]
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self.live))
@@ -521,7 +521,7 @@ class ShardProcesses:
 
     async def run(self, t0: float) -> tuple[list[SessionRecord], list[float]]:
         done = await self._each(t0)
-        return [r for records, _ in done for r in records], [cpu for _, cpu in done]
+        return [r for records, _ in done for r in records], [c for _, cpus in done for c in cpus]
 
     async def close(self) -> None:
         await self._each("close", reply=False)
@@ -573,7 +573,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
     report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
     # The bench's own event loops timestamp every frame: when one is busy, its lateness
     # reads as the gateway's. Near 1.0 the level measured the client, not the server.
-    busiest = max(client_cpu) if isinstance(client_cpu, list) else client_cpu
+    busiest = max(client_cpu, default=0.0)
     report["client_procs"] = len(plans)
     report["client_loop_busy_share"] = round(busiest / wall, 4) if wall > 0 else None
     if wall > 0 and busiest / wall > 0.5:
