@@ -22,7 +22,7 @@ import torch
 from engine.config import EngineConfig
 from helpers import assert_same_audio
 from engine.engine import DEADLINE_MARGIN_S, build_stage, playback_deadline
-from engine.flow_graphs import BATCH_BUCKETS, FlowGraphRunner, GraphPolicy
+from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
