@@ -27,7 +27,6 @@ T = TypeVar("T")
 
 class EncodePool:
     def __init__(self, threads: int) -> None:
-        self.threads = threads
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 0 else None
 
     async def encode(self, encoder: Encoder, pcm: np.ndarray) -> list[bytes]:
