@@ -15,7 +15,9 @@ lookahead; every row its own vocoder stream, advanced batch after batch). Per ba
   to host); `gpu_busy_ms`: the mean union of the CUDA kernel intervals per batch, and
   `gpu_busy_share` their ratio (kernels only are recorded: cheap to read back);
 * `syncs`: each line of this repository whose call made the host wait for the device during
-  one batch (`torch.cuda.set_sync_debug_mode`), with how often; CUDA only.
+  one batch (`torch.cuda.set_sync_debug_mode`), with how often; CUDA only;
+* `kernels` (`--kernels N`): the N kernels with the most device time per batch, and
+  `families`, the share of each kernel family (GEMM, attention, copies, ...) in it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from bench.flow_profile import family
 from engine.config import EngineConfig
 from engine.engine import build_stage
 from engine.hub import resolve_model
@@ -95,7 +98,25 @@ def find_syncs(stage: AudioStage, batch: list[ChunkJob]) -> dict[str, int]:
     return dict(seen.most_common())
 
 
-def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool) -> dict[str, Any]:
+def kernel_table(events: Any, reps: int, top: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The `top` kernels by device time per batch, and each family's share of all of it."""
+    per_name: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            per_name[e.name] += e.time_range.end - e.time_range.start
+            calls[e.name] += 1
+    total = sum(per_name.values()) or 1.0
+    families: Counter[str] = Counter()
+    for name, us in per_name.items():
+        families[family(name)] += us
+    table = [{"ms": us / 1e3 / reps, "share": us / total, "calls": calls[name] // reps, "kernel": name[:120]}
+             for name, us in per_name.most_common(top)]
+    return table, {k: round(v / total, 3) for k, v in families.most_common()}
+
+
+def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
+            top: int = 0, profile: bool = True) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
     step = 0
     for _ in range(2):  # compile, graph capture, prompt cache entry
@@ -104,8 +125,9 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     walls: list[float] = []
     # Kernels only (no CPU operator events): cheap to record and to read back. Each
     # `_compute` ends by copying the PCM to the host, so its kernels finish inside its wall.
-    activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else []
-    with torch.profiler.profile(activities=activities) if cuda else contextlib.nullcontext() as prof:
+    profile = cuda and profile
+    activities = [torch.profiler.ProfilerActivity.CUDA] if profile else []
+    with torch.profiler.profile(activities=activities) if profile else contextlib.nullcontext() as prof:
         for _ in range(reps):
             batch = make_batch(stage, streams, prompt, step)
             step += 1
@@ -113,11 +135,13 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
             stage._compute(batch)
             walls.append(time.perf_counter() - t0)
     out: dict[str, Any] = {"rows": rows, "wall_ms": 1e3 * statistics.fmean(walls)}
-    if cuda:
+    if profile:
         kernels = kernel_intervals(prof.events())
         busy_us = union_within(kernels, -math.inf, math.inf)
         out["gpu_busy_ms"] = busy_us / 1e3 / reps
         out["gpu_busy_share"] = out["gpu_busy_ms"] / out["wall_ms"]
+        if top:
+            out["kernels"], out["families"] = kernel_table(prof.events(), reps, top)
         out["syncs"] = find_syncs(stage, make_batch(stage, streams, prompt, step))
     return out
 
@@ -132,6 +156,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompt-tokens", type=int, default=106)
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                    help="an EngineConfig field for the stage (e.g. flow_compile=false)")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="record the kernels (GPU busy time, --kernels, syncs); --no-profile: wall time alone")
+    p.add_argument("--kernels", type=int, default=0, metavar="N", help="list the N kernels with the most device time")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -146,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         overrides[name] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
     config = EngineConfig(model_dir=model_dir, device=args.device, **overrides)
     model = load_model(model_dir, load_lm=False)
+    model.flow.to(device)  # as Engine.create does: the stage runs where its modules are
+    model.hift.to(device)
     stage = build_stage(model, device, config)
     assert isinstance(stage, AudioStage)
     g = torch.Generator().manual_seed(0)
@@ -154,12 +183,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               torch.randn(192, generator=g))
     report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": []}
     for b in args.batches.split(","):  # printed and saved as they come: a cut-short run keeps them
-        r = measure(stage, prompt, int(b), args.reps, device.type == "cuda")
+        r = measure(stage, prompt, int(b), args.reps, device.type == "cuda", args.kernels, args.profile)
         report["results"].append(r)
         busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
         print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}", flush=True)
         for where, count in r.get("syncs", {}).items():
             print(f"        sync x{count}: {where}", flush=True)
+        if "families" in r:
+            print("        families: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["families"].items()), flush=True)
+        for k in r.get("kernels", []):
+            print(f"        {100 * k['share']:5.1f}% {k['ms']:7.2f} ms x{k['calls']:<5d} {k['kernel'][:90]}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
     return report
