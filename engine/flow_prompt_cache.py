@@ -255,9 +255,12 @@ class PrefixViews:
                 dst[:, :, rows + i, :, : e.frames].copy_(src[:, :, 1])
             self.conv_context[:, i].copy_(e.conv_context[:, 0])
             self.conv_context[:, rows + i].copy_(e.conv_context[:, 1])
-        c = torch.tensor(starts + starts)
+        # Built on the device from a pinned copy: a copy from pageable host memory made the
+        # host wait for the GPU before every small-batch replay (bench.stage_syncs, H200).
+        device = self.positions.device
+        c = tensor_on(starts + starts, torch.long, device)
         self.positions.copy_(c)
-        self.key_mask.copy_(torch.arange(self.key_mask.shape[1]).unsqueeze(0) < c.unsqueeze(1))
+        self.key_mask.copy_(torch.arange(self.key_mask.shape[1], device=device).unsqueeze(0) < c.unsqueeze(1))
 
     def steps(self) -> list[DiTPrefix]:
         """One `DiTPrefix` per Euler step over these buffers (what a captured solve reads)."""
