@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from engine.models.config import FlowConfig, ModelConfig
-from engine.models.dit import DiT, apply_rotary, attention_mask, block_causal_mask
+from engine.models import dit as dit_mod
+from engine.models.dit import DiT, apply_rotary, attention_mask, block_causal_mask, grouped_conv_by_taps
 from engine.models.flow import (
     NOISE_FRAMES,
     CausalMaskedDiffWithDiT,
@@ -102,6 +103,34 @@ def test_init_random_is_deterministic_and_not_degenerate() -> None:
 
 
 # ----------------------------------------------------------------------------- DiT parts
+
+
+@pytest.mark.parametrize("channels,groups,kernel,bias", [(1024, 16, 31, True), (48, 4, 5, False), (8, 1, 3, True)])
+def test_grouped_conv_by_taps_equals_conv1d(channels: int, groups: int, kernel: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv1d(channels, channels, kernel, groups=groups, bias=bias)
+    x = torch.randn(3, 20 + kernel - 1, channels)  # frame-major, already padded
+    want = conv(x.transpose(1, 2)).transpose(1, 2)
+    got = grouped_conv_by_taps(x, conv)
+    assert got.shape == want.shape == (3, 20, channels)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_position_conv_takes_the_same_values_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small inputs run the taps path, large ones the library convolution: same numbers,
+    with and without a cached left context."""
+    torch.manual_seed(0)
+    pos = dit_mod.CausalConvPositionEmbedding(64).eval()
+    x = torch.randn(2, 37, 64)
+    context = torch.randn(2, dit_mod.CONV_CONTEXT, 64)
+    valid = torch.rand(2, dit_mod.CONV_CONTEXT) > 0.3
+    taps = pos(x), pos(x, context, valid)
+    monkeypatch.setattr(dit_mod, "TAPS_MAX_ELEMENTS", 0)
+    library = pos(x), pos(x, context, valid)
+    for a, b in zip(taps, library):
+        assert a.shape == (2, 37, 64)
+        assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(taps[0], taps[1], atol=1e-3)  # the context matters
 
 
 def test_rotary_rotates_interleaved_pairs_of_first_head_only() -> None:

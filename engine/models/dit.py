@@ -162,6 +162,38 @@ class TimestepEmbedding(nn.Module):
         return self.time_mlp(timestep_sinusoid(t.float()).to(self.time_mlp[0].weight.dtype))
 
 
+# Largest unfolded input (elements) for which a grouped convolution runs as one batched
+# matrix product over its taps (`grouped_conv_by_taps`); larger inputs go to the library's
+# convolution. 2**27 bf16 elements are 256 MiB: 16 rows (8 chunks x 2 CFG rows) of up to
+# ~260 frames at 1024 channels x 31 taps fit, a 64-chunk eager batch does not.
+TAPS_MAX_ELEMENTS = 1 << 27
+
+
+def grouped_conv_by_taps(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """`conv` over frame-major x [B, T + kernel - 1, C] (already padded) -> [B, T, C], as one
+    batched matrix product per group over the unfolded windows.
+
+    Why: cuDNN ran this depthwise-like grouped convolution (kernel 31, 16 groups of 64
+    channels) as one kernel per group plus layout transposes: 320 launches of ~35 us per
+    flow batch on the H200, a third of a one-chunk batch's kernel time for ~0.2% of its
+    arithmetic (`bench.stage_syncs --kernels`, round 6). Here it is one copy and one bmm,
+    and the frame-major layout needs no transposes."""
+    batch, length, channels = x.shape
+    k, groups = conv.kernel_size[0], conv.groups
+    frames, per_group = length - k + 1, channels // groups
+    out_per_group = conv.out_channels // groups
+    # [B, T, C, k] view -> [G, B*T, per_group*k] (the one copy), matching the weight's
+    # [out, in/G, k] flattening.
+    windows = x.unfold(1, k, 1).reshape(batch, frames, groups, per_group * k)
+    windows = windows.permute(2, 0, 1, 3).reshape(groups, batch * frames, per_group * k)
+    weight = conv.weight.view(groups, out_per_group, per_group * k).transpose(1, 2)
+    if conv.bias is None:
+        out = torch.bmm(windows, weight)
+    else:
+        out = torch.baddbmm(conv.bias.view(groups, 1, out_per_group), windows, weight)
+    return out.view(groups, batch, frames, out_per_group).permute(1, 2, 0, 3).reshape(batch, frames, -1)
+
+
 class CausalConvPositionEmbedding(nn.Module):
     """Two left-padded grouped convolutions: a relative-position signal that never looks ahead."""
 
@@ -171,6 +203,13 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
 
+    def _conv(self, layer: nn.Sequential, h: torch.Tensor) -> torch.Tensor:
+        """One causal conv + Mish, frame-major [B, T, D] -> [B, T, D]."""
+        conv, act = layer[0], layer[1]
+        if h.numel() * self.kernel_size <= TAPS_MAX_ELEMENTS:
+            return act(grouped_conv_by_taps(F.pad(h, (0, 0, self.kernel_size - 1, 0)), conv))
+        return act(conv(F.pad(h.transpose(1, 2), (self.kernel_size - 1, 0)))).transpose(1, 2)
+
     def forward(
         self, x: torch.Tensor, context: torch.Tensor | None = None, context_valid: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -179,16 +218,15 @@ class CausalConvPositionEmbedding(nn.Module):
         `context_valid` [B, CONV_CONTEXT] (bool) marks False; without context x starts at
         frame 0 (zero left padding)."""
         h = x if context is None else torch.cat((context.to(x.dtype), x), dim=1)
-        h = h.transpose(1, 2)
-        h = self.conv1(F.pad(h, (self.kernel_size - 1, 0)))
+        h = self._conv(self.conv1, h)
         if context_valid is not None:
             # conv1 outputs "before frame 0" are conv2's zero padding in a full-length run.
             keep = F.pad(context_valid, (0, x.shape[1]), value=True)
-            h = h * keep.unsqueeze(1).to(h.dtype)
-        h = self.conv2(F.pad(h, (self.kernel_size - 1, 0)))
+            h = h * keep.unsqueeze(-1).to(h.dtype)
+        h = self._conv(self.conv2, h)
         # The context's own outputs are dropped; the ones of x only read conv1 outputs at
         # most kernel - 1 frames back, which read inputs at most kernel - 1 further back.
-        return h[:, :, h.shape[2] - x.shape[1] :].transpose(1, 2)
+        return h[:, h.shape[1] - x.shape[1] :]
 
 
 class InputEmbedding(nn.Module):
