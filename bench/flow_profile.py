@@ -26,11 +26,13 @@ from engine.models import flow as flow_mod
 from engine.models.config import ModelConfig
 from engine.models.flow import FlowChunk
 
-FAMILIES = (
-    ("attention", ("fmha", "flash", "attention", "softmax", "cutlassF", "efficient")),
+FAMILIES = (  # first match wins
+    ("attention", ("fmha", "flash", "attention", "softmax", "cutlassF", "efficient", "sdpa")),
+    # Before GEMM: cuDNN's implicit-GEMM convolutions carry "gemm"/"cutlass"/"xmma" too.
+    ("conv", ("fprop", "convolve", "nchwToNhwc", "nhwcToNchw")),
     ("gemm", ("gemm", "cutlass", "sm90", "nvjet", "cublas", "xmma", "matmul")),
     ("norm", ("layer_norm", "LayerNorm")),
-    ("copy/cat", ("copy", "cat", "Copy", "gather", "index")),
+    ("copy/cat", ("copy", "cat", "Copy", "Memcpy", "Memset", "gather", "index")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "unrolled")),
 )
 

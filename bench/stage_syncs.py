@@ -103,14 +103,15 @@ def kernel_table(events: Any, reps: int, top: int) -> tuple[list[dict[str, Any]]
     per_name: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+        if (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                and not e.name.startswith("stage_batch_")):
             per_name[e.name] += e.time_range.end - e.time_range.start
             calls[e.name] += 1
     total = sum(per_name.values()) or 1.0
     families: Counter[str] = Counter()
     for name, us in per_name.items():
         families[family(name)] += us
-    table = [{"ms": us / 1e3 / reps, "share": us / total, "calls": calls[name] // reps, "kernel": name[:120]}
+    table = [{"ms": us / 1e3 / reps, "share": us / total, "calls": round(calls[name] / reps, 1), "kernel": name[:120]}
              for name, us in per_name.most_common(top)]
     return table, {k: round(v / total, 3) for k, v in families.most_common()}
 
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="list the N kernels with the most device time")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.kernels and not args.profile:
+        p.error("--kernels needs the profile (drop --no-profile)")
     device = torch.device(args.device)
     model_dir = resolve_model(args.model, args.model_cache)
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "families" in r:
             print("        families: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["families"].items()), flush=True)
         for k in r.get("kernels", []):
-            print(f"        {100 * k['share']:5.1f}% {k['ms']:7.2f} ms x{k['calls']:<5d} {k['kernel'][:90]}", flush=True)
+            print(f"        {100 * k['share']:5.1f}% {k['ms']:7.2f} ms x{k['calls']:<5g} {k['kernel'][:90]}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
     return report

@@ -116,6 +116,14 @@ def test_grouped_conv_by_taps_equals_conv1d(channels: int, groups: int, kernel: 
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_conv_by_taps_refuses_what_it_does_not_implement() -> None:
+    x = torch.randn(1, 12, 8)
+    with pytest.raises(ValueError, match="no padding"):
+        grouped_conv_by_taps(x, nn.Conv1d(8, 8, 3, padding=1))
+    with pytest.raises(ValueError, match="channels"):
+        grouped_conv_by_taps(x, nn.Conv1d(4, 4, 3))
+
+
 def test_position_conv_takes_the_same_values_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small inputs run the taps path, large ones the library convolution: same numbers,
     with and without a cached left context."""
@@ -125,7 +133,7 @@ def test_position_conv_takes_the_same_values_on_both_paths(monkeypatch: pytest.M
     context = torch.randn(2, dit_mod.CONV_CONTEXT, 64)
     valid = torch.rand(2, dit_mod.CONV_CONTEXT) > 0.3
     taps = pos(x), pos(x, context, valid)
-    monkeypatch.setattr(dit_mod, "TAPS_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(dit_mod, "TAPS_MAX_BYTES", 0)
     library = pos(x), pos(x, context, valid)
     for a, b in zip(taps, library):
         assert a.shape == (2, 37, 64)

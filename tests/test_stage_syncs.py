@@ -18,3 +18,23 @@ def test_stage_syncs_runs_the_engine_stage(tiny_model_dir, tmp_path) -> None:  #
     assert all(r["wall_ms"] > 0 and "syncs" not in r for r in report["results"])
     assert report["config"] == {"flow_prompt_cache": False, "max_gpu_batch": 8}
     assert json.loads(out.read_text()) == report
+
+
+def test_kernel_table_groups_kernels_per_batch() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    def event(name: str, start: float, end: float, device: object = torch.autograd.DeviceType.CUDA) -> object:
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("nvjet_sm90_tst_256x128_gemm", 0, 3000),  # us
+        event("nvjet_sm90_tst_256x128_gemm", 3000, 6000),
+        event("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_analytic>", 6000, 8000),
+        event("stage_batch_3", 0, 8000),  # the batch label's GPU copy: not a kernel
+        event("aten::mm", 0, 9000, torch.autograd.DeviceType.CPU),
+    ]
+    table, families = stage_syncs.kernel_table(events, reps=2, top=5)
+    assert [(k["kernel"][:12], k["ms"], k["calls"]) for k in table] == [("nvjet_sm90_t", 3.0, 1), ("void cutlass", 1.0, 0.5)]
+    assert families == {"gemm": 0.75, "conv": 0.25}

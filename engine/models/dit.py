@@ -162,31 +162,37 @@ class TimestepEmbedding(nn.Module):
         return self.time_mlp(timestep_sinusoid(t.float()).to(self.time_mlp[0].weight.dtype))
 
 
-# Largest unfolded input (elements) for which a grouped convolution runs as one batched
-# matrix product over its taps (`grouped_conv_by_taps`); larger inputs go to the library's
-# convolution. 2**27 bf16 elements are 256 MiB: 16 rows (8 chunks x 2 CFG rows) of up to
-# ~260 frames at 1024 channels x 31 taps fit, a 64-chunk eager batch does not.
-TAPS_MAX_ELEMENTS = 1 << 27
+# Largest unfolded input (bytes) for which a grouped convolution runs as one batched matrix
+# product over its taps (`grouped_conv_by_taps`); larger inputs go to the library's
+# convolution. 512 MiB in bf16 holds 32 rows (16 chunks x 2 CFG rows) of 260 frames (a
+# 200-frame bucket plus the 60 frames of cached context) at 1024 channels x 31 taps, or 16
+# rows of 500: every CUDA-graph batch up to 16 chunks. A 64-chunk eager batch does not fit.
+TAPS_MAX_BYTES = 512 << 20
 
 
 def grouped_conv_by_taps(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
-    """`conv` over frame-major x [B, T + kernel - 1, C] (already padded) -> [B, T, C], as one
-    batched matrix product per group over the unfolded windows.
+    """`conv` (stride 1, no padding, no dilation) over frame-major x [B, T + kernel - 1, C]
+    (already padded) -> [B, T, C_out], as one batched matrix product over the unfolded
+    windows of each group.
 
-    Why: cuDNN ran this depthwise-like grouped convolution (kernel 31, 16 groups of 64
-    channels) as one kernel per group plus layout transposes: 320 launches of ~35 us per
-    flow batch on the H200, a third of a one-chunk batch's kernel time for ~0.2% of its
-    arithmetic (`bench.stage_syncs --kernels`, round 6). Here it is one copy and one bmm,
-    and the frame-major layout needs no transposes."""
+    Why: cuDNN ran this grouped convolution (kernel 31, 16 groups of 64 channels) as one
+    kernel per group plus layout transposes: 320 convolution launches of ~35 us per flow
+    batch on the H200, a third of a one-chunk batch's summed kernel time for ~2% of its
+    arithmetic (`bench.stage_syncs --kernels`, round 6). Here it is a few copies (the
+    windows, the output's group order) and one bmm, frame-major throughout."""
+    if conv.stride != (1,) or conv.padding != (0,) or conv.dilation != (1,):
+        raise ValueError("grouped_conv_by_taps takes stride 1, no padding and no dilation")
     batch, length, channels = x.shape
+    if channels != conv.in_channels:
+        raise ValueError(f"input has {channels} channels, the convolution takes {conv.in_channels}")
     k, groups = conv.kernel_size[0], conv.groups
     frames, per_group = length - k + 1, channels // groups
     out_per_group = conv.out_channels // groups
-    # [B, T, C, k] view -> [G, B*T, per_group*k] (the one copy), matching the weight's
+    # [B, T, C, k] view -> [G, B*T, per_group*k] (the copy), matching the weight's
     # [out, in/G, k] flattening.
     windows = x.unfold(1, k, 1).reshape(batch, frames, groups, per_group * k)
     windows = windows.permute(2, 0, 1, 3).reshape(groups, batch * frames, per_group * k)
-    weight = conv.weight.view(groups, out_per_group, per_group * k).transpose(1, 2)
+    weight = conv.weight.reshape(groups, out_per_group, per_group * k).transpose(1, 2)
     if conv.bias is None:
         out = torch.bmm(windows, weight)
     else:
@@ -206,7 +212,7 @@ class CausalConvPositionEmbedding(nn.Module):
     def _conv(self, layer: nn.Sequential, h: torch.Tensor) -> torch.Tensor:
         """One causal conv + Mish, frame-major [B, T, D] -> [B, T, D]."""
         conv, act = layer[0], layer[1]
-        if h.numel() * self.kernel_size <= TAPS_MAX_ELEMENTS:
+        if h.numel() * self.kernel_size * h.element_size() <= TAPS_MAX_BYTES:
             return act(grouped_conv_by_taps(F.pad(h, (0, 0, self.kernel_size - 1, 0)), conv))
         return act(conv(F.pad(h.transpose(1, 2), (self.kernel_size - 1, 0)))).transpose(1, 2)
 
