@@ -41,8 +41,11 @@ class EngineConfig:
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
     # row count (graphs pad rows to a power of two and gain little at large batches).
     # 64 = the largest graph bucket. With the prompt cache, batches served from it take
-    # graphs only up to GraphPolicy.prefix_max_rows (8) chunks.
+    # graphs only up to GraphPolicy.prefix_max_rows (8) chunks, or flow_graph_shared_rows.
     flow_graph_max_rows: int = 64
+    # With the prompt cache, batches whose chunks all have one voice take graphs up to this
+    # many chunks (its prefix is held once, not per row: `PrefixViews.shared`); 0 = none.
+    flow_graph_shared_rows: int = 16
     # Cache each voice prompt's DiT keys/values (`engine.flow_prompt_cache`) so every flow
     # batch computes only the frames after the prompt's cached blocks (CUDA graphs up to
     # GraphPolicy.prefix_max_rows chunks, eager above). Exact; CosyVoice3 only.
@@ -95,8 +98,8 @@ class EngineConfig:
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
             raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
                              "stage_profile_batches >= 1")
-        if self.flow_graph_max_rows < 0:
-            raise ValueError("flow_graph_max_rows must be >= 0")
+        if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:
+            raise ValueError("flow_graph_max_rows and flow_graph_shared_rows must be >= 0")
         if self.flow_prompt_cache_bytes < 0:
             raise ValueError("flow_prompt_cache_bytes must be >= 0")
 

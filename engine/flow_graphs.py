@@ -42,7 +42,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width
+from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width, shared_entry
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,12 @@ class GraphPolicy:
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
     # Batches decoded from the flow prompt cache get graphs up to this many rows and this
     # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full
-    # size, so the defaults reserve 4.3 GB once the first such batch runs).
+    # size, so the defaults reserve 4.3 GB once the first such batch runs) ...
     prefix_max_rows: int = 8
     prefix_max_frames: int = 300
+    # ... and up to this many rows when every row has the same voice (the prefix is held
+    # once, 0.54 GB for 300 frames: `PrefixViews.shared`).
+    shared_prefix_max_rows: int = 16
     # Prefix widths are padded up to a multiple of this (masked slots, exact), so voices
     # with different prompt lengths share graphs: 100, 200 or 300 frames.
     prefix_multiple: int = 100
@@ -91,14 +94,16 @@ class GraphPolicy:
         """The cached-prefix width a graph is captured at (0 for none)."""
         return -(-width // self.prefix_multiple) * self.prefix_multiple if width > 0 else 0
 
-    def bucket(self, rows: int, frames: int, width: int = 0) -> tuple[int, int] | None:
+    def bucket(self, rows: int, frames: int, width: int = 0, shared: bool = False) -> tuple[int, int] | None:
         """(padded rows, padded frames) for a batch, or None when no graph may serve it;
-        `width`: the longest cached prompt prefix of its rows in frames (0 = none)."""
+        `width`: the longest cached prompt prefix of its rows in frames (0 = none);
+        `shared`: all rows have the same cached prefix (one voice)."""
         fitting = [b for b in self.batch_buckets if b >= rows]
         padded_frames = -(-frames // self.frame_multiple) * self.frame_multiple
         if not fitting or rows < 1 or frames < 1 or padded_frames > self.max_frames:
             return None
-        if width and (min(fitting) > self.prefix_max_rows or self.prefix_bucket(width) > self.prefix_max_frames):
+        max_rows = self.shared_prefix_max_rows if shared else self.prefix_max_rows
+        if width and (min(fitting) > max_rows or self.prefix_bucket(width) > self.prefix_max_frames):
             return None
         return min(fitting), padded_frames
 
@@ -146,22 +151,23 @@ class FlowGraphRunner:
         self.stats = GraphStats()
         self._channels = int(decoder.rand_noise.shape[1])
         self._flat: dict[str, torch.Tensor] = {}
-        self._graphs: OrderedDict[tuple[int, int, bool, int], object] = OrderedDict()
-        self._prefix: PrefixBuffers | None = None
-        self._no_prefix_buffers = False  # allocating them failed (out of memory): prefix batches run eagerly
+        self._graphs: OrderedDict[tuple[int, int, bool, int, bool], object] = OrderedDict()
+        self._prefix: dict[bool, PrefixBuffers] = {}  # by `shared`
+        # Kinds whose allocation failed (out of memory): their prefix batches run eagerly.
+        self._no_prefix_buffers: set[bool] = set()
         self._pool: object | None = None
         self._stream: torch.cuda.Stream | None = None  # warm-up and capture stream (CUDA only)
         self._broken = False  # a capture failed: run eagerly from then on
 
     # ------------------------------------------------------------------ public
-    def padded_shape(self, rows: int, frames: int, width: int = 0) -> tuple[int, int]:
+    def padded_shape(self, rows: int, frames: int, width: int = 0, shared: bool = False) -> tuple[int, int]:
         """The shape a batch of `rows` x `frames` is solved at (itself when no bucket fits)."""
-        return self.policy.bucket(rows, frames, width) or (rows, frames)
+        return self.policy.bucket(rows, frames, width, shared) or (rows, frames)
 
     @property
     def prefix_bytes(self) -> int:
         """Memory held by the static prompt-prefix buffers (0 until a prefix batch ran)."""
-        return 0 if self._prefix is None else self._prefix.nbytes
+        return sum(b.nbytes for b in self._prefix.values())
 
     @property
     def num_graphs(self) -> int:
@@ -183,8 +189,9 @@ class FlowGraphRunner:
         each row's frames after its cached prefix, as in `decode_with_prompt_cache`."""
         rows, _, frames = noise.shape
         width = prefix_width(prefix)
-        shape = self.policy.bucket(rows, frames, width)
-        if width and shape is not None and self._prefix_buffers(self.autocast_dtype or noise.dtype) is None:
+        shared = shared_entry(prefix) is not None
+        shape = self.policy.bucket(rows, frames, width, shared)
+        if width and shape is not None and self._prefix_buffers(self.autocast_dtype or noise.dtype, shared) is None:
             shape = None
 
         def eager() -> torch.Tensor:
@@ -195,7 +202,7 @@ class FlowGraphRunner:
 
         if shape is None or self._broken:
             return eager()
-        views = self._views(*shape, dtype=noise.dtype, width=self.policy.prefix_bucket(width))
+        views = self._views(*shape, dtype=noise.dtype, width=self.policy.prefix_bucket(width), shared=shared)
         for dst, src in ((views.noise, noise), (views.mask, mask), (views.mu, mu), (views.spks, spks), (views.cond, cond)):
             _copy_padded(dst, src)
         if views.prefix is not None:
@@ -210,20 +217,22 @@ class FlowGraphRunner:
     def warm(self, shapes: Iterable[tuple[int, ...]], streaming: bool = True) -> int:
         """Capture the graphs for these (rows, frames) or (rows, frames, prefix width) batch
         shapes now (e.g. at engine start, so no request pays for a capture); returns how many
-        were captured. A no-op without capture."""
+        were captured. Prefix shapes are captured for one-voice batches (`shared`); mixed
+        batches capture on first use. A no-op without capture."""
         if not self.capture:
             return 0
         captured = 0
         for rows, frames, *rest in shapes:
             width = self.policy.prefix_bucket(rest[0] if rest else 0)
-            shape = self.policy.bucket(rows, frames, width)
+            shared = width > 0
+            shape = self.policy.bucket(rows, frames, width, shared)
             dtype = self.decoder.rand_noise.dtype
-            if shape is None or (*shape, streaming, width) in self._graphs or self._broken:
+            if shape is None or (*shape, streaming, width, shared) in self._graphs or self._broken:
                 continue
-            if width and self._prefix_buffers(self.autocast_dtype or dtype) is None:
+            if width and self._prefix_buffers(self.autocast_dtype or dtype, shared) is None:
                 continue
             # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
-            views = self._views(*shape, dtype=dtype, width=width)
+            views = self._views(*shape, dtype=dtype, width=width, shared=shared)
             # Inputs only need to be finite for the warm-up runs; every replay copies its own.
             for t in (views.noise, views.mu, views.spks, views.cond):
                 t.zero_()
@@ -239,7 +248,7 @@ class FlowGraphRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _views(self, rows: int, frames: int, dtype: torch.dtype, width: int = 0) -> _Views:
+    def _views(self, rows: int, frames: int, dtype: torch.dtype, width: int = 0, shared: bool = False) -> _Views:
         """Views of the flat static buffers for one bucket; the buffers are allocated once
         at the largest bucket so captured graphs never see them move."""
         c = self._channels
@@ -261,27 +270,28 @@ class FlowGraphRunner:
 
         prefix = None
         if width:
-            buffers = self._prefix_buffers(self.autocast_dtype or dtype)
+            buffers = self._prefix_buffers(self.autocast_dtype or dtype, shared)
             assert buffers is not None  # callers check first
             prefix = buffers.views(rows, width)
         return _Views(noise=view("noise", rows, c, frames), mask=view("mask", rows, 1, frames),
                       mu=view("mu", rows, c, frames), spks=view("spks", rows, c),
                       cond=view("cond", rows, c, frames), out=view("out", rows, c, frames), prefix=prefix)
 
-    def _prefix_buffers(self, dtype: torch.dtype) -> PrefixBuffers | None:
-        """The static prompt-prefix buffers (allocated on first use, in the cached K/V's
-        dtype), or None when they do not fit in memory: prefix batches then run eagerly."""
-        if self._prefix is None and not self._no_prefix_buffers:
+    def _prefix_buffers(self, dtype: torch.dtype, shared: bool) -> PrefixBuffers | None:
+        """The static prompt-prefix buffers of one kind (per row, or one voice for all rows;
+        allocated on first use, in the cached K/V's dtype), or None when they do not fit
+        in memory: those prefix batches then run eagerly."""
+        if shared not in self._prefix and shared not in self._no_prefix_buffers:
+            rows = self.policy.shared_prefix_max_rows if shared else self.policy.prefix_max_rows
             try:
-                self._prefix = PrefixBuffers(self.decoder.estimator, self.decoder.n_timesteps,
-                                             self.policy.prefix_max_rows, self.policy.prefix_max_frames,
-                                             self.device, dtype)
+                self._prefix[shared] = PrefixBuffers(self.decoder.estimator, self.decoder.n_timesteps, rows,
+                                                     self.policy.prefix_max_frames, self.device, dtype, shared)
             except torch.OutOfMemoryError:
-                log.warning("no memory for the flow's prompt-prefix graph buffers (%d rows x %d frames); "
-                            "cached-prefix batches run eagerly", self.policy.prefix_max_rows,
-                            self.policy.prefix_max_frames)
-                self._no_prefix_buffers = True
-        return self._prefix
+                log.warning("no memory for the flow's prompt-prefix graph buffers (%d rows x %d frames%s); "
+                            "those cached-prefix batches run eagerly", rows, self.policy.prefix_max_frames,
+                            ", one voice" if shared else "")
+                self._no_prefix_buffers.add(shared)
+        return self._prefix.get(shared)
 
     def _solve_into(self, views: _Views, streaming: bool) -> None:
         steps = None if views.prefix is None else views.prefix.steps()
@@ -299,7 +309,9 @@ class FlowGraphRunner:
         # thread with cuda:0 current otherwise).
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
-            key = (*shape, streaming, 0 if views.prefix is None else views.prefix.key_mask.shape[1])
+            prefix = views.prefix
+            key = (*shape, streaming, 0 if prefix is None else prefix.key_mask.shape[1],
+                   prefix is not None and prefix.shared)
             graph = self._graphs.get(key)
             if graph is None:
                 try:

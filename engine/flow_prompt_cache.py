@@ -29,11 +29,16 @@ at full size in bf16 (10 x 2 x 22 x 2 x 1024 x 2 bytes; a 106-token prompt cache
 frames, 360 MB); `PromptCache` bounds the total with LRU eviction. One cache per audio stage (entries live on its device, in its flow
 dtype), used only from the stage's worker thread.
 
-CUDA graphs: a captured solve cannot follow per-batch Python lists of tensors, so for
-small batches `PrefixBuffers` gives the cached prefixes a fixed address: the graph
-runner (`engine.flow_graphs`) copies the batch's entries in before each replay (one
-copy per entry and CFG row, ~0.5 GB for a 5 s prompt) and the captured attention reads
-them from there.
+One voice per batch (the usual case): its prefix is passed once per CFG half
+(`DiTPrefix.shared`) and broadcast to the rows inside the compiled attention, so no
+per-row copy of it is made (those copies were 6% of a loaded stage's kernel time on the
+H200, round 6). Batches mixing voices, or rows without an entry, get per-row prefixes.
+
+CUDA graphs: a captured solve cannot follow per-batch Python lists of tensors, so
+`PrefixBuffers` gives the cached prefixes a fixed address: the graph runner
+(`engine.flow_graphs`) copies the batch's entries in before each replay and the captured
+attention reads them from there. A one-voice batch needs one copy of its voice (~0.36 GB
+for a 4 s prompt, whatever the rows); a mixed batch one per row and CFG half.
 """
 
 from __future__ import annotations
@@ -124,17 +129,26 @@ def build_prompt_kv(flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV
     )
 
 
+def shared_entry(entries: Sequence[PromptKV | None] | None) -> PromptKV | None:
+    """The entry every row of the batch has (one voice, all rows cached), else None."""
+    if not entries or entries[0] is None or any(e is not entries[0] for e in entries):
+        return None
+    return entries[0]
+
+
 class StepPrefixes:
     """`DiTPrefix` of each Euler step for one batch, built when the solver asks for it.
 
     Row layout follows the solver's CFG doubling: rows [0, B) conditional, [B, 2B)
-    unconditional. Cached keys are padded to the batch's largest C with key mask False,
-    one layer at a time (`_LayerKV`: only the block being run holds its padded copy).
+    unconditional. One shared entry is handed over as it is (`DiTPrefix.shared`);
+    otherwise cached keys are padded to the batch's largest C with key mask False, one
+    layer at a time (`_LayerKV`: only the block being run holds its padded copy).
     """
 
     def __init__(self, entries: list[PromptKV | None], device: torch.device) -> None:
         self.entries = entries
         self.batch = len(entries)
+        self.shared = shared_entry(entries)
         starts = [0 if e is None else e.frames for e in entries]
         self.width = max(starts)
         # Rows sharing an entry (one voice) are filled together: by broadcast slice copies
@@ -157,6 +171,11 @@ class StepPrefixes:
         return self.n_steps
 
     def __getitem__(self, step: int) -> DiTPrefix:
+        e = self.shared
+        if e is not None:
+            return DiTPrefix(layer_kv=[(e.keys[step, layer], e.values[step, layer]) for layer in range(self.n_layers)],
+                             key_mask=self.key_mask, positions=self.positions, conv_context=e.conv_context[step],
+                             shared=True)
         some = self.groups[0][0].conv_context
         context = some.new_zeros(2 * self.batch, CONV_CONTEXT, some.shape[-1])
         for e, cond_rows, uncond_rows in self.groups:
@@ -226,8 +245,9 @@ class PrefixViews:
     CUDA graph captured over them replays with whatever batch was copied in last.
 
     keys, values: [steps, layers, 2R, heads, W, dim_head] (rows [0, R) conditional,
-                  [R, 2R) unconditional); key_mask [2R, W]; positions [2R];
-                  conv_context [steps, 2R, CONV_CONTEXT, dim].
+                  [R, 2R) unconditional), or [steps, layers, 2, heads, W, dim_head] when
+                  `shared` (one voice for every row, see `DiTPrefix.shared`);
+    key_mask [2R, W]; positions [2R]; conv_context [steps, 2R (shared: 2), CONV_CONTEXT, dim].
     """
 
     keys: torch.Tensor
@@ -235,13 +255,17 @@ class PrefixViews:
     key_mask: torch.Tensor
     positions: torch.Tensor
     conv_context: torch.Tensor
+    shared: bool = False
 
     def fill(self, entries: Sequence[PromptKV | None]) -> None:
-        """Copy the batch's entries in (rows past len(entries) get none). Slots past a row's
-        C keep older finite values: the key mask hides them."""
+        """Copy the batch's entries in (rows past len(entries) get none, or the shared
+        entry). Slots past a row's C keep older finite values: the key mask hides them."""
         rows = self.key_mask.shape[0] // 2
         if len(entries) > rows:
             raise ValueError(f"{len(entries)} entries for {rows} prefix rows")
+        if self.shared:
+            self._fill_shared(entries)
+            return
         self.conv_context.zero_()
         starts = [0] * rows
         for i, e in enumerate(entries):
@@ -262,11 +286,27 @@ class PrefixViews:
         self.positions.copy_(c)
         self.key_mask.copy_(torch.arange(self.key_mask.shape[1], device=device).unsqueeze(0) < c.unsqueeze(1))
 
+    def _fill_shared(self, entries: Sequence[PromptKV | None]) -> None:
+        e = shared_entry(entries)
+        if e is None:
+            raise ValueError("shared prefix buffers take a batch of one voice, every row cached")
+        if e.frames > self.keys.shape[4]:
+            raise ValueError(f"prefix of {e.frames} frames exceeds the buffer's {self.keys.shape[4]}")
+        self.keys[:, :, :, :, : e.frames].copy_(e.keys)
+        self.values[:, :, :, :, : e.frames].copy_(e.values)
+        self.conv_context.copy_(e.conv_context)
+        # Padding rows get the voice too: their outputs are dropped, and a finite prefix
+        # keeps their attention finite.
+        self.positions.fill_(e.frames)
+        device = self.positions.device
+        self.key_mask.copy_((torch.arange(self.key_mask.shape[1], device=device) < e.frames).expand_as(self.key_mask))
+
     def steps(self) -> list[DiTPrefix]:
         """One `DiTPrefix` per Euler step over these buffers (what a captured solve reads)."""
         return [DiTPrefix(layer_kv=[(self.keys[step, layer], self.values[step, layer])
                                     for layer in range(self.keys.shape[1])],
-                          key_mask=self.key_mask, positions=self.positions, conv_context=self.conv_context[step])
+                          key_mask=self.key_mask, positions=self.positions, conv_context=self.conv_context[step],
+                          shared=self.shared)
                 for step in range(self.keys.shape[0])]
 
 
@@ -274,20 +314,23 @@ class PrefixBuffers:
     """Flat static tensors sized for `max_rows` chunks x `max_frames` cached frames, from
     which `views` cuts every (rows, width) bucket (allocated once: captured graphs must
     never see them move). Memory: 2 x steps x 2 x layers x heads x dim_head per row and
-    frame, 1.8 MB at full size in bf16, so 8 rows x 300 frames take 4.3 GB."""
+    frame, 1.8 MB at full size in bf16, so 8 rows x 300 frames take 4.3 GB. `shared`
+    buffers hold one voice for all rows (`PrefixViews.shared`): 0.54 GB for 300 frames,
+    whatever `max_rows`."""
 
     def __init__(self, dit: DiT, steps: int, max_rows: int, max_frames: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, shared: bool = False) -> None:
         attn = dit.transformer_blocks[0].attn
         self.shape = (steps, len(dit.transformer_blocks), attn.heads, attn.dim_head)
         self.dim = attn.heads * attn.dim_head
-        self.max_rows, self.max_frames = max_rows, max_frames
-        n_kv = steps * self.shape[1] * 2 * max_rows * attn.heads * max_frames * attn.dim_head
+        self.max_rows, self.max_frames, self.shared = max_rows, max_frames, shared
+        kv_rows = 1 if shared else max_rows
+        n_kv = steps * self.shape[1] * 2 * kv_rows * attn.heads * max_frames * attn.dim_head
         self._keys = torch.zeros(n_kv, device=device, dtype=dtype)
         self._values = torch.zeros(n_kv, device=device, dtype=dtype)
         self._mask = torch.zeros(2 * max_rows * max_frames, device=device, dtype=torch.bool)
         self._positions = torch.zeros(2 * max_rows, device=device, dtype=torch.long)
-        self._conv = torch.zeros(steps * 2 * max_rows * CONV_CONTEXT * self.dim, device=device, dtype=dtype)
+        self._conv = torch.zeros(steps * 2 * kv_rows * CONV_CONTEXT * self.dim, device=device, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
@@ -301,10 +344,11 @@ class PrefixBuffers:
         def cut(flat: torch.Tensor, *shape: int) -> torch.Tensor:
             return flat[: math.prod(shape)].view(*shape)
 
-        return PrefixViews(keys=cut(self._keys, steps, layers, 2 * rows, heads, width, dh),
-                           values=cut(self._values, steps, layers, 2 * rows, heads, width, dh),
+        kv_rows = 2 if self.shared else 2 * rows
+        return PrefixViews(keys=cut(self._keys, steps, layers, kv_rows, heads, width, dh),
+                           values=cut(self._values, steps, layers, kv_rows, heads, width, dh),
                            key_mask=cut(self._mask, 2 * rows, width), positions=cut(self._positions, 2 * rows),
-                           conv_context=cut(self._conv, steps, 2 * rows, CONV_CONTEXT, self.dim))
+                           conv_context=cut(self._conv, steps, kv_rows, CONV_CONTEXT, self.dim), shared=self.shared)
 
 
 @torch.inference_mode()
@@ -352,7 +396,8 @@ def decode_with_prompt_cache(
         shape = FlowBatchShape(len(chunks), length)
     else:
         mel = solver(*args, prefix=entries)
-        shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries)))
+        shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),
+                                                    shared_entry(entries) is not None))
     out = [mel[i, :, ratio * c.out_start - s : f - s].T
            for i, (c, s, f) in enumerate(zip(chunks, starts, inputs.frames))]
     return out, shape
@@ -361,7 +406,7 @@ def decode_with_prompt_cache(
 class PrefixSolver(Protocol):
     """A `FlowSolver` that also takes the batch's prompt cache entries (the graph runner)."""
 
-    def padded_shape(self, rows: int, frames: int, width: int = 0) -> tuple[int, int]: ...
+    def padded_shape(self, rows: int, frames: int, width: int = 0, shared: bool = False) -> tuple[int, int]: ...
 
     def __call__(self, noise: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
                  cond: torch.Tensor, streaming: bool,

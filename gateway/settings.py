@@ -54,7 +54,12 @@ class EngineSettings:
         default=64,
         metadata=_help("flow batches with more chunks than this run eagerly at their exact size instead of "
                        "padded to a CUDA graph bucket (64 = the largest bucket; batches from the prompt cache "
-                       "use graphs up to 8 chunks)"),
+                       "use graphs up to 8 chunks, or --engine.flow-graph-shared-rows)"),
+    )
+    flow_graph_shared_rows: int = field(
+        default=16,
+        metadata=_help("batches from the prompt cache whose chunks all have one voice use CUDA graphs up to this "
+                       "many chunks (the voice's prefix is held once; 0 = none)"),
     )
     flow_prompt_cache: bool = field(
         default=True,

@@ -48,10 +48,23 @@ def test_compiled_blocks_give_the_eager_frames(flows: tuple[CausalMaskedDiffWith
     assert shape.frames < 2 * 73  # the cached path really ran
     for r, x in zip(ref, got):
         assert (x - r).abs().max().item() <= 1e-5
+    # One voice for every row: its prefix is broadcast inside the compiled attention.
+    voice = _chunk(g, 30)
+    p = voice.num_prompt_tokens
+    chunks = [FlowChunk(tokens=torch.cat((voice.tokens[:p], torch.randint(0, 6561, (n + 3,), generator=g))),
+                        prompt_feat=voice.prompt_feat, embedding=voice.embedding, num_prompt_tokens=p,
+                        out_start=p, finalize=False) for n in (12, 20, 7)]
+    entries = cache.entries_for(compiled, chunks)
+    assert entries[0] is not None and all(e is entries[0] for e in entries)
+    ref, _ = flow.decode_chunks(chunks)
+    got, _ = decode_with_prompt_cache(compiled, chunks, entries)
+    for r, x in zip(ref, got):
+        assert (x - r).abs().max().item() <= 1e-5
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # One graph for plain batches, one for cached prefixes (per-row rotary positions).
-    assert counters["stats"]["unique_graphs"] == 2
+    # One graph for plain batches, one for per-row cached prefixes (per-row rotary
+    # positions), one for a prefix shared by all rows.
+    assert counters["stats"]["unique_graphs"] == 3
 
 
 def test_a_deep_copy_starts_uncompiled(flows: tuple[CausalMaskedDiffWithDiT, ...]) -> None:

@@ -122,6 +122,30 @@ def test_cached_decode_equals_decode_chunks(flow: CausalMaskedDiffWithDiT, voice
         assert (alone[0] - g).abs().max().item() <= TOL
 
 
+def test_one_voice_batch_shares_its_prefix(flow: CausalMaskedDiffWithDiT, voices: list[Voice],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of one voice get its cached prefix once per CFG half (no per-row copies) and the
+    same frames as the per-row layout and as the plain decode."""
+    import engine.flow_prompt_cache as fpc
+
+    a = voices[0]
+    chunks = [chunk(a, 90, 140, False), chunk(a, 0, 15, False), chunk(a, 40, 90, False), chunk(a, 140, 163, True)]
+    entries = PromptCache().entries_for(flow, chunks)
+    prefixes = fpc.StepPrefixes(entries, torch.device("cpu"))
+    step = prefixes[3]
+    assert prefixes.shared is entries[0] and step.shared
+    assert step.layer_kv[0][0].shape[0] == 2 and step.conv_context.shape[0] == 2  # per CFG half, not per row
+    assert step.layer_kv[0][0].data_ptr() == entries[0].keys[3, 0].data_ptr()  # the cache itself, no copy
+    ref, _ = flow.decode_chunks(chunks)
+    shared, _ = decode_with_prompt_cache(flow, chunks, entries)
+    monkeypatch.setattr(fpc, "shared_entry", lambda entries: None)  # force the per-row layout
+    assert not fpc.StepPrefixes(entries, torch.device("cpu"))[0].shared
+    per_row, _ = decode_with_prompt_cache(flow, chunks, entries)
+    for r, s_, p_ in zip(ref, shared, per_row):
+        assert (s_ - p_).abs().max().item() <= 1e-6
+        assert (s_ - r).abs().max().item() <= TOL
+
+
 def test_cached_decode_is_the_same_arithmetic_in_float64(voices: list[Voice]) -> None:
     """In float64 the rounding noise of different matrix sizes vanishes: any difference
     left would be a real dependence of the output on the skipped frames."""
@@ -253,22 +277,24 @@ def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMask
     voices and a C == 0 row), rows and frames padded to the bucket, prefixes of 50 and 100
     frames sharing the 100-frame width bucket, buffers poisoned between batches (huge
     keys/values, every slot unmasked, wrong positions: each batch must overwrite or mask
-    all of it), and a batch beyond the prefix bucket limits (eager fallback)."""
+    all of it), one-voice batches through the shared buffers (`PrefixViews.shared`), and a
+    batch beyond the prefix bucket limits (eager fallback)."""
     from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 
     a, b, z = voices
     policy = GraphPolicy(batch_buckets=(1, 2, 4, 8), frame_multiple=50, max_frames=400,
-                         prefix_max_rows=4, prefix_max_frames=100)
+                         prefix_max_rows=4, prefix_max_frames=100, shared_prefix_max_rows=4)
     runner = FlowGraphRunner(flow.decoder, policy, capture=False)
     cache = PromptCache()
     batches = [
         [chunk(a, 90, 140, False), chunk(b, 40, 90, False), chunk(z, 15, 40, False)],  # 3 -> 4 rows
+        [chunk(b, 0, 15, False)],  # one voice: shared buffers
+        [chunk(a, 90, 140, False), chunk(a, 0, 15, False), chunk(a, 40, 90, False)],  # one voice, 3 -> 4 rows
         [chunk(b, 0, 15, False)],  # narrower prefix after a wider one: stale slots stay masked
-        [chunk(a, 0, 15, False)] * 5,  # 5 rows > prefix_max_rows: eager
+        [chunk(a, 0, 15, False)] * 5,  # 5 rows > shared_prefix_max_rows: eager
     ]
     for chunks in batches:
-        if runner._prefix is not None:
-            buffers = runner._prefix
+        for buffers in runner._prefix.values():
             with torch.inference_mode():  # the buffers are inference tensors
                 for t in (buffers._keys, buffers._values, buffers._conv):
                     t.normal_(0.0, 30.0)
@@ -285,7 +311,9 @@ def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMask
             assert shape.rows == (4 if len(chunks) == 3 else 1)
         else:
             assert runner.stats.eager == eager + 1 and shape.rows == 5
-    assert runner.prefix_bytes > 0
+    assert sorted(runner._prefix) == [False, True] and runner.prefix_bytes > 0
+    # One voice's buffers hold it once, not once per row.
+    assert runner._prefix[True]._keys.numel() * 4 == runner._prefix[False]._keys.numel()
     # Widths share buckets of 100 frames; a prefix wider than the buffers cannot take a graph.
     assert [policy.prefix_bucket(w) for w in (0, 50, 100, 101)] == [0, 100, 100, 200]
     assert policy.bucket(2, 100, width=150) is None and policy.bucket(2, 100, width=50) == (2, 100)
@@ -344,7 +372,7 @@ def test_a_prefix_too_wide_for_the_prefix_graphs_keeps_the_plain_graph(tiny_mode
 
     model = load_model(tiny_model_dir, load_lm=False)
     policy = GraphPolicy(batch_buckets=(1, 2, 4), frame_multiple=50, max_frames=400,
-                         prefix_max_rows=2, prefix_max_frames=50)
+                         prefix_max_rows=2, prefix_max_frames=50, shared_prefix_max_rows=2)
     stage = AudioStage(model.flow, model.hift, torch.device("cpu"), graph_policy=policy, prompt_cache_bytes=1 << 30)
     stage.flow_cuda_graphs = True  # the runner's uncaptured padded path stands in for graphs on CPU
     v = make_voice(60, 5)  # C = 100 > prefix_max_frames

@@ -83,12 +83,17 @@ class DiTPrefix:
     positions:    [B] long, C_i: absolute position of each row's first input frame.
     conv_context: [B, CONV_CONTEXT, D], the input projection over frames [C_i - 60, C_i)
                   (zeros where that is before frame 0, like the convolutions' padding).
+    shared:       every row has the same prefix (one voice): layer_kv entries and
+                  conv_context hold it once per CFG half ([2, H, Cmax, dh], [2, CONV_CONTEXT,
+                  D]; rows [0, B/2) read half 0, the rest half 1). The blocks broadcast it
+                  inside the compiled attention, so no per-row copy is ever made.
     """
 
     layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
     key_mask: torch.Tensor
     positions: torch.Tensor
     conv_context: torch.Tensor
+    shared: bool = False
 
 
 @dataclass
@@ -108,6 +113,13 @@ def timestep_sinusoid(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor
     freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -step)
     angles = TIME_SCALE * t.float().unsqueeze(1) * freqs.unsqueeze(0)
     return torch.cat((angles.sin(), angles.cos()), dim=-1).to(t.dtype)
+
+
+def per_row(halves: torch.Tensor, rows: int) -> torch.Tensor:
+    """[2, ...] (one tensor per CFG half) -> [rows, ...]: rows [0, rows/2) get half 0, the
+    rest half 1. In eager mode this is a copy; inside a compiled block the compiler folds
+    the broadcast into the kernel that reads it (the key/value concatenation)."""
+    return halves.unsqueeze(1).expand(2, rows // 2, *halves.shape[1:]).reshape(rows, *halves.shape[1:])
 
 
 def block_causal_mask(length: int, chunk: int, device: torch.device) -> torch.Tensor:
@@ -357,9 +369,11 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         record: DiTRecord | None = None,
+        shared: bool = False,
     ) -> torch.Tensor:
         """`prefix_kv`: cached prefix keys/values put before this call's (the mask then
-        covers them too); `record` receives this call's keys and values."""
+        covers them too), per row, or per CFG half when `shared` (see DiTPrefix);
+        `record` receives this call's keys and values."""
         batch, length, _ = x.shape
         # Rotary on the un-split projections: only head 0 gets position information.
         q = rotate_(self.to_q(x), *rope)
@@ -370,7 +384,8 @@ class Attention(nn.Module):
             record.keys.append(k)
             record.values.append(v)
         if prefix_kv is not None:
-            k, v = torch.cat((prefix_kv[0], k), dim=2), torch.cat((prefix_kv[1], v), dim=2)
+            pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
+            k, v = torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
         out = self.to_out[0](out)
@@ -409,9 +424,10 @@ class DiTBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         record: DiTRecord | None = None,
+        shared: bool = False,
     ) -> torch.Tensor:
         normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
-        x = torch.addcmul(x, gate_a[:, None], self.attn(normed, mask, pad_mask, rope, prefix_kv, record))
+        x = torch.addcmul(x, gate_a[:, None], self.attn(normed, mask, pad_mask, rope, prefix_kv, record, shared))
         return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
 
 
@@ -423,10 +439,10 @@ def _is_compile_error(exc: BaseException) -> bool:
 
 def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
-               record: DiTRecord | None) -> torch.Tensor:
+               record: DiTRecord | None, shared: bool = False) -> torch.Tensor:
     """One block call; a function of its inputs (the block's weights included), so one
     compiled graph of it serves all blocks."""
-    return block(h, temb, mask, pad_mask, rope, kv, record)
+    return block(h, temb, mask, pad_mask, rope, kv, record, shared)
 
 
 class DiT(nn.Module):
@@ -461,9 +477,10 @@ class DiT(nn.Module):
     def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, temb: torch.Tensor,
                     attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                     prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
+        shared = prefix is not None and prefix.shared
         for i, block in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer_kv[i]
-            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record)
+            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared)
         return h
 
     def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
@@ -499,7 +516,7 @@ class DiT(nn.Module):
         temb = self.time_embed(t)
         context = context_valid = None
         if prefix is not None:
-            context = prefix.conv_context
+            context = per_row(prefix.conv_context, batch) if prefix.shared else prefix.conv_context
             before = torch.arange(-CONV_CONTEXT, 0, device=prefix.positions.device)
             context_valid = (prefix.positions.unsqueeze(1) + before) >= 0  # [B, CONV_CONTEXT]
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks,
