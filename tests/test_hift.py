@@ -240,3 +240,35 @@ def test_stream_api_contract(gen: CausalHiFTGenerator) -> None:
         gen.stream_step([st], [torch.zeros(80, 1)], [False])
     with pytest.raises(ValueError):
         gen.stream_step([gen.new_stream()], [torch.zeros(81, 3)], [False])
+
+
+def test_snake_follows_every_change_of_alpha() -> None:
+    """Snake keeps alpha's reshape and inverse between calls; they must follow alpha through
+    in-place updates, loads, casts and copies (the official formula, bit for bit)."""
+    import copy
+
+    from engine.models.hift import Snake
+
+    def official(m: Snake, x: torch.Tensor) -> torch.Tensor:
+        a = m.alpha[None, :, None]
+        return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+
+    torch.manual_seed(0)
+    snake = Snake(8)
+    x = torch.randn(2, 8, 30)
+    changes = [
+        lambda m: m.alpha.uniform_(0.2, 3.0),  # in place
+        lambda m: m.load_state_dict({"alpha": torch.full((8,), 0.5)}),
+        lambda m: m.double(),
+        lambda m: m.float(),
+    ]
+    with torch.no_grad():
+        assert torch.equal(snake(x), official(snake, x))
+        for change in changes:
+            change(snake)
+            xi = x.to(snake.alpha.dtype)
+            assert torch.equal(snake(xi), official(snake, xi))
+        clone = copy.deepcopy(snake)
+        clone.alpha.fill_(1.5)
+        assert torch.equal(clone(x), official(clone, x)) and torch.equal(snake(x), official(snake, x))
+        assert not torch.equal(clone(x), snake(x))

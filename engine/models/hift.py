@@ -118,10 +118,28 @@ class Snake(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
+        self._coeffs: tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor] | None = None
+
+    def _alpha_and_inverse(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """alpha as [1, C, 1] and 1 / (alpha + 1e-9), computed once per value of alpha.
+
+        The vocoder is launch-bound at small batches and has ~75 of these activations, so
+        recomputing the inverse (two kernels) and the reshape (two views) on every call was
+        ~300 of a one-chunk vocoder step's ~1150 dispatches. Valid while the parameter is the
+        same tensor over the same storage (a move or a cast replaces one of them; the cached
+        view keeps the old storage alive, so its address cannot come back) at the same
+        version (a load or any in-place update bumps it)."""
+        a = self.alpha
+        cached = self._coeffs
+        if cached is None or cached[0] is not a or cached[1] != a._version or cached[2] != a.data_ptr():
+            with torch.no_grad():
+                shaped = a.detach()[None, :, None]
+                cached = self._coeffs = (a, a._version, a.data_ptr(), shaped, 1.0 / (shaped + 1e-9))
+        return cached[3], cached[4]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.alpha[None, :, None]
-        return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+        a, inverse = self._alpha_and_inverse()
+        return x + inverse * torch.sin(x * a).pow(2)
 
 
 class CausalResBlock(nn.Module):

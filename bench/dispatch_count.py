@@ -1,0 +1,110 @@
+"""How many torch operators the host dispatches per step of the engine's small-batch paths.
+
+    python -m bench.dispatch_count --json docs/bench/dispatch_count.json
+
+At one session the GPU mostly waits for the host: every operator costs its Python and
+dispatcher time plus a kernel launch (~15-20 us each on the H200 box, by the vocoder's
+19 ms for ~1070 operators at one chunk), whatever the work inside. Counting them on the CPU
+is therefore a measure of that host time that needs no GPU. Counted (full-size model,
+random weights, `TorchDispatchMode`, views included):
+
+* `vocoder`: one `CausalHiFTGenerator.stream_step` of 50 new mel frames per stream, in the
+  third step of each stream (history and context in place), weight norm folded as the
+  loader does;
+* `ras`: one `RASBatchState.apply` on vLLM-shaped logits (unified vocabulary) with every
+  row a RAS request 100 tokens in.
+
+Per batch size: `dispatches` and the most frequent operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.backends.ras_logits import RASArgs, RASBatchState
+from engine.models import hift as hift_mod
+from engine.models.config import ModelConfig
+
+UNIFIED_VOCAB = 158697  # the exported LM's vocabulary width (speech + text ids)
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn: Callable[[], object], top: int) -> dict[str, Any]:
+    counter = _Counter()
+    with torch.inference_mode(), counter:
+        fn()
+    return {"dispatches": sum(counter.ops.values()), "top": dict(counter.ops.most_common(top))}
+
+
+def vocoder(batch: int, cfg: ModelConfig, top: int) -> dict[str, Any]:
+    gen = hift_mod.init_random_(hift_mod.CausalHiFTGenerator(cfg.hift), 0).eval()
+    gen.fold_weight_norm()
+    streams = [gen.new_stream() for _ in range(batch)]
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        gen.stream_step(streams, [torch.randn(80, 50, generator=g) for _ in streams], [False] * batch)
+
+    with torch.inference_mode():
+        step()
+        step()
+    return count(step, top)
+
+
+def ras(batch: int, top: int) -> dict[str, Any]:
+    class Params:
+        def __init__(self, args: RASArgs) -> None:
+            self.extra_args = args.to_extra()
+
+    g = torch.Generator().manual_seed(0)
+    state = RASBatchState()
+    args = RASArgs(speech_token_size=6561, speech_vocab_size=6761, min_tokens=10)
+    state.update([(i, Params(args), None, torch.randint(0, 6561, (100,), generator=g).tolist())
+                  for i in range(batch)], [], [])
+    logits = torch.randn(batch, UNIFIED_VOCAB, generator=g)
+    state.apply(logits.clone())
+    return count(lambda: state.apply(logits.clone()), top)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocoder-batches", default="1,8")
+    p.add_argument("--ras-batches", default="1,64")
+    p.add_argument("--tiny", action="store_true", help="the tiny model (tests)")
+    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
+    report: dict[str, Any] = {"model": "tiny" if args.tiny else "full", "vocoder": {}, "ras": {}}
+    for b in (int(x) for x in args.vocoder_batches.split(",") if x):
+        report["vocoder"][b] = vocoder(b, cfg, args.top)
+        print(f"vocoder stream_step, {b} stream(s): {report['vocoder'][b]['dispatches']} dispatches", flush=True)
+    for b in (int(x) for x in args.ras_batches.split(",") if x):
+        report["ras"][b] = ras(b, args.top)
+        print(f"RAS logits processor, {b} row(s): {report['ras'][b]['dispatches']} dispatches", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)
