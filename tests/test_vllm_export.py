@@ -316,6 +316,43 @@ def test_batch_state_fixed_length_masks_stops_always() -> None:
     assert out[0].argmax() < VOCAB.speech_token_size
 
 
+_SHORTCUT_CASES = ["uniform", "stops_mixed", "args_mixed", "greedy_mixed", "sparse_rows", "keep_force"]
+
+
+@pytest.mark.parametrize("case", _SHORTCUT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_state_shortcuts_give_the_general_logits(case: str, dtype: torch.dtype) -> None:
+    """The short ways of `RASBatchState.apply` (dense rows, one stop state, one parameter
+    set) leave exactly the logits of the general way."""
+    g = torch.Generator().manual_seed(_SHORTCUT_CASES.index(case))
+    n = 5
+    rows: list[tuple[int, SimpleNamespace, None, list[int]]] = []
+    for i in range(n):
+        out = torch.randint(0, 40, (30,), generator=g).tolist()  # few ids: repeats in the window
+        kw: dict[str, object] = {"min_tokens": 10}
+        if case == "stops_mixed":
+            kw["min_tokens"] = 40 if i % 2 else 0
+        if case == "args_mixed":
+            kw.update(top_p=0.6 + 0.1 * i, top_k=10 + 5 * i, win_size=6 + i)
+        if case == "greedy_mixed" and i % 2:
+            kw["greedy"] = True
+        if case == "keep_force" and i == 1:
+            kw.update(keep_id=VOCAB.speech_token_size + 3, min_tokens=40)
+        if case == "keep_force" and i == 3:
+            kw.update(force_at=30, force_id=17)
+        rows.append((2 * i + 1 if case == "sparse_rows" else i, _params(**kw), None, out))
+    batch = 2 * n + 1 if case == "sparse_rows" else n
+    logits = (torch.randn(batch, VOCAB.size, generator=g) * 3).to(dtype)
+    logits[:, :40] += 4.0  # mass on the ids the windows hold
+    got = {}
+    for shortcuts in (True, False):
+        state = RASBatchState(shortcuts=shortcuts)
+        state.update(added=rows, removed=[], moved=[])
+        got[shortcuts] = state.apply(logits.clone())
+    assert torch.equal(got[True], got[False])
+    assert not torch.equal(got[True], logits)  # something was transformed
+
+
 # ------------------------------------------------------------------ request mapping
 
 

@@ -95,36 +95,44 @@ class RASArgs:
         return cls(**d)
 
 
-def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-              thresholds: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
+def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor | float, top_k: torch.Tensor | int,
+              thresholds: torch.Tensor | float, k_max: int | None = None) -> torch.Tensor:
     """The exact RAS output distribution for a batch of rows.
 
     logits:     [B, V] float32, masks already applied (-inf).
     windows:    [B, W] int64, the last W generated tokens of each row, -1 = empty slot.
     top_p:      [B] float32; top_k: [B] int64, the nucleus size limit of each row.
     thresholds: [B] float32, win_size * tau_r per row.
+    (Each of the three may be one Python number for all rows: fewer operators per step,
+    the same result.)
     k_max:      max(top_k) if the caller knows it on the host (saves a GPU->CPU sync).
     Returns P as [B, V] float32 (rows sum to 1).
     """
+    def per_row(v: torch.Tensor | float) -> torch.Tensor | float:
+        return v[:, None] if isinstance(v, torch.Tensor) else v
+
     p = logits.float().softmax(dim=-1)
-    k = min(int(top_k.max()) if k_max is None else int(k_max), p.shape[-1])
+    if k_max is None:
+        k_max = int(top_k.max()) if isinstance(top_k, torch.Tensor) else int(top_k)
+    k = min(int(k_max), p.shape[-1])
     # The official code sorts stably (ties -> lower id first); topk's tie order is
     # unspecified, which only matters for exactly equal probabilities.
     top_val, top_idx = p.topk(k, dim=-1, sorted=True)
     cum_before = top_val.cumsum(dim=-1) - top_val
-    rank = torch.arange(k, device=p.device)
-    in_nucleus = (cum_before < top_p[:, None]) & (rank[None, :] < top_k[:, None])
+    in_nucleus = cum_before < per_row(top_p)
+    if isinstance(top_k, torch.Tensor):  # one number for all rows: topk(k) is the limit already
+        in_nucleus &= torch.arange(k, device=p.device)[None, :] < top_k[:, None]
     # An id with probability 0 (masked) can never enter the nucleus.
     in_nucleus &= top_val > 0
-    q_top = torch.where(in_nucleus, top_val, torch.zeros_like(top_val))
+    q_top = torch.where(in_nucleus, top_val, 0.0)
     q_top = q_top / q_top.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
     counts = (windows[:, None, :] == top_idx[:, :, None]).sum(dim=-1).float()  # [B, K]
     one_minus = 1.0 - top_val
     # If x holds all the mass, resampling without x is undefined (the official code
     # would hit an all -inf softmax); keep x then.
-    repeated = in_nucleus & (counts >= thresholds[:, None]) & (one_minus > 1e-6)
-    weight = torch.where(repeated, q_top / one_minus.clamp_min(1e-6), torch.zeros_like(q_top))
+    repeated = in_nucleus & (counts >= per_row(thresholds)) & (one_minus > 1e-6)
+    weight = torch.where(repeated, q_top / one_minus.clamp_min(1e-6), 0.0)
     c = weight.sum(dim=-1, keepdim=True)  # [B, 1]
 
     out = p * c  # resample branch, spread over every id ...
@@ -182,8 +190,9 @@ class RASBatchState:
     removed, added, moved (an added row may take a removed row's index).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shortcuts: bool = True) -> None:
         self.rows: dict[int, _Row] = {}
+        self.shortcuts = shortcuts  # see `apply`
 
     def update(self, added: Sequence[tuple[int, Any, Any, Sequence[int]]], removed: Sequence[int],
                moved: Sequence[tuple[int, int, bool]]) -> None:
@@ -207,42 +216,41 @@ class RASBatchState:
                 self.rows[a] = rb
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask and transform the CosyVoice rows of `logits` (in place; returned).
+
+        Runs once per decode step on vLLM's critical path, where the host's operator count
+        is its cost at small batches (`bench.dispatch_count`). So the usual batch takes the
+        short ways: rows 0..n-1 all CosyVoice (slices, no index tensors), one stop-mask
+        state for all rows, and one set of RAS parameters for all rows (Python numbers).
+        `shortcuts=False` (tests) takes the general way everywhere; the logits are the same."""
         if not self.rows:
             return logits
         items = sorted(self.rows.items())
-        dev = logits.device
-        idx = tensor_on([i for i, _ in items], torch.long, dev)
+        n, dev = len(items), logits.device
         first = items[0][1].args
         speech_size, speech_vocab = first.speech_token_size, first.speech_vocab_size
         # All CosyVoice requests share one vocabulary layout (one exported model).
-        rows = logits[:, :speech_vocab].index_select(0, idx).float()  # slice first: 6761 of 158697 columns
-        stop_mask = tensor_on([r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items],
-                             torch.bool, dev)
-        keep = [(n, r.args.keep_id) for n, (_, r) in enumerate(items) if r.args.keep_id >= 0]
-        kept = [rows[n, k].clone() for n, k in keep]  # bistream: fill survives the stop mask
-        rows[:, speech_size:] = rows[:, speech_size:].masked_fill(stop_mask[:, None], _NEG_INF)
-        for (n, k), v in zip(keep, kept):
-            rows[n, k] = v
+        dense = self.shortcuts and items[-1][0] == n - 1  # the CosyVoice rows are rows 0..n-1
+        idx = None if dense else tensor_on([i for i, _ in items], torch.long, dev)
+        view = logits[:n, :speech_vocab]  # slice first: 6761 of 158697 columns
+        rows = view.float() if dense else logits[:, :speech_vocab].index_select(0, idx).float()
 
-        ras_pos = [n for n, (_, r) in enumerate(items) if not r.args.greedy]
+        stops = [r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items]
+        keep = [(n_, r.args.keep_id) for n_, (_, r) in enumerate(items) if r.args.keep_id >= 0]
+        kept = [rows[n_, k].clone() for n_, k in keep]  # bistream: fill survives the stop mask
+        if self.shortcuts and all(stops):
+            rows[:, speech_size:] = _NEG_INF
+        elif not self.shortcuts or any(stops):
+            stop_mask = tensor_on(stops, torch.bool, dev)
+            rows[:, speech_size:] = rows[:, speech_size:].masked_fill(stop_mask[:, None], _NEG_INF)
+        for (n_, k), v in zip(keep, kept):
+            rows[n_, k] = v
+
+        ras_pos = [n_ for n_, (_, r) in enumerate(items) if not r.args.greedy]
         if ras_pos:
-            sub = [items[n][1] for n in ras_pos]
-            width = max(r.args.win_size for r in sub)
-            win_rows = []
-            for r in sub:
-                seen = [*r.args.history, *r.output_ids] if r.args.history else r.output_ids
-                recent = [int(t) for t in seen[-r.args.win_size:]] if r.args.win_size > 0 else []
-                win_rows.append(recent + [-1] * (max(width, 1) - len(recent)))
-            win = tensor_on(win_rows, torch.long, dev)
-            top_p = tensor_on([r.args.top_p for r in sub], torch.float32, dev)
-            thr = tensor_on([r.args.win_size * r.args.tau_r for r in sub], torch.float32, dev)
-            top_k = tensor_on([r.args.top_k for r in sub], torch.long, dev)
-            sel = tensor_on(ras_pos, torch.long, dev)
-            sub_logits = rows.index_select(0, sel)
-            probs = ras_probs(sub_logits, win, top_p, top_k, thr, k_max=max(r.args.top_k for r in sub))
-            rows.index_copy_(0, sel, probs.log())
+            self._ras(rows, [items[n_][1] for n_ in ras_pos], ras_pos, n, dev)
 
-        for n, (_, r) in enumerate(items):
+        for n_, (_, r) in enumerate(items):
             produced = len(r.output_ids)
             if r.desync is None and produced < r.seen and r.args.context_len >= 0:
                 # Outputs restarted without a re-add: a new chunk began but its params
@@ -251,15 +259,48 @@ class RASBatchState:
                 log.error("CosyVoice bistream desync: %s", r.desync)
             r.seen = produced
             if r.desync is not None and r.args.desync_id >= 0:
-                rows[n] = _NEG_INF
-                rows[n, r.args.desync_id] = 0.0
+                rows[n_] = _NEG_INF
+                rows[n_, r.args.desync_id] = 0.0
             elif r.args.force_at >= 0 and produced == r.args.force_at:
-                rows[n] = _NEG_INF
-                rows[n, r.args.force_id] = 0.0
+                rows[n_] = _NEG_INF
+                rows[n_, r.args.force_id] = 0.0
 
-        logits[idx, :speech_vocab] = rows.to(logits.dtype)
-        logits[idx, speech_vocab:] = _NEG_INF
+        if dense:
+            if rows.data_ptr() != view.data_ptr():  # logits not float32: `rows` is a copy
+                view.copy_(rows)
+            logits[:n, speech_vocab:] = _NEG_INF
+        else:
+            logits[idx, :speech_vocab] = rows.to(logits.dtype)
+            logits[idx, speech_vocab:] = _NEG_INF
         return logits
+
+    def _ras(self, rows: torch.Tensor, sub: list[_Row], positions: list[int], n: int, dev: torch.device) -> None:
+        """Replace `rows[positions]` by the log of their RAS distribution."""
+        width = max(r.args.win_size for r in sub)
+        win_rows = []
+        for r in sub:
+            seen = [*r.args.history, *r.output_ids] if r.args.history else r.output_ids
+            recent = [int(t) for t in seen[-r.args.win_size:]] if r.args.win_size > 0 else []
+            win_rows.append(recent + [-1] * (max(width, 1) - len(recent)))
+        win = tensor_on(win_rows, torch.long, dev)
+        a = sub[0].args
+        top_p: torch.Tensor | float
+        top_k: torch.Tensor | int
+        thr: torch.Tensor | float
+        if self.shortcuts and all((r.args.top_p, r.args.top_k, r.args.win_size, r.args.tau_r)
+                                  == (a.top_p, a.top_k, a.win_size, a.tau_r) for r in sub):
+            top_p, top_k, thr = a.top_p, a.top_k, a.win_size * a.tau_r
+        else:
+            top_p = tensor_on([r.args.top_p for r in sub], torch.float32, dev)
+            thr = tensor_on([r.args.win_size * r.args.tau_r for r in sub], torch.float32, dev)
+            top_k = tensor_on([r.args.top_k for r in sub], torch.long, dev)
+        k_max = max(r.args.top_k for r in sub)
+        if self.shortcuts and len(positions) == n:
+            rows.copy_(ras_probs(rows, win, top_p, top_k, thr, k_max=k_max).log())
+            return
+        sel = tensor_on(positions, torch.long, dev)
+        probs = ras_probs(rows.index_select(0, sel), win, top_p, top_k, thr, k_max=k_max)
+        rows.index_copy_(0, sel, probs.log())
 
 
 try:  # the vLLM adapter; vLLM exists only on the GPU machines

@@ -1,0 +1,20 @@
+"""bench/dispatch_count.py: operator dispatches per small-batch engine step, counted on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+from bench import dispatch_count
+
+
+def test_counts_the_vocoder_step_and_the_logits_processor(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "dispatch.json"
+    report = dispatch_count.main(["--tiny", "--vocoder-batches", "1,2", "--ras-batches", "1,3", "--top", "50",
+                                  "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    one, two = report["vocoder"][1], report["vocoder"][2]
+    assert 0 < one["dispatches"] < two["dispatches"]  # per-stream slicing grows with the batch
+    # The Snake activations reuse alpha's inverse: no reciprocal per call, and one sin each.
+    assert "aten.reciprocal.default" not in one["top"]
+    assert one["top"]["aten.sin.default"] > 10
+    assert all(report["ras"][b]["dispatches"] > 0 for b in (1, 3))
