@@ -27,7 +27,8 @@ CUDA): `prompt_cache_build_ms` (building the voice's entry once, outside the tim
 `flow_cached_ms` (decoding from the cache, eager), `cached_frames` (frames per row the
 ODE ran at, vs `frames_per_chunk`), `cached_speedup` (eager / cached),
 `cached_vs_eager_max_abs` / `_rel`, and with `--graphs` `flow_cached_graph_ms` (the cache
-through the graph runner: a CUDA graph up to `prefix_max_rows` rows) and
+through the graph runner: the bench's batches are one voice, so a CUDA graph up to
+`shared_prefix_max_rows` rows) and
 `cached_graph_vs_eager_rel`; on the first batch also float32 cached vs float32
 eager (`fp32_cached_vs_eager_max_abs`). The run exits with status 1 if the cached result
 is off by more than `--tol-rel` (relative norm) from eager, or the float32 one by more
@@ -279,8 +280,8 @@ def time_prompt_cache(flow: flow_mod.CausalMaskedDiffWithDiT, low: flow_mod.Caus
     row["cached_vs_eager_rel"] = rel(got["out"], outs["eager"])  # type: ignore[arg-type]
     ok = row["cached_vs_eager_rel"] <= args.tol_rel  # type: ignore[operator]
     if runner is not None:
-        # The cached prefixes through the graph runner (static prefix buffers; a graph when
-        # the batch fits prefix_max_rows, eagerly otherwise).
+        # The cached prefixes through the graph runner (static prefix buffers, one voice; a
+        # graph when the batch fits shared_prefix_max_rows, eagerly otherwise).
         def graph_fn() -> object:
             with autocast(dtype):
                 got["gout"], got["gshape"] = decode_with_prompt_cache(  # type: ignore[arg-type]

@@ -43,12 +43,14 @@ class EngineConfig:
     # 64 = the largest graph bucket. With the prompt cache, batches served from it take
     # graphs only up to GraphPolicy.prefix_max_rows (8) chunks, or flow_graph_shared_rows.
     flow_graph_max_rows: int = 64
-    # With the prompt cache, batches whose chunks all have one voice take graphs up to this
-    # many chunks (its prefix is held once, not per row: `PrefixViews.shared`); 0 = none.
+    # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
+    # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
+    # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.
     flow_graph_shared_rows: int = 16
     # Cache each voice prompt's DiT keys/values (`engine.flow_prompt_cache`) so every flow
     # batch computes only the frames after the prompt's cached blocks (CUDA graphs up to
-    # GraphPolicy.prefix_max_rows chunks, eager above). Exact; CosyVoice3 only.
+    # GraphPolicy.prefix_max_rows chunks, or flow_graph_shared_rows for one voice; eager
+    # above). Exact; CosyVoice3 only.
     flow_prompt_cache: bool = True
     flow_prompt_cache_bytes: int = 4 << 30  # per stage (GPU); least recently used voices go first
     # Run a flow batch whose chunks differ much in length as up to three calls of similar

@@ -66,11 +66,12 @@ class GraphPolicy:
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
     # Batches decoded from the flow prompt cache get graphs up to this many rows and this
     # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full
-    # size, so the defaults reserve 4.3 GB once the first such batch runs) ...
+    # size, so the defaults reserve 4.3 GB, at warm-up or the first such batch) ...
     prefix_max_rows: int = 8
     prefix_max_frames: int = 300
     # ... and up to this many rows when every row has the same voice (the prefix is held
-    # once, 0.54 GB for 300 frames: `PrefixViews.shared`).
+    # once, 0.54 GB for 300 frames: `PrefixViews.shared`); a one-voice batch above it
+    # falls back to the per-row graphs.
     shared_prefix_max_rows: int = 16
     # Prefix widths are padded up to a multiple of this (masked slots, exact), so voices
     # with different prompt lengths share graphs: 100, 200 or 300 frames.
@@ -162,7 +163,23 @@ class FlowGraphRunner:
     # ------------------------------------------------------------------ public
     def padded_shape(self, rows: int, frames: int, width: int = 0, shared: bool = False) -> tuple[int, int]:
         """The shape a batch of `rows` x `frames` is solved at (itself when no bucket fits)."""
-        return self.policy.bucket(rows, frames, width, shared) or (rows, frames)
+        return self.plan(rows, frames, width, shared)[0] or (rows, frames)
+
+    def plan(self, rows: int, frames: int, width: int = 0, shared: bool = False,
+             dtype: torch.dtype | None = None) -> tuple[tuple[int, int] | None, bool]:
+        """The graph bucket for a batch (None: it runs eagerly) and whether it uses the
+        one-voice prefix buffers: those when the batch has one voice (`shared`) and a bucket
+        and the buffers are there for it, else the per-row ones. `dtype`: of the cached keys
+        and values (default: the flow's)."""
+        dtype = dtype or self.autocast_dtype or self.decoder.rand_noise.dtype
+        if width and shared:
+            shape = self.policy.bucket(rows, frames, width, shared=True)
+            if shape is not None and self._prefix_buffers(dtype, True) is not None:
+                return shape, True
+        shape = self.policy.bucket(rows, frames, width)
+        if width and shape is not None and self._prefix_buffers(dtype, False) is None:
+            shape = None
+        return shape, False
 
     @property
     def prefix_bytes(self) -> int:
@@ -189,10 +206,8 @@ class FlowGraphRunner:
         each row's frames after its cached prefix, as in `decode_with_prompt_cache`."""
         rows, _, frames = noise.shape
         width = prefix_width(prefix)
-        shared = shared_entry(prefix) is not None
-        shape = self.policy.bucket(rows, frames, width, shared)
-        if width and shape is not None and self._prefix_buffers(self.autocast_dtype or noise.dtype, shared) is None:
-            shape = None
+        shape, shared = self.plan(rows, frames, width, shared_entry(prefix) is not None,
+                                  self.autocast_dtype or noise.dtype)
 
         def eager() -> torch.Tensor:
             self.stats.eager += 1
@@ -217,29 +232,28 @@ class FlowGraphRunner:
     def warm(self, shapes: Iterable[tuple[int, ...]], streaming: bool = True) -> int:
         """Capture the graphs for these (rows, frames) or (rows, frames, prefix width) batch
         shapes now (e.g. at engine start, so no request pays for a capture); returns how many
-        were captured. Prefix shapes are captured for one-voice batches (`shared`); mixed
-        batches capture on first use. A no-op without capture."""
+        were captured. Prefix shapes are captured both for one-voice batches (`shared`) and,
+        up to `prefix_max_rows`, for batches mixing voices. A no-op without capture."""
         if not self.capture:
             return 0
         captured = 0
+        dtype = self.decoder.rand_noise.dtype
         for rows, frames, *rest in shapes:
             width = self.policy.prefix_bucket(rest[0] if rest else 0)
-            shared = width > 0
-            shape = self.policy.bucket(rows, frames, width, shared)
-            dtype = self.decoder.rand_noise.dtype
-            if shape is None or (*shape, streaming, width, shared) in self._graphs or self._broken:
-                continue
-            if width and self._prefix_buffers(self.autocast_dtype or dtype, shared) is None:
-                continue
-            # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
-            views = self._views(*shape, dtype=dtype, width=width, shared=shared)
-            # Inputs only need to be finite for the warm-up runs; every replay copies its own.
-            for t in (views.noise, views.mu, views.spks, views.cond):
-                t.zero_()
-            views.mask.fill_(1.0)
-            before = self.stats.captures
-            self._run(shape, views, streaming, replay=False)
-            captured += self.stats.captures - before
+            for shared in ((True, False) if width else (False,)):
+                shape, kind = self.plan(rows, frames, width, shared, self.autocast_dtype or dtype)
+                if shape is None or kind != shared or (*shape, streaming, width, shared) in self._graphs \
+                        or self._broken:
+                    continue
+                # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
+                views = self._views(*shape, dtype=dtype, width=width, shared=shared)
+                # Inputs only need to be finite for the warm-up runs; every replay copies its own.
+                for t in (views.noise, views.mu, views.spks, views.cond):
+                    t.zero_()
+                views.mask.fill_(1.0)
+                before = self.stats.captures
+                self._run(shape, views, streaming, replay=False)
+                captured += self.stats.captures - before
         return captured
 
     # ------------------------------------------------------------------ internals

@@ -411,11 +411,10 @@ class AudioStage:
         look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
         full = [ratio * (len(c.tokens) - (0 if c.finalize else look)) for c in chunks]
         new = max(f - (0 if e is None else e.frames) for f, e in zip(full, entries))
-        policy, rows, shared = runner.policy, len(chunks), shared_entry(entries) is not None
-        if policy.bucket(rows, new, width, shared) is not None:
+        policy, rows = runner.policy, len(chunks)
+        if runner.plan(rows, new, width, shared_entry(entries) is not None)[0] is not None:
             return True  # a graph over the cached prefixes
-        max_rows = policy.shared_prefix_max_rows if shared else policy.prefix_max_rows
-        return not (rows <= max_rows and policy.bucket(rows, max(full)) is not None)
+        return not (rows <= policy.prefix_max_rows and policy.bucket(rows, max(full)) is not None)
 
     def _flow_calls(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> list[list[int]]:
         """The batch's rows per flow call: all in one, or by length (`split_batches`)."""

@@ -58,8 +58,9 @@ class EngineSettings:
     )
     flow_graph_shared_rows: int = field(
         default=16,
-        metadata=_help("batches from the prompt cache whose chunks all have one voice use CUDA graphs up to this "
-                       "many chunks (the voice's prefix is held once; 0 = none)"),
+        metadata=_help("a batch from the prompt cache whose chunks all have one voice takes a CUDA graph when its "
+                       "row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once); otherwise "
+                       "the per-row prefix graphs (up to 8 chunks) or eager"),
     )
     flow_prompt_cache: bool = field(
         default=True,

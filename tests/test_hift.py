@@ -272,3 +272,9 @@ def test_snake_follows_every_change_of_alpha() -> None:
         clone.alpha.fill_(1.5)
         assert torch.equal(clone(x), official(clone, x)) and torch.equal(snake(x), official(snake, x))
         assert not torch.equal(clone(x), snake(x))
+    with torch.inference_mode():  # a module made under inference_mode has no version counter
+        made_here = Snake(8)
+        made_here.alpha.uniform_(0.2, 3.0)
+        assert torch.equal(made_here(x), official(made_here, x))
+        made_here.alpha.mul_(2.0)
+        assert torch.equal(made_here(x), official(made_here, x))

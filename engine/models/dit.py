@@ -67,8 +67,9 @@ NORM_EPS = 1e-6
 # Frames of the input projection before a row's first new frame that the two causal
 # convolutions of the position embedding reach (each looks kernel - 1 frames back).
 CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)
-# Compiled variants dynamo may keep for the shared block function: ~3 per stage device
-# (plain batches, cached-prefix batches and a duck-sizing respecialisation of those).
+# Compiled variants dynamo may keep for the shared block function: ~5 per stage device
+# (plain batches, per-row and one-voice cached-prefix batches, and duck-sizing
+# respecialisations of those).
 COMPILE_CACHE_LIMIT = 64
 
 
