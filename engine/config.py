@@ -47,6 +47,9 @@ class EngineConfig:
     # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
     # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.
     flow_graph_shared_rows: int = 16
+    # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
+    # launch-bound there). CUDA only; CPU ignores it.
+    vocoder_cuda_graphs: bool = True
     # Cache each voice prompt's DiT keys/values (`engine.flow_prompt_cache`) so every flow
     # batch computes only the frames after the prompt's cached blocks (CUDA graphs up to
     # GraphPolicy.prefix_max_rows chunks, or flow_graph_shared_rows for one voice; eager

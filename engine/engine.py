@@ -168,7 +168,8 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           graph_policy=graph_policy(config),
                           policy=config.stage_policy,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
-                          profiler=profiler, split_batches=config.flow_split_batches)
+                          profiler=profiler, split_batches=config.flow_split_batches,
+                          vocoder_cuda_graphs=config.vocoder_cuda_graphs)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)

@@ -45,7 +45,9 @@ from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache,
                                 supports_prompt_cache)
 from .models.dit import DiT
 from .models.flow import FlowChunk
+from .models.hift import CausalHiFTGenerator
 from .stage_profile import StageProfiler
+from .vocoder_graphs import VocoderGraphRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,7 +185,8 @@ class AudioStage:
                  flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
-                 profiler: StageProfiler | None = None, split_batches: bool = False):
+                 profiler: StageProfiler | None = None, split_batches: bool = False,
+                 vocoder_cuda_graphs: bool = True):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -214,6 +217,9 @@ class AudioStage:
         self.profiler = profiler  # engine.stage_profile_dir: a window of batches under torch.profiler
         self.split_batches = split_batches  # engine.flow_split_batches: see split_by_length
         self.hift = hift
+        # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
+        self.vocoder_graphs = (VocoderGraphRunner(hift) if vocoder_cuda_graphs and torch.device(device).type == "cuda"
+                               and isinstance(hift, CausalHiFTGenerator) else None)
         self.device = device
         self.max_batch = max_batch
         self.stats = StageStats()
@@ -235,6 +241,8 @@ class AudioStage:
             prepare = getattr(self.hift, "build_noise_table", None)
             if prepare is not None:
                 await asyncio.get_running_loop().run_in_executor(self._pool, prepare)
+            if self.vocoder_graphs is not None:  # every bucket, so no request pays for a capture
+                await asyncio.get_running_loop().run_in_executor(self._pool, self.vocoder_graphs.warm)
             self._task = asyncio.create_task(self._loop(), name="audio-stage")
 
     async def close(self) -> None:
@@ -454,10 +462,12 @@ class AudioStage:
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
         mels = [_stretch(m.float(), j.speed) for m, j in zip(decoded, batch)]
         vocoder_frames = sum(int(m.shape[0]) for m in mels)
+        graphs = {} if self.vocoder_graphs is None else {"decode": self.vocoder_graphs}
         pcm = self.hift.stream_step(
             [j.hift_stream for j in batch],
             [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
             [j.flow.finalize for j in batch],
+            **graphs,
         )
         return _to_host(pcm), flow_work, vocoder_frames
 

@@ -62,6 +62,10 @@ class EngineSettings:
                        "row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once); otherwise "
                        "the per-row prefix graphs (up to 8 chunks) or eager"),
     )
+    vocoder_cuda_graphs: bool = field(
+        default=True,
+        metadata=_help("run the CosyVoice3 vocoder's decode as CUDA graphs up to 8 streams (CUDA only)"),
+    )
     flow_prompt_cache: bool = field(
         default=True,
         metadata=_help("cache each voice prompt's flow DiT keys/values so flow batches skip the prompt's frames "

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -521,12 +522,14 @@ class CausalHiFTGenerator(nn.Module):
 
     @torch.inference_mode()
     def stream_step(
-        self, streams: list[HiFTStream], new_mels: list[torch.Tensor], finalize: list[bool]
+        self, streams: list[HiFTStream], new_mels: list[torch.Tensor], finalize: list[bool],
+        decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Feed new mel frames ([80, n_i], n_i may be 0) to each stream; return each stream's newly
         final samples (1-D). Non-final steps release exactly what the official non-final
         `inference` over all mel so far would add; the finalizing step releases the rest.
-        All streams are computed as one batch per stage (right-padded windows)."""
+        All streams are computed as one batch per stage (right-padded windows). `decode`
+        stands in for `_decode` (same contract; e.g. `engine.vocoder_graphs`)."""
         if not (len(streams) == len(new_mels) == len(finalize)):
             raise ValueError("streams, new_mels and finalize must have the same length")
         cfg = self.cfg
@@ -554,7 +557,7 @@ class CausalHiFTGenerator(nn.Module):
         todo = [i for i, st in enumerate(streams) if targets[i] > st.emitted]
         if todo:
             pieces = self._advance_audio([streams[i] for i in todo], [targets[i] for i in todo],
-                                         [finalize[i] for i in todo])
+                                         [finalize[i] for i in todo], decode or self._decode)
             for i, piece in zip(todo, pieces):
                 out[i] = piece
 
@@ -589,7 +592,8 @@ class CausalHiFTGenerator(nn.Module):
             st.f0_done = t
             st.last_f0_window = wins[b].shape[1]
 
-    def _advance_audio(self, streams: list[HiFTStream], targets: list[int], finalize: list[bool]) -> list[torch.Tensor]:
+    def _advance_audio(self, streams: list[HiFTStream], targets: list[int], finalize: list[bool],
+                       decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         cfg = self.cfg
         spf, look = cfg.samples_per_frame, cfg.conv_pre_look_right
         stft_per_frame = spf // cfg.hop_len
@@ -609,7 +613,7 @@ class CausalHiFTGenerator(nn.Module):
         # Queued, not waited for: the host would otherwise stop here until the whole flow
         # batch ran, and launch the vocoder with the GPU idle.
         valid = tensor_on([stft_per_frame * n + 1 for n in n_net], torch.long, self._device)
-        wav = self._decode(torch.stack(mels), s_padded, valid)
+        wav = decode(torch.stack(mels), s_padded, valid)
         pieces = []
         for b, (st, s0, t) in enumerate(zip(streams, starts, targets)):
             pieces.append(wav[b, (st.emitted - s0) * spf : (t - s0) * spf].clone())

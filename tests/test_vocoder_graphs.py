@@ -1,0 +1,76 @@
+"""engine/vocoder_graphs.py on the CPU: the padded static-buffer path a CUDA graph replays
+(capture off) gives the vocoder's own samples, through `stream_step` and through the stage."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models import hift as hift_mod
+from engine.models.config import ModelConfig
+from engine.vocoder_graphs import VocoderGraphPolicy, VocoderGraphRunner
+
+POLICY = VocoderGraphPolicy(batch_buckets=(1, 2, 4), frame_multiple=32, max_frames=96)
+
+
+def _vocoder() -> hift_mod.CausalHiFTGenerator:
+    gen = hift_mod.init_random_(hift_mod.CausalHiFTGenerator(ModelConfig.tiny().hift), 0).eval()
+    gen.fold_weight_norm()
+    return gen
+
+
+def test_buckets() -> None:
+    assert POLICY.bucket(1, 1) == (1, 32) and POLICY.bucket(3, 33) == (4, 64)
+    assert POLICY.bucket(5, 10) is None and POLICY.bucket(2, 97) is None  # too many rows / frames
+    assert len(POLICY.shapes()) == 3 * 3 and (4, 96) in POLICY.shapes()
+
+
+def test_padded_decode_gives_the_vocoders_samples() -> None:
+    """Ragged streams (different new frames per stream and step, a finalizing step, a batch
+    too long for any bucket) give the same samples with and without the runner."""
+    gen = _vocoder()
+    runner = VocoderGraphRunner(gen, POLICY, capture=False)
+    assert runner.warm() == 0  # nothing to capture off CUDA
+    g = torch.Generator().manual_seed(0)
+    plain = [gen.new_stream() for _ in range(3)]
+    graphed = [gen.new_stream() for _ in range(3)]
+    steps = [(30, False), (41, False), (17, False), (90, False), (9, True)]
+    produced = 0
+    for n, fin in steps:
+        mels = [torch.randn(80, n + 3 * i, generator=g) for i in range(3)]
+        want = gen.stream_step(plain, mels, [fin] * 3)
+        got = gen.stream_step(graphed, mels, [fin] * 3, decode=runner)
+        for w, x in zip(want, got):
+            assert w.shape == x.shape
+            assert torch.allclose(w, x, atol=1e-6, rtol=0)
+            produced += w.numel()
+    assert produced > 0
+    # The 90-frame step's windows (+ context) exceed max_frames: decoded eagerly.
+    assert runner.stats.replays == len(steps) - 1 and runner.stats.eager == 1
+
+
+def test_the_stage_decodes_through_the_runner(tiny_model_dir) -> None:  # noqa: ANN001
+    from engine.models.flow import FlowChunk
+    from engine.models.loader import load_model
+    from engine.token2wav import AudioStage, ChunkJob
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    stages = [AudioStage(model.flow, model.hift, torch.device("cpu")) for _ in range(2)]
+    assert all(s.vocoder_graphs is None for s in stages)  # CPU: off unless given
+    stages[1].vocoder_graphs = VocoderGraphRunner(model.hift, capture=False)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 100, (20,), generator=g)
+    feat, emb = torch.randn(40, 80, generator=g), torch.randn(192, generator=g)
+    tokens = torch.randint(0, 100, (60,), generator=g)
+    pcm = []
+    for stage in stages:
+        stream = stage.new_stream()
+        out = []
+        for start, end, fin in ((0, 15, False), (15, 40, False), (40, 60, True)):
+            chunk = FlowChunk(tokens=torch.cat((prompt, tokens[: end + (0 if fin else 3)])), prompt_feat=feat,
+                              embedding=emb, num_prompt_tokens=20, out_start=20 + start, finalize=fin)
+            job = ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=0, is_cancelled=lambda: False)
+            out.extend(stage._compute([job])[0])
+        pcm.append(out)
+    assert stages[1].vocoder_graphs.stats.replays == 3
+    for a, b in zip(*pcm):
+        assert a.shape == b.shape and abs(a - b).max() <= 1e-6
