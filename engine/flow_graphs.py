@@ -48,10 +48,12 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
-# PyTorch allows one graph capture at a time per process; with one stage per GPU
-# (`engine.stage_pool`) several worker threads may want to capture at once. A lock, not
-# state: replays and eager work never take it.
-_CAPTURE_LOCK = threading.Lock()
+# PyTorch allows one graph capture at a time per process (entering a capture empties
+# every device's cache and checks that no capture is under way); with one stage per GPU
+# (`engine.stage_pool`) several worker threads may want to capture at once, the flow's
+# graphs and the vocoder's (`engine.vocoder_graphs`). A lock, not state: replays and
+# eager work never take it.
+CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -329,7 +331,7 @@ class FlowGraphRunner:
             graph = self._graphs.get(key)
             if graph is None:
                 try:
-                    with _CAPTURE_LOCK:
+                    with CAPTURE_LOCK:
                         graph = self._capture(views, streaming)
                 except Exception:  # a capture problem must not take the stage down
                     log.exception("CUDA graph capture failed for %s; the flow runs eagerly from now on", key)

@@ -19,24 +19,27 @@ Batches that fit no bucket, and all batches after a failed capture, run eagerly.
 All graphs read and write one set of static buffers, which are views of flat tensors
 allocated once at the largest bucket. They share one memory pool, and replays run in
 sequence on the stage's worker thread.
+
+A graph reads the vocoder's weights and buffers (and its Snake activations' cached
+inverses) by address: after warm-up the module must not be moved, cast, re-folded or have
+its weights replaced. The stage builds the runner after the loader and `build_stage` are
+done with it. The decode uses no cuFFT (`hift._dft_bases`): a captured plan could be
+evicted from PyTorch's plan cache by eager FFTs of other shapes.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
+from .flow_graphs import CAPTURE_LOCK
 from .models.hift import CausalHiFTGenerator
 
 log = logging.getLogger(__name__)
-
-# One capture at a time per process (stages on several GPUs have a worker thread each).
-_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,9 @@ class VocoderGraphRunner:
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, s_padded: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Same contract as `CausalHiFTGenerator._decode`: [B, spf * N] audio."""
+        """Same contract as `CausalHiFTGenerator._decode` ([B, spf * N] audio), for
+        valid[b] <= (samples per frame / hop) * N + 1, which is all `_advance_audio` passes:
+        a larger value would let the padded STFT frames into the inverse STFT."""
         rows, _, length = mel.shape
         frames = length - self._look
         shape = None if self._broken else self.policy.bucket(rows, frames)
@@ -123,7 +128,12 @@ class VocoderGraphRunner:
             shape = self.policy.bucket(rows, frames)
             if shape is None or shape in self._graphs or self._broken:
                 continue
-            views = self._views(*shape, dtype=self.gen.stft_window.dtype)
+            try:
+                views = self._views(*shape, dtype=self.gen.stft_window.dtype)
+            except torch.OutOfMemoryError:
+                log.warning("no memory for the vocoder's graph buffers; it decodes eagerly")
+                self._broken = True
+                break
             views["mel"].zero_()
             views["source"].zero_()
             views["valid"].fill_(1)
@@ -165,7 +175,7 @@ class VocoderGraphRunner:
             graph = self._graphs.get(shape)
             if graph is None:
                 try:
-                    with _CAPTURE_LOCK:
+                    with CAPTURE_LOCK:
                         graph = self._capture(views)
                 except Exception:  # a capture problem must not take the stage down
                     log.exception("vocoder CUDA graph capture failed for %s; the vocoder decodes eagerly", shape)

@@ -278,3 +278,29 @@ def test_snake_follows_every_change_of_alpha() -> None:
         assert torch.equal(made_here(x), official(made_here, x))
         made_here.alpha.mul_(2.0)
         assert torch.equal(made_here(x), official(made_here, x))
+
+
+def test_stft_and_inverse_are_torchs_without_cufft() -> None:
+    """The vocoder's STFT and inverse FFT are matrix products (no cuFFT plan for a CUDA graph
+    to lose): the same numbers as torch.stft / torch.fft.irfft up to float32 rounding."""
+    from engine.models.hift import _dft_bases, _hann_window
+
+    n_fft, hop = 16, 4
+    window = _hann_window(n_fft)
+    analysis, synthesis = _dft_bases(n_fft, window)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, n_fft + hop * 99, generator=g)
+    ref = torch.view_as_real(torch.stft(x, n_fft, hop, n_fft, window=window, center=False, return_complex=True))
+    ref = torch.cat([ref[..., 0], ref[..., 1]], dim=1)  # [B, 2 bins, frames]
+    got = (x.unfold(1, n_fft, hop) @ analysis).transpose(1, 2)
+    assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5, rtol=0)
+    magnitude, phase = torch.rand(3, 9, 50, generator=g) * 3, torch.randn(3, 9, 50, generator=g) * 3
+    spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+    ref = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]
+    got = synthesis.T @ torch.cat((magnitude * torch.cos(phase), magnitude * torch.sin(phase)), dim=1)
+    assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5, rtol=0)
+    # The generator's own _stft uses them: one frame of a sine at bin 2 lands in bin 2.
+    gen = CausalHiFTGenerator(ModelConfig.tiny().hift)
+    tone = torch.sin(2 * torch.pi * 2 * torch.arange(n_fft) / n_fft)[None]
+    bins = gen._stft(tone, 1)[0, :, 0]
+    assert bins[: n_fft // 2 + 1].abs().argmax() == 2 or bins[n_fft // 2 + 1 :].abs().argmax() == 2

@@ -260,6 +260,34 @@ def _hann_window(n: int) -> torch.Tensor:
     return torch.from_numpy((0.5 + 0.5 * np.cos(angle)).astype(np.float32))
 
 
+def _dft_bases(n_fft: int, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windowed one-sided DFT of n_fft points as two real matrices (float64 -> float32).
+
+    analysis [n_fft, 2 * bins]: windowed frames @ analysis = [Re X_0..X_{n/2}, Im X_0..X_{n/2}]
+    (torch.stft's bins, real then imaginary, as `_stft` lays them out).
+    synthesis [2 * bins, n_fft]: [Re; Im] -> torch.fft.irfft(n=n_fft) times the window (the
+    imaginary parts of the DC and Nyquist bins drop out, as irfft ignores them).
+
+    Why not torch.stft / torch.fft.irfft: the vocoder's decode is replayed as a CUDA graph
+    (`engine.vocoder_graphs`), and cuFFT plans live in an LRU cache that a captured graph
+    never touches, so a busy eager path could evict a plan a graph still uses. At 16 points
+    a matrix product is as cheap, and it needs no plan.
+    """
+    n = torch.arange(n_fft, dtype=torch.float64)
+    k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
+    angle = 2 * math.pi * n[:, None] * k[None, :] / n_fft  # [n, k]
+    w = window.to(torch.float64)[:, None]
+    analysis = torch.cat((w * torch.cos(angle), -w * torch.sin(angle)), dim=1)
+    weight = torch.full((k.numel(),), 2.0, dtype=torch.float64)
+    weight[0] = 1.0
+    if n_fft % 2 == 0:
+        weight[-1] = 1.0
+    cos_part = (weight[:, None] * torch.cos(angle.T)) / n_fft  # [k, n]
+    sin_part = -(weight[:, None] * torch.sin(angle.T)) / n_fft
+    synthesis = torch.cat((cos_part, sin_part), dim=0) * window.to(torch.float64)[None, :]
+    return analysis.float(), synthesis.float()
+
+
 def decoder_context_frames(cfg: HiFTConfig) -> int:
     """Mel frames of history that make the decoder's output for later frames exact.
 
@@ -365,6 +393,9 @@ class CausalHiFTGenerator(nn.Module):
         self.conv_post = weight_norm(LeftCausalConv1d(ch // 2 ** len(cfg.upsample_rates), n_stft, 7))
         self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
         self.register_buffer("stft_window", _hann_window(cfg.n_fft), persistent=False)
+        analysis, synthesis = _dft_bases(cfg.n_fft, self.stft_window)
+        self.register_buffer("stft_analysis", analysis, persistent=False)
+        self.register_buffer("stft_synthesis", synthesis, persistent=False)
         # Plain CPU tensors (not buffers): generator states must stay on the CPU.
         self.noise_state = _noise_table_state(cfg)
         self.context_frames = decoder_context_frames(cfg) if context_frames is None else context_frames
@@ -439,11 +470,10 @@ class CausalHiFTGenerator(nn.Module):
         need = n_fft + hop * (frames - 1)
         if s_padded.shape[1] < need:
             s_padded = F.pad(s_padded, (0, need - s_padded.shape[1]))
-        spec = torch.stft(
-            s_padded[:, :need], n_fft, hop, n_fft, window=self.stft_window, center=False, return_complex=True
-        )
-        spec = torch.view_as_real(spec)
-        return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+        # torch.stft(center=False, window=hann) as a matrix product (see _dft_bases):
+        # [B, frames, n_fft] windows -> [B, 2 * bins, frames], real parts then imaginary.
+        windows = s_padded[:, :need].unfold(1, n_fft, hop)
+        return (windows @ self.stft_analysis.to(windows.dtype)).transpose(1, 2)
 
     def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Inverse STFT (centre-trimmed, like torch.istft(center=True)) where utterance b only uses
@@ -452,10 +482,11 @@ class CausalHiFTGenerator(nn.Module):
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_len
         frames = magnitude.shape[2]
         magnitude = magnitude.clamp(max=1e2)
-        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        spec = torch.cat((magnitude * torch.cos(phase), magnitude * torch.sin(phase)), dim=1)  # [B, 2 bins, F]
         keep = (torch.arange(frames, device=valid.device)[None, :] < valid[:, None]).to(magnitude.dtype)
         window = self.stft_window.to(magnitude.dtype)
-        chunks = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None] * keep[:, None, :]
+        # torch.fft.irfft(n=n_fft) times the window, as a matrix product (see _dft_bases).
+        chunks = (self.stft_synthesis.to(spec.dtype).T @ spec) * keep[:, None, :]
         length = n_fft + hop * (frames - 1)
         fold = dict(output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
         wav = F.fold(chunks, **fold).reshape(chunks.shape[0], length)
