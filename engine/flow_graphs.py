@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
@@ -43,17 +42,11 @@ import torch
 from torch import nn
 
 from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width, shared_entry
+from .graph_capture import CAPTURE_LOCK, copy_padded
 
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-
-# PyTorch allows one graph capture at a time per process (entering a capture empties
-# every device's cache and checks that no capture is under way); with one stage per GPU
-# (`engine.stage_pool`) several worker threads may want to capture at once, the flow's
-# graphs and the vocoder's (`engine.vocoder_graphs`). A lock, not state: replays and
-# eager work never take it.
-CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -221,7 +214,7 @@ class FlowGraphRunner:
             return eager()
         views = self._views(*shape, dtype=noise.dtype, width=self.policy.prefix_bucket(width), shared=shared)
         for dst, src in ((views.noise, noise), (views.mask, mask), (views.mu, mu), (views.spks, spks), (views.cond, cond)):
-            _copy_padded(dst, src)
+            copy_padded(dst, src)
         if views.prefix is not None:
             views.prefix.fill(prefix)  # type: ignore[arg-type]
         if not self._run(shape, views, streaming):
@@ -371,15 +364,6 @@ class FlowGraphRunner:
         finally:
             torch.clear_autocast_cache()
         return graph
-
-
-def _copy_padded(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst <- src, zero-padded at the end of every dim (dst is a static buffer)."""
-    if dst.shape == src.shape:
-        dst.copy_(src)
-        return
-    dst.zero_()
-    dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
 
 
 def prompt_shapes(

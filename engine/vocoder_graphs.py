@@ -36,7 +36,7 @@ from typing import Iterable
 
 import torch
 
-from .flow_graphs import CAPTURE_LOCK
+from .graph_capture import CAPTURE_LOCK, copy_padded
 from .models.hift import CausalHiFTGenerator
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,9 @@ class VocoderGraphRunner:
             self.stats.eager += 1
             return self.gen._decode(mel, s_padded, valid)
         views = self._views(*shape, dtype=mel.dtype)
-        _copy_padded(views["mel"], mel)
-        _copy_padded(views["source"], s_padded[:, : views["source"].shape[1]])
-        _copy_padded(views["valid"], valid)
+        copy_padded(views["mel"], mel)
+        copy_padded(views["source"], s_padded[:, : views["source"].shape[1]])
+        copy_padded(views["valid"], valid)
         if not self._run(shape, views):
             self.stats.eager += 1
             return self.gen._decode(mel, s_padded, valid)
@@ -204,11 +204,3 @@ class VocoderGraphRunner:
             self._decode_into(views)
         return graph
 
-
-def _copy_padded(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst <- src, zero-padded at the end of every dim (dst is a static buffer)."""
-    if dst.shape == src.shape:
-        dst.copy_(src)
-        return
-    dst.zero_()
-    dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
