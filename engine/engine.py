@@ -306,7 +306,8 @@ class Engine:
     async def warm_voice(self, voice: VoicePrompt) -> int:
         """Capture the flow's CUDA graphs for every batch shape this voice's chunks can
         produce, so no request pays for a capture (tens of graphs, once per prompt length:
-        plain, one-voice and per-row prefix ones); returns how many were captured (0 off CUDA or when done before).
+        plain, one-voice and per-row prefix ones); returns how many were captured (0 off
+        CUDA or when done before).
         With `flow_prompt_cache` also builds the voice's prompt K/V cache entry on every stage
         (per voice, not per prompt length; a later chunk would otherwise build it on first use)."""
         P = voice.num_tokens
