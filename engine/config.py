@@ -63,7 +63,8 @@ class EngineConfig:
     # 127-141 in a burst). Off by default: not measured on the GPU yet.
     flow_split_batches: bool = False
     # How the audio stage picks each batch from the queued chunks:
-    # "first_chunks": first chunks of utterances first, then FIFO, up to max_gpu_batch;
+    # "first_chunks": first chunks heard after silence first (not those of an utterance
+    # queued behind its session's audio still playing), then FIFO, up to max_gpu_batch;
     # "deadline": most urgent playback deadline first, grouped by similar window length
     # (less padding); see `engine.token2wav.deadline_batch`.
     stage_policy: StagePolicy = "first_chunks"

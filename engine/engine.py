@@ -22,6 +22,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -68,6 +69,36 @@ def playback_deadline(now: float, first_audio_at: float | None, samples_emitted:
     if first_audio_at is None or samples_emitted <= 0:
         return now
     return first_audio_at + samples_emitted / sample_rate - margin
+
+
+def first_chunk_due(now: float, runs_out: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
+    """(deadline, urgent) of an utterance's first chunk. The session's earlier audio plays
+    first: while it lasts (`runs_out`, from `PlaybackClock`) the chunk is due when that
+    audio runs out, less `margin`, and is no more urgent than any other chunk. Once the
+    listener hears silence, or is about to, it is needed now: that is first-audio latency."""
+    due = runs_out - margin
+    return (now, True) if due <= now else (due, False)
+
+
+@dataclass
+class PlaybackClock:
+    """When a session's listener runs out of audio, from what was delivered and when.
+    Playback starts at a delivery into silence and then runs at the sample rate; audio
+    delivered after the previous audio ran out starts it again (what a client that plays
+    on arrival does)."""
+
+    sample_rate: int
+    started_at: float | None = None
+    samples: int = 0
+
+    def runs_out(self) -> float:
+        """time.monotonic seconds at which the delivered audio ends (-inf: none yet)."""
+        return -math.inf if self.started_at is None else self.started_at + self.samples / self.sample_rate
+
+    def deliver(self, samples: int, now: float) -> None:
+        if self.started_at is None or now >= self.runs_out():
+            self.started_at, self.samples = now, 0
+        self.samples += samples
 
 
 class EngineError(RuntimeError):
@@ -457,6 +488,9 @@ class Session:
         self._order: asyncio.Queue[_Utterance | None] = asyncio.Queue()
         self._events: asyncio.Queue[AudioChunk | UtteranceError | None] = asyncio.Queue(maxsize=256)
         self._prev_lm_done: asyncio.Event | None = None
+        # The listener's playback of this session's audio, as delivered in order: a later
+        # utterance's first chunk is not urgent while earlier audio is still playing.
+        self.playback = PlaybackClock(engine.sample_rate)
         self._finished = False
         self._closed = False
         self._deliver = asyncio.create_task(self._deliver_loop(), name=f"deliver-{session_id}")
@@ -560,6 +594,8 @@ class Session:
                     if item is None or utt.cancelled:
                         break
                     await self._events.put(item)
+                    if isinstance(item, AudioChunk):
+                        self.playback.deliver(len(item.pcm), time.monotonic())
                     # The last chunk or an error ends the utterance, sentinel or not.
                     if isinstance(item, UtteranceError) or item.is_last:
                         break
@@ -734,7 +770,10 @@ class Session:
                 end, finalize = sched.offset + hop, False
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             queued_at = time.monotonic()
-            job.deadline = playback_deadline(queued_at, utt.stats.first_audio_at, emitted, eng.sample_rate)
+            if sched.index == 0:
+                job.deadline, job.urgent = first_chunk_due(queued_at, self.playback.runs_out())
+            else:
+                job.deadline = playback_deadline(queued_at, utt.stats.first_audio_at, emitted, eng.sample_rate)
             pcm = await eng.stage.run(job)
             if utt.cancelled:
                 return

@@ -65,6 +65,10 @@ class ChunkJob:
     # When this chunk's audio is needed (time.monotonic seconds); only the "deadline"
     # policy reads it. Unset = as urgent as can be.
     deadline: float = -math.inf
+    # A first chunk (chunk_index 0) whose audio the listener waits for in silence; the
+    # "first_chunks" policy lets only these jump the queue. The engine clears it for an
+    # utterance queued behind its session's audio still playing (`first_chunk_due`).
+    urgent: bool = True
     # When the stage began computing the batch holding this chunk (time.monotonic), so
     # the caller can tell waiting in the queue from computing.
     started_at: float = 0.0
@@ -305,8 +309,10 @@ class AudioStage:
             batch = [live[i] for i in picked]
             self._pending = [j for i, j in enumerate(live) if i not in taken]
         else:
-            # First chunks jump the queue: they decide first-audio latency.
-            live.sort(key=lambda j: (j.chunk_index > 0, j.seq))
+            # First chunks heard after silence jump the queue: they decide first-audio
+            # latency. A later utterance's first chunk waits its turn: the session's
+            # earlier audio plays first, and jumping ahead of its next chunks stalls it.
+            live.sort(key=lambda j: (not (j.chunk_index == 0 and j.urgent), j.seq))
             batch, self._pending = live[: self.max_batch], live[self.max_batch :]
         self.stats.queued = len(self._pending)
         return batch

@@ -83,7 +83,7 @@ class EngineSettings:
     )
     stage_policy: str = field(
         default="first_chunks",
-        metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks first, then FIFO) or "
+        metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks heard after silence first, then FIFO) or "
                        "deadline (most urgent playback deadline first, grouped by similar window length)"),
     )
     stage_profile_dir: str = field(

@@ -372,3 +372,68 @@ def test_split_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # n
         assert stage.split_batches is True
     finally:
         stage._pool.shutdown(wait=True)
+
+
+def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> None:
+    """A first chunk queued behind its session's audio still playing (urgent=False) waits
+    its turn; one heard after silence jumps the queue."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=2)
+
+    async def go() -> None:
+        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=idx,
+                         is_cancelled=lambda: False, urgent=urgent)
+                for i, (idx, urgent) in enumerate([(2, True), (0, False), (3, True), (0, True)])]
+        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
+        await stage.start()
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await stage.close()
+
+    asyncio.run(go())
+    # seq 3 (urgent first chunk) first; seq 1 (a first chunk behind playing audio) in FIFO order.
+    assert stage.batches == [[3, 0], [1, 2]]
+
+
+def test_playback_clock_and_first_chunk_due() -> None:
+    from engine.engine import PlaybackClock, first_chunk_due
+
+    clock = PlaybackClock(sample_rate=100)
+    assert clock.runs_out() == -np.inf
+    assert first_chunk_due(5.0, clock.runs_out()) == (5.0, True)  # nothing played: needed now
+    clock.deliver(100, now=10.0)  # 1 s of audio from t=10
+    clock.deliver(50, now=10.2)  # arrives while playing: the audio runs on
+    assert clock.runs_out() == 11.5
+    assert first_chunk_due(10.3, clock.runs_out(), margin=0.25) == (11.25, False)  # behind playing audio
+    assert first_chunk_due(11.3, clock.runs_out(), margin=0.25) == (11.3, True)  # about to run out
+    clock.deliver(100, now=12.0)  # after silence: playback starts again
+    assert (clock.started_at, clock.samples, clock.runs_out()) == (12.0, 100, 13.0)
+
+
+def test_a_session_clocks_its_delivered_audio(tiny_model_dir) -> None:
+    """The session's playback clock follows the audio it delivers, and the first chunk of
+    its first utterance (nothing playing yet) is urgent."""
+    jobs: list[ChunkJob] = []
+
+    async def go(engine):
+        original = engine.stage.run
+
+        async def spy(job: ChunkJob) -> np.ndarray:
+            jobs.append(job)
+            return await original(job)
+
+        engine.stage.run = spy
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=0))
+        before = s.playback.runs_out()
+        await s.submit("A first sentence to speak.")
+        await s.submit("And a second one after it.")
+        await s.finish()
+        events = await collect(s)
+        return before, s.playback, sum(e.pcm.size for e in events if isinstance(e, AudioChunk))
+
+    before, clock, delivered = run(tiny_model_dir, go, warmup=False)
+    assert before == -np.inf and clock.started_at is not None
+    assert 0 < clock.samples <= delivered  # a restart after silence counts from there
+    firsts = [j for j in jobs if j.chunk_index == 0]
+    assert len(firsts) == 2 and firsts[0].urgent
