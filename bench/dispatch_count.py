@@ -3,8 +3,9 @@
     python -m bench.dispatch_count --json docs/bench/dispatch_count.json
 
 At one session the GPU mostly waits for the host: every operator costs its Python and
-dispatcher time plus a kernel launch (~15-20 us each on the H200 box, by the vocoder's
-19 ms for ~1070 operators at one chunk), whatever the work inside. Counting them on the CPU
+dispatcher time plus a kernel launch (roughly 15-20 us each on the H200 box: round 3's
+one-chunk vocoder step took 19 ms, and the code then dispatched on the order of 1000
+operators per step), whatever the work inside. Counting them on the CPU
 is therefore a measure of that host time that needs no GPU. Counted (full-size model,
 random weights, `TorchDispatchMode`, views included):
 
