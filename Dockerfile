@@ -10,8 +10,13 @@ COPY assets ./assets
 COPY config ./config
 # torch and vllm come from the base image; install the rest.
 RUN pip install --no-cache-dir -e . && python -c "import torch, vllm; print(torch.__version__, vllm.__version__)"
+# The compile caches (the flow's torch.compile, its Triton kernels, vLLM's compiled LM) live
+# in the data volume: a restarted container reuses them instead of compiling again.
 ENV COSYVOICE_GW_HOST=0.0.0.0 \
     COSYVOICE_GW_PORT=8080 \
-    COSYVOICE_GW_DATA_DIR=/data
+    COSYVOICE_GW_DATA_DIR=/data \
+    TORCHINDUCTOR_CACHE_DIR=/data/cache/torchinductor \
+    TRITON_CACHE_DIR=/data/cache/triton \
+    VLLM_CACHE_ROOT=/data/cache/vllm
 EXPOSE 8080
 ENTRYPOINT ["cosyvoice-gateway"]

@@ -51,6 +51,10 @@ class LaunchedGateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/stream"
         self.log: list[str] = []
+        # Seconds from the launch to the first 200 from /ready (model load, warm-up, CUDA
+        # graph captures, compiles): set by `wait_ready`.
+        self.ready_s: float | None = None
+        self._launched = time.monotonic()
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "assets").mkdir(exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
@@ -79,6 +83,7 @@ class LaunchedGateway:
                 raise RuntimeError("gateway exited:\n" + "\n".join(self.log[-30:]))
             try:
                 if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                    self.ready_s = time.monotonic() - self._launched
                     return self
             except httpx.TransportError:
                 pass

@@ -970,6 +970,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for name, fl, lv in runs:
             gw = LaunchedGateway(Path(model_dir).resolve(), fl, workdir / name)
             await asyncio.to_thread(gw.wait_ready, args.ready_timeout)
+            # A cold machine compiles and captures at start: worth knowing when a level's
+            # time budget runs out before its first session.
+            report["settings"].setdefault("ready_s", {})[name] = round(gw.ready_s or 0.0, 1)
+            print(f"[{name}] gateway ready in {gw.ready_s:.1f} s", flush=True)
             try:
                 await flops_ready()
                 target = Target(name, gw.url, headers, gw.pid)

@@ -224,6 +224,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert st["format"] == "opus" and st["sample_rate"] == 48000
     assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
                                     "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false"]
+    assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
     for mode in ("product", "baseline"):
         (lv,) = data["results"][mode]
         assert lv["sessions"] == 2 and lv["completed"] == 2 and lv["errors"] == 0, lv
