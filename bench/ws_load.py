@@ -83,6 +83,8 @@ VOICE_ID = "bench-voice"
 M_LM = "cosyvoice_engine_lm_tokens_total"
 M_FLOW = "cosyvoice_engine_flow_frames_total"
 M_VOC = "cosyvoice_engine_vocoder_frames_total"
+M_GROWN_CHUNKS = "cosyvoice_engine_flow_grown_chunks_total"
+M_GROWN_TOKENS = "cosyvoice_engine_flow_grown_tokens_total"
 M_CHUNKS = "cosyvoice_engine_chunks_total"
 M_BATCHES = "cosyvoice_engine_batches_total"
 M_BUSY = "cosyvoice_engine_stage_busy_seconds_total"
@@ -667,6 +669,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "lm_tokens": lm_tokens, "flow_frames": flow_frames, "vocoder_frames": voc_frames,
             "flow_chunks": chunks, "flow_batches": batches,
             "mean_flow_batch": chunks / batches if batches else None,
+            # --engine.flow-fill-padding: chunks grown into their batch's padding, tokens taken.
+            "flow_grown_chunks": int(_delta(after, before, M_GROWN_CHUNKS)),
+            "flow_grown_tokens": int(_delta(after, before, M_GROWN_TOKENS)),
             "stage_busy_share": _delta(after, before, M_BUSY) / wall if wall > 0 else None,
             # Of that share: the stage waiting for its worker thread or the event loop.
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,

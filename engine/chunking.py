@@ -61,3 +61,23 @@ class ChunkSchedule:
     def advance(self, hop: int) -> None:
         self.offset += hop
         self.index += 1
+
+
+def grown_end(prompt_tokens: int, end: int, available: int, lm_done: bool, lookahead: int,
+              room: int) -> tuple[int, bool] | None:
+    """A queued chunk ending at `end` (not final) that may grow by up to `room` tokens of
+    flow window (`AudioStage._fill_padding`): its new (end, finalize), or None to stay.
+
+    With the LM done and the rest within reach, it takes the rest and becomes the last
+    chunk (no lookahead then, so its window grows by exactly the tokens it takes).
+    Otherwise it ends at the furthest 25-token boundary (counted from the prompt, as the
+    schedule's) that fits in `room` and still has its lookahead tokens generated: emitted
+    frames stay whole attention blocks, and the schedule's next hop follows from there.
+    """
+    if room <= 0:
+        return None
+    if lm_done and available - end <= room:
+        return (available, True) if available > end else None
+    reach = min(end + room, available - lookahead)
+    grid_end = (prompt_tokens + reach) // GRID * GRID - prompt_tokens
+    return (grid_end, False) if grid_end > end else None

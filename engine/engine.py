@@ -27,14 +27,14 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 import torch
 
 from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
-from .chunking import ChunkSchedule
+from .chunking import ChunkSchedule, grown_end
 from .config import EngineConfig
 from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
@@ -127,6 +127,9 @@ class EngineStats:
     # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
     flow_frames: int = 0
     vocoder_frames: int = 0
+    # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
+    flow_grown_chunks: int = 0
+    flow_grown_tokens: int = 0
     # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
     # and the bytes it holds.
     prompt_cache_hits: int = 0
@@ -200,7 +203,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           policy=config.stage_policy,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
                           profiler=profiler, split_batches=config.flow_split_batches,
-                          vocoder_cuda_graphs=config.vocoder_cuda_graphs)
+                          vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -427,6 +430,8 @@ class Engine:
             stage_handoff_seconds=st.handoff_seconds,
             flow_frames=st.flow_frames,
             vocoder_frames=st.vocoder_frames,
+            flow_grown_chunks=st.grown_chunks,
+            flow_grown_tokens=st.grown_tokens,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
             **self.first_chunk_times.stats_fields(),
@@ -459,6 +464,16 @@ class _Wake:
     """When an utterance's LM consumer wakes its chunker: once this many tokens exist."""
 
     at: int = 0
+
+
+@dataclass
+class _Extent:
+    """A queued chunk's last token (exclusive) and whether it is the utterance's last
+    chunk: set by the chunker, possibly grown by the stage (`ChunkJob.grow`) before the
+    chunk runs."""
+
+    end: int
+    finalize: bool
 
 
 @dataclass
@@ -768,7 +783,10 @@ class Session:
                 end, finalize = len(tokens), True
             else:
                 end, finalize = sched.offset + hop, False
+            extent = _Extent(end, finalize)
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
+            if not finalize:
+                job.grow = self._grower(job, extent, tokens, sched.offset, lm_task, flow_cfg)
             queued_at = time.monotonic()
             if sched.index == 0:
                 job.deadline, job.urgent = first_chunk_due(queued_at, self.playback.runs_out())
@@ -777,6 +795,7 @@ class Session:
             pcm = await eng.stage.run(job)
             if utt.cancelled:
                 return
+            end, finalize = extent.end, extent.finalize  # the stage may have grown the chunk
             if sched.index == 0 and utt.stats.first_token_at is not None:
                 eng.first_chunk_times.add(utt.stats.submitted_at, utt.stats.first_token_at, queued_at,
                                           job.started_at or queued_at, time.monotonic())
@@ -793,14 +812,40 @@ class Session:
                 return
             sched.advance(end - sched.offset)
 
+    def _grower(self, job: ChunkJob, extent: "_Extent", tokens: list[int], offset: int, lm_task: asyncio.Task,
+                flow_cfg) -> Callable[[int], int]:
+        """`job.grow`: lengthen the queued chunk in place (its flow window and `extent`)
+        with tokens the LM has already generated; see `chunking.grown_end`."""
+        def grow(room: int) -> int:
+            lm_done = lm_task.done() and not lm_task.cancelled() and lm_task.exception() is None
+            grown = grown_end(self.voice.num_tokens, extent.end, len(tokens), lm_done, flow_cfg.pre_lookahead_len,
+                              room)
+            if grown is None:
+                return 0
+            taken = grown[0] - extent.end
+            extent.end, extent.finalize = grown
+            job.flow = self._flow_chunk(tokens, self.voice.speech_tokens, offset, extent.end, extent.finalize, flow_cfg)
+            return taken
+
+        return grow
+
     def _flow_job(self, tokens, prompt_tokens, offset, end, finalize, stream, speed, index, utt, flow_cfg) -> ChunkJob:
+        return ChunkJob(
+            flow=self._flow_chunk(tokens, prompt_tokens, offset, end, finalize, flow_cfg),
+            hift_stream=stream,
+            speed=speed,
+            chunk_index=index,
+            is_cancelled=lambda: utt.cancelled,
+        )
+
+    def _flow_chunk(self, tokens, prompt_tokens, offset, end, finalize, flow_cfg) -> FlowChunk:
         left = self.engine.config.flow_left_context
         # Drop whole 25-token blocks before the window so the block grid stays aligned.
         win_start = 0 if left < 0 else max(0, (offset - left) // 25 * 25)
         stop = end if finalize else min(len(tokens), end + flow_cfg.pre_lookahead_len)
         seq = torch.cat([prompt_tokens, torch.tensor(tokens[win_start:stop], dtype=torch.long)])
         P = int(prompt_tokens.numel())
-        chunk = FlowChunk(
+        return FlowChunk(
             # CPU tensors: the stage moves a whole batch to its device in one copy each.
             tokens=seq,
             prompt_feat=self.voice.speech_feat,
@@ -809,11 +854,4 @@ class Session:
             out_start=P + offset - win_start,
             finalize=finalize,
             noise_offset=2 * win_start,
-        )
-        return ChunkJob(
-            flow=chunk,
-            hift_stream=stream,
-            speed=speed,
-            chunk_index=index,
-            is_cancelled=lambda: utt.cancelled,
         )

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from .config import StagePolicy
 from .flow_graphs import FlowGraphRunner, GraphPolicy
-from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, shared_entry,
-                                supports_prompt_cache)
+from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
+                                shared_entry, supports_prompt_cache)
 from .models.dit import DiT
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator
@@ -72,6 +72,11 @@ class ChunkJob:
     # When the stage began computing the batch holding this chunk (time.monotonic), so
     # the caller can tell waiting in the queue from computing.
     started_at: float = 0.0
+    # `engine.flow_fill_padding`: grow(n) lengthens this queued chunk by at most n speech
+    # tokens of its flow window, taking tokens its utterance has already generated, and
+    # returns how many it took (0: it stays). The stage calls it, before the batch runs,
+    # with the padding the batch would compute for this row anyway. None: fixed length.
+    grow: Callable[[int], int] | None = None
 
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
@@ -182,6 +187,17 @@ class StageStats:
     # and the bytes the cache holds now.
     prompt_cache_hits: int = 0
     prompt_cache_bytes: int = 0
+    # `fill_padding`: chunks that grew into their batch's padding, and the speech tokens
+    # they took (audio those chunks delivered early, at no extra flow work).
+    grown_chunks: int = 0
+    grown_tokens: int = 0
+
+
+def padding_room(frames: Sequence[int], token_mel_ratio: int) -> list[int]:
+    """Per row of a flow batch (its computed frames), the speech tokens it could grow by
+    without lengthening the batch: every row is padded to the longest."""
+    longest = max(frames, default=0)
+    return [(longest - f) // token_mel_ratio for f in frames]
 
 
 class AudioStage:
@@ -190,7 +206,7 @@ class AudioStage:
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
                  profiler: StageProfiler | None = None, split_batches: bool = False,
-                 vocoder_cuda_graphs: bool = True):
+                 vocoder_cuda_graphs: bool = True, fill_padding: bool = False):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -220,6 +236,7 @@ class AudioStage:
             estimator.compile_blocks()
         self.profiler = profiler  # engine.stage_profile_dir: a window of batches under torch.profiler
         self.split_batches = split_batches  # engine.flow_split_batches: see split_by_length
+        self.fill_padding = fill_padding  # engine.flow_fill_padding: see _fill_padding
         self.hift = hift
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
         self.vocoder_graphs = (VocoderGraphRunner(hift) if vocoder_cuda_graphs and torch.device(device).type == "cuda"
@@ -315,7 +332,34 @@ class AudioStage:
             live.sort(key=lambda j: (not (j.chunk_index == 0 and j.urgent), j.seq))
             batch, self._pending = live[: self.max_batch], live[self.max_batch :]
         self.stats.queued = len(self._pending)
+        if self.fill_padding:
+            self._fill_padding(batch)
         return batch
+
+    def _computed_frames(self, chunk: FlowChunk) -> int:
+        """The frames the flow computes for this chunk, the length a batch pads its rows
+        to: the window's mel frames (not its lookahead), less the prompt cache's prefix."""
+        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
+        frames = ratio * (len(chunk.tokens) - (0 if chunk.finalize else look))
+        return frames - (prompt_frames(self.flow, chunk) if self.prompt_cache is not None else 0)
+
+    def _fill_padding(self, batch: list[ChunkJob]) -> None:
+        """Grow the batch's shorter chunks into the padding it computes for them anyway.
+        Under staggered arrivals a batch mixes first chunks (~36 frames) with later ones
+        (~176), so most of a short row is padding; filled with tokens its utterance
+        already has, it is audio delivered now instead of by a later chunk of its own
+        (which would recompute the left context again). Runs on the event loop, before
+        the batch goes to the worker. A row grows by at most its room, so the batch's
+        longest row, and its cost, stay as they were."""
+        if len(batch) < 2:
+            return
+        rooms = padding_room([self._computed_frames(j.flow) for j in batch], self.flow.token_mel_ratio)
+        for job, room in zip(batch, rooms):
+            if room > 0 and job.grow is not None:
+                taken = job.grow(room)
+                if taken:
+                    self.stats.grown_chunks += 1
+                    self.stats.grown_tokens += taken
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

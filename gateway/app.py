@@ -74,6 +74,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_prompt_cache=e.flow_prompt_cache,
         flow_prompt_cache_bytes=e.flow_prompt_cache_mib << 20,
         flow_split_batches=e.flow_split_batches,
+        flow_fill_padding=e.flow_fill_padding,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_devices=e.stage_devices,
         stage_profile_dir=e.stage_profile_dir,

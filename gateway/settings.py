@@ -76,6 +76,12 @@ class EngineSettings:
         metadata=_help("run a flow batch whose chunks differ much in length as up to three calls of similar "
                        "lengths (less padding under staggered arrivals; not measured on a GPU yet)"),
     )
+    flow_fill_padding: bool = field(
+        default=False,
+        metadata=_help("let a queued chunk shorter than the longest in its flow batch take more of its "
+                       "utterance's generated tokens, up to the length the batch pads it to anyway (more audio "
+                       "for the same flow work; not measured on a GPU yet)"),
+    )
     flow_prompt_cache_mib: int = field(
         default=4096,
         metadata=_help("memory budget of the flow prompt cache per flow/vocoder stage in MiB (least recently used "

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineError
 from engine.types import AudioChunk, SessionOptions, UtteranceError
@@ -53,7 +54,10 @@ def test_voice_features_are_aligned(tiny_model_dir):
     run(tiny_model_dir, fn, warmup=False)
 
 
-def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir):
+@pytest.mark.parametrize("fill_padding", [False, True], ids=["fixed_chunks", "fill_padding"])
+def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir, fill_padding):
+    """Also with `flow_fill_padding`: chunks that grow in their batch still deliver every
+    token's audio exactly once, in order."""
     texts = [f"Session {i} says hello to the world." for i in range(8)]
 
     async def fn(engine):
@@ -68,8 +72,9 @@ def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir)
         results = await asyncio.gather(*(collect(s) for s, _, _ in sessions))
         return [(r, s.utterance_stats(u1), s.utterance_stats(u2), u1, u2) for (s, u1, u2), r in zip(sessions, results)], engine.stats()
 
-    results, stats = run(tiny_model_dir, fn)
+    results, stats = run(tiny_model_dir, fn, flow_fill_padding=fill_padding)
     assert stats.max_batch_size > 1, "chunks of different sessions must share flow/vocoder batches"
+    assert fill_padding or stats.flow_grown_chunks == 0
     for events, st1, st2, u1, u2 in results:
         assert all(isinstance(e, AudioChunk) for e in events), events
         ids = [e.utterance_id for e in events]
@@ -86,7 +91,8 @@ def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir)
             assert total == len(st.speech_tokens) * TOKEN_SAMPLES
             pcm = np.concatenate([c.pcm for c in chunks])
             assert np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0 and np.abs(pcm).max() > 0
-        assert len(chunks) >= 2  # streamed, not one block
+        # Streamed, not one block (a short utterance may grow into one chunk with fill_padding).
+        assert fill_padding or len(chunks) >= 2
 
 
 def test_streaming_equals_whole_utterance(tiny_model_dir):
@@ -197,3 +203,50 @@ def test_the_chunker_wakes_per_chunk_not_per_token(tiny_model_dir, monkeypatch):
     st = run(tiny_model_dir, fn, warmup=False)
     assert st.num_speech_tokens > 100 and st.chunks >= 4
     assert len(checks) <= 3 * st.chunks + 2 < st.num_speech_tokens / 4
+
+
+def test_chunks_grown_into_batch_padding_stay_exact(tiny_model_dir):
+    """`ChunkJob.grow` (the stage's `flow_fill_padding`) through the engine: each chunk,
+    queued once the LM is done, grows by up to 40 tokens to a 25-token boundary, or takes
+    the rest as the last chunk. Audio stays that of one whole-utterance pass (aligned
+    schedule, unbounded window), in fewer chunks than the schedule alone makes."""
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
+        grown: list[int] = []
+        run_chunk = engine.stage.run
+
+        async def run_grown(job):
+            (utt,) = s._utts.values()
+            await utt.lm_done.wait()  # every token exists: growth is deterministic
+            if job.grow is not None:  # None: queued as the last chunk already
+                grown.append(job.grow(40))
+            return await run_chunk(job)
+
+        engine.stage.run = run_grown
+        uid = await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.finish()
+        events = await collect(s)
+        st = s.utterance_stats(uid)
+        with torch.inference_mode():
+            mel = engine.model.flow.inference(
+                torch.tensor(st.speech_tokens).unsqueeze(0), voice.speech_tokens.unsqueeze(0),
+                voice.speech_feat.unsqueeze(0), voice.embedding.unsqueeze(0), streaming=True, finalize=True)
+            whole = engine.model.hift.inference(mel if mel.shape[1] == 80 else mel.transpose(1, 2), finalize=True)
+        return events, whole.reshape(-1).numpy(), grown, st, voice.num_tokens
+
+    events, whole, grown, st, P = run(tiny_model_dir, fn, flow_left_context=-1, warmup=False)
+    tokens = [e.pcm.size // TOKEN_SAMPLES for e in events]
+    assert sum(tokens) == st.num_speech_tokens and events[-1].is_last
+    assert len(grown) >= len(events) - 1 and all(0 <= g <= 40 for g in grown) and sum(grown) > 0
+    schedule = ChunkSchedule(P, initial_hop=0)  # the same utterance without growth
+    ungrown, left = 0, st.num_speech_tokens
+    while left > schedule.next_hop() + schedule.lookahead:
+        left -= schedule.next_hop()
+        schedule.advance(schedule.next_hop())
+        ungrown += 1
+    assert len(events) < ungrown + 1
+    streamed = np.concatenate([e.pcm for e in events])
+    assert streamed.shape == whole.shape
+    assert np.abs(streamed - whole).max() < 1e-3

@@ -27,7 +27,7 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import AudioStage, BatchCandidate, ChunkJob, deadline_batch, split_by_length
+from engine.token2wav import AudioStage, BatchCandidate, ChunkJob, deadline_batch, padding_room, split_by_length
 from engine.types import AudioChunk, SessionOptions
 from gateway.app import engine_config
 from gateway.settings import load_settings
@@ -437,3 +437,87 @@ def test_a_session_clocks_its_delivered_audio(tiny_model_dir) -> None:
     assert 0 < clock.samples <= delivered  # a restart after silence counts from there
     firsts = [j for j in jobs if j.chunk_index == 0]
     assert len(firsts) == 2 and firsts[0].urgent
+
+
+# ----------------------------------------------------------------------------- fill padding
+
+
+def test_padding_room_is_each_rows_distance_to_the_longest() -> None:
+    assert padding_room([114, 54, 84], token_mel_ratio=2) == [0, 30, 15]
+    assert padding_room([55, 50], token_mel_ratio=2) == [0, 2]  # whole tokens only
+    assert padding_room([], token_mel_ratio=2) == []
+
+
+def _open_chunk(window: int, seed: int) -> FlowChunk:
+    """A chunk that is not the last (its final 3 tokens are lookahead)."""
+    return dataclasses.replace(_chunk(window, seed), finalize=False)
+
+
+def _grow_run(stage: AudioStage, windows: list[int], take: dict[int, int]) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Queue one open chunk per window (all in one batch); job i's grow(room) notes room,
+    and takes `take[i]` tokens (at most room) by replacing its chunk with a longer one.
+    Returns the rooms seen per job and the PCM."""
+    rooms: list[list[int]] = [[] for _ in windows]
+
+    def grower(i: int, job: ChunkJob):  # noqa: ANN202
+        def grow(room: int) -> int:
+            rooms[i].append(room)
+            n = min(take.get(i, 0), room)
+            if n:
+                job.flow = _open_chunk(windows[i] + n, seed=i)
+            return n
+        return grow
+
+    async def go() -> list[np.ndarray]:
+        jobs = [ChunkJob(flow=_open_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
+                         is_cancelled=lambda: False) for i, w in enumerate(windows)]
+        for i, j in enumerate(jobs):
+            j.grow = grower(i, j)
+        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
+        await stage.start()
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            await stage.close()
+
+    return rooms, asyncio.run(go())
+
+
+def test_fill_padding_grows_short_chunks_within_the_batch_length(flow, hift) -> None:
+    windows = [60, 30, 45]  # computed frames 2 x (window - 3): 114, 54, 84
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, fill_padding=True)
+    rooms, pcm = _grow_run(stage, windows, take={1: 25, 2: 40})
+    assert stage.batches == [[0, 1, 2]]
+    # Asked once each, before the batch ran; job 0 is the longest: no room, not asked.
+    assert rooms == [[], [30], [15]]
+    assert stage.stats.grown_chunks == 2 and stage.stats.grown_tokens == 25 + 15
+    # The grown chunks' audio came out of the same batch: jobs 0 and 2 are now 60 tokens,
+    # job 1 55 (the vocoder holds back the same few frames of every open chunk).
+    assert pcm[2].size == pcm[0].size and pcm[0].size - pcm[1].size == 2 * 5 * 480
+    # What the batch padded to did not grow: the longest row is still the 60-token one.
+    assert stage.stats.flow_frames == 3 * 2 * (60 - 3)
+
+    # Off (the default), or alone in its batch: nothing is asked.
+    off = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8)
+    assert off.fill_padding is False
+    rooms, _ = _grow_run(off, windows, take={1: 25})
+    assert rooms == [[], [], []] and off.stats.grown_chunks == 0
+    alone = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=1, fill_padding=True)
+    rooms, _ = _grow_run(alone, [60, 30], take={1: 25})
+    assert alone.batches == [[0], [1]] and rooms == [[], []]
+
+
+def test_fill_padding_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    s, _ = load_settings([], environ={})
+    assert engine_config(s, tmp_path).flow_fill_padding is False
+    s, _ = load_settings(["--engine.flow-fill-padding", "true"], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert cfg.flow_fill_padding is True
+    from engine.models.loader import load_model
+
+    stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
+                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu"))
+    try:
+        assert stage.fill_padding is True
+    finally:
+        stage._pool.shutdown(wait=True)

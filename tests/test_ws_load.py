@@ -15,6 +15,8 @@ import pytest
 from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
 from bench.svg_plot import Chart, Series, render_svg
 from bench.ws_load import (
+    M_GROWN_CHUNKS,
+    M_GROWN_TOKENS,
     SegmentSeen,
     SessionRecord,
     analyse,
@@ -240,6 +242,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
         server = lv["server"]
         assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
+        assert server["flow_grown_chunks"] == server["flow_grown_tokens"] == 0  # fill_padding is off
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
         loop = server["event_loop"]  # sampled every 50 ms; a CPU level lasts seconds
         assert loop["loop"] in ("uvloop", "asyncio")
@@ -294,7 +297,7 @@ def test_metrics_expose_stage_work_and_process_memory() -> None:
     stats = EngineStats(active_sessions=1, active_utterances=1, lm_active=0, flow_queue=0, last_batch_size=2,
                         max_batch_size=3, batches=4, chunks=5, dropped_chunks=0, lm_tokens=60,
                         stage_busy_seconds=1.5, stage_handoff_seconds=0.25, flow_frames=700, vocoder_frames=300,
-                        cuda_memory_allocated_bytes=1024, cuda_max_memory_allocated_bytes=2048)
+                        flow_grown_chunks=7, flow_grown_tokens=175, cuda_memory_allocated_bytes=1024, cuda_max_memory_allocated_bytes=2048)
     series = {}
     for line in Metrics().render(stats).splitlines():
         if line and not line.startswith("#"):
@@ -303,6 +306,7 @@ def test_metrics_expose_stage_work_and_process_memory() -> None:
     assert series["cosyvoice_engine_flow_frames_total"] == 700
     assert series["cosyvoice_engine_stage_handoff_seconds_total"] == 0.25
     assert series["cosyvoice_engine_vocoder_frames_total"] == 300
+    assert series[M_GROWN_CHUNKS] == 7 and series[M_GROWN_TOKENS] == 175  # the names ws_load reads
     assert series["cosyvoice_engine_cuda_memory_allocated_bytes"] == 1024
     assert series["cosyvoice_engine_cuda_max_memory_allocated_bytes"] == 2048
     assert series["cosyvoice_process_resident_memory_bytes"] > 10 * 2**20  # this Python process
