@@ -12,7 +12,11 @@
 # RAMP=S (sessions start spread over S seconds instead of all at once), LEVEL_TIMEOUT (s),
 # EXTRA="--engine.x y ..." (more gateway options for the product runs),
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
-# its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call).
+# its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call),
+# WARM=1 (single: first start one gateway for a 1-session level, so the compile caches are
+# warm before the runs that count; on a fresh machine the first start compiles for two minutes or
+# more, and
+# round 7 lost a variant to it; each run prints its gateway's time to ready).
 # .whl holds the gateway's server stack (uvicorn with uvloop and httptools, websockets,
 # python-multipart, soxr, opuslib), .whl_av PyAV (decodes uploaded voices): neither is in the
 # GPU image. Build both here with `bash bench/gpu/wheels.sh`.
@@ -31,6 +35,10 @@ else
   ARGS=(--sessions "${LEVELS:-64,128,256}" --engine.stage-devices cuda:0,cuda:1)
 fi
 echo "prep done at $((SECONDS - T0)) s"
+if [ "$MODE" = single ] && [ "${WARM:-0}" = 1 ]; then
+  timeout 300 python3 -m bench.ws_load "${COMMON[@]}" --sessions 1 --json $OUT/warm_up.json > $OUT/warm_up.log 2>&1
+  echo "warm-up start rc=$? at $((SECONDS - T0)) s: $(grep -m1 'ready in' $OUT/warm_up.log)"
+fi
 if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra VS <<< "$VARIANTS"
   for i in "${!VS[@]}"; do
