@@ -14,9 +14,8 @@
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
 # its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call),
 # WARM=1 (single: first start one gateway for a 1-session level, so the compile caches are
-# warm before the runs that count; on a fresh machine the first start compiles for two minutes or
-# more, and
-# round 7 lost a variant to it; each run prints its gateway's time to ready).
+# warm before the runs that count: on a fresh machine the first start compiles for two
+# minutes or more, and round 7 lost a variant to it; each run prints its time to ready).
 # .whl holds the gateway's server stack (uvicorn with uvloop and httptools, websockets,
 # python-multipart, soxr, opuslib), .whl_av PyAV (decodes uploaded voices): neither is in the
 # GPU image. Build both here with `bash bench/gpu/wheels.sh`.
