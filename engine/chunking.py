@@ -63,10 +63,12 @@ class ChunkSchedule:
         self.index += 1
 
 
-def grown_end(prompt_tokens: int, end: int, available: int, lm_done: bool, lookahead: int,
-              room: int) -> tuple[int, bool] | None:
-    """A queued chunk ending at `end` (not final) that may grow by up to `room` tokens of
-    flow window (`AudioStage._fill_padding`): its new (end, finalize), or None to stay.
+def grown_end(prompt_tokens: int, offset: int, end: int, available: int, lm_done: bool, lookahead: int,
+              room: int, max_hop: int) -> tuple[int, bool] | None:
+    """A queued chunk of tokens [offset, end) (not final) that may grow by up to `room`
+    tokens of flow window (`AudioStage._fill_padding`): its new (end, finalize), or None
+    to stay. It never grows past `max_hop` tokens, the schedule's own bound on a chunk
+    (and what the vocoder's graph buckets are sized for).
 
     With the LM done and the rest within reach, it takes the rest and becomes the last
     chunk (no lookahead then, so its window grows by exactly the tokens it takes).
@@ -76,8 +78,9 @@ def grown_end(prompt_tokens: int, end: int, available: int, lm_done: bool, looka
     """
     if room <= 0:
         return None
-    if lm_done and available - end <= room:
+    limit = offset + max_hop
+    if lm_done and available - end <= room and available <= limit:
         return (available, True) if available > end else None
-    reach = min(end + room, available - lookahead)
+    reach = min(end + room, available - lookahead, limit)
     grid_end = (prompt_tokens + reach) // GRID * GRID - prompt_tokens
     return (grid_end, False) if grid_end > end else None

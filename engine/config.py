@@ -62,10 +62,11 @@ class EngineConfig:
     # the longest (H200, sessions spread over 5 s: 228-281 computed frames per chunk against
     # 127-141 in a burst). Off by default: not measured on the GPU yet.
     flow_split_batches: bool = False
-    # A queued chunk shorter than the longest in its batch takes more of its utterance's
-    # already generated tokens, up to the length the batch pads it to anyway (whole
-    # 25-token blocks, or the rest once the LM is done; `AudioStage._fill_padding`): the
-    # same flow work delivers more audio, and the utterance needs fewer chunks, each of
+    # A queued chunk shorter than the longest in its batch (its flow call, with split
+    # batches) takes more of its utterance's already generated tokens, up to the length the
+    # batch pads it to anyway, and at most max_hop tokens (whole 25-token blocks, or the
+    # rest once the LM is done; `AudioStage._fill_padding`): the same flow work delivers
+    # more audio (the vocoder decodes it), and the utterance needs fewer chunks, each of
     # which recomputes its left context. Under staggered arrivals (H200, round 7, sessions
     # spread over 5 s) batches computed 254-314 frames a chunk against 127-137 in a burst.
     # Off by default: not measured on the GPU yet.

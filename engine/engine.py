@@ -786,7 +786,7 @@ class Session:
             extent = _Extent(end, finalize)
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
-                job.grow = self._grower(job, extent, tokens, sched.offset, lm_task, flow_cfg)
+                job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
             queued_at = time.monotonic()
             if sched.index == 0:
                 job.deadline, job.urgent = first_chunk_due(queued_at, self.playback.runs_out())
@@ -812,20 +812,19 @@ class Session:
                 return
             sched.advance(end - sched.offset)
 
-    def _grower(self, job: ChunkJob, extent: "_Extent", tokens: list[int], offset: int, lm_task: asyncio.Task,
-                flow_cfg) -> Callable[[int], int]:
-        """`job.grow`: lengthen the queued chunk in place (its flow window and `extent`)
-        with tokens the LM has already generated; see `chunking.grown_end`."""
-        def grow(room: int) -> int:
+    def _grower(self, extent: "_Extent", tokens: list[int], offset: int, max_hop: int, lm_task: asyncio.Task,
+                flow_cfg) -> Callable[[int], FlowChunk | None]:
+        """`ChunkJob.grow`: the queued chunk lengthened with tokens the LM has already
+        generated (`chunking.grown_end`), its `extent` updated for the chunk loop; the
+        stage runs the returned FlowChunk."""
+        def grow(room: int) -> FlowChunk | None:
             lm_done = lm_task.done() and not lm_task.cancelled() and lm_task.exception() is None
-            grown = grown_end(self.voice.num_tokens, extent.end, len(tokens), lm_done, flow_cfg.pre_lookahead_len,
-                              room)
+            grown = grown_end(self.voice.num_tokens, offset, extent.end, len(tokens), lm_done,
+                              flow_cfg.pre_lookahead_len, room, max_hop)
             if grown is None:
-                return 0
-            taken = grown[0] - extent.end
+                return None
             extent.end, extent.finalize = grown
-            job.flow = self._flow_chunk(tokens, self.voice.speech_tokens, offset, extent.end, extent.finalize, flow_cfg)
-            return taken
+            return self._flow_chunk(tokens, self.voice.speech_tokens, offset, extent.end, extent.finalize, flow_cfg)
 
         return grow
 

@@ -60,7 +60,11 @@ class StagePool:
         if not isinstance(pooled, PooledStream):
             raise TypeError("job.hift_stream must come from StagePool.new_stream()")
         stage = self.stages[pooled.stage_index]
-        return await stage.run(dataclasses.replace(job, hift_stream=pooled.inner))
+        inner = dataclasses.replace(job, hift_stream=pooled.inner)
+        try:
+            return await stage.run(inner)
+        finally:
+            job.started_at = inner.started_at  # the stage stamps the job it ran (first-chunk phases)
 
     def drop_cancelled(self) -> int:
         return sum(s.drop_cancelled() for s in self.stages)

@@ -72,11 +72,12 @@ class ChunkJob:
     # When the stage began computing the batch holding this chunk (time.monotonic), so
     # the caller can tell waiting in the queue from computing.
     started_at: float = 0.0
-    # `engine.flow_fill_padding`: grow(n) lengthens this queued chunk by at most n speech
-    # tokens of its flow window, taking tokens its utterance has already generated, and
-    # returns how many it took (0: it stays). The stage calls it, before the batch runs,
-    # with the padding the batch would compute for this row anyway. None: fixed length.
-    grow: Callable[[int], int] | None = None
+    # `engine.flow_fill_padding`: grow(n) returns this chunk lengthened by at most n speech
+    # tokens of flow window, with tokens its utterance has already generated, or None to
+    # keep it. The stage calls it before the batch runs, with the padding the batch would
+    # compute for this row anyway, and runs the returned chunk instead (on the job it
+    # holds: `StagePool` queues a copy). None: fixed length.
+    grow: Callable[[int], FlowChunk | None] | None = None
 
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
@@ -336,12 +337,28 @@ class AudioStage:
             self._fill_padding(batch)
         return batch
 
-    def _computed_frames(self, chunk: FlowChunk) -> int:
-        """The frames the flow computes for this chunk, the length a batch pads its rows
-        to: the window's mel frames (not its lookahead), less the prompt cache's prefix."""
-        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
-        frames = ratio * (len(chunk.tokens) - (0 if chunk.finalize else look))
-        return frames - (prompt_frames(self.flow, chunk) if self.prompt_cache is not None else 0)
+    def _window_frames(self, chunk: FlowChunk) -> int:
+        """The mel frames of the chunk's whole window (not its lookahead)."""
+        look = 0 if chunk.finalize else self.flow.pre_lookahead_len
+        return self.flow.token_mel_ratio * (len(chunk.tokens) - look)
+
+    def _padding_rooms(self, chunks: list[FlowChunk]) -> list[int]:
+        """Per chunk, the tokens it can grow by without lengthening any flow call of its
+        batch, whichever way the worker decodes it: its whole window (no prompt cache, or
+        the cache not paying for this batch) or the frames after the cached prefix (which
+        differ between voices). With split batches, against its own call's longest row."""
+        full = [self._window_frames(c) for c in chunks]
+        measures = [full]
+        if self.prompt_cache is not None:
+            measures.append([f - prompt_frames(self.flow, c) for f, c in zip(full, chunks)])
+        calls = split_by_length(measures[-1]) if self.split_batches else [list(range(len(chunks)))]
+        rooms = [0] * len(chunks)
+        ratio = self.flow.token_mel_ratio
+        for rows in calls:
+            per_measure = [padding_room([m[i] for i in rows], ratio) for m in measures]
+            for k, i in enumerate(rows):
+                rooms[i] = min(r[k] for r in per_measure)
+        return rooms
 
     def _fill_padding(self, batch: list[ChunkJob]) -> None:
         """Grow the batch's shorter chunks into the padding it computes for them anyway.
@@ -349,15 +366,18 @@ class AudioStage:
         (~176), so most of a short row is padding; filled with tokens its utterance
         already has, it is audio delivered now instead of by a later chunk of its own
         (which would recompute the left context again). Runs on the event loop, before
-        the batch goes to the worker. A row grows by at most its room, so the batch's
-        longest row, and its cost, stay as they were."""
+        the batch goes to the worker. A row grows by at most its room, so each flow
+        call's longest row, and the flow's cost, stay as they were; the vocoder decodes
+        the extra frames."""
         if len(batch) < 2:
             return
-        rooms = padding_room([self._computed_frames(j.flow) for j in batch], self.flow.token_mel_ratio)
+        rooms = self._padding_rooms([j.flow for j in batch])
         for job, room in zip(batch, rooms):
             if room > 0 and job.grow is not None:
-                taken = job.grow(room)
-                if taken:
+                grown = job.grow(room)
+                if grown is not None:
+                    taken = (self._window_frames(grown) - self._window_frames(job.flow)) // self.flow.token_mel_ratio
+                    job.flow = grown
                     self.stats.grown_chunks += 1
                     self.stats.grown_tokens += taken
 

@@ -76,41 +76,58 @@ def test_tokens_needed_is_where_ready_turns(prompt: int, initial: int) -> None:
         s.advance(s.ready(need))
 
 
+def grow(prompt: int, end: int, *, available: int, lm_done: bool, lookahead: int, room: int,
+         offset: int = 0, max_hop: int = 10_000) -> tuple[int, bool] | None:
+    return grown_end(prompt, offset, end, available, lm_done, lookahead, room, max_hop)
+
+
 def test_a_grown_chunk_ends_on_the_grid_with_its_lookahead_generated():
     # P = 87, end = 113 (87 + 113 = 200, on the grid), lookahead 3.
-    assert grown_end(87, 113, available=200, lm_done=False, lookahead=3, room=40) == (138, False)  # +25
-    assert grown_end(87, 113, available=200, lm_done=False, lookahead=3, room=50) == (163, False)  # +50
+    assert grow(87, 113, available=200, lm_done=False, lookahead=3, room=40) == (138, False)  # +25
+    assert grow(87, 113, available=200, lm_done=False, lookahead=3, room=50) == (163, False)  # +50
     # The lookahead of the furthest boundary must exist: 166 tokens hold 163's, 165 do not.
-    assert grown_end(87, 113, available=166, lm_done=False, lookahead=3, room=80) == (163, False)
-    assert grown_end(87, 113, available=165, lm_done=False, lookahead=3, room=80) == (138, False)
+    assert grow(87, 113, available=166, lm_done=False, lookahead=3, room=80) == (163, False)
+    assert grow(87, 113, available=165, lm_done=False, lookahead=3, room=80) == (138, False)
     # Off the grid (a first chunk of 15 tokens, 87 + 15 = 102): to the next boundary, 125.
-    assert grown_end(87, 15, available=100, lm_done=False, lookahead=3, room=23) == (38, False)
-    assert grown_end(87, 15, available=100, lm_done=False, lookahead=3, room=22) is None
+    assert grow(87, 15, available=100, lm_done=False, lookahead=3, room=23) == (38, False)
+    assert grow(87, 15, available=100, lm_done=False, lookahead=3, room=22) is None
     # No boundary within the room, or not enough tokens yet: stays.
-    assert grown_end(87, 113, available=200, lm_done=False, lookahead=3, room=24) is None
-    assert grown_end(87, 113, available=140, lm_done=False, lookahead=3, room=50) is None
-    assert grown_end(87, 113, available=200, lm_done=False, lookahead=3, room=0) is None
+    assert grow(87, 113, available=200, lm_done=False, lookahead=3, room=24) is None
+    assert grow(87, 113, available=140, lm_done=False, lookahead=3, room=50) is None
+    assert grow(87, 113, available=200, lm_done=False, lookahead=3, room=0) is None
 
 
 def test_a_grown_chunk_takes_the_rest_once_the_lm_is_done():
     # The rest (30 tokens) within the room: the last chunk, all of it, no lookahead.
-    assert grown_end(87, 113, available=143, lm_done=True, lookahead=3, room=30) == (143, True)
+    assert grow(87, 113, available=143, lm_done=True, lookahead=3, room=30) == (143, True)
     # Not within the room: a boundary as before (the rest comes in a later chunk).
-    assert grown_end(87, 113, available=143, lm_done=True, lookahead=3, room=29) == (138, False)
+    assert grow(87, 113, available=143, lm_done=True, lookahead=3, room=29) == (138, False)
     # Nothing left beyond the chunk's own lookahead would still be "the rest".
-    assert grown_end(87, 113, available=116, lm_done=True, lookahead=3, room=10) == (116, True)
+    assert grow(87, 113, available=116, lm_done=True, lookahead=3, room=10) == (116, True)
     # Before the LM is done the rest is never taken as final.
-    assert grown_end(87, 113, available=143, lm_done=False, lookahead=3, room=30) == (138, False)
+    assert grow(87, 113, available=143, lm_done=False, lookahead=3, room=30) == (138, False)
 
 
-@given(st.integers(0, 300), st.integers(1, 300), st.integers(0, 400), st.booleans(), st.integers(0, 200))
-def test_growth_never_exceeds_the_room_or_the_tokens(prompt, end, extra, lm_done, room):
+@given(st.integers(0, 300), st.integers(0, 200), st.integers(1, 120), st.integers(0, 400), st.booleans(),
+       st.integers(0, 200), st.integers(25, 200))
+def test_growth_never_exceeds_the_room_the_tokens_or_max_hop(prompt, offset, hop, extra, lm_done, room, max_hop):
+    end = offset + hop
     available = end + 3 + extra  # a queued chunk's own lookahead always exists
-    out = grown_end(prompt, end, available, lm_done, 3, room)
+    out = grown_end(prompt, offset, end, available, lm_done, 3, room, max_hop)
     if out is not None:
         new_end, final = out
-        assert end < new_end <= end + room and new_end <= available
+        assert end < new_end <= min(end + room, offset + max_hop) and new_end <= available
         if final:
             assert lm_done and new_end == available
         else:
             assert (prompt + new_end) % GRID == 0 and new_end + 3 <= available
+
+
+def test_a_grown_chunk_stays_within_max_hop():
+    # Tokens [100, 113) queued, max_hop 50: it may end at 150 at most, so at 138 (grid), not 163.
+    assert grow(87, 113, available=300, lm_done=False, lookahead=3, room=80, offset=100, max_hop=50) == (138, False)
+    # The rest (143) is 43 tokens from the offset: within max_hop 50, taken; 40 is too few.
+    assert grow(87, 113, available=143, lm_done=True, lookahead=3, room=40, offset=100, max_hop=50) == (143, True)
+    assert grow(87, 113, available=143, lm_done=True, lookahead=3, room=40, offset=100, max_hop=40) == (138, False)
+    # A first chunk (offset 0) with a huge room: one max_hop at most.
+    assert grow(87, 15, available=1000, lm_done=False, lookahead=3, room=500, max_hop=100) == (88, False)

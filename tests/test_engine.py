@@ -54,10 +54,12 @@ def test_voice_features_are_aligned(tiny_model_dir):
     run(tiny_model_dir, fn, warmup=False)
 
 
-@pytest.mark.parametrize("fill_padding", [False, True], ids=["fixed_chunks", "fill_padding"])
-def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir, fill_padding):
-    """Also with `flow_fill_padding`: chunks that grow in their batch still deliver every
-    token's audio exactly once, in order."""
+@pytest.mark.parametrize("fill_padding,stages", [(False, ()), (True, ()), (True, ("cpu", "cpu"))],
+                         ids=["fixed_chunks", "fill_padding", "fill_padding_two_stages"])
+def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir, fill_padding, stages):
+    """Also with `flow_fill_padding`, on one stage or a `StagePool` (which queues a copy of
+    each job): chunks that grow in their batch still deliver every token's audio exactly
+    once, in order."""
     texts = [f"Session {i} says hello to the world." for i in range(8)]
 
     async def fn(engine):
@@ -72,7 +74,7 @@ def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir,
         results = await asyncio.gather(*(collect(s) for s, _, _ in sessions))
         return [(r, s.utterance_stats(u1), s.utterance_stats(u2), u1, u2) for (s, u1, u2), r in zip(sessions, results)], engine.stats()
 
-    results, stats = run(tiny_model_dir, fn, flow_fill_padding=fill_padding)
+    results, stats = run(tiny_model_dir, fn, flow_fill_padding=fill_padding, stage_devices=stages)
     assert stats.max_batch_size > 1, "chunks of different sessions must share flow/vocoder batches"
     assert fill_padding or stats.flow_grown_chunks == 0
     for events, st1, st2, u1, u2 in results:
@@ -221,7 +223,11 @@ def test_chunks_grown_into_batch_padding_stay_exact(tiny_model_dir):
             (utt,) = s._utts.values()
             await utt.lm_done.wait()  # every token exists: growth is deterministic
             if job.grow is not None:  # None: queued as the last chunk already
-                grown.append(job.grow(40))
+                before = len(job.flow.tokens) - (0 if job.flow.finalize else 3)
+                chunk = job.grow(40)
+                if chunk is not None:
+                    job.flow = chunk
+                grown.append(len(job.flow.tokens) - (0 if job.flow.finalize else 3) - before)
             return await run_chunk(job)
 
         engine.stage.run = run_grown

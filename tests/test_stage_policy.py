@@ -459,20 +459,18 @@ def _grow_run(stage: AudioStage, windows: list[int], take: dict[int, int]) -> tu
     Returns the rooms seen per job and the PCM."""
     rooms: list[list[int]] = [[] for _ in windows]
 
-    def grower(i: int, job: ChunkJob):  # noqa: ANN202
-        def grow(room: int) -> int:
+    def grower(i: int):  # noqa: ANN202
+        def grow(room: int) -> FlowChunk | None:
             rooms[i].append(room)
             n = min(take.get(i, 0), room)
-            if n:
-                job.flow = _open_chunk(windows[i] + n, seed=i)
-            return n
+            return _open_chunk(windows[i] + n, seed=i) if n else None
         return grow
 
     async def go() -> list[np.ndarray]:
         jobs = [ChunkJob(flow=_open_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
                          is_cancelled=lambda: False) for i, w in enumerate(windows)]
         for i, j in enumerate(jobs):
-            j.grow = grower(i, j)
+            j.grow = grower(i)
         tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
         await stage.start()
         try:
@@ -505,6 +503,67 @@ def test_fill_padding_grows_short_chunks_within_the_batch_length(flow, hift) -> 
     alone = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=1, fill_padding=True)
     rooms, _ = _grow_run(alone, [60, 30], take={1: 25})
     assert alone.batches == [[0], [1]] and rooms == [[], []]
+
+
+def test_fill_padding_through_a_stage_pool(flow, hift) -> None:
+    """`StagePool` queues a copy of each job: the grown chunk is what its stage runs, and
+    the original job learns when its batch started."""
+    from engine.stage_pool import StagePool
+
+    stage = AudioStage(flow, hift, torch.device("cpu"), max_batch=8, fill_padding=True)
+    pool = StagePool([stage])
+    windows = [60, 30]
+
+    async def go() -> tuple[list[ChunkJob], list[np.ndarray]]:
+        jobs = [ChunkJob(flow=_open_chunk(w, seed=i), hift_stream=pool.new_stream(), speed=1.0, chunk_index=1,
+                         is_cancelled=lambda: False) for i, w in enumerate(windows)]
+        jobs[1].grow = lambda room: _open_chunk(30 + room, seed=1)
+        tasks = [asyncio.create_task(pool.run(j)) for j in jobs]
+        await stage.start()
+        try:
+            return jobs, list(await asyncio.gather(*tasks))
+        finally:
+            await stage.close()
+
+    jobs, pcm = asyncio.run(go())
+    assert stage.stats.grown_chunks == 1 and stage.stats.grown_tokens == 30
+    assert pcm[0].size == pcm[1].size  # the grown 60-token chunk ran, not the 30-token one
+    assert all(j.started_at > 0 for j in jobs)
+
+
+def _prompted(prompt_tokens: int, window: int, seed: int) -> FlowChunk:
+    """An open chunk after a `prompt_tokens` prompt, `window` tokens after the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    return FlowChunk(tokens=torch.randint(0, 6561, (prompt_tokens + window,), generator=g),
+                     prompt_feat=torch.randn(2 * prompt_tokens, 80, generator=g), embedding=torch.randn(192, generator=g),
+                     num_prompt_tokens=prompt_tokens, out_start=prompt_tokens, finalize=False)
+
+
+def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None:
+    """With the prompt cache a batch runs either over the frames after each voice's cached
+    prefix or (when the cache does not pay) over whole windows; voices' prefixes differ,
+    so a row's room is the smaller of the two. With split batches, a row grows only to
+    its own call's longest row."""
+    cached = AudioStage(flow, hift, torch.device("cpu"), prompt_cache_bytes=1 << 30, fill_padding=True)
+    assert cached.prompt_cache is not None
+    # Prompts of 103 and 28 tokens: 200 and 50 cached frames (whole 50-frame blocks).
+    long_voice, short_voice = _prompted(103, 30, seed=1), _prompted(28, 60, seed=2)
+    full = [cached._window_frames(c) for c in (long_voice, short_voice)]
+    assert full == [2 * (133 - 3), 2 * (88 - 3)]  # 260, 170
+    # After the cached prefix: 60 and 120 frames, so by that measure the long-prompt row
+    # has 30 tokens of room; but a whole-window batch would then grow from 260 to 320.
+    assert padding_room([60, 120], 2) == [30, 0]
+    assert cached._padding_rooms([long_voice, short_voice]) == [0, 0]
+    same_voice = [_prompted(103, 30, seed=1), _prompted(103, 60, seed=3)]
+    assert cached._padding_rooms(same_voice) == [30, 0]
+
+    split = AudioStage(flow, hift, torch.device("cpu"), split_batches=True, fill_padding=True)
+    rows = [_open_chunk(w, seed=i) for i, w in enumerate([43, 43, 43, 43, 202, 202, 202, 190])]
+    frames = [split._window_frames(c) for c in rows]  # 80 x 4, 398 x 3, 374
+    assert split_by_length(frames) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split._padding_rooms(rows) == [0, 0, 0, 0, 0, 0, 0, 12]  # not the short call's 159
+    for stage in (cached, split):
+        stage._pool.shutdown(wait=True)
 
 
 def test_fill_padding_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
