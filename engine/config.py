@@ -77,6 +77,10 @@ class EngineConfig:
     # "deadline": most urgent playback deadline first, grouped by similar window length
     # (less padding); see `engine.token2wav.deadline_batch`.
     stage_policy: StagePolicy = "first_chunks"
+    # "deadline" only: a batch's longest flow window at most (1 + this) x its shortest.
+    # Larger values give earliest-deadline-first batches of any mix of lengths (with
+    # flow_fill_padding, the short rows then use the padding instead of waiting).
+    stage_window_tolerance: float = 0.25
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,
@@ -113,6 +117,8 @@ class EngineConfig:
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
             raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
                              "stage_profile_batches >= 1")
+        if not self.stage_window_tolerance >= 0:  # also refuses NaN
+            raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:
             raise ValueError("flow_graph_max_rows and flow_graph_shared_rows must be >= 0")
         if self.flow_prompt_cache_bytes < 0:

@@ -200,7 +200,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
         return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
                           flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
                           graph_policy=graph_policy(config),
-                          policy=config.stage_policy,
+                          policy=config.stage_policy, window_tolerance=config.stage_window_tolerance,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
                           profiler=profiler, split_batches=config.flow_split_batches,
                           vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding)

@@ -76,6 +76,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_split_batches=e.flow_split_batches,
         flow_fill_padding=e.flow_fill_padding,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
+        stage_window_tolerance=e.stage_window_tolerance,
         stage_devices=e.stage_devices,
         stage_profile_dir=e.stage_profile_dir,
         stage_profile_start=e.stage_profile_start,

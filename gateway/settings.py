@@ -92,6 +92,11 @@ class EngineSettings:
         metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks heard after silence first, then FIFO) or "
                        "deadline (most urgent playback deadline first, grouped by similar window length)"),
     )
+    stage_window_tolerance: float = field(
+        default=0.25,
+        metadata=_help("deadline policy: a batch's longest flow window is at most (1 + this) x its shortest; a large "
+                       "value (e.g. 1000) batches by deadline alone"),
+    )
     stage_profile_dir: str = field(
         default="",
         metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory "

@@ -281,6 +281,12 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
     s, _ = load_settings(["--engine.stage-policy", "nope"], environ={})
     with pytest.raises(ValueError, match="stage_policy"):
         engine_config(s, tmp_path)
+    s, _ = load_settings(["--engine.stage-window-tolerance", "1000"], environ={})
+    assert engine_config(s, tmp_path).stage_window_tolerance == 1000.0
+    for bad in ("-0.5", "nan"):
+        s, _ = load_settings(["--engine.stage-window-tolerance", bad], environ={})
+        with pytest.raises(ValueError, match="stage_window_tolerance"):
+            engine_config(s, tmp_path)
 
 
 # ----------------------------------------------------------------------------- split by length
@@ -575,8 +581,8 @@ def test_fill_padding_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> Non
     from engine.models.loader import load_model
 
     stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
-                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu"))
+                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu", stage_window_tolerance=3.0))
     try:
-        assert stage.fill_padding is True
+        assert stage.fill_padding is True and stage.window_tolerance == 3.0
     finally:
         stage._pool.shutdown(wait=True)
