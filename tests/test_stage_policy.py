@@ -364,22 +364,6 @@ def test_a_split_batch_gives_the_same_audio_with_fewer_frames(tiny_model_dir) ->
             stage._pool.shutdown(wait=True)
 
 
-def test_split_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
-    s, _ = load_settings([], environ={})
-    assert engine_config(s, tmp_path).flow_split_batches is False
-    s, _ = load_settings(["--engine.flow-split-batches", "true"], environ={})
-    cfg = engine_config(s, tmp_path)
-    assert cfg.flow_split_batches is True
-    from engine.models.loader import load_model
-
-    stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
-                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu"))
-    try:
-        assert stage.split_batches is True
-    finally:
-        stage._pool.shutdown(wait=True)
-
-
 def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> None:
     """A first chunk queued behind its session's audio still playing (urgent=False) waits
     its turn; one heard after silence jumps the queue."""
@@ -572,17 +556,19 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
         stage._pool.shutdown(wait=True)
 
 
-def test_fill_padding_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("flag,name,attr", [("--engine.flow-split-batches", "flow_split_batches", "split_batches"),
+                                             ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding")])
+def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
-    assert engine_config(s, tmp_path).flow_fill_padding is False
-    s, _ = load_settings(["--engine.flow-fill-padding", "true"], environ={})
+    assert getattr(engine_config(s, tmp_path), name) is False
+    s, _ = load_settings([flag, "true", "--engine.stage-window-tolerance", "3"], environ={})
     cfg = engine_config(s, tmp_path)
-    assert cfg.flow_fill_padding is True
+    assert getattr(cfg, name) is True
     from engine.models.loader import load_model
 
     stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
-                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu", stage_window_tolerance=3.0))
+                        dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu"))
     try:
-        assert stage.fill_padding is True and stage.window_tolerance == 3.0
+        assert getattr(stage, attr) is True and stage.window_tolerance == 3.0
     finally:
         stage._pool.shutdown(wait=True)
