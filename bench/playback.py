@@ -40,6 +40,10 @@ class Playback:
     audio_s: float
     play_start: float | None
     play_end: float | None  # when the last sample has been played
+    # Per underrun, the audio already played when it began (seconds): stalls at ~0.6 s are
+    # the second chunk coming late after a start, stalls deep into the audio are a stage
+    # that cannot keep up.
+    underrun_at_s: tuple[float, ...] = ()
 
 
 def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s: float = 0.0) -> Playback:
@@ -49,6 +53,7 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
     if not arrivals:
         return Playback(0, 0.0, 0.0, (), 0.0, None, None)
     underruns, stalled, waited = 0, 0.0, 0.0
+    stall_positions: list[float] = []
     gaps = tuple(b.t - a.t for a, b in zip(arrivals, arrivals[1:]))
     play_start = arrivals[0].t + prebuffer_s
     position = play_start  # wall time at which the playhead reaches the next chunk
@@ -62,11 +67,13 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
             if chunk.t > due:
                 underruns += 1
                 stalled += chunk.t - due
+                stall_positions.append(total / sample_rate)
                 due = chunk.t
             position = due
         position += chunk.samples / sample_rate
         total += chunk.samples
-    return Playback(underruns, stalled, waited, gaps, total / sample_rate, play_start, position)
+    return Playback(underruns, stalled, waited, gaps, total / sample_rate, play_start, position,
+                    tuple(stall_positions))
 
 
 # ---- small statistics -------------------------------------------------------------------

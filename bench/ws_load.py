@@ -21,7 +21,8 @@ segment's text was complete (its last character sent, or the flush that closed i
 its first audio byte -- for each context's first segment (`first_audio_ms`, the
 headline) and for every segment (`segment_first_audio_ms`; later segments also wait
 for the earlier ones' audio, since a context's audio is delivered in order) --
-chunk gaps, underruns, RTF, completed sessions and errors, GPU utilisation (pynvml),
+chunk gaps, underruns and where in the audio they began (`underrun_at_audio_ms`), RTF,
+completed sessions and errors, GPU utilisation (pynvml),
 achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
 gateway RSS per session (from `/metrics`), and the server's breakdown of every
 utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech token,
@@ -215,6 +216,7 @@ class SessionResult:
     text_wait_s: float
     audio_s: float
     generation_s: float | None  # first text sent -> last audio byte
+    underrun_at_s: tuple[float, ...] = ()  # audio played when each underrun began
 
 
 def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0) -> SessionResult:
@@ -236,7 +238,7 @@ def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: flo
     pb = simulate_playback(arrivals, sample_rate, prebuffer_s)
     gen = rec.audio[-1][0] - rec.sends[0][0] if rec.audio and rec.sends else None
     return SessionResult(rec.completed, tuple(rec.errors), first, tuple(lat), pb.gaps_s, pb.underruns,
-                         pb.underrun_s, pb.text_wait_s, pb.audio_s, gen)
+                         pb.underrun_s, pb.text_wait_s, pb.audio_s, gen, pb.underrun_at_s)
 
 
 class WsSession:
@@ -659,6 +661,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "underruns": sum(r.underruns for r in results),
         "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
         "sessions_with_underrun": sum(1 for r in results if r.underruns),
+        # Where in the audio the underruns began (ms of audio already played): early ones
+        # are a start's second chunk coming late, later ones a stage falling behind.
+        "underrun_at_audio_ms": summary_ms([x for r in results for x in r.underrun_at_s], qs=(10, 50, 90)),
         "text_wait_ms": round(sum(r.text_wait_s for r in results) * 1e3, 3),
         "audio_s": round(audio, 3),
         "wall_s": round(wall, 3),
@@ -802,7 +807,9 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
         on_level()
         fa = lv["first_audio_ms"]
         print(f"[{target.name}] sessions={n} completed={lv['completed']} errors={lv['errors']} "
-              f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} rtf={lv['rtf']} "
+              f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} "
+              f"(at audio ms p10/p50/p90 {[lv['underrun_at_audio_ms'][q] for q in ('p10', 'p50', 'p90')]}) "
+              f"rtf={lv['rtf']} "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']}", flush=True)
 
 

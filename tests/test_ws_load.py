@@ -50,12 +50,14 @@ def test_one_late_chunk_is_one_underrun_and_playback_resumes() -> None:
     assert pb.underruns == 1
     assert pb.underrun_s == pytest.approx(0.5)
     assert pb.play_end == pytest.approx(3.0)
+    assert pb.underrun_at_s == (0.5,)  # after the first chunk's 0.5 s of audio
 
 
 def test_every_late_chunk_counts() -> None:
     pb = simulate_playback([Arrival(0.0, 100), Arrival(0.3, 100), Arrival(0.6, 100)], SR)
     # due 0.1 (arrived 0.3: 0.2 late), then due 0.4 (arrived 0.6: 0.2 late)
     assert pb.underruns == 2
+    assert pb.underrun_at_s == pytest.approx((0.1, 0.2))
     assert pb.underrun_s == pytest.approx(0.4)
 
 
@@ -240,6 +242,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
             <= lv["segment_first_audio_ms"]["max"]
         assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
+        assert lv["underrun_at_audio_ms"]["n"] == lv["underruns"]  # one position per underrun
         server = lv["server"]
         assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
         assert server["flow_grown_chunks"] == server["flow_grown_tokens"] == 0  # fill_padding is off
