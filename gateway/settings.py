@@ -74,7 +74,7 @@ class EngineSettings:
     flow_split_batches: bool = field(
         default=False,
         metadata=_help("run a flow batch whose chunks differ much in length as up to three calls of similar "
-                       "lengths (less padding under staggered arrivals; not measured on a GPU yet)"),
+                       "lengths (less padding under staggered arrivals; on the H200 it did not cut the stage's time)"),
     )
     flow_fill_padding: bool = field(
         default=False,
