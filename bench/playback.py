@@ -29,6 +29,7 @@ class Arrival:
     t: float  # arrival time, seconds on the client's clock
     samples: int
     ready_at: float | None = None  # first chunk of a segment: when its text was complete
+    segment: int = -1  # which segment (utterance) of the session it belongs to; -1 unknown
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,10 @@ class Playback:
     audio_s: float
     play_start: float | None
     play_end: float | None  # when the last sample has been played
-    # Per underrun, the audio already played when it began (seconds): stalls at ~0.6 s are
-    # the second chunk coming late after a start, stalls deep into the audio are a stage
-    # that cannot keep up.
+    # Per underrun, the audio of its segment already played when it began (seconds; the
+    # session's audio so far where segments are unknown): 0 is a segment's first chunk
+    # coming late, a fraction of a second its next chunk after a start, several seconds a
+    # stage that cannot keep up.
     underrun_at_s: tuple[float, ...] = ()
 
 
@@ -54,11 +56,14 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
         return Playback(0, 0.0, 0.0, (), 0.0, None, None)
     underruns, stalled, waited = 0, 0.0, 0.0
     stall_positions: list[float] = []
+    segment_start, segment = 0, None  # samples played before the current segment began
     gaps = tuple(b.t - a.t for a, b in zip(arrivals, arrivals[1:]))
     play_start = arrivals[0].t + prebuffer_s
     position = play_start  # wall time at which the playhead reaches the next chunk
     total = 0
     for i, chunk in enumerate(arrivals):
+        if chunk.segment >= 0 and chunk.segment != segment:
+            segment, segment_start = chunk.segment, total
         if i > 0:
             due = position
             if chunk.ready_at is not None and chunk.ready_at > due:
@@ -67,7 +72,7 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
             if chunk.t > due:
                 underruns += 1
                 stalled += chunk.t - due
-                stall_positions.append(total / sample_rate)
+                stall_positions.append((total - segment_start) / sample_rate)
                 due = chunk.t
             position = due
         position += chunk.samples / sample_rate

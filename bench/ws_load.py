@@ -21,7 +21,7 @@ segment's text was complete (its last character sent, or the flush that closed i
 its first audio byte -- for each context's first segment (`first_audio_ms`, the
 headline) and for every segment (`segment_first_audio_ms`; later segments also wait
 for the earlier ones' audio, since a context's audio is delivered in order) --
-chunk gaps, underruns and where in the audio they began (`underrun_at_audio_ms`), RTF,
+chunk gaps, underruns and where in their segment's audio they began (`underrun_at_audio_ms`), RTF,
 completed sessions and errors, GPU utilisation (pynvml),
 achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
 gateway RSS per session (from `/metrics`), and the server's breakdown of every
@@ -216,7 +216,7 @@ class SessionResult:
     text_wait_s: float
     audio_s: float
     generation_s: float | None  # first text sent -> last audio byte
-    underrun_at_s: tuple[float, ...] = ()  # audio played when each underrun began
+    underrun_at_s: tuple[float, ...] = ()  # audio of its segment played when each underrun began
 
 
 def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0) -> SessionResult:
@@ -234,7 +234,7 @@ def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: flo
         if pos >= 0 and pos not in seen:
             seen.add(pos)
             ready_at = ready[pos]
-        arrivals.append(Arrival(t, samples, ready_at))
+        arrivals.append(Arrival(t, samples, ready_at, pos))
     pb = simulate_playback(arrivals, sample_rate, prebuffer_s)
     gen = rec.audio[-1][0] - rec.sends[0][0] if rec.audio and rec.sends else None
     return SessionResult(rec.completed, tuple(rec.errors), first, tuple(lat), pb.gaps_s, pb.underruns,
@@ -661,8 +661,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "underruns": sum(r.underruns for r in results),
         "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
         "sessions_with_underrun": sum(1 for r in results if r.underruns),
-        # Where in the audio the underruns began (ms of audio already played): early ones
-        # are a start's second chunk coming late, later ones a stage falling behind.
+        # Where the underruns began: ms of their segment's audio already played (0: the
+        # segment's first chunk came late; small: its next chunk after a start; seconds: a
+        # stage falling behind).
         "underrun_at_audio_ms": summary_ms([x for r in results for x in r.underrun_at_s], qs=(10, 50, 90)),
         "text_wait_ms": round(sum(r.text_wait_s for r in results) * 1e3, 3),
         "audio_s": round(audio, 3),

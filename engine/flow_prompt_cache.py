@@ -433,6 +433,10 @@ class PromptCache:
             raise ValueError("budget_bytes must be >= 0")
         self.budget_bytes = budget_bytes
         self.stats = PromptCacheStats()
+        # The fewest prefix frames of an entry refused for the budget (an entry's size grows
+        # with its frames): prompts that long or longer decode without the cache. Written on
+        # the worker thread; the stage's event loop reads it (`AudioStage._padding_rooms`).
+        self.refused_frames: int | None = None
         self._entries: OrderedDict[bytes, PromptKV] = OrderedDict()
         self._feat_digests: dict[int, tuple[weakref.ref[torch.Tensor], bytes]] = {}
 
@@ -485,6 +489,7 @@ class PromptCache:
         self.stats.builds += 1
         if entry.nbytes > self.budget_bytes:
             self.stats.too_large += 1
+            self.refused_frames = min(entry.frames, self.refused_frames or entry.frames)
             log.warning("flow prompt cache entry of %d bytes exceeds the budget (%d); not cached",
                         entry.nbytes, self.budget_bytes)
             return None

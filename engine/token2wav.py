@@ -346,11 +346,19 @@ class AudioStage:
         """Per chunk, the tokens it can grow by without lengthening any flow call of its
         batch, whichever way the worker decodes it: its whole window (no prompt cache, or
         the cache not paying for this batch) or the frames after the cached prefix (which
-        differ between voices). With split batches, against its own call's longest row."""
+        differ between voices; none for a prompt too long for the cache's budget). With
+        split batches, against its own call's longest row."""
         full = [self._window_frames(c) for c in chunks]
         measures = [full]
-        if self.prompt_cache is not None:
-            measures.append([f - prompt_frames(self.flow, c) for f, c in zip(full, chunks)])
+        cache = self.prompt_cache
+        if cache is not None:
+            refused = cache.refused_frames  # an int read from the worker's writes: atomic
+
+            def prefix(chunk: FlowChunk) -> int:
+                frames = prompt_frames(self.flow, chunk)
+                return 0 if refused is not None and frames >= refused else frames
+
+            measures.append([f - prefix(c) for f, c in zip(full, chunks)])
         calls = split_by_length(measures[-1]) if self.split_batches else [list(range(len(chunks)))]
         rooms = [0] * len(chunks)
         ratio = self.flow.token_mel_ratio

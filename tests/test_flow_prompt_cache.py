@@ -192,6 +192,7 @@ def test_lru_eviction_within_the_byte_budget(flow: CausalMaskedDiffWithDiT, voic
     tiny = PromptCache(budget_bytes=size_b - 1)
     assert tiny.get_or_build(flow, chunk(b, 0, 15, False)) is None  # larger than the whole budget
     assert tiny.stats.too_large == 1 and len(tiny) == 0
+    assert cache.refused_frames is None and tiny.refused_frames == prompt_frames(flow, chunk(b, 0, 15, False)) > 0
 
 
 # ----------------------------------------------------------------------------- engine

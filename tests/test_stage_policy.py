@@ -546,6 +546,11 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
     assert cached._padding_rooms([long_voice, short_voice]) == [0, 0]
     same_voice = [_prompted(103, 30, seed=1), _prompted(103, 60, seed=3)]
     assert cached._padding_rooms(same_voice) == [30, 0]
+    # A prompt too long for the cache's budget decodes over its whole window: measured so.
+    long_voice, short_voice = _prompted(103, 30, seed=1), _prompted(28, 120, seed=2)  # full 260 and 290
+    assert cached._padding_rooms([long_voice, short_voice]) == [15, 0]  # after the prefixes: 60 and 240
+    cached.prompt_cache.refused_frames = 200  # as `get_or_build` records a refusal
+    assert cached._padding_rooms([long_voice, short_voice]) == [0, 0]  # 260 after "no prefix" vs 240
 
     split = AudioStage(flow, hift, torch.device("cpu"), split_batches=True, fill_padding=True)
     rows = [_open_chunk(w, seed=i) for i, w in enumerate([43, 43, 43, 43, 202, 202, 202, 190])]

@@ -61,6 +61,16 @@ def test_every_late_chunk_counts() -> None:
     assert pb.underrun_s == pytest.approx(0.4)
 
 
+def test_underrun_positions_count_from_their_segments_start() -> None:
+    # Segment 0: 1.0 s of audio on time. Segment 1 starts at 1.0 s of playback: its first
+    # chunk (ready at 0.5) is 0.2 s late, its second 0.1 s late after its 0.3 s.
+    arrivals = [Arrival(0.0, 1000, ready_at=0.0, segment=0), Arrival(1.2, 300, ready_at=0.5, segment=1),
+                Arrival(1.6, 200, segment=1)]
+    pb = simulate_playback(arrivals, SR)
+    assert pb.underruns == 2 and pb.underrun_s == pytest.approx(0.3)
+    assert pb.underrun_at_s == pytest.approx((0.0, 0.3))
+
+
 def test_silence_waiting_for_text_is_not_an_underrun() -> None:
     # Segment 2's text was only complete at 2.0 s (the LLM was slow), its audio came at
     # 2.3 s: 1.0 s of text wait (from 1.0, end of segment 1) and 0.3 s of underrun.

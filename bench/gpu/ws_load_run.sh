@@ -35,8 +35,18 @@ else
 fi
 echo "prep done at $((SECONDS - T0)) s"
 if [ "$MODE" = single ] && [ "${WARM:-0}" = 1 ]; then
-  timeout 300 python3 -m bench.ws_load "${COMMON[@]}" --sessions 1 --json $OUT/warm_up.json > $OUT/warm_up.log 2>&1
-  echo "warm-up start rc=$? at $((SECONDS - T0)) s: $(grep -m1 'ready in' $OUT/warm_up.log)"
+  # With variant 0's flags (compiled code can depend on them), leaving 2 minutes at least
+  # for the runs that count.
+  warm=$(( 585 - (SECONDS - T0) - 120 )); [ "$warm" -le 300 ] || warm=300
+  if [ "$warm" -ge 30 ]; then
+    # shellcheck disable=SC2086
+    timeout "$warm" python3 -m bench.ws_load "${COMMON[@]}" --sessions 1 ${VARIANTS:+${VARIANTS%%;*}} \
+      --json $OUT/warm_up.json > $OUT/warm_up.log 2>&1
+    echo "warm-up start rc=$? at $((SECONDS - T0)) s: $(grep -m1 'ready in' $OUT/warm_up.log)"
+    # A warm-up cut short leaves its gateway running: let it go before the next one starts.
+    pkill -f -- "-m gateway --model" || true
+    for _ in $(seq 30); do pgrep -f -- "-m gateway --model" > /dev/null || break; sleep 1; done
+  fi
 fi
 if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra VS <<< "$VARIANTS"
@@ -51,7 +61,9 @@ if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
   done
   exit 0
 fi
-timeout $((585 - (SECONDS - T0))) python3 -m bench.ws_load "${COMMON[@]}" "${ARGS[@]}" \
+left=$(( 585 - (SECONDS - T0) ))
+[ "$left" -ge 30 ] || { echo "no time left for the run"; exit 0; }
+timeout "$left" python3 -m bench.ws_load "${COMMON[@]}" "${ARGS[@]}" \
   --json $OUT/ws_load_$MODE.json --plot $OUT/ws_load_$MODE.svg > $OUT/ws_load_$MODE.log 2>&1
 echo "ws_load $MODE rc=$? at $((SECONDS - T0)) s"
 nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $OUT/ws_load_$MODE.log 2>&1
