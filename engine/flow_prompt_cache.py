@@ -476,8 +476,9 @@ class PromptCache:
     def get_or_build(self, flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV | None:
         """The chunk's entry, built (and the least recently used ones evicted) if missing;
         None when its prompt has no whole block to cache or the entry exceeds the budget."""
-        if prompt_frames(flow, chunk) == 0:
-            return None
+        frames = prompt_frames(flow, chunk)
+        if frames == 0 or (self.refused_frames is not None and frames >= self.refused_frames):
+            return None  # nothing to cache, or an entry this long was already too large
         key = self.key(chunk)
         entry = self._entries.get(key)
         if entry is not None:

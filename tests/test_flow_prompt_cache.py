@@ -193,6 +193,8 @@ def test_lru_eviction_within_the_byte_budget(flow: CausalMaskedDiffWithDiT, voic
     assert tiny.get_or_build(flow, chunk(b, 0, 15, False)) is None  # larger than the whole budget
     assert tiny.stats.too_large == 1 and len(tiny) == 0
     assert cache.refused_frames is None and tiny.refused_frames == prompt_frames(flow, chunk(b, 0, 15, False)) > 0
+    assert tiny.get_or_build(flow, chunk(b, 0, 15, False)) is None  # not built again to be refused again
+    assert tiny.stats.builds == 1 and tiny.stats.too_large == 1
 
 
 # ----------------------------------------------------------------------------- engine
