@@ -494,8 +494,7 @@ class AudioStage:
         width = prefix_width(entries)
         if runner is None or width == 0:
             return True
-        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
-        full = [ratio * (len(c.tokens) - (0 if c.finalize else look)) for c in chunks]
+        full = [self._window_frames(c) for c in chunks]
         new = max(f - (0 if e is None else e.frames) for f, e in zip(full, entries))
         policy, rows = runner.policy, len(chunks)
         if runner.plan(rows, new, width, shared_entry(entries) is not None)[0] is not None:
@@ -506,10 +505,8 @@ class AudioStage:
         """The batch's rows per flow call: all in one, or by length (`split_batches`)."""
         if not self.split_batches or len(chunks) < 2:
             return [list(range(len(chunks)))]
-        look, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
         cached = [0] * len(chunks) if entries is None else [0 if e is None else e.frames for e in entries]
-        return split_by_length([ratio * (len(c.tokens) - (0 if c.finalize else look)) - k
-                                for c, k in zip(chunks, cached)])
+        return split_by_length([self._window_frames(c) - k for c, k in zip(chunks, cached)])
 
     def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> tuple[list[torch.Tensor], int]:
         """One flow call: mel per chunk and the padded rows x frames it ran."""
