@@ -46,6 +46,10 @@ class Playback:
     # coming late, a fraction of a second its next chunk after a start, several seconds a
     # stage that cannot keep up.
     underrun_at_s: tuple[float, ...] = ()
+    # Per underrun, its segment (-1 unknown) and when it began, in seconds after playback
+    # started: whether stalls hit the first sentence right after a start or later ones.
+    underrun_segment: tuple[int, ...] = ()
+    underrun_since_start_s: tuple[float, ...] = ()
 
 
 def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s: float = 0.0) -> Playback:
@@ -56,6 +60,8 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
         return Playback(0, 0.0, 0.0, (), 0.0, None, None)
     underruns, stalled, waited = 0, 0.0, 0.0
     stall_positions: list[float] = []
+    stall_segments: list[int] = []
+    stall_times: list[float] = []
     segment_start, segment = 0, None  # samples played before the current segment began
     gaps = tuple(b.t - a.t for a, b in zip(arrivals, arrivals[1:]))
     play_start = arrivals[0].t + prebuffer_s
@@ -73,12 +79,14 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
                 underruns += 1
                 stalled += chunk.t - due
                 stall_positions.append((total - segment_start) / sample_rate)
+                stall_segments.append(chunk.segment)
+                stall_times.append(due - play_start)
                 due = chunk.t
             position = due
         position += chunk.samples / sample_rate
         total += chunk.samples
     return Playback(underruns, stalled, waited, gaps, total / sample_rate, play_start, position,
-                    tuple(stall_positions))
+                    tuple(stall_positions), tuple(stall_segments), tuple(stall_times))
 
 
 # ---- small statistics -------------------------------------------------------------------

@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 import wave
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -217,6 +218,8 @@ class SessionResult:
     audio_s: float
     generation_s: float | None  # first text sent -> last audio byte
     underrun_at_s: tuple[float, ...] = ()  # audio of its segment played when each underrun began
+    underrun_segment: tuple[int, ...] = ()  # the segment of each underrun
+    underrun_since_start_s: tuple[float, ...] = ()  # when each began, after playback started
 
 
 def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0) -> SessionResult:
@@ -238,7 +241,8 @@ def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: flo
     pb = simulate_playback(arrivals, sample_rate, prebuffer_s)
     gen = rec.audio[-1][0] - rec.sends[0][0] if rec.audio and rec.sends else None
     return SessionResult(rec.completed, tuple(rec.errors), first, tuple(lat), pb.gaps_s, pb.underruns,
-                         pb.underrun_s, pb.text_wait_s, pb.audio_s, gen, pb.underrun_at_s)
+                         pb.underrun_s, pb.text_wait_s, pb.audio_s, gen, pb.underrun_at_s, pb.underrun_segment,
+                         pb.underrun_since_start_s)
 
 
 class WsSession:
@@ -665,6 +669,10 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         # segment's first chunk came late; small: its next chunk after a start; seconds: a
         # stage falling behind).
         "underrun_at_audio_ms": summary_ms([x for r in results for x in r.underrun_at_s], qs=(10, 50, 90)),
+        # ... and when, after the session's playback started, and in which of its segments.
+        "underrun_since_start_ms": summary_ms([x for r in results for x in r.underrun_since_start_s],
+                                              qs=(10, 50, 90)),
+        "underruns_by_segment": {str(k): v for k, v in sorted(Counter(x for r in results for x in r.underrun_segment).items())},
         "text_wait_ms": round(sum(r.text_wait_s for r in results) * 1e3, 3),
         "audio_s": round(audio, 3),
         "wall_s": round(wall, 3),
@@ -809,7 +817,9 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
         fa = lv["first_audio_ms"]
         print(f"[{target.name}] sessions={n} completed={lv['completed']} errors={lv['errors']} "
               f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} "
-              f"(at audio ms p10/p50/p90 {[lv['underrun_at_audio_ms'][q] for q in ('p10', 'p50', 'p90')]}) "
+              f"(at audio ms p10/p50/p90 {[lv['underrun_at_audio_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
+              f"after start ms {[lv['underrun_since_start_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
+              f"by segment {lv['underruns_by_segment']}) "
               f"rtf={lv['rtf']} "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']}", flush=True)
 

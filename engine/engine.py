@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -58,26 +58,29 @@ PREFIX_CACHE_SIZE = 4096
 # A later chunk is due this long before the audio already sent runs out at the client:
 # room for the batch's own compute, the network and the client's jitter buffer.
 DEADLINE_MARGIN_S = 0.25
+# Speech tokens per second of audio at speed 1 (CosyVoice2 and 3).
+SPEECH_TOKENS_PER_S = 25
 
 
-def playback_deadline(now: float, first_audio_at: float | None, samples_emitted: int, sample_rate: int,
-                      margin: float = DEADLINE_MARGIN_S) -> float:
-    """When an utterance's next chunk is needed (time.monotonic seconds), for the stage's
-    "deadline" policy. Before any audio it is needed now (first audio latency). After, it
-    is needed when a client that started playing at the first audio plays out what it
-    has, less `margin`; a chunk whose deadline has passed is an underrun already."""
-    if first_audio_at is None or samples_emitted <= 0:
-        return now
-    return first_audio_at + samples_emitted / sample_rate - margin
+def chunk_due(now: float, runs_out: float, ahead_s: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
+    """(deadline, urgent) of a chunk: when its audio is needed (time.monotonic seconds, for
+    the stage's "deadline" policy) and whether the listener is, or is about to be, waiting
+    for it in silence (what lets a first chunk jump the "first_chunks" queue).
 
-
-def first_chunk_due(now: float, runs_out: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
-    """(deadline, urgent) of an utterance's first chunk. The session's earlier audio plays
-    first: while it lasts (`runs_out`, from `PlaybackClock`) the chunk is due when that
-    audio runs out, less `margin`, and is no more urgent than any other chunk. Once the
-    listener hears silence, or is about to, it is needed now: that is first-audio latency."""
-    due = runs_out - margin
-    return (now, True) if due <= now else (due, False)
+    The listener plays what it was delivered until `runs_out` (`PlaybackClock`; -inf:
+    nothing yet), then the `ahead_s` seconds of audio that play before this chunk and are
+    not delivered yet: made but still queued, or generated speech tokens of earlier
+    utterances not yet made into audio. The chunk is due when all of that has played, less
+    `margin`. With nothing delivered and nothing ahead it is needed now: first-audio
+    latency. A due time already past is a stall in progress, and the older it is the
+    longer the listener has waited."""
+    if ahead_s <= 0:
+        if runs_out == -math.inf:
+            return now, True
+        due = runs_out - margin
+    else:
+        due = max(now, runs_out) + ahead_s - margin
+    return (due, True) if due <= now else (due, False)
 
 
 @dataclass
@@ -488,6 +491,12 @@ class _Utterance:
     task: asyncio.Task | None = None
     request_id: str = ""
     feed: TextFeed | None = None  # text-in streaming: the text arrives through this
+    # What of it is still to be heard, for the deadlines of the session's later chunks
+    # (`Session._audio_ahead`): its speech tokens so far (the LM consumer's list), and the
+    # samples delivered and made but not yet delivered.
+    tokens: list[int] = field(default_factory=list)
+    delivered: int = 0
+    undelivered: int = 0
 
 
 class Session:
@@ -610,6 +619,8 @@ class Session:
                         break
                     await self._events.put(item)
                     if isinstance(item, AudioChunk):
+                        utt.undelivered -= len(item.pcm)
+                        utt.delivered += len(item.pcm)
                         self.playback.deliver(len(item.pcm), time.monotonic())
                     # The last chunk or an error ends the utterance, sentinel or not.
                     if isinstance(item, UtteranceError) or item.is_last:
@@ -646,7 +657,25 @@ class Session:
 
     async def _put(self, utt: _Utterance, item: AudioChunk | UtteranceError) -> None:
         if not utt.cancelled:
+            if isinstance(item, AudioChunk):
+                utt.undelivered += len(item.pcm)
             await utt.queue.put(item)
+
+    def _audio_ahead(self, utt: _Utterance) -> float:
+        """Seconds of this session's audio that play before `utt`'s next chunk and are not
+        delivered yet: its own audio made and still queued, and every earlier utterance's
+        whole audio less what was delivered of it (an earlier utterance's LM is done before
+        this one's starts, so its length is known: 1 / SPEECH_TOKENS_PER_S s a token at
+        speed 1). Cancelled ones are never heard."""
+        rate = self.engine.sample_rate
+        samples = 0.0
+        for u in self._utts.values():  # submission order: the order they play in
+            if u is utt:
+                samples += u.undelivered
+                break
+            if not u.cancelled:
+                samples += max(0.0, len(u.tokens) * rate / SPEECH_TOKENS_PER_S / u.options.speed - u.delivered)
+        return samples / rate
 
     def _sampling(self, opts: SessionOptions, min_tokens: int = 0, max_tokens: int = 2000, fixed: int | None = None) -> SamplingParams:
         eng = self.engine
@@ -716,7 +745,7 @@ class Session:
     async def _speak(self, utt: _Utterance, lm_stream) -> None:
         """Speech tokens from `lm_stream()` -> chunker -> audio stage, concurrently."""
         eng = self.engine
-        tokens: list[int] = []
+        tokens = utt.tokens
         more = asyncio.Event()
         # The chunker sleeps until `wake.at` tokens exist (its next chunk's need), not one
         # wake-up per token: at 64 sessions that is thousands of task switches a second on
@@ -788,10 +817,7 @@ class Session:
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
             queued_at = time.monotonic()
-            if sched.index == 0:
-                job.deadline, job.urgent = first_chunk_due(queued_at, self.playback.runs_out())
-            else:
-                job.deadline = playback_deadline(queued_at, utt.stats.first_audio_at, emitted, eng.sample_rate)
+            job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt))
             pcm = await eng.stage.run(job)
             if utt.cancelled:
                 return

@@ -67,7 +67,7 @@ class ChunkJob:
     deadline: float = -math.inf
     # A first chunk (chunk_index 0) whose audio the listener waits for in silence; the
     # "first_chunks" policy lets only these jump the queue. The engine clears it for an
-    # utterance queued behind its session's audio still playing (`first_chunk_due`).
+    # utterance queued behind its session's audio still playing (`chunk_due`).
     urgent: bool = True
     # When the stage began computing the batch holding this chunk (time.monotonic), so
     # the caller can tell waiting in the queue from computing.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ import torch
 
 from engine.config import EngineConfig
 from helpers import assert_same_audio
-from engine.engine import DEADLINE_MARGIN_S, build_stage, playback_deadline
+from engine.engine import DEADLINE_MARGIN_S, build_stage, chunk_due
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
@@ -73,13 +74,19 @@ def test_deadline_batch_groups_windows_within_the_tolerance() -> None:
     assert [rest[i].seq for i in deadline_batch(rest, max_batch=8)] == [1, 5]
 
 
-def test_playback_deadline() -> None:
-    sr = 24000
-    assert playback_deadline(100.0, None, 0, sr) == 100.0  # no audio yet: needed now
-    assert playback_deadline(100.0, 90.0, 0, sr) == 100.0
-    # 2 s delivered since first audio at t=90: it runs out at 92, due a margin before.
-    assert playback_deadline(100.0, 90.0, 2 * sr, sr) == pytest.approx(92.0 - DEADLINE_MARGIN_S)
-    assert playback_deadline(100.0, 90.0, 2 * sr, sr, margin=0.0) == pytest.approx(92.0)
+def test_chunk_due() -> None:
+    inf = float("inf")
+    assert chunk_due(100.0, -inf, 0.0) == (100.0, True)  # nothing heard, nothing ahead: needed now
+    # Audio delivered plays until t=102: due a margin before, not urgent yet.
+    assert chunk_due(100.0, 102.0, 0.0) == (pytest.approx(102.0 - DEADLINE_MARGIN_S), False)
+    assert chunk_due(100.0, 102.0, 0.0, margin=0.0) == (102.0, False)
+    # About to run out, or already silent: urgent, and the longer the silence the earlier.
+    assert chunk_due(100.0, 100.1, 0.0, margin=0.25) == (pytest.approx(99.85), True)
+    assert chunk_due(100.0, 97.0, 0.0, margin=0.0) == (97.0, True)
+    # 3 s of earlier audio still to come (queued, or tokens not yet audio) play first.
+    assert chunk_due(100.0, 102.0, 3.0, margin=0.0) == (105.0, False)
+    assert chunk_due(100.0, -inf, 3.0, margin=0.0) == (103.0, False)  # ... even before any is heard
+    assert chunk_due(100.0, 97.0, 3.0, margin=0.0) == (103.0, False)  # silent now: it starts from now
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -385,17 +392,14 @@ def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> N
     assert stage.batches == [[3, 0], [1, 2]]
 
 
-def test_playback_clock_and_first_chunk_due() -> None:
-    from engine.engine import PlaybackClock, first_chunk_due
+def test_playback_clock() -> None:
+    from engine.engine import PlaybackClock
 
     clock = PlaybackClock(sample_rate=100)
     assert clock.runs_out() == -np.inf
-    assert first_chunk_due(5.0, clock.runs_out()) == (5.0, True)  # nothing played: needed now
     clock.deliver(100, now=10.0)  # 1 s of audio from t=10
     clock.deliver(50, now=10.2)  # arrives while playing: the audio runs on
     assert clock.runs_out() == 11.5
-    assert first_chunk_due(10.3, clock.runs_out(), margin=0.25) == (11.25, False)  # behind playing audio
-    assert first_chunk_due(11.3, clock.runs_out(), margin=0.25) == (11.3, True)  # about to run out
     clock.deliver(100, now=12.0)  # after silence: playback starts again
     assert (clock.started_at, clock.samples, clock.runs_out()) == (12.0, 100, 13.0)
 
@@ -427,6 +431,61 @@ def test_a_session_clocks_its_delivered_audio(tiny_model_dir) -> None:
     assert 0 < clock.samples <= delivered  # a restart after silence counts from there
     firsts = [j for j in jobs if j.chunk_index == 0]
     assert len(firsts) == 2 and firsts[0].urgent
+
+
+def test_a_later_utterance_is_due_after_the_audio_before_it(tiny_model_dir) -> None:
+    """Every chunk's deadline counts the session's audio that plays before it and is not
+    delivered yet, measured from outside: each earlier utterance's whole audio (its LM is
+    done before the next one starts, so its length is known) less what was delivered of it,
+    and the chunk's own utterance's audio made but not delivered. Before, a later
+    utterance's chunks were due by their own clock, as if they played on arrival: seconds
+    early, ahead of the playing utterance's next chunks in the "deadline" policy."""
+    seen: list[tuple[int, int, float, float, float, list[int], list[int]]] = []
+
+    async def go(engine):
+        s = engine.open_session(await default_voice(engine), SessionOptions(tokens_per_text_token=3.0, seed=0))
+        made: dict[int, int] = {}
+        delivered: dict[int, int] = {}
+        order: list[int] = []
+        deliver = s.playback.deliver
+        original = engine.stage.run
+
+        def counted(samples: int, now: float) -> None:  # the session delivers in order
+            for key in order:
+                if delivered.get(key, 0) < made.get(key, 0):
+                    delivered[key] = delivered.get(key, 0) + samples
+                    break
+            deliver(samples, now)
+
+        async def spy(job: ChunkJob) -> np.ndarray:
+            key = id(job.hift_stream)
+            if key not in order:
+                order.append(key)
+            seen.append((order.index(key), job.chunk_index, job.deadline, time.monotonic(), s.playback.runs_out(),
+                         [made.get(k, 0) for k in order], [delivered.get(k, 0) for k in order]))
+            pcm = await original(job)
+            made[key] = made.get(key, 0) + pcm.size
+            return pcm
+
+        s.playback.deliver = counted
+        engine.stage.run = spy
+        uids = [await s.submit("The first sentence is a long one, so that it takes several chunks to speak."),
+                await s.submit("A second one follows it.")]
+        await s.finish()
+        await collect(s)
+        return [len(s.utterance_stats(u).speech_tokens) * TOKEN_SAMPLES for u in uids]
+
+    totals = run(tiny_model_dir, go, warmup=False)
+    sr = 24000
+    ahead_seen = []
+    for utt, index, deadline, now, runs_out, made, delivered in seen:
+        # Earlier utterances: all their audio not yet delivered; this one: made, not delivered.
+        ahead = sum(totals[u] - delivered[u] for u in range(utt)) + made[utt] - delivered[utt]
+        want, _ = chunk_due(now, runs_out, ahead / sr)
+        assert deadline == pytest.approx(want, abs=0.01), (utt, index)
+        if utt == 1:
+            ahead_seen.append(ahead)
+    assert len(ahead_seen) >= 2 and ahead_seen[0] > 0  # the second utterance began behind the first
 
 
 # ----------------------------------------------------------------------------- fill padding

@@ -69,6 +69,9 @@ def test_underrun_positions_count_from_their_segments_start() -> None:
     pb = simulate_playback(arrivals, SR)
     assert pb.underruns == 2 and pb.underrun_s == pytest.approx(0.3)
     assert pb.underrun_at_s == pytest.approx((0.0, 0.3))
+    assert pb.underrun_segment == (1, 1)
+    # Due at 1.0 s and (after resuming at 1.2 with 0.3 s) at 1.5 s after playback started.
+    assert pb.underrun_since_start_s == pytest.approx((1.0, 1.5))
 
 
 def test_silence_waiting_for_text_is_not_an_underrun() -> None:
@@ -253,6 +256,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
         assert lv["underrun_at_audio_ms"]["n"] == lv["underruns"]  # one position per underrun
+        assert lv["underrun_since_start_ms"]["n"] == sum(lv["underruns_by_segment"].values()) == lv["underruns"]
         server = lv["server"]
         assert server["lm_tokens"] > 0 and server["flow_frames"] > 0 and server["vocoder_frames"] > 0
         assert server["flow_grown_chunks"] == server["flow_grown_tokens"] == 0  # fill_padding is off
