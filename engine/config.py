@@ -23,7 +23,14 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     lm_backend: LMBackendName = "auto"  # auto = vllm on CUDA when importable, else torch
     # Chunk schedule in speech tokens (25 tokens = 1 s of audio).
-    initial_hop: int = 15  # first chunk after this many tokens (+ lookahead); 0 = official 25-grid start
+    initial_hop: int = 8  # first chunk after this many tokens (+ lookahead); 0 = official 25-grid start
+    # The first chunk takes more tokens, up to this many, when the load predicts that the
+    # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
+    # rate and the audio stage's round times, both measured). <= initial_hop, or
+    # initial_hop 0: fixed. A request that sets its own initial_hop gets it as asked.
+    initial_hop_max: int = 40
+    # The planned first chunk's predicted arrival times keep this fraction to spare.
+    first_chunk_margin: float = 0.25
     max_hop: int = 100
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
@@ -118,6 +125,8 @@ class EngineConfig:
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
             raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
                              "stage_profile_batches >= 1")
+        if not self.first_chunk_margin >= 0:  # also refuses NaN
+            raise ValueError("first_chunk_margin must be >= 0")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:

@@ -36,6 +36,7 @@ from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
 from .chunking import ChunkSchedule, grown_end
 from .config import EngineConfig
+from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner
 from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
@@ -58,8 +59,9 @@ PREFIX_CACHE_SIZE = 4096
 # A later chunk is due this long before the audio already sent runs out at the client:
 # room for the batch's own compute, the network and the client's jitter buffer.
 DEADLINE_MARGIN_S = 0.25
-# Speech tokens per second of audio at speed 1 (CosyVoice2 and 3).
-SPEECH_TOKENS_PER_S = 25
+# An utterance's LM rate, for its first chunk's size, is measured over this many first tokens
+# at most (`_lm_step`).
+RATE_TOKENS = 64
 
 
 def chunk_due(now: float, runs_out: float, ahead_s: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
@@ -247,6 +249,7 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self.first_chunk_times = FirstChunkTimes()
+        self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -318,7 +321,13 @@ class Engine:
         t = np.arange(int(3.0 * sr)) / sr
         wav = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
         voice = await self.prepare_voice("__warmup__", wav, sr, "Warm up.")
-        await self.synthesize("Warm up.", voice, SessionOptions(tokens_per_text_token=4.0, seed=0))
+        opts = SessionOptions(tokens_per_text_token=4.0, seed=0)
+        await self.synthesize("Warm up.", voice, opts)
+        # A few at once too: batches of more than one chunk give the stage's round-time
+        # model (first-chunk sizes) its slope before the first load arrives.
+        together = min(8, self.config.max_gpu_batch)
+        if together > 1:
+            await asyncio.gather(*(self.synthesize("Warm up.", voice, opts) for _ in range(together)))
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -462,6 +471,17 @@ class Engine:
         return list(ids), speech
 
 
+def _lm_step(utt: "_Utterance") -> float:
+    """Seconds per speech token the LM gives this utterance now (inf: unknown), over the
+    later half of its first tokens: in a burst of new sessions the first steps share the
+    GPU with the others' prompts and are slower than the rest will be."""
+    times = utt.token_times
+    if len(times) < 4:
+        return math.inf
+    half = len(times) // 2
+    return (times[-1] - times[half]) / (len(times) - 1 - half)
+
+
 @dataclass
 class _Wake:
     """When an utterance's LM consumer wakes its chunker: once this many tokens exist."""
@@ -495,6 +515,8 @@ class _Utterance:
     # (`Session._audio_ahead`): its speech tokens so far (the LM consumer's list), and the
     # samples delivered and made but not yet delivered.
     tokens: list[int] = field(default_factory=list)
+    # When each of its first RATE_TOKENS speech tokens came (`_lm_step`).
+    token_times: list[float] = field(default_factory=list)
     delivered: int = 0
     undelivered: int = 0
 
@@ -758,6 +780,8 @@ class Session:
                 async for tok in lm_stream():
                     if utt.stats.first_token_at is None:
                         utt.stats.first_token_at = time.monotonic()
+                    if len(utt.token_times) < RATE_TOKENS:
+                        utt.token_times.append(time.monotonic())
                     eng.lm_tokens += 1
                     if tok in eng.silent_tokens:
                         silent_run += 1
@@ -796,9 +820,21 @@ class Session:
         stream = eng.stage.new_stream()
         prompt_tokens = voice.speech_tokens
         emitted = 0
+        first_planned = opts.initial_hop is not None  # a request's own first hop is kept
         while True:
             lm_finished = lm_task.done()
             hop = sched.ready(len(tokens))
+            if hop is not None and not first_planned:
+                # The first chunk could go now: size it for the load it goes into.
+                first_planned = True
+                first = eng.first_chunks.first_hop(
+                    sched, _lm_step(utt),
+                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, flow_cfg)),
+                    opts.speed)
+                if first != sched.initial_hop:
+                    sched.initial_hop = first
+                    utt.stats.extra["first_hop"] = first
+                    continue
             if hop is None and not lm_finished:
                 wake.at = sched.tokens_needed()
                 more.clear()
@@ -822,6 +858,8 @@ class Session:
             if utt.cancelled:
                 return
             end, finalize = extent.end, extent.finalize  # the stage may have grown the chunk
+            if sched.index == 0 and not finalize:
+                eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, opts.speed)
             if sched.index == 0 and utt.stats.first_token_at is not None:
                 eng.first_chunk_times.add(utt.stats.submitted_at, utt.stats.first_token_at, queued_at,
                                           job.started_at or queued_at, time.monotonic())
@@ -863,10 +901,21 @@ class Session:
             is_cancelled=lambda: utt.cancelled,
         )
 
-    def _flow_chunk(self, tokens, prompt_tokens, offset, end, finalize, flow_cfg) -> FlowChunk:
+    def _window_start(self, offset: int) -> int:
+        """The first generated token a chunk at `offset` re-reads as left context."""
         left = self.engine.config.flow_left_context
         # Drop whole 25-token blocks before the window so the block grid stays aligned.
-        win_start = 0 if left < 0 else max(0, (offset - left) // 25 * 25)
+        return 0 if left < 0 else max(0, (offset - left) // 25 * 25)
+
+    def _chunk_frames(self, offset: int, hop: int, flow_cfg) -> int:
+        """Flow frames the stage computes for a chunk of `hop` tokens at `offset`: its
+        window (`AudioStage._window_frames`) after the prompt frames the prompt cache holds."""
+        P = self.voice.num_tokens
+        window = P + offset - self._window_start(offset) + hop  # the lookahead is read, not computed
+        return flow_cfg.token_mel_ratio * window - self.engine._cached_prompt_frames(P)
+
+    def _flow_chunk(self, tokens, prompt_tokens, offset, end, finalize, flow_cfg) -> FlowChunk:
+        win_start = self._window_start(offset)
         stop = end if finalize else min(len(tokens), end + flow_cfg.pre_lookahead_len)
         seq = torch.cat([prompt_tokens, torch.tensor(tokens[win_start:stop], dtype=torch.long)])
         P = int(prompt_tokens.numel())

@@ -7,7 +7,7 @@ utterances when its vocoder stream is created, and all of its chunks run there (
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
 `StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `run`,
-`drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`,
+`round_estimate`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`,
 `close`.
 """
 
@@ -65,6 +65,12 @@ class StagePool:
             return await stage.run(inner)
         finally:
             job.started_at = inner.started_at  # the stage stamps the job it ran (first-chunk phases)
+
+    def round_estimate(self, stream: object, frames: int) -> float | None:
+        """`AudioStage.round_estimate` of the stage the stream is bound to."""
+        if not isinstance(stream, PooledStream):
+            raise TypeError("stream must come from StagePool.new_stream()")
+        return self.stages[stream.stage_index].round_estimate(stream.inner, frames)
 
     def drop_cancelled(self) -> int:
         return sum(s.drop_cancelled() for s in self.stages)

@@ -32,6 +32,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar, get_args
 
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import StagePolicy
+from .first_chunk import RoundTimes
 from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
@@ -245,6 +247,9 @@ class AudioStage:
         self.device = device
         self.max_batch = max_batch
         self.stats = StageStats()
+        self.rounds = RoundTimes()  # batch wall time against flow work, for first-chunk sizes
+        # Vocoder streams of utterances in progress (one each; dropped with the utterance).
+        self._live: weakref.WeakSet[object] = weakref.WeakSet()
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
@@ -254,7 +259,19 @@ class AudioStage:
         self._other_work_until = 0.0  # perf_counter when the worker last finished a non-batch job
 
     def new_stream(self) -> object:
-        return self.hift.new_stream()
+        stream = self.hift.new_stream()
+        self._live.add(stream)
+        return stream
+
+    def round_estimate(self, stream: object, frames: int) -> float | None:
+        """Predicted seconds until a chunk of `stream`'s utterance that computes `frames`
+        flow frames is done, when every utterance in progress here has one like it in the
+        same round: the batches they fill, by the round times measured so far (`RoundTimes`).
+        None before the first batch."""
+        live = max(1, len(self._live))
+        rows = min(live, self.max_batch)
+        one = self.rounds.predict(rows * frames)
+        return None if one is None else one * math.ceil(live / self.max_batch)
 
     async def start(self) -> None:
         if self._task is None:
@@ -420,6 +437,7 @@ class AudioStage:
             st.last_batch_size = len(batch)
             st.max_batch_size = max(st.max_batch_size, len(batch))
             st.busy_seconds += dt
+            self.rounds.observe(flow_frames, dt)
             st.flow_frames += flow_frames
             st.vocoder_frames += vocoder_frames
             if self.prompt_cache is not None:  # the worker is done with the batch: no race

@@ -62,6 +62,8 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         device=e.device,
         lm_backend=e.lm_backend,  # type: ignore[arg-type]
         initial_hop=e.initial_hop,
+        initial_hop_max=e.initial_hop_max,
+        first_chunk_margin=e.first_chunk_margin,
         max_hop=e.max_hop,
         flow_left_context=e.flow_left_context,
         max_gpu_batch=e.max_gpu_batch,

@@ -36,7 +36,16 @@ def _help(text: str) -> dict[str, str]:
 class EngineSettings:
     device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N"))
     lm_backend: str = field(default="auto", metadata=_help("LM backend: auto (vllm on GPU when installed), torch, vllm"))
-    initial_hop: int = field(default=15, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
+    initial_hop: int = field(default=8, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
+    initial_hop_max: int = field(
+        default=40,
+        metadata=_help("the first chunk takes up to this many speech tokens when the measured load (LM rate, "
+                       "flow/vocoder round times) predicts that a shorter one would run out before a later "
+                       "chunk arrives (<= initial_hop: fixed; fixed chunks give reproducible seeded audio)"),
+    )
+    first_chunk_margin: float = field(
+        default=0.25, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
+                                     "(see initial_hop_max)"))
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))

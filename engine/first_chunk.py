@@ -1,0 +1,140 @@
+"""How long an utterance's first chunk is, from the load it starts into.
+
+Playback starts when the first chunk arrives, and from then on each later chunk has to
+arrive before the audio already delivered runs out. The LM keeps generating while the
+stage works, so chunk k is ready once the LM has its tokens, and is done one stage round
+after that or after chunk k-1 is done, whichever is later (one stage, one batch at a
+time). A round grows with the flow work of the batch: rows x frames, and later chunks
+have wider windows (left context plus a hop that doubles). On the H200 (round 8 of
+docs/benchmarks.md) 64 sessions starting together all stalled once, either right after a
+15-token first chunk (440 ms of audio: the vocoder keeps its last frames back until more
+mel arrives) or, with a first chunk sized for the second one only, after the second
+chunk, when the third (50 tokens) took a longer round.
+
+So the first chunk starts at the configured `initial_hop` (first audio as early as the
+model allows at light load) and takes more tokens only when this timeline, with the
+measured LM rate and round times, predicts a stall in the chunks up to the schedule's
+largest hop: the smallest hop that plays through them with `margin` to spare, at most
+`initial_hop_max`. Decided once, when the first chunk could go.
+
+The stage's round time is learnt from its own batches (`RoundTimes`); what the vocoder keeps
+back from a first chunk is learnt from first chunks made (`FirstChunkPlanner.observe`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .chunking import ChunkSchedule
+
+SPEECH_TOKENS_PER_S = 25  # at speed 1 (CosyVoice2 and 3)
+TOKEN_S = 1 / SPEECH_TOKENS_PER_S
+
+# Predicted seconds for the round of a chunk of (offset, hop) tokens, None before any batch.
+RoundFn = Callable[[int, int], "float | None"]
+
+
+@dataclass
+class RoundTimes:
+    """A stage's batch wall time against the batch's flow work (rows x frames computed),
+    wall ~ base + per_frame x work, fitted by exponentially weighted least squares over
+    recent batches (weight `decay` per batch): batches slow down under load (a busy
+    interpreter, the LM sharing the GPU), so old ones should count less. With batches of
+    one size only the fit is proportional (no intercept), which over-predicts larger
+    batches: the safe side here."""
+
+    decay: float = 0.95
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, work: int, wall_s: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.sx = d * self.sx + work
+        self.sy = d * self.sy + wall_s
+        self.sxx = d * self.sxx + work * work
+        self.sxy = d * self.sxy + work * wall_s
+
+    def predict(self, work: int) -> float | None:
+        """Seconds for a batch of this much flow work, None before any batch."""
+        if self.w == 0.0:
+            return None
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var_x = self.sxx / self.w - mean_x * mean_x
+        if var_x > (0.05 * mean_x) ** 2:  # batches of different sizes: fit the line
+            slope = (self.sxy / self.w - mean_x * mean_y) / var_x
+            if slope > 0:
+                return max(0.0, mean_y + slope * (work - mean_x))
+        return mean_y * max(work, 1) / max(mean_x, 1.0)
+
+
+def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[tuple[int, int]]:
+    """(offset, hop) of the chunks the schedule makes after a first chunk of `first`
+    tokens, up to one past its first largest hop (from there every chunk is as long)."""
+    s = replace(schedule, initial_hop=first, offset=0, index=0)
+    out: list[tuple[int, int]] = []
+    s.advance(first)
+    for _ in range(horizon):
+        hop = s.next_hop()
+        out.append((s.offset, hop))
+        s.advance(hop)
+        if len(out) >= 2 and out[-2][1] >= s.max_hop:
+            break
+    return out
+
+
+def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
+           speed: float = 1.0, margin: float = 0.25) -> bool | None:
+    """Whether a first chunk of `first` tokens is predicted to run dry before a later chunk
+    arrives (None: no round measured yet). Times count from the first chunk's arrival."""
+    r0 = round_s(0, first)
+    if r0 is None:
+        return None
+    generated, done, played = 0, 0.0, first * TOKEN_S - holdback_s
+    for offset, hop in chunks_ahead(schedule, first):
+        generated += hop
+        ready = generated * step_s - r0  # the LM went on while the first chunk was made
+        rnd = round_s(offset, hop)
+        done = max(ready, done) + (r0 if rnd is None else rnd)
+        if (1.0 + margin) * done > played / speed:
+            return True
+        played += hop * TOKEN_S
+    return False
+
+
+def plan_first_hop(schedule: ChunkSchedule, limit: int, step_s: float, round_s: RoundFn, holdback_s: float,
+                   speed: float = 1.0, margin: float = 0.25) -> int:
+    """The smallest first hop in [schedule.initial_hop, limit] predicted to play without a
+    stall; `limit` when none is; `initial_hop` when nothing was measured yet."""
+    low = schedule.initial_hop
+    for hop in range(low, max(low, limit) + 1):
+        verdict = stalls(schedule, hop, step_s, round_s, holdback_s, speed, margin)
+        if verdict is None:
+            return low
+        if not verdict:
+            return hop
+    return max(low, limit)
+
+
+@dataclass
+class FirstChunkPlanner:
+    """One engine's first-chunk decisions (`plan_first_hop`) and what they learn from."""
+
+    limit: int  # EngineConfig.initial_hop_max
+    margin: float = 0.25
+    holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
+
+    def observe(self, tokens: int, samples: int, sample_rate: int, speed: float) -> None:
+        """A first chunk of `tokens` speech tokens gave `samples` of audio."""
+        self.holdback_s = max(self.holdback_s, tokens * TOKEN_S - samples * speed / sample_rate)
+
+    def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float) -> int:
+        # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
+        if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
+            return schedule.initial_hop
+        return plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)

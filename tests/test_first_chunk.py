@@ -1,0 +1,152 @@
+"""First-chunk sizing from the measured load (`engine.first_chunk`), alone and in the engine."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+
+from engine.chunking import ChunkSchedule
+from engine.engine import Engine
+from engine.first_chunk import TOKEN_S, FirstChunkPlanner, RoundTimes, chunks_ahead, plan_first_hop, stalls
+from engine.types import AudioChunk, SessionOptions
+from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
+
+
+def test_round_times_fit_a_line_and_stay_proportional_without_spread():
+    rt = RoundTimes()
+    assert rt.predict(8000) is None
+    for _ in range(5):
+        rt.observe(8000, 0.080)
+    # One batch size only: no slope to fit, so proportional to the work (safe side).
+    assert rt.predict(8000) == pytest.approx(0.080)
+    assert rt.predict(64000) == pytest.approx(0.640)
+    for _ in range(5):
+        rt.observe(64000, 0.416)
+    # 8000 frames -> 80 ms, 64000 -> 416 ms: 6 us a frame over 32 ms.
+    assert rt.predict(64000) == pytest.approx(0.416)
+    assert rt.predict(32000) == pytest.approx(0.032 + 32000 * 6e-6)
+
+
+def test_round_times_forget_old_batches():
+    rt = RoundTimes(decay=0.5)
+    rt.observe(4000, 1.0)
+    for _ in range(20):
+        rt.observe(4000, 0.1)
+    assert rt.predict(4000) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_chunks_ahead_follow_the_schedule_to_its_largest_hop():
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15, max_hop=100)
+    # 106 + 15 = 121: the next boundary (125) is 4 away, < 15, so the one after; then 50, 100, 100.
+    assert chunks_ahead(s, 15) == [(15, 29), (44, 50), (94, 100), (194, 100)]
+    assert chunks_ahead(s, 20) == [(20, 24), (44, 50), (94, 100), (194, 100)]
+    assert s.offset == 0 and s.index == 0  # the schedule itself is untouched
+
+
+def timeline_stalls(first, step, rounds, hold, margin=0.25):
+    """The timeline by hand for the schedule of P=106 (chunks_ahead above): chunk k is
+    ready when the LM has its tokens, done a round after that or after chunk k-1."""
+    after = {15: [29, 50, 100, 100], 20: [24, 50, 100, 100]}[first]
+    r0, done, played, generated = rounds[0], 0.0, first * TOKEN_S - hold, 0
+    for k, hop in enumerate(after, start=1):
+        generated += hop
+        done = max(generated * step - r0, done) + rounds[k]
+        if (1 + margin) * done > played:
+            return True
+        played += hop * TOKEN_S
+    return False
+
+
+@pytest.mark.parametrize("first", [15, 20])
+@pytest.mark.parametrize("step,rounds", [
+    (0.002, [0.03, 0.03, 0.04, 0.05, 0.05]),  # one session
+    (0.012, [0.25, 0.45, 0.8, 1.3, 1.3]),  # 64 sessions starting together (H200, round 8)
+    (0.012, [0.25, 0.45, 0.5, 0.6, 0.6]),
+])
+def test_stalls_is_the_timeline(first, step, rounds):
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
+    hops = {0: first} | dict(chunks_ahead(s, first))  # offset -> hop
+
+    def round_s(offset, hop):
+        assert hops[offset] == hop
+        return rounds[list(hops).index(offset)]
+
+    assert stalls(s, first, step, round_s, holdback_s=0.16) == timeline_stalls(first, step, rounds, 0.16)
+
+
+def test_plan_light_and_heavy_load():
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
+    light = lambda offset, hop: 0.03  # noqa: E731
+    assert plan_first_hop(s, 40, 0.002, light, 0.16) == 15  # one session on the H200
+    # 64 sessions: 12 ms a token, rounds growing with the window (the third chunk's 0.8 s).
+    heavy = lambda offset, hop: 0.25 if offset == 0 else 0.002 * (offset + hop) + 0.3  # noqa: E731
+    hop = plan_first_hop(s, 40, 0.012, heavy, 0.16)
+    assert 15 < hop < 40
+    assert stalls(s, 15, 0.012, heavy, 0.16) and not stalls(s, hop, 0.012, heavy, 0.16)
+    assert stalls(s, hop - 1, 0.012, heavy, 0.16)
+    assert plan_first_hop(s, 40, 0.02, lambda o, h: 5.0, 0.16) == 40  # nothing plays through: the limit
+    assert plan_first_hop(s, 40, 0.02, lambda o, h: None, 0.16) == 15  # nothing measured yet
+
+
+def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
+    p = FirstChunkPlanner(limit=40)
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
+    slow = lambda offset, hop: 5.0  # noqa: E731
+    assert p.first_hop(s, 0.01, slow, 1.0) == 40
+    assert p.first_hop(s, math.inf, slow, 1.0) == 15  # no LM rate yet
+    p.observe(15, 11 * 960, 24000, 1.0)  # 15 tokens gave 11 tokens' worth of audio
+    assert p.holdback_s == pytest.approx(0.16)
+    assert FirstChunkPlanner(limit=15).first_hop(s, 0.02, slow, 1.0) == 15  # limit <= initial_hop: fixed
+    official = ChunkSchedule(prompt_tokens=106, initial_hop=0)  # no short first chunk at all
+    assert p.first_hop(official, 0.01, slow, 1.0) == 0
+
+
+def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
+    """A stage that has measured 10 s rounds: the first chunk takes the limit's tokens; a
+    request's own initial_hop is kept as asked. The audio stays complete either way."""
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        engine.stage.rounds.observe(1000, 10.0)
+        out = []
+        for opts in (SessionOptions(tokens_per_text_token=6.0, seed=3),
+                     SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=5)):
+            s = engine.open_session(voice, opts)
+            uid = await s.submit("A sentence long enough for several chunks of speech here.")
+            await s.finish()
+            events = await collect(s)
+            out.append((events, s.utterance_stats(uid)))
+        return out, engine.first_chunks.holdback_s
+
+    ((planned, st), (asked, st_asked)), holdback = run(tiny_model_dir, fn, warmup=False, initial_hop=5,
+                                                       initial_hop_max=40)
+    assert 0 < holdback <= 0.2  # learnt from the first chunks: the vocoder keeps its last frames back
+    for events, stats in ((planned, st), (asked, st_asked)):
+        assert all(isinstance(e, AudioChunk) for e in events)
+        assert sum(len(e.pcm) for e in events) == stats.num_speech_tokens * TOKEN_SAMPLES
+    assert st.extra["first_hop"] == 40
+    assert len(planned[0].pcm) > 30 * TOKEN_SAMPLES  # more than a 5-token chunk and its next could give
+    assert "first_hop" not in st_asked.extra
+    assert len(asked[0].pcm) <= 5 * TOKEN_SAMPLES
+
+
+@pytest.mark.parametrize("max_batch", [64, 1])
+def test_stage_round_estimate_counts_the_utterances_in_progress(tiny_model_dir, max_batch):
+    """A round for every live vocoder stream's chunk: one batch of them all, or as many
+    rounds as they fill batches; a stream dropped with its utterance no longer counts."""
+    async def fn(engine: Engine):
+        stage = engine.stage
+        first = stage.new_stream()
+        assert stage.round_estimate(first, 500) is None  # no batch measured yet
+        stage.rounds.observe(1000, 0.1)  # proportional until batches of other sizes come
+        second = stage.new_stream()
+        two = stage.round_estimate(first, 500)
+        del second
+        gc.collect()
+        return two, stage.round_estimate(first, 500)
+
+    two, one = run(tiny_model_dir, fn, warmup=False, max_gpu_batch=max_batch)
+    # 64: both chunks in one batch of 1000 frames; 1: two rounds of 500 frames.
+    assert two == pytest.approx(0.1)
+    assert one == pytest.approx(0.05)
