@@ -26,7 +26,8 @@ completed sessions and errors, GPU utilisation (pynvml),
 achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
 gateway RSS per session (from `/metrics`), and the server's breakdown of every
 utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech token,
--> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back).
+-> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
+`tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load).
 
 Speech length. Random weights never stop speaking, so the gateway generates a fixed
 number of speech tokens per text token (`--engine.tokens-per-text-token`). The bench
@@ -95,6 +96,7 @@ M_CUDA = "cosyvoice_engine_cuda_memory_allocated_bytes"
 M_RSS = "cosyvoice_process_resident_memory_bytes"
 M_ACTIVE = "cosyvoice_engine_active_sessions"
 M_FIRST_CHUNKS = "cosyvoice_engine_first_chunks_total"
+M_FIRST_CHUNK_TOKENS = "cosyvoice_engine_first_chunk_tokens_total"  # the first chunks' size (engine.first_chunk)
 M_LAG = "cosyvoice_event_loop_lag_seconds"
 M_LOOP_CPU = "cosyvoice_event_loop_cpu_seconds_total"
 M_LOOP_INFO = 'cosyvoice_event_loop_info{loop="'
@@ -649,7 +651,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
     }
     first_chunks = _delta(after, before, M_FIRST_CHUNKS)
     phases = ({name: round(1e3 * _delta(after, before, key) / first_chunks, 3)
-               for name, key in FIRST_CHUNK_PHASES.items()} | {"utterances": int(first_chunks)}
+               for name, key in FIRST_CHUNK_PHASES.items()}
+              | {"utterances": int(first_chunks),
+                 "tokens": round(_delta(after, before, M_FIRST_CHUNK_TOKENS) / first_chunks, 2)}
               if first_chunks > 0 else None)
     return {
         "sessions": n,

@@ -149,6 +149,8 @@ class EngineStats:
     first_chunk_lm_decode_seconds: float = 0.0
     first_chunk_stage_wait_seconds: float = 0.0
     first_chunk_stage_seconds: float = 0.0
+    # Speech tokens in those first chunks (their sum): what `engine.first_chunk` chose.
+    first_chunk_tokens: int = 0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
     # own process is not included.
@@ -165,9 +167,12 @@ class FirstChunkTimes:
     lm_decode: float = 0.0
     stage_wait: float = 0.0
     stage: float = 0.0
+    tokens: int = 0
 
-    def add(self, submitted: float, first_token: float, queued: float, started: float, done: float) -> None:
+    def add(self, submitted: float, first_token: float, queued: float, started: float, done: float,
+            tokens: int = 0) -> None:
         self.count += 1
+        self.tokens += tokens
         self.lm_first_token += first_token - submitted
         self.lm_decode += queued - first_token
         self.stage_wait += max(0.0, started - queued)
@@ -176,7 +181,7 @@ class FirstChunkTimes:
     def stats_fields(self) -> dict[str, float | int]:
         return {"first_chunks": self.count, "first_chunk_lm_first_token_seconds": self.lm_first_token,
                 "first_chunk_lm_decode_seconds": self.lm_decode, "first_chunk_stage_wait_seconds": self.stage_wait,
-                "first_chunk_stage_seconds": self.stage}
+                "first_chunk_stage_seconds": self.stage, "first_chunk_tokens": self.tokens}
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
@@ -862,7 +867,7 @@ class Session:
                 eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, opts.speed)
             if sched.index == 0 and utt.stats.first_token_at is not None:
                 eng.first_chunk_times.add(utt.stats.submitted_at, utt.stats.first_token_at, queued_at,
-                                          job.started_at or queued_at, time.monotonic())
+                                          job.started_at or queued_at, time.monotonic(), tokens=end)
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)

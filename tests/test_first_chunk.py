@@ -117,10 +117,11 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
             await s.finish()
             events = await collect(s)
             out.append((events, s.utterance_stats(uid)))
-        return out, engine.first_chunks.holdback_s
+        return out, engine.first_chunks.holdback_s, engine.stats().first_chunk_tokens
 
-    ((planned, st), (asked, st_asked)), holdback = run(tiny_model_dir, fn, warmup=False, initial_hop=5,
-                                                       initial_hop_max=40)
+    ((planned, st), (asked, st_asked)), holdback, first_tokens = run(tiny_model_dir, fn, warmup=False,
+                                                                     initial_hop=5, initial_hop_max=40)
+    assert first_tokens == 40 + 5  # the engine's stats count each first chunk's size
     assert 0 < holdback <= 0.2  # learnt from the first chunks: the vocoder keeps its last frames back
     for events, stats in ((planned, st), (asked, st_asked)):
         assert all(isinstance(e, AudioChunk) for e in events)

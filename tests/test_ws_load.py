@@ -250,6 +250,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         # and its phases add up to no more than the slowest first audio the clients saw.
         ph = lv["first_chunk_phases_ms"]
         assert ph["utterances"] == lv["segment_first_audio_ms"]["n"], ph
+        assert 0 < ph["tokens"] <= 40, ph  # the first chunks' mean size: at most initial_hop_max
         assert all(ph[k] >= 0 for k in ("lm_first_token", "lm_decode", "stage_wait")) and ph["stage"] > 0
         assert sum(ph[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \
             <= lv["segment_first_audio_ms"]["max"]
