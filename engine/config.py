@@ -102,6 +102,10 @@ class EngineConfig:
     stage_devices: tuple[str, ...] = ()
     text_normalization: bool = True
     warmup: bool = True
+    # Warm-up then also runs this many utterances at once (at most max_gpu_batch): batches
+    # of several chunks give the stage's round-time fit (`engine.first_chunk`) a slope
+    # before the first load. 64 would also compile the shapes of a full batch at start.
+    warmup_concurrency: int = 8
     vllm_gpu_memory_utilization: float = 0.35
     vllm_max_model_len: int = 4096
     # vLLM's async scheduling runs one step ahead; a paused streaming-input (bistream)
@@ -125,6 +129,8 @@ class EngineConfig:
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
             raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
                              "stage_profile_batches >= 1")
+        if self.warmup_concurrency < 0:
+            raise ValueError("warmup_concurrency must be >= 0")
         if not self.first_chunk_margin >= 0:  # also refuses NaN
             raise ValueError("first_chunk_margin must be >= 0")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN

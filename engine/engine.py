@@ -328,9 +328,9 @@ class Engine:
         voice = await self.prepare_voice("__warmup__", wav, sr, "Warm up.")
         opts = SessionOptions(tokens_per_text_token=4.0, seed=0)
         await self.synthesize("Warm up.", voice, opts)
-        # A few at once too: batches of more than one chunk give the stage's round-time
-        # model (first-chunk sizes) its slope before the first load arrives.
-        together = min(8, self.config.max_gpu_batch)
+        # Several at once too (EngineConfig.warmup_concurrency): batches of more than one
+        # chunk give the stage's round-time fit (first-chunk sizes) its slope.
+        together = min(self.config.warmup_concurrency, self.config.max_gpu_batch)
         if together > 1:
             await asyncio.gather(*(self.synthesize("Warm up.", voice, opts) for _ in range(together)))
 

@@ -124,6 +124,11 @@ class EngineSettings:
                                                           "vLLM: max_num_seqs); more utterances wait"))
     text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))
     warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
+    warmup_concurrency: int = field(
+        default=8,
+        metadata=_help("warm-up then also runs this many syntheses at once (at most max_gpu_batch): batch round "
+                       "times for the first-chunk planner before the first load (0 = none)"),
+    )
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
     vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
     vllm_async_scheduling: bool = field(

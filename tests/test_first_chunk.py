@@ -151,3 +151,14 @@ def test_stage_round_estimate_counts_the_utterances_in_progress(tiny_model_dir, 
     # 64: both chunks in one batch of 1000 frames; 1: two rounds of 500 frames.
     assert two == pytest.approx(0.1)
     assert one == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("together", [0, 4])
+def test_warm_up_runs_utterances_together_for_the_round_fit(tiny_model_dir, together):
+    async def fn(engine: Engine):
+        st = engine.stats()
+        return st.max_batch_size, st.chunks, engine.stage.rounds.predict(1000)
+
+    largest, chunks, predicted = run(tiny_model_dir, fn, warmup=True, warmup_concurrency=together)
+    assert chunks > 0 and predicted is not None  # the warm-up's batches were measured
+    assert (largest > 1) == (together > 1)
