@@ -14,7 +14,6 @@ vocoder's per-utterance state lives on that stage's device). The LM backend is s
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from .token2wav import AudioStage, ChunkJob, StageStats
 class PooledStream:
     """A vocoder stream bound to one stage of the pool."""
 
-    __slots__ = ("stage_index", "inner", "__weakref__")
+    __slots__ = ("stage_index", "inner")
 
     def __init__(self, stage_index: int, inner: object) -> None:
         self.stage_index = stage_index
@@ -36,9 +35,6 @@ class StagePool:
         if not stages:
             raise ValueError("a stage pool needs at least one stage")
         self.stages = stages
-        # Live streams per stage: a stream is dropped with its utterance, so the weak
-        # sets count utterances in progress without any bookkeeping on the hot path.
-        self._live: list[weakref.WeakSet[PooledStream]] = [weakref.WeakSet() for _ in stages]
 
     @property
     def devices(self) -> list[object]:
@@ -46,14 +42,12 @@ class StagePool:
 
     def load(self) -> list[int]:
         """Live utterances per stage."""
-        return [len(s) for s in self._live]
+        return [s.live_utterances() for s in self.stages]
 
     def new_stream(self) -> PooledStream:
         loads = self.load()
         index = loads.index(min(loads))
-        stream = PooledStream(index, self.stages[index].new_stream())
-        self._live[index].add(stream)
-        return stream
+        return PooledStream(index, self.stages[index].new_stream())
 
     async def run(self, job: ChunkJob) -> np.ndarray:
         pooled = job.hift_stream

@@ -248,7 +248,8 @@ class AudioStage:
         self.max_batch = max_batch
         self.stats = StageStats()
         self.rounds = RoundTimes()  # batch wall time against flow work, for first-chunk sizes
-        # Vocoder streams of utterances in progress (one each; dropped with the utterance).
+        # Vocoder streams of utterances in progress: a stream is dropped with its utterance,
+        # so the weak set counts them without any bookkeeping on the hot path.
         self._live: weakref.WeakSet[object] = weakref.WeakSet()
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
@@ -263,12 +264,16 @@ class AudioStage:
         self._live.add(stream)
         return stream
 
+    def live_utterances(self) -> int:
+        """Utterances in progress here (their vocoder streams still exist)."""
+        return len(self._live)
+
     def round_estimate(self, stream: object, frames: int) -> float | None:
         """Predicted seconds until a chunk of `stream`'s utterance that computes `frames`
         flow frames is done, when every utterance in progress here has one like it in the
         same round: the batches they fill, by the round times measured so far (`RoundTimes`).
         None before the first batch."""
-        live = max(1, len(self._live))
+        live = max(1, self.live_utterances())
         rows = min(live, self.max_batch)
         one = self.rounds.predict(rows * frames)
         return None if one is None else one * math.ceil(live / self.max_batch)
