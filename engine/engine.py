@@ -170,7 +170,7 @@ class FirstChunkTimes:
     tokens: int = 0
 
     def add(self, submitted: float, first_token: float, queued: float, started: float, done: float,
-            tokens: int = 0) -> None:
+            tokens: int) -> None:
         self.count += 1
         self.tokens += tokens
         self.lm_first_token += first_token - submitted
@@ -832,9 +832,10 @@ class Session:
             if hop is not None and not first_planned:
                 # The first chunk could go now: size it for the load it goes into.
                 first_planned = True
+                cached = eng._cached_prompt_frames(P)  # once: the planner asks for many chunks
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
-                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, flow_cfg)),
+                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg)),
                     opts.speed)
                 if first != sched.initial_hop:
                     sched.initial_hop = first
@@ -912,12 +913,13 @@ class Session:
         # Drop whole 25-token blocks before the window so the block grid stays aligned.
         return 0 if left < 0 else max(0, (offset - left) // 25 * 25)
 
-    def _chunk_frames(self, offset: int, hop: int, flow_cfg) -> int:
+    def _chunk_frames(self, offset: int, hop: int, cached: int, flow_cfg) -> int:
         """Flow frames the stage computes for a chunk of `hop` tokens at `offset`: its
-        window (`AudioStage._window_frames`) after the prompt frames the prompt cache holds."""
-        P = self.voice.num_tokens
-        window = P + offset - self._window_start(offset) + hop  # the lookahead is read, not computed
-        return flow_cfg.token_mel_ratio * window - self.engine._cached_prompt_frames(P)
+        window (`AudioStage._window_frames`) after the `cached` prompt frames the prompt
+        cache holds."""
+        # The lookahead tokens are read, not computed.
+        window = self.voice.num_tokens + offset - self._window_start(offset) + hop
+        return flow_cfg.token_mel_ratio * window - cached
 
     def _flow_chunk(self, tokens, prompt_tokens, offset, end, finalize, flow_cfg) -> FlowChunk:
         win_start = self._window_start(offset)
