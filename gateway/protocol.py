@@ -262,11 +262,14 @@ def _parse_segmentation(obj: Any) -> SegmenterConfig | None:
         return None
     if not isinstance(obj, dict):
         raise _Invalid("invalid_message", "'segmentation' must be an object")
-    kwargs: dict[str, int] = {}
+    kwargs: dict[str, int | bool] = {}
     for name in ("first_min_chars", "min_chars", "max_chars"):
         v = _opt(obj, name, int, "an integer")
         if v is not None:
             kwargs[name] = v
+    eager = _opt(obj, "eager_ends", bool, "a boolean")
+    if eager is not None:
+        kwargs["eager_ends"] = eager
     base = SegmenterConfig()
     try:
         return replace(base, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,7 +43,8 @@ def test_sentences_cjk_need_no_space() -> None:
 
 
 def test_closing_quotes_stay_with_sentence() -> None:
-    segs = run('He said "stop." Then left. 她说：「好。」然后', cfg=SegmenterConfig(first_min_chars=100))
+    # One character at a time: only the waiting rule keeps a quote with its sentence.
+    segs = run('He said "stop." Then left. 她说：「好。」然后', cfg=SegmenterConfig(first_min_chars=100, eager_ends=False))
     assert texts(segs)[:3] == ['He said "stop."', " Then left.", " 她说：「好。」"]
 
 
@@ -56,9 +59,11 @@ def test_closing_quotes_stay_with_sentence() -> None:
         "Call at 5 p.m. sharp",
     ],
 )
-def test_no_split_inside_numbers_urls_abbreviations(text: str) -> None:
+@pytest.mark.parametrize("eager", [True, False])
+def test_no_split_inside_numbers_urls_abbreviations(text: str, eager: bool) -> None:
     # first_min_chars above the length: only a (wrong) sentence cut could split these.
-    segs = run(text, cfg=SegmenterConfig(first_min_chars=200))
+    # One character at a time, so with eager_ends every mark closes an append once.
+    segs = run(text, cfg=SegmenterConfig(first_min_chars=200, eager_ends=eager))
     assert texts(segs) == [text]
 
 
@@ -108,10 +113,35 @@ def test_flush_and_end() -> None:
 
 
 def test_trailing_period_waits_for_next_char() -> None:
-    seg = Segmenter(SegmenterConfig(first_min_chars=100))
+    seg = Segmenter(SegmenterConfig(first_min_chars=100, eager_ends=False))
     assert seg.push("It costs 3.") == []  # could be 3.5
     assert seg.push("5 dollars.") == []  # could be "...", or the end of an abbreviation
     assert texts(seg.push(" Next")) == ["It costs 3.5 dollars."]
+
+
+def test_eager_end_cuts_at_an_append_that_closes_a_sentence() -> None:
+    seg = Segmenter(SegmenterConfig(first_min_chars=100))
+    assert seg.push("It costs 3.") == []  # after a digit: could be 3.5
+    assert texts(seg.push("5 dollars.")) == ["It costs 3.5 dollars."]  # no need to see " Next"
+    assert seg.push(" Ask Dr.") == []  # an abbreviation
+    assert seg.push(" Who at example.com/a.") == []  # an address
+    assert seg.push("b?") == []  # so is this "?"
+    assert seg.push("x=1 and so..") == []  # ".." may still grow to "..."
+    assert texts(seg.push(".")) == [" Ask Dr. Who at example.com/a.b?x=1 and so..."]
+    assert texts(seg.push(" Yes!\"")) == [" Yes!\""]
+    assert seg.push(" Then J.") == []  # an initial
+    assert texts(seg.push(" Smith said no;")) == [" Then J. Smith said no;"]
+    assert texts(seg.push(" 你好。")) == [" 你好。"]
+
+
+def test_eager_first_segment_at_a_clause_mark() -> None:
+    # LLM-like pieces (bench.ws_load's): the first segment ends the moment its comma arrives.
+    seg = Segmenter(SegmenterConfig(first_min_chars=12))
+    assert seg.push("Thanks for calling") == []
+    out = seg.push(",")
+    assert texts(out) == ["Thanks for calling,"] and out[0].reason == "clause"
+    assert seg.push(" I have 1,") == []  # after a digit: could be 1,000
+    assert texts(seg.push("000 things, and more.")) == [" I have 1,000 things, and more."]  # later: sentences only
 
 
 def test_whitespace_only_tail_is_kept_by_end() -> None:
@@ -136,6 +166,7 @@ _CFG = st.builds(
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(text=_TEXT, chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), cfg=_CFG)
 def test_property_lossless_and_chunking_invariant(text: str, chunks: list[int], cfg: SegmenterConfig) -> None:
+    cfg = replace(cfg, eager_ends=False)
     segs = run(text, chunks, cfg)
     # Nothing lost, duplicated or reordered; offsets are exact and contiguous.
     assert "".join(texts(segs)) == text
@@ -147,6 +178,35 @@ def test_property_lossless_and_chunking_invariant(text: str, chunks: list[int], 
         pos = s.end
     # The chunking of the input does not change the result.
     assert segs == run(text, [len(text) + 1], cfg)
+
+
+def _pieces(text: str, sizes: list[int]) -> list[str]:
+    out, i, k = [], 0, 0
+    while i < len(text):
+        out.append(text[i : i + sizes[k % len(sizes)]])
+        i += len(out[-1])
+        k += 1
+    return out
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(text=_TEXT, chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), cfg=_CFG)
+def test_property_eager_ends_change_nothing_when_a_space_follows(text: str, chunks: list[int],
+                                                                 cfg: SegmenterConfig) -> None:
+    eager, waiting = replace(cfg, eager_ends=True), replace(cfg, eager_ends=False)
+    pieces = _pieces(text, chunks)
+    seg = Segmenter(eager)
+    segs = [s for p in pieces for s in seg.push(p)] + seg.end()
+    # Lossless and exact in any case.
+    assert "".join(texts(segs)) == text
+    assert all(a.end == b.start for a, b in zip(segs, segs[1:]))
+    assert all(len(s.text) <= cfg.max_chars for s in segs)
+    # Where every append that ends in a mark is followed by a whitespace (or the end), the
+    # segments are those of the waiting rule: eager ends only ever come earlier.
+    ends = [sum(map(len, pieces[: k + 1])) for k in range(len(pieces))]
+    if all(e >= len(text) or text[e].isspace() or text[e - 1] not in ".!?;…,。！？；．｡，、\"')]}”’»」』】）》"
+           for e in ends):
+        assert segs == run(text, [len(text) + 1], waiting)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

@@ -54,6 +54,10 @@ def test_parse_valid_messages() -> None:
     cfg = parse({"type": "config", "voice": "v", "segmentation": {"first_min_chars": 3}, "stats_interval_ms": 500, "extra": 1})
     assert isinstance(cfg, ConfigMessage) and cfg.stats_interval_ms == 500
     assert cfg.patch.segmentation is not None and cfg.patch.segmentation.first_min_chars == 3
+    assert cfg.patch.segmentation.eager_ends  # the default
+    waits = parse({"type": "config", "segmentation": {"eager_ends": False}})
+    assert isinstance(waits, ConfigMessage) and waits.patch.segmentation is not None
+    assert not waits.patch.segmentation.eager_ends
 
 
 @pytest.mark.parametrize(
@@ -75,6 +79,8 @@ def test_parse_valid_messages() -> None:
         ({"type": "text", "context_id": "a", "text": "x", "mode": "sing"}, "invalid_message"),
         ({"type": "text", "context_id": "a", "text": "x", "flush": "yes"}, "invalid_message"),
         ({"type": "config", "segmentation": {"max_chars": 2}}, "invalid_message"),
+        ({"type": "config", "segmentation": {"eager_ends": "no"}}, "invalid_message"),
+        ({"type": "config", "segmentation": {"eager_ends": 0}}, "invalid_message"),
         ({"type": "config", "stats_interval_ms": 5}, "invalid_message"),
         ("x" * 1001, "message_too_large"),
         (json.dumps({"type": "text", "context_id": "a", "text": "é" * 600}), "message_too_large"),  # bytes, not chars
