@@ -46,14 +46,17 @@ class EngineConfig:
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
-    # row count (graphs pad rows to a power of two and gain little at large batches).
-    # 64 = the largest graph bucket. With the prompt cache, batches served from it take
+    # row count (graphs pad rows to a power of two; above 16 rows a batch takes its bucket
+    # only when it fills 3/4 of it, `GraphPolicy.min_fill`). 64 = the largest graph bucket. With the prompt cache, batches served from it take
     # graphs only up to GraphPolicy.prefix_max_rows (8) chunks, or flow_graph_shared_rows.
     flow_graph_max_rows: int = 64
     # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
     # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
     # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.
-    flow_graph_shared_rows: int = 16
+    # 64: in 64-session bursts on the H200 (round 9, two each) the first chunks' stage
+    # phase took 431-482 ms against 455-521 ms with 16; a full batch's shapes are then
+    # captured when the voice is registered instead of met first in the load.
+    flow_graph_shared_rows: int = 64
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True

@@ -66,7 +66,7 @@ class EngineSettings:
                        "use graphs up to 8 chunks, or --engine.flow-graph-shared-rows)"),
     )
     flow_graph_shared_rows: int = field(
-        default=16,
+        default=64,
         metadata=_help("a batch from the prompt cache whose chunks all have one voice takes a CUDA graph when its "
                        "row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once); otherwise "
                        "the per-row prefix graphs (up to 8 chunks) or eager"),
