@@ -711,10 +711,17 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
 # ---- comparing product and baseline -----------------------------------------------------
 
 
-def largest_clean_level(levels: Sequence[dict[str, Any]]) -> int | None:
-    """The largest concurrency whose sessions all completed without an underrun."""
+# Issue #12's capacity target: real-time sessions with zero underruns and p95 first audio at most this.
+TARGET_P95_MS = 500.0
+
+
+def largest_clean_level(levels: Sequence[dict[str, Any]], max_p95_ms: float | None = None) -> int | None:
+    """The largest concurrency whose sessions all completed without an underrun (and, with
+    `max_p95_ms`, with a first-audio p95 at most that)."""
     ok = [lv["sessions"] for lv in levels
-          if lv["underruns"] == 0 and lv["errors"] == 0 and lv["completed"] == lv["sessions"]]
+          if lv["underruns"] == 0 and lv["errors"] == 0 and lv["completed"] == lv["sessions"]
+          and (max_p95_ms is None or (lv["first_audio_ms"]["p95"] is not None
+                                      and lv["first_audio_ms"]["p95"] <= max_p95_ms))]
     return max(ok) if ok else None
 
 
@@ -736,8 +743,11 @@ def compare(product: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]
             "rtf_aggregate": ratio(lv["rtf_aggregate"], b["rtf_aggregate"]),
         })
     p_clean, b_clean = largest_clean_level(product), largest_clean_level(baseline)
-    return {"levels": shared, "largest_level_without_underrun": {
-        "product": p_clean, "baseline": b_clean, "ratio": ratio(p_clean, b_clean)}}
+    p_target, b_target = (largest_clean_level(product, TARGET_P95_MS), largest_clean_level(baseline, TARGET_P95_MS))
+    return {"levels": shared,
+            "largest_level_without_underrun": {"product": p_clean, "baseline": b_clean, "ratio": ratio(p_clean, b_clean)},
+            "largest_level_meeting_target": {"max_p95_ms": TARGET_P95_MS, "product": p_target, "baseline": b_target,
+                                             "ratio": ratio(p_target, b_target)}}
 
 
 def plot(report: dict[str, Any]) -> str:
@@ -783,6 +793,9 @@ def table(report: dict[str, Any]) -> str:
                          f"RTF {f(row['rtf'], '.3f')}")
         c = cmp["largest_level_without_underrun"]
         lines.append(f"largest level without underrun: product {c['product']}, baseline {c['baseline']}")
+        t = cmp["largest_level_meeting_target"]
+        lines.append(f"largest level without underrun and with p95 <= {t['max_p95_ms']:.0f} ms: "
+                     f"product {t['product']}, baseline {t['baseline']}")
     return "\n".join(lines)
 
 

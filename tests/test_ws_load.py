@@ -173,6 +173,9 @@ def test_compare_product_and_baseline() -> None:
     assert cmp["levels"][0]["first_audio_p50"] == 0.5 and cmp["levels"][0]["first_audio_p95"] == 0.5
     assert cmp["levels"][1]["first_audio_p95"] == 0.2 and cmp["levels"][1]["rtf"] == pytest.approx(0.2)
     assert cmp["largest_level_without_underrun"] == {"product": 8, "baseline": 1, "ratio": 8.0}
+    assert cmp["largest_level_meeting_target"] == {"max_p95_ms": 500.0, "product": 8, "baseline": 1, "ratio": 8.0}
+    slow = [_level(1, 100, 150, 0.2), _level(8, 450, 520, 0.3), _level(16, 300, 480, 0.3, underruns=1)]
+    assert largest_clean_level(slow) == 8 and largest_clean_level(slow, 500.0) == 1  # 8 is clean but too slow
     assert largest_clean_level([_level(4, 1, 1, 1, completed=3)]) is None  # a lost session is not clean
 
 
