@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         print(yaml.safe_dump(settings_to_dict(settings), sort_keys=False), end="")
         return
     setup_logging(settings.log_level, settings.log_json)
+    # Process-wide, hence here and not in create_app: the server owns this process.
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     from dataclasses import replace
     from pathlib import Path
 

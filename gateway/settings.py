@@ -173,10 +173,20 @@ class Settings:
     shutdown_timeout: float = field(default=30.0, metadata=_help("seconds SIGTERM waits for running sessions"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))
+    gil_switch_interval_ms: float = field(
+        default=5.0,
+        metadata=_help("how long a Python thread may hold the interpreter while another waits for it "
+                       "(sys.setswitchinterval; Python's default 5 ms): the event loop shares it with the "
+                       "audio stage's thread, which dispatches the flow's kernels"),
+    )
     engine: EngineSettings = field(default_factory=EngineSettings)
     ws: WsLimits = field(default_factory=WsLimits)
     audio: EncoderOptions = field(default_factory=EncoderOptions)
     voices: VoiceLimits = field(default_factory=VoiceLimits)
+
+    def __post_init__(self) -> None:
+        if not self.gil_switch_interval_ms > 0:  # also refuses NaN
+            raise ValueError("gil_switch_interval_ms must be > 0")
 
 
 # ---------------------------------------------------------------- loading
