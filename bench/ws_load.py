@@ -27,7 +27,9 @@ achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory
 gateway RSS per session (from `/metrics`), and the server's breakdown of every
 utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech token,
 -> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
-`tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load).
+`tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
+`opening_chunk_phases_ms`: the same for each context's first segment only, the one
+`first_audio_ms` measures).
 
 Speech length. Random weights never stop speaking, so the gateway generates a fixed
 number of speech tokens per text token (`--engine.tokens-per-text-token`). The bench
@@ -95,8 +97,6 @@ M_HANDOFF = "cosyvoice_engine_stage_handoff_seconds_total"
 M_CUDA = "cosyvoice_engine_cuda_memory_allocated_bytes"
 M_RSS = "cosyvoice_process_resident_memory_bytes"
 M_ACTIVE = "cosyvoice_engine_active_sessions"
-M_FIRST_CHUNKS = "cosyvoice_engine_first_chunks_total"
-M_FIRST_CHUNK_TOKENS = "cosyvoice_engine_first_chunk_tokens_total"  # the first chunks' size (engine.first_chunk)
 M_LAG = "cosyvoice_event_loop_lag_seconds"
 M_LOOP_CPU = "cosyvoice_event_loop_cpu_seconds_total"
 M_LOOP_INFO = 'cosyvoice_event_loop_info{loop="'
@@ -649,12 +649,17 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "lm_kv_estimate_per_session_mb": _mb(ctx.flops.kv_bytes_per_token * ctx.kv_tokens_per_session)
         if ctx.flops is not None and ctx.kv_tokens_per_session else None,
     }
-    first_chunks = _delta(after, before, M_FIRST_CHUNKS)
-    phases = ({name: round(1e3 * _delta(after, before, key) / first_chunks, 3)
-               for name, key in FIRST_CHUNK_PHASES.items()}
-              | {"utterances": int(first_chunks),
-                 "tokens": round(_delta(after, before, M_FIRST_CHUNK_TOKENS) / first_chunks, 2)}
-              if first_chunks > 0 else None)
+    def chunk_phases(kind: str) -> dict[str, float] | None:
+        """Mean phases of the first chunks of `kind` ("first_chunk": every utterance's;
+        "opening_chunk": sessions' first utterances only) over this level, from the
+        engine's summed counters."""
+        count = _delta(after, before, f"cosyvoice_engine_{kind}s_total")
+        if count <= 0:
+            return None
+        return ({name: round(1e3 * _delta(after, before, key.replace("first_chunk", kind)) / count, 3)
+                 for name, key in FIRST_CHUNK_PHASES.items()}
+                | {"utterances": int(count),
+                   "tokens": round(_delta(after, before, f"cosyvoice_engine_{kind}_tokens_total") / count, 2)})
     return {
         "sessions": n,
         "completed": sum(1 for r in results if r.completed),
@@ -664,7 +669,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "segment_first_audio_ms": summary_ms([x for r in results for x in r.segment_first_audio_s]),
         # Server side, mean per utterance (segment): text in -> first speech token -> first
         # chunk's tokens queued -> its stage batch starts -> its audio is back.
-        "first_chunk_phases_ms": phases,
+        "first_chunk_phases_ms": chunk_phases("first_chunk"),
+        # The same for each session's first segment only: the one `first_audio_ms` counts.
+        "opening_chunk_phases_ms": chunk_phases("opening_chunk"),
         "chunk_gap_ms": summary_ms([g for r in results for g in r.gaps_s], qs=(50, 99)),
         "underruns": sum(r.underruns for r in results),
         "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
@@ -838,7 +845,8 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"after start ms {[lv['underrun_since_start_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
               f"by segment {lv['underruns_by_segment']}) "
               f"rtf={lv['rtf']} "
-              f"first-chunk phases (ms)={lv['first_chunk_phases_ms']}", flush=True)
+              f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
+              f"first segments' (ms)={lv['opening_chunk_phases_ms']}", flush=True)
 
 
 def nvml_index() -> int:

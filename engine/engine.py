@@ -151,6 +151,15 @@ class EngineStats:
     first_chunk_stage_seconds: float = 0.0
     # Speech tokens in those first chunks (their sum): what `engine.first_chunk` chose.
     first_chunk_tokens: int = 0
+    # The same for the first chunks of sessions' first utterances only (the first audio a
+    # listener waits for in silence; a later utterance's first chunk usually plays after
+    # earlier audio and shares its batches with other sessions' long chunks).
+    opening_chunks: int = 0
+    opening_chunk_lm_first_token_seconds: float = 0.0
+    opening_chunk_lm_decode_seconds: float = 0.0
+    opening_chunk_stage_wait_seconds: float = 0.0
+    opening_chunk_stage_seconds: float = 0.0
+    opening_chunk_tokens: int = 0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
     # own process is not included.
@@ -178,10 +187,11 @@ class FirstChunkTimes:
         self.stage_wait += max(0.0, started - queued)
         self.stage += done - max(started, queued)
 
-    def stats_fields(self) -> dict[str, float | int]:
-        return {"first_chunks": self.count, "first_chunk_lm_first_token_seconds": self.lm_first_token,
-                "first_chunk_lm_decode_seconds": self.lm_decode, "first_chunk_stage_wait_seconds": self.stage_wait,
-                "first_chunk_stage_seconds": self.stage, "first_chunk_tokens": self.tokens}
+    def stats_fields(self, name: str = "first_chunk") -> dict[str, float | int]:
+        """These sums as EngineStats fields named `name`s, `name`_lm_first_token_seconds, ..."""
+        return {f"{name}s": self.count, f"{name}_lm_first_token_seconds": self.lm_first_token,
+                f"{name}_lm_decode_seconds": self.lm_decode, f"{name}_stage_wait_seconds": self.stage_wait,
+                f"{name}_stage_seconds": self.stage, f"{name}_tokens": self.tokens}
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
@@ -254,6 +264,7 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self.first_chunk_times = FirstChunkTimes()
+        self.opening_chunk_times = FirstChunkTimes()  # of sessions' first utterances only
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
@@ -452,6 +463,7 @@ class Engine:
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
             **self.first_chunk_times.stats_fields(),
+            **self.opening_chunk_times.stats_fields("opening_chunk"),
             **_cuda_memory(self.device),
         )
 
@@ -516,6 +528,7 @@ class _Utterance:
     task: asyncio.Task | None = None
     request_id: str = ""
     feed: TextFeed | None = None  # text-in streaming: the text arrives through this
+    opening: bool = False  # its session's first utterance
     # What of it is still to be heard, for the deadlines of the session's later chunks
     # (`Session._audio_ahead`): its speech tokens so far (the LM consumer's list), and the
     # samples delivered and made but not yet delivered.
@@ -575,6 +588,7 @@ class Session:
         opts = options or self.options
         utt = _Utterance(uid, text, opts, asyncio.Queue(maxsize=64), UtteranceStats(submitted_at=time.monotonic()))
         utt.feed = feed
+        utt.opening = not self._stats
         utt.lm_done = asyncio.Event()
         self._utts[uid] = utt
         self._stats[uid] = utt.stats
@@ -867,8 +881,11 @@ class Session:
             if sched.index == 0 and not finalize:
                 eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, opts.speed)
             if sched.index == 0 and utt.stats.first_token_at is not None:
-                eng.first_chunk_times.add(utt.stats.submitted_at, utt.stats.first_token_at, queued_at,
-                                          job.started_at or queued_at, time.monotonic(), tokens=end)
+                phases = (utt.stats.submitted_at, utt.stats.first_token_at, queued_at, job.started_at or queued_at,
+                          time.monotonic())
+                eng.first_chunk_times.add(*phases, tokens=end)
+                if utt.opening:
+                    eng.opening_chunk_times.add(*phases, tokens=end)
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)

@@ -132,6 +132,27 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     assert len(asked[0].pcm) <= 5 * TOKEN_SAMPLES
 
 
+def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
+    """Every utterance's first chunk is in the first_chunk sums; only a session's first
+    utterance's is also in the opening_chunk ones (what a listener waits for in silence)."""
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        for texts in (["One sentence here.", "And another one."], ["A third."]):
+            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=1))
+            for text in texts:
+                await s.submit(text)
+            await s.finish()
+            assert all(isinstance(e, AudioChunk) for e in await collect(s))
+        return engine.stats()
+
+    st = run(tiny_model_dir, fn, warmup=False)
+    assert (st.first_chunks, st.opening_chunks) == (3, 2)
+    assert st.opening_chunk_tokens == 2 * 8 < st.first_chunk_tokens == 3 * 8  # fixed 8-token first chunks
+    for phase in ("lm_first_token", "lm_decode", "stage_wait", "stage"):
+        assert 0 <= getattr(st, f"opening_chunk_{phase}_seconds") <= getattr(st, f"first_chunk_{phase}_seconds")
+    assert st.opening_chunk_stage_seconds > 0
+
+
 @pytest.mark.parametrize("max_batch", [64, 1])
 def test_stage_round_estimate_counts_the_utterances_in_progress(tiny_model_dir, max_batch):
     """A round for every live vocoder stream's chunk: one batch of them all, or as many

@@ -257,6 +257,11 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert all(ph[k] >= 0 for k in ("lm_first_token", "lm_decode", "stage_wait")) and ph["stage"] > 0
         assert sum(ph[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \
             <= lv["segment_first_audio_ms"]["max"]
+        # The first segments' own breakdown: one utterance per session, within its first audio.
+        op = lv["opening_chunk_phases_ms"]
+        assert op["utterances"] == lv["first_audio_ms"]["n"] == 2, op
+        assert sum(op[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \
+            <= lv["first_audio_ms"]["max"]
         assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
         assert lv["underrun_at_audio_ms"]["n"] == lv["underruns"]  # one position per underrun
@@ -280,6 +285,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     for key in ("first_audio_p50", "first_audio_p95", "rtf"):
         assert row[key] is not None and row[key] > 0
     assert "largest_level_without_underrun" in data["comparison"]
+    assert "largest_level_meeting_target" in data["comparison"]
     root = ET.fromstring(svg.read_text())
     assert len(root.findall(f"{SVG}polyline")) == 0  # one level each: markers only
     assert len(root.findall(f"{SVG}circle")) == 4  # product/baseline x p50/p95
