@@ -116,7 +116,8 @@ def _is_abbreviation(buf: str, dot: int) -> bool:
 
 # Marks that may end a segment eagerly; ":" is left out ("http:" + "//...").
 _EAGER_MARKS = frozenset(".!?;…,") | _CJK_SENTENCE | frozenset("，、")
-# Characters in a word that make a trailing "." part of an address, not a sentence end.
+# Characters in a word that make a mark right after it part of an address ("a.b/c?x=1"),
+# which the next character may continue.
 _ADDRESS_CHARS = frozenset("/@:\\_=&#%")
 
 
