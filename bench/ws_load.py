@@ -29,7 +29,9 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 -> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
 `opening_chunk_phases_ms`: the same for each context's first segment only, the one
-`first_audio_ms` measures).
+`first_audio_ms` measures), and with `--engine.lm-timing true` vLLM's own account of the
+LM requests (`lm_server_ms`: queued and prefill in its engine core, its time to first
+token, its decode time per token).
 
 Speech length. Random weights never stop speaking, so the gateway generates a fixed
 number of speech tokens per text token (`--engine.tokens-per-text-token`). The bench
@@ -617,6 +619,36 @@ def loop_lag_summary(after: dict[str, float], before: dict[str, float], window: 
             "cpu_ms_per_audio_s": round(1e3 * cpu / audio_s, 3) if audio_s > 0 else None}
 
 
+def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -> dict[str, float] | None:
+    """Mean phases (ms) of the first chunks of `kind` ("first_chunk": every utterance's;
+    "opening_chunk": sessions' first utterances only) between two scrapes, from the
+    engine's summed counters; None when there were none."""
+    count = _delta(after, before, f"cosyvoice_engine_{kind}s_total")
+    if count <= 0:
+        return None
+    return ({name: round(1e3 * _delta(after, before, key.replace("first_chunk", kind)) / count, 3)
+             for name, key in FIRST_CHUNK_PHASES.items()}
+            | {"utterances": int(count),
+               "tokens": round(_delta(after, before, f"cosyvoice_engine_{kind}_tokens_total") / count, 2)})
+
+
+def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float | None] | None:
+    """vLLM's own account of the LM requests between two scrapes (a gateway run with
+    --engine.lm-timing true), means in ms: queued and prefill in its engine core, its own
+    time to first token, and its decode time per token; None without those counters."""
+    m = "cosyvoice_engine_lm_server_"
+    requests, first = _delta(after, before, m + "requests_total"), _delta(after, before, m + "first_tokens_total")
+    if requests <= 0 or first <= 0:
+        return None
+    tokens = _delta(after, before, m + "decode_tokens_total")
+    return {"queued": round(1e3 * _delta(after, before, m + "queued_seconds_total") / requests, 3),
+            "prefill": round(1e3 * _delta(after, before, m + "prefill_seconds_total") / requests, 3),
+            "first_token": round(1e3 * _delta(after, before, m + "first_token_seconds_total") / first, 3),
+            "decode_per_token": round(1e3 * _delta(after, before, m + "decode_seconds_total") / tokens, 3)
+            if tokens > 0 else None,
+            "requests": int(requests)}
+
+
 def level_report(n: int, results: Sequence[SessionResult], connect_errors: Sequence[str], wall: float,
                  before: dict[str, float], idle: dict[str, float], peaks: dict[str, float],
                  after: dict[str, float], ctx: BenchContext) -> dict[str, Any]:
@@ -649,17 +681,6 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "lm_kv_estimate_per_session_mb": _mb(ctx.flops.kv_bytes_per_token * ctx.kv_tokens_per_session)
         if ctx.flops is not None and ctx.kv_tokens_per_session else None,
     }
-    def chunk_phases(kind: str) -> dict[str, float] | None:
-        """Mean phases of the first chunks of `kind` ("first_chunk": every utterance's;
-        "opening_chunk": sessions' first utterances only) over this level, from the
-        engine's summed counters."""
-        count = _delta(after, before, f"cosyvoice_engine_{kind}s_total")
-        if count <= 0:
-            return None
-        return ({name: round(1e3 * _delta(after, before, key.replace("first_chunk", kind)) / count, 3)
-                 for name, key in FIRST_CHUNK_PHASES.items()}
-                | {"utterances": int(count),
-                   "tokens": round(_delta(after, before, f"cosyvoice_engine_{kind}_tokens_total") / count, 2)})
     return {
         "sessions": n,
         "completed": sum(1 for r in results if r.completed),
@@ -669,9 +690,12 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "segment_first_audio_ms": summary_ms([x for r in results for x in r.segment_first_audio_s]),
         # Server side, mean per utterance (segment): text in -> first speech token -> first
         # chunk's tokens queued -> its stage batch starts -> its audio is back.
-        "first_chunk_phases_ms": chunk_phases("first_chunk"),
+        "first_chunk_phases_ms": chunk_phases(after, before, "first_chunk"),
         # The same for each session's first segment only: the one `first_audio_ms` counts.
-        "opening_chunk_phases_ms": chunk_phases("opening_chunk"),
+        "opening_chunk_phases_ms": chunk_phases(after, before, "opening_chunk"),
+        # Inside the LM server (vLLM with --engine.lm-timing true; None otherwise), to set
+        # against the phases' lm_first_token: what of it was vLLM's queue and prefill.
+        "lm_server_ms": lm_server_ms(after, before),
         "chunk_gap_ms": summary_ms([g for r in results for g in r.gaps_s], qs=(50, 99)),
         "underruns": sum(r.underruns for r in results),
         "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
@@ -846,7 +870,8 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"by segment {lv['underruns_by_segment']}) "
               f"rtf={lv['rtf']} "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
-              f"first segments' (ms)={lv['opening_chunk_phases_ms']}", flush=True)
+              f"first segments' (ms)={lv['opening_chunk_phases_ms']} lm server (ms)={lv['lm_server_ms']}",
+              flush=True)
 
 
 def nvml_index() -> int:

@@ -115,6 +115,10 @@ class EngineConfig:
     # vLLM's async scheduling runs one step ahead; a paused streaming-input (bistream)
     # request then leaks one token sampled past its fill, so bistream needs it off.
     vllm_async_scheduling: bool = False
+    # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
+    # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.
+    # Costs vLLM's per-step statistics in the gateway process, hence off by default.
+    lm_timing: bool = False
     # Sequences the LM decodes together (torch backend: per step; vLLM: max_num_seqs);
     # utterances beyond it wait for a slot.
     lm_max_batch: int = 256

@@ -160,6 +160,15 @@ class EngineStats:
     opening_chunk_stage_wait_seconds: float = 0.0
     opening_chunk_stage_seconds: float = 0.0
     opening_chunk_tokens: int = 0
+    # The LM server's own timings, summed (`engine.backends.lm_times`; vLLM with
+    # EngineConfig.lm_timing, else zeros).
+    lm_server_requests: int = 0
+    lm_server_queued_seconds: float = 0.0
+    lm_server_prefill_seconds: float = 0.0
+    lm_server_decode_seconds: float = 0.0
+    lm_server_decode_tokens: int = 0
+    lm_server_first_tokens: int = 0
+    lm_server_first_token_seconds: float = 0.0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
     # own process is not included.
@@ -320,6 +329,7 @@ class Engine:
                 max_model_len=config.vllm_max_model_len,
                 max_num_seqs=config.lm_max_batch,
                 async_scheduling=config.vllm_async_scheduling,
+                timing=config.lm_timing,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")
@@ -464,6 +474,7 @@ class Engine:
             prompt_cache_bytes=st.prompt_cache_bytes,
             **self.first_chunk_times.stats_fields(),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
+            **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **_cuda_memory(self.device),
         )
 

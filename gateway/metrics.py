@@ -28,7 +28,9 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "prompt_cache_hits", "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",
      "first_chunk_stage_wait_seconds", "first_chunk_stage_seconds", "first_chunk_tokens",
      "opening_chunks", "opening_chunk_lm_first_token_seconds", "opening_chunk_lm_decode_seconds",
-     "opening_chunk_stage_wait_seconds", "opening_chunk_stage_seconds", "opening_chunk_tokens"}
+     "opening_chunk_stage_wait_seconds", "opening_chunk_stage_seconds", "opening_chunk_tokens",
+     "lm_server_requests", "lm_server_queued_seconds", "lm_server_prefill_seconds", "lm_server_decode_seconds",
+     "lm_server_decode_tokens", "lm_server_first_tokens", "lm_server_first_token_seconds"}
 )
 
 FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)

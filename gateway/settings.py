@@ -135,6 +135,11 @@ class EngineSettings:
         default=False,
         metadata=_help("vLLM: schedule one step ahead (faster decode; text_mode 'stream' contexts are then refused)"),
     )
+    lm_timing: bool = field(
+        default=False,
+        metadata=_help("keep vLLM's own timings of its requests (queued, prefill, decode, time to first token) as "
+                       "cosyvoice_engine_lm_server_* metrics; costs vLLM's per-step statistics in this process"),
+    )
     devices: tuple[str, ...] = field(
         default=(),
         metadata=_help("one engine per device, sessions on the least-loaded, e.g. cuda:0,cuda:1 "

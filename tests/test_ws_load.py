@@ -21,8 +21,10 @@ from bench.ws_load import (
     SessionRecord,
     analyse,
     calibrated_tokens_per_text_token,
+    chunk_phases,
     compare,
     largest_clean_level,
+    lm_server_ms,
     main,
     split_tokens,
 )
@@ -179,6 +181,26 @@ def test_compare_product_and_baseline() -> None:
     assert largest_clean_level([_level(4, 1, 1, 1, completed=3)]) is None  # a lost session is not clean
 
 
+def test_server_breakdowns_from_counter_deltas() -> None:
+    m = "cosyvoice_engine_"
+    before = {m + "first_chunks_total": 2, m + "first_chunk_stage_seconds_total": 0.5}
+    after = {m + "first_chunks_total": 6, m + "first_chunk_stage_seconds_total": 1.3,
+             m + "first_chunk_tokens_total": 40, m + "opening_chunks_total": 2, m + "opening_chunk_stage_seconds_total": 0.2,
+             m + "opening_chunk_tokens_total": 16,
+             m + "lm_server_requests_total": 4, m + "lm_server_queued_seconds_total": 0.04,
+             m + "lm_server_prefill_seconds_total": 0.08, m + "lm_server_first_tokens_total": 5,
+             m + "lm_server_first_token_seconds_total": 0.5, m + "lm_server_decode_seconds_total": 0.9,
+             m + "lm_server_decode_tokens_total": 300}
+    first = chunk_phases(after, before, "first_chunk")
+    assert first is not None and first["utterances"] == 4 and first["stage"] == 200.0 and first["tokens"] == 10.0
+    opening = chunk_phases(after, before, "opening_chunk")
+    assert opening is not None and opening["utterances"] == 2 and opening["stage"] == 100.0 and opening["lm_decode"] == 0
+    assert chunk_phases(before, before, "first_chunk") is None  # none in the window
+    lm = lm_server_ms(after, before)
+    assert lm == {"queued": 10.0, "prefill": 20.0, "first_token": 100.0, "decode_per_token": 3.0, "requests": 4}
+    assert lm_server_ms(before, before) is None  # a gateway without --engine.lm-timing
+
+
 # ---- text and speech length -------------------------------------------------------------
 
 
@@ -258,6 +280,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert sum(ph[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \
             <= lv["segment_first_audio_ms"]["max"]
         # The first segments' own breakdown: one utterance per session, within its first audio.
+        assert lv["lm_server_ms"] is None  # the torch backend keeps no server timings
         op = lv["opening_chunk_phases_ms"]
         assert op["utterances"] == lv["first_audio_ms"]["n"] == 2, op
         assert sum(op[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \

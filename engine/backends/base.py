@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 if TYPE_CHECKING:
+    from engine.backends.lm_times import LMServerTimes
     from engine.bistream import BistreamRequest
 
 
@@ -72,6 +73,11 @@ class LMBackend(Protocol):
 
     def num_active(self) -> int:
         """Requests currently holding a slot (for metrics and tests)."""
+        ...
+
+    def server_times(self) -> "LMServerTimes | None":
+        """The LM server's own timings of its requests, when it keeps them (vLLM with
+        `lm_timing`), else None."""
         ...
 
     async def close(self) -> None:

@@ -215,6 +215,9 @@ class TorchLMBackend:
     def num_active(self) -> int:
         return len(self._active)
 
+    def server_times(self) -> None:
+        return None  # its requests' times are the engine's own
+
     def num_pending(self) -> int:
         return len(self._pending)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from engine.backends.base import LMRequest, SamplingParams
+from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
 from engine.backends.ras_logits import RASArgs
 from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run
 from engine.models.vocab import UnifiedVocab
@@ -53,6 +54,8 @@ class VLLMEngineSettings:
     # False: text-in streaming is exact (see the module docstring). True (vLLM's own
     # default) overlaps scheduling with the GPU step; generate_streaming then refuses.
     async_scheduling: bool = False
+    # Keep vLLM's engine-core timings of every request (`engine.backends.lm_times`).
+    timing: bool = False
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -167,7 +170,7 @@ class VLLMBackend:
     def __init__(self, export_dir: Path | str, vocab: UnifiedVocab, *,
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
                  max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
-                 dtype: str = "bfloat16", async_scheduling: bool = False) -> None:
+                 dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -176,7 +179,8 @@ class VLLMBackend:
         self.settings = VLLMEngineSettings(gpu_memory_utilization=gpu_memory_utilization,
                                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                            enforce_eager=enforce_eager, seed=seed, dtype=dtype,
-                                           async_scheduling=async_scheduling)
+                                           async_scheduling=async_scheduling, timing=timing)
+        self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
         self._aborted: set[str] = set()
@@ -203,9 +207,11 @@ class VLLMBackend:
             async_scheduling=s.async_scheduling,
             # By name: the engine core (a child process) imports it itself.
             logits_processors=[LOGITS_PROCESSOR_FQCN],
+            # With `timing` our logger is the only one (vLLM's periodic log lines stay off).
             disable_log_stats=True,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
 
     def _params(self, sp: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
@@ -375,6 +381,9 @@ class VLLMBackend:
 
     def num_active(self) -> int:
         return len(self._active)
+
+    def server_times(self) -> LMServerTimes | None:
+        return self._times
 
     async def close(self) -> None:
         if self._llm is None:
