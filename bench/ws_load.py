@@ -850,12 +850,25 @@ async def _warm(target: Target, ctx: BenchContext) -> None:
     await s.close()
 
 
+START_STEPS = ("load", "lm", "stage", "warmup")  # EngineStats.start_<step>_seconds
+
+
 async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, warm: bool,
-                     out: list[dict[str, Any]], on_level: Callable[[], None] = lambda: None) -> None:
+                     out: list[dict[str, Any]], on_level: Callable[[], None] = lambda: None,
+                     start: dict[str, Any] | None = None) -> None:
     """Run every level against `target`, appending to `out` (and calling `on_level`
-    after each, so that a run cut short still leaves its finished levels)."""
+    after each, so that a run cut short still leaves its finished levels). `start`
+    receives how the gateway's start went: the engine's steps and the bench voice's
+    registration (it captures the voice's flow graphs), in seconds."""
     async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=120) as client:
+        t0 = time.perf_counter()
         await ensure_voice(client, ctx.voice_id)
+        if start is not None:
+            start["voice_s"] = round(time.perf_counter() - t0, 1)
+            metrics = await scrape(client)
+            start |= {step: round(metrics[f"cosyvoice_engine_start_{step}_seconds"], 1)
+                      for step in START_STEPS if f"cosyvoice_engine_start_{step}_seconds" in metrics}
+            print(f"[{target.name}] start (s): {start}", flush=True)
     if warm:
         await _warm(target, ctx)
     for n in levels:
@@ -1051,7 +1064,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 await flops_ready()
                 target = Target(name, gw.url, headers, gw.pid)
                 report["settings"].setdefault("launch_commands", {})[name] = gw.command
-                await run_target(target, lv, ctx, not args.no_warm, report["results"][name], save)
+                start = report["settings"].setdefault("start_s", {}).setdefault(name, {})
+                await run_target(target, lv, ctx, not args.no_warm, report["results"][name], save, start)
             finally:
                 await asyncio.to_thread(gw.stop)
 

@@ -169,6 +169,14 @@ class EngineStats:
     lm_server_decode_tokens: int = 0
     lm_server_first_tokens: int = 0
     lm_server_first_token_seconds: float = 0.0
+    # How long the engine's start took, by step (`Engine.create`): loading the model
+    # directory, starting the LM backend (vLLM: its engine core's compile and graphs),
+    # building and starting the audio stage, and the warm-up (the flow's compile, its
+    # graphs for the warm-up voice, syntheses).
+    start_load_seconds: float = 0.0
+    start_lm_seconds: float = 0.0
+    start_stage_seconds: float = 0.0
+    start_warmup_seconds: float = 0.0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
     # own process is not included.
@@ -201,6 +209,19 @@ class FirstChunkTimes:
         return {f"{name}s": self.count, f"{name}_lm_first_token_seconds": self.lm_first_token,
                 f"{name}_lm_decode_seconds": self.lm_decode, f"{name}_stage_wait_seconds": self.stage_wait,
                 f"{name}_stage_seconds": self.stage, f"{name}_tokens": self.tokens}
+
+
+@dataclass
+class StartClock:
+    """Seconds per step of an engine's start, in order (the steps' names are the keys)."""
+
+    laps: dict[str, float] = field(default_factory=dict)
+    _last: float = field(default_factory=time.monotonic)
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
@@ -273,6 +294,9 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self.first_chunk_times = FirstChunkTimes()
+        # How long each step of `create` took (StartClock.laps); empty for an engine built
+        # another way (tests).
+        self.start_seconds: dict[str, float] = {}
         self.opening_chunk_times = FirstChunkTimes()  # of sessions' first utterances only
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin)
         self._sessions: set[Session] = set()
@@ -292,6 +316,7 @@ class Engine:
         device = config.resolved_device()
         backend_name = config.resolved_backend()
         model_dir = Path(config.model_dir)
+        clock = StartClock()
 
         def build() -> tuple[LoadedModel, object, object]:
             model = load_model(model_dir, load_lm=(backend_name == "torch"))
@@ -307,6 +332,7 @@ class Engine:
             return model, tok, feat
 
         model, tok, feat = await asyncio.to_thread(build)
+        clock.lap("load")
         vocab = unified_vocab(model.config.lm)
         backend: LMBackend
         if backend_name == "torch":
@@ -334,12 +360,18 @@ class Engine:
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")
         await backend.start()
+        clock.lap("lm")
         stage = build_stage(model, device, config)
         await stage.start()
+        clock.lap("stage")
         engine = cls(config, model, backend, stage, tok, feat, device)
         if config.warmup:
             await engine._warmup()
+        clock.lap("warmup")
         engine.ready = True
+        engine.start_seconds = clock.laps
+        log.info("engine ready in %.1f s (%s)", sum(clock.laps.values()),
+                 ", ".join(f"{k} {v:.1f} s" for k, v in clock.laps.items()))
         return engine
 
     async def _warmup(self) -> None:
@@ -475,6 +507,7 @@ class Engine:
             **self.first_chunk_times.stats_fields(),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
+            **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},
             **_cuda_memory(self.device),
         )
 
