@@ -850,7 +850,7 @@ async def _warm(target: Target, ctx: BenchContext) -> None:
     await s.close()
 
 
-START_STEPS = ("load", "lm", "stage", "warmup")  # EngineStats.start_<step>_seconds
+START_STEPS = ("load", "lm", "stage", "voice", "warmup")  # EngineStats.start_<step>_seconds
 
 
 async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, warm: bool,

@@ -106,6 +106,11 @@ class EngineConfig:
     stage_devices: tuple[str, ...] = ()
     text_normalization: bool = True
     warmup: bool = True
+    # Start the LM backend while the audio stage is built and the flow warmed (vLLM's
+    # engine core compiles in its own process meanwhile). Off: one after the other, as
+    # measured so far. On the GPU, vLLM then sizes its KV cache while this process
+    # allocates the flow's graphs; not yet run on the device.
+    overlap_start: bool = False
     # Warm-up then also runs this many utterances at once (at most max_gpu_batch): batches
     # of several chunks give the stage's round-time fit (`engine.first_chunk`) a slope
     # before the first load. 64 would also compile the shapes of a full batch at start.

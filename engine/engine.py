@@ -170,12 +170,14 @@ class EngineStats:
     lm_server_first_tokens: int = 0
     lm_server_first_token_seconds: float = 0.0
     # How long the engine's start took, by step (`Engine.create`): loading the model
-    # directory, starting the LM backend (vLLM: its engine core's compile and graphs),
-    # building and starting the audio stage, and the warm-up (the flow's compile, its
-    # graphs for the warm-up voice, syntheses).
+    # directory, starting the LM backend (vLLM: its engine core's compile and graphs; with
+    # EngineConfig.overlap_start the wait left after the stage and voice steps), building
+    # and starting the audio stage, the warm-up voice (the flow's compile and its graphs)
+    # and the warm-up syntheses.
     start_load_seconds: float = 0.0
     start_lm_seconds: float = 0.0
     start_stage_seconds: float = 0.0
+    start_voice_seconds: float = 0.0
     start_warmup_seconds: float = 0.0
     # torch's CUDA allocator on the engine's device (0 on CPU): what the flow, vocoder
     # and an in-process LM hold now and at most since start. A vLLM engine core in its
@@ -356,17 +358,35 @@ class Engine:
                 max_num_seqs=config.lm_max_batch,
                 async_scheduling=config.vllm_async_scheduling,
                 timing=config.lm_timing,
+                start_in_thread=config.overlap_start,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")
-        await backend.start()
-        clock.lap("lm")
-        stage = build_stage(model, device, config)
-        await stage.start()
-        clock.lap("stage")
-        engine = cls(config, model, backend, stage, tok, feat, device)
-        if config.warmup:
-            await engine._warmup()
+        if not config.overlap_start:
+            await backend.start()
+            clock.lap("lm")
+        # With overlap_start the LM starts (vLLM: its engine core compiles and captures in
+        # its own process) while the audio stage is built and the flow warmed on the
+        # warm-up voice, which need no LM; "lm" is then the wait left after those.
+        lm_start = asyncio.create_task(backend.start()) if config.overlap_start else None
+        try:
+            stage = build_stage(model, device, config)
+            await stage.start()
+            clock.lap("stage")
+            engine = cls(config, model, backend, stage, tok, feat, device)
+            voice = await engine._warmup_voice() if config.warmup else None
+            clock.lap("voice")
+            if lm_start is not None:
+                await lm_start
+                clock.lap("lm")
+        except BaseException:
+            if lm_start is not None:  # a started LM (vLLM: a child process) must not outlive this
+                with contextlib.suppress(BaseException):
+                    await lm_start
+                await backend.close()
+            raise
+        if voice is not None:
+            await engine._warmup(voice)
         clock.lap("warmup")
         engine.ready = True
         engine.start_seconds = clock.laps
@@ -374,11 +394,15 @@ class Engine:
                  ", ".join(f"{k} {v:.1f} s" for k, v in clock.laps.items()))
         return engine
 
-    async def _warmup(self) -> None:
+    async def _warmup_voice(self) -> VoicePrompt:
+        """The warm-up voice; preparing it compiles the flow and captures its graphs."""
         sr = self.sample_rate
         t = np.arange(int(3.0 * sr)) / sr
         wav = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-        voice = await self.prepare_voice("__warmup__", wav, sr, "Warm up.")
+        return await self.prepare_voice("__warmup__", wav, sr, "Warm up.")
+
+    async def _warmup(self, voice: VoicePrompt) -> None:
+        """Syntheses with the warm-up voice through the whole engine."""
         opts = SessionOptions(tokens_per_text_token=4.0, seed=0)
         await self.synthesize("Warm up.", voice, opts)
         # Several at once too (EngineConfig.warmup_concurrency): batches of more than one

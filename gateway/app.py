@@ -87,6 +87,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         lm_max_batch=e.lm_max_batch,
         text_normalization=e.text_normalization,
         warmup=e.warmup,
+        overlap_start=e.overlap_start,
         warmup_concurrency=e.warmup_concurrency,
         vllm_gpu_memory_utilization=e.vllm_gpu_memory_utilization,
         vllm_max_model_len=e.vllm_max_model_len,

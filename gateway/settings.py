@@ -124,6 +124,11 @@ class EngineSettings:
                                                           "vLLM: max_num_seqs); more utterances wait"))
     text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))
     warmup: bool = field(default=True, metadata=_help("run one synthesis at start before /ready turns true"))
+    overlap_start: bool = field(
+        default=False,
+        metadata=_help("start the LM (vLLM's engine core) while the audio stage is built and the flow warmed, "
+                       "instead of one after the other (not yet measured on a GPU)"),
+    )
     warmup_concurrency: int = field(
         default=8,
         metadata=_help("warm-up then also runs this many syntheses at once (at most max_gpu_batch): batch round "

@@ -268,7 +268,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
                                     "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false"]
     assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
     for start in st["start_s"].values():  # the engine's start by step, and the voice's registration
-        assert set(start) == {"voice_s", "load", "lm", "stage", "warmup"} and start["load"] > 0, start
+        assert set(start) == {"voice_s", "load", "lm", "stage", "voice", "warmup"} and start["load"] > 0, start
     for mode in ("product", "baseline"):
         (lv,) = data["results"][mode]
         assert lv["sessions"] == 2 and lv["completed"] == 2 and lv["errors"] == 0, lv

@@ -26,6 +26,8 @@ bistream layout (fill is never fed); that was the "expected forced id 6564, got
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,10 @@ class VLLMEngineSettings:
     async_scheduling: bool = False
     # Keep vLLM's engine-core timings of every request (`engine.backends.lm_times`).
     timing: bool = False
+    # Build AsyncLLM in a worker thread, so that the event loop runs other start-up work
+    # while vLLM's engine core starts (EngineConfig.overlap_start). AsyncLLM starts its
+    # output tasks on first use when built outside a running loop.
+    start_in_thread: bool = False
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -170,7 +176,8 @@ class VLLMBackend:
     def __init__(self, export_dir: Path | str, vocab: UnifiedVocab, *,
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
                  max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
-                 dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False) -> None:
+                 dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False,
+                 start_in_thread: bool = False) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -179,7 +186,8 @@ class VLLMBackend:
         self.settings = VLLMEngineSettings(gpu_memory_utilization=gpu_memory_utilization,
                                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                            enforce_eager=enforce_eager, seed=seed, dtype=dtype,
-                                           async_scheduling=async_scheduling, timing=timing)
+                                           async_scheduling=async_scheduling, timing=timing,
+                                           start_in_thread=start_in_thread)
         self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
@@ -211,7 +219,8 @@ class VLLMBackend:
             disable_log_stats=True,
         )
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
+        self._llm = await asyncio.to_thread(build) if s.start_in_thread else build()
 
     def _params(self, sp: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
