@@ -369,6 +369,8 @@ class Engine:
         # its own process) while the audio stage is built and the flow warmed on the
         # warm-up voice, which need no LM; "lm" is then the wait left after those.
         lm_start = asyncio.create_task(backend.start()) if config.overlap_start else None
+        stage: AudioStage | StagePool | None = None
+        engine: Engine | None = None
         try:
             stage = build_stage(model, device, config)
             await stage.start()
@@ -377,17 +379,26 @@ class Engine:
             voice = await engine._warmup_voice() if config.warmup else None
             clock.lap("voice")
             if lm_start is not None:
-                await lm_start
+                # Shielded: cancelling the start must not cancel the wait for vLLM's
+                # engine core, which a worker thread builds whatever happens here.
+                await asyncio.shield(lm_start)
                 clock.lap("lm")
+            if voice is not None:
+                await engine._warmup(voice)
+            clock.lap("warmup")
         except BaseException:
-            if lm_start is not None:  # a started LM (vLLM: a child process) must not outlive this
+            # What started must not outlive a failed start (vLLM: a child process).
+            if lm_start is not None:
                 with contextlib.suppress(BaseException):
                     await lm_start
-                await backend.close()
+            with contextlib.suppress(Exception):
+                if engine is not None:
+                    await engine.close()
+                else:
+                    if stage is not None:
+                        await stage.close()
+                    await backend.close()
             raise
-        if voice is not None:
-            await engine._warmup(voice)
-        clock.lap("warmup")
         engine.ready = True
         engine.start_seconds = clock.laps
         log.info("engine ready in %.1f s (%s)", sum(clock.laps.values()),

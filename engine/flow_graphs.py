@@ -57,7 +57,10 @@ class GraphPolicy:
     batch_buckets: tuple[int, ...] = BATCH_BUCKETS
     frame_multiple: int = 50
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
-    max_graphs: int = 96  # a voice needs ~7 row x ~7 frame buckets (x its prefix width bucket)
+    # A voice needs ~7 row x ~7 frame buckets, with one-voice and per-row prefix kinds
+    # (~90 in all), per prefix width bucket; graphs share one memory pool, so more of them
+    # cost capture time at start, not memory per graph.
+    max_graphs: int = 192
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
     # Batches decoded from the flow prompt cache get graphs up to this many rows and this
     # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full
@@ -84,8 +87,8 @@ class GraphPolicy:
         their exact row count. Graphs pay mostly at small batches (launch-bound), while a
         large batch padded to the next power of two can cost up to ~2x the compute, so
         capping the buckets trades the small graph gain for no row padding. `max_rows`
-        itself becomes a bucket, so every batch of up to `max_rows` rows still has one;
-        0 means no graphs at all."""
+        itself becomes a bucket (batches that fill too little of a bucket above
+        `fill_free_rows` still run eagerly); 0 means no graphs at all."""
         if max_rows < 0:
             raise ValueError("max_rows must be >= 0")
         kept = {b for b in self.batch_buckets if b <= max_rows}

@@ -116,6 +116,8 @@ def _is_abbreviation(buf: str, dot: int) -> bool:
 
 # Marks that may end a segment eagerly; ":" is left out ("http:" + "//...").
 _EAGER_MARKS = frozenset(".!?;…,") | _CJK_SENTENCE | frozenset("，、")
+# CJK marks that never sit inside a number ("．" does: "３．１４").
+_CJK_NOT_DECIMAL = (_CJK_SENTENCE | _CJK_CLAUSE) - {"．"}
 # Characters in a word that make a mark right after it part of an address ("a.b/c?x=1"),
 # which the next character may continue.
 _ADDRESS_CHARS = frozenset("/@:\\_=&#%")
@@ -125,9 +127,11 @@ def _eager_end(buf: str, i: int) -> bool:
     """Whether the mark run ``buf[i:]`` (closing the buffer) is a boundary as long as a
     whitespace would follow: the one case the next character could still veto is left
     to it (digits, abbreviations, addresses, a ".." that may grow to "...")."""
+    marks = [c for c in buf[i:] if c not in _CLOSERS]
+    if buf[i] in _CJK_NOT_DECIMAL:
+        return i > 0  # no decimal point or address part: "共3。" ends there
     if i == 0 or not (buf[i - 1].isalpha() or buf[i - 1] in _CLOSERS):
         return False  # "3." may become "3.5", "1," "1,000"
-    marks = [c for c in buf[i:] if c not in _CLOSERS]
     if any(c not in _EAGER_MARKS for c in marks) or marks == [".", "."]:
         return False
     start = i

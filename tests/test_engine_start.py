@@ -61,3 +61,44 @@ def test_a_failed_overlapped_start_closes_the_started_lm(tiny_model_dir: Path, m
         asyncio.run(Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch",
                                                overlap_start=True)))
     assert closed == [True]
+
+
+def test_a_cancelled_overlapped_start_closes_the_lm_once_it_is_up(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled while the LM is still starting (vLLM: built in a worker thread that cannot
+    be stopped), the start waits for it and closes it rather than leave it running."""
+    closed: list[bool] = []
+    real_start, real_close = TorchLMBackend.start, TorchLMBackend.close
+    real_voice = Engine._warmup_voice
+
+    async def main() -> None:
+        began, release, warmed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def warmup_voice(self: Engine):  # type: ignore[no-untyped-def]
+            voice = await real_voice(self)
+            warmed.set()  # from here `create` runs on to its wait for the LM, and stops there
+            return voice
+
+        async def slow_start(self: TorchLMBackend) -> None:
+            began.set()
+            await release.wait()
+            await real_start(self)
+
+        async def close(self: TorchLMBackend) -> None:
+            closed.append(self._task is not None)  # it had started
+            await real_close(self)
+
+        monkeypatch.setattr(TorchLMBackend, "start", slow_start)
+        monkeypatch.setattr(TorchLMBackend, "close", close)
+        monkeypatch.setattr(Engine, "_warmup_voice", warmup_voice)
+        create = asyncio.create_task(Engine.create(EngineConfig(
+            model_dir=tiny_model_dir, device="cpu", lm_backend="torch", overlap_start=True)))
+        await began.wait()
+        await warmed.wait()
+        create.cancel()
+        release.set()  # the LM comes up only after the cancellation
+        with pytest.raises(asyncio.CancelledError):
+            await create
+
+    asyncio.run(main())
+    assert closed == [True]

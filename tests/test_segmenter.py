@@ -132,6 +132,8 @@ def test_eager_end_cuts_at_an_append_that_closes_a_sentence() -> None:
     assert seg.push(" Then J.") == []  # an initial
     assert texts(seg.push(" Smith said no;")) == [" Then J. Smith said no;"]
     assert texts(seg.push(" 你好。")) == [" 你好。"]
+    assert texts(seg.push("共3。")) == ["共3。"]  # a fullwidth stop after a digit is no decimal point
+    assert seg.push("价格３．") == []  # but "．" can be one: "３．１４"
 
 
 def test_eager_first_segment_at_a_clause_mark() -> None:
