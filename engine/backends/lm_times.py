@@ -33,7 +33,8 @@ class LMServerTimes:
     decode_seconds: float = 0.0  # first token -> last token
     decode_tokens: int = 0  # tokens after the first
     # vLLM's own time to first token (its front end: the request's arrival -> the first
-    # token handled there), summed over the requests whose first token came.
+    # token handled there), summed over the requests whose first token came. A text-in
+    # streaming request may count once per text chunk it resumes with (each is a prefill).
     first_tokens: int = 0
     first_token_seconds: float = 0.0
 
