@@ -458,11 +458,13 @@ class Engine:
             return 0
         self._warmed_prompts.add(P)
         cfg, look = self.config, self.model.config.flow.pre_lookahead_len
-        # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
-        # tokens (a final chunk takes whatever is left); the runner pads them into buckets.
-        shapes: list[tuple[int, ...]] = list(prompt_shapes(
-            P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1), left_context=cfg.flow_left_context))
         cached, policy = self._cached_prompt_frames(P), graph_policy(cfg)
+        # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
+        # tokens (a final chunk takes whatever is left), at every row bucket the policy has
+        # (with flow_graph_max_rows 12, say, 12 is one); the runner pads them into buckets.
+        shapes: list[tuple[int, ...]] = list(prompt_shapes(
+            P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1), left_context=cfg.flow_left_context,
+            rows=policy.batch_buckets))
         if cached and policy.prefix_bucket(cached) <= policy.prefix_max_frames:
             # From the prompt cache the ODE runs over the frames after the cached prefix.
             shapes = [(rows, frames - cached, cached) for rows, frames in shapes]

@@ -102,3 +102,29 @@ def test_a_cancelled_overlapped_start_closes_the_lm_once_it_is_up(tiny_model_dir
 
     asyncio.run(main())
     assert closed == [True]
+
+
+@pytest.mark.parametrize("max_rows", [12, 64])
+def test_a_voice_warms_every_row_bucket_of_the_policy(tiny_model_dir: Path, max_rows: int) -> None:
+    """Registering a voice captures its graphs at the policy's own row buckets, so a cap
+    that is no power of two (12) is warmed too, not first captured under load."""
+    async def main() -> set[int]:
+        engine = await Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch",
+                                                  warmup=False, flow_graph_max_rows=max_rows))
+        shapes: list[tuple[int, ...]] = []
+
+        async def warm_graphs(batch: list[tuple[int, ...]]) -> int:
+            shapes.extend(batch)
+            return len(batch)
+
+        engine.stage.warm_graphs = warm_graphs  # type: ignore[method-assign]
+        try:
+            await default_voice(engine)
+        finally:
+            await engine.close()
+        return {s[0] for s in shapes}
+
+    rows = asyncio.run(main())
+    assert rows == set(engine_mod.graph_policy(EngineConfig(model_dir=tiny_model_dir,
+                                                             flow_graph_max_rows=max_rows)).batch_buckets)
+    assert max_rows in rows
