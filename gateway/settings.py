@@ -196,8 +196,9 @@ class Settings:
     voices: VoiceLimits = field(default_factory=VoiceLimits)
 
     def __post_init__(self) -> None:
-        # CPython turns values outside about a microsecond .. minutes into 0 (switch as
-        # often as it can): refuse them, and NaN, rather than get the opposite of the ask.
+        # CPython turns values below a microsecond, and huge ones (inf, 1e30), into 0 (switch
+        # as often as it can): keep to a sane range, and refuse NaN, rather than get the
+        # opposite of the ask.
         if not 0.01 <= self.gil_switch_interval_ms <= 1000:
             raise ValueError("gil_switch_interval_ms must be within [0.01, 1000]")
 
