@@ -67,6 +67,17 @@ class EngineConfig:
     # above). Exact; CosyVoice3 only.
     flow_prompt_cache: bool = True
     flow_prompt_cache_bytes: int = 4 << 30  # per stage (GPU); least recently used voices go first
+    # Keep each utterance's final flow frames as DiT keys/values (`engine.flow_context_cache`)
+    # so that its next chunk computes only its new frames, attending to the cached prompt
+    # and the last 2 x flow_left_context frames it kept, at absolute positions: a sliding
+    # window over the official whole-prefix decode (exact when the window covers the
+    # utterance), not the recomputed window's arithmetic, so the audio changes slightly.
+    # Bytes of its pool per stage (~180 MB per utterance at full size in bf16 with the
+    # default left context); 0 = off. Needs the prompt cache; CosyVoice3 only. It runs in
+    # eager calls and one-voice graphs; a batch mixing voices below flow_context_min_rows
+    # chunks (a per-row prefix graph) runs without it and ends its utterances' use of it.
+    flow_context_cache_bytes: int = 0
+    flow_context_min_rows: int = 16
     # Run a flow batch whose chunks differ much in length as up to three calls of similar
     # lengths (`engine.token2wav.split_by_length`): under staggered arrivals a batch mixes
     # first chunks (~50 frames) with later ones (~300) and a single call pads every row to
@@ -152,6 +163,10 @@ class EngineConfig:
             raise ValueError("flow_graph_max_rows and flow_graph_shared_rows must be >= 0")
         if self.flow_prompt_cache_bytes < 0:
             raise ValueError("flow_prompt_cache_bytes must be >= 0")
+        if self.flow_context_cache_bytes < 0 or self.flow_context_min_rows < 1:
+            raise ValueError("flow_context_cache_bytes must be >= 0 and flow_context_min_rows >= 1")
+        if self.flow_context_cache_bytes > 0 and self.flow_left_context <= 0:
+            raise ValueError("flow_context_cache_bytes needs a bounded flow_left_context (> 0 tokens)")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -139,6 +139,11 @@ class EngineStats:
     # and the bytes it holds.
     prompt_cache_hits: int = 0
     prompt_cache_bytes: int = 0
+    # The flow's per-utterance context cache (engine.flow_context_cache): chunks that read
+    # their kept frames, chunks whose frames were kept, and the bytes of its pool.
+    context_reads: int = 0
+    context_records: int = 0
+    context_bytes: int = 0
     # Where the first chunk of each utterance spends its time (sums of seconds over
     # `first_chunks` utterances): text in -> first speech token (text processing, LM
     # queue and prefill), -> the chunk's tokens decoded and queued to the stage, -> the
@@ -255,7 +260,10 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           policy=config.stage_policy, window_tolerance=config.stage_window_tolerance,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
                           profiler=profiler, split_batches=config.flow_split_batches,
-                          vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding)
+                          vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
+                          context_cache_bytes=config.flow_context_cache_bytes if config.flow_prompt_cache else 0,
+                          context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
+                          context_min_rows=config.flow_context_min_rows)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -450,10 +458,14 @@ class Engine:
         With `flow_prompt_cache` also builds the voice's prompt K/V cache entry on every stage
         (per voice, not per prompt length; a later chunk would otherwise build it on first use)."""
         P = voice.num_tokens
+        prompt = FlowChunk(tokens=voice.speech_tokens, prompt_feat=voice.speech_feat, embedding=voice.embedding,
+                           num_prompt_tokens=P, out_start=P, finalize=True)
         if self.config.flow_prompt_cache and voice.voice_id != "__warmup__":
-            prompt = FlowChunk(tokens=voice.speech_tokens, prompt_feat=voice.speech_feat, embedding=voice.embedding,
-                               num_prompt_tokens=P, out_start=P, finalize=True)
             await self.stage.warm_prompt(prompt)
+        if self.config.flow_prompt_cache and self.config.flow_context_cache_bytes:
+            # Once per stage, with the first voice that has a cached block (warm-up's included):
+            # the compiled DiT's context-cache calls, before any load meets them.
+            await self.stage.warm_context(prompt)
         if P in self._warmed_prompts or not hasattr(self.stage, "warm_graphs"):
             return 0
         self._warmed_prompts.add(P)
@@ -541,6 +553,9 @@ class Engine:
             flow_grown_tokens=st.grown_tokens,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
+            context_reads=st.context_reads,
+            context_records=st.context_records,
+            context_bytes=st.context_bytes,
             **self.first_chunk_times.stats_fields(),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
@@ -41,8 +42,10 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from .flow_context_cache import ContextCache, ContextPlan, RingKV, RingWriter
 from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width, shared_entry
 from .graph_capture import CAPTURE_LOCK, copy_padded
+from .models.dit import DiTPrefix, per_row
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,80 @@ class _Views:
     cond: torch.Tensor  # [R, C, T]
     out: torch.Tensor  # [R, C, T]
     prefix: PrefixViews | None = None  # cached prompt prefixes (width > 0 buckets)
+    context: "_ContextViews | None" = None  # the rows' rings (one-voice prefix buckets, with a context cache)
+
+
+@dataclass
+class _ContextViews:
+    """Static tensors through which a captured one-voice solve reads and writes the rows'
+    rings in the context cache's pool (`engine.flow_context_cache`), R padded rows:
+
+    key_mask [2R, W + L]: the prompt prefix's slots, then the ring's;
+    ring_rows [2R]: the pool row each row reads; reading [2R, 1, 1]: whether it reads one;
+    writes [3, 2R x L / block], conv [3, 2R]: the plan's writes, padded with copies of
+    its own entries (the same data to the same place again), or aimed at the scratch slot
+    when it has none."""
+
+    key_mask: torch.Tensor
+    ring_rows: torch.Tensor
+    reading: torch.Tensor
+    writes: torch.Tensor
+    conv: torch.Tensor
+
+    def fill(self, plan: ContextPlan | None, prefix: PrefixViews, rows: int, scratch_row: int, blocks: int) -> None:
+        """Copy one batch's plan in (`rows` real rows of the R; None: no row reads or keeps;
+        `blocks`: the ring's blocks)."""
+        width, R = prefix.key_mask.shape[1], self.ring_rows.shape[0] // 2
+        self.key_mask[:, :width].copy_(prefix.key_mask)
+        self.key_mask[:, width:].fill_(False)
+        self.ring_rows.zero_()
+        self.idle(scratch_row, blocks)
+        if plan is not None:
+            for half in (0, 1):  # the plan's rows [half * rows, ...) are rows [half * R, ...) here
+                dst, src = slice(half * R, half * R + rows), slice(half * rows, (half + 1) * rows)
+                prefix.positions[dst].copy_(plan.positions[src])
+                if plan.reads:
+                    self.key_mask[dst, width:].copy_(plan.ring_mask[src])
+                    self.ring_rows[dst].copy_(plan.ring_rows[src])
+            for entries, static in ((plan.writes, self.writes), (plan.conv, self.conv)):
+                if entries is not None:
+                    moved = entries.clone()
+                    moved[0] = torch.where(moved[0] >= rows, moved[0] - rows + R, moved[0])
+                    # Padding repeats the real entries: many writes aimed at one scratch place
+                    # would queue on the same memory.
+                    repeat = torch.arange(static.shape[1], device=moved.device) % moved.shape[1]
+                    static.copy_(moved[:, repeat])
+        self.reading.copy_(self.key_mask[:, width:].any(dim=1).view(-1, 1, 1))
+
+    def idle(self, scratch_row: int, blocks: int) -> None:
+        """Aim every write at the scratch slot (the solve then changes no utterance's ring),
+        spread over its blocks."""
+        dev = self.writes.device
+        spread = torch.arange(self.writes.shape[1], device=dev) % (2 * blocks)
+        self.writes.copy_(torch.stack((torch.zeros_like(spread), torch.zeros_like(spread), scratch_row * blocks + spread)))
+        self.conv.copy_(torch.tensor([0, 0, scratch_row], device=dev).unsqueeze(1).expand_as(self.conv))
+
+    def saved(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t.clone() for t in (self.writes, self.conv))
+
+    def restore(self, saved: tuple[torch.Tensor, ...]) -> None:
+        for t, s in zip((self.writes, self.conv), saved):
+            t.copy_(s)
+
+    def steps(self, prompt: list[DiTPrefix], cache: ContextCache) -> list[DiTPrefix]:
+        """The prompt prefix's steps with the rings added (what a captured solve reads)."""
+        keys, values, conv = cache.pool()
+        out = []
+        for step, p in enumerate(prompt):
+            rows = self.ring_rows.shape[0]
+            context = p.conv_context if p.conv_context.shape[0] == rows else per_row(p.conv_context, rows)
+            context = torch.where(self.reading, conv[step].index_select(0, self.ring_rows).to(context.dtype), context)
+            out.append(DiTPrefix(layer_kv=p.layer_kv, key_mask=self.key_mask, positions=p.positions,
+                                 conv_context=context, shared=p.shared,
+                                 ring_kv=RingKV(keys[step], values[step], self.ring_rows, cache.heads),
+                                 sink=RingWriter(keys[step], values[step], conv[step], self.writes, self.conv,
+                                                 cache.block)))
+        return out
 
 
 class FlowGraphRunner:
@@ -147,8 +224,13 @@ class FlowGraphRunner:
         policy: GraphPolicy | None = None,
         autocast_dtype: torch.dtype | None = None,
         capture: bool | None = None,
+        context: ContextCache | None = None,
     ) -> None:
         self.decoder = decoder  # a CausalConditionalCFM (has .solve and .rand_noise)
+        # With a context cache each one-voice prefix shape has a second graph that also
+        # reads and writes the rows' rings, for the batches with a plan; the others (every
+        # first chunk: nothing to read or keep) replay the plain one and pay nothing for it.
+        self.context = context
         self.policy = policy or GraphPolicy()
         self.autocast_dtype = autocast_dtype
         self.device = decoder.rand_noise.device
@@ -160,8 +242,9 @@ class FlowGraphRunner:
         self.stats = GraphStats()
         self._channels = int(decoder.rand_noise.shape[1])
         self._flat: dict[str, torch.Tensor] = {}
-        self._graphs: OrderedDict[tuple[int, int, bool, int, bool], object] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, int, bool, int, bool, bool], object] = OrderedDict()
         self._prefix: dict[bool, PrefixBuffers] = {}  # by `shared`
+        self._context_flat: dict[str, torch.Tensor] = {}
         # Kinds whose allocation failed (out of memory): their prefix batches run eagerly.
         self._no_prefix_buffers: set[bool] = set()
         self._pool: object | None = None
@@ -189,6 +272,11 @@ class FlowGraphRunner:
             shape = None
         return shape, False
 
+    def carries(self, shape: tuple[int, int] | None, shared: bool) -> bool:
+        """Whether a batch solved at this plan (`plan`'s result) can read and keep rings:
+        eagerly, or in a one-voice prefix graph when this runner has a context cache."""
+        return shape is None or (shared and self.context is not None)
+
     @property
     def prefix_bytes(self) -> int:
         """Memory held by the static prompt-prefix buffers (0 until a prefix batch ran)."""
@@ -208,28 +296,39 @@ class FlowGraphRunner:
         cond: torch.Tensor,
         streaming: bool,
         prefix: Sequence[PromptKV | None] | None = None,
+        context: ContextPlan | None = None,
     ) -> torch.Tensor:
         """Same contract as `CausalConditionalCFM.solve`: mel [B, C, T] float32. With
         `prefix` (one flow prompt cache entry or None per row, streaming only) the inputs are
-        each row's frames after its cached prefix, as in `decode_with_prompt_cache`."""
+        each row's frames after its cached prefix, as in `decode_with_prompt_cache`, and with
+        `context` (a plan of this runner's context cache) after each row's start."""
         rows, _, frames = noise.shape
         width = prefix_width(prefix)
         shape, shared = self.plan(rows, frames, width, shared_entry(prefix) is not None,
                                   self.autocast_dtype or noise.dtype)
+        if context is not None and not self.carries(shape, shared):
+            shape = None  # only the one-voice graphs read rings
 
         def eager() -> torch.Tensor:
             self.stats.eager += 1
             steps = StepPrefixes(list(prefix), noise.device) if width else None  # type: ignore[arg-type]
+            if context is not None:
+                assert self.context is not None and steps is not None
+                steps = self.context.prefixes(steps, context)
             with self._autocast():
                 return self.decoder.solve(noise, mask, mu, spks, cond, streaming, prefix=steps)
 
         if shape is None or self._broken:
             return eager()
-        views = self._views(*shape, dtype=noise.dtype, width=self.policy.prefix_bucket(width), shared=shared)
+        views = self._views(*shape, dtype=noise.dtype, width=self.policy.prefix_bucket(width), shared=shared,
+                            ring=context is not None)
         for dst, src in ((views.noise, noise), (views.mask, mask), (views.mu, mu), (views.spks, spks), (views.cond, cond)):
             copy_padded(dst, src)
         if views.prefix is not None:
             views.prefix.fill(prefix)  # type: ignore[arg-type]
+            if views.context is not None:
+                assert self.context is not None
+                views.context.fill(context, views.prefix, rows, 2 * self.context.scratch, self.context.blocks)
         if not self._run(shape, views, streaming):
             return eager()
         self.stats.replays += 1
@@ -240,21 +339,28 @@ class FlowGraphRunner:
     def warm(self, shapes: Iterable[tuple[int, ...]], streaming: bool = True) -> int:
         """Capture the graphs for these (rows, frames) or (rows, frames, prefix width) batch
         shapes now (e.g. at engine start, so no request pays for a capture); returns how many
-        were captured. Prefix shapes are captured both for one-voice batches (`shared`) and,
-        up to `prefix_max_rows`, for batches mixing voices. A no-op without capture."""
+        were captured. Prefix shapes are captured both for one-voice batches (`shared`; with a
+        context cache also their ring kind) and, up to `prefix_max_rows`, for batches mixing
+        voices. A no-op without capture."""
         if not self.capture:
             return 0
         captured = 0
         dtype = self.decoder.rand_noise.dtype
         for rows, frames, *rest in shapes:
             width = self.policy.prefix_bucket(rest[0] if rest else 0)
-            for shared in ((True, False) if width else (False,)):
+            kinds = [(True, False), (False, False)] if width else [(False, False)]
+            if width and self.context is not None:
+                kinds.insert(1, (True, True))
+            for shared, ring in kinds:
                 shape, kind = self.plan(rows, frames, width, shared, self.autocast_dtype or dtype)
-                if shape is None or kind != shared or (*shape, streaming, width, shared) in self._graphs \
+                if shape is None or kind != shared or (*shape, streaming, width, shared, ring) in self._graphs \
                         or self._broken:
                     continue
                 # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
-                views = self._views(*shape, dtype=dtype, width=width, shared=shared)
+                views = self._views(*shape, dtype=dtype, width=width, shared=shared, ring=ring)
+                if views.context is not None and views.prefix is not None:
+                    assert self.context is not None  # the warm-up run writes: only to the scratch slot
+                    views.context.fill(None, views.prefix, 0, 2 * self.context.scratch, self.context.blocks)
                 # Inputs only need to be finite for the warm-up runs; every replay copies its own.
                 for t in (views.noise, views.mu, views.spks, views.cond):
                     t.zero_()
@@ -270,7 +376,8 @@ class FlowGraphRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _views(self, rows: int, frames: int, dtype: torch.dtype, width: int = 0, shared: bool = False) -> _Views:
+    def _views(self, rows: int, frames: int, dtype: torch.dtype, width: int = 0, shared: bool = False,
+               ring: bool = False) -> _Views:
         """Views of the flat static buffers for one bucket; the buffers are allocated once
         at the largest bucket so captured graphs never see them move."""
         c = self._channels
@@ -290,14 +397,41 @@ class FlowGraphRunner:
                 n *= s
             return self._flat[name][:n].view(*shape)
 
-        prefix = None
+        prefix = context = None
         if width:
             buffers = self._prefix_buffers(self.autocast_dtype or dtype, shared)
             assert buffers is not None  # callers check first
             prefix = buffers.views(rows, width)
+            if ring and shared and self.context is not None:
+                context = self._context_views(rows, width)
         return _Views(noise=view("noise", rows, c, frames), mask=view("mask", rows, 1, frames),
                       mu=view("mu", rows, c, frames), spks=view("spks", rows, c),
-                      cond=view("cond", rows, c, frames), out=view("out", rows, c, frames), prefix=prefix)
+                      cond=view("cond", rows, c, frames), out=view("out", rows, c, frames), prefix=prefix,
+                      context=context)
+
+    def _context_views(self, rows: int, width: int) -> _ContextViews:
+        """Views of the flat static context buffers (allocated once, at the largest one-voice
+        bucket and prefix width) for one bucket."""
+        assert self.context is not None
+        ring = self.context.frames
+        if not self._context_flat:
+            big_rows = 2 * self.policy.shared_prefix_max_rows
+            big_width = self.policy.prefix_max_frames + ring
+            self._context_flat = {
+                "key_mask": torch.zeros(big_rows * big_width, dtype=torch.bool, device=self.device),
+                "ring_rows": torch.zeros(big_rows, dtype=torch.long, device=self.device),
+                "reading": torch.zeros(big_rows, dtype=torch.bool, device=self.device),
+                "writes": torch.zeros(3 * big_rows * self.context.blocks, dtype=torch.long, device=self.device),
+                "conv": torch.zeros(3 * big_rows, dtype=torch.long, device=self.device),
+            }
+            self.context.pool()  # before any capture: the graphs address it
+
+        def view(name: str, *shape: int) -> torch.Tensor:
+            return self._context_flat[name][: math.prod(shape)].view(*shape)
+
+        return _ContextViews(key_mask=view("key_mask", 2 * rows, width + ring), ring_rows=view("ring_rows", 2 * rows),
+                             reading=view("reading", 2 * rows, 1, 1), writes=view("writes", 3, 2 * rows * self.context.blocks),
+                             conv=view("conv", 3, 2 * rows))
 
     def _prefix_buffers(self, dtype: torch.dtype, shared: bool) -> PrefixBuffers | None:
         """The static prompt-prefix buffers of one kind (per row, or one voice for all rows;
@@ -317,6 +451,9 @@ class FlowGraphRunner:
 
     def _solve_into(self, views: _Views, streaming: bool) -> None:
         steps = None if views.prefix is None else views.prefix.steps()
+        if steps is not None and views.context is not None:
+            assert self.context is not None
+            steps = views.context.steps(steps, self.context)
         x = self.decoder.solve(views.noise, views.mask, views.mu, views.spks, views.cond, streaming, prefix=steps)
         views.out.copy_(x)
 
@@ -333,9 +470,18 @@ class FlowGraphRunner:
         with on_device:
             prefix = views.prefix
             key = (*shape, streaming, 0 if prefix is None else prefix.key_mask.shape[1],
-                   prefix is not None and prefix.shared)
+                   prefix is not None and prefix.shared, views.context is not None)
             graph = self._graphs.get(key)
             if graph is None:
+                # The warm-up run before a capture executes the solve, and the replay runs it
+                # again: its ring writes would land twice, the second time over frames the
+                # replay reads. So the capture writes to the scratch slot only.
+                context = views.context
+                saved = None
+                if context is not None:
+                    assert self.context is not None
+                    saved = context.saved()
+                    context.idle(2 * self.context.scratch, self.context.blocks)
                 try:
                     with CAPTURE_LOCK:
                         graph = self._capture(views, streaming)
@@ -344,6 +490,9 @@ class FlowGraphRunner:
                     self._broken = True
                     self._graphs.clear()
                     return False
+                finally:
+                    if context is not None and saved is not None:
+                        context.restore(saved)
                 self._graphs[key] = graph
                 self.stats.captures += 1
                 while len(self._graphs) > self.policy.max_graphs:

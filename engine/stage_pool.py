@@ -90,6 +90,10 @@ class StagePool:
         """Build the voice's flow prompt cache entry on every stage."""
         return all([await s.warm_prompt(chunk) for s in self.stages])
 
+    async def warm_context(self, prompt: object) -> bool:
+        """Compile the flow's context-cache calls on every stage (see AudioStage.warm_context)."""
+        return all([await s.warm_context(prompt) for s in self.stages])
+
     async def start(self) -> None:
         for s in self.stages:
             await s.start()

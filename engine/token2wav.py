@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .config import StagePolicy
 from .first_chunk import RoundTimes
+from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
@@ -190,6 +191,11 @@ class StageStats:
     # and the bytes the cache holds now.
     prompt_cache_hits: int = 0
     prompt_cache_bytes: int = 0
+    # Flow context cache (off unless enabled): chunks that read their utterance's kept
+    # frames, chunks whose final frames were kept, and the bytes of its pool.
+    context_reads: int = 0
+    context_records: int = 0
+    context_bytes: int = 0
     # `fill_padding`: chunks that grew into their batch's padding, and the speech tokens
     # they took (audio those chunks delivered early, at no extra flow work).
     grown_chunks: int = 0
@@ -209,7 +215,8 @@ class AudioStage:
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
                  profiler: StageProfiler | None = None, split_batches: bool = False,
-                 vocoder_cuda_graphs: bool = True, fill_padding: bool = False):
+                 vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
+                 context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -232,6 +239,12 @@ class AudioStage:
             raise ValueError(f"flow_dtype must be a floating torch dtype, got {flow_dtype!r}")
         self.flow_dtype: torch.dtype = flow_dtype
         flow.to(dtype=flow_dtype)  # in place: the stage owns its flow
+        # Per-utterance K/V of earlier frames (`engine.flow_context_cache`); it builds on the
+        # prompt cache (the ring follows the cached prompt). Worker thread only.
+        self.context_cache = (ContextCache(flow, context_frames, context_cache_bytes, device, flow_dtype)
+                              if context_cache_bytes > 0 and self.prompt_cache is not None else None)
+        self.context_min_rows = context_min_rows
+        self._context_warmed = False
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.
         self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
@@ -448,6 +461,9 @@ class AudioStage:
             if self.prompt_cache is not None:  # the worker is done with the batch: no race
                 st.prompt_cache_hits = self.prompt_cache.stats.hits
                 st.prompt_cache_bytes = self.prompt_cache.nbytes
+            if self.context_cache is not None:
+                ctx = self.context_cache
+                st.context_reads, st.context_records, st.context_bytes = ctx.reads, ctx.records, ctx.nbytes
             for job, pcm in zip(batch, results):
                 if not job.future.done():
                     job.future.set_result(pcm)
@@ -455,7 +471,7 @@ class AudioStage:
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
         if self.flow_cuda_graphs and self._graphs is None:
-            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy)
+            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, context=self.context_cache)
         return self._graphs
 
     async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
@@ -487,6 +503,34 @@ class AudioStage:
         built = await asyncio.get_running_loop().run_in_executor(self._pool, self._other_work, build)
         self.stats.prompt_cache_bytes = cache.nbytes
         return built
+
+    async def warm_context(self, prompt: FlowChunk) -> bool:
+        """Run the context cache's three kinds of flow call once with this prompt's voice, on
+        the worker thread, so that the compiled DiT's variants for them are built before any
+        load meets them (a compile takes seconds). False when the cache is off or the prompt
+        has no cached block; once per stage."""
+        ctx, cache = self.context_cache, self.prompt_cache
+        if ctx is None or cache is None or self._context_warmed:
+            return False
+
+        class Utterance:  # a key for one slot
+            pass
+
+        def run() -> bool:
+            key = Utterance()
+            with torch.inference_mode():
+                for chunk in warmup_chunks(self.flow, prompt):
+                    entries = [cache.get_or_build(self.flow, chunk)]
+                    plan = ctx.plan([chunk], entries, [key]) if entries[0] is not None else None
+                    if plan is None:
+                        return False
+                    decode_with_context(self.flow, [chunk], entries, ctx, plan)
+            ctx.release([key])
+            return True
+
+        warmed = await asyncio.get_running_loop().run_in_executor(self._pool, self._other_work, run)
+        self._context_warmed = self._context_warmed or warmed
+        return warmed
 
     def _other_work(self, fn: Callable[..., T], *args: object) -> T:
         """A worker job that is not a batch (a graph capture, a prompt cache entry): a batch
@@ -531,10 +575,32 @@ class AudioStage:
         cached = [0] * len(chunks) if entries is None else [0 if e is None else e.frames for e in entries]
         return split_by_length([self._window_frames(c) - k for c, k in zip(chunks, cached)])
 
-    def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> tuple[list[torch.Tensor], int]:
-        """One flow call: mel per chunk and the padded rows x frames it ran."""
+    def _context_plan(self, chunks: list[FlowChunk], entries: list[PromptKV | None],
+                      keys: list[object]) -> ContextPlan | None:
+        """The context cache's part in one flow call, None when it has none. Eager calls and
+        the one-voice prefix graphs read and keep rings; a batch mixing voices below
+        `context_min_rows` chunks takes a per-row prefix graph, which has none, so it runs
+        as before and ends its utterances' chains (their slots go back)."""
+        ctx = self.context_cache
+        if ctx is None:
+            return None
+        if self.graph_runner() is not None and shared_entry(entries) is None and len(chunks) < self.context_min_rows:
+            ctx.release(keys)
+            return None
+        return ctx.plan(chunks, entries, keys)
+
+    def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None,
+                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int]:
+        """One flow call: mel per chunk and the padded rows x frames it ran. `keys`: the
+        chunks' utterances (their vocoder streams), for the context cache."""
         cache = self.prompt_cache
-        if cache is not None and entries is not None and self._cache_pays(chunks, entries):
+        plan = None if cache is None or entries is None or keys is None else self._context_plan(chunks, entries, keys)
+        if plan is not None:
+            assert cache is not None and entries is not None and self.context_cache is not None
+            cache.count(entries)
+            mels, shape = decode_with_context(self.flow, chunks, entries, self.context_cache, plan,
+                                              solver=self.graph_runner())
+        elif cache is not None and entries is not None and self._cache_pays(chunks, entries):
             cache.count(entries)
             # Small batches replay a graph over the cached prefixes (copied into static
             # buffers), larger ones run eagerly: the runner decides, like without the cache.
@@ -549,13 +615,21 @@ class AudioStage:
         chunks = [j.flow for j in batch]
         cache = self.prompt_cache
         entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
+        keys = [j.hift_stream for j in batch]
         out: list[torch.Tensor | None] = [None] * len(chunks)
         flow_work = 0
-        for rows in self._flow_calls(chunks, entries):
-            part, work = self._decode([chunks[i] for i in rows], None if entries is None else [entries[i] for i in rows])
-            flow_work += work
-            for i, m in zip(rows, part):
-                out[i] = m
+        try:
+            for rows in self._flow_calls(chunks, entries):
+                part, work = self._decode([chunks[i] for i in rows],
+                                          None if entries is None else [entries[i] for i in rows],
+                                          [keys[i] for i in rows])
+                flow_work += work
+                for i, m in zip(rows, part):
+                    out[i] = m
+        except BaseException:
+            if self.context_cache is not None:  # the rings may be half written
+                self.context_cache.release(keys)
+            raise
         decoded = [m for m in out if m is not None]
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
         mels = [_stretch(m.float(), j.speed) for m, j in zip(decoded, batch)]

@@ -97,6 +97,19 @@ class EngineSettings:
         metadata=_help("memory budget of the flow prompt cache per flow/vocoder stage in MiB (least recently used "
                        "voices are evicted; ~1.8 MB per cached prompt frame at full size in bf16)"),
     )
+    flow_context_cache_mib: int = field(
+        default=0,
+        metadata=_help("memory of the flow context cache per flow/vocoder stage in MiB, 0 = off: each utterance "
+                       "keeps its last 2 x flow_left_context frames as DiT keys/values (~180 MB at full size), so "
+                       "its next chunk computes only its new frames (a sliding window, changes the audio "
+                       "slightly; CosyVoice3)"),
+    )
+    flow_context_min_rows: int = field(
+        default=16,
+        metadata=_help("with CUDA graphs, the fewest chunks of a flow batch mixing voices that uses the context "
+                       "cache (smaller ones replay a per-row graph, which has none, and end their utterances' "
+                       "use of it)"),
+    )
     stage_policy: str = field(
         default="first_chunks",
         metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks heard after silence first, then FIFO) or "

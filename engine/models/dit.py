@@ -46,7 +46,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -84,10 +84,16 @@ class DiTPrefix:
     positions:    [B] long, C_i: absolute position of each row's first input frame.
     conv_context: [B, CONV_CONTEXT, D], the input projection over frames [C_i - 60, C_i)
                   (zeros where that is before frame 0, like the convolutions' padding).
-    shared:       every row has the same prefix (one voice): layer_kv entries and
-                  conv_context hold it once per CFG half ([2, H, Cmax, dh], [2, CONV_CONTEXT,
-                  D]; rows [0, B/2) read half 0, the rest half 1). The blocks broadcast it
-                  inside the compiled attention, so no per-row copy is ever made.
+    shared:       every row has the same prefix (one voice): layer_kv entries hold it once
+                  per CFG half ([2, H, Cmax, dh]; rows [0, B/2) read half 0, the rest half
+                  1). The blocks broadcast it inside the compiled attention, so no per-row
+                  copy is ever made. conv_context is then [2, CONV_CONTEXT, D] too, unless it
+                  has a row per batch row ([B, ...]: rows whose own context differs).
+    ring_kv:      per block, more keys and values of each row [B, H, L, dh] after the
+                  layer_kv ones (the utterance's own earlier frames, `engine.flow_context_cache`);
+                  key_mask then spans Cmax + L slots. May be lazy.
+    sink:         receives this call's keys and values and its input projection (to keep
+                  some of them for a later call), without leaving the compiled blocks.
     """
 
     layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -95,6 +101,18 @@ class DiTPrefix:
     positions: torch.Tensor
     conv_context: torch.Tensor
     shared: bool = False
+    ring_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    sink: "PrefixSink | None" = None
+
+
+class PrefixSink(Protocol):
+    """Where a DiT call hands what a later call of the same rows will need as its prefix."""
+
+    def projection(self, h: torch.Tensor) -> None:
+        """h [B, CONV_CONTEXT + T, D]: the prefix's conv context, then this call's input projection."""
+
+    def keys_values(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One block's rotated keys and its values of this call's frames, [B, T, H x dh]."""
 
 
 @dataclass
@@ -262,9 +280,11 @@ class InputEmbedding(nn.Module):
     def forward(
         self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
         context: torch.Tensor | None = None, context_valid: torch.Tensor | None = None,
-        record: DiTRecord | None = None,
+        record: DiTRecord | None = None, sink: PrefixSink | None = None,
     ) -> torch.Tensor:
         h = self.project(x, cond, mu, spks)
+        if sink is not None and context is not None:
+            sink.projection(torch.cat((context.to(h.dtype), h), dim=1))
         if record is not None:
             # Left-pad with zeros when shorter than the context: the convs' own padding.
             record.conv_context = F.pad(h, (0, 0, max(0, CONV_CONTEXT - h.shape[1]), 0))[:, -CONV_CONTEXT:]
@@ -371,26 +391,34 @@ class Attention(nn.Module):
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         record: DiTRecord | None = None,
         shared: bool = False,
-    ) -> torch.Tensor:
+        ring_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep_kv: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`prefix_kv`: cached prefix keys/values put before this call's (the mask then
-        covers them too), per row, or per CFG half when `shared` (see DiTPrefix);
-        `record` receives this call's keys and values."""
+        covers them too), per row, or per CFG half when `shared` (see DiTPrefix), and
+        `ring_kv` per row after them; `record` receives this call's keys and values;
+        `keep_kv` also returns them as the projections make them, [B, T, H x dh] (out,
+        keys, values)."""
         batch, length, _ = x.shape
         # Rotary on the un-split projections: only head 0 gets position information.
         q = rotate_(self.to_q(x), *rope)
         k = rotate_(self.to_k(x), *rope)
         v = self.to_v(x)
+        new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
         if record is not None:
             record.keys.append(k)
             record.values.append(v)
         if prefix_kv is not None:
             pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
-            k, v = torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)
+            if ring_kv is None:
+                k, v = torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)
+            else:
+                k, v = torch.cat((pk, ring_kv[0], k), dim=2), torch.cat((pv, ring_kv[1], v), dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
-        out = self.to_out[0](out)
-        return out * pad_mask.unsqueeze(-1).to(out.dtype)
+        out = self.to_out[0](out) * pad_mask.unsqueeze(-1).to(out.dtype)
+        return (out, new_k, new_v) if keep_kv else out
 
 
 class FeedForward(nn.Module):
@@ -426,10 +454,16 @@ class DiTBlock(nn.Module):
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         record: DiTRecord | None = None,
         shared: bool = False,
-    ) -> torch.Tensor:
+        ring_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep_kv: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's output, and with `keep_kv` its attention's keys and values too."""
         normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
-        x = torch.addcmul(x, gate_a[:, None], self.attn(normed, mask, pad_mask, rope, prefix_kv, record, shared))
-        return torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
+        attn = self.attn(normed, mask, pad_mask, rope, prefix_kv, record, shared, ring_kv, keep_kv)
+        out, kv = (attn[0], attn[1:]) if keep_kv else (attn, None)
+        x = torch.addcmul(x, gate_a[:, None], out)
+        x = torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
+        return x if kv is None else (x, *kv)
 
 
 def _is_compile_error(exc: BaseException) -> bool:
@@ -440,10 +474,11 @@ def _is_compile_error(exc: BaseException) -> bool:
 
 def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
-               record: DiTRecord | None, shared: bool = False) -> torch.Tensor:
+               record: DiTRecord | None, shared: bool = False, ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+               keep_kv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block call; a function of its inputs (the block's weights included), so one
     compiled graph of it serves all blocks."""
-    return block(h, temb, mask, pad_mask, rope, kv, record, shared)
+    return block(h, temb, mask, pad_mask, rope, kv, record, shared, ring, keep_kv)
 
 
 class DiT(nn.Module):
@@ -479,9 +514,16 @@ class DiT(nn.Module):
                     attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                     prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
         shared = prefix is not None and prefix.shared
+        rings = None if prefix is None else prefix.ring_kv
+        sink = None if prefix is None else prefix.sink
         for i, block in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer_kv[i]
-            h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared)
+            ring = None if rings is None else rings[i]
+            if sink is None:
+                h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring)
+            else:
+                h, keys, values = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring, True)
+                sink.keys_values(i, keys, values)
         return h
 
     def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
@@ -517,11 +559,13 @@ class DiT(nn.Module):
         temb = self.time_embed(t)
         context = context_valid = None
         if prefix is not None:
-            context = per_row(prefix.conv_context, batch) if prefix.shared else prefix.conv_context
+            context = prefix.conv_context
+            if context.shape[0] != batch:  # one per CFG half (see DiTPrefix.shared)
+                context = per_row(context, batch)
             before = torch.arange(-CONV_CONTEXT, 0, device=prefix.positions.device)
             context_valid = (prefix.positions.unsqueeze(1) + before) >= 0  # [B, CONV_CONTEXT]
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks,
-                             context, context_valid, record)
+                             context, context_valid, record, None if prefix is None else prefix.sink)
         pad_mask = mask[:, 0, :].bool()
         if prefix is None:
             attn_mask = attention_mask(pad_mask, self.static_chunk_size if streaming else None)
