@@ -20,7 +20,6 @@ the relative RMS difference of their PCM (0 up to rounding; the CPU tests show i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.stage_syncs import kernel_table
+from bench.stage_syncs import config_overrides, kernel_table
 from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
 from engine.engine import build_stage
@@ -108,14 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     model_dir = resolve_model(args.model, args.model_cache)
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    overrides: dict[str, Any] = {"flow_context_cache_bytes": args.cache_mib << 20}
-    for item in args.config:
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"unknown EngineConfig field {name!r}")
-        default = getattr(EngineConfig(model_dir=model_dir), name)
-        overrides[name] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
+    overrides: dict[str, Any] = {"flow_context_cache_bytes": args.cache_mib << 20,
+                                 **config_overrides(args.config, model_dir)}
     model = load_model(model_dir, load_lm=False)
     model.flow.to(device)
     model.hift.to(device)

@@ -147,6 +147,20 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     return out
 
 
+def config_overrides(items: list[str], model_dir: Path) -> dict[str, Any]:
+    """`--config FIELD=VALUE` options as EngineConfig keyword arguments, each value parsed
+    as its field's default is typed."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"unknown EngineConfig field {name!r}")
+        default = getattr(EngineConfig(model_dir=model_dir), name)
+        overrides[name] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -166,14 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--kernels needs the profile (drop --no-profile)")
     device = torch.device(args.device)
     model_dir = resolve_model(args.model, args.model_cache)
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    overrides: dict[str, Any] = {}
-    for item in args.config:
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"unknown EngineConfig field {name!r}")
-        default = getattr(EngineConfig(model_dir=model_dir), name)
-        overrides[name] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
+    overrides = config_overrides(args.config, model_dir)
     config = EngineConfig(model_dir=model_dir, device=args.device, **overrides)
     model = load_model(model_dir, load_lm=False)
     model.flow.to(device)  # as Engine.create does: the stage runs where its modules are

@@ -92,6 +92,8 @@ M_FLOW = "cosyvoice_engine_flow_frames_total"
 M_VOC = "cosyvoice_engine_vocoder_frames_total"
 M_GROWN_CHUNKS = "cosyvoice_engine_flow_grown_chunks_total"
 M_GROWN_TOKENS = "cosyvoice_engine_flow_grown_tokens_total"
+M_CONTEXT_READS = "cosyvoice_engine_context_reads_total"
+M_CONTEXT_RECORDS = "cosyvoice_engine_context_records_total"
 M_CHUNKS = "cosyvoice_engine_chunks_total"
 M_BATCHES = "cosyvoice_engine_batches_total"
 M_BUSY = "cosyvoice_engine_stage_busy_seconds_total"
@@ -721,6 +723,11 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # --engine.flow-fill-padding: chunks grown into their batch's padding, tokens taken.
             "flow_grown_chunks": int(_delta(after, before, M_GROWN_CHUNKS)),
             "flow_grown_tokens": int(_delta(after, before, M_GROWN_TOKENS)),
+            # --engine.flow-context-cache-mib: chunks that read their utterance's kept frames,
+            # and chunks whose final frames were kept.
+            "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),
+            "flow_context_records": int(_delta(after, before, M_CONTEXT_RECORDS)),
+            "flow_frames_per_chunk": flow_frames / chunks if chunks else None,
             "stage_busy_share": _delta(after, before, M_BUSY) / wall if wall > 0 else None,
             # Of that share: the stage waiting for its worker thread or the event loop.
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,

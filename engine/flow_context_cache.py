@@ -180,8 +180,9 @@ class ContextCache:
 
     def _allocate(self, key: object, busy: set[int]) -> int | None:
         """A free slot for `key`: an empty one, one whose utterance is gone, or the least
-        recently used one not in this batch."""
-        free = [i for i, s in enumerate(self._slots) if s is None or s.key() is None]
+        recently used one, none of them one this batch reads or writes (`busy`, which
+        includes slots given back while planning it)."""
+        free = [i for i, s in enumerate(self._slots) if (s is None or s.key() is None) and i not in busy]
         if not free:
             idle = [i for i in range(self.capacity) if i not in busy]
             if not idle:
@@ -195,8 +196,9 @@ class ContextCache:
 
     def plan(self, chunks: Sequence[FlowChunk], entries: Sequence[PromptKV | None],
              keys: Sequence[object]) -> ContextPlan | None:
-        """Decide each chunk's part for one eager flow call and update the slots' state
-        (the batch's device work then makes it true). None: nothing to read or keep."""
+        """Decide each chunk's part in one flow call (eager or a ring graph) and update the
+        slots' state (the call's device work then makes it true). None: nothing to read or
+        keep."""
         self._batches += 1
         flow, ratio, look, L = self.flow, self.flow.token_mel_ratio, self.flow.pre_lookahead_len, self.frames
         n = len(chunks)

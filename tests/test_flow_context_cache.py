@@ -20,7 +20,7 @@ from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, init_random_
 from engine.types import SessionOptions
-from tests.test_flow_prompt_cache import LOOK, Voice, chunk, make_voice
+from tests.test_flow_prompt_cache import LOOK, Voice, chunk, flow, make_voice  # noqa: F401 (a fixture)
 
 TOL = 1e-5
 UNBOUNDED = 10**6  # left context (tokens) longer than any utterance here: windows from token 0
@@ -28,14 +28,6 @@ UNBOUNDED = 10**6  # left context (tokens) longer than any utterance here: windo
 
 class Utterance:
     """A key for the cache's slots (the stage uses each utterance's vocoder stream)."""
-
-
-@pytest.fixture(scope="module")
-def flow() -> CausalMaskedDiffWithDiT:
-    torch.set_num_threads(1)
-    model = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
-    init_random_(model, seed=4321)
-    return model.eval()
 
 
 def schedule(v: Voice, total: int, initial_hop: int = 8) -> list[tuple[int, int, bool]]:
@@ -353,3 +345,20 @@ def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_captur
     finally:
         for st in (graphs, exact):
             st._pool.shutdown(wait=True)
+
+
+def test_a_slot_given_back_in_a_batch_is_not_taken_in_the_same_batch(flow: CausalMaskedDiffWithDiT) -> None:
+    """A final chunk still reads its ring during the call that gives its slot back: another
+    row of that call must not write there."""
+    v = make_voice(60, 1)
+    cache = cache_for(flow, frames=100, slots=1)
+    prompts = PromptCache()
+    a, b = Utterance(), Utterance()
+    first = [chunk(v, 8, 40, False)]
+    p = cache.plan(first, prompts.entries_for(flow, first), [a])
+    assert p is not None and cache.in_use() == 1
+    decode_with_context(flow, first, prompts.entries_for(flow, first), cache, p)
+    both = [chunk(v, 40, 70, True), chunk(v, 8, 40, False)]  # a's last chunk, b's first to keep
+    p = cache.plan(both, prompts.entries_for(flow, both), [a, b])
+    assert p is not None and p.reads and p.writes is None
+    assert cache.in_use() == 0 and cache.refused == 1

@@ -6,13 +6,7 @@
 # unbounded-ring check against the recomputed whole prefix in bf16.
 # Results: $OUT/context_bench.json and .log.
 set -uo pipefail
-T0=$SECONDS
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 4
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "from pathlib import Path; from engine.hub import resolve_model; resolve_model('full-random', Path('/tmp/models'))" || exit 5
-echo "model ready at $((SECONDS - T0)) s"
+. "$(dirname "$0")/stage_env.sh"
 TORCH_LOGS=recompiles timeout ${CONTEXT_TIMEOUT:-420} python3 -m bench.context_bench --rows ${ROWS:-16,32,64} --reps 2 \
   ${CHECK---check} --kernels ${KERNELS:-0} \
   --json $OUT/context_bench.json > $OUT/context_bench.log 2>&1

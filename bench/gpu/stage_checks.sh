@@ -10,13 +10,7 @@
 #      without vLLM or an event loop (round 6: 2-3x slower per frame inside the gateway).
 # Results: $OUT/stage_r7_{defaults,off,shared_gpu}.json and .log, $OUT/decode_load.log.
 set -uo pipefail
-T0=$SECONDS
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 4
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "from pathlib import Path; from engine.hub import resolve_model; resolve_model('full-random', Path('/tmp/models'))" || exit 5
-echo "model ready at $((SECONDS - T0)) s"
+. "$(dirname "$0")/stage_env.sh"
 S=(python3 -m bench.stage_syncs --reps 3)
 timeout 170 "${S[@]}" --batches 1,8,12,16,64 --kernels 12 --json $OUT/stage_r7_defaults.json > $OUT/stage_r7_defaults.log 2>&1
 echo "1 defaults rc=$? at $((SECONDS - T0)) s"
