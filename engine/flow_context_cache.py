@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .device_copy import tensor_on, to_device
-from .flow_prompt_cache import PrefixSolver, PromptKV, StepPrefixes, decode_with_prompt_cache, prompt_frames
+from .flow_prompt_cache import (PromptKV, StepPrefixes, check_entries, outputs, prefix_width, prompt_frames, run_from,
+                                shared_entry, shifted_inputs)
 from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, per_row
 from .models.flow import CausalMaskedDiffWithDiT, FlowBatchShape, FlowChunk
 
@@ -408,9 +409,27 @@ class RingKV(Sequence[tuple[torch.Tensor, torch.Tensor]]):
         return self._rows(self.keys[layer]), self._rows(self.values[layer])
 
 
+class ContextSolver(Protocol):
+    """A `PrefixSolver` that also takes a plan of its context cache (the graph runner)."""
+
+    def padded_shape(self, rows: int, frames: int, width: int = 0, shared: bool = False) -> tuple[int, int]: ...
+
+    def __call__(self, noise: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+                 cond: torch.Tensor, streaming: bool, prefix: Sequence[PromptKV | None] | None = None,
+                 context: ContextPlan | None = None) -> torch.Tensor: ...
+
+
+@torch.inference_mode()
 def decode_with_context(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None],
                         cache: ContextCache, plan: ContextPlan,
-                        solver: "PrefixSolver | None" = None) -> tuple[list[torch.Tensor], FlowBatchShape]:
+                        solver: ContextSolver | None = None) -> tuple[list[torch.Tensor], FlowBatchShape]:
     """`decode_with_prompt_cache` with each row's ODE run beginning at `plan.starts` and
     its ring in every attention: eagerly, or by `solver` (a graph runner with this cache)."""
-    return decode_with_prompt_cache(flow, chunks, entries, solver=solver, context=plan, context_cache=cache)
+    check_entries(flow, chunks, entries)
+    if solver is None:
+        return run_from(flow, chunks, plan.starts, cache.prefixes(StepPrefixes(entries, cache.device), plan))
+    args, frames, length = shifted_inputs(flow, chunks, plan.starts)
+    mel = solver(*args, prefix=entries, context=plan)
+    shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),
+                                                shared_entry(entries) is not None))
+    return outputs(flow, chunks, plan.starts, frames, mel), shape

@@ -49,16 +49,13 @@ import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from .device_copy import tensor_on
 from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, DiTRecord
 from .models.flow import CausalMaskedDiffWithDiT, FlowBatchShape, FlowChunk
-
-if TYPE_CHECKING:  # the context cache builds on this module
-    from .flow_context_cache import ContextCache, ContextPlan
 
 log = logging.getLogger(__name__)
 
@@ -357,50 +354,40 @@ class PrefixBuffers:
 @torch.inference_mode()
 def decode_with_prompt_cache(
     flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None],
-    solver: PrefixSolver | None = None, context: "ContextPlan | None" = None,
-    context_cache: "ContextCache | None" = None,
+    solver: PrefixSolver | None = None,
 ) -> tuple[list[torch.Tensor], FlowBatchShape]:
     """Same frames as `flow.decode_chunks(chunks, streaming=True)`, computing only frames
     [C_i, T_i) of each row (C_i = entries[i].frames, 0 for None). The shape returned is
     the one the ODE ran at: rows x the longest row's new frames, or the solver's padded
-    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself).
-
-    With `context` (a plan of `context_cache`, `engine.flow_context_cache`) rows begin at
-    the plan's starts instead and read or keep their utterances' rings; the solver must
-    then be one with that cache (the graph runner's `context`)."""
+    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself)."""
     if not chunks:
         return [], FlowBatchShape(0, 0)
-    if len(entries) != len(chunks):
-        raise ValueError("one prompt cache entry (or None) per chunk")
+    check_entries(flow, chunks, entries)
     if all(e is None for e in entries):
         return flow.decode_chunks(chunks, streaming=True, solver=solver)
-    for c in chunks:
+    starts = [0 if e is None else e.frames for e in entries]
+    if solver is None:
+        return run_from(flow, chunks, starts, StepPrefixes(entries, flow.input_embedding.weight.device))
+    args, frames, length = shifted_inputs(flow, chunks, starts)
+    mel = solver(*args, prefix=entries)
+    shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),
+                                                shared_entry(entries) is not None))
+    return outputs(flow, chunks, starts, frames, mel), shape
+
+
+def check_entries(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: Sequence[PromptKV | None]) -> None:
+    """Refuse entries that do not belong to their chunks, and chunks with no output frames."""
+    if len(entries) != len(chunks):
+        raise ValueError("one prompt cache entry (or None) per chunk")
+    for c, e in zip(chunks, entries):
         n = len(c.tokens) - (0 if c.finalize else flow.pre_lookahead_len)
         if not c.num_prompt_tokens <= c.out_start <= n:
             raise ValueError(f"out_start {c.out_start} outside [{c.num_prompt_tokens}, {n}]")
-    for c, e in zip(chunks, entries):
         if e is not None and e.frames != prompt_frames(flow, c):
             raise ValueError("prompt cache entry does not match the chunk's prompt length")
-    starts = [0 if e is None else e.frames for e in entries] if context is None else context.starts
-    if solver is None:
-        steps: Sequence[DiTPrefix] = StepPrefixes(entries, _device_of(flow))
-        if context is not None:
-            if context_cache is None:
-                raise ValueError("a context plan needs its cache")
-            steps = context_cache.prefixes(steps, context)  # type: ignore[arg-type]
-        return run_from(flow, chunks, starts, steps)
-    args, frames, length = _shifted_inputs(flow, chunks, starts)
-    mel = solver(*args, prefix=entries) if context is None else solver(*args, prefix=entries, context=context)
-    shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),
-                                                shared_entry(entries) is not None))
-    return _outputs(flow, chunks, starts, frames, mel), shape
 
 
-def _device_of(flow: CausalMaskedDiffWithDiT) -> torch.device:
-    return flow.input_embedding.weight.device
-
-
-def _shifted_inputs(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk],
+def shifted_inputs(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk],
                     starts: list[int]) -> tuple[tuple[object, ...], list[int], int]:
     """The solver's inputs for rows that begin at window frame starts[i]: row i's frames
     [s_i, T_i) shifted to the front; padding past each row's end gets mask 0 and zero
@@ -422,7 +409,7 @@ def _shifted_inputs(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk],
     return args, inputs.frames, length
 
 
-def _outputs(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], starts: list[int], frames: list[int],
+def outputs(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], starts: list[int], frames: list[int],
              mel: torch.Tensor) -> list[torch.Tensor]:
     ratio = flow.token_mel_ratio
     return [mel[i, :, ratio * c.out_start - s : f - s].T for i, (c, s, f) in enumerate(zip(chunks, starts, frames))]
@@ -437,9 +424,9 @@ def run_from(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], starts: lis
     for c, s in zip(chunks, starts):
         if s > flow.token_mel_ratio * c.out_start:
             raise ValueError(f"a row starting at frame {s} would skip output frames")
-    args, frames, length = _shifted_inputs(flow, chunks, starts)
+    args, frames, length = shifted_inputs(flow, chunks, starts)
     mel = flow.decoder.solve(*args, prefix=prefix)
-    return _outputs(flow, chunks, starts, frames, mel), FlowBatchShape(len(chunks), length)
+    return outputs(flow, chunks, starts, frames, mel), FlowBatchShape(len(chunks), length)
 
 
 class PrefixSolver(Protocol):
@@ -448,8 +435,8 @@ class PrefixSolver(Protocol):
     def padded_shape(self, rows: int, frames: int, width: int = 0, shared: bool = False) -> tuple[int, int]: ...
 
     def __call__(self, noise: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
-                 cond: torch.Tensor, streaming: bool, prefix: Sequence[PromptKV | None] | None = None,
-                 context: "ContextPlan | None" = None) -> torch.Tensor: ...
+                 cond: torch.Tensor, streaming: bool,
+                 prefix: Sequence[PromptKV | None] | None = None) -> torch.Tensor: ...
 
 
 @dataclass
