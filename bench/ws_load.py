@@ -78,7 +78,7 @@ SPOKEN_CHARS_PER_SECOND = 14.0
 PROMPT_SECONDS = 4.25  # the first sentence of assets/default.wav (a 3-5 s prompt)
 PROMPT_TRANSCRIPT = "Hello, this is the default voice of the CosyVoice gateway."
 BASELINE_FLAGS = ("--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1", "--engine.flow-cuda-graphs", "false",
-                  "--engine.flow-prompt-cache", "false")
+                  "--engine.flow-prompt-cache", "false", "--engine.flow-context-cache-mib", "0")
 DEFAULT_TEXT = (
     "Thanks for calling, I have found your order. It shipped this morning and should arrive "
     "on Tuesday between nine and eleven. Would you like me to send the tracking link by text "

@@ -167,6 +167,8 @@ class EngineConfig:
             raise ValueError("flow_context_cache_bytes must be >= 0 and flow_context_min_rows >= 1")
         if self.flow_context_cache_bytes > 0 and self.flow_left_context <= 0:
             raise ValueError("flow_context_cache_bytes needs a bounded flow_left_context (> 0 tokens)")
+        if self.flow_context_cache_bytes > 0 and not self.flow_prompt_cache:
+            raise ValueError("flow_context_cache_bytes needs flow_prompt_cache (its rings follow the cached prompt)")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -227,9 +227,11 @@ def test_engine_audio_with_an_unbounded_ring_is_the_whole_prefix_audio(tiny_mode
     assert stats.flow_frames < 0.7 * base.flow_frames
 
 
-def test_the_context_cache_needs_a_bounded_left_context(tiny_model_dir) -> None:  # noqa: ANN001
+def test_the_context_cache_needs_a_bounded_left_context_and_the_prompt_cache(tiny_model_dir) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="bounded"):
         EngineConfig(model_dir=tiny_model_dir, flow_left_context=-1, flow_context_cache_bytes=1 << 30)
+    with pytest.raises(ValueError, match="flow_prompt_cache"):
+        EngineConfig(model_dir=tiny_model_dir, flow_prompt_cache=False, flow_context_cache_bytes=1 << 30)
 
 
 def test_settings_reach_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001

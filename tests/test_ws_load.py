@@ -265,7 +265,8 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert st["tokens_per_text_token"] > 0 and st["text"].startswith("Hello there")
     assert st["format"] == "opus" and st["sample_rate"] == 48000
     assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
-                                    "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false"]
+                                    "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false",
+                                    "--engine.flow-context-cache-mib", "0"]
     assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
     for start in st["start_s"].values():  # the engine's start by step, and the voice's registration
         assert set(start) == {"voice_s", "load", "lm", "stage", "voice", "warmup"} and start["load"] > 0, start
@@ -332,6 +333,22 @@ def test_sessions_spread_over_client_processes(tiny_model_dir: Path, tmp_path: P
     assert lv["client_procs"] == 2 and lv["completed"] == 3 and lv["errors"] == 0, lv
     assert lv["first_audio_ms"]["n"] == 3 and lv["segment_first_audio_ms"]["n"] >= 6
     assert lv["audio_s"] > 0 and lv["underruns"] >= 0 and 0 < lv["client_loop_busy_share"] <= 1.05
+
+
+def test_the_context_cache_through_a_gateway(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The gateway option reaches the stage, and its counters reach the report."""
+    report = main([
+        "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
+        "--sessions", "1", "--rate", "0", "--no-warm", "--no-flops", "--json", str(tmp_path / "load.json"),
+        "--text", "Thanks for calling, I have found your order and it shipped this morning, so it should arrive "
+                  "on Tuesday between nine and eleven in the morning.",
+        "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
+        "--engine.text-normalization", "false", "--engine.flow-context-cache-mib", "2048",
+    ])
+    (lv,) = report["results"]["product"]
+    assert lv["completed"] == 1 and lv["errors"] == 0, lv
+    server = lv["server"]
+    assert server["flow_context_records"] > 0 and server["flow_context_reads"] > 0, server
 
 
 def test_shard_plans_deal_sessions_round_robin() -> None:
