@@ -168,10 +168,16 @@ def test_slots_are_bounded_reused_and_given_back(flow: CausalMaskedDiffWithDiT) 
     assert cache.in_use() == 2
     step(90, 140, True, [2])  # final: gives its slot back
     assert cache.in_use() == 1
-    # An utterance that is gone frees its slot for the next one without the LRU rule.
+    step(8, 40, False, [1])  # takes the empty slot: both are held now (by 0 and 1)
+    step(90, 140, False, [0])  # 0 reads and keeps again: 1 is now the least recently used
+    assert cache.in_use() == 2 and cache._slot_of(keys[0]) is not None and cache.reads == 2
+    # An utterance that is gone frees its slot for the next one, before the LRU rule would
+    # take 1's; nothing is refused.
+    refused, gone = cache.refused, cache._slot_of(keys[0])
     keys[0] = Utterance()
-    step(8, 40, False, [1])
-    assert cache.in_use() <= 2
+    step(8, 40, False, [2])
+    assert cache._slot_of(keys[2]) == gone and cache._slot_of(keys[1]) is not None
+    assert cache.refused == refused
 
 
 def test_a_chunk_off_the_grid_or_from_a_shifted_window_keeps_nothing(flow: CausalMaskedDiffWithDiT) -> None:
