@@ -867,7 +867,9 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
     after each, so that a run cut short still leaves its finished levels). `start`
     receives how the gateway's start went: the engine's steps and the bench voice's
     registration (it captures the voice's flow graphs), in seconds."""
-    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=120) as client:
+    # A registration captures the voice's flow graphs: 40-130 s on the H200 (round 11 timed
+    # out at 120 s with the context cache's ring graphs).
+    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=600) as client:
         t0 = time.perf_counter()
         await ensure_voice(client, ctx.voice_id)
         if start is not None:

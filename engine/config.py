@@ -122,10 +122,13 @@ class EngineConfig:
     # measured so far. On the GPU, vLLM then sizes its KV cache while this process
     # allocates the flow's graphs; not yet run on the device.
     overlap_start: bool = False
-    # Warm-up then also runs this many utterances at once (at most max_gpu_batch): batches
-    # of several chunks give the stage's round-time fit (`engine.first_chunk`) a slope
-    # before the first load. 64 would also compile the shapes of a full batch at start.
-    warmup_concurrency: int = 8
+    # Warm-up then also runs this many sentence-long utterances at once (at most
+    # max_gpu_batch), so the stage's round times (`engine.first_chunk.RoundTimes`) know a
+    # full batch before the first burst does: without one, the first 64-session burst
+    # after a start was planned on small rounds and stalled (docs/benchmarks.md, round 11).
+    # None: max_gpu_batch on a GPU; on the CPU only a few (a full batch of sentences takes
+    # a while there, and no CPU serves bursts of 64).
+    warmup_concurrency: int | None = None
     vllm_gpu_memory_utilization: float = 0.35
     vllm_max_model_len: int = 4096
     # vLLM's async scheduling runs one step ahead; a paused streaming-input (bistream)
@@ -153,7 +156,7 @@ class EngineConfig:
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
             raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
                              "stage_profile_batches >= 1")
-        if self.warmup_concurrency < 0:
+        if self.warmup_concurrency is not None and self.warmup_concurrency < 0:
             raise ValueError("warmup_concurrency must be >= 0")
         if not self.first_chunk_margin >= 0:  # also refuses NaN
             raise ValueError("first_chunk_margin must be >= 0")

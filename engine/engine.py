@@ -62,6 +62,10 @@ DEADLINE_MARGIN_S = 0.25
 # An utterance's LM rate, for its first chunk's size, is measured over this many first tokens
 # at most (`_lm_step`).
 RATE_TOKENS = 64
+# Speech tokens of each concurrent warm-up utterance: a sentence (~4 s), like the
+# WebSocket load's segments (105 tokens), so the warm-up's batches span a burst's sizes.
+WARMUP_SPEECH_TOKENS = 100
+CPU_WARMUP_CONCURRENCY = 4  # EngineConfig.warmup_concurrency None on the CPU
 
 
 def chunk_due(now: float, runs_out: float, ahead_s: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
@@ -422,13 +426,20 @@ class Engine:
 
     async def _warmup(self, voice: VoicePrompt) -> None:
         """Syntheses with the warm-up voice through the whole engine."""
-        opts = SessionOptions(tokens_per_text_token=4.0, seed=0)
-        await self.synthesize("Warm up.", voice, opts)
-        # Several at once too (EngineConfig.warmup_concurrency): batches of more than one
-        # chunk give the stage's round-time fit (first-chunk sizes) its slope.
-        together = min(self.config.warmup_concurrency, self.config.max_gpu_batch)
+        text = "Warm up."
+        await self.synthesize(text, voice, SessionOptions(tokens_per_text_token=4.0, seed=0))
+        # Several at once too (EngineConfig.warmup_concurrency), each as long as a sentence:
+        # their batches are the sizes a burst makes (first chunks, then long chunks with
+        # their left context), which the stage's round times keep for the first-chunk
+        # planner. Short utterances taught it rounds cheaper than the load's (round 9).
+        together = self.config.warmup_concurrency
+        if together is None:
+            together = self.config.max_gpu_batch if self.device.type == "cuda" else CPU_WARMUP_CONCURRENCY
+        together = min(together, self.config.max_gpu_batch)
         if together > 1:
-            await asyncio.gather(*(self.synthesize("Warm up.", voice, opts) for _ in range(together)))
+            ratio = WARMUP_SPEECH_TOKENS / max(1, len(await asyncio.to_thread(self.text_ids, text)))
+            opts = SessionOptions(tokens_per_text_token=ratio, seed=0)
+            await asyncio.gather(*(self.synthesize(text, voice, opts) for _ in range(together)))
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -23,8 +23,9 @@ back from a first chunk is learnt from first chunks made (`FirstChunkPlanner.obs
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .chunking import ChunkSchedule
@@ -39,38 +40,53 @@ RoundFn = Callable[[int, int], "float | None"]
 @dataclass
 class RoundTimes:
     """A stage's batch wall time against the batch's flow work (rows x frames computed),
-    wall ~ base + per_frame x work, fitted by exponentially weighted least squares over
-    recent batches (weight `decay` per batch): batches slow down under load (a busy
-    interpreter, the LM sharing the GPU), so old ones should count less. With batches of
-    one size only the fit is proportional (no intercept), which over-predicts larger
-    batches: the safe side here."""
+    remembered per size of work: one exponentially weighted mean (weight `decay` per
+    batch of that size) for each `1 / per_octave` octave of work.
 
-    decay: float = 0.95
-    w: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    Why per size, not one line fitted over recent batches: the sizes a stage meets come
+    in runs. An hour of single sessions (one-row rounds, launch-bound: their wall barely
+    grows with their frames) would fit a line through them alone and forget what a full
+    batch costs (~30 ms a round against ~450 at 64 rows on the H200), and the first burst
+    after it would be planned on rounds far too short.
+    On the H200 that burst stalled in every session, twice in round 11 of
+    docs/benchmarks.md, while the next one, with big batches fresh in the fit, played
+    through. A size's own mean still follows the load (a busy interpreter, the LM sharing
+    the GPU slow batches down), from batches of that size.
+
+    Between two measured sizes the prediction is linear, below the smallest measured it is
+    that size's wall (a smaller batch is no faster on a launch-bound GPU), above the largest
+    proportional to the work, and it never falls as the work grows: each errs long,
+    which makes a first chunk longer, not a stall."""
+
+    decay: float = 0.9
+    per_octave: int = 2
+    # size -> [weight, weighted work, weighted wall]
+    sizes: dict[int, list[float]] = field(default_factory=dict)
 
     def observe(self, work: int, wall_s: float) -> None:
+        key = math.floor(self.per_octave * math.log2(max(work, 1)))
+        acc = self.sizes.setdefault(key, [0.0, 0.0, 0.0])
         d = self.decay
-        self.w = d * self.w + 1.0
-        self.sx = d * self.sx + work
-        self.sy = d * self.sy + wall_s
-        self.sxx = d * self.sxx + work * work
-        self.sxy = d * self.sxy + work * wall_s
+        acc[0] = d * acc[0] + 1.0
+        acc[1] = d * acc[1] + work
+        acc[2] = d * acc[2] + wall_s
 
     def predict(self, work: int) -> float | None:
         """Seconds for a batch of this much flow work, None before any batch."""
-        if self.w == 0.0:
+        if not self.sizes:
             return None
-        mean_x, mean_y = self.sx / self.w, self.sy / self.w
-        var_x = self.sxx / self.w - mean_x * mean_x
-        if var_x > (0.05 * mean_x) ** 2:  # batches of different sizes: fit the line
-            slope = (self.sxy / self.w - mean_x * mean_y) / var_x
-            if slope > 0:
-                return max(0.0, mean_y + slope * (work - mean_x))
-        return mean_y * max(work, 1) / max(mean_x, 1.0)
+        xs, ys, top = [], [], 0.0
+        for w, sx, sy in sorted(self.sizes.values(), key=lambda a: a[1] / a[0]):
+            top = max(top, sy / w)
+            xs.append(max(sx / w, 1.0))
+            ys.append(top)
+        if work <= xs[0]:
+            return ys[0]
+        if work >= xs[-1]:
+            return ys[-1] * work / xs[-1]
+        i = bisect.bisect_right(xs, work)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (work - x0) / (x1 - x0)
 
 
 def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[tuple[int, int]]:

@@ -143,10 +143,11 @@ class EngineSettings:
         metadata=_help("start the LM (vLLM's engine core) while the audio stage is built and the flow warmed, "
                        "instead of one after the other (not yet measured on a GPU)"),
     )
-    warmup_concurrency: int = field(
-        default=8,
-        metadata=_help("warm-up then also runs this many syntheses at once (at most max_gpu_batch): batch round "
-                       "times for the first-chunk planner before the first load (0 = none)"),
+    warmup_concurrency: int | None = field(
+        default=None,
+        metadata=_help("warm-up then also runs this many sentence-long syntheses at once (at most max_gpu_batch): "
+                       "the first-chunk planner then knows a full batch's round times before the first load "
+                       "(0 = none; default: max_gpu_batch on a GPU, 4 on the CPU)"),
     )
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
     vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))

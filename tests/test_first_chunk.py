@@ -8,33 +8,56 @@ import math
 import pytest
 
 from engine.chunking import ChunkSchedule
-from engine.engine import Engine
+from engine.engine import CPU_WARMUP_CONCURRENCY, WARMUP_SPEECH_TOKENS, Engine
 from engine.first_chunk import TOKEN_S, FirstChunkPlanner, RoundTimes, chunks_ahead, plan_first_hop, stalls
 from engine.types import AudioChunk, SessionOptions
 from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
 
 
-def test_round_times_fit_a_line_and_stay_proportional_without_spread():
+def test_round_times_interpolate_between_sizes_and_stay_proportional_above():
     rt = RoundTimes()
     assert rt.predict(8000) is None
     for _ in range(5):
         rt.observe(8000, 0.080)
-    # One batch size only: no slope to fit, so proportional to the work (safe side).
+    # One size measured: proportional above it, its own wall below it (launch-bound).
     assert rt.predict(8000) == pytest.approx(0.080)
     assert rt.predict(64000) == pytest.approx(0.640)
+    assert rt.predict(100) == pytest.approx(0.080)
     for _ in range(5):
         rt.observe(64000, 0.416)
-    # 8000 frames -> 80 ms, 64000 -> 416 ms: 6 us a frame over 32 ms.
+    # 8000 frames -> 80 ms, 64000 -> 416 ms: 6 us a frame over 32 ms in between.
     assert rt.predict(64000) == pytest.approx(0.416)
     assert rt.predict(32000) == pytest.approx(0.032 + 32000 * 6e-6)
 
 
-def test_round_times_forget_old_batches():
+def test_round_times_forget_old_batches_of_the_same_size():
     rt = RoundTimes(decay=0.5)
     rt.observe(4000, 1.0)
     for _ in range(20):
-        rt.observe(4000, 0.1)
-    assert rt.predict(4000) == pytest.approx(0.1, rel=1e-4)
+        rt.observe(3900, 0.1)  # the same size (a half octave: 2896-4095 frames)
+    assert rt.predict(3900) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_round_times_keep_a_full_batch_through_a_run_of_small_ones():
+    """Round 11 on the H200: single sessions (~30 ms rounds whatever their frames), then a
+    burst of 64. A full batch measured before them must still be predicted, not a line
+    through the small ones."""
+    rt = RoundTimes()
+    for _ in range(3):
+        rt.observe(64 * 86, 0.45)
+    for i in range(200):
+        rt.observe(22 + 180 * (i % 2), 0.030)
+    assert rt.predict(64 * 86) == pytest.approx(0.45, rel=1e-6)
+    assert 0.030 < rt.predict(16 * 86) < 0.45
+
+
+def test_round_times_never_predict_less_for_more_work():
+    rt = RoundTimes()
+    rt.observe(1000, 0.2)  # a slow small batch (say, it waited on a compile)
+    rt.observe(8000, 0.1)
+    assert rt.predict(8000) == pytest.approx(0.2)
+    assert rt.predict(4000) == pytest.approx(0.2)
+    assert rt.predict(16000) == pytest.approx(0.4)
 
 
 def test_chunks_ahead_follow_the_schedule_to_its_largest_hop():
@@ -161,25 +184,31 @@ def test_stage_round_estimate_counts_the_utterances_in_progress(tiny_model_dir, 
         stage = engine.stage
         first = stage.new_stream()
         assert stage.round_estimate(first, 500) is None  # no batch measured yet
-        stage.rounds.observe(1000, 0.1)  # proportional until batches of other sizes come
+        stage.rounds.observe(1000, 0.1)  # proportional above 1000 frames, 0.1 s below
         second = stage.new_stream()
-        two = stage.round_estimate(first, 500)
+        two = stage.round_estimate(first, 800)
         del second
         gc.collect()
-        return two, stage.round_estimate(first, 500)
+        return two, stage.round_estimate(first, 800)
 
     two, one = run(tiny_model_dir, fn, warmup=False, max_gpu_batch=max_batch)
-    # 64: both chunks in one batch of 1000 frames; 1: two rounds of 500 frames.
-    assert two == pytest.approx(0.1)
-    assert one == pytest.approx(0.05)
+    # 64: both chunks in one batch of 1600 frames; 1: two rounds of 800 frames each.
+    assert two == pytest.approx(0.16 if max_batch == 64 else 0.2)
+    assert one == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("together", [0, 4])
-def test_warm_up_runs_utterances_together_for_the_round_fit(tiny_model_dir, together):
+@pytest.mark.parametrize("together", [0, 3, None])
+def test_warm_up_runs_sentences_together_for_the_round_times(tiny_model_dir, together):
+    """Several sentence-long utterances at once (None: CPU_WARMUP_CONCURRENCY on the CPU),
+    so the round times hold batches of several rows, long chunks among them."""
     async def fn(engine: Engine):
         st = engine.stats()
-        return st.max_batch_size, st.chunks, engine.stage.rounds.predict(1000)
+        return st.max_batch_size, st.chunks, engine.lm_tokens, engine.stage.rounds.predict(1000)
 
-    largest, chunks, predicted = run(tiny_model_dir, fn, warmup=True, warmup_concurrency=together)
+    largest, chunks, tokens, predicted = run(tiny_model_dir, fn, warmup=True, warmup_concurrency=together)
+    n = CPU_WARMUP_CONCURRENCY if together is None else together
     assert chunks > 0 and predicted is not None  # the warm-up's batches were measured
-    assert (largest > 1) == (together > 1)
+    assert (largest > 1) == (n > 1)
+    # One short utterance, then n of WARMUP_SPEECH_TOKENS each.
+    assert tokens >= n * WARMUP_SPEECH_TOKENS
+    assert (tokens >= WARMUP_SPEECH_TOKENS) == (n > 1)
