@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import logging
 import math
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -438,7 +439,7 @@ class AudioStage:
             for job in batch:
                 job.started_at = started
             try:
-                began, (results, flow_frames, vocoder_frames), ended = await loop.run_in_executor(
+                began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
                     self._pool, self._timed_batch, self.stats.batches, batch)
             except Exception as exc:  # fail this batch's chunks, keep serving others
                 log.exception("audio stage batch failed")
@@ -455,7 +456,11 @@ class AudioStage:
             st.last_batch_size = len(batch)
             st.max_batch_size = max(st.max_batch_size, len(batch))
             st.busy_seconds += dt
-            self.rounds.observe(flow_frames, dt)
+            if not one_off:
+                # From the worker's start: a wait behind a capture job is not a round, and a
+                # batch that compiled or captured is not one either. Both would stay in the
+                # round times' memory of its size (`RoundTimes`), and a capture takes seconds.
+                self.rounds.observe(flow_frames, resumed - began)
             st.flow_frames += flow_frames
             st.vocoder_frames += vocoder_frames
             if self.prompt_cache is not None:  # the worker is done with the batch: no race
@@ -541,11 +546,23 @@ class AudioStage:
             self._other_work_until = time.perf_counter()
 
     def _timed_batch(self, index: int,
-                     batch: list[ChunkJob]) -> tuple[float, tuple[list[np.ndarray], int, int], float]:
-        """`_run_batch` between two perf_counter readings taken on the worker thread."""
+                     batch: list[ChunkJob]) -> tuple[float, tuple[list[np.ndarray], int, int], float, bool]:
+        """`_run_batch` between two perf_counter readings taken on the worker thread, and
+        whether it did one-off work (`_one_off_work`)."""
+        before = self._one_off_work()
         began = time.perf_counter()
         out = self._run_batch(index, batch)
-        return began, out, time.perf_counter()
+        ended = time.perf_counter()
+        return began, out, ended, self._one_off_work() != before
+
+    def _one_off_work(self) -> tuple[int, int, int]:
+        """Counts of the work a batch does once, not every round: graph captures (flow,
+        vocoder) and torch.compile graphs (any thread: only a signal)."""
+        flow = self._graphs.stats.captures if self._graphs is not None else 0
+        vocoder = self.vocoder_graphs.stats.captures if self.vocoder_graphs is not None else 0
+        dynamo = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
+        compiled = int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
+        return flow, vocoder, compiled
 
     def _run_batch(self, index: int, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
         if self.profiler is None:

@@ -212,3 +212,23 @@ def test_warm_up_runs_sentences_together_for_the_round_times(tiny_model_dir, tog
     # One short utterance, then n of WARMUP_SPEECH_TOKENS each.
     assert tokens >= n * WARMUP_SPEECH_TOKENS
     assert (tokens >= WARMUP_SPEECH_TOKENS) == (n > 1)
+
+
+def test_batches_that_capture_or_compile_are_not_rounds(tiny_model_dir):
+    """A batch that captured a graph or compiled took seconds once: its time must not
+    enter the round times, which keep each size's mean for good."""
+    async def fn(engine: Engine):
+        stage = engine.stage
+        voice = await default_voice(engine)
+        opts = SessionOptions(tokens_per_text_token=4.0, seed=0)
+        await engine.synthesize("Hello there.", voice, opts)
+        weight = sum(acc[0] for acc in stage.rounds.sizes.values())
+        batches = engine.stats().batches
+        counts = iter(range(1_000_000))
+        stage._one_off_work = lambda: (next(counts), 0, 0)  # every batch "captured" something
+        await engine.synthesize("Hello there, and once more.", voice, opts)
+        return weight, batches, sum(acc[0] for acc in stage.rounds.sizes.values()), engine.stats().batches
+
+    weight, batches, weight_after, batches_after = run(tiny_model_dir, fn, warmup=False)
+    assert weight > 0 and batches_after > batches
+    assert weight_after == weight
