@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     model_dir = resolve_model(args.model, args.model_cache)
     overrides: dict[str, Any] = {"flow_context_cache_bytes": args.cache_mib << 20,
-                                 **config_overrides(args.config, model_dir)}
+                                 **config_overrides(args.config)}
     model = load_model(model_dir, load_lm=False)
     model.flow.to(device)
     model.hift.to(device)

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
+import typing
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -46,6 +46,7 @@ from engine.models.flow import FlowChunk
 from engine.models.loader import load_model
 from engine.stage_profile import union_within, kernel_intervals
 from engine.token2wav import AudioStage, ChunkJob
+from gateway.settings import convert_value
 
 ROOT = Path(__file__).resolve().parents[1]
 LEFT, LOOKAHEAD = 50, 3
@@ -147,17 +148,16 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     return out
 
 
-def config_overrides(items: list[str], model_dir: Path) -> dict[str, Any]:
+def config_overrides(items: list[str]) -> dict[str, Any]:
     """`--config FIELD=VALUE` options as EngineConfig keyword arguments, each value parsed
-    as its field's default is typed."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    as its field is typed (an optional field takes "none" too)."""
+    hints = typing.get_type_hints(EngineConfig)
     overrides: dict[str, Any] = {}
     for item in items:
         name, _, value = item.partition("=")
-        if name not in fields:
+        if name not in hints:
             raise SystemExit(f"unknown EngineConfig field {name!r}")
-        default = getattr(EngineConfig(model_dir=model_dir), name)
-        overrides[name] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
+        overrides[name] = convert_value(value, hints[name], name)
     return overrides
 
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--kernels needs the profile (drop --no-profile)")
     device = torch.device(args.device)
     model_dir = resolve_model(args.model, args.model_cache)
-    overrides = config_overrides(args.config, model_dir)
+    overrides = config_overrides(args.config)
     config = EngineConfig(model_dir=model_dir, device=args.device, **overrides)
     model = load_model(model_dir, load_lm=False)
     model.flow.to(device)  # as Engine.create does: the stage runs where its modules are

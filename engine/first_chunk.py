@@ -47,10 +47,9 @@ class RoundTimes:
     in runs. An hour of single sessions (one-row rounds, launch-bound: their wall barely
     grows with their frames) would fit a line through them alone and forget what a full
     batch costs (~30 ms a round against ~450 at 64 rows on the H200), and the first burst
-    after it would be planned on rounds far too short.
-    On the H200 that burst stalled in every session, twice in round 11 of
-    docs/benchmarks.md, while the next one, with big batches fresh in the fit, played
-    through. A size's own mean still follows the load (a busy interpreter, the LM sharing
+    after it would be planned on rounds far too short. On the H200 that burst stalled in
+    every session, twice in round 11 of docs/benchmarks.md, while the next one, with big
+    batches fresh in the fit, played through. A size's own mean still follows the load (a busy interpreter, the LM sharing
     the GPU slow batches down), from batches of that size.
 
     Between two measured sizes the prediction is linear, below the smallest measured it is

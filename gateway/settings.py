@@ -237,13 +237,13 @@ def _field_type(root: type, path: tuple[str, ...]) -> Any:
     return typing.get_type_hints(cls)[path[-1]]
 
 
-def _convert(value: Any, t: Any, name: str) -> Any:
+def convert_value(value: Any, t: Any, name: str) -> Any:
     origin = typing.get_origin(t)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(t) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
             return None
-        return _convert(value, args[0], name)
+        return convert_value(value, args[0], name)
     if t is bool:
         if isinstance(value, bool):
             return value
@@ -262,7 +262,7 @@ def _convert(value: Any, t: Any, name: str) -> Any:
         inner = args[0] if args else str
         if inner is Ellipsis:
             inner = str
-        return tuple(_convert(x, inner, name) for x in items)
+        return tuple(convert_value(x, inner, name) for x in items)
     if t is Path:
         return Path(value)
     if t in (int, float, str):
@@ -301,7 +301,7 @@ def apply_mapping(settings: Settings, data: Mapping[str, Any], where: str) -> Se
                 obj = replace(obj, **{key: walk(cur, value, prefix + (key,))})
             else:
                 t = _field_type(type(obj), (key,))
-                obj = replace(obj, **{key: _convert(value, t, ".".join(prefix + (key,)))})
+                obj = replace(obj, **{key: convert_value(value, t, ".".join(prefix + (key,)))})
         return obj
 
     return walk(settings, data, ())
@@ -346,11 +346,11 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
             raise ValueError(f"unknown environment variable {key}")
     for path, _ in leaves:
         if _env(path) in environ:
-            settings = _set(settings, path, _convert(environ[_env(path)], _field_type(Settings, path), _env(path)))
+            settings = _set(settings, path, convert_value(environ[_env(path)], _field_type(Settings, path), _env(path)))
     for path, _ in leaves:
         value = getattr(args, "opt:" + ".".join(path))
         if value is not None:
-            settings = _set(settings, path, _convert(value, _field_type(Settings, path), _flag(path)))
+            settings = _set(settings, path, convert_value(value, _field_type(Settings, path), _flag(path)))
     return settings, args
 
 

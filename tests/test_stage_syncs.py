@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import stage_syncs
 
 
@@ -38,3 +40,13 @@ def test_kernel_table_groups_kernels_per_batch() -> None:
     table, families = stage_syncs.kernel_table(events, reps=2, top=5)
     assert [(k["kernel"][:12], k["ms"], k["calls"]) for k in table] == [("nvjet_sm90_t", 3.0, 1), ("void cutlass", 1.0, 0.5)]
     assert families == {"gemm": 0.75, "conv": 0.25}
+
+
+def test_config_overrides_parse_each_field_by_its_type() -> None:
+    got = stage_syncs.config_overrides(["warmup_concurrency=8", "flow_compile=false", "stage_devices=cpu,cpu",
+                                        "tokens_per_text_token=none"])
+    # warmup_concurrency and tokens_per_text_token default to None: typed by annotation, not default.
+    assert got == {"warmup_concurrency": 8, "flow_compile": False, "stage_devices": ("cpu", "cpu"),
+                   "tokens_per_text_token": None}
+    with pytest.raises(SystemExit):
+        stage_syncs.config_overrides(["no_such_field=1"])
