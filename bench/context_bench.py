@@ -30,13 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.stage_syncs import config_overrides, kernel_table
+from bench.stage_syncs import add_stage_arguments, config_overrides, kernel_table, load_stage_model
 from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
 from engine.engine import build_stage
-from engine.hub import resolve_model
 from engine.models.flow import FlowChunk
-from engine.models.loader import LoadedModel, load_model
+from engine.models.loader import LoadedModel
 from engine.stage_profile import kernel_intervals, union_within
 from engine.token2wav import AudioStage, ChunkJob
 
@@ -89,29 +88,20 @@ def build(model: LoadedModel, device: torch.device, model_dir: Path, overrides: 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default="full-random", help="model dir or hub name (default full-random)")
-    p.add_argument("--model-cache", type=Path, default=Path("/tmp/models"))
+    add_stage_arguments(p, "flow_context_min_rows=1")
     p.add_argument("--rows", default="16,32,64")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--tokens", type=int, default=105, help="speech tokens per utterance (the load's segments: ~105)")
-    p.add_argument("--prompt-tokens", type=int, default=106)
     p.add_argument("--initial-hop", type=int, default=8)
     p.add_argument("--cache-mib", type=int, default=24 << 10)
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="profile the last rep of each mode: GPU busy time and the N kernels with the most time")
     p.add_argument("--check", action="store_true", help="also compare an unbounded ring with the whole prefix")
-    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
-                   help="an EngineConfig field for the stage (e.g. flow_context_min_rows=1)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    model_dir = resolve_model(args.model, args.model_cache)
+    device, model_dir, model = load_stage_model(args)
     overrides: dict[str, Any] = {"flow_context_cache_bytes": args.cache_mib << 20,
                                  **config_overrides(args.config)}
-    model = load_model(model_dir, load_lm=False)
-    model.flow.to(device)
-    model.hift.to(device)
     # Two stages on the same modules (their own graphs): one with the cache, one without.
     stages = {True: build(model, device, model_dir, overrides),
               False: build(model, device, model_dir, {**overrides, "flow_context_cache_bytes": 0})}

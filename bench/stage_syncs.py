@@ -43,7 +43,7 @@ from engine.config import EngineConfig
 from engine.engine import build_stage
 from engine.hub import resolve_model
 from engine.models.flow import FlowChunk
-from engine.models.loader import load_model
+from engine.models.loader import LoadedModel, load_model
 from engine.stage_profile import union_within, kernel_intervals
 from engine.token2wav import AudioStage, ChunkJob
 from gateway.settings import convert_value
@@ -161,16 +161,32 @@ def config_overrides(items: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_stage_arguments(p: argparse.ArgumentParser, config_example: str) -> None:
+    """The options every stage bench takes: where, which model, EngineConfig fields."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="full-random", help="model dir or hub name (default full-random)")
     p.add_argument("--model-cache", type=Path, default=Path("/tmp/models"))
-    p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=106)
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
-                   help="an EngineConfig field for the stage (e.g. flow_compile=false)")
+                   help=f"an EngineConfig field for the stage (e.g. {config_example})")
+
+
+def load_stage_model(args: argparse.Namespace) -> tuple[torch.device, Path, LoadedModel]:
+    """The flow and vocoder of `args.model` (no LM) on `args.device`, as Engine.create
+    places them: a stage runs where its modules are."""
+    device = torch.device(args.device)
+    model_dir = resolve_model(args.model, args.model_cache)
+    model = load_model(model_dir, load_lm=False)
+    model.flow.to(device)
+    model.hift.to(device)
+    return device, model_dir, model
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_stage_arguments(p, "flow_compile=false")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="record the kernels (GPU busy time, --kernels, syncs); --no-profile: wall time alone")
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="list the N kernels with the most device time")
@@ -178,13 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.kernels and not args.profile:
         p.error("--kernels needs the profile (drop --no-profile)")
-    device = torch.device(args.device)
-    model_dir = resolve_model(args.model, args.model_cache)
+    device, model_dir, model = load_stage_model(args)
     overrides = config_overrides(args.config)
     config = EngineConfig(model_dir=model_dir, device=args.device, **overrides)
-    model = load_model(model_dir, load_lm=False)
-    model.flow.to(device)  # as Engine.create does: the stage runs where its modules are
-    model.hift.to(device)
     stage = build_stage(model, device, config)
     assert isinstance(stage, AudioStage)
     g = torch.Generator().manual_seed(0)
