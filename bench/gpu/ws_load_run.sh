@@ -13,6 +13,9 @@
 # EXTRA="--engine.x y ..." (more gateway options for the product runs),
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
 # its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call),
+# MPS=1 (run the gateway's processes under an NVIDIA MPS daemon started for this run and
+# stopped after it: vLLM's engine-core process and the gateway's stage then share the GPU
+# by running kernels side by side, instead of taking turns in time slices),
 # WARM=1 (single: first start one gateway for a 1-session level, so the compile caches are
 # warm before the runs that count: on a fresh machine the first start compiles for two
 # minutes or more, and round 7 lost a variant to it; each run prints its time to ready).
@@ -32,6 +35,17 @@ if [ "$MODE" = single ]; then
 else
   export CUDA_VISIBLE_DEVICES=0,1
   ARGS=(--sessions "${LEVELS:-64,128,256}" --engine.stage-devices cuda:0,cuda:1)
+fi
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    echo "MPS daemon started"
+    # The daemon's quit waits for its clients: a gateway left running would hold it.
+    trap 'pkill -f -- "-m gateway --model"; sleep 2; echo quit | timeout 20 nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
+  else
+    echo "MPS: the daemon did not start (no nvidia-cuda-mps-control?): running without it"
+  fi
 fi
 echo "prep done at $((SECONDS - T0)) s"
 if [ "$MODE" = single ] && [ "${WARM:-0}" = 1 ]; then
