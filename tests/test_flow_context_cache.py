@@ -310,12 +310,14 @@ class _ReplayedSolve:
         self.run()
 
 
-@pytest.mark.parametrize("emulate_capture", [False, True])
-def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_capture: bool) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("emulate_capture,attention", [(False, "concat"), (True, "concat"), (False, "merge")])
+def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_capture: bool,  # noqa: ANN001
+                                                  attention: str) -> None:
     """The graph runner's path (uncaptured on the CPU: the same static buffers and solve a
     captured graph replays) gives the whole-prefix audio, as the eager path does. With
     `emulate_capture` each new bucket's first batch runs the solve twice, as a capture's
-    warm-up run and then its replay do on the GPU: its ring writes must not land twice."""
+    warm-up run and then its replay do on the GPU: its ring writes must not land twice.
+    With the merged prefix attention (`PrefixAttention`) for the calls that read no ring."""
     from bench.context_bench import run_utterances, utterance_chunks
     from engine.models.loader import load_model
 
@@ -324,7 +326,7 @@ def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_captur
     prompt = (torch.randint(0, 6561, (106,), generator=g), torch.randn(212, 80, generator=g),
               torch.randn(192, generator=g))
     speech = [torch.randint(0, 6561, (130,), generator=g) for _ in range(3)]
-    graphs = _stage(model, context_cache_bytes=4 << 30, context_frames=2000)
+    graphs = _stage(model, context_cache_bytes=4 << 30, context_frames=2000, prefix_attention=attention)
     graphs.flow_cuda_graphs = True  # the runner's uncaptured path stands in for the graphs
     exact = _stage(model)
     if emulate_capture:
