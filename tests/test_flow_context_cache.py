@@ -294,6 +294,22 @@ def test_context_bench_times_both_modes_and_checks_the_ring(tmp_path, capsys) ->
     assert "on/off" in capsys.readouterr().out
 
 
+def test_context_bench_compares_any_option(tmp_path, capsys) -> None:  # noqa: ANN001
+    """`--ab`: the stage without and with an EngineConfig field, the context cache off in both."""
+    from bench.context_bench import main
+
+    report = main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path), "--rows", "2",
+                   "--reps", "1", "--ab", "flow_prefix_attention=merge", "--check", "--json", str(tmp_path / "r.json")])
+    assert report["ab"] == {"flow_prefix_attention": "merge"}
+    assert report["config"]["flow_context_cache_bytes"] == 0
+    (r,) = report["results"]
+    assert r["on"]["flow_frames"] == r["off"]["flow_frames"] and "context_reads" not in r
+    assert r["pcm_relative_rms"] < 1e-3  # float32 rounding
+    assert "check_relative_rms" not in report
+    out = capsys.readouterr().out
+    assert "on/off" in out and "check: skipped" in out
+
+
 def _stage(model, **kw):  # noqa: ANN001, ANN202
     from engine.token2wav import AudioStage
 

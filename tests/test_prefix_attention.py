@@ -119,3 +119,23 @@ def test_the_merge_path_equals_the_concatenation(kernel: str, dtype: torch.dtype
     with pytest.raises(ValueError, match="shared prefix without ring"):
         attn(x, own, pad, rope, (pk, pv), shared=False, prefix_mask=prefix, kernel=kernel)
 
+
+def test_the_gpu_check_runs_on_the_cpu(tmp_path, capsys) -> None:  # noqa: ANN001
+    """bench/prefix_attention_check.py on small shapes: every variant agrees with the
+    concatenation, and a variant that fails is reported without ending the check."""
+    import json
+
+    from bench.prefix_attention_check import main
+
+    out = tmp_path / "check.json"
+    report = main(["--device", "cpu", "--dtype", "float32", "--rows", "1,4", "--frames", "22,60", "--width", "32",
+                   "--prefix-frames", "20", "--heads", "2", "--dim-head", "8", "--chunk", "8", "--reps", "2",
+                   "--warmup", "1", "--variants", "efficient,cudnn,math,nonesuch", "--json", str(out)])
+    assert json.loads(out.read_text()) == report and len(report["results"]) == 4
+    for r in report["results"]:
+        assert r["concat"]["ms"] > 0
+        for kernel in ("efficient", "cudnn", "math"):
+            e = r[f"merge-{kernel}"]
+            assert e["finite"] and e["ms"] > 0 and e["vs_concat"]["max_abs"] <= 1e-5
+        assert "unknown attention kernel" in r["merge-nonesuch"]["error"]
+    assert "merge-nonesuch   FAILED" in capsys.readouterr().out
