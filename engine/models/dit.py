@@ -98,9 +98,11 @@ class DiTPrefix:
                   (zeros where that is before frame 0, like the convolutions' padding).
     shared:       every row has the same prefix (one voice): layer_kv entries hold it once
                   per CFG half ([2, H, Cmax, dh]; rows [0, B/2) read half 0, the rest half
-                  1). The blocks broadcast it inside the compiled attention, so no per-row
-                  copy is ever made. conv_context is then [2, CONV_CONTEXT, D] too, unless it
-                  has a row per batch row ([B, ...]: rows whose own context differs).
+                  1). The blocks broadcast it inside the compiled attention (no per-row
+                  copy in memory; the concatenation still writes it into every row's keys,
+                  unless `attention` merges). conv_context is then [2, CONV_CONTEXT, D] too,
+                  unless it has a row per batch row ([B, ...]: rows whose own context differs);
+                  key_mask rows are all the same.
     ring_kv:      per block, more keys and values of each row [B, H, L, dh] after the
                   layer_kv ones (the utterance's own earlier frames, `engine.flow_context_cache`);
                   key_mask then spans Cmax + L slots. May be lazy.
