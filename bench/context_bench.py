@@ -15,6 +15,10 @@ the flow frames computed (rows x padded frames).
 `--check`: two utterances, the cache's ring as long as the utterance (flow_left_context 1000)
 against the recomputed whole prefix (flow_left_context -1, no cache), on this device and dtype:
 the relative RMS difference of their PCM (0 up to rounding; the CPU tests show it exactly).
+
+`--ab FIELD=VALUE` (repeatable): the same timing of any other stage option instead: "off" is
+the stage without these EngineConfig fields, "on" with them, the context cache off in both
+(e.g. `--ab flow_prefix_attention=merge`); no `--check` then.
 """
 
 from __future__ import annotations
@@ -97,23 +101,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="profile the last rep of each mode: GPU busy time and the N kernels with the most time")
     p.add_argument("--check", action="store_true", help="also compare an unbounded ring with the whole prefix")
+    p.add_argument("--ab", action="append", default=[], metavar="FIELD=VALUE",
+                   help="compare the stage without these EngineConfig fields (off) against with them (on), the "
+                        "context cache off in both, instead of the context cache off against on")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     device, model_dir, model = load_stage_model(args)
-    overrides: dict[str, Any] = {"flow_context_cache_bytes": args.cache_mib << 20,
-                                 **config_overrides(args.config)}
-    # Two stages on the same modules (their own graphs): one with the cache, one without.
-    stages = {True: build(model, device, model_dir, overrides),
-              False: build(model, device, model_dir, {**overrides, "flow_context_cache_bytes": 0})}
+    ab = config_overrides(args.ab)
+    # Two stages on the same modules (their own graphs): with the cache and without, or
+    # without and with the --ab fields (and no cache).
+    if ab:
+        overrides: dict[str, Any] = {**config_overrides(args.config), "flow_context_cache_bytes": 0}
+        stages = {False: build(model, device, model_dir, overrides),
+                  True: build(model, device, model_dir, {**overrides, **ab})}
+    else:
+        overrides = {"flow_context_cache_bytes": args.cache_mib << 20, **config_overrides(args.config)}
+        stages = {True: build(model, device, model_dir, overrides),
+                  False: build(model, device, model_dir, {**overrides, "flow_context_cache_bytes": 0})}
     config = EngineConfig(model_dir=model_dir, **{k: v for k, v in overrides.items()})
     g = torch.Generator().manual_seed(0)
     n = args.prompt_tokens
     prompt = (torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g) * 2 - 5,
               torch.randn(192, generator=g))
     report: dict[str, Any] = {"device": str(device), "config": {k: v for k, v in overrides.items()},
-                              "tokens": args.tokens, "prompt_tokens": n, "results": []}
+                              "ab": ab, "tokens": args.tokens, "prompt_tokens": n, "results": []}
     ctx = stages[True].context_cache
-    assert ctx is not None, "the context cache needs the prompt cache and the CosyVoice3 flow"
+    assert ab or ctx is not None, "the context cache needs the prompt cache and the CosyVoice3 flow"
 
     def once(chunks: list[list[FlowChunk]], on: bool) -> tuple[list[float], int, list[np.ndarray]]:
         return run_utterances(stages[on], chunks)
@@ -122,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         speech = [torch.randint(0, 6561, (args.tokens,), generator=g) for _ in range(rows)]
         chunks = [utterance_chunks(prompt, s, args.initial_hop, config.max_hop, config.flow_left_context)
                   for s in speech]
-        for on in (False, True):  # compile, graph captures, prompt cache entry
-            once(chunks, on)
+        # Compile, graph captures, prompt cache entry; and the two modes' audio.
+        warm = {on: once(chunks, on)[2] for on in (False, True)}
         runs: dict[str, list[tuple[list[float], int]]] = {"off": [], "on": []}
         profiles: dict[str, Any] = {}
         for rep in range(args.reps):
@@ -148,11 +161,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "round_ms": [1e3 * statistics.fmean(x) for x in zip(*(w for w, _ in got))],
                        "flow_frames": got[0][1]}
         r["ratio_on_off"] = r["on"]["total_ms"] / r["off"]["total_ms"]
-        r["context_reads"], r["context_records"] = ctx.reads, ctx.records
+        if ab:  # an option meant to change only the speed changes the audio by rounding at most
+            r["pcm_relative_rms"] = max(float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(a**2)))
+                                        for a, b in zip(warm[False], warm[True]))
+        if ctx is not None:
+            r["context_reads"], r["context_records"] = ctx.reads, ctx.records
         report["results"].append(r)
         print(f"{rows:4d} utterances x {len(chunks[0])} chunks: off {r['off']['total_ms']:.0f} ms "
               f"({r['off']['flow_frames']} frames), on {r['on']['total_ms']:.0f} ms ({r['on']['flow_frames']} frames), "
               f"on/off {r['ratio_on_off']:.2f}", flush=True)
+        if ab:
+            print(f"      PCM relative RMS on vs off: {r['pcm_relative_rms']:.2e}", flush=True)
         print("      rounds off: " + " ".join(f"{x:.0f}" for x in r["off"]["round_ms"]), flush=True)
         print("      rounds on:  " + " ".join(f"{x:.0f}" for x in r["on"]["round_ms"]), flush=True)
         print(f"      dynamo: {r['dynamo']}", flush=True)
@@ -163,7 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"        {100 * k['share']:5.1f}% {k['ms']:7.2f} ms x{k['calls']:<6g} {k['kernel'][:80]}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
-    if args.check:
+    if args.check and ab:
+        print("check: skipped (it compares the context cache, which --ab turns off)")
+    elif args.check:
         speech = [torch.randint(0, 6561, (args.tokens,), generator=g) for _ in range(2)]
         exact_stage = build(model, device, model_dir, {**overrides, "flow_context_cache_bytes": 0,
                                                         "flow_left_context": -1})

@@ -160,6 +160,121 @@ def test_cached_decode_is_the_same_arithmetic_in_float64(voices: list[Voice]) ->
         assert (g - r).abs().max().item() <= 1e-12
 
 
+def _count_merges(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Spy on the merge path of the DiT attention: the kernel of each of its calls."""
+    import engine.models.dit as dit
+
+    calls: list[str] = []
+    real = dit.attention_with_lse
+
+    def spy(q, k, v, mask, kernel="efficient"):  # noqa: ANN001, ANN202
+        calls.append(kernel)
+        return real(q, k, v, mask, kernel)
+
+    monkeypatch.setattr(dit, "attention_with_lse", spy)
+    return calls
+
+
+@pytest.mark.parametrize("attention", ["merge", "merge-cudnn", "merge-math"])
+def test_one_voice_batch_merges_its_prefix_attention(flow: CausalMaskedDiffWithDiT, voices: list[Voice],
+                                                      attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-voice prefix attended once per CFG half and merged with each row's own frames
+    by log-sum-exp (`PrefixAttention`): the frames of the concatenation and of the plain
+    decode, rows of different lengths (padded frames) included."""
+    import engine.flow_prompt_cache as fpc
+
+    a = voices[0]
+    chunks = [chunk(a, 90, 140, False), chunk(a, 0, 15, False), chunk(a, 40, 90, False), chunk(a, 140, 163, True)]
+    entries = PromptCache().entries_for(flow, chunks)
+    assert fpc.StepPrefixes(entries, torch.device("cpu"), attention)[0].attention == attention
+    ref, _ = flow.decode_chunks(chunks)
+    concat, _ = decode_with_prompt_cache(flow, chunks, entries)
+    calls = _count_merges(monkeypatch)
+    merged, _ = decode_with_prompt_cache(flow, chunks, entries, attention=attention)
+    blocks = len(flow.decoder.estimator.transformer_blocks)
+    assert calls == [{"merge": "efficient", "merge-cudnn": "cudnn", "merge-math": "math"}[attention]] * (
+        2 * blocks * flow.decoder.n_timesteps)  # the prefix part and the own part, per block and step
+    for r, c, m in zip(ref, concat, merged):
+        assert m.shape == r.shape and m.isfinite().all()
+        assert (m - c).abs().max().item() <= 1e-6
+        assert (m - r).abs().max().item() <= TOL
+
+
+def test_merged_prefix_attention_in_float64(voices: list[Voice]) -> None:
+    """Without float32 rounding the merge is the plain decode's arithmetic to 1e-10."""
+    model = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    init_random_(model, seed=4321)
+    model = model.double().eval()
+    a = replace(voices[0], feat=voices[0].feat.double(), emb=voices[0].emb.double())
+    chunks = [chunk(a, 65, 110, False), chunk(a, 0, 15, False), chunk(a, 140, 163, True)]
+    ref, _ = model.decode_chunks(chunks)
+    entries = PromptCache().entries_for(model, chunks)
+    for attention in ("merge", "merge-math"):
+        got, _ = decode_with_prompt_cache(model, chunks, entries, attention=attention)
+        for r, g in zip(ref, got):
+            assert (g - r).abs().max().item() <= 1e-10
+
+
+def test_graph_runner_merges_one_voice_prefixes(flow: CausalMaskedDiffWithDiT, voices: list[Voice],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static-buffer path a CUDA graph replays (uncaptured on CPU) with the merge: rows
+    padded to the bucket (a wholly padded row), buffers poisoned between batches, and the
+    eager fallback above the one-voice bucket limit."""
+    from engine.flow_graphs import FlowGraphRunner, GraphPolicy
+
+    a, b, _ = voices
+    policy = GraphPolicy(batch_buckets=(1, 2, 4, 8), frame_multiple=50, max_frames=400,
+                         prefix_max_rows=4, prefix_max_frames=100, shared_prefix_max_rows=4)
+    runner = FlowGraphRunner(flow.decoder, policy, capture=False, prefix_attention="merge")
+    cache = PromptCache()
+    calls = _count_merges(monkeypatch)
+    batches = [
+        [chunk(a, 90, 140, False), chunk(a, 0, 15, False), chunk(a, 40, 90, False)],  # 3 -> 4 rows
+        [chunk(b, 0, 15, False)],  # a narrower prefix in the same width bucket
+        [chunk(a, 0, 15, False)] * 5,  # above shared_prefix_max_rows: eager, merged too
+    ]
+    for chunks in batches:
+        for buffers in runner._prefix.values():
+            with torch.inference_mode():
+                for t in (buffers._keys, buffers._values, buffers._conv):
+                    t.normal_(0.0, 30.0)
+                buffers._mask.fill_(True)
+                buffers._positions.fill_(77)
+        ref, _ = flow.decode_chunks(chunks)
+        before = len(calls)
+        got, _ = decode_with_prompt_cache(flow, chunks, cache.entries_for(flow, chunks), solver=runner)
+        assert len(calls) > before
+        for r, g in zip(ref, got):
+            assert g.shape == r.shape and (g - r).abs().max().item() <= TOL
+    assert runner.stats.replays == 2 and runner.stats.eager == 1
+
+
+def test_prefix_attention_setting_reaches_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    from engine.engine import build_stage
+    from engine.models.loader import load_model
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_prefix_attention == "concat"
+    s, _ = load_settings(["--engine.flow-prefix-attention", "merge"], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert cfg.flow_prefix_attention == "merge"
+    env = {"COSYVOICE_GW_ENGINE__FLOW_PREFIX_ATTENTION": "merge-cudnn"}
+    assert load_settings([], environ=env)[0].engine.flow_prefix_attention == "merge-cudnn"
+    with pytest.raises(ValueError, match="flow_prefix_attention must be one of"):
+        EngineConfig(model_dir=tmp_path, flow_prefix_attention="flash")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flow_prefix_attention"):
+        engine_config(load_settings(["--engine.flow-prefix-attention", "mrege"], environ={})[0], tmp_path)
+    stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
+                        replace(cfg, model_dir=tiny_model_dir))
+    try:
+        assert stage.prefix_attention == "merge"
+        stage.flow_cuda_graphs = True  # the runner (CUDA only) takes the stage's choice
+        assert stage.graph_runner().prefix_attention == "merge"
+    finally:
+        stage._pool.shutdown(wait=True)
+
+
 def test_one_entry_per_voice_content(flow: CausalMaskedDiffWithDiT, voices: list[Voice]) -> None:
     a = voices[0]
     cache = PromptCache()
