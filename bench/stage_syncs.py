@@ -46,7 +46,7 @@ from engine.models.flow import FlowChunk
 from engine.models.loader import LoadedModel, load_model
 from engine.stage_profile import union_within, kernel_intervals
 from engine.token2wav import AudioStage, ChunkJob
-from gateway.settings import convert_value
+from engine.config_values import convert_value
 
 ROOT = Path(__file__).resolve().parents[1]
 LEFT, LOOKAHEAD = 50, 3

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 from gateway.audio import EncoderOptions
 from gateway.protocol import WsLimits
 from gateway.voices import VoiceLimits
+from engine.config_values import convert_value
 
 ENV_PREFIX = "COSYVOICE_GW_"
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
@@ -242,42 +242,6 @@ def _field_type(root: type, path: tuple[str, ...]) -> Any:
     for name in path[:-1]:
         cls = typing.get_type_hints(cls)[name]
     return typing.get_type_hints(cls)[path[-1]]
-
-
-def convert_value(value: Any, t: Any, name: str) -> Any:
-    origin = typing.get_origin(t)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
-            return None
-        return convert_value(value, args[0], name)
-    if t is bool:
-        if isinstance(value, bool):
-            return value
-        s = str(value).strip().lower()
-        if s in ("1", "true", "yes", "on"):
-            return True
-        if s in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}: expected a boolean, got {value!r}")
-    if origin is tuple:
-        if isinstance(value, str):
-            items = [x.strip() for x in value.split(",") if x.strip()]
-        else:
-            items = list(value or ())
-        args = typing.get_args(t)
-        inner = args[0] if args else str
-        if inner is Ellipsis:
-            inner = str
-        return tuple(convert_value(x, inner, name) for x in items)
-    if t is Path:
-        return Path(value)
-    if t in (int, float, str):
-        try:
-            return t(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name}: expected {t.__name__}, got {value!r}") from None
-    return value
 
 
 def _set(settings: Any, path: tuple[str, ...], value: Any) -> Any:

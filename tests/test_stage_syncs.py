@@ -50,3 +50,15 @@ def test_config_overrides_parse_each_field_by_its_type() -> None:
                    "tokens_per_text_token": None}
     with pytest.raises(SystemExit):
         stage_syncs.config_overrides(["no_such_field=1"])
+
+
+def test_stage_benches_need_no_gateway_stack() -> None:
+    """The GPU machine runs the stage benches without the gateway's web stack (Starlette,
+    PyAV: not in its image); importing the gateway from them broke round 12's first run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, bench.stage_syncs, bench.context_bench, bench.prefix_attention_check; "
+            "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('gateway', 'starlette', 'av'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
