@@ -18,7 +18,7 @@ the relative RMS difference of their PCM (0 up to rounding; the CPU tests show i
 
 `--ab FIELD=VALUE` (repeatable): the same timing of any other stage option instead: "off" is
 the stage without these EngineConfig fields, "on" with them, the context cache off in both
-(e.g. `--ab flow_prefix_attention=merge`); no `--check` then.
+(e.g. `--ab flow_prompt_cache=false`); no `--check` then.
 """
 
 from __future__ import annotations

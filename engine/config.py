@@ -12,8 +12,6 @@ from typing import Literal, get_args
 
 import torch
 
-from .models.dit import PrefixAttention
-
 LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -80,15 +78,6 @@ class EngineConfig:
     # chunks (a per-row prefix graph) runs without it and ends its utterances' use of it.
     flow_context_cache_bytes: int = 0
     flow_context_min_rows: int = 16
-    # How a flow batch of one voice from the prompt cache attends to the voice's cached
-    # prefix (`engine.models.dit.PrefixAttention`): "concat" puts the prefix's keys/values
-    # before every row's own (a per-row copy of the prefix per attention: ~13% of the
-    # stage's GPU time at 64 chunks on the H200); "merge" attends to the prefix once per
-    # CFG half with all rows' queries and merges it with each row's own frames by
-    # log-sum-exp (no copy; on CUDA the memory-efficient kernel, "merge-cudnn" cuDNN's,
-    # "merge-math" plain matrix products). Exact either way up to rounding. Rows that read
-    # the context cache's rings always concatenate. Not measured on a GPU yet.
-    flow_prefix_attention: PrefixAttention = "concat"
     # Run a flow batch whose chunks differ much in length as up to three calls of similar
     # lengths (`engine.token2wav.split_by_length`): under staggered arrivals a batch mixes
     # first chunks (~50 frames) with later ones (~300) and a single call pads every row to
@@ -162,9 +151,6 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
-        if self.flow_prefix_attention not in get_args(PrefixAttention):
-            raise ValueError(f"flow_prefix_attention must be one of {', '.join(get_args(PrefixAttention))}, "
-                             f"not {self.flow_prefix_attention!r}")
         if self.flow_dtype not in get_args(FlowDType):
             raise ValueError(f"flow_dtype must be one of {', '.join(get_args(FlowDType))}, not {self.flow_dtype!r}")
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:

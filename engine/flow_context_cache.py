@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from .device_copy import tensor_on, to_device
 from .flow_prompt_cache import (PromptKV, StepPrefixes, check_entries, outputs, prefix_width, prompt_frames, run_from,
                                 shared_entry, shifted_inputs)
-from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, PrefixAttention, per_row
+from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, per_row
 from .models.flow import CausalMaskedDiffWithDiT, FlowBatchShape, FlowChunk
 
 
@@ -387,7 +387,7 @@ class ContextPrefixes:
             sink = RingWriter(self.keys[step], self.values[step], self.conv[step], plan.writes, plan.conv,
                               self.block)
         return DiTPrefix(layer_kv=p.layer_kv, key_mask=self.key_mask, positions=plan.positions, conv_context=context,
-                         shared=p.shared, ring_kv=ring_kv, sink=sink, attention=p.attention)
+                         shared=p.shared, ring_kv=ring_kv, sink=sink)
 
 
 class RingKV(Sequence[tuple[torch.Tensor, torch.Tensor]]):
@@ -421,16 +421,13 @@ class ContextSolver(Protocol):
 
 @torch.inference_mode()
 def decode_with_context(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None],
-                        cache: ContextCache, plan: ContextPlan, solver: ContextSolver | None = None,
-                        attention: PrefixAttention = "concat") -> tuple[list[torch.Tensor], FlowBatchShape]:
+                        cache: ContextCache, plan: ContextPlan,
+                        solver: ContextSolver | None = None) -> tuple[list[torch.Tensor], FlowBatchShape]:
     """`decode_with_prompt_cache` with each row's ODE run beginning at `plan.starts` and
-    its ring in every attention: eagerly, or by `solver` (a graph runner with this cache).
-    `attention` (eager): how a one-voice batch whose rows read no ring attends to its
-    prefix (`DiTPrefix.attention`)."""
+    its ring in every attention: eagerly, or by `solver` (a graph runner with this cache)."""
     check_entries(flow, chunks, entries)
     if solver is None:
-        prefixes = StepPrefixes(entries, cache.device, attention)
-        return run_from(flow, chunks, plan.starts, cache.prefixes(prefixes, plan))
+        return run_from(flow, chunks, plan.starts, cache.prefixes(StepPrefixes(entries, cache.device), plan))
     args, frames, length = shifted_inputs(flow, chunks, plan.starts)
     mel = solver(*args, prefix=entries, context=plan)
     shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),

@@ -45,7 +45,7 @@ from torch import nn
 from .flow_context_cache import ContextCache, ContextPlan, RingKV, RingWriter
 from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width, shared_entry
 from .graph_capture import CAPTURE_LOCK, copy_padded
-from .models.dit import DiTPrefix, PrefixAttention, per_row
+from .models.dit import DiTPrefix, per_row
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class _ContextViews:
             context = p.conv_context if p.conv_context.shape[0] == rows else per_row(p.conv_context, rows)
             context = torch.where(self.reading, conv[step].index_select(0, self.ring_rows).to(context.dtype), context)
             out.append(DiTPrefix(layer_kv=p.layer_kv, key_mask=self.key_mask, positions=p.positions,
-                                 conv_context=context, shared=p.shared, attention=p.attention,
+                                 conv_context=context, shared=p.shared,
                                  ring_kv=RingKV(keys[step], values[step], self.ring_rows, cache.heads),
                                  sink=RingWriter(keys[step], values[step], conv[step], self.writes, self.conv,
                                                  cache.block)))
@@ -225,12 +225,8 @@ class FlowGraphRunner:
         autocast_dtype: torch.dtype | None = None,
         capture: bool | None = None,
         context: ContextCache | None = None,
-        prefix_attention: PrefixAttention = "concat",
     ) -> None:
         self.decoder = decoder  # a CausalConditionalCFM (has .solve and .rand_noise)
-        # How one-voice batches attend to their cached prefix (`DiTPrefix.attention`), in
-        # the graphs and in the eager fallback alike.
-        self.prefix_attention = prefix_attention
         # With a context cache each one-voice prefix shape has a second graph that also
         # reads and writes the rows' rings, for the batches with a plan; the others (every
         # first chunk: nothing to read or keep) replay the plain one and pay nothing for it.
@@ -315,8 +311,7 @@ class FlowGraphRunner:
 
         def eager() -> torch.Tensor:
             self.stats.eager += 1
-            steps = (StepPrefixes(list(prefix), noise.device, self.prefix_attention)  # type: ignore[arg-type]
-                     if width else None)
+            steps = StepPrefixes(list(prefix), noise.device) if width else None  # type: ignore[arg-type]
             if context is not None:
                 assert self.context is not None and steps is not None
                 steps = self.context.prefixes(steps, context)
@@ -455,7 +450,7 @@ class FlowGraphRunner:
         return self._prefix.get(shared)
 
     def _solve_into(self, views: _Views, streaming: bool) -> None:
-        steps = None if views.prefix is None else views.prefix.steps(self.prefix_attention)
+        steps = None if views.prefix is None else views.prefix.steps()
         if steps is not None and views.context is not None:
             assert self.context is not None
             steps = views.context.steps(steps, self.context)

@@ -33,9 +33,6 @@ One voice per batch (the usual case): its prefix is passed once per CFG half
 (`DiTPrefix.shared`) and broadcast to the rows inside the compiled attention, so no
 per-row copy of it is made (those copies were 6% of a loaded stage's kernel time on the
 H200, round 6). Batches mixing voices, or rows without an entry, get per-row prefixes.
-(The attention's concatenation still writes the prefix into every row's keys and values:
-~13% of the stage's GPU time at 64 rows. `StepPrefixes` and `PrefixViews.steps` take the
-stage's `PrefixAttention`, whose "merge" attends to the prefix once per CFG half instead.)
 
 CUDA graphs: a captured solve cannot follow per-batch Python lists of tensors, so
 `PrefixBuffers` gives the cached prefixes a fixed address: the graph runner
@@ -57,7 +54,7 @@ from typing import Protocol, Sequence
 import torch
 
 from .device_copy import tensor_on
-from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, DiTRecord, PrefixAttention
+from .models.dit import CONV_CONTEXT, DiT, DiTPrefix, DiTRecord
 from .models.flow import CausalMaskedDiffWithDiT, FlowBatchShape, FlowChunk
 
 log = logging.getLogger(__name__)
@@ -146,13 +143,10 @@ class StepPrefixes:
     unconditional. One shared entry is handed over as it is (`DiTPrefix.shared`);
     otherwise cached keys are padded to the batch's largest C with key mask False, one
     layer at a time (`_LayerKV`: only the block being run holds its padded copy).
-    `attention`: how the DiT attends to a shared entry (`DiTPrefix.attention`).
     """
 
-    def __init__(self, entries: list[PromptKV | None], device: torch.device,
-                 attention: PrefixAttention = "concat") -> None:
+    def __init__(self, entries: list[PromptKV | None], device: torch.device) -> None:
         self.entries = entries
-        self.attention = attention
         self.batch = len(entries)
         self.shared = shared_entry(entries)
         starts = [0 if e is None else e.frames for e in entries]
@@ -181,7 +175,7 @@ class StepPrefixes:
         if e is not None:
             return DiTPrefix(layer_kv=[(e.keys[step, layer], e.values[step, layer]) for layer in range(self.n_layers)],
                              key_mask=self.key_mask, positions=self.positions, conv_context=e.conv_context[step],
-                             shared=True, attention=self.attention)
+                             shared=True)
         some = self.groups[0][0].conv_context
         context = some.new_zeros(2 * self.batch, CONV_CONTEXT, some.shape[-1])
         for e, cond_rows, uncond_rows in self.groups:
@@ -190,7 +184,7 @@ class StepPrefixes:
             for rows in uncond_rows:
                 context[rows] = e.conv_context[step, 1]
         return DiTPrefix(layer_kv=_LayerKV(self, step), key_mask=self.key_mask, positions=self.positions,
-                         conv_context=context, attention=self.attention)
+                         conv_context=context)
 
     def padded(self, step: int, layer: int, which: str) -> torch.Tensor:
         """All rows' cached keys or values of one step and layer, [2B, H, width, dh]."""
@@ -307,13 +301,12 @@ class PrefixViews:
         device = self.positions.device
         self.key_mask.copy_((torch.arange(self.key_mask.shape[1], device=device) < e.frames).expand_as(self.key_mask))
 
-    def steps(self, attention: PrefixAttention = "concat") -> list[DiTPrefix]:
-        """One `DiTPrefix` per Euler step over these buffers (what a captured solve reads),
-        attended as `attention` says when `shared`."""
+    def steps(self) -> list[DiTPrefix]:
+        """One `DiTPrefix` per Euler step over these buffers (what a captured solve reads)."""
         return [DiTPrefix(layer_kv=[(self.keys[step, layer], self.values[step, layer])
                                     for layer in range(self.keys.shape[1])],
                           key_mask=self.key_mask, positions=self.positions, conv_context=self.conv_context[step],
-                          shared=self.shared, attention=attention)
+                          shared=self.shared)
                 for step in range(self.keys.shape[0])]
 
 
@@ -361,13 +354,12 @@ class PrefixBuffers:
 @torch.inference_mode()
 def decode_with_prompt_cache(
     flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], entries: list[PromptKV | None],
-    solver: PrefixSolver | None = None, attention: PrefixAttention = "concat",
+    solver: PrefixSolver | None = None,
 ) -> tuple[list[torch.Tensor], FlowBatchShape]:
     """Same frames as `flow.decode_chunks(chunks, streaming=True)`, computing only frames
     [C_i, T_i) of each row (C_i = entries[i].frames, 0 for None). The shape returned is
     the one the ODE ran at: rows x the longest row's new frames, or the solver's padded
-    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself, and its
-    own `attention`; `attention`: of an eager solve, see `DiTPrefix.attention`)."""
+    shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself)."""
     if not chunks:
         return [], FlowBatchShape(0, 0)
     check_entries(flow, chunks, entries)
@@ -375,7 +367,7 @@ def decode_with_prompt_cache(
         return flow.decode_chunks(chunks, streaming=True, solver=solver)
     starts = [0 if e is None else e.frames for e in entries]
     if solver is None:
-        return run_from(flow, chunks, starts, StepPrefixes(entries, flow.input_embedding.weight.device, attention))
+        return run_from(flow, chunks, starts, StepPrefixes(entries, flow.input_embedding.weight.device))
     args, frames, length = shifted_inputs(flow, chunks, starts)
     mel = solver(*args, prefix=entries)
     shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),

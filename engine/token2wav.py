@@ -47,7 +47,7 @@ from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, 
 from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
-from .models.dit import DiT, PrefixAttention
+from .models.dit import DiT
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator
 from .stage_profile import StageProfiler
@@ -217,8 +217,7 @@ class AudioStage:
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
                  profiler: StageProfiler | None = None, split_batches: bool = False,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
-                 context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
-                 prefix_attention: PrefixAttention = "concat"):
+                 context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -246,9 +245,6 @@ class AudioStage:
         self.context_cache = (ContextCache(flow, context_frames, context_cache_bytes, device, flow_dtype)
                               if context_cache_bytes > 0 and self.prompt_cache is not None else None)
         self.context_min_rows = context_min_rows
-        # How one-voice batches attend to their cached prefix (`engine.flow_prefix_attention`):
-        # this stage's choice, even where another stage shares the flow's modules.
-        self.prefix_attention: PrefixAttention = prefix_attention
         self._context_warmed = False
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.
@@ -480,8 +476,7 @@ class AudioStage:
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
         if self.flow_cuda_graphs and self._graphs is None:
-            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, context=self.context_cache,
-                                           prefix_attention=self.prefix_attention)
+            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, context=self.context_cache)
         return self._graphs
 
     async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
@@ -534,7 +529,7 @@ class AudioStage:
                     plan = ctx.plan([chunk], entries, [key]) if entries[0] is not None else None
                     if plan is None:
                         return False
-                    decode_with_context(self.flow, [chunk], entries, ctx, plan, attention=self.prefix_attention)
+                    decode_with_context(self.flow, [chunk], entries, ctx, plan)
             ctx.release([key])
             return True
 
@@ -621,13 +616,12 @@ class AudioStage:
             assert cache is not None and entries is not None and self.context_cache is not None
             cache.count(entries)
             mels, shape = decode_with_context(self.flow, chunks, entries, self.context_cache, plan,
-                                              solver=self.graph_runner(), attention=self.prefix_attention)
+                                              solver=self.graph_runner())
         elif cache is not None and entries is not None and self._cache_pays(chunks, entries):
             cache.count(entries)
             # Small batches replay a graph over the cached prefixes (copied into static
             # buffers), larger ones run eagerly: the runner decides, like without the cache.
-            mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner(),
-                                                   attention=self.prefix_attention)
+            mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner())
         else:
             mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
         return mels, shape.rows * shape.frames

@@ -77,7 +77,6 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_prompt_cache_bytes=e.flow_prompt_cache_mib << 20,
         flow_context_cache_bytes=e.flow_context_cache_mib << 20,
         flow_context_min_rows=e.flow_context_min_rows,
-        flow_prefix_attention=e.flow_prefix_attention,  # type: ignore[arg-type]
         flow_split_batches=e.flow_split_batches,
         flow_fill_padding=e.flow_fill_padding,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]

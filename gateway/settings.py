@@ -110,13 +110,6 @@ class EngineSettings:
                        "cache (smaller ones replay a per-row graph, which has none, and end their utterances' "
                        "use of it)"),
     )
-    flow_prefix_attention: str = field(
-        default="concat",
-        metadata=_help("how a flow batch of one voice attends to the voice's cached prompt prefix: concat (its "
-                       "keys/values copied before every row's own), merge (attended once per guidance half and "
-                       "merged with each row's frames by log-sum-exp, no copy; CUDA: memory-efficient kernel), "
-                       "merge-cudnn (the same with cuDNN's kernel) or merge-math (plain matrix products)"),
-    )
     stage_policy: str = field(
         default="first_chunks",
         metadata=_help("how the flow/vocoder stage picks a batch: first_chunks (first chunks heard after silence first, then FIFO) or "

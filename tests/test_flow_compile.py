@@ -67,28 +67,6 @@ def test_compiled_blocks_give_the_eager_frames(flows: tuple[CausalMaskedDiffWith
     assert counters["stats"]["unique_graphs"] == 3
 
 
-@pytest.mark.parametrize("attention", ["merge", "merge-math"])
-def test_compiled_blocks_merge_a_one_voice_prefix(flows: tuple[CausalMaskedDiffWithDiT, ...], attention: str) -> None:
-    """The log-sum-exp merge of a one-voice prefix (`PrefixAttention`) traces without graph
-    breaks (the kernel's name is a plain argument) and gives the eager frames."""
-    flow, compiled = flows
-    g = torch.Generator().manual_seed(5)
-    voice = _chunk(g, 30)
-    p = voice.num_prompt_tokens
-    chunks = [FlowChunk(tokens=torch.cat((voice.tokens[:p], torch.randint(0, 6561, (n + 3,), generator=g))),
-                        prompt_feat=voice.prompt_feat, embedding=voice.embedding, num_prompt_tokens=p,
-                        out_start=p, finalize=False) for n in (12, 20, 7)]
-    entries = PromptCache().entries_for(compiled, chunks)
-    torch._dynamo.utils.counters.clear()
-    ref, _ = flow.decode_chunks(chunks)
-    got, _ = decode_with_prompt_cache(compiled, chunks, entries, attention=attention)
-    for r, x in zip(ref, got):
-        assert (x - r).abs().max().item() <= 1e-5
-    counters = torch._dynamo.utils.counters
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1
-
-
 def test_a_deep_copy_starts_uncompiled(flows: tuple[CausalMaskedDiffWithDiT, ...]) -> None:
     _, compiled = flows
     assert compiled.decoder.estimator._compiled_block is not None

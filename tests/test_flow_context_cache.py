@@ -299,11 +299,12 @@ def test_context_bench_compares_any_option(tmp_path, capsys) -> None:  # noqa: A
     from bench.context_bench import main
 
     report = main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path), "--rows", "2",
-                   "--reps", "1", "--ab", "flow_prefix_attention=merge", "--check", "--json", str(tmp_path / "r.json")])
-    assert report["ab"] == {"flow_prefix_attention": "merge"}
+                   "--reps", "1", "--ab", "flow_prompt_cache=false", "--check", "--json", str(tmp_path / "r.json")])
+    assert report["ab"] == {"flow_prompt_cache": False}
     assert report["config"]["flow_context_cache_bytes"] == 0
     (r,) = report["results"]
-    assert r["on"]["flow_frames"] == r["off"]["flow_frames"] and "context_reads" not in r
+    # Without the prompt cache every chunk computes the prompt's frames again: same audio.
+    assert r["on"]["flow_frames"] > r["off"]["flow_frames"] and "context_reads" not in r
     assert r["pcm_relative_rms"] < 1e-3  # float32 rounding
     assert "check_relative_rms" not in report
     out = capsys.readouterr().out
@@ -326,14 +327,12 @@ class _ReplayedSolve:
         self.run()
 
 
-@pytest.mark.parametrize("emulate_capture,attention", [(False, "concat"), (True, "concat"), (False, "merge")])
-def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_capture: bool,  # noqa: ANN001
-                                                  attention: str) -> None:
+@pytest.mark.parametrize("emulate_capture", [False, True])
+def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_capture: bool) -> None:  # noqa: ANN001
     """The graph runner's path (uncaptured on the CPU: the same static buffers and solve a
     captured graph replays) gives the whole-prefix audio, as the eager path does. With
     `emulate_capture` each new bucket's first batch runs the solve twice, as a capture's
-    warm-up run and then its replay do on the GPU: its ring writes must not land twice.
-    With the merged prefix attention (`PrefixAttention`) for the calls that read no ring."""
+    warm-up run and then its replay do on the GPU: its ring writes must not land twice."""
     from bench.context_bench import run_utterances, utterance_chunks
     from engine.models.loader import load_model
 
@@ -342,7 +341,7 @@ def test_the_one_voice_graphs_read_and_keep_rings(tiny_model_dir, emulate_captur
     prompt = (torch.randint(0, 6561, (106,), generator=g), torch.randn(212, 80, generator=g),
               torch.randn(192, generator=g))
     speech = [torch.randint(0, 6561, (130,), generator=g) for _ in range(3)]
-    graphs = _stage(model, context_cache_bytes=4 << 30, context_frames=2000, prefix_attention=attention)
+    graphs = _stage(model, context_cache_bytes=4 << 30, context_frames=2000)
     graphs.flow_cuda_graphs = True  # the runner's uncaptured path stands in for the graphs
     exact = _stage(model)
     if emulate_capture:

@@ -46,13 +46,12 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_lse import attention_bias, attention_with_lse, merge_by_lse
 from .config import FlowConfig
 
 log = logging.getLogger(__name__)
@@ -73,17 +72,6 @@ CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)
 # respecialisations of those).
 COMPILE_CACHE_LIMIT = 64
 
-# How a one-voice batch (`DiTPrefix.shared`) attends to its cached prefix. "concat": the
-# prefix's keys/values are broadcast to every row and put before the row's own, one
-# attention call over both (the broadcast is a per-row copy of the prefix: ~13% of the
-# audio stage's GPU time at 64 rows on the H200). "merge": each CFG half's prefix is
-# attended once by all of that half's queries (its rows' frames as one sequence), the
-# rows' own frames separately, and the two merged by their log-sum-exp
-# (`engine.models.attention_lse`): no copy. The same arithmetic up to rounding. The
-# suffix names the CUDA kernel of the merge parts (MERGE_KERNELS; the CPU has its own).
-PrefixAttention = Literal["concat", "merge", "merge-cudnn", "merge-math"]
-MERGE_KERNELS: dict[str, str] = {"merge": "efficient", "merge-cudnn": "cudnn", "merge-math": "math"}
-
 
 @dataclass
 class DiTPrefix:
@@ -98,19 +86,14 @@ class DiTPrefix:
                   (zeros where that is before frame 0, like the convolutions' padding).
     shared:       every row has the same prefix (one voice): layer_kv entries hold it once
                   per CFG half ([2, H, Cmax, dh]; rows [0, B/2) read half 0, the rest half
-                  1). The blocks broadcast it inside the compiled attention (no per-row
-                  copy in memory; the concatenation still writes it into every row's keys,
-                  unless `attention` merges). conv_context is then [2, CONV_CONTEXT, D] too,
-                  unless it has a row per batch row ([B, ...]: rows whose own context differs);
-                  key_mask rows are all the same.
+                  1). The blocks broadcast it inside the compiled attention, so no per-row
+                  copy is ever made. conv_context is then [2, CONV_CONTEXT, D] too, unless it
+                  has a row per batch row ([B, ...]: rows whose own context differs).
     ring_kv:      per block, more keys and values of each row [B, H, L, dh] after the
                   layer_kv ones (the utterance's own earlier frames, `engine.flow_context_cache`);
                   key_mask then spans Cmax + L slots. May be lazy.
     sink:         receives this call's keys and values and its input projection (to keep
                   some of them for a later call), without leaving the compiled blocks.
-    attention:    how a `shared` prefix without `ring_kv` is attended (`PrefixAttention`);
-                  other prefixes are always concatenated. Per call, not per model: stages
-                  sharing one DiT may differ.
     """
 
     layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -120,7 +103,6 @@ class DiTPrefix:
     shared: bool = False
     ring_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
     sink: "PrefixSink | None" = None
-    attention: PrefixAttention = "concat"
 
 
 class PrefixSink(Protocol):
@@ -198,44 +180,6 @@ def prefixed_attention_mask(prefix_mask: torch.Tensor, pad_mask: torch.Tensor, c
     mask = torch.cat((old, new), dim=-1)
     empty = ~mask.any(dim=-1, keepdim=True)  # padded rows: see attention_mask
     return (mask | empty).unsqueeze(1)
-
-
-def shared_prefix_mask(key_mask: torch.Tensor) -> torch.Tensor:
-    """The key mask of a one-voice prefix (`DiTPrefix.shared`: every row's is the same),
-    [B, P] -> [1, 1, 1, P], for the queries of all rows of both CFG halves ("merge" in
-    `PrefixAttention`). A prefix without a real slot (zero-filled graph buffers at a
-    capture) sees all its slots instead: the merge needs a finite log-sum-exp from it."""
-    mask = key_mask[:1]
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask[:, None, None, :]
-
-
-def merged_prefix(prefix: DiTPrefix | None) -> bool:
-    """Whether a call attends to `prefix` by the log-sum-exp merge (`PrefixAttention`)."""
-    return prefix is not None and prefix.shared and prefix.ring_kv is None and prefix.attention != "concat"
-
-
-def merged_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            prefix_kv: tuple[torch.Tensor, torch.Tensor], prefix_mask: torch.Tensor,
-                            mask: torch.Tensor, kernel: str) -> torch.Tensor:
-    """Attention of q [B, H, T, dh] over a one-voice prefix (keys/values per CFG half
-    [2, H, P, dh], `prefix_mask` broadcast to [2, H, (B/2) T, P]) and over this call's
-    frames (k, v [B, H, T, dh], `mask` [B, 1, T, T]), merged by log-sum-exp ("merge" in
-    `PrefixAttention`), with the LSE_KERNELS entry `kernel`. Returns [B, T, H x dh]."""
-    batch, heads, length, dh = q.shape
-    # Rows [0, B/2) are CFG half 0, the rest half 1, so each half's rows' frames are one run
-    # of queries. The DiT's q is its projection [B, T, H x dh] seen per head, so
-    # [2, (B/2) T, H, dh] is a view of it, seen as [2, H, (B/2) T, dh] (a copy only if q is
-    # laid out otherwise).
-    half_q = q.transpose(1, 2).reshape(2, (batch // 2) * length, heads, dh).transpose(1, 2)
-    o1, l1 = attention_with_lse(half_q, prefix_kv[0], prefix_kv[1], prefix_mask, kernel)
-    o2, l2 = attention_with_lse(q, k, v, mask, kernel)
-    # Frame-major [B, T, H, ...] for the merge: the layout the output projection reads (the
-    # fused kernels write their outputs frame-major: views there).
-    o1 = o1.transpose(1, 2).reshape(batch, length, heads, dh)
-    l1 = l1.transpose(1, 2).reshape(batch, length, heads)
-    out = merge_by_lse(o1, l1, o2.transpose(1, 2), l2.transpose(1, 2))
-    return out.reshape(batch, length, heads * dh)
 
 
 class TimestepEmbedding(nn.Module):
@@ -449,19 +393,12 @@ class Attention(nn.Module):
         shared: bool = False,
         ring_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         keep_kv: bool = False,
-        prefix_mask: torch.Tensor | None = None,
-        kernel: str = "efficient",
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`prefix_kv`: cached prefix keys/values put before this call's (the mask then
         covers them too), per row, or per CFG half when `shared` (see DiTPrefix), and
         `ring_kv` per row after them; `record` receives this call's keys and values;
         `keep_kv` also returns them as the projections make them, [B, T, H x dh] (out,
-        keys, values).
-
-        `prefix_mask` (a `shared` prefix without ring only; `shared_prefix_mask`, bool or
-        as `attention_bias`): attend to the prefix and to this call's frames apart and merge
-        the two by log-sum-exp, with `kernel` (`PrefixAttention` "merge"); `mask` then
-        covers this call's frames alone ([B, 1, T, T])."""
+        keys, values)."""
         batch, length, _ = x.shape
         # Rotary on the un-split projections: only head 0 gets position information.
         q = rotate_(self.to_q(x), *rope)
@@ -472,12 +409,6 @@ class Attention(nn.Module):
         if record is not None:
             record.keys.append(k)
             record.values.append(v)
-        if prefix_mask is not None:
-            if prefix_kv is None or not shared or ring_kv is not None:
-                raise ValueError("merged prefix attention takes a shared prefix without ring")
-            out = merged_prefix_attention(q, k, v, prefix_kv, prefix_mask, mask, kernel)
-            out = self.to_out[0](out) * pad_mask.unsqueeze(-1).to(out.dtype)
-            return (out, new_k, new_v) if keep_kv else out
         if prefix_kv is not None:
             pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
             if ring_kv is None:
@@ -525,12 +456,10 @@ class DiTBlock(nn.Module):
         shared: bool = False,
         ring_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         keep_kv: bool = False,
-        prefix_mask: torch.Tensor | None = None,
-        kernel: str = "efficient",
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's output, and with `keep_kv` its attention's keys and values too."""
         normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
-        attn = self.attn(normed, mask, pad_mask, rope, prefix_kv, record, shared, ring_kv, keep_kv, prefix_mask, kernel)
+        attn = self.attn(normed, mask, pad_mask, rope, prefix_kv, record, shared, ring_kv, keep_kv)
         out, kv = (attn[0], attn[1:]) if keep_kv else (attn, None)
         x = torch.addcmul(x, gate_a[:, None], out)
         x = torch.addcmul(x, gate_m[:, None], self.ff(modulate(x, shift_m, scale_m)))
@@ -546,11 +475,10 @@ def _is_compile_error(exc: BaseException) -> bool:
 def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
                record: DiTRecord | None, shared: bool = False, ring: tuple[torch.Tensor, torch.Tensor] | None = None,
-               keep_kv: bool = False, prefix_mask: torch.Tensor | None = None,
-               kernel: str = "efficient") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               keep_kv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block call; a function of its inputs (the block's weights included), so one
     compiled graph of it serves all blocks."""
-    return block(h, temb, mask, pad_mask, rope, kv, record, shared, ring, keep_kv, prefix_mask, kernel)
+    return block(h, temb, mask, pad_mask, rope, kv, record, shared, ring, keep_kv)
 
 
 class DiT(nn.Module):
@@ -584,23 +512,17 @@ class DiT(nn.Module):
 
     def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, temb: torch.Tensor,
                     attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    prefix: DiTPrefix | None, record: DiTRecord | None,
-                    prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
         shared = prefix is not None and prefix.shared
         rings = None if prefix is None else prefix.ring_kv
         sink = None if prefix is None else prefix.sink
-        # The merge's kernel is named by a plain string argument: the compiled block guards
-        # on it (one variant per kernel), no state outside the call.
-        merge: tuple[torch.Tensor, str] | tuple[()] = ()
-        if prefix is not None and prefix_mask is not None:
-            merge = (prefix_mask, MERGE_KERNELS[prefix.attention])
         for i, block in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer_kv[i]
             ring = None if rings is None else rings[i]
             if sink is None:
-                h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring, False, *merge)
+                h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring)
             else:
-                h, keys, values = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring, True, *merge)
+                h, keys, values = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring, True)
                 sink.keys_values(i, keys, values)
         return h
 
@@ -645,25 +567,17 @@ class DiT(nn.Module):
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks,
                              context, context_valid, record, None if prefix is None else prefix.sink)
         pad_mask = mask[:, 0, :].bool()
-        prefix_mask = None
         if prefix is None:
             attn_mask = attention_mask(pad_mask, self.static_chunk_size if streaming else None)
             angles = self.rotary_embed(length)
         else:
             if not streaming:
                 raise ValueError("a cached prefix is only exact with block-causal (streaming) attention")
-            if merged_prefix(prefix):
-                # Two masks, once per call in the kernels' form: this call's frames among
-                # themselves (its own empty-row guard: padded rows see something) and the
-                # prefix for all rows.
-                attn_mask = attention_bias(attention_mask(pad_mask, self.static_chunk_size), h.dtype)
-                prefix_mask = attention_bias(shared_prefix_mask(prefix.key_mask), h.dtype)
-            else:
-                attn_mask = prefixed_attention_mask(prefix.key_mask, pad_mask, self.static_chunk_size)
+            attn_mask = prefixed_attention_mask(prefix.key_mask, pad_mask, self.static_chunk_size)
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        blocks = (h, temb, attn_mask, pad_mask, rope, prefix, record, prefix_mask)
+        blocks = (h, temb, attn_mask, pad_mask, rope, prefix, record)
         if self._compiled_block is not None and record is None:
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
