@@ -631,7 +631,8 @@ def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -
     return ({name: round(1e3 * _delta(after, before, key.replace("first_chunk", kind)) / count, 3)
              for name, key in FIRST_CHUNK_PHASES.items()}
             | {"utterances": int(count),
-               "tokens": round(_delta(after, before, f"cosyvoice_engine_{kind}_tokens_total") / count, 2)})
+               "tokens": round(_delta(after, before, f"cosyvoice_engine_{kind}_tokens_total") / count, 2),
+               "planned": round(_delta(after, before, f"cosyvoice_engine_{kind}_planned_tokens_total") / count, 2)})
 
 
 def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float | None] | None:
@@ -732,6 +733,8 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # Of that share: the stage waiting for its worker thread or the event loop.
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,
             "max_active_sessions": peaks.get(M_ACTIVE),
+            # What the first-chunk planner takes a first chunk's audio to fall short by.
+            "first_chunk_holdback_s": after.get("cosyvoice_engine_first_chunk_holdback_seconds"),
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
             "event_loop": loop_lag_summary(after, idle, after.get(SERVER_WINDOW, wall), audio),
         },

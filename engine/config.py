@@ -23,7 +23,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     lm_backend: LMBackendName = "auto"  # auto = vllm on CUDA when importable, else torch
     # Chunk schedule in speech tokens (25 tokens = 1 s of audio).
-    initial_hop: int = 8  # first chunk after this many tokens (+ lookahead); 0 = official 25-grid start
+    initial_hop: int = 6  # first chunk after this many tokens (+ lookahead); 0 = official 25-grid start
     # The first chunk takes more tokens, up to this many, when the load predicts that the
     # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
     # rate and the audio stage's round times, both measured). <= initial_hop, or

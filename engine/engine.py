@@ -158,8 +158,11 @@ class EngineStats:
     first_chunk_lm_decode_seconds: float = 0.0
     first_chunk_stage_wait_seconds: float = 0.0
     first_chunk_stage_seconds: float = 0.0
-    # Speech tokens in those first chunks (their sum): what `engine.first_chunk` chose.
+    # Speech tokens in those first chunks (their sum) as they ran, and as the chunker
+    # queued them: what `engine.first_chunk` chose (the stage may grow a queued chunk by
+    # the tokens that came meanwhile, `ChunkJob.grow`).
     first_chunk_tokens: int = 0
+    first_chunk_planned_tokens: int = 0
     # The same for the first chunks of sessions' first utterances only (the first audio a
     # listener waits for in silence; a later utterance's first chunk usually plays after
     # earlier audio and shares its batches with other sessions' long chunks).
@@ -169,6 +172,10 @@ class EngineStats:
     opening_chunk_stage_wait_seconds: float = 0.0
     opening_chunk_stage_seconds: float = 0.0
     opening_chunk_tokens: int = 0
+    opening_chunk_planned_tokens: int = 0
+    # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
+    # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
+    first_chunk_holdback_seconds: float = 0.0
     # The LM server's own timings, summed (`engine.backends.lm_times`; vLLM with
     # EngineConfig.lm_timing, else zeros).
     lm_server_requests: int = 0
@@ -205,11 +212,13 @@ class FirstChunkTimes:
     stage_wait: float = 0.0
     stage: float = 0.0
     tokens: int = 0
+    planned_tokens: int = 0
 
     def add(self, submitted: float, first_token: float, queued: float, started: float, done: float,
-            tokens: int) -> None:
+            tokens: int, planned_tokens: int) -> None:
         self.count += 1
         self.tokens += tokens
+        self.planned_tokens += planned_tokens
         self.lm_first_token += first_token - submitted
         self.lm_decode += queued - first_token
         self.stage_wait += max(0.0, started - queued)
@@ -219,7 +228,8 @@ class FirstChunkTimes:
         """These sums as EngineStats fields named `name`s, `name`_lm_first_token_seconds, ..."""
         return {f"{name}s": self.count, f"{name}_lm_first_token_seconds": self.lm_first_token,
                 f"{name}_lm_decode_seconds": self.lm_decode, f"{name}_stage_wait_seconds": self.stage_wait,
-                f"{name}_stage_seconds": self.stage, f"{name}_tokens": self.tokens}
+                f"{name}_stage_seconds": self.stage, f"{name}_tokens": self.tokens,
+                f"{name}_planned_tokens": self.planned_tokens}
 
 
 @dataclass
@@ -436,9 +446,17 @@ class Engine:
         if together is None:
             together = self.config.max_gpu_batch if self.device.type == "cuda" else CPU_WARMUP_CONCURRENCY
         together = min(together, self.config.max_gpu_batch)
+        if together < 1:
+            return
+        ratio = WARMUP_SPEECH_TOKENS / max(1, len(await asyncio.to_thread(self.text_ids, text)))
+        opts = SessionOptions(tokens_per_text_token=ratio, seed=0)
+        # One such utterance alone, twice: one-row rounds for the planner too, so the first
+        # session after a start is not planned on the full batch's round times (round 12:
+        # its first chunk got 9 tokens). The first run's rounds capture graphs, which do
+        # not count (`AudioStage` skips them); the second's do.
+        for _ in range(2):
+            await self.synthesize(text, voice, opts)
         if together > 1:
-            ratio = WARMUP_SPEECH_TOKENS / max(1, len(await asyncio.to_thread(self.text_ids, text)))
-            opts = SessionOptions(tokens_per_text_token=ratio, seed=0)
             await asyncio.gather(*(self.synthesize(text, voice, opts) for _ in range(together)))
 
     async def close(self) -> None:
@@ -568,6 +586,7 @@ class Engine:
             context_records=st.context_records,
             context_bytes=st.context_bytes,
             **self.first_chunk_times.stats_fields(),
+            first_chunk_holdback_seconds=self.first_chunks.holdback_s,
             **self.opening_chunk_times.stats_fields("opening_chunk"),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},
@@ -979,7 +998,7 @@ class Session:
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
-            queued_at = time.monotonic()
+            queued_at, queued_end = time.monotonic(), end
             job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt))
             pcm = await eng.stage.run(job)
             if utt.cancelled:
@@ -990,9 +1009,9 @@ class Session:
             if sched.index == 0 and utt.stats.first_token_at is not None:
                 phases = (utt.stats.submitted_at, utt.stats.first_token_at, queued_at, job.started_at or queued_at,
                           time.monotonic())
-                eng.first_chunk_times.add(*phases, tokens=end)
+                eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=queued_end)
                 if utt.opening:
-                    eng.opening_chunk_times.add(*phases, tokens=end)
+                    eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=queued_end)
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)

@@ -36,7 +36,7 @@ def _help(text: str) -> dict[str, str]:
 class EngineSettings:
     device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N"))
     lm_backend: str = field(default="auto", metadata=_help("LM backend: auto (vllm on GPU when installed), torch, vllm"))
-    initial_hop: int = field(default=8, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
+    initial_hop: int = field(default=6, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
     initial_hop_max: int = field(
         default=40,
         metadata=_help("the first chunk takes up to this many speech tokens when the measured load (LM rate, "

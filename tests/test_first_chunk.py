@@ -158,7 +158,10 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
     """Every utterance's first chunk is in the first_chunk sums; only a session's first
     utterance's is also in the opening_chunk ones (what a listener waits for in silence)."""
+    hops = []
+
     async def fn(engine: Engine):
+        hops.append(engine.config.initial_hop)
         voice = await default_voice(engine)
         for texts in (["One sentence here.", "And another one."], ["A third."]):
             s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=1))
@@ -170,7 +173,9 @@ def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
 
     st = run(tiny_model_dir, fn, warmup=False)
     assert (st.first_chunks, st.opening_chunks) == (3, 2)
-    assert st.opening_chunk_tokens == 2 * 8 < st.first_chunk_tokens == 3 * 8  # fixed 8-token first chunks
+    (hop,) = hops
+    assert st.opening_chunk_tokens == 2 * hop < st.first_chunk_tokens == 3 * hop  # fixed first chunks
+    assert (st.opening_chunk_planned_tokens, st.first_chunk_planned_tokens) == (2 * hop, 3 * hop)
     for phase in ("lm_first_token", "lm_decode", "stage_wait", "stage"):
         assert 0 <= getattr(st, f"opening_chunk_{phase}_seconds") <= getattr(st, f"first_chunk_{phase}_seconds")
     assert st.opening_chunk_stage_seconds > 0
@@ -197,10 +202,11 @@ def test_stage_round_estimate_counts_the_utterances_in_progress(tiny_model_dir, 
     assert one == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("together", [0, 3, None])
+@pytest.mark.parametrize("together", [0, 1, 3, None])
 def test_warm_up_runs_sentences_together_for_the_round_times(tiny_model_dir, together):
     """Several sentence-long utterances at once (None: CPU_WARMUP_CONCURRENCY on the CPU),
-    so the round times hold batches of several rows, long chunks among them."""
+    so the round times hold batches of several rows, long chunks among them; and one such
+    utterance alone, twice, for one-row rounds (the first captures, the second counts)."""
     async def fn(engine: Engine):
         st = engine.stats()
         return st.max_batch_size, st.chunks, engine.lm_tokens, engine.stage.rounds.predict(1000)
@@ -209,9 +215,10 @@ def test_warm_up_runs_sentences_together_for_the_round_times(tiny_model_dir, tog
     n = CPU_WARMUP_CONCURRENCY if together is None else together
     assert chunks > 0 and predicted is not None  # the warm-up's batches were measured
     assert (largest > 1) == (n > 1)
-    # One short utterance, then n of WARMUP_SPEECH_TOKENS each.
-    assert tokens >= n * WARMUP_SPEECH_TOKENS
-    assert (tokens >= WARMUP_SPEECH_TOKENS) == (n > 1)
+    # One short utterance, then (n >= 1) two alone and (n > 1) n together of
+    # WARMUP_SPEECH_TOKENS each.
+    sentences = 0 if n < 1 else 2 + (n if n > 1 else 0)
+    assert sentences * WARMUP_SPEECH_TOKENS <= tokens < (sentences + 1) * WARMUP_SPEECH_TOKENS
 
 
 def test_batches_that_capture_or_compile_are_not_rounds(tiny_model_dir):

@@ -245,8 +245,10 @@ def _four_sessions(seen: list[tuple[object, int, float]]):
 def test_deadline_policy_gives_the_same_audio_in_order(tiny_model_dir) -> None:
     base_seen: list[tuple[object, int, float]] = []
     seen: list[tuple[object, int, float]] = []
-    base, base_policy = run(tiny_model_dir, _four_sessions(base_seen), warmup=False)
-    got, policy = run(tiny_model_dir, _four_sessions(seen), warmup=False, stage_policy="deadline")
+    # 8-token first chunks: audio that outlasts DEADLINE_MARGIN_S, so a second chunk is due
+    # after its first was queued (a shorter first chunk makes the second due at once).
+    base, base_policy = run(tiny_model_dir, _four_sessions(base_seen), warmup=False, initial_hop=8)
+    got, policy = run(tiny_model_dir, _four_sessions(seen), warmup=False, stage_policy="deadline", initial_hop=8)
     assert (base_policy, policy) == ("first_chunks", "deadline")
     for (events, st), (base_events, _) in zip(got, base):
         assert all(isinstance(e, AudioChunk) for e in events), events
