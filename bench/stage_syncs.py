@@ -40,13 +40,13 @@ import torch
 
 from bench.flow_profile import family
 from engine.config import EngineConfig
+from engine.config_values import convert_value
 from engine.engine import build_stage
 from engine.hub import resolve_model
 from engine.models.flow import FlowChunk
 from engine.models.loader import LoadedModel, load_model
 from engine.stage_profile import union_within, kernel_intervals
 from engine.token2wav import AudioStage, ChunkJob
-from engine.config_values import convert_value
 
 ROOT = Path(__file__).resolve().parents[1]
 LEFT, LOOKAHEAD = 50, 3

@@ -12,6 +12,8 @@ from typing import Any
 
 
 def convert_value(value: Any, t: Any, name: str) -> Any:
+    """`value` (text, or already typed) as type `t` (bool, int, float, str, Path, an optional
+    or a tuple of those); ValueError naming `name` when it does not parse."""
     origin = typing.get_origin(t)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(t) if a is not type(None)]

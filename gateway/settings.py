@@ -19,10 +19,10 @@ from typing import Any, Mapping
 
 import yaml
 
+from engine.config_values import convert_value
 from gateway.audio import EncoderOptions
 from gateway.protocol import WsLimits
 from gateway.voices import VoiceLimits
-from engine.config_values import convert_value
 
 ENV_PREFIX = "COSYVOICE_GW_"
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
