@@ -127,7 +127,8 @@ class EngineConfig:
     # full batch before the first burst does: without one, the first 64-session burst
     # after a start was planned on small rounds and stalled (docs/benchmarks.md, round 11).
     # None: max_gpu_batch on a GPU; on the CPU only a few (a full batch of sentences takes
-    # a while there, and no CPU serves bursts of 64).
+    # a while there, and no CPU serves bursts of 64). Any value >= 1 also runs one such
+    # utterance alone, twice, for one-row round times (round 12); 0 runs neither.
     warmup_concurrency: int | None = None
     vllm_gpu_memory_utilization: float = 0.35
     vllm_max_model_len: int = 4096

@@ -147,7 +147,8 @@ class EngineSettings:
         default=None,
         metadata=_help("warm-up then also runs this many sentence-long syntheses at once (at most max_gpu_batch): "
                        "the first-chunk planner then knows a full batch's round times before the first load "
-                       "(0 = none; default: max_gpu_batch on a GPU, 4 on the CPU)"),
+                       "and, first, one of them alone twice, for one-row round times "
+                       "(0 = none of these; default: max_gpu_batch on a GPU, 4 on the CPU)"),
     )
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
     vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
