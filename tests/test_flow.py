@@ -16,7 +16,18 @@ from torch import nn
 
 from engine.models.config import FlowConfig, ModelConfig
 from engine.models import dit as dit_mod
-from engine.models.dit import DiT, apply_rotary, attention_mask, block_causal_mask, grouped_conv_by_taps
+import copy
+
+import torch.nn.functional as F
+
+from engine.models.dit import (
+    DiT,
+    apply_rotary,
+    attention_mask,
+    block_causal_mask,
+    grouped_conv_by_taps,
+    modulate,
+)
 from engine.models.flow import (
     NOISE_FRAMES,
     CausalMaskedDiffWithDiT,
@@ -194,6 +205,65 @@ def test_estimator_streaming_is_block_causal_and_ignores_padding() -> None:
     assert diff[15:].min() > 0  # same and later blocks do
     assert (full_base - full_moved).abs().amax(dim=1)[0, :10].min() > 0  # full attention does see it
     assert torch.allclose(pad_out[:, :, :length], base, atol=1e-5)
+
+
+def _velocity_by_modules(est: DiT, x, mask, mu, t, spks, cond, chunk: int) -> torch.Tensor:  # noqa: ANN001
+    """The DiT written out with its official modules one by one (q, k, v, each block's AdaLN
+    linear and the final norm's from the time embedding of every row): what the fused
+    projections and `time_conditioning` must equal."""
+    temb = F.silu(est.time_embed(t))
+    h = est.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+    pad = mask[:, 0].bool()
+    attn_mask = attention_mask(pad, chunk)
+    angles = est.rotary_embed(x.shape[2])
+    cos, sin = angles.cos(), angles.sin()
+    for block in est.transformer_blocks:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = block.attn_norm.linear(temb).chunk(6, dim=-1)
+        normed, a = modulate(h, shift_a, scale_a), block.attn
+        q, k = (apply_rotary(lin(normed), cos, sin) for lin in (a.to_q, a.to_k))
+        heads = [z.view(*z.shape[:2], a.heads, a.dim_head).transpose(1, 2) for z in (q, k, a.to_v(normed))]
+        out = F.scaled_dot_product_attention(*heads, attn_mask=attn_mask).transpose(1, 2).flatten(2)
+        h = h + gate_a[:, None] * (a.to_out[0](out) * pad[..., None])
+        h = h + gate_m[:, None] * block.ff(modulate(h, shift_m, scale_m))
+    scale, shift = est.norm_out.linear(temb).chunk(2, dim=-1)
+    return est.proj_out(modulate(h, shift, scale)).transpose(1, 2)
+
+
+def test_fused_projections_equal_the_official_modules_after_cast_copy_and_load() -> None:
+    """The DiT computes q/k/v and all AdaLN vectors through weights that hold the official
+    parameters (their storage shared); a cast, a deep copy and a state-dict load, in place
+    or by assignment, must leave the two in step."""
+    cfg = tiny_cfg(static_chunk_size=10)
+    est = init_random_(DiT(cfg), seed=5).eval().to(torch.float64)
+    other = init_random_(DiT(cfg), seed=6).state_dict()
+    g = torch.Generator().manual_seed(2)
+    x, mu, cond = (torch.randn(2, 80, 27, generator=g, dtype=torch.float64) for _ in range(3))
+    spks, t = torch.randn(2, 80, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.3], dtype=torch.float64)
+    mask = torch.ones(2, 1, 27, dtype=torch.float64)
+    mask[1, :, 20:] = 0
+
+    def check(model: DiT) -> None:
+        with torch.inference_mode():
+            got = model(x, mask, mu, t, spks, cond, streaming=True)
+            at_once = model(x, mask, mu, t, spks, cond, streaming=True,
+                            time=model.time_conditioning(t[:1])[0])
+            want = _velocity_by_modules(model, x, mask, mu, t, spks, cond, chunk=10)
+        assert (got - want).abs().max().item() < 1e-10
+        assert (at_once - want).abs().max().item() < 1e-10
+        for block in model.transformer_blocks:
+            a = block.attn
+            assert a.to_k.weight.untyped_storage().data_ptr() == a.qkv_weight.untyped_storage().data_ptr()
+        linear = model.transformer_blocks[1].attn_norm.linear
+        assert linear.weight.untyped_storage().data_ptr() == model.time_weight.untyped_storage().data_ptr()
+
+    check(est)
+    check(copy.deepcopy(est))
+    est.load_state_dict(other)
+    check(est)
+    assert torch.equal(est.transformer_blocks[0].attn.to_v.weight, other["transformer_blocks.0.attn.to_v.weight"].double())
+    est.load_state_dict({k: v.double() for k, v in init_random_(DiT(cfg), seed=7).state_dict().items()}, assign=True)
+    check(est)
+    assert set(est.state_dict()) == set(other)  # no fused tensor among the official names
 
 
 # ----------------------------------------------------------------------------- solver

@@ -141,6 +141,31 @@ def per_row(halves: torch.Tensor, rows: int) -> torch.Tensor:
     return halves.unsqueeze(1).expand(2, rows // 2, *halves.shape[1:]).reshape(rows, *halves.shape[1:])
 
 
+def share_storage(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight [sum of outputs, inputs] and one bias holding the linears' parameters one
+    after the other; each linear's parameters become views of them. One matrix product then
+    computes all the linears, while `state_dict`, `load_state_dict` (which copies in place)
+    and `init_random_` still see the official tensors under the official names."""
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = torch.cat([lin.bias for lin in linears])
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        lin.weight.data, lin.bias.data = weight[start:end], bias[start:end]
+        start = end
+    return weight, bias
+
+
+@dataclass(frozen=True)
+class TimeConditioning:
+    """What the flow time t gives a DiT call: per block its six AdaLN vectors [depth, R, 6 D]
+    and the final norm's two [R, 2 D], for R = 1 (one t for every row) or one t per row."""
+
+    blocks: torch.Tensor
+    final: torch.Tensor
+
+
 def block_causal_mask(length: int, chunk: int, device: torch.device) -> torch.Tensor:
     """[length, length] bool: query i may attend key j iff j < (i // chunk + 1) * chunk."""
     pos = torch.arange(length, device=device)
@@ -349,24 +374,28 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class AdaLayerNormZero(nn.Module):
-    """Time-conditioned LayerNorm producing the 6 modulation vectors of a DiT block."""
+    """Time-conditioned LayerNorm of a DiT block. Its `linear` maps SiLU(time embedding) to
+    six modulation vectors; the DiT computes that for all blocks at once
+    (`DiT.time_conditioning`) and hands each block its own [R, 6 D]."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, 6 * dim)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.linear(F.silu(temb)).chunk(6, dim=-1)
+    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mod.chunk(6, dim=-1)
         return modulate(x, shift_a, scale_a), gate_a, shift_m, scale_m, gate_m
 
 
 class AdaLayerNormZeroFinal(nn.Module):
+    """The final norm: `linear` gives two vectors, ordered (scale, shift)."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, 2 * dim)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)  # (scale, shift) order
+    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        scale, shift = mod.chunk(2, dim=-1)
         return modulate(x, shift, scale)
 
 
@@ -381,6 +410,20 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         # A ModuleList (not a bare Linear) so the checkpoint name is `to_out.0`.
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.register_buffer("qkv_weight", torch.empty(0), persistent=False)
+        self.register_buffer("qkv_bias", torch.empty(0), persistent=False)
+        self.fuse()
+
+    def fuse(self) -> None:
+        """q, k and v as one projection (`share_storage`): at one chunk the DiT is bound by
+        kernel launches, and this is two fewer per block and step."""
+        self.qkv_weight, self.qkv_bias = share_storage((self.to_q, self.to_k, self.to_v))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Attention":
+        # A move or cast gives every parameter its own new tensor: share them again.
+        super()._apply(fn, recurse)
+        self.fuse()
+        return self
 
     def forward(
         self,
@@ -400,10 +443,9 @@ class Attention(nn.Module):
         `keep_kv` also returns them as the projections make them, [B, T, H x dh] (out,
         keys, values)."""
         batch, length, _ = x.shape
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.heads * self.dim_head, dim=-1)
         # Rotary on the un-split projections: only head 0 gets position information.
-        q = rotate_(self.to_q(x), *rope)
-        k = rotate_(self.to_k(x), *rope)
-        v = self.to_v(x)
+        q, k = rotate_(q, *rope), rotate_(k, *rope)
         new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
         if record is not None:
@@ -447,7 +489,7 @@ class DiTBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        temb: torch.Tensor,
+        mod: torch.Tensor,
         mask: torch.Tensor,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -457,8 +499,9 @@ class DiTBlock(nn.Module):
         ring_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         keep_kv: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block's output, and with `keep_kv` its attention's keys and values too."""
-        normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, temb)
+        """The block's output, and with `keep_kv` its attention's keys and values too. `mod`:
+        this block's AdaLN vectors (`TimeConditioning.blocks[i]`)."""
+        normed, gate_a, shift_m, scale_m, gate_m = self.attn_norm(x, mod)
         attn = self.attn(normed, mask, pad_mask, rope, prefix_kv, record, shared, ring_kv, keep_kv)
         out, kv = (attn[0], attn[1:]) if keep_kv else (attn, None)
         x = torch.addcmul(x, gate_a[:, None], out)
@@ -472,13 +515,13 @@ def _is_compile_error(exc: BaseException) -> bool:
                for e in (exc, exc.__cause__) if e is not None)
 
 
-def _run_block(block: "DiTBlock", h: torch.Tensor, temb: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
+def _run_block(block: "DiTBlock", h: torch.Tensor, mod: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
                record: DiTRecord | None, shared: bool = False, ring: tuple[torch.Tensor, torch.Tensor] | None = None,
                keep_kv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block call; a function of its inputs (the block's weights included), so one
     compiled graph of it serves all blocks."""
-    return block(h, temb, mask, pad_mask, rope, kv, record, shared, ring, keep_kv)
+    return block(h, mod, mask, pad_mask, rope, kv, record, shared, ring, keep_kv)
 
 
 class DiT(nn.Module):
@@ -497,6 +540,43 @@ class DiT(nn.Module):
         self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
+        self.register_buffer("time_weight", torch.empty(0), persistent=False)
+        self.register_buffer("time_bias", torch.empty(0), persistent=False)
+        self.fuse()
+        # load_state_dict(assign=True) puts new tensors in place of the shared ones.
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.fuse())
+
+    def fuse(self) -> None:
+        """Every block's AdaLN linear and the final norm's as one (`share_storage`), and each
+        block's q, k and v: the modulation of a whole call is then one matrix product from
+        the time embedding (`time_conditioning`), not one per block and step."""
+        for block in self.transformer_blocks:
+            block.attn.fuse()
+        linears = [block.attn_norm.linear for block in self.transformer_blocks] + [self.norm_out.linear]
+        self.time_weight, self.time_bias = share_storage(linears)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "DiT":
+        super()._apply(fn, recurse)  # the blocks' attentions share their q, k, v again themselves
+        self.time_weight, self.time_bias = share_storage(
+            [block.attn_norm.linear for block in self.transformer_blocks] + [self.norm_out.linear])
+        return self
+
+    def time_conditioning(self, t: torch.Tensor) -> list[TimeConditioning]:
+        """Flow times [S] -> the conditioning of S calls, from one matrix product (the ODE
+        solver asks for all of its steps at once)."""
+        vectors = self._time_vectors(t)  # [S, depth * 6 D + 2 D]
+        return [self._split_time(v.unsqueeze(0)) for v in vectors]
+
+    def _time_vectors(self, t: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(self.time_embed(t)), self.time_weight, self.time_bias)
+
+    def _split_time(self, vectors: torch.Tensor) -> TimeConditioning:
+        """[R, depth * 6 D + 2 D] -> TimeConditioning (views)."""
+        rows, depth = vectors.shape[0], len(self.transformer_blocks)
+        width = self.norm_out.linear.in_features
+        split = depth * 6 * width
+        blocks = vectors[:, :split].view(rows, depth, 6 * width).transpose(0, 1)
+        return TimeConditioning(blocks=blocks, final=vectors[:, split:])
 
     def compile_blocks(self, backend: str | Callable[..., object] = "inductor") -> None:
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
@@ -510,7 +590,7 @@ class DiT(nn.Module):
         setattr(config, limit, max(getattr(config, limit), COMPILE_CACHE_LIMIT))
         self._compiled_block = torch.compile(_run_block, dynamic=True, backend=backend)
 
-    def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, temb: torch.Tensor,
+    def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, mods: torch.Tensor,
                     attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                     prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
         shared = prefix is not None and prefix.shared
@@ -520,9 +600,9 @@ class DiT(nn.Module):
             kv = None if prefix is None else prefix.layer_kv[i]
             ring = None if rings is None else rings[i]
             if sink is None:
-                h = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring)
+                h = run(block, h, mods[i], attn_mask, pad_mask, rope, kv, record, shared, ring)
             else:
-                h, keys, values = run(block, h, temb, attn_mask, pad_mask, rope, kv, record, shared, ring, True)
+                h, keys, values = run(block, h, mods[i], attn_mask, pad_mask, rope, kv, record, shared, ring, True)
                 sink.keys_values(i, keys, values)
         return h
 
@@ -533,6 +613,7 @@ class DiT(nn.Module):
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         clone.__dict__.update(copy.deepcopy(state, memo))
+        clone.fuse()  # parameters deep-copy one by one: share their storage again
         return clone
 
     def forward(
@@ -546,17 +627,18 @@ class DiT(nn.Module):
         streaming: bool = False,
         prefix: DiTPrefix | None = None,
         record: DiTRecord | None = None,
+        time: TimeConditioning | None = None,
     ) -> torch.Tensor:
         """x, mu, cond: [B, 80, T]; mask: [B, 1, T] (1 = real frame); t: [B] or scalar;
         spks: [B, 80]. Returns the velocity [B, 80, T] (channel-major, like the reference).
+        `time`: t's conditioning computed ahead (`time_conditioning`); t is then not read.
 
         With `prefix` (streaming only) the T input frames of row i are frames
         [C_i, C_i + T) of the sequence and the earlier ones come from the cache; with
         `record` this call's keys, values and conv context are collected."""
         batch, _, length = x.shape
-        if t.ndim == 0:
-            t = t.expand(batch)
-        temb = self.time_embed(t)
+        if time is None:
+            time = self._split_time(self._time_vectors(t.reshape(-1)))  # one row, or one per row
         context = context_valid = None
         if prefix is not None:
             context = prefix.conv_context
@@ -577,7 +659,7 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        blocks = (h, temb, attn_mask, pad_mask, rope, prefix, record)
+        blocks = (h, time.blocks, attn_mask, pad_mask, rope, prefix, record)
         if self._compiled_block is not None and record is None:
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
@@ -591,5 +673,5 @@ class DiT(nn.Module):
                 h_out = self._run_blocks(_run_block, *blocks)
         else:
             h_out = self._run_blocks(_run_block, *blocks)
-        h = self.norm_out(h_out, temb)
+        h = self.norm_out(h_out, time.final)
         return self.proj_out(h).transpose(1, 2)

@@ -126,17 +126,21 @@ class CausalConditionalCFM(nn.Module):
         cond_in = torch.cat((cond, torch.zeros_like(cond)))
         # Accumulate t and recompute dt from the grid the way the reference does, so
         # rounding matches it exactly.
-        t = t_span[0]
-        dt = t_span[1] - t_span[0]
+        times, steps = [t_span[0]], []
         for step in range(1, len(t_span)):
+            steps.append(t_span[step] - times[-1])
+            times.append(times[-1] + steps[-1])
+        times.pop()  # the estimator runs at t_0 .. t_{n-1}
+        conditioning = getattr(self.estimator, "time_conditioning", None)
+        if conditioning is not None:  # the DiT: every step's time vectors in one product
+            for k, c in enumerate(conditioning(torch.stack(times))):
+                extra[k]["time"] = c
+        for k, (t, dt) in enumerate(zip(times, steps)):
             x_in = torch.cat((x, x)).to(dtype)
             v = self.estimator(x_in, mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming,
-                               **extra[step - 1]).float()
+                               **extra[k]).float()
             v_cond, v_uncond = v[:batch], v[batch:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
-            t = t + dt
-            if step < len(t_span) - 1:
-                dt = t_span[step + 1] - t
         return x.float()
 
 

@@ -421,7 +421,9 @@ def write_model_dir(
         del lm
         flow = flow_cls(cfg.flow)
         init_flow(flow, seed + 1)
-        torch.save(flow.state_dict(), tmp / "flow.pt")
+        # Each tensor on its own, as the official file has them: the DiT's fused projections
+        # make some parameters views of one shared tensor (`engine.models.dit.share_storage`).
+        torch.save({k: v.clone() for k, v in flow.state_dict().items()}, tmp / "flow.pt")
         del flow
         hift = hift_cls(cfg.hift)
         init_hift(hift, seed + 2)  # type: ignore[arg-type]
