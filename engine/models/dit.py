@@ -351,20 +351,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     cos/sin are of the rotary angles [T, width]. Pair (a, b) at channels (2i, 2i+1)
     becomes (a cos - b sin, b cos + a sin). Computed in float32 like the reference
-    (which disables autocast here).
+    (which disables autocast here). Out of place, as one concatenation: x may be a view
+    of the fused q/k/v product, and the compiler then writes the rotated copy in one
+    pass (an in-place write into a view made it copy the whole product first).
     """
-    return rotate_(x.clone(), cos, sin)
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` in place. Only 64 of the 1024 channels turn, so writing them back
-    into x beats rebuilding the whole tensor (a full copy of q and of k per block)."""
     width = cos.shape[-1]
     rot = x[..., :width].float()
     pairs = rot.unflatten(-1, (-1, 2))
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    x[..., :width] = (rot * cos + swapped * sin).to(x.dtype)
-    return x
+    return torch.cat(((rot * cos + swapped * sin).to(x.dtype), x[..., width:]), dim=-1)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -445,7 +440,7 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.heads * self.dim_head, dim=-1)
         # Rotary on the un-split projections: only head 0 gets position information.
-        q, k = rotate_(q, *rope), rotate_(k, *rope)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
         if record is not None:
