@@ -47,7 +47,7 @@ class EngineConfig:
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
     # row count (graphs pad rows to a power of two; above 16 rows a batch takes its bucket
-    # only when it fills 3/4 of it, `GraphPolicy.min_fill`). 64 = the largest graph bucket.
+    # only when it fills half of it, `GraphPolicy.min_fill`). 64 = the largest graph bucket.
     # With the prompt cache, batches served from it take graphs only up to
     # GraphPolicy.prefix_max_rows (8) chunks, or flow_graph_shared_rows.
     flow_graph_max_rows: int = 64

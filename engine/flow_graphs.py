@@ -78,11 +78,11 @@ class GraphPolicy:
     # with different prompt lengths share graphs: 100, 200 or 300 frames.
     prefix_multiple: int = 100
     # A bucket of more than `fill_free_rows` rows serves a batch only when the batch fills
-    # at least `min_fill` of it; otherwise the batch runs eagerly at its exact rows. Small
-    # batches are launch-bound and gain from a graph even when padded (H200, round 7: 12
-    # chunks in the 16-row graph 1.33x faster than eager), but 33 rows in the 64-row graph
-    # compute 1.9x the frames, more than a graph saves once the GPU is busy anyway.
-    min_fill: float = 0.75
+    # at least `min_fill` of it; otherwise the batch runs eagerly at its exact rows. An
+    # eager batch pays the host for every compiled block call (~2 ms each, 220 a batch):
+    # on the H200 (round 13) 40 first chunks ran eagerly in 434 ms, against ~155 ms for 64
+    # in the 64-row graph. So a graph serves down to half its rows.
+    min_fill: float = 0.5
     fill_free_rows: int = 16
 
     def with_max_rows(self, max_rows: int) -> "GraphPolicy":

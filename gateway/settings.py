@@ -63,7 +63,7 @@ class EngineSettings:
         default=64,
         metadata=_help("flow batches with more chunks than this run eagerly at their exact size instead of "
                        "padded to a CUDA graph bucket (64 = the largest bucket; above 16 chunks a batch takes "
-                       "its bucket only when it fills 3/4 of it; batches from the prompt cache use graphs up "
+                       "its bucket only when it fills half of it; batches from the prompt cache use graphs up "
                        "to 8 chunks, or --engine.flow-graph-shared-rows)"),
     )
     flow_graph_shared_rows: int = field(

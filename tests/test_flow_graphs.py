@@ -70,8 +70,11 @@ def test_bucket_choice() -> None:
     assert p.bucket(3, 120) == (4, 150)
     assert p.bucket(5, 150) == (8, 150)  # already a multiple: no extra frames
     assert p.bucket(48, 451) == (64, 500)
-    # Above 16 rows a bucket takes only batches that fill 3/4 of it: the rest run eagerly.
-    assert p.bucket(33, 451) is None and p.bucket(23, 100) is None and p.bucket(24, 100) == (32, 100)
+    # Above 16 rows a bucket takes only batches that fill half of it (with the default
+    # buckets, every batch): the rest run eagerly.
+    assert p.bucket(33, 451) == (64, 500) and p.bucket(17, 100) == (32, 100)
+    strict = replace(p, min_fill=0.75)
+    assert strict.bucket(33, 451) is None and strict.bucket(23, 100) is None and strict.bucket(24, 100) == (32, 100)
     assert p.bucket(9, 100) == (16, 100)  # small buckets: any fill
     assert p.bucket(64, 1500) == (64, 1500)
     assert p.bucket(65, 100) is None  # more rows than the largest bucket
