@@ -975,7 +975,7 @@ class Session:
                 cached = eng._cached_prompt_frames(P)  # once: the planner asks for many chunks
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
-                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg)),
+                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
                     opts.speed)
                 if first != sched.initial_hop:
                     sched.initial_hop = first

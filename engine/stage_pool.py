@@ -60,11 +60,11 @@ class StagePool:
         finally:
             job.started_at = inner.started_at  # the stage stamps the job it ran (first-chunk phases)
 
-    def round_estimate(self, stream: object, frames: int) -> float | None:
+    def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
         """`AudioStage.round_estimate` of the stage the stream is bound to."""
         if not isinstance(stream, PooledStream):
             raise TypeError("stream must come from StagePool.new_stream()")
-        return self.stages[stream.stage_index].round_estimate(stream.inner, frames)
+        return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached)
 
     def drop_cancelled(self) -> int:
         return sum(s.drop_cancelled() for s in self.stages)

@@ -282,15 +282,27 @@ class AudioStage:
         """Utterances in progress here (their vocoder streams still exist)."""
         return len(self._live)
 
-    def round_estimate(self, stream: object, frames: int) -> float | None:
+    def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
         """Predicted seconds until a chunk of `stream`'s utterance that computes `frames`
-        flow frames is done, when every utterance in progress here has one like it in the
-        same round: the batches they fill, by the round times measured so far (`RoundTimes`).
-        None before the first batch."""
+        flow frames after `cached` prompt frames from the prompt cache is done, when every
+        utterance in progress here has one like it in the same round: the batches they
+        fill, by the round times measured so far (`RoundTimes`). None before the first
+        batch."""
         live = max(1, self.live_utterances())
         rows = min(live, self.max_batch)
-        one = self.rounds.predict(rows * frames)
+        one = self.rounds.predict(self._solved_work(rows, frames, cached))
         return None if one is None else one * math.ceil(live / self.max_batch)
+
+    def _solved_work(self, rows: int, frames: int, cached: int) -> int:
+        """Rows x frames of a batch as the stage solves it, the measure `RoundTimes` learns
+        from (`_decode`): a graph's bucket when one serves it (taken for one voice, the
+        common load), else the batch itself. Planned on the exact rows instead, 40 first
+        chunks in the 64-row graph were predicted at a third of their round (H200, round 13
+        of docs/benchmarks.md), and every session stalled."""
+        if not self.flow_cuda_graphs:
+            return rows * frames
+        shape = self.graph_policy.bucket(rows, frames, cached, shared=cached > 0)
+        return rows * frames if shape is None else shape[0] * shape[1]
 
     async def start(self) -> None:
         if self._task is None:

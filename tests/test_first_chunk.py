@@ -202,6 +202,31 @@ def test_stage_round_estimate_counts_the_utterances_in_progress(tiny_model_dir, 
     assert one == pytest.approx(0.1)
 
 
+def test_round_estimate_plans_on_the_shape_a_graph_solves(tiny_model_dir):
+    """With flow graphs, rounds are learnt at the graph's padded shape, so a prediction
+    asks for that shape too: 40 one-voice chunks run in the 64-row graph and cost what a
+    64-row round costs, not 40/64 of it. Without graphs the batch runs as it is."""
+    async def fn(engine: Engine):
+        stage = engine.stage
+        policy = stage.graph_policy
+        streams = [stage.new_stream() for _ in range(40)]
+        full, frames = policy.bucket(40, 24, 212, shared=True)
+        stage.rounds.observe(64 * 50, 0.15)  # a 64-row first-chunk round in the graph
+        stage.rounds.observe(50, 0.03)  # a one-row one
+        eager = stage.round_estimate(streams[0], 24, cached=212)
+        stage.flow_cuda_graphs = True  # as on a GPU (the estimate reads only the policy)
+        try:
+            graph = stage.round_estimate(streams[0], 24, cached=212)
+        finally:
+            stage.flow_cuda_graphs = False
+        return (full, frames), eager, graph
+
+    shape, eager, graph = run(tiny_model_dir, fn, warmup=False, max_gpu_batch=64)
+    assert shape == (64, 50)
+    assert graph == pytest.approx(0.15)
+    assert eager == pytest.approx(0.03 + 0.12 * (40 * 24 - 50) / (64 * 50 - 50))
+
+
 @pytest.mark.parametrize("together", [0, 1, 3, None])
 def test_warm_up_runs_sentences_together_for_the_round_times(tiny_model_dir, together):
     """Several sentence-long utterances at once (None: CPU_WARMUP_CONCURRENCY on the CPU),
