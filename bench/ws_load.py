@@ -449,6 +449,10 @@ def _mb(x: float | None) -> float | None:
     return None if x is None else round(x / 2**20, 2)
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 3)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """What one group of client sessions needs (picklable: it crosses to a worker process)."""
@@ -735,6 +739,10 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "max_active_sessions": peaks.get(M_ACTIVE),
             # What the first-chunk planner takes a first chunk's audio to fall short by.
             "first_chunk_holdback_s": after.get("cosyvoice_engine_first_chunk_holdback_seconds"),
+            # ... and the inputs of its latest decision (ms): the LM's time per token, the
+            # predicted rounds of that first chunk and of the chunk after it.
+            "first_chunk_plan_ms": {name: _ms(after.get(f"cosyvoice_engine_first_chunk_plan_{name}_seconds"))
+                                    for name in ("lm_step", "round", "second_round")},
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
             "event_loop": loop_lag_summary(after, idle, after.get(SERVER_WINDOW, wall), audio),
         },

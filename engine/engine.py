@@ -36,7 +36,7 @@ from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
 from .chunking import ChunkSchedule, grown_end
 from .config import EngineConfig
-from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner
+from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
@@ -176,6 +176,12 @@ class EngineStats:
     # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
+    # The latest planned first chunk's inputs (`FirstChunkPlanner.last`; 0 before any, or
+    # when a round was not predicted): the LM's seconds per token and the predicted rounds
+    # of that first chunk and of the chunk after it.
+    first_chunk_plan_lm_step_seconds: float = 0.0
+    first_chunk_plan_round_seconds: float = 0.0
+    first_chunk_plan_second_round_seconds: float = 0.0
     # The LM server's own timings, summed (`engine.backends.lm_times`; vLLM with
     # EngineConfig.lm_timing, else zeros).
     lm_server_requests: int = 0
@@ -587,6 +593,7 @@ class Engine:
             context_bytes=st.context_bytes,
             **self.first_chunk_times.stats_fields(),
             first_chunk_holdback_seconds=self.first_chunks.holdback_s,
+            **_plan_fields(self.first_chunks.last),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},
@@ -612,6 +619,15 @@ class Engine:
             ids = self._prefix_cache[text] = tuple(self.tokenizer.encode(text))
         speech = voice.speech_tokens.tolist() if opts.mode == "zero_shot" else []
         return list(ids), speech
+
+
+def _plan_fields(plan: PlanInputs | None) -> dict[str, float]:
+    """EngineStats' `first_chunk_plan_*` gauges of the latest first-chunk decision."""
+    if plan is None:
+        return {}
+    return {"first_chunk_plan_lm_step_seconds": plan.step_s,
+            "first_chunk_plan_round_seconds": plan.first_round_s or 0.0,
+            "first_chunk_plan_second_round_seconds": plan.second_round_s or 0.0}
 
 
 def _lm_step(utt: "_Utterance") -> float:

@@ -136,6 +136,17 @@ def plan_first_hop(schedule: ChunkSchedule, limit: int, step_s: float, round_s: 
     return max(low, limit)
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What one first-chunk decision went on: the LM's seconds per token, and the predicted
+    rounds of the chosen first chunk and of the chunk after it (None: not measured yet)."""
+
+    hop: int
+    step_s: float
+    first_round_s: float | None
+    second_round_s: float | None
+
+
 @dataclass
 class FirstChunkPlanner:
     """One engine's first-chunk decisions (`plan_first_hop`) and what they learn from."""
@@ -143,6 +154,7 @@ class FirstChunkPlanner:
     limit: int  # EngineConfig.initial_hop_max
     margin: float = 0.25
     holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
+    last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
 
     def observe(self, tokens: int, samples: int, sample_rate: int, speed: float) -> None:
         """A first chunk of `tokens` speech tokens gave `samples` of audio."""
@@ -152,4 +164,7 @@ class FirstChunkPlanner:
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
-        return plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
+        hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
+        after = chunks_ahead(schedule, hop)[0]
+        self.last = PlanInputs(hop, step_s, round_s(0, hop), round_s(*after))
+        return hop

@@ -9,7 +9,15 @@ import pytest
 
 from engine.chunking import ChunkSchedule
 from engine.engine import CPU_WARMUP_CONCURRENCY, WARMUP_SPEECH_TOKENS, Engine
-from engine.first_chunk import TOKEN_S, FirstChunkPlanner, RoundTimes, chunks_ahead, plan_first_hop, stalls
+from engine.first_chunk import (
+    TOKEN_S,
+    FirstChunkPlanner,
+    PlanInputs,
+    RoundTimes,
+    chunks_ahead,
+    plan_first_hop,
+    stalls,
+)
 from engine.types import AudioChunk, SessionOptions
 from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
 
@@ -118,7 +126,9 @@ def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
     s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
     slow = lambda offset, hop: 5.0  # noqa: E731
     assert p.first_hop(s, 0.01, slow, 1.0) == 40
+    assert p.last == PlanInputs(hop=40, step_s=0.01, first_round_s=5.0, second_round_s=5.0)  # what it went on
     assert p.first_hop(s, math.inf, slow, 1.0) == 15  # no LM rate yet
+    assert p.last.hop == 40  # nothing was planned
     p.observe(15, 11 * 960, 24000, 1.0)  # 15 tokens gave 11 tokens' worth of audio
     assert p.holdback_s == pytest.approx(0.16)
     assert FirstChunkPlanner(limit=15).first_hop(s, 0.02, slow, 1.0) == 15  # limit <= initial_hop: fixed
@@ -140,11 +150,14 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
             await s.finish()
             events = await collect(s)
             out.append((events, s.utterance_stats(uid)))
-        return out, engine.first_chunks.holdback_s, engine.stats().first_chunk_tokens
+        return out, engine.first_chunks.holdback_s, engine.stats()
 
-    ((planned, st), (asked, st_asked)), holdback, first_tokens = run(tiny_model_dir, fn, warmup=False,
-                                                                     initial_hop=5, initial_hop_max=40)
-    assert first_tokens == 40 + 5  # the engine's stats count each first chunk's size
+    ((planned, st), (asked, st_asked)), holdback, stats = run(tiny_model_dir, fn, warmup=False,
+                                                              initial_hop=5, initial_hop_max=40)
+    assert stats.first_chunk_tokens == 40 + 5  # the engine's stats count each first chunk's size
+    # The planned one's inputs: the measured LM rate, and the 10 s rounds it predicted.
+    assert stats.first_chunk_plan_round_seconds >= 10.0 and stats.first_chunk_plan_second_round_seconds >= 10.0
+    assert 0 < stats.first_chunk_plan_lm_step_seconds < 1.0
     assert 0 < holdback <= 0.2  # learnt from the first chunks: the vocoder keeps its last frames back
     for events, stats in ((planned, st), (asked, st_asked)):
         assert all(isinstance(e, AudioChunk) for e in events)
