@@ -547,13 +547,15 @@ class DiT(nn.Module):
         the time embedding (`time_conditioning`), not one per block and step."""
         for block in self.transformer_blocks:
             block.attn.fuse()
+        self._fuse_time()
+
+    def _fuse_time(self) -> None:
         linears = [block.attn_norm.linear for block in self.transformer_blocks] + [self.norm_out.linear]
         self.time_weight, self.time_bias = share_storage(linears)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "DiT":
         super()._apply(fn, recurse)  # the blocks' attentions share their q, k, v again themselves
-        self.time_weight, self.time_bias = share_storage(
-            [block.attn_norm.linear for block in self.transformer_blocks] + [self.norm_out.linear])
+        self._fuse_time()
         return self
 
     def time_conditioning(self, t: torch.Tensor) -> list[TimeConditioning]:
