@@ -12,6 +12,12 @@ stage's first batch, that holds at least `min_chunks` chunks: a load level) and 
   device-to-host copy, so all of its kernels finish inside its wall time), plus totals;
 * `stage_profile.txt`: the operators and kernels of the window by total time.
 
+Each batch row also splits the batch by the stage's phases (`PHASES`, the
+`record_function` ranges `AudioStage._compute` opens): per phase its host time and, on
+CUDA, how long the GPU ran no kernel inside it. A one-chunk batch in the gateway took
+27-36 ms against 21-22 ms alone, with the GPU busy ~70% of it (round 13 of
+docs/benchmarks.md): this says which host phase the GPU waited on.
+
 It lives on the stage's worker thread (the only thread that runs the stage's tensor work),
 so the profiler starts and stops there; the analysis and the files are done on a thread of
 their own (for a compiled flow under load they take tens of seconds, which on the worker
@@ -35,6 +41,10 @@ import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# The phases of a stage batch, as `record_function` names: the flow (inputs, the ODE solve
+# or its graph), the vocoder, and the copy of the PCM to the host.
+PHASES: tuple[str, ...] = ("stage.flow", "stage.vocoder", "stage.to_host")
 
 
 @dataclass
@@ -97,6 +107,7 @@ class StageProfiler:
         events = prof.events()
         ranges = batch_ranges(events)
         kernels = kernel_intervals(events)
+        phases = phase_ranges(events)
         rows: list[dict[str, Any]] = []
         for index, chunks in self._batches:
             r = ranges.get(f"stage_batch_{index}")
@@ -108,6 +119,7 @@ class StageProfiler:
                 busy = union_within(kernels, start, end)
                 row["gpu_busy_ms"] = busy / 1e3
                 row["gpu_busy_share"] = busy / (end - start) if end > start else None
+            row["phases"] = phase_split(phases, kernels if self.cuda else None, start, end)
             rows.append(row)
         wall = sum(r["wall_ms"] for r in rows)
         report: dict[str, Any] = {"batches": rows, "wall_ms": wall, "chunks": sum(r["chunks"] for r in rows),
@@ -129,6 +141,29 @@ def batch_ranges(events: Any) -> dict[str, tuple[float, float]]:
     puts copies of each range on the GPU timeline, later and shorter: not the batch's wall."""
     return {e.name: (e.time_range.start, e.time_range.end) for e in events
             if e.name.startswith("stage_batch_") and e.device_type == torch.autograd.DeviceType.CPU}
+
+
+def phase_ranges(events: Any) -> list[tuple[str, float, float]]:
+    """(name, start, end) of each host range of a stage phase (`PHASES`), sorted by start."""
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in events
+                   if e.name in PHASES and e.device_type == torch.autograd.DeviceType.CPU), key=lambda r: r[1])
+
+
+def phase_split(phases: list[tuple[str, float, float]], kernels: list[tuple[float, float]] | None,
+                lo: float, hi: float) -> dict[str, dict[str, float]]:
+    """Per phase inside [lo, hi] (one batch): its host time, and with `kernels` the time
+    the GPU ran none of them while the phase was on the host (ms; a phase may run more
+    than once in a batch: summed)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, start, end in phases:
+        start, end = max(start, lo), min(end, hi)
+        if end <= start:
+            continue
+        acc = out.setdefault(name, {"host_ms": 0.0} | ({"gpu_idle_ms": 0.0} if kernels is not None else {}))
+        acc["host_ms"] += (end - start) / 1e3
+        if kernels is not None:
+            acc["gpu_idle_ms"] += (end - start - union_within(kernels, start, end)) / 1e3
+    return out
 
 
 def kernel_intervals(events: Any) -> list[tuple[float, float]]:

@@ -40,6 +40,7 @@ from typing import Callable, Sequence, TypeVar, get_args
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .config import StagePolicy
 from .first_chunk import RoundTimes
@@ -50,7 +51,7 @@ from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache,
 from .models.dit import DiT
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator
-from .stage_profile import StageProfiler
+from .stage_profile import PHASES, StageProfiler
 from .vocoder_graphs import VocoderGraphRunner
 
 log = logging.getLogger(__name__)
@@ -647,30 +648,35 @@ class AudioStage:
         keys = [j.hift_stream for j in batch]
         out: list[torch.Tensor | None] = [None] * len(chunks)
         flow_work = 0
+        # The phases are `record_function` ranges for `engine.stage_profile` (free when no
+        # profiler runs).
         try:
-            for rows in self._flow_calls(chunks, entries):
-                part, work = self._decode([chunks[i] for i in rows],
-                                          None if entries is None else [entries[i] for i in rows],
-                                          [keys[i] for i in rows])
-                flow_work += work
-                for i, m in zip(rows, part):
-                    out[i] = m
+            with record_function(PHASES[0]):
+                for rows in self._flow_calls(chunks, entries):
+                    part, work = self._decode([chunks[i] for i in rows],
+                                              None if entries is None else [entries[i] for i in rows],
+                                              [keys[i] for i in rows])
+                    flow_work += work
+                    for i, m in zip(rows, part):
+                        out[i] = m
         except BaseException:
             if self.context_cache is not None:  # the rings may be half written
                 self.context_cache.release(keys)
             raise
         decoded = [m for m in out if m is not None]
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
-        mels = [_stretch(m.float(), j.speed) for m, j in zip(decoded, batch)]
-        vocoder_frames = sum(int(m.shape[0]) for m in mels)
-        graphs = {} if self.vocoder_graphs is None else {"decode": self.vocoder_graphs}
-        pcm = self.hift.stream_step(
-            [j.hift_stream for j in batch],
-            [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
-            [j.flow.finalize for j in batch],
-            **graphs,
-        )
-        return _to_host(pcm), flow_work, vocoder_frames
+        with record_function(PHASES[1]):
+            mels = [_stretch(m.float(), j.speed) for m, j in zip(decoded, batch)]
+            vocoder_frames = sum(int(m.shape[0]) for m in mels)
+            graphs = {} if self.vocoder_graphs is None else {"decode": self.vocoder_graphs}
+            pcm = self.hift.stream_step(
+                [j.hift_stream for j in batch],
+                [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
+                [j.flow.finalize for j in batch],
+                **graphs,
+            )
+        with record_function(PHASES[2]):
+            return _to_host(pcm), flow_work, vocoder_frames
 
 
 def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:

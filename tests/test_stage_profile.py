@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stage_profile import StageProfiler, batch_ranges, kernel_intervals, union_within
+from engine.stage_profile import PHASES, StageProfiler, batch_ranges, kernel_intervals, phase_split, union_within
 from engine.token2wav import StageStats
 from engine.types import SessionOptions
 
@@ -48,6 +48,10 @@ def test_the_stage_writes_a_profile_of_its_batches(tiny_model_dir, tmp_path) -> 
     assert [b["batch"] for b in report["batches"]] == [1, 2]
     assert all(b["chunks"] == 1 and b["wall_ms"] > 0 for b in report["batches"])
     assert "gpu_busy_ms" not in report  # CPU: no kernel timeline
+    for b in report["batches"]:  # each batch split by its phases: the flow, the vocoder, the copy out
+        assert set(b["phases"]) == set(PHASES)
+        assert all(p["host_ms"] > 0 and "gpu_idle_ms" not in p for p in b["phases"].values())
+        assert sum(p["host_ms"] for p in b["phases"].values()) <= b["wall_ms"]
     table = (tmp_path / "prof" / "stage0" / "stage_profile.txt").read_text()
     assert "stage_batch_1" in table and "aten::" in table
 
@@ -126,3 +130,16 @@ def test_a_batch_lasts_as_long_as_its_host_range() -> None:
     events = [event("stage_batch_1", 0, 100, cuda=False), event("stage_batch_1", 30, 90, cuda=True),
               event("stage_batch_2", 100, 180, cuda=False), event("stage_batch_2", 150, 170, cuda=True)]
     assert batch_ranges(events) == {"stage_batch_1": (0, 100), "stage_batch_2": (100, 180)}
+
+
+def test_phase_split_counts_the_gpu_idle_inside_each_phase() -> None:
+    """Host ranges of the phases against a kernel timeline (us): idle = the phase's time
+    with no kernel running, a repeated phase summed, ranges clipped to the batch."""
+    phases = [("stage.flow", 0.0, 1000.0), ("stage.flow", 1500.0, 2000.0), ("stage.vocoder", 2000.0, 2600.0),
+              ("stage.to_host", 2600.0, 3200.0)]
+    kernels = [(200.0, 900.0), (1700.0, 2300.0), (2500.0, 3000.0)]
+    split = phase_split(phases, kernels, 100.0, 3100.0)
+    assert split["stage.flow"] == pytest.approx({"host_ms": 1.4, "gpu_idle_ms": 0.2 + 0.2})
+    assert split["stage.vocoder"] == pytest.approx({"host_ms": 0.6, "gpu_idle_ms": 0.2})
+    assert split["stage.to_host"] == pytest.approx({"host_ms": 0.5, "gpu_idle_ms": 0.1})
+    assert phase_split(phases, None, 0.0, 500.0) == {"stage.flow": {"host_ms": 0.5}}
