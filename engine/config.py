@@ -107,7 +107,8 @@ class EngineConfig:
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,
-    # written to this directory (one subdirectory per stage). Empty = off.
+    # written to this directory (one subdirectory per stage). Empty = off. The index counts
+    # from the first batch after the engine's start: its warm-up's batches come before 0.
     stage_profile_dir: str = ""
     stage_profile_start: int = 20
     stage_profile_batches: int = 20

@@ -273,7 +273,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
         if config.stage_profile_dir:
             profiler = StageProfiler(Path(config.stage_profile_dir) / f"stage{index}", config.stage_profile_start,
                                      config.stage_profile_batches, cuda=dev.type == "cuda",
-                                     min_chunks=config.stage_profile_min_chunks)
+                                     min_chunks=config.stage_profile_min_chunks, origin=None)
         return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
                           flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
                           graph_policy=graph_policy(config),
@@ -427,6 +427,7 @@ class Engine:
                         await stage.close()
                     await backend.close()
             raise
+        engine.stage.started()
         engine.ready = True
         engine.start_seconds = clock.laps
         log.info("engine ready in %.1f s (%s)", sum(clock.laps.values()),

@@ -7,7 +7,7 @@ utterances when its vocoder stream is created, and all of its chunks run there (
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
 `StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `run`,
-`round_estimate`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`,
+`round_estimate`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`, `started`,
 `close`.
 """
 
@@ -71,6 +71,11 @@ class StagePool:
 
     def pending_for(self, is_cancelled: object) -> int:
         return sum(s.pending_for(is_cancelled) for s in self.stages)
+
+    def started(self) -> None:
+        """`AudioStage.started` of every stage."""
+        for stage in self.stages:
+            stage.started()
 
     @property
     def stats(self) -> StageStats:

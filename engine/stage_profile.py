@@ -54,6 +54,9 @@ class StageProfiler:
     count: int = 20
     cuda: bool = False
     min_chunks: int = 0
+    # The batch index `start` counts from; None until it is known (`AudioStage.started`
+    # sets it at the end of the engine's start, so its warm-up is never profiled).
+    origin: int | None = 0
     done: bool = False
     _prof: torch.profiler.profile | None = None
     _writer: threading.Thread | None = None
@@ -63,7 +66,8 @@ class StageProfiler:
 
     def run(self, index: int, chunks: int, fn: Callable[[], T]) -> T:
         """Run one batch's work (`fn`, on the worker thread), profiled inside the window."""
-        if self.done or index < self.start or (self._prof is None and chunks < self.min_chunks):
+        if (self.done or self.origin is None or index < self.origin + self.start
+                or (self._prof is None and chunks < self.min_chunks)):
             return fn()
         if self._prof is None:
             activities = [torch.profiler.ProfilerActivity.CPU]

@@ -279,6 +279,12 @@ class AudioStage:
         self._live.add(stream)
         return stream
 
+    def started(self) -> None:
+        """The engine's start (its warm-up) is over: the profile's window counts batches
+        from here."""
+        if self.profiler is not None:
+            self.profiler.origin = self.stats.batches
+
     def live_utterances(self) -> int:
         """Utterances in progress here (their vocoder streams still exist)."""
         return len(self._live)

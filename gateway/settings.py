@@ -125,7 +125,9 @@ class EngineSettings:
         metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory "
                        "(empty = off)"),
     )
-    stage_profile_start: int = field(default=20, metadata=_help("first stage batch profiled"))
+    stage_profile_start: int = field(
+        default=20, metadata=_help("first stage batch profiled, counted from the first after the engine's start "
+                                   "(its warm-up excluded)"))
     stage_profile_batches: int = field(default=20, metadata=_help("stage batches profiled"))
     stage_profile_min_chunks: int = field(
         default=0, metadata=_help("the profiled window opens at the first batch with at least this many chunks"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -54,6 +55,17 @@ def test_the_stage_writes_a_profile_of_its_batches(tiny_model_dir, tmp_path) -> 
         assert sum(p["host_ms"] for p in b["phases"].values()) <= b["wall_ms"]
     table = (tmp_path / "prof" / "stage0" / "stage_profile.txt").read_text()
     assert "stage_batch_1" in table and "aten::" in table
+
+
+def test_the_window_counts_batches_from_the_end_of_the_start(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """The warm-up's batches come before index 0: `stage_profile_start` 0 profiles the first
+    batches that serve requests, whatever the warm-up ran."""
+    cfg = replace(_config(tiny_model_dir, tmp_path / "prof", start=0, count=1), warmup=True, warmup_concurrency=2)
+    stats: list[StageStats] = []
+    batches = asyncio.run(_speak(cfg, stats))
+    report = json.loads((tmp_path / "prof" / "stage0" / "stage_profile.json").read_text())
+    (profiled,) = [b["batch"] for b in report["batches"]]
+    assert 0 < profiled < batches  # after the warm-up's batches (counted from the stage's first)
 
 
 def test_a_window_cut_short_by_closing_is_written(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
