@@ -51,6 +51,11 @@ class EngineConfig:
     # With the prompt cache, batches served from it take graphs only up to
     # GraphPolicy.prefix_max_rows (8) chunks, or flow_graph_shared_rows.
     flow_graph_max_rows: int = 64
+    # The row buckets of those graphs: a batch is padded to the smallest that holds it
+    # (`GraphPolicy.batch_buckets`; each is captured for every voice prompt width). A
+    # bucket between 32 and 64 (48, say) would solve 33-48 chunks at 3/4 of the 64-row
+    # cost, for more captures at start and registration (not measured).
+    flow_graph_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
     # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
     # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.
@@ -166,6 +171,9 @@ class EngineConfig:
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:
             raise ValueError("flow_graph_max_rows and flow_graph_shared_rows must be >= 0")
+        rows = self.flow_graph_rows
+        if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"flow_graph_rows must be increasing row counts >= 1, got {rows}")
         if self.flow_prompt_cache_bytes < 0:
             raise ValueError("flow_prompt_cache_bytes must be >= 0")
         if self.flow_context_cache_bytes < 0 or self.flow_context_min_rows < 1:

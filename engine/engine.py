@@ -263,7 +263,8 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
 
 def graph_policy(config: EngineConfig) -> GraphPolicy:
     """Which flow batch shapes get CUDA graphs."""
-    return GraphPolicy(shared_prefix_max_rows=config.flow_graph_shared_rows).with_max_rows(config.flow_graph_max_rows)
+    return GraphPolicy(batch_buckets=config.flow_graph_rows,
+                       shared_prefix_max_rows=config.flow_graph_shared_rows).with_max_rows(config.flow_graph_max_rows)
 
 
 def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:

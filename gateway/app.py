@@ -71,6 +71,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_compile=e.flow_compile,
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,
+        flow_graph_rows=e.flow_graph_rows,
         flow_graph_shared_rows=e.flow_graph_shared_rows,
         vocoder_cuda_graphs=e.vocoder_cuda_graphs,
         flow_prompt_cache=e.flow_prompt_cache,

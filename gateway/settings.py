@@ -66,6 +66,11 @@ class EngineSettings:
                        "its bucket only when it fills half of it; batches from the prompt cache use graphs up "
                        "to 8 chunks, or --engine.flow-graph-shared-rows)"),
     )
+    flow_graph_rows: tuple[int, ...] = field(
+        default=(1, 2, 4, 8, 16, 32, 64),
+        metadata=_help("row buckets of the flow's CUDA graphs, increasing: a batch is padded to the smallest that "
+                       "holds it, and each is captured for every voice prompt width"),
+    )
     flow_graph_shared_rows: int = field(
         default=64,
         metadata=_help("a batch from the prompt cache whose chunks all have one voice takes a CUDA graph when its "

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.engine import graph_policy
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy, iter_shapes, prompt_shapes
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
@@ -62,6 +64,22 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 # ----------------------------------------------------------------------------- buckets
+
+
+def test_row_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
+    """`--engine.flow-graph-rows`: the graphs' row buckets (say, 48 between 32 and 64, for
+    33-48 chunks at 3/4 of the 64-row graph's work); they must increase from 1 up."""
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    s, _ = load_settings(["--engine.flow-graph-rows", "1,2,4,8,16,32,48,64"], environ={})
+    policy = graph_policy(engine_config(s, tmp_path))
+    assert policy.batch_buckets == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert policy.bucket(40, 100) == (48, 100) and policy.bucket(49, 100) == (64, 100)
+    assert graph_policy(EngineConfig(model_dir=tmp_path)).batch_buckets == GraphPolicy().batch_buckets  # default
+    for bad in ((), (0, 4), (4, 2), (2, 2)):
+        with pytest.raises(ValueError, match="flow_graph_rows"):
+            EngineConfig(model_dir=tmp_path, flow_graph_rows=bad)
 
 
 def test_bucket_choice() -> None:
