@@ -172,10 +172,11 @@ def phase_split(phases: list[tuple[str, float, float]], kernels: list[tuple[floa
 
 def kernel_intervals(events: Any) -> list[tuple[float, float]]:
     """(start, end) of the device's kernels and copies, sorted: CUDA-side events less the
-    GPU copies of `record_function` annotations, which span whole batches."""
+    GPU copies of `record_function` annotations (batches, phases), which span many kernels."""
     return sorted((e.time_range.start, e.time_range.end) for e in events
                   if e.device_type == torch.autograd.DeviceType.CUDA
-                  and not getattr(e, "is_user_annotation", False) and not e.name.startswith("stage_batch_"))
+                  and not getattr(e, "is_user_annotation", False) and not e.name.startswith("stage_batch_")
+                  and e.name not in PHASES)
 
 
 def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
