@@ -12,6 +12,9 @@ from typing import Literal, get_args
 
 import torch
 
+# The flow graphs' row buckets by default (`flow_graph_rows`, `GraphPolicy.batch_buckets`).
+GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
 LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -55,7 +58,7 @@ class EngineConfig:
     # (`GraphPolicy.batch_buckets`; each is captured for every voice prompt width). A
     # bucket between 32 and 64 (48, say) would solve 33-48 chunks at 3/4 of the 64-row
     # cost, for more captures at start and registration (not measured).
-    flow_graph_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    flow_graph_rows: tuple[int, ...] = GRAPH_ROW_BUCKETS
     # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
     # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
     # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.

@@ -42,6 +42,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from .config import GRAPH_ROW_BUCKETS
 from .flow_context_cache import ContextCache, ContextPlan, RingKV, RingWriter
 from .flow_prompt_cache import PrefixBuffers, PrefixViews, PromptKV, StepPrefixes, prefix_width, shared_entry
 from .graph_capture import CAPTURE_LOCK, copy_padded
@@ -49,7 +50,7 @@ from .models.dit import DiTPrefix, per_row
 
 log = logging.getLogger(__name__)
 
-BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS: tuple[int, ...] = GRAPH_ROW_BUCKETS
 
 
 @dataclass(frozen=True)

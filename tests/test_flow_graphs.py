@@ -77,6 +77,7 @@ def test_row_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
     assert policy.batch_buckets == (1, 2, 4, 8, 16, 32, 48, 64)
     assert policy.bucket(40, 100) == (48, 100) and policy.bucket(49, 100) == (64, 100)
     assert graph_policy(EngineConfig(model_dir=tmp_path)).batch_buckets == GraphPolicy().batch_buckets  # default
+    assert load_settings([], environ={})[0].engine.flow_graph_rows == EngineConfig(model_dir=tmp_path).flow_graph_rows
     for bad in ((), (0, 4), (4, 2), (2, 2)):
         with pytest.raises(ValueError, match="flow_graph_rows"):
             EngineConfig(model_dir=tmp_path, flow_graph_rows=bad)
