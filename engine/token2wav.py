@@ -304,8 +304,9 @@ class AudioStage:
         """Rows x frames of a batch as the stage solves it, the measure `RoundTimes` learns
         from (`_decode`): a graph's bucket when one serves it (taken for one voice, the
         common load), else the batch itself. Planned on the exact rows instead, 40 first
-        chunks in the 64-row graph were predicted at a third of their round (H200, round 13
-        of docs/benchmarks.md), and every session stalled."""
+        chunks in the 64-row graph were planned at 9 tokens as if their round were far
+        shorter than its 266 ms (H200, round 13 of docs/benchmarks.md), and every session
+        stalled."""
         if not self.flow_cuda_graphs:
             return rows * frames
         shape = self.graph_policy.bucket(rows, frames, cached, shared=cached > 0)
