@@ -17,15 +17,21 @@ lookahead; every row its own vocoder stream, advanced batch after batch). Per ba
 * `syncs`: each line of this repository whose call made the host wait for the device during
   one batch (`torch.cuda.set_sync_debug_mode`), with how often; CUDA only;
 * `kernels` (`--kernels N`): the N kernels with the most device time per batch, and
-  `families`, the share of each kernel family (GEMM, attention, copies, ...) in it.
+  `families`, the share of each kernel family (GEMM, attention, copies, ...) in it;
+* `host` (`--host N`): the N functions of this repository with the most host time per
+  batch (cumulative, under `cProfile`, whose own cost inflates call-heavy code: a ranking,
+  not a timing). At one chunk the GPU sits idle while the host prepares the flow's inputs
+  (round 14 of docs/benchmarks.md): this says which of our functions that time is in.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import math
+import pstats
 import statistics
 import sys
 import time
@@ -117,8 +123,27 @@ def kernel_table(events: Any, reps: int, top: int) -> tuple[list[dict[str, Any]]
     return table, {k: round(v / total, 3) for k, v in families.most_common()}
 
 
+def host_table(stage: AudioStage, batches: list[list[ChunkJob]], top: int) -> list[dict[str, Any]]:
+    """The `top` functions of this repository by cumulative host time per batch, over
+    `_compute` of each batch under cProfile (the last batch's PCM copy waits for the GPU,
+    so the GPU's time shows up in `_to_host`)."""
+    prof = cProfile.Profile()
+    for batch in batches:
+        prof.runcall(stage._compute, batch)
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = []
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.items():
+        if not filename.startswith(str(ROOT)) or "site-packages" in filename:
+            continue
+        where = f"{Path(filename).relative_to(ROOT)}:{line} {name}"
+        rows.append({"function": where, "cum_ms": 1e3 * cumtime / len(batches),
+                     "self_ms": 1e3 * tottime / len(batches), "calls": calls / len(batches)})
+    rows.sort(key=lambda r: -r["cum_ms"])
+    return rows[:top]
+
+
 def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
-            top: int = 0, profile: bool = True) -> dict[str, Any]:
+            top: int = 0, profile: bool = True, host: int = 0) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
     step = 0
     for _ in range(2):  # compile, graph capture, prompt cache entry
@@ -145,6 +170,10 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
         if top:
             out["kernels"], out["families"] = kernel_table(prof.events(), reps, top)
         out["syncs"] = find_syncs(stage, make_batch(stage, streams, prompt, step))
+        step += 1
+    if host:
+        batches = [make_batch(stage, streams, prompt, step + i) for i in range(reps)]
+        out["host"] = host_table(stage, batches, host)
     return out
 
 
@@ -190,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="record the kernels (GPU busy time, --kernels, syncs); --no-profile: wall time alone")
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="list the N kernels with the most device time")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="list the N functions of this repository with the most host time (cProfile)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.kernels and not args.profile:
@@ -205,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               torch.randn(192, generator=g))
     report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": []}
     for b in args.batches.split(","):  # printed and saved as they come: a cut-short run keeps them
-        r = measure(stage, prompt, int(b), args.reps, device.type == "cuda", args.kernels, args.profile)
+        r = measure(stage, prompt, int(b), args.reps, device.type == "cuda", args.kernels, args.profile,
+                    args.host)
         report["results"].append(r)
         busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
         print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}", flush=True)
@@ -215,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print("        families: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["families"].items()), flush=True)
         for k in r.get("kernels", []):
             print(f"        {100 * k['share']:5.1f}% {k['ms']:7.2f} ms x{k['calls']:<5g} {k['kernel'][:90]}", flush=True)
+        for h in r.get("host", []):
+            print(f"        host {h['cum_ms']:7.2f} ms (self {h['self_ms']:6.2f}) x{h['calls']:<5g} {h['function'][:100]}",
+                  flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
     return report
