@@ -58,6 +58,7 @@ class StageProfiler:
     # sets it at the end of the engine's start, so its warm-up is never profiled).
     origin: int | None = 0
     done: bool = False
+    profiled: int = 0  # batches run under the profiler (slower than rounds: not rounds)
     _prof: torch.profiler.profile | None = None
     _writer: threading.Thread | None = None
     _t0_ns: int = 0
@@ -76,6 +77,7 @@ class StageProfiler:
             self._prof = torch.profiler.profile(activities=activities)
             self._prof.start()
             self._t0_ns = time.perf_counter_ns()
+        self.profiled += 1
         with torch.profiler.record_function(f"stage_batch_{index}"):
             out = fn()
         self._batches.append((index, chunks))

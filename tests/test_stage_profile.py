@@ -77,6 +77,27 @@ def test_a_window_cut_short_by_closing_is_written(tiny_model_dir, tmp_path) -> N
     assert [b["batch"] for b in report["batches"]] == list(range(batches))
 
 
+def test_profiled_batches_are_not_rounds(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Batches run under the profiler (its start and stop inside them) are not what a
+    round takes: the first-chunk planner's round times leave them out."""
+    async def observed(cfg: EngineConfig) -> tuple[int, int]:
+        engine = await Engine.create(cfg)
+        try:
+            sr = engine.sample_rate
+            wav = (0.1 * np.sin(2 * np.pi * 180 * np.arange(2 * sr) / sr)).astype(np.float32)
+            voice = await engine.prepare_voice("v", wav, sr, "A prompt.")
+            await engine.synthesize("Hello there, my friend.", voice, SessionOptions(tokens_per_text_token=3.0, seed=0))
+            return engine.stage.stats.batches, engine.stage.rounds.observed
+        finally:
+            await engine.close()
+
+    cfg = _config(tiny_model_dir, tmp_path / "prof", start=1, count=1)
+    batches, rounds = asyncio.run(observed(cfg))
+    assert batches >= 2 and rounds == batches - 1  # all but the profiled one
+    batches, rounds = asyncio.run(observed(replace(cfg, stage_profile_dir="")))
+    assert rounds == batches
+
+
 def test_the_window_opens_at_the_first_batch_of_the_requested_size(tmp_path) -> None:  # noqa: ANN001
     """`min_chunks` skips the small batches before a load level; once open, the window
     takes every batch, small ones too."""
