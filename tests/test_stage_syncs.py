@@ -15,9 +15,15 @@ def test_stage_syncs_runs_the_engine_stage(tiny_model_dir, tmp_path) -> None:  #
     out = tmp_path / "syncs.json"
     report = stage_syncs.main(["--device", "cpu", "--model", str(tiny_model_dir), "--batches", "1,2", "--reps", "1",
                                "--prompt-tokens", "12", "--config", "flow_prompt_cache=false",
-                               "--config", "max_gpu_batch=8", "--json", str(out)])
+                               "--config", "max_gpu_batch=8", "--host", "50", "--json", str(out)])
     assert [r["rows"] for r in report["results"]] == [1, 2]
     assert all(r["wall_ms"] > 0 and "syncs" not in r for r in report["results"])
+    # --host: this repository's functions by host time per batch, the whole batch first.
+    for r in report["results"]:
+        top = r["host"][0]
+        assert top["function"].startswith("engine/token2wav.py") and top["function"].endswith("_compute")
+        assert top["calls"] == 1 and top["cum_ms"] > 0
+        assert all(h["cum_ms"] <= top["cum_ms"] and not h["function"].startswith("bench/") for h in r["host"])
     assert report["config"] == {"flow_prompt_cache": False, "max_gpu_batch": 8}
     assert json.loads(out.read_text()) == report
 
