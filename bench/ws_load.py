@@ -29,7 +29,9 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 -> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
 `opening_chunk_phases_ms`: the same for each context's first segment only, the one
-`first_audio_ms` measures), and with `--engine.lm-timing true` vLLM's own account of the
+`first_audio_ms` measures; `opening_second_chunk_ms`: their second chunks, from tokens
+ready to queued, batch start and audio, and how many came after the first chunk's audio
+had run out), and with `--engine.lm-timing true` vLLM's own account of the
 LM requests (`lm_server_ms`: queued and prefill in its engine core, its time to first
 token, its decode time per token).
 
@@ -639,6 +641,23 @@ def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -
                "planned": round(_delta(after, before, f"cosyvoice_engine_{kind}_planned_tokens_total") / count, 2)})
 
 
+def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float] | None:
+    """Mean phases (ms) of the sessions' first segments' second chunks between two scrapes
+    (the engine's `opening_second_chunk` counters): its tokens ready -> queued (the chunker
+    waited for the first chunk's audio) -> its batch starts -> its audio; how many came
+    after the first chunk's audio ran out, and by how much on average; None without any."""
+    m = "cosyvoice_engine_opening_second_chunk"
+    count = _delta(after, before, m + "s_total")
+    if count <= 0:
+        return None
+    lates = _delta(after, before, m + "_lates_total")
+    return {"ready_wait": round(1e3 * _delta(after, before, m + "_ready_wait_seconds_total") / count, 3),
+            "stage_wait": round(1e3 * _delta(after, before, m + "_stage_wait_seconds_total") / count, 3),
+            "stage": round(1e3 * _delta(after, before, m + "_stage_seconds_total") / count, 3),
+            "chunks": int(count), "late": int(lates),
+            "late_by": round(1e3 * _delta(after, before, m + "_late_seconds_total") / lates, 3) if lates > 0 else 0.0}
+
+
 def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float | None] | None:
     """vLLM's own account of the LM requests between two scrapes (a gateway run with
     --engine.lm-timing true), means in ms: queued and prefill in its engine core, its own
@@ -700,6 +719,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "first_chunk_phases_ms": chunk_phases(after, before, "first_chunk"),
         # The same for each session's first segment only: the one `first_audio_ms` counts.
         "opening_chunk_phases_ms": chunk_phases(after, before, "opening_chunk"),
+        # Their second chunks: whether the one a short first chunk must cover waited for the
+        # first's audio, for the stage, or for a long round (`second_chunk_ms`).
+        "opening_second_chunk_ms": second_chunk_ms(after, before),
         # Inside the LM server (vLLM with --engine.lm-timing true; None otherwise), to set
         # against the phases' lm_first_token: what of it was vLLM's queue and prefill.
         "lm_server_ms": lm_server_ms(after, before),
@@ -903,7 +925,8 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"by segment {lv['underruns_by_segment']}) "
               f"rtf={lv['rtf']} "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
-              f"first segments' (ms)={lv['opening_chunk_phases_ms']} lm server (ms)={lv['lm_server_ms']}",
+              f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
+              f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']}",
               flush=True)
 
 

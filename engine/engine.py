@@ -173,6 +173,17 @@ class EngineStats:
     opening_chunk_stage_seconds: float = 0.0
     opening_chunk_tokens: int = 0
     opening_chunk_planned_tokens: int = 0
+    # The second chunk of sessions' first utterances, the one a short first chunk must
+    # cover (sums over `opening_second_chunks`): from the LM having its tokens to its queueing
+    # (the chunker waits for the first chunk's audio before it queues the next), to the
+    # stage's batch start, to its audio; and by how much it came after the first chunk's
+    # audio had run out (a stall, as the engine sees it: `_late_seconds` over `_lates`).
+    opening_second_chunks: int = 0
+    opening_second_chunk_ready_wait_seconds: float = 0.0
+    opening_second_chunk_stage_wait_seconds: float = 0.0
+    opening_second_chunk_stage_seconds: float = 0.0
+    opening_second_chunk_lates: int = 0
+    opening_second_chunk_late_seconds: float = 0.0
     # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
@@ -236,6 +247,32 @@ class FirstChunkTimes:
                 f"{name}_lm_decode_seconds": self.lm_decode, f"{name}_stage_wait_seconds": self.stage_wait,
                 f"{name}_stage_seconds": self.stage, f"{name}_tokens": self.tokens,
                 f"{name}_planned_tokens": self.planned_tokens}
+
+
+@dataclass
+class SecondChunkTimes:
+    """Running sums of the opening second chunks' phases (see EngineStats); one per engine."""
+
+    count: int = 0
+    ready_wait: float = 0.0
+    stage_wait: float = 0.0
+    stage: float = 0.0
+    lates: int = 0
+    late: float = 0.0
+
+    def add(self, ready: float, queued: float, started: float, done: float, due: float) -> None:
+        self.count += 1
+        self.ready_wait += max(0.0, queued - ready)
+        self.stage_wait += max(0.0, started - queued)
+        self.stage += done - max(started, queued)
+        if done > due:
+            self.lates += 1
+            self.late += done - due
+
+    def stats_fields(self, name: str = "opening_second_chunk") -> dict[str, float | int]:
+        return {f"{name}s": self.count, f"{name}_ready_wait_seconds": self.ready_wait,
+                f"{name}_stage_wait_seconds": self.stage_wait, f"{name}_stage_seconds": self.stage,
+                f"{name}_lates": self.lates, f"{name}_late_seconds": self.late}
 
 
 @dataclass
@@ -329,6 +366,7 @@ class Engine:
         # another way (tests).
         self.start_seconds: dict[str, float] = {}
         self.opening_chunk_times = FirstChunkTimes()  # of sessions' first utterances only
+        self.opening_second_chunk_times = SecondChunkTimes()
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
@@ -597,6 +635,7 @@ class Engine:
             first_chunk_holdback_seconds=self.first_chunks.holdback_s,
             **_plan_fields(self.first_chunks.last),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
+            **self.opening_second_chunk_times.stats_fields(),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},
             **_cuda_memory(self.device),
@@ -679,6 +718,9 @@ class _Utterance:
     tokens: list[int] = field(default_factory=list)
     # When each of its first RATE_TOKENS speech tokens came (`_lm_step`).
     token_times: list[float] = field(default_factory=list)
+    # When each speech token came, kept for an opening utterance only (until its second
+    # chunk is done: `SecondChunkTimes`).
+    arrivals: list[float] | None = None
     delivered: int = 0
     undelivered: int = 0
 
@@ -733,6 +775,7 @@ class Session:
         utt = _Utterance(uid, text, opts, asyncio.Queue(maxsize=64), UtteranceStats(submitted_at=time.monotonic()))
         utt.feed = feed
         utt.opening = not self._stats
+        utt.arrivals = [] if utt.opening else None
         utt.lm_done = asyncio.Event()
         self._utts[uid] = utt
         self._stats[uid] = utt.stats
@@ -952,6 +995,8 @@ class Session:
                             continue
                     else:
                         silent_run = 0
+                    if utt.arrivals is not None:  # token i of `tokens` came at arrivals[i]
+                        utt.arrivals.append(time.monotonic())
                     tokens.append(tok)
                     if len(tokens) >= wake.at:
                         more.set()
@@ -983,6 +1028,7 @@ class Session:
         stream = eng.stage.new_stream()
         prompt_tokens = voice.speech_tokens
         emitted = 0
+        first_samples = 0  # the first chunk's audio
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
         while True:
             lm_finished = lm_task.done()
@@ -1016,7 +1062,7 @@ class Session:
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
-            queued_at, queued_end = time.monotonic(), end
+            queued_at, queued_end, queued_final = time.monotonic(), end, finalize
             job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt))
             pcm = await eng.stage.run(job)
             if utt.cancelled:
@@ -1030,6 +1076,11 @@ class Session:
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=queued_end)
                 if utt.opening:
                     eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=queued_end)
+            if sched.index == 1 and utt.arrivals is not None:
+                self._second_chunk_done(utt, queued_at, job.started_at, queued_end, queued_final, first_samples,
+                                        flow_cfg.pre_lookahead_len)
+            if sched.index == 0:
+                first_samples = int(pcm.size)
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)
@@ -1042,6 +1093,21 @@ class Session:
                 utt.stats.finished_at = time.monotonic()
                 return
             sched.advance(end - sched.offset)
+
+    def _second_chunk_done(self, utt: _Utterance, queued: float, started: float | None, queued_end: int,
+                           finalize: bool, first_samples: int, lookahead: int) -> None:
+        """Record an opening utterance's second chunk (`SecondChunkTimes`): ready when the
+        LM had the tokens it was queued with (and their lookahead), due when the first
+        chunk's audio, from its arrival here, has played out. A first chunk that gave no
+        audio (all of it held back) covers nothing: not recorded."""
+        arrivals, utt.arrivals = utt.arrivals or [], None  # no longer needed
+        first_at = utt.stats.first_audio_at
+        need = queued_end if finalize else queued_end + lookahead
+        if first_at is None or not arrivals:
+            return
+        ready = arrivals[min(need, len(arrivals)) - 1]
+        due = first_at + first_samples / self.engine.sample_rate
+        self.engine.opening_second_chunk_times.add(ready, queued, started or queued, time.monotonic(), due)
 
     def _grower(self, extent: "_Extent", tokens: list[int], offset: int, max_hop: int, lm_task: asyncio.Task,
                 flow_cfg) -> Callable[[int], FlowChunk | None]:

@@ -31,6 +31,8 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "opening_chunks", "opening_chunk_lm_first_token_seconds", "opening_chunk_lm_decode_seconds",
      "opening_chunk_stage_wait_seconds", "opening_chunk_stage_seconds", "opening_chunk_tokens",
      "opening_chunk_planned_tokens",
+     "opening_second_chunks", "opening_second_chunk_ready_wait_seconds", "opening_second_chunk_stage_wait_seconds",
+     "opening_second_chunk_stage_seconds", "opening_second_chunk_lates", "opening_second_chunk_late_seconds",
      "lm_server_requests", "lm_server_queued_seconds", "lm_server_prefill_seconds", "lm_server_decode_seconds",
      "lm_server_decode_tokens", "lm_server_first_tokens", "lm_server_first_token_seconds"}
 )

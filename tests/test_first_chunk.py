@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 
 import pytest
 
@@ -192,6 +193,41 @@ def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
     for phase in ("lm_first_token", "lm_decode", "stage_wait", "stage"):
         assert 0 <= getattr(st, f"opening_chunk_{phase}_seconds") <= getattr(st, f"first_chunk_{phase}_seconds")
     assert st.opening_chunk_stage_seconds > 0
+
+
+def test_engine_times_the_opening_second_chunks(tiny_model_dir):
+    """The second chunk of a session's first utterance (the one a short first chunk must
+    cover) is timed from its tokens being ready to its audio; a later utterance's is not.
+    A stage made slow (every batch waits 300 ms here) brings it after the first chunk's
+    audio has run out: counted late. (A first chunk with no audio of its own is not
+    covered by anything: its utterance's second chunk is not counted.)"""
+    async def fn(engine: Engine, delay: float):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        compute = stage._compute
+
+        def slow(batch):
+            time.sleep(delay)  # the stage's worker thread: a slow GPU, not a test's synchronisation
+            return compute(batch)
+
+        stage._compute = slow
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=4.0, seed=2))
+        for text in ("A sentence long enough for a few chunks.", "And a second one after it."):
+            await s.submit(text)
+        await s.finish()
+        assert all(isinstance(e, AudioChunk) for e in await collect(s))
+        return engine.stats()
+
+    st = run(tiny_model_dir, lambda e: fn(e, 0.0), warmup=False, initial_hop=6)
+    assert st.opening_second_chunks == 1  # the session's first utterance only
+    assert st.opening_second_chunk_ready_wait_seconds >= 0 and st.opening_second_chunk_stage_seconds > 0
+    assert st.opening_second_chunk_stage_wait_seconds >= 0
+    slow = run(tiny_model_dir, lambda e: fn(e, 0.3), warmup=False, initial_hop=6)
+    # A 6-token first chunk plays at most 240 ms (less what the vocoder holds back): the
+    # second chunk, queued once the first is back and then 300 ms or more in the stage,
+    # is late by 60 ms or more.
+    assert slow.opening_second_chunks == 1 and slow.opening_second_chunk_lates == 1
+    assert slow.opening_second_chunk_stage_seconds >= 0.3 and slow.opening_second_chunk_late_seconds >= 0.06
 
 
 @pytest.mark.parametrize("max_batch", [64, 1])

@@ -26,6 +26,7 @@ from bench.ws_load import (
     largest_clean_level,
     lm_server_ms,
     main,
+    second_chunk_ms,
     split_tokens,
 )
 
@@ -199,6 +200,12 @@ def test_server_breakdowns_from_counter_deltas() -> None:
     lm = lm_server_ms(after, before)
     assert lm == {"queued": 10.0, "prefill": 20.0, "first_token": 100.0, "decode_per_token": 3.0, "requests": 4}
     assert lm_server_ms(before, before) is None  # a gateway without --engine.lm-timing
+    second = {m + "opening_second_chunks_total": 4, m + "opening_second_chunk_ready_wait_seconds_total": 0.4,
+              m + "opening_second_chunk_stage_wait_seconds_total": 0.2, m + "opening_second_chunk_stage_seconds_total": 1.6,
+              m + "opening_second_chunk_lates_total": 2, m + "opening_second_chunk_late_seconds_total": 0.3}
+    assert second_chunk_ms(second, before) == {"ready_wait": 100.0, "stage_wait": 50.0, "stage": 400.0, "chunks": 4,
+                                               "late": 2, "late_by": 150.0}
+    assert second_chunk_ms(before, before) is None
 
 
 # ---- text and speech length -------------------------------------------------------------
@@ -288,6 +295,8 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert op["utterances"] == lv["first_audio_ms"]["n"] == 2, op
         assert sum(op[k] for k in ("lm_first_token", "lm_decode", "stage_wait", "stage")) \
             <= lv["first_audio_ms"]["max"]
+        sc = lv["opening_second_chunk_ms"]  # every session's first segment has a second chunk
+        assert sc["chunks"] == 2 and sc["stage"] > 0 and sc["ready_wait"] >= 0 and 0 <= sc["late"] <= 2, sc
         assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
         assert lv["underrun_at_audio_ms"]["n"] == lv["underruns"]  # one position per underrun
