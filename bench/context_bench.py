@@ -106,8 +106,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "context cache off in both, instead of the context cache off against on")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    device, model_dir, model = load_stage_model(args)
     ab = config_overrides(args.ab)
+    if "flow_attention" in ab:
+        # The kernel is the shared DiT's (`DiT.use_attention_kernel`): the second stage
+        # built would set it for both. Two runs, one with --config flow_attention=cudnn.
+        p.error("--ab flow_attention: both stages share the DiT; run twice, once with --config flow_attention=...")
+    device, model_dir, model = load_stage_model(args)
     # Two stages on the same modules (their own graphs): with the cache and without, or
     # without and with the --ab fields (and no cache).
     if ab:

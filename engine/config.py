@@ -18,6 +18,7 @@ GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
+FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class EngineConfig:
     # 1.4x at 64 chunks on the H200; compiles once per stage at start). CUDA only; CPU
     # ignores it (compiling there costs more than it saves in tests).
     flow_compile: bool = True
+    # The CosyVoice3 DiT's attention kernel: "sdpa" (PyTorch's pick, the memory-efficient
+    # kernel on CUDA) or "cudnn" (1.7-2.0x faster alone on the H200 at the engine's shapes,
+    # round 14 of docs/benchmarks.md; not yet measured in the engine, hence not the default).
+    flow_attention: FlowAttention = "sdpa"
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
@@ -161,6 +166,9 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
+        if self.flow_attention not in get_args(FlowAttention):
+            raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
+                             f"not {self.flow_attention!r}")
         if self.flow_dtype not in get_args(FlowDType):
             raise ValueError(f"flow_dtype must be one of {', '.join(get_args(FlowDType))}, not {self.flow_dtype!r}")
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:

@@ -321,7 +321,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
                           context_cache_bytes=config.flow_context_cache_bytes,
                           context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
-                          context_min_rows=config.flow_context_min_rows)
+                          context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)

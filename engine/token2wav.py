@@ -218,7 +218,8 @@ class AudioStage:
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
                  profiler: StageProfiler | None = None, split_batches: bool = False,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
-                 context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16):
+                 context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
+                 flow_attention: str = "sdpa"):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -249,6 +250,8 @@ class AudioStage:
         self._context_warmed = False
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.
+        if isinstance(estimator, DiT):
+            estimator.use_attention_kernel(flow_attention)  # before it compiles: its graphs keep the kernel
         self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
         if self.flow_compile:
             estimator.compile_blocks()

@@ -69,6 +69,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_gpu_batch=e.max_gpu_batch,
         flow_dtype=e.flow_dtype,  # type: ignore[arg-type]
         flow_compile=e.flow_compile,
+        flow_attention=e.flow_attention,  # type: ignore[arg-type]
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,
         flow_graph_rows=e.flow_graph_rows,

@@ -58,6 +58,11 @@ class EngineSettings:
         metadata=_help("torch.compile the CosyVoice3 flow's DiT blocks (fused elementwise kernels; compiles at "
                        "start; CUDA only)"),
     )
+    flow_attention: str = field(
+        default="sdpa",
+        metadata=_help("the CosyVoice3 DiT's attention kernel: sdpa (PyTorch's pick) or cudnn (cuDNN's fused "
+                       "attention on CUDA; faster alone on the H200, not yet measured in the engine)"),
+    )
     flow_cuda_graphs: bool = field(default=True, metadata=_help("run the CosyVoice3 flow's ODE solve as CUDA graphs (CUDA only)"))
     flow_graph_max_rows: int = field(
         default=64,

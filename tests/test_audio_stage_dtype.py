@@ -31,3 +31,18 @@ def test_flow_dtype_is_validated() -> None:
     with pytest.raises(ValueError, match="flow_dtype"):
         EngineConfig(model_dir=Path("."), flow_dtype="float64")  # type: ignore[arg-type]
     assert EngineConfig(model_dir=Path("."), flow_dtype="float16").resolved_flow_dtype() is torch.float16
+
+
+def test_flow_attention_reaches_the_dit_and_is_validated() -> None:
+    """EngineConfig.flow_attention is the stage's DiT's attention kernel (set before any
+    compile, so the compiled blocks keep it); an unknown kernel is refused up front."""
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT
+
+    flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_attention="cudnn")
+    assert flow.decoder.estimator.attention_kernel == "cudnn"
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
+    assert flow.decoder.estimator.attention_kernel == "sdpa"
+    with pytest.raises(ValueError, match="flow_attention"):
+        EngineConfig(model_dir=Path("."), flow_attention="flash")  # type: ignore[arg-type]

@@ -207,6 +207,35 @@ def test_estimator_streaming_is_block_causal_and_ignores_padding() -> None:
     assert torch.allclose(pad_out[:, :, :length], base, atol=1e-5)
 
 
+def test_attention_bias_is_the_mask_in_aligned_rows() -> None:
+    mask = torch.tensor([[[[True, False, True], [False, False, True]]]])
+    bias = dit_mod.attention_bias(mask, torch.float32)
+    assert bias.shape == (1, 1, 2, 3) and bias.stride(-2) == 8  # rows padded to 8 elements
+    assert bias.tolist() == [[[[0.0, float("-inf"), 0.0], [float("-inf"), float("-inf"), 0.0]]]]
+
+
+def test_the_cudnn_setting_keeps_the_dit_output_off_cuda() -> None:
+    """"cudnn" hands the blocks an additive bias made once per call instead of the boolean
+    mask (on the CPU SDPA takes it: no cuDNN there): the velocity is the same."""
+    est = init_random_(DiT(tiny_cfg(static_chunk_size=10)), seed=5).double().eval()
+    g = torch.Generator().manual_seed(3)
+    length = 23
+    x, mu, cond = (torch.randn(2, 80, length, generator=g, dtype=torch.float64) for _ in range(3))
+    spks, t = torch.randn(2, 80, generator=g, dtype=torch.float64), torch.tensor([0.3, 0.6], dtype=torch.float64)
+    mask = torch.ones(2, 1, length, dtype=torch.float64)
+    mask[1, :, 17:] = 0  # a padded row
+    with torch.inference_mode():
+        plain = est(x, mask, mu, t, spks, cond, streaming=True)
+        est.use_attention_kernel("cudnn")
+        try:
+            biased = est(x, mask, mu, t, spks, cond, streaming=True)
+        finally:
+            est.use_attention_kernel("sdpa")
+    assert torch.allclose(biased, plain, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="attention kernel"):
+        est.use_attention_kernel("flash")
+
+
 def _velocity_by_modules(est: DiT, x, mask, mu, t, spks, cond, chunk: int) -> torch.Tensor:  # noqa: ANN001
     """The DiT written out with its official modules one by one (q, k, v, each block's AdaLN
     linear and the final norm's from the time embedding of every row): what the fused

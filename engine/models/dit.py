@@ -191,6 +191,27 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
+# How the DiT's attention runs (`DiT.attention_kernel`, EngineConfig.flow_attention):
+# "sdpa": F.scaled_dot_product_attention with the boolean mask (PyTorch picks the memory-
+# efficient kernel on CUDA); "cudnn": cuDNN's fused attention with the mask made an additive
+# bias once per DiT call (CUDA; elsewhere the same bias goes through SDPA). On the H200,
+# cuDNN ran the DiT's attention 1.7-2.0x faster at the engine's shapes (round 14 of
+# docs/benchmarks.md, `bench.attention_backends`); not yet measured inside the engine.
+ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn")
+_BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean SDPA mask [B, 1, Tq, Tk] as the additive bias the kernels take (0 where
+    True, -inf where False), in rows whose storage is padded to `_BIAS_ALIGN` elements:
+    made once per DiT call, where SDPA would convert and pad it again in every block."""
+    batch, one, tq, tk = mask.shape
+    width = -(-tk // _BIAS_ALIGN) * _BIAS_ALIGN
+    bias = torch.zeros(batch, one, tq, width, dtype=dtype, device=mask.device)
+    bias[..., :tk].masked_fill_(~mask, float("-inf"))
+    return bias[..., :tk]
+
+
 def prefixed_attention_mask(prefix_mask: torch.Tensor, pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
     """SDPA bool mask [B, 1, T, P + T] for queries at frames [C_i, C_i + T) of each row
     over keys = P cached prefix slots then the T new frames.
@@ -452,7 +473,11 @@ class Attention(nn.Module):
                 k, v = torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)
             else:
                 k, v = torch.cat((pk, ring_kv[0], k), dim=2), torch.cat((pv, ring_kv[1], v), dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mask.is_floating_point() and q.is_cuda:  # DiT.attention_kernel "cudnn": a bias
+            bias = mask.expand(batch, self.heads, length, k.shape[2])
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False)[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
         out = self.to_out[0](out) * pad_mask.unsqueeze(-1).to(out.dtype)
         return (out, new_k, new_v) if keep_kv else out
@@ -535,6 +560,7 @@ class DiT(nn.Module):
         self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
+        self.attention_kernel = "sdpa"  # one of ATTENTION_KERNELS (`use_attention_kernel`)
         self.register_buffer("time_weight", torch.empty(0), persistent=False)
         self.register_buffer("time_bias", torch.empty(0), persistent=False)
         self.fuse()
@@ -574,6 +600,12 @@ class DiT(nn.Module):
         split = depth * 6 * width
         blocks = vectors[:, :split].view(rows, depth, 6 * width).transpose(0, 1)
         return TimeConditioning(blocks=blocks, final=vectors[:, split:])
+
+    def use_attention_kernel(self, name: str) -> None:
+        """How the blocks' attention runs from now on (see ATTENTION_KERNELS)."""
+        if name not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {name!r}")
+        self.attention_kernel = name
 
     def compile_blocks(self, backend: str | Callable[..., object] = "inductor") -> None:
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
@@ -656,6 +688,8 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
+        if self.attention_kernel == "cudnn":
+            attn_mask = attention_bias(attn_mask, h.dtype)
         blocks = (h, time.blocks, attn_mask, pad_mask, rope, prefix, record)
         if self._compiled_block is not None and record is None:
             try:
