@@ -248,10 +248,10 @@ class AudioStage:
                               if context_cache_bytes > 0 and self.prompt_cache is not None else None)
         self.context_min_rows = context_min_rows
         self._context_warmed = False
-        # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
-        # or when graphs are warmed, on the worker thread.
         if isinstance(estimator, DiT):
             estimator.use_attention_kernel(flow_attention)  # before it compiles: its graphs keep the kernel
+        # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
+        # or when graphs are warmed, on the worker thread.
         self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
         if self.flow_compile:
             estimator.compile_blocks()
