@@ -149,6 +149,11 @@ class EngineConfig:
     # vLLM's async scheduling runs one step ahead; a paused streaming-input (bistream)
     # request then leaks one token sampled past its fill, so bistream needs it off.
     vllm_async_scheduling: bool = False
+    # Under an NVIDIA MPS daemon: the percent of the GPU's SMs vLLM's engine core may use,
+    # the rest left to the audio stage (`engine.backends.vllm_backend.mps_thread_limit`).
+    # Unlimited MPS gave 2% at 64 sessions on the H200 while vLLM decoded 1.6x slower beside
+    # the stage (round 13 of docs/benchmarks.md); a limit is not measured yet. None: none.
+    vllm_mps_thread_percent: int | None = None
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.
     # Costs vLLM's per-step statistics in the gateway process, hence off by default.
@@ -174,6 +179,8 @@ class EngineConfig:
         if self.stage_profile_start < 0 or self.stage_profile_batches < 1 or self.stage_profile_min_chunks < 0:
             raise ValueError("stage_profile_start and stage_profile_min_chunks must be >= 0, "
                              "stage_profile_batches >= 1")
+        if self.vllm_mps_thread_percent is not None and not 1 <= self.vllm_mps_thread_percent <= 100:
+            raise ValueError("vllm_mps_thread_percent must be in 1..100")
         if self.warmup_concurrency is not None and self.warmup_concurrency < 0:
             raise ValueError("warmup_concurrency must be >= 0")
         if not self.first_chunk_margin >= 0:  # also refuses NaN

@@ -426,6 +426,7 @@ class Engine:
                 async_scheduling=config.vllm_async_scheduling,
                 timing=config.lm_timing,
                 start_in_thread=config.overlap_start,
+                mps_thread_percent=config.vllm_mps_thread_percent,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")

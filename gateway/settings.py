@@ -168,6 +168,11 @@ class EngineSettings:
         default=False,
         metadata=_help("vLLM: schedule one step ahead (faster decode; text_mode 'stream' contexts are then refused)"),
     )
+    vllm_mps_thread_percent: int | None = field(
+        default=None,
+        metadata=_help("vLLM under an NVIDIA MPS daemon: percent of the GPU's SMs its engine core may use, the rest "
+                       "left to the flow/vocoder stage (default: no limit; without a daemon it does nothing)"),
+    )
     lm_timing: bool = field(
         default=False,
         metadata=_help("keep vLLM's own timings of its requests (queued, prefill, decode, time to first token) as "

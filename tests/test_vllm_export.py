@@ -371,3 +371,28 @@ def test_sampling_kwargs_mapping() -> None:
     assert fixed["min_tokens"] == fixed["max_tokens"] == 37
     assert fixed["ignore_eos"] and fixed["stop_token_ids"] is None
     assert RASArgs.from_extra(fixed["extra_args"]).mask_stops
+
+
+def test_the_mps_thread_limit_is_the_engine_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set only while vLLM starts its engine core (the
+    child inherits it) and restored after, whatever was there; None sets nothing."""
+    import os
+
+    from engine.backends.vllm_backend import MPS_PERCENT_ENV, VLLMBackend, mps_thread_limit
+    from engine.config import EngineConfig
+
+    monkeypatch.delenv(MPS_PERCENT_ENV, raising=False)
+    with mps_thread_limit(40):
+        assert os.environ[MPS_PERCENT_ENV] == "40"
+    assert MPS_PERCENT_ENV not in os.environ
+    monkeypatch.setenv(MPS_PERCENT_ENV, "90")
+    with pytest.raises(RuntimeError), mps_thread_limit(25):  # a failed start restores it too
+        assert os.environ[MPS_PERCENT_ENV] == "25"
+        raise RuntimeError("engine core failed")
+    assert os.environ[MPS_PERCENT_ENV] == "90"
+    with mps_thread_limit(None):
+        assert os.environ[MPS_PERCENT_ENV] == "90"
+    backend = VLLMBackend(Path("unused"), VOCAB, mps_thread_percent=30)
+    assert backend.settings.mps_thread_percent == 30
+    with pytest.raises(ValueError, match="vllm_mps_thread_percent"):
+        EngineConfig(model_dir=Path("."), vllm_mps_thread_percent=0)

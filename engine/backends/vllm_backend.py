@@ -27,11 +27,12 @@ bistream layout (fill is never fed); that was the "expected forced id 6564, got
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
@@ -62,6 +63,33 @@ class VLLMEngineSettings:
     # while vLLM's engine core starts (EngineConfig.overlap_start). AsyncLLM starts its
     # output tasks on first use when built outside a running loop.
     start_in_thread: bool = False
+    # Under an NVIDIA MPS daemon: the share of the GPU's SMs (percent) the engine core may
+    # use, leaving the rest to the audio stage in this process (None: no limit; without a
+    # daemon it does nothing). See `mps_thread_limit`.
+    mps_thread_percent: int | None = None
+
+
+MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+@contextlib.contextmanager
+def mps_thread_limit(percent: int | None) -> Iterator[None]:
+    """While vLLM starts its engine core: that child process inherits this environment, and
+    an MPS client reads CUDA_MPS_ACTIVE_THREAD_PERCENTAGE when it creates its CUDA context,
+    so the limit is the engine core's alone (this process's context exists by then: the
+    engine moves the flow to the GPU before it starts the LM). Restored after."""
+    if percent is None:
+        yield
+        return
+    before = os.environ.get(MPS_PERCENT_ENV)
+    os.environ[MPS_PERCENT_ENV] = str(percent)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(MPS_PERCENT_ENV, None)
+        else:
+            os.environ[MPS_PERCENT_ENV] = before
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -177,7 +205,7 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
                  max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
                  dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False,
-                 start_in_thread: bool = False) -> None:
+                 start_in_thread: bool = False, mps_thread_percent: int | None = None) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -187,7 +215,8 @@ class VLLMBackend:
                                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                            enforce_eager=enforce_eager, seed=seed, dtype=dtype,
                                            async_scheduling=async_scheduling, timing=timing,
-                                           start_in_thread=start_in_thread)
+                                           start_in_thread=start_in_thread,
+                                           mps_thread_percent=mps_thread_percent)
         self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
@@ -220,7 +249,8 @@ class VLLMBackend:
         )
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
         build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
-        self._llm = await asyncio.to_thread(build) if s.start_in_thread else build()
+        with mps_thread_limit(s.mps_thread_percent):
+            self._llm = await asyncio.to_thread(build) if s.start_in_thread else build()
 
     def _params(self, sp: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
