@@ -13,7 +13,16 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stage_profile import PHASES, StageProfiler, batch_ranges, kernel_intervals, phase_split, union_within
+from engine.stage_profile import (
+    PHASES,
+    StageProfiler,
+    batch_ranges,
+    graph_launch_ranges,
+    kernel_intervals,
+    launch_delays,
+    phase_split,
+    union_within,
+)
 from engine.token2wav import StageStats
 from engine.types import SessionOptions
 
@@ -177,3 +186,22 @@ def test_phase_split_counts_the_gpu_idle_inside_each_phase() -> None:
     assert split["stage.vocoder"] == pytest.approx({"host_ms": 0.6, "gpu_idle_ms": 0.2})
     assert split["stage.to_host"] == pytest.approx({"host_ms": 0.5, "gpu_idle_ms": 0.1})
     assert phase_split(phases, None, 0.0, 500.0) == {"stage.flow": {"host_ms": 0.5}}
+
+
+def test_graph_launches_say_when_the_gpu_started() -> None:
+    """Each cudaGraphLaunch call inside the batch (us): its host time and how long after
+    it began the GPU started a kernel; a kernel already running before it does not count."""
+    from types import SimpleNamespace
+
+    def event(name: str, start: float, end: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                               device_type=torch.autograd.DeviceType.CPU)
+
+    launches = graph_launch_ranges([event("cudaGraphLaunch_v10000", 1000.0, 3700.0), event("aten::mm", 0.0, 50.0),
+                                    event("cudaGraphLaunch", 6000.0, 6100.0), event("cudaGraphLaunch", 9000.0, 9100.0)])
+    assert launches == [(1000.0, 3700.0), (6000.0, 6100.0), (9000.0, 9100.0)]
+    kernels = [(500.0, 1200.0), (3600.0, 3650.0), (6300.0, 7000.0)]
+    got = launch_delays(launches, kernels, 0.0, 8000.0)  # the third launch is after the batch
+    assert got == [pytest.approx({"host_ms": 2.7, "gpu_start_ms": 2.6}),
+                   pytest.approx({"host_ms": 0.1, "gpu_start_ms": 0.3})]
+    assert launch_delays(launches[1:2], kernels[:2], 0.0, 8000.0) == [{"host_ms": pytest.approx(0.1), "gpu_start_ms": None}]
