@@ -125,8 +125,8 @@ def kernel_table(events: Any, reps: int, top: int) -> tuple[list[dict[str, Any]]
 
 def host_table(stage: AudioStage, batches: list[list[ChunkJob]], top: int) -> list[dict[str, Any]]:
     """The `top` functions of this repository by cumulative host time per batch, over
-    `_compute` of each batch under cProfile (the last batch's PCM copy waits for the GPU,
-    so the GPU's time shows up in `_to_host`)."""
+    `_compute` of each batch under cProfile (each batch's PCM copy waits for the GPU, so
+    the GPU's time shows up in `_to_host`)."""
     prof = cProfile.Profile()
     for batch in batches:
         prof.runcall(stage._compute, batch)

@@ -14,9 +14,10 @@ stage's first batch, that holds at least `min_chunks` chunks: a load level) and 
 
 On CUDA each batch row also lists its CUDA graph launches (`graph_launches`): how long
 each `cudaGraphLaunch` call held the host, and how long after the call began the GPU
-started the next kernel. A one-chunk flow graph (~5000 kernels) took ~2.7 ms to launch on
-the H200 with the GPU idle for most of the flow phase (round 14): whether the GPU waits
-for the whole launch decides whether splitting the graph would start it sooner.
+started the next kernel. Launching a one-chunk flow graph (~5000 kernels) took ~2.7 ms on
+the H200 (under cProfile, the stage alone), and the GPU sat idle for most of the flow
+phase (round 14): whether the GPU waits for the whole launch decides whether splitting
+the graph would start it sooner.
 
 Each batch row also splits the batch by the stage's phases (`PHASES`, the
 `record_function` ranges `AudioStage._compute` opens): per phase its host time and, on
