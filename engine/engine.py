@@ -193,6 +193,12 @@ class EngineStats:
     first_chunk_plan_lm_step_seconds: float = 0.0
     first_chunk_plan_round_seconds: float = 0.0
     first_chunk_plan_second_round_seconds: float = 0.0
+    # The same for the latest session's first utterance (`FirstChunkPlanner.last_opening`):
+    # what a burst's opening chunks were planned on, to set against `opening_chunk_*` and
+    # `opening_second_chunk_*` (what their two rounds took).
+    opening_chunk_plan_lm_step_seconds: float = 0.0
+    opening_chunk_plan_round_seconds: float = 0.0
+    opening_chunk_plan_second_round_seconds: float = 0.0
     # The LM server's own timings, summed (`engine.backends.lm_times`; vLLM with
     # EngineConfig.lm_timing, else zeros).
     lm_server_requests: int = 0
@@ -635,6 +641,7 @@ class Engine:
             **self.first_chunk_times.stats_fields(),
             first_chunk_holdback_seconds=self.first_chunks.holdback_s,
             **_plan_fields(self.first_chunks.last),
+            **_plan_fields(self.first_chunks.last_opening, "opening_chunk"),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
             **self.opening_second_chunk_times.stats_fields(),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
@@ -663,13 +670,13 @@ class Engine:
         return list(ids), speech
 
 
-def _plan_fields(plan: PlanInputs | None) -> dict[str, float]:
-    """EngineStats' `first_chunk_plan_*` gauges of the latest first-chunk decision."""
+def _plan_fields(plan: PlanInputs | None, name: str = "first_chunk") -> dict[str, float]:
+    """EngineStats' `name`_plan_* gauges of a first-chunk decision."""
     if plan is None:
         return {}
-    return {"first_chunk_plan_lm_step_seconds": plan.step_s,
-            "first_chunk_plan_round_seconds": plan.first_round_s or 0.0,
-            "first_chunk_plan_second_round_seconds": plan.second_round_s or 0.0}
+    return {f"{name}_plan_lm_step_seconds": plan.step_s,
+            f"{name}_plan_round_seconds": plan.first_round_s or 0.0,
+            f"{name}_plan_second_round_seconds": plan.second_round_s or 0.0}
 
 
 def _lm_step(utt: "_Utterance") -> float:
@@ -1041,7 +1048,7 @@ class Session:
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
-                    opts.speed)
+                    opts.speed, opening=utt.opening)
                 if first != sched.initial_hop:
                     sched.initial_hop = first
                     utt.stats.extra["first_hop"] = first

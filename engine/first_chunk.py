@@ -157,16 +157,22 @@ class FirstChunkPlanner:
     margin: float = 0.25
     holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
+    # ... and the latest for a session's first utterance (a burst's opening chunks: later
+    # utterances' decisions, made under other loads, would hide it by the end of a run)
+    last_opening: PlanInputs | None = None
 
     def observe(self, tokens: int, samples: int, sample_rate: int, speed: float) -> None:
         """A first chunk of `tokens` speech tokens gave `samples` of audio."""
         self.holdback_s = max(self.holdback_s, tokens * TOKEN_S - samples * speed / sample_rate)
 
-    def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float) -> int:
+    def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float,
+                  opening: bool = False) -> int:
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
         after = chunks_ahead(schedule, hop)[0]
         self.last = PlanInputs(hop, step_s, round_s(0, hop), round_s(*after))
+        if opening:
+            self.last_opening = self.last
         return hop

@@ -128,6 +128,12 @@ def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
     slow = lambda offset, hop: 5.0  # noqa: E731
     assert p.first_hop(s, 0.01, slow, 1.0) == 40
     assert p.last == PlanInputs(hop=40, step_s=0.01, first_round_s=5.0, second_round_s=5.0)  # what it went on
+    assert p.last_opening is None  # not a session's first utterance
+    fast = lambda offset, hop: 0.01  # noqa: E731
+    assert p.first_hop(s, 0.01, fast, 1.0, opening=True) == 15
+    assert p.last_opening == p.last == PlanInputs(hop=15, step_s=0.01, first_round_s=0.01, second_round_s=0.01)
+    p.first_hop(s, 0.01, slow, 1.0)  # a later utterance's decision keeps the opening one
+    assert p.last.hop == 40 and p.last_opening.hop == 15
     assert p.first_hop(s, math.inf, slow, 1.0) == 15  # no LM rate yet
     assert p.last.hop == 40  # nothing was planned
     p.observe(15, 11 * 960, 24000, 1.0)  # 15 tokens gave 11 tokens' worth of audio
@@ -159,6 +165,10 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     # The planned one's inputs: the measured LM rate, and the 10 s rounds it predicted.
     assert stats.first_chunk_plan_round_seconds >= 10.0 and stats.first_chunk_plan_second_round_seconds >= 10.0
     assert 0 < stats.first_chunk_plan_lm_step_seconds < 1.0
+    # Each session's first utterance: the opening decision is the same one (the second
+    # session's own initial_hop was not planned).
+    assert (stats.opening_chunk_plan_round_seconds, stats.opening_chunk_plan_lm_step_seconds) \
+        == (stats.first_chunk_plan_round_seconds, stats.first_chunk_plan_lm_step_seconds)
     assert 0 < holdback <= 0.2  # learnt from the first chunks: the vocoder keeps its last frames back
     for events, stats in ((planned, st), (asked, st_asked)):
         assert all(isinstance(e, AudioChunk) for e in events)
