@@ -21,7 +21,11 @@ lookahead; every row its own vocoder stream, advanced batch after batch). Per ba
 * `host` (`--host N`): the N functions of this repository with the most host time per
   batch (cumulative, under `cProfile`, whose own cost inflates call-heavy code: a ranking,
   not a timing). At one chunk the GPU sits idle while the host prepares the flow's inputs
-  (round 14 of docs/benchmarks.md): this says which of our functions that time is in.
+  (round 14 of docs/benchmarks.md): this says which of our functions that time is in;
+* `--pcm FILE`: the PCM of one more batch per size, saved (`.npz`, `rows_<n>` per size):
+  the same seeds give two runs the same inputs, so two builds or settings (say
+  `--config flow_attention=cudnn`, which one process cannot hold twice) compare by
+  `pcm_difference`.
 """
 
 from __future__ import annotations
@@ -142,8 +146,18 @@ def host_table(stage: AudioStage, batches: list[list[ChunkJob]], top: int) -> li
     return rows[:top]
 
 
+def pcm_difference(a: Path, b: Path) -> dict[str, float]:
+    """Per batch size saved in both `--pcm` files: the RMS of the difference of their PCM
+    relative to the RMS of the first's."""
+    import numpy as np
+
+    with np.load(a) as x, np.load(b) as y:
+        return {k: float(np.sqrt(np.mean((x[k] - y[k]) ** 2)) / max(float(np.sqrt(np.mean(x[k] ** 2))), 1e-12))
+                for k in x.files if k in y.files}
+
+
 def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
-            top: int = 0, profile: bool = True, host: int = 0) -> dict[str, Any]:
+            top: int = 0, profile: bool = True, host: int = 0, pcm: dict[str, Any] | None = None) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
     step = 0
     for _ in range(2):  # compile, graph capture, prompt cache entry
@@ -174,6 +188,12 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     if host:
         batches = [make_batch(stage, streams, prompt, step + i) for i in range(reps)]
         out["host"] = host_table(stage, batches, host)
+        step += reps
+    if pcm is not None:
+        import numpy as np
+
+        samples, _, _ = stage._compute(make_batch(stage, streams, prompt, step))
+        pcm[f"rows_{rows}"] = np.concatenate(samples)
     return out
 
 
@@ -221,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="list the N kernels with the most device time")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="list the N functions of this repository with the most host time (cProfile)")
+    p.add_argument("--pcm", type=Path, default=None, metavar="FILE",
+                   help="save one more batch's PCM per size (.npz), to compare two runs (pcm_difference)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.kernels and not args.profile:
@@ -235,9 +257,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompt = (torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g) * 2 - 5,
               torch.randn(192, generator=g))
     report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": []}
+    pcm: dict[str, Any] | None = {} if args.pcm else None
     for b in args.batches.split(","):  # printed and saved as they come: a cut-short run keeps them
         r = measure(stage, prompt, int(b), args.reps, device.type == "cuda", args.kernels, args.profile,
-                    args.host)
+                    args.host, pcm)
         report["results"].append(r)
         busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
         print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}", flush=True)
@@ -252,6 +275,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
+        if args.pcm:
+            import numpy as np
+
+            with args.pcm.open("wb") as f:
+                np.savez(f, **pcm)
     return report
 
 

@@ -5,6 +5,7 @@ parts, kernel busy time and host syncs, are left out off CUDA)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,21 @@ def test_stage_benches_need_no_gateway_stack() -> None:
             "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('gateway', 'starlette', 'av'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_pcm_files_compare_two_runs(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """--pcm: the same seeds give two runs the same batches, so the same settings give the
+    same PCM, the cuDNN attention setting (its bias path through SDPA on the CPU) nearly the
+    same, and other inputs a different one."""
+    def run(name: str, *extra: str) -> Path:
+        path = tmp_path / f"{name}.npz"
+        stage_syncs.main(["--device", "cpu", "--model", str(tiny_model_dir), "--batches", "1,2", "--reps", "1",
+                          "--prompt-tokens", "12", "--config", "max_gpu_batch=8", "--pcm", str(path), *extra])
+        return path
+
+    base = run("a")
+    assert stage_syncs.pcm_difference(base, run("b")) == {"rows_1": 0.0, "rows_2": 0.0}
+    cudnn = stage_syncs.pcm_difference(base, run("c", "--config", "flow_attention=cudnn"))
+    assert set(cudnn) == {"rows_1", "rows_2"} and max(cudnn.values()) < 1e-4
+    other = stage_syncs.pcm_difference(base, run("d", "--prompt-tokens", "13"))
+    assert min(other.values()) > 0.1
