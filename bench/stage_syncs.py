@@ -9,7 +9,9 @@ This tool builds the stage the engine builds (`engine.build_stage` with the defa
 `EngineConfig`: bf16 flow, compiled DiT, CUDA graphs, prompt cache; `--config k=v` changes a
 field) on a full-size random model and runs batches of chunks shaped like the load
 benchmark's (prompt `--prompt-tokens`, 50 tokens of left context, 25/20/15 new tokens + 3
-lookahead; every row its own vocoder stream, advanced batch after batch). Per batch size:
+lookahead; every row its own vocoder stream, advanced batch after batch; `--opening N`: every
+row an utterance's first chunk of N new tokens instead, the round a burst of sessions
+starting together opens with). Per batch size:
 
 * `wall_ms`: the mean over `--reps` batches of `AudioStage._compute` (flow, vocoder, PCM
   to host); `gpu_busy_ms`: the mean union of the CUDA kernel intervals per batch, and
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import json
 import math
 import pstats
@@ -62,13 +65,24 @@ ROOT = Path(__file__).resolve().parents[1]
 LEFT, LOOKAHEAD = 50, 3
 
 
-def make_batch(stage: AudioStage, streams: list[object], prompt: tuple[torch.Tensor, ...], step: int) -> list[ChunkJob]:
+def make_batch(stage: AudioStage, streams: list[object], prompt: tuple[torch.Tensor, ...], step: int,
+               opening: int = 0) -> list[ChunkJob]:
     """One chunk per stream, as the engine's `_flow_job` cuts them, `step` chunks into each
-    utterance (the window slides with it)."""
+    utterance (the window slides with it); `opening` > 0: every row an utterance's first
+    chunk of that many new tokens instead (no left context, a fresh vocoder stream: a
+    burst of sessions starting together)."""
     tokens, feat, emb = prompt
     p = int(tokens.numel())
     gen = torch.Generator().manual_seed(step)
     jobs = []
+    if opening:
+        for _ in streams:
+            window = torch.randint(0, 6561, (opening + LOOKAHEAD,), generator=gen)
+            chunk = FlowChunk(tokens=torch.cat([tokens, window]), prompt_feat=feat, embedding=emb,
+                              num_prompt_tokens=p, out_start=p, finalize=False, noise_offset=0)
+            jobs.append(ChunkJob(flow=chunk, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                                 is_cancelled=lambda: False))
+        return jobs
     for i, stream in enumerate(streams):
         new = (25, 20, 15)[i % 3]
         offset = LEFT + 25 * step
@@ -157,11 +171,14 @@ def pcm_difference(a: Path, b: Path) -> dict[str, float]:
 
 
 def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
-            top: int = 0, profile: bool = True, host: int = 0, pcm: dict[str, Any] | None = None) -> dict[str, Any]:
+            top: int = 0, profile: bool = True, host: int = 0, pcm: dict[str, Any] | None = None,
+            opening: int = 0) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
+    batch_at = functools.partial(make_batch, stage, streams, prompt, opening=opening)
+
     step = 0
     for _ in range(2):  # compile, graph capture, prompt cache entry
-        stage._compute(make_batch(stage, streams, prompt, step))
+        stage._compute(batch_at(step))
         step += 1
     walls: list[float] = []
     # Kernels only (no CPU operator events): cheap to record and to read back. Each
@@ -170,7 +187,7 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     activities = [torch.profiler.ProfilerActivity.CUDA] if profile else []
     with torch.profiler.profile(activities=activities) if profile else contextlib.nullcontext() as prof:
         for _ in range(reps):
-            batch = make_batch(stage, streams, prompt, step)
+            batch = batch_at(step)
             step += 1
             t0 = time.perf_counter()
             stage._compute(batch)
@@ -183,16 +200,16 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
         out["gpu_busy_share"] = out["gpu_busy_ms"] / out["wall_ms"]
         if top:
             out["kernels"], out["families"] = kernel_table(prof.events(), reps, top)
-        out["syncs"] = find_syncs(stage, make_batch(stage, streams, prompt, step))
+        out["syncs"] = find_syncs(stage, batch_at(step))
         step += 1
     if host:
-        batches = [make_batch(stage, streams, prompt, step + i) for i in range(reps)]
+        batches = [batch_at(step + i) for i in range(reps)]
         out["host"] = host_table(stage, batches, host)
         step += reps
     if pcm is not None:
         import numpy as np
 
-        samples, _, _ = stage._compute(make_batch(stage, streams, prompt, step))
+        samples, _, _ = stage._compute(batch_at(step))
         pcm[f"rows_{rows}"] = np.concatenate(samples)
     return out
 
@@ -235,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stage_arguments(p, "flow_compile=false")
     p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--opening", type=int, default=0, metavar="N",
+                   help="every row an utterance's first chunk of N new tokens (a burst's opening round)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="record the kernels (GPU busy time, --kernels, syncs); --no-profile: wall time alone")
@@ -256,11 +275,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.prompt_tokens
     prompt = (torch.randint(0, 6561, (n,), generator=g), torch.randn(2 * n, 80, generator=g) * 2 - 5,
               torch.randn(192, generator=g))
-    report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n, "results": []}
+    report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n,
+                              "opening": args.opening, "results": []}
     pcm: dict[str, Any] | None = {} if args.pcm else None
     for b in args.batches.split(","):  # printed and saved as they come: a cut-short run keeps them
         r = measure(stage, prompt, int(b), args.reps, device.type == "cuda", args.kernels, args.profile,
-                    args.host, pcm)
+                    args.host, pcm, args.opening)
         report["results"].append(r)
         busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
         print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}", flush=True)

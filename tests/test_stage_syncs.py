@@ -87,3 +87,23 @@ def test_pcm_files_compare_two_runs(tiny_model_dir, tmp_path) -> None:  # noqa: 
     assert set(cudnn) == {"rows_1", "rows_2"} and max(cudnn.values()) < 1e-4
     other = stage_syncs.pcm_difference(base, run("d", "--prompt-tokens", "13"))
     assert min(other.values()) > 0.1
+
+
+def test_opening_batches_are_first_chunks_of_fresh_utterances(tiny_model_dir) -> None:  # noqa: ANN001
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import build_stage
+    from engine.models.loader import load_model
+
+    stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),
+                        EngineConfig(model_dir=tiny_model_dir, device="cpu"))
+    prompt = (torch.zeros(12, dtype=torch.long), torch.zeros(24, 80), torch.zeros(192))
+    streams = [stage.new_stream() for _ in range(3)]
+    jobs = stage_syncs.make_batch(stage, streams, prompt, step=5, opening=8)
+    # No left context: the window is the chunk's own tokens plus the lookahead after the prompt.
+    assert [j.flow.tokens.numel() for j in jobs] == [12 + 8 + stage_syncs.LOOKAHEAD] * 3
+    assert all(j.flow.out_start == 12 and j.flow.noise_offset == 0 and j.chunk_index == 0 for j in jobs)
+    assert not any(j.hift_stream is s for j in jobs for s in streams)  # each a new utterance
+    sliding = stage_syncs.make_batch(stage, streams, prompt, step=5)
+    assert [j.hift_stream for j in sliding] == streams and sliding[0].flow.out_start == 12 + stage_syncs.LEFT
