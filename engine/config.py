@@ -33,8 +33,12 @@ class EngineConfig:
     # rate and the audio stage's round times, both measured). <= initial_hop, or
     # initial_hop 0: fixed. A request that sets its own initial_hop gets it as asked.
     initial_hop_max: int = 40
-    # The planned first chunk's predicted arrival times keep this fraction to spare.
-    first_chunk_margin: float = 0.25
+    # The planned first chunk's predicted arrival times keep this fraction to spare. 0.5:
+    # in an H200 burst of round 15 (docs/benchmarks.md) the opening round ran 1.9x its
+    # prediction (the LM decoding beside it slows it; the planner learnt that size at
+    # other moments), and a token more of first chunk costs ~7 ms of first audio at 64
+    # sessions while it buys 40 ms of audio to play.
+    first_chunk_margin: float = 0.5
     max_hop: int = 100
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).

@@ -68,6 +68,24 @@ WARMUP_SPEECH_TOKENS = 100
 CPU_WARMUP_CONCURRENCY = 4  # EngineConfig.warmup_concurrency None on the CPU
 
 
+async def _next_handed(handed: asyncio.Queue[_Queued], producer: asyncio.Task) -> _Queued | None:
+    """The next chunk the chunker queued, or None once it has ended without queueing more
+    (a cancelled utterance); raises the chunker's error."""
+    if handed.empty() and not producer.done():
+        getter = asyncio.ensure_future(handed.get())
+        try:
+            await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            getter.cancel()  # a getter woken but not yet run leaves its item in the queue
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+    if not handed.empty():
+        return handed.get_nowait()
+    if not producer.cancelled() and producer.exception() is not None:
+        raise producer.exception()  # type: ignore[misc]
+    return None
+
+
 def chunk_due(now: float, runs_out: float, ahead_s: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
     """(deadline, urgent) of a chunk: when its audio is needed (time.monotonic seconds, for
     the stage's "deadline" policy) and whether the listener is, or is about to be, waiting
@@ -708,6 +726,20 @@ class _Extent:
 
 
 @dataclass
+class _Queued:
+    """A chunk handed to the audio stage, as its utterance's deliverer needs it: the job
+    (whose future brings the audio), its place in the utterance, and what it was queued
+    with (`_extent` may still grow until the stage takes the chunk)."""
+
+    job: ChunkJob
+    index: int
+    extent: _Extent
+    queued_at: float
+    queued_end: int
+    queued_final: bool
+
+
+@dataclass
 class _Utterance:
     uid: str
     text: str
@@ -731,6 +763,7 @@ class _Utterance:
     arrivals: list[float] | None = None
     delivered: int = 0
     undelivered: int = 0
+    made_tokens: int = 0  # speech tokens whose audio is made (queued for delivery or delivered)
 
 
 class Session:
@@ -1023,6 +1056,31 @@ class Session:
 
     async def _chunk_loop(self, utt: _Utterance, tokens: list[int], more: asyncio.Event, wake: "_Wake",
                           lm_task: asyncio.Task) -> None:
+        """Speech tokens -> chunks on the audio stage (`_queue_chunks`) and, concurrently,
+        their audio in order -> the utterance's queue (`_deliver_chunks`). A chunk is queued
+        once the stage took the one before it and its tokens are generated, not once the
+        one before it has its audio back: in a burst, the round after the first chunks
+        then holds every session's second chunk instead of starting without them."""
+        stream = self.engine.stage.new_stream()
+        # One chunk between the two: the stage holds at most two of the utterance's chunks
+        # beyond the one being delivered, however slow the listener.
+        handed: asyncio.Queue[_Queued] = asyncio.Queue(maxsize=1)
+        producer = asyncio.create_task(self._queue_chunks(utt, tokens, more, wake, lm_task, stream, handed),
+                                       name=f"chunks-{utt.uid}")
+        try:
+            await self._deliver_chunks(utt, handed, producer)
+        finally:
+            if not producer.done():  # no await otherwise: the utterance ends as its last chunk goes out
+                producer.cancel()
+                await asyncio.wait({producer})
+            if not producer.cancelled():
+                producer.exception()  # raised by the deliverer already, if it was one
+
+    async def _queue_chunks(self, utt: _Utterance, tokens: list[int], more: asyncio.Event, wake: "_Wake",
+                            lm_task: asyncio.Task, stream: object, handed: asyncio.Queue[_Queued]) -> None:
+        """Cut the utterance's tokens into chunks as they come (`ChunkSchedule`) and queue
+        each on the stage, once the stage has taken the previous one (from then its
+        extent is final: the stage grows a chunk only before it runs)."""
         eng, voice, opts = self.engine, self.voice, utt.options
         cfg = eng.config
         flow_cfg = eng.model.config.flow
@@ -1033,12 +1091,9 @@ class Session:
             max_hop=opts.max_hop if opts.max_hop is not None else cfg.max_hop,
             lookahead=flow_cfg.pre_lookahead_len,
         )
-        stream = eng.stage.new_stream()
         prompt_tokens = voice.speech_tokens
-        emitted = 0
-        first_samples = 0  # the first chunk's audio
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
-        while True:
+        while not utt.cancelled:
             lm_finished = lm_task.done()
             hop = sched.ready(len(tokens))
             if hop is not None and not first_planned:
@@ -1070,37 +1125,58 @@ class Session:
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
-            queued_at, queued_end, queued_final = time.monotonic(), end, finalize
-            job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt))
-            pcm = await eng.stage.run(job)
+            queued_at = time.monotonic()
+            # The chunks queued before this one and not yet made play before it too.
+            in_flight = (sched.offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / opts.speed
+            job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
+            eng.stage.submit(job)
+            await handed.put(_Queued(job, sched.index, extent, queued_at, end, finalize))
+            await asyncio.wait({job.started})  # cancelled with the utterance: the loop ends
+            if extent.finalize or job.started.cancelled():
+                return
+            sched.advance(extent.end - sched.offset)  # the stage may have grown the chunk
+
+    async def _deliver_chunks(self, utt: _Utterance, handed: asyncio.Queue[_Queued], producer: asyncio.Task) -> None:
+        """Each queued chunk's audio, in order, into the utterance's queue, with the
+        first chunks' timings; returns after the last chunk, raises what the stage or the
+        chunker raised."""
+        eng = self.engine
+        emitted = 0
+        first_samples = 0  # the first chunk's audio
+        while True:
+            item = await _next_handed(handed, producer)
+            if item is None or utt.cancelled:
+                return
+            job = item.job
+            pcm = await job.future
             if utt.cancelled:
                 return
-            end, finalize = extent.end, extent.finalize  # the stage may have grown the chunk
-            if sched.index == 0 and not finalize:
-                eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, opts.speed)
-            if sched.index == 0 and utt.stats.first_token_at is not None:
-                phases = (utt.stats.submitted_at, utt.stats.first_token_at, queued_at, job.started_at or queued_at,
-                          time.monotonic())
-                eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=queued_end)
+            end, finalize = item.extent.end, item.extent.finalize
+            started = job.started.result()  # a chunk with audio was taken by the stage
+            if item.index == 0 and not finalize:
+                eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, utt.options.speed)
+            if item.index == 0 and utt.stats.first_token_at is not None:
+                phases = (utt.stats.submitted_at, utt.stats.first_token_at, item.queued_at, started, time.monotonic())
+                eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end)
                 if utt.opening:
-                    eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=queued_end)
-            if sched.index == 1 and utt.arrivals is not None:
-                self._second_chunk_done(utt, queued_at, job.started_at, queued_end, queued_final, first_samples,
-                                        flow_cfg.pre_lookahead_len)
-            if sched.index == 0:
+                    eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end)
+            if item.index == 1 and utt.arrivals is not None:
+                self._second_chunk_done(utt, item.queued_at, started, item.queued_end, item.queued_final, first_samples,
+                                        eng.model.config.flow.pre_lookahead_len)
+            if item.index == 0:
                 first_samples = int(pcm.size)
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)
-            await self._put(utt, AudioChunk(utt.uid, pcm, emitted, finalize, sched.index))
+            utt.made_tokens = end
+            await self._put(utt, AudioChunk(utt.uid, pcm, emitted, finalize, item.index))
             emitted += int(pcm.size)
             utt.stats.chunks += 1
             if finalize:
-                utt.stats.num_speech_tokens = len(tokens)
-                utt.stats.speech_tokens = tuple(tokens)
+                utt.stats.num_speech_tokens = len(utt.tokens)
+                utt.stats.speech_tokens = tuple(utt.tokens)
                 utt.stats.finished_at = time.monotonic()
                 return
-            sched.advance(end - sched.offset)
 
     def _second_chunk_done(self, utt: _Utterance, queued: float, started: float | None, queued_end: int,
                            finalize: bool, first_samples: int, lookahead: int) -> None:

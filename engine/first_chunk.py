@@ -4,7 +4,8 @@ Playback starts when the first chunk arrives, and from then on each later chunk 
 arrive before the audio already delivered runs out. The LM keeps generating while the
 stage works, so chunk k is ready once the LM has its tokens, and is done one stage round
 after that or after chunk k-1 is done, whichever is later (one stage, one batch at a
-time). A round grows with the flow work of the batch: rows x frames, and later chunks
+time; the engine queues chunk k as soon as its tokens are there and the stage took chunk
+k-1, `AudioStage.submit`). A round grows with the flow work of the batch: rows x frames, and later chunks
 have wider windows (left context plus a hop that doubles). On the H200 (round 8 of
 docs/benchmarks.md) 64 sessions starting together all stalled once, either right after a
 15-token first chunk (440 ms of audio: the vocoder keeps its last frames back until more
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -40,8 +43,8 @@ RoundFn = Callable[[int, int], "float | None"]
 @dataclass
 class RoundTimes:
     """A stage's batch wall time against the batch's flow work (rows x frames computed),
-    remembered per size of work: one exponentially weighted mean (weight `decay` per
-    batch of that size) for each `1 / per_octave` octave of work.
+    remembered per size of work: the last `window` batches of each `1 / per_octave`
+    octave of work, predicted by their medians.
 
     Why per size, not one line fitted over recent batches: the sizes a stage meets come
     in runs. An hour of single sessions (one-row rounds, launch-bound: their wall barely
@@ -49,37 +52,42 @@ class RoundTimes:
     batch costs (~30 ms a round against ~450 at 64 rows on the H200), and the first burst
     after it would be planned on rounds far too short. On the H200 that burst stalled in
     every session, twice in round 11 of docs/benchmarks.md, while the next one, with big
-    batches fresh in the fit, played through. A size's own mean still follows the load (a busy interpreter, the LM sharing
-    the GPU slow batches down), from batches of that size.
+    batches fresh in the fit, played through. A size's own batches still follow the load
+    (a busy interpreter, the LM sharing the GPU slow batches down).
+
+    Why medians, not means: one slow batch (a prompt-cache entry built on first use, the
+    allocator growing, the event loop late to take the result) stayed in an exponential
+    mean for tens of batches of its size, and sizes are met a few times a burst. In
+    round 14 the planner predicted 65 ms for a one-session first chunk's round against
+    27-41 ms measured, and took a longer first chunk for it (which batches made that
+    mean, the run did not record).
 
     Between two measured sizes the prediction is linear, below the smallest measured it is
     that size's wall (a smaller batch is no faster on a launch-bound GPU), above the largest
     proportional to the work, and it never falls as the work grows: each errs long,
     which makes a first chunk longer, not a stall."""
 
-    decay: float = 0.9
+    window: int = 7
     per_octave: int = 2
-    # size -> [weight, weighted work, weighted wall]
-    sizes: dict[int, list[float]] = field(default_factory=dict)
+    # size -> the latest (work, wall) of that size, oldest first
+    sizes: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     observed: int = 0  # batches observed in all
 
     def observe(self, work: int, wall_s: float) -> None:
-        self.observed += 1
         key = math.floor(self.per_octave * math.log2(max(work, 1)))
-        acc = self.sizes.setdefault(key, [0.0, 0.0, 0.0])
-        d = self.decay
-        acc[0] = d * acc[0] + 1.0
-        acc[1] = d * acc[1] + work
-        acc[2] = d * acc[2] + wall_s
+        self.sizes.setdefault(key, deque(maxlen=self.window)).append((work, wall_s))
+        self.observed += 1
 
     def predict(self, work: int) -> float | None:
         """Seconds for a batch of this much flow work, None before any batch."""
         if not self.sizes:
             return None
+        points = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen))
+                        for seen in self.sizes.values())
         xs, ys, top = [], [], 0.0
-        for w, sx, sy in sorted(self.sizes.values(), key=lambda a: a[1] / a[0]):
-            top = max(top, sy / w)
-            xs.append(max(sx / w, 1.0))
+        for x, y in points:
+            top = max(top, y)
+            xs.append(max(x, 1.0))
             ys.append(top)
         if work <= xs[0]:
             return ys[0]

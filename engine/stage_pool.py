@@ -6,13 +6,14 @@ copy of the stage: each utterance is placed on the stage with the fewest live
 utterances when its vocoder stream is created, and all of its chunks run there (the
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
-`StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `run`,
+`StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `submit`, `run`,
 `round_estimate`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`, `started`,
 `close`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -49,16 +50,19 @@ class StagePool:
         index = loads.index(min(loads))
         return PooledStream(index, self.stages[index].new_stream())
 
-    async def run(self, job: ChunkJob) -> np.ndarray:
+    def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
+        """`AudioStage.submit` on the stage the job's stream is bound to (one stage runs
+        all of an utterance's chunks, in order)."""
         pooled = job.hift_stream
         if not isinstance(pooled, PooledStream):
             raise TypeError("job.hift_stream must come from StagePool.new_stream()")
-        stage = self.stages[pooled.stage_index]
         inner = dataclasses.replace(job, hift_stream=pooled.inner)
-        try:
-            return await stage.run(inner)
-        finally:
-            job.started_at = inner.started_at  # the stage stamps the job it ran (first-chunk phases)
+        future = self.stages[pooled.stage_index].submit(inner)
+        job.future, job.started = inner.future, inner.started  # the copy's: the caller waits on them
+        return future
+
+    async def run(self, job: ChunkJob) -> np.ndarray:
+        return await self.submit(job)
 
     def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
         """`AudioStage.round_estimate` of the stage the stream is bound to."""

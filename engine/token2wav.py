@@ -74,9 +74,10 @@ class ChunkJob:
     # "first_chunks" policy lets only these jump the queue. The engine clears it for an
     # utterance queued behind its session's audio still playing (`chunk_due`).
     urgent: bool = True
-    # When the stage began computing the batch holding this chunk (time.monotonic), so
-    # the caller can tell waiting in the queue from computing.
-    started_at: float = 0.0
+    # Resolved with the time.monotonic() at which the stage took the batch holding this
+    # chunk: from then its flow chunk (grown or not) is final, so the utterance can queue
+    # its next chunk, and the caller can tell waiting in the queue from computing.
+    started: asyncio.Future[float] = field(repr=False, default=None)  # type: ignore[assignment]
     # `engine.flow_fill_padding`: grow(n) returns this chunk lengthened by at most n speech
     # tokens of flow window, with tokens its utterance has already generated, or None to
     # keep it. The stage calls it before the batch runs, with the padding the batch would
@@ -297,15 +298,10 @@ class AudioStage:
         flow frames after `cached` prompt frames from the prompt cache is done, when every
         utterance in progress here has one like it in the same round: the batches they
         fill, by the round times measured so far (`RoundTimes`). None before the first
-        batch.
-
-        Known inaccuracy, kept on purpose for now: the stage's loop holds its latest batch
-        until the next one, so that batch's utterances still count here after they end
-        (up to `max_batch`). A full burst after a full batch is then planned as two
-        rounds a chunk. With that fixed (and round times as medians), round 14 of
-        docs/benchmarks.md planned 15-18-token first chunks for 40 and 64 sessions, and
-        every session stalled once: the planner's timeline misses what makes a burst's
-        later rounds longer in the gateway than the times it learnt. Both go together."""
+        batch. Finished utterances do not count (`_serve_batch`): until round 15 of
+        docs/benchmarks.md they did, and that error alone kept bursts from stalling while
+        a session queued its next chunk only after the previous one's audio was back
+        (`submit` says why it no longer waits)."""
         live = max(1, self.live_utterances())
         rows = min(live, self.max_batch)
         one = self.rounds.predict(self._solved_work(rows, frames, cached))
@@ -345,8 +341,7 @@ class AudioStage:
                     pass
                 self._task = None
             for job in self._pending:
-                if not job.future.done():
-                    job.future.cancel()
+                _cancel(job)
             self._pending.clear()
         finally:
             # Whatever went wrong above: a profiler left running crashes the process at exit.
@@ -354,16 +349,28 @@ class AudioStage:
                 await asyncio.get_running_loop().run_in_executor(self._pool, self.profiler.close)
             self._pool.shutdown(wait=True)
 
-    async def run(self, job: ChunkJob) -> np.ndarray:
-        """Queue one chunk and wait for its PCM (float32, 24 kHz)."""
+    def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
+        """Queue one chunk; the returned future (also `job.future`) gets its PCM (float32,
+        24 kHz), and `job.started` the time its batch was taken.
+
+        An utterance may queue its next chunk once `job.started` is done, before this
+        one's audio is back: batches run one at a time, so the next chunk runs in a later
+        batch than this one, after its vocoder state is advanced. Waiting for the audio
+        instead made each chunk of a burst miss the round that began as the previous
+        round's audio went out (round 15 of docs/benchmarks.md)."""
         if self._closed:
             raise RuntimeError("audio stage is closed")
-        job.future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        job.future, job.started = loop.create_future(), loop.create_future()
         job.seq = next(self._seq)
         self._pending.append(job)
         self.stats.queued = len(self._pending)
         self._wake.set()
-        return await job.future
+        return job.future
+
+    async def run(self, job: ChunkJob) -> np.ndarray:
+        """Queue one chunk and wait for its PCM (`submit`)."""
+        return await self.submit(job)
 
     def drop_cancelled(self) -> int:
         """Remove queued chunks whose utterance was cancelled; returns how many."""
@@ -371,8 +378,7 @@ class AudioStage:
         for job in self._pending:
             if job.is_cancelled() or job.future.cancelled():
                 dropped += 1
-                if not job.future.done():
-                    job.future.cancel()
+                _cancel(job)
             else:
                 keep.append(job)
         self._pending = keep
@@ -457,52 +463,62 @@ class AudioStage:
                     self.stats.grown_tokens += taken
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
-            batch = self._take_batch()
-            if not batch:
-                continue
-            t0 = time.perf_counter()
-            started = time.monotonic()
+            await self._serve_batch()
+
+    async def _serve_batch(self) -> None:
+        """Take one batch and run it. Its own frame, so that nothing of the batch outlives
+        it: a batch kept in the loop's locals until the next one kept its utterances'
+        vocoder streams alive, and `live_utterances` counted them into every round the
+        first-chunk planner predicted: with up to `max_batch` finished utterances
+        counted, a full burst was planned as two rounds each (round 14 of
+        docs/benchmarks.md)."""
+        batch = self._take_batch()
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        started = time.monotonic()
+        for job in batch:
+            if not job.started.done():
+                job.started.set_result(started)
+        try:
+            began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
+                self._pool, self._timed_batch, self.stats.batches, batch)
+        except Exception as exc:  # fail this batch's chunks, keep serving others
+            log.exception("audio stage batch failed")
             for job in batch:
-                job.started_at = started
-            try:
-                began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
-                    self._pool, self._timed_batch, self.stats.batches, batch)
-            except Exception as exc:  # fail this batch's chunks, keep serving others
-                log.exception("audio stage batch failed")
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
-                continue
-            resumed = time.perf_counter()
-            dt = resumed - t0
-            st = self.stats
-            st.handoff_seconds += (began - max(t0, self._other_work_until)) + (resumed - ended)
-            st.batches += 1
-            st.chunks += len(batch)
-            st.last_batch_size = len(batch)
-            st.max_batch_size = max(st.max_batch_size, len(batch))
-            st.busy_seconds += dt
-            if not one_off:
-                # From the worker's start: a wait behind a capture job is not a round, and a
-                # batch that compiled or captured is not one either. Both would stay in the
-                # round times' memory of its size (`RoundTimes`), and a capture takes seconds.
-                self.rounds.observe(flow_frames, resumed - began)
-            st.flow_frames += flow_frames
-            st.vocoder_frames += vocoder_frames
-            if self.prompt_cache is not None:  # the worker is done with the batch: no race
-                st.prompt_cache_hits = self.prompt_cache.stats.hits
-                st.prompt_cache_bytes = self.prompt_cache.nbytes
-            if self.context_cache is not None:
-                ctx = self.context_cache
-                st.context_reads, st.context_records, st.context_bytes = ctx.reads, ctx.records, ctx.nbytes
-            for job, pcm in zip(batch, results):
                 if not job.future.done():
-                    job.future.set_result(pcm)
+                    job.future.set_exception(exc)
+            return
+        resumed = time.perf_counter()
+        dt = resumed - t0
+        st = self.stats
+        st.handoff_seconds += (began - max(t0, self._other_work_until)) + (resumed - ended)
+        st.batches += 1
+        st.chunks += len(batch)
+        st.last_batch_size = len(batch)
+        st.max_batch_size = max(st.max_batch_size, len(batch))
+        st.busy_seconds += dt
+        if not one_off:
+            # From the worker's start: a wait behind a capture job is not a round, and a
+            # batch that compiled or captured is not one either. Both would stay in the
+            # round times' memory of its size (`RoundTimes`), and a capture takes seconds.
+            self.rounds.observe(flow_frames, resumed - began)
+        st.flow_frames += flow_frames
+        st.vocoder_frames += vocoder_frames
+        if self.prompt_cache is not None:  # the worker is done with the batch: no race
+            st.prompt_cache_hits = self.prompt_cache.stats.hits
+            st.prompt_cache_bytes = self.prompt_cache.nbytes
+        if self.context_cache is not None:
+            ctx = self.context_cache
+            st.context_reads, st.context_records, st.context_bytes = ctx.reads, ctx.records, ctx.nbytes
+        for job, pcm in zip(batch, results):
+            if not job.future.done():
+                job.future.set_result(pcm)
 
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
@@ -698,6 +714,13 @@ class AudioStage:
             )
         with record_function(PHASES[2]):
             return _to_host(pcm), flow_work, vocoder_frames
+
+
+def _cancel(job: ChunkJob) -> None:
+    """A queued chunk that will not run: whoever waits on it is told."""
+    for fut in (job.future, job.started):
+        if not fut.done():
+            fut.cancel()
 
 
 def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:

@@ -44,7 +44,7 @@ class EngineSettings:
                        "chunk arrives (<= initial_hop: fixed; fixed chunks give reproducible seeded audio)"),
     )
     first_chunk_margin: float = field(
-        default=0.25, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
+        default=0.5, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
                                      "(see initial_hop_max)"))
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))

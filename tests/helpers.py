@@ -164,16 +164,16 @@ class StageFault:
     def install(self) -> "StageFault":
         stage = self.engine.stage
         if self.where == "run":
-            orig_run = stage.run
+            orig_submit = stage.submit
 
-            async def run(job: Any) -> np.ndarray:
+            def submit(job: Any) -> Any:
                 if self._hit(job):
                     self.count += 1
                     raise InjectedFault(f"injected fault in chunk {job.chunk_index}")
-                return await orig_run(job)
+                return orig_submit(job)
 
-            self._orig = orig_run
-            stage.run = run  # type: ignore[method-assign]
+            self._orig = orig_submit
+            stage.submit = submit  # type: ignore[method-assign]
         elif self.where == "compute":
             orig_compute = stage._compute
 
@@ -192,7 +192,7 @@ class StageFault:
     def remove(self) -> None:
         stage = self.engine.stage
         if self.where == "run":
-            del stage.run  # the instance attribute; the class method shows through again
+            del stage.submit  # the instance attribute; the class method shows through again
         else:
             del stage._compute
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +136,44 @@ def test_streaming_equals_whole_utterance(tiny_model_dir):
     assert err < 1e-3, f"max abs difference {err}"
 
 
+def test_the_next_chunk_is_queued_while_the_stage_runs_this_one(tiny_model_dir):
+    """Once the stage took chunk k and the LM has chunk k+1's tokens, chunk k+1 is queued,
+    before chunk k's audio is back: here the stage's worker holds chunk 0's batch until
+    chunk 1 is queued (waiting for chunk 0's audio first would never get there). Audio
+    stays whole and in order: one stage runs an utterance's chunks one batch after the
+    other."""
+    queued_next = threading.Event()
+    order: list[tuple[int, bool]] = []  # (chunk index, whether the one before it had its audio)
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        submit, compute = engine.stage.submit, engine.stage._compute
+        futures: list[asyncio.Future] = []
+
+        def spy(job):
+            order.append((job.chunk_index, bool(futures) and futures[-1].done()))
+            if job.chunk_index == 1:
+                queued_next.set()
+            futures.append(submit(job))
+            return futures[-1]
+
+        def held(batch):
+            if any(j.chunk_index == 0 for j in batch):
+                assert queued_next.wait(timeout=30), "chunk 1 was not queued while chunk 0 ran"
+            return compute(batch)
+
+        engine.stage.submit, engine.stage._compute = spy, held
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
+        uid = await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.finish()
+        return await collect(s), s.utterance_stats(uid)
+
+    events, st = run(tiny_model_dir, fn, flow_left_context=-1, warmup=False)
+    assert order[:2] == [(0, False), (1, False)]
+    assert [e.chunk_index for e in events] == list(range(len(order))) and events[-1].is_last
+    assert sum(e.pcm.size for e in events) == st.num_speech_tokens * TOKEN_SAMPLES
+
+
 def test_cancel_stops_chunks_and_aborts_the_lm_request(tiny_model_dir):
     async def fn(engine):
         voice = await default_voice(engine)
@@ -223,20 +263,33 @@ def test_chunks_grown_into_batch_padding_stay_exact(tiny_model_dir):
         voice = await default_voice(engine)
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
         grown: list[int] = []
-        run_chunk = engine.stage.run
+        submit = engine.stage.submit
+        later: list[asyncio.Task] = []
 
-        async def run_grown(job):
-            (utt,) = s._utts.values()
-            await utt.lm_done.wait()  # every token exists: growth is deterministic
-            if job.grow is not None:  # None: queued as the last chunk already
-                before = len(job.flow.tokens) - (0 if job.flow.finalize else 3)
-                chunk = job.grow(40)
-                if chunk is not None:
-                    job.flow = chunk
-                grown.append(len(job.flow.tokens) - (0 if job.flow.finalize else 3) - before)
-            return await run_chunk(job)
+        def submit_grown(job):
+            # The engine waits on job.future and job.started; the stage gets the chunk, grown,
+            # once every token exists (growth is then deterministic).
+            loop = asyncio.get_running_loop()
+            job.future, job.started = loop.create_future(), loop.create_future()
 
-        engine.stage.run = run_grown
+            async def grow_then_run():
+                (utt,) = s._utts.values()
+                await utt.lm_done.wait()
+                inner = dataclasses.replace(job)
+                if inner.grow is not None:  # None: queued as the last chunk already
+                    before = len(inner.flow.tokens) - (0 if inner.flow.finalize else 3)
+                    chunk = inner.grow(40)
+                    if chunk is not None:
+                        inner.flow = chunk
+                    grown.append(len(inner.flow.tokens) - (0 if inner.flow.finalize else 3) - before)
+                pcm = submit(inner)
+                job.started.set_result(await inner.started)
+                job.future.set_result(await pcm)
+
+            later.append(asyncio.create_task(grow_then_run()))
+            return job.future
+
+        engine.stage.submit = submit_grown
         uid = await s.submit("A longer sentence, so that there are several chunks to compare.")
         await s.finish()
         events = await collect(s)

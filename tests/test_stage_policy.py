@@ -222,13 +222,13 @@ def test_build_stage_takes_both_options(tiny_model_dir) -> None:
 
 def _four_sessions(seen: list[tuple[object, int, float]]):
     async def go(engine):
-        original = engine.stage.run
+        original = engine.stage.submit
 
-        async def spy(job: ChunkJob) -> np.ndarray:  # notes each job's deadline, runs it unchanged
+        def spy(job: ChunkJob) -> asyncio.Future[np.ndarray]:  # notes each job's deadline, runs it unchanged
             seen.append((job.hift_stream, job.chunk_index, job.deadline))
-            return await original(job)
+            return original(job)
 
-        engine.stage.run = spy
+        engine.stage.submit = spy
         voice = await default_voice(engine)
         sessions = []
         for i in range(4):
@@ -412,13 +412,13 @@ def test_a_session_clocks_its_delivered_audio(tiny_model_dir) -> None:
     jobs: list[ChunkJob] = []
 
     async def go(engine):
-        original = engine.stage.run
+        original = engine.stage.submit
 
-        async def spy(job: ChunkJob) -> np.ndarray:
+        def spy(job: ChunkJob) -> asyncio.Future[np.ndarray]:
             jobs.append(job)
-            return await original(job)
+            return original(job)
 
-        engine.stage.run = spy
+        engine.stage.submit = spy
         voice = await default_voice(engine)
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=0))
         before = s.playback.runs_out()
@@ -439,38 +439,56 @@ def test_a_later_utterance_is_due_after_the_audio_before_it(tiny_model_dir) -> N
     """Every chunk's deadline counts the session's audio that plays before it and is not
     delivered yet, measured from outside: each earlier utterance's whole audio (its LM is
     done before the next one starts, so its length is known) less what was delivered of it,
-    and the chunk's own utterance's audio made but not delivered. Before, a later
-    utterance's chunks were due by their own clock, as if they played on arrival: seconds
-    early, ahead of the playing utterance's next chunks in the "deadline" policy."""
-    seen: list[tuple[int, int, float, float, float, list[int], list[int]]] = []
+    the chunk's own utterance's audio made but not delivered, and its chunks queued
+    before it and not made yet (a chunk is queued once the stage took the one before it).
+    Before, a later utterance's chunks were due by their own clock, as if they played on
+    arrival: seconds early, ahead of the playing utterance's next chunks in the "deadline"
+    policy."""
+    seen: list[tuple[int, int, float, float, float, list[int], list[int], int]] = []
 
     async def go(engine):
         s = engine.open_session(await default_voice(engine), SessionOptions(tokens_per_text_token=3.0, seed=0))
-        made: dict[int, int] = {}
+        made: dict[int, int] = {}  # samples handed to the session's delivery, per utterance in order
+        made_chunks: dict[int, int] = {}
+        made_order: dict[str, int] = {}
+        queued_tokens: dict[int, list[int]] = {}  # each queued chunk's tokens
         delivered: dict[int, int] = {}
         order: list[int] = []
         deliver = s.playback.deliver
-        original = engine.stage.run
+        original = engine.stage.submit
+        put = s._put
 
         def counted(samples: int, now: float) -> None:  # the session delivers in order
-            for key in order:
-                if delivered.get(key, 0) < made.get(key, 0):
-                    delivered[key] = delivered.get(key, 0) + samples
+            for i in range(len(order)):
+                if delivered.get(i, 0) < made.get(i, 0):
+                    delivered[i] = delivered.get(i, 0) + samples
                     break
             deliver(samples, now)
 
-        async def spy(job: ChunkJob) -> np.ndarray:
+        async def made_audio(utt, item) -> None:  # noqa: ANN001
+            if isinstance(item, AudioChunk):
+                i = made_order.setdefault(utt.uid, len(made_order))  # utterances make audio in order
+                made[i] = made.get(i, 0) + item.pcm.size
+                made_chunks[i] = made_chunks.get(i, 0) + 1
+            await put(utt, item)
+
+        def spy(job: ChunkJob) -> asyncio.Future[np.ndarray]:
             key = id(job.hift_stream)
             if key not in order:
                 order.append(key)
-            seen.append((order.index(key), job.chunk_index, job.deadline, time.monotonic(), s.playback.runs_out(),
-                         [made.get(k, 0) for k in order], [delivered.get(k, 0) for k in order]))
-            pcm = await original(job)
-            made[key] = made.get(key, 0) + pcm.size
-            return pcm
+            i = order.index(key)
+            chunks = queued_tokens.setdefault(i, [])
+            in_flight = sum(chunks[made_chunks.get(i, 0):])  # queued before it, not made yet
+            seen.append((i, job.chunk_index, job.deadline, time.monotonic(), s.playback.runs_out(),
+                         [made.get(k, 0) for k in range(len(order))], [delivered.get(k, 0) for k in range(len(order))],
+                         in_flight))
+            f = job.flow
+            chunks.append(len(f.tokens) - f.out_start - (0 if f.finalize else 3))
+            return original(job)
 
         s.playback.deliver = counted
-        engine.stage.run = spy
+        s._put = made_audio
+        engine.stage.submit = spy
         uids = [await s.submit("The first sentence is a long one, so that it takes several chunks to speak."),
                 await s.submit("A second one follows it.")]
         await s.finish()
@@ -480,9 +498,11 @@ def test_a_later_utterance_is_due_after_the_audio_before_it(tiny_model_dir) -> N
     totals = run(tiny_model_dir, go, warmup=False)
     sr = 24000
     ahead_seen = []
-    for utt, index, deadline, now, runs_out, made, delivered in seen:
-        # Earlier utterances: all their audio not yet delivered; this one: made, not delivered.
-        ahead = sum(totals[u] - delivered[u] for u in range(utt)) + made[utt] - delivered[utt]
+    for utt, index, deadline, now, runs_out, made, delivered, in_flight in seen:
+        # Earlier utterances: all their audio not yet delivered; this one: made, not
+        # delivered, and queued, not made.
+        ahead = (sum(totals[u] - delivered[u] for u in range(utt)) + made[utt] - delivered[utt]
+                 + in_flight * TOKEN_SAMPLES)
         want, _ = chunk_due(now, runs_out, ahead / sr)
         assert deadline == pytest.approx(want, abs=0.01), (utt, index)
         if utt == 1:
@@ -579,7 +599,7 @@ def test_fill_padding_through_a_stage_pool(flow, hift) -> None:
     jobs, pcm = asyncio.run(go())
     assert stage.stats.grown_chunks == 1 and stage.stats.grown_tokens == 30
     assert pcm[0].size == pcm[1].size  # the grown 60-token chunk ran, not the 30-token one
-    assert all(j.started_at > 0 for j in jobs)
+    assert all(j.started.result() > 0 for j in jobs)
 
 
 def _prompted(prompt_tokens: int, window: int, seed: int) -> FlowChunk:
