@@ -729,7 +729,7 @@ class _Extent:
 class _Queued:
     """A chunk handed to the audio stage, as its utterance's deliverer needs it: the job
     (whose future brings the audio), its place in the utterance, and what it was queued
-    with (`_extent` may still grow until the stage takes the chunk)."""
+    with (`extent` may still grow until the stage takes the chunk)."""
 
     job: ChunkJob
     index: int

@@ -5,8 +5,8 @@ arrive before the audio already delivered runs out. The LM keeps generating whil
 stage works, so chunk k is ready once the LM has its tokens, and is done one stage round
 after that or after chunk k-1 is done, whichever is later (one stage, one batch at a
 time; the engine queues chunk k as soon as its tokens are there and the stage took chunk
-k-1, `AudioStage.submit`). A round grows with the flow work of the batch: rows x frames, and later chunks
-have wider windows (left context plus a hop that doubles). On the H200 (round 8 of
+k-1, `AudioStage.submit`). A round grows with the flow work of the batch: rows x frames,
+and later chunks have wider windows (left context plus a hop that doubles). On the H200 (round 8 of
 docs/benchmarks.md) 64 sessions starting together all stalled once, either right after a
 15-token first chunk (440 ms of audio: the vocoder keeps its last frames back until more
 mel arrives) or, with a first chunk sized for the second one only, after the second
