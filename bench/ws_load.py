@@ -638,14 +638,16 @@ def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -
              for name, key in FIRST_CHUNK_PHASES.items()}
             | {"utterances": int(count),
                "tokens": round(_delta(after, before, f"cosyvoice_engine_{kind}_tokens_total") / count, 2),
-               "planned": round(_delta(after, before, f"cosyvoice_engine_{kind}_planned_tokens_total") / count, 2)})
+               "planned": round(_delta(after, before, f"cosyvoice_engine_{kind}_planned_tokens_total") / count, 2),
+               "batch_rows": round(_delta(after, before, f"cosyvoice_engine_{kind}_batch_rows_total") / count, 2)})
 
 
 def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float] | None:
     """Mean phases (ms) of the sessions' first segments' second chunks between two scrapes
-    (the engine's `opening_second_chunk` counters): its tokens ready -> queued (the chunker
-    waited for the first chunk's audio) -> its batch starts -> its audio; how many came
-    after the first chunk's audio ran out, and by how much on average; None without any."""
+    (the engine's `opening_second_chunk` counters): its tokens ready -> queued (once the
+    stage took the first chunk) -> its batch starts -> its audio; how many came after the
+    first chunk's audio ran out, by how much on average, and the mean chunks in the
+    batches those late ones' first chunks ran in; None without any."""
     m = "cosyvoice_engine_opening_second_chunk"
     count = _delta(after, before, m + "s_total")
     if count <= 0:
@@ -655,7 +657,8 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
             "stage_wait": round(1e3 * _delta(after, before, m + "_stage_wait_seconds_total") / count, 3),
             "stage": round(1e3 * _delta(after, before, m + "_stage_seconds_total") / count, 3),
             "chunks": int(count), "late": int(lates),
-            "late_by": round(1e3 * _delta(after, before, m + "_late_seconds_total") / lates, 3) if lates > 0 else 0.0}
+            "late_by": round(1e3 * _delta(after, before, m + "_late_seconds_total") / lates, 3) if lates > 0 else 0.0,
+            "late_first_rows": round(_delta(after, before, m + "_late_first_rows_total") / lates, 2) if lates > 0 else None}
 
 
 def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float | None] | None:

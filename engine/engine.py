@@ -191,17 +191,24 @@ class EngineStats:
     opening_chunk_stage_seconds: float = 0.0
     opening_chunk_tokens: int = 0
     opening_chunk_planned_tokens: int = 0
+    # The chunks in the batches those first chunks ran in (summed per chunk): a burst's
+    # first chunks split over a small round and a full one show as a mean below the burst.
+    first_chunk_batch_rows: int = 0
+    opening_chunk_batch_rows: int = 0
     # The second chunk of sessions' first utterances, the one a short first chunk must
     # cover (sums over `opening_second_chunks`): from the LM having its tokens to its queueing
-    # (the chunker waits for the first chunk's audio before it queues the next), to the
-    # stage's batch start, to its audio; and by how much it came after the first chunk's
-    # audio had run out (a stall, as the engine sees it: `_late_seconds` over `_lates`).
+    # (once the stage has taken the first chunk), to the stage's batch start, to its audio;
+    # and by how much it came after the first chunk's audio had run out (a stall, as the
+    # engine sees it: `_late_seconds` over `_lates`), with the chunks in the batch the
+    # late ones' first chunks ran in (`_late_first_rows`, summed: a first chunk that ran in
+    # a small round ahead of its burst starts its listener's clock a round early).
     opening_second_chunks: int = 0
     opening_second_chunk_ready_wait_seconds: float = 0.0
     opening_second_chunk_stage_wait_seconds: float = 0.0
     opening_second_chunk_stage_seconds: float = 0.0
     opening_second_chunk_lates: int = 0
     opening_second_chunk_late_seconds: float = 0.0
+    opening_second_chunk_late_first_rows: int = 0
     # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
@@ -254,12 +261,14 @@ class FirstChunkTimes:
     stage: float = 0.0
     tokens: int = 0
     planned_tokens: int = 0
+    batch_rows: int = 0
 
     def add(self, submitted: float, first_token: float, queued: float, started: float, done: float,
-            tokens: int, planned_tokens: int) -> None:
+            tokens: int, planned_tokens: int, batch_rows: int) -> None:
         self.count += 1
         self.tokens += tokens
         self.planned_tokens += planned_tokens
+        self.batch_rows += batch_rows
         self.lm_first_token += first_token - submitted
         self.lm_decode += queued - first_token
         self.stage_wait += max(0.0, started - queued)
@@ -270,7 +279,7 @@ class FirstChunkTimes:
         return {f"{name}s": self.count, f"{name}_lm_first_token_seconds": self.lm_first_token,
                 f"{name}_lm_decode_seconds": self.lm_decode, f"{name}_stage_wait_seconds": self.stage_wait,
                 f"{name}_stage_seconds": self.stage, f"{name}_tokens": self.tokens,
-                f"{name}_planned_tokens": self.planned_tokens}
+                f"{name}_planned_tokens": self.planned_tokens, f"{name}_batch_rows": self.batch_rows}
 
 
 @dataclass
@@ -283,8 +292,10 @@ class SecondChunkTimes:
     stage: float = 0.0
     lates: int = 0
     late: float = 0.0
+    late_first_rows: int = 0
 
-    def add(self, ready: float, queued: float, started: float, done: float, due: float) -> None:
+    def add(self, ready: float, queued: float, started: float, done: float, due: float, first_rows: int) -> None:
+        """`first_rows`: the chunks in the batch the first chunk ran in."""
         self.count += 1
         self.ready_wait += max(0.0, queued - ready)
         self.stage_wait += max(0.0, started - queued)
@@ -292,11 +303,13 @@ class SecondChunkTimes:
         if done > due:
             self.lates += 1
             self.late += done - due
+            self.late_first_rows += first_rows
 
     def stats_fields(self, name: str = "opening_second_chunk") -> dict[str, float | int]:
         return {f"{name}s": self.count, f"{name}_ready_wait_seconds": self.ready_wait,
                 f"{name}_stage_wait_seconds": self.stage_wait, f"{name}_stage_seconds": self.stage,
-                f"{name}_lates": self.lates, f"{name}_late_seconds": self.late}
+                f"{name}_lates": self.lates, f"{name}_late_seconds": self.late,
+                f"{name}_late_first_rows": self.late_first_rows}
 
 
 @dataclass
@@ -1142,7 +1155,7 @@ class Session:
         chunker raised."""
         eng = self.engine
         emitted = 0
-        first_samples = 0  # the first chunk's audio
+        first_samples, first_rows = 0, 0  # the first chunk's audio, the chunks of its batch
         while True:
             item = await _next_handed(handed, producer)
             if item is None or utt.cancelled:
@@ -1152,19 +1165,19 @@ class Session:
             if utt.cancelled:
                 return
             end, finalize = item.extent.end, item.extent.finalize
-            started = job.started.result()  # a chunk with audio was taken by the stage
+            batch = job.started.result()  # a chunk with audio was taken by the stage
             if item.index == 0 and not finalize:
                 eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, utt.options.speed)
             if item.index == 0 and utt.stats.first_token_at is not None:
-                phases = (utt.stats.submitted_at, utt.stats.first_token_at, item.queued_at, started, time.monotonic())
-                eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end)
+                phases = (utt.stats.submitted_at, utt.stats.first_token_at, item.queued_at, batch.at, time.monotonic())
+                eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
-                    eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end)
+                    eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
             if item.index == 1 and utt.arrivals is not None:
-                self._second_chunk_done(utt, item.queued_at, started, item.queued_end, item.queued_final, first_samples,
-                                        eng.model.config.flow.pre_lookahead_len)
+                self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
+                                        first_rows, eng.model.config.flow.pre_lookahead_len)
             if item.index == 0:
-                first_samples = int(pcm.size)
+                first_samples, first_rows = int(pcm.size), batch.rows
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)
@@ -1178,8 +1191,8 @@ class Session:
                 utt.stats.finished_at = time.monotonic()
                 return
 
-    def _second_chunk_done(self, utt: _Utterance, queued: float, started: float | None, queued_end: int,
-                           finalize: bool, first_samples: int, lookahead: int) -> None:
+    def _second_chunk_done(self, utt: _Utterance, queued: float, started: float, queued_end: int,
+                           finalize: bool, first_samples: int, first_rows: int, lookahead: int) -> None:
         """Record an opening utterance's second chunk (`SecondChunkTimes`): ready when the
         LM had the tokens it was queued with (and their lookahead), due when the first
         chunk's audio, from its arrival here, has played out. A first chunk that gave no
@@ -1191,7 +1204,7 @@ class Session:
             return
         ready = arrivals[min(need, len(arrivals)) - 1]
         due = first_at + first_samples / self.engine.sample_rate
-        self.engine.opening_second_chunk_times.add(ready, queued, started or queued, time.monotonic(), due)
+        self.engine.opening_second_chunk_times.add(ready, queued, started, time.monotonic(), due, first_rows)
 
     def _grower(self, extent: "_Extent", tokens: list[int], offset: int, max_hop: int, lm_task: asyncio.Task,
                 flow_cfg) -> Callable[[int], FlowChunk | None]:

@@ -58,6 +58,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class BatchStart:
+    """When the stage took a chunk's batch (time.monotonic) and how many chunks it held."""
+
+    at: float
+    rows: int
+
+
 @dataclass
 class ChunkJob:
     flow: FlowChunk
@@ -74,10 +82,10 @@ class ChunkJob:
     # "first_chunks" policy lets only these jump the queue. The engine clears it for an
     # utterance queued behind its session's audio still playing (`chunk_due`).
     urgent: bool = True
-    # Resolved with the time.monotonic() at which the stage took the batch holding this
-    # chunk: from then its flow chunk (grown or not) is final, so the utterance can queue
-    # its next chunk, and the caller can tell waiting in the queue from computing.
-    started: asyncio.Future[float] = field(repr=False, default=None)  # type: ignore[assignment]
+    # Resolved when the stage takes the batch holding this chunk: from then its flow chunk
+    # (grown or not) is final, so the utterance can queue its next chunk, and the caller
+    # can tell waiting in the queue from computing.
+    started: asyncio.Future[BatchStart] = field(repr=False, default=None)  # type: ignore[assignment]
     # `engine.flow_fill_padding`: grow(n) returns this chunk lengthened by at most n speech
     # tokens of flow window, with tokens its utterance has already generated, or None to
     # keep it. The stage calls it before the batch runs, with the padding the batch would
@@ -351,7 +359,7 @@ class AudioStage:
 
     def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
         """Queue one chunk; the returned future (also `job.future`) gets its PCM (float32,
-        24 kHz), and `job.started` the time its batch was taken.
+        24 kHz), and `job.started` when its batch was taken (`BatchStart`).
 
         An utterance may queue its next chunk once `job.started` is done, before this
         one's audio is back: batches run one at a time, so the next chunk runs in a later
@@ -481,13 +489,13 @@ class AudioStage:
             return
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        started = time.monotonic()
+        started = BatchStart(time.monotonic(), len(batch))
         for job in batch:
             if not job.started.done():
                 job.started.set_result(started)
         try:
             began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
-                self._pool, self._timed_batch, self.stats.batches, batch)
+                self._pool, self._timed_batch, self.stats.batches, [batch])
         except Exception as exc:  # fail this batch's chunks, keep serving others
             log.exception("audio stage batch failed")
             for job in batch:
@@ -593,9 +601,15 @@ class AudioStage:
             self._other_work_until = time.perf_counter()
 
     def _timed_batch(self, index: int,
-                     batch: list[ChunkJob]) -> tuple[float, tuple[list[np.ndarray], int, int], float, bool]:
+                     handed: list[list[ChunkJob]]) -> tuple[float, tuple[list[np.ndarray], int, int], float, bool]:
         """`_run_batch` between two perf_counter readings taken on the worker thread, and
-        whether it did one-off work (`_one_off_work`)."""
+        whether it did one-off work (`_one_off_work`).
+
+        The batch comes inside a list it is taken out of: the executor's work item keeps
+        its arguments until the worker thread runs again, which can be after the results
+        were delivered, and a batch held there kept its finished utterances' vocoder
+        streams alive (counted live by `round_estimate`)."""
+        batch = handed.pop()
         before = self._one_off_work()
         began = time.perf_counter()
         out = self._run_batch(index, batch)

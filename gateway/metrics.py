@@ -27,12 +27,13 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "flow_frames", "vocoder_frames", "flow_grown_chunks", "flow_grown_tokens",
      "prompt_cache_hits", "context_reads", "context_records", "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",
      "first_chunk_stage_wait_seconds", "first_chunk_stage_seconds", "first_chunk_tokens",
-     "first_chunk_planned_tokens",
+     "first_chunk_planned_tokens", "first_chunk_batch_rows",
      "opening_chunks", "opening_chunk_lm_first_token_seconds", "opening_chunk_lm_decode_seconds",
      "opening_chunk_stage_wait_seconds", "opening_chunk_stage_seconds", "opening_chunk_tokens",
-     "opening_chunk_planned_tokens",
+     "opening_chunk_planned_tokens", "opening_chunk_batch_rows",
      "opening_second_chunks", "opening_second_chunk_ready_wait_seconds", "opening_second_chunk_stage_wait_seconds",
      "opening_second_chunk_stage_seconds", "opening_second_chunk_lates", "opening_second_chunk_late_seconds",
+     "opening_second_chunk_late_first_rows",
      "lm_server_requests", "lm_server_queued_seconds", "lm_server_prefill_seconds", "lm_server_decode_seconds",
      "lm_server_decode_tokens", "lm_server_first_tokens", "lm_server_first_token_seconds"}
 )

@@ -250,10 +250,12 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     assert st.opening_second_chunk_stage_wait_seconds >= 0
     slow = run(tiny_model_dir, lambda e: fn(e, 0.3), warmup=False, initial_hop=6)
     # A 6-token first chunk plays at most 240 ms (less what the vocoder holds back): the
-    # second chunk, queued once the first is back and then 300 ms or more in the stage,
-    # is late by 60 ms or more.
+    # second chunk runs in the batch after it, 300 ms or more, and is late by 60 ms or
+    # more; its first chunk ran alone.
     assert slow.opening_second_chunks == 1 and slow.opening_second_chunk_lates == 1
     assert slow.opening_second_chunk_stage_seconds >= 0.3 and slow.opening_second_chunk_late_seconds >= 0.06
+    assert slow.opening_second_chunk_late_first_rows == 1
+    assert st.opening_chunks == 1 and st.opening_chunk_batch_rows == 1 and st.first_chunk_batch_rows >= 2
 
 
 @pytest.mark.parametrize("max_batch", [64, 1])

@@ -599,7 +599,7 @@ def test_fill_padding_through_a_stage_pool(flow, hift) -> None:
     jobs, pcm = asyncio.run(go())
     assert stage.stats.grown_chunks == 1 and stage.stats.grown_tokens == 30
     assert pcm[0].size == pcm[1].size  # the grown 60-token chunk ran, not the 30-token one
-    assert all(j.started.result() > 0 for j in jobs)
+    assert all(j.started.result().at > 0 and j.started.result().rows == 2 for j in jobs)
 
 
 def _prompted(prompt_tokens: int, window: int, seed: int) -> FlowChunk:

@@ -187,7 +187,7 @@ def test_server_breakdowns_from_counter_deltas() -> None:
     before = {m + "first_chunks_total": 2, m + "first_chunk_stage_seconds_total": 0.5}
     after = {m + "first_chunks_total": 6, m + "first_chunk_stage_seconds_total": 1.3,
              m + "first_chunk_tokens_total": 40, m + "opening_chunks_total": 2, m + "opening_chunk_stage_seconds_total": 0.2,
-             m + "opening_chunk_tokens_total": 16,
+             m + "opening_chunk_tokens_total": 16, m + "opening_chunk_batch_rows_total": 3,
              m + "lm_server_requests_total": 4, m + "lm_server_queued_seconds_total": 0.04,
              m + "lm_server_prefill_seconds_total": 0.08, m + "lm_server_first_tokens_total": 5,
              m + "lm_server_first_token_seconds_total": 0.5, m + "lm_server_decode_seconds_total": 0.9,
@@ -196,15 +196,17 @@ def test_server_breakdowns_from_counter_deltas() -> None:
     assert first is not None and first["utterances"] == 4 and first["stage"] == 200.0 and first["tokens"] == 10.0
     opening = chunk_phases(after, before, "opening_chunk")
     assert opening is not None and opening["utterances"] == 2 and opening["stage"] == 100.0 and opening["lm_decode"] == 0
+    assert (opening["batch_rows"], first["batch_rows"]) == (1.5, 0.0)  # chunks per first chunk's batch
     assert chunk_phases(before, before, "first_chunk") is None  # none in the window
     lm = lm_server_ms(after, before)
     assert lm == {"queued": 10.0, "prefill": 20.0, "first_token": 100.0, "decode_per_token": 3.0, "requests": 4}
     assert lm_server_ms(before, before) is None  # a gateway without --engine.lm-timing
     second = {m + "opening_second_chunks_total": 4, m + "opening_second_chunk_ready_wait_seconds_total": 0.4,
               m + "opening_second_chunk_stage_wait_seconds_total": 0.2, m + "opening_second_chunk_stage_seconds_total": 1.6,
-              m + "opening_second_chunk_lates_total": 2, m + "opening_second_chunk_late_seconds_total": 0.3}
+              m + "opening_second_chunk_lates_total": 2, m + "opening_second_chunk_late_seconds_total": 0.3,
+              m + "opening_second_chunk_late_first_rows_total": 3}
     assert second_chunk_ms(second, before) == {"ready_wait": 100.0, "stage_wait": 50.0, "stage": 400.0, "chunks": 4,
-                                               "late": 2, "late_by": 150.0}
+                                               "late": 2, "late_by": 150.0, "late_first_rows": 1.5}
     assert second_chunk_ms(before, before) is None
 
 
