@@ -245,10 +245,11 @@ def _four_sessions(seen: list[tuple[object, int, float]]):
 def test_deadline_policy_gives_the_same_audio_in_order(tiny_model_dir) -> None:
     base_seen: list[tuple[object, int, float]] = []
     seen: list[tuple[object, int, float]] = []
-    # 8-token first chunks: audio that outlasts DEADLINE_MARGIN_S, so a second chunk is due
-    # after its first was queued (a shorter first chunk makes the second due at once).
-    base, base_policy = run(tiny_model_dir, _four_sessions(base_seen), warmup=False, initial_hop=8)
-    got, policy = run(tiny_model_dir, _four_sessions(seen), warmup=False, stage_policy="deadline", initial_hop=8)
+    # 12-token first chunks: audio that outlasts DEADLINE_MARGIN_S even less the 160 ms the
+    # vocoder holds back, so a second chunk is due after its first was queued (a shorter
+    # first chunk makes the second due at once, possibly before the first's queueing time).
+    base, base_policy = run(tiny_model_dir, _four_sessions(base_seen), warmup=False, initial_hop=12)
+    got, policy = run(tiny_model_dir, _four_sessions(seen), warmup=False, stage_policy="deadline", initial_hop=12)
     assert (base_policy, policy) == ("first_chunks", "deadline")
     for (events, st), (base_events, _) in zip(got, base):
         assert all(isinstance(e, AudioChunk) for e in events), events
