@@ -19,6 +19,7 @@ LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
+MPSPriority = Literal["normal", "below_normal"]  # engine.backends.vllm_backend.MPS_PRIORITY_VALUES
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,10 @@ class EngineConfig:
     # Unlimited MPS gave 2% at 64 sessions on the H200 while vLLM decoded 1.6x slower beside
     # the stage (round 13 of docs/benchmarks.md); a limit is not measured yet. None: none.
     vllm_mps_thread_percent: int | None = None
+    # Under an NVIDIA MPS daemon: vLLM's engine core as a "below_normal" MPS client lets
+    # the audio stage's kernels go first when both wait for the GPU (the LM decodes ~6x
+    # faster than speech plays at 64 sessions, the stage is the bottleneck). None: normal.
+    vllm_mps_priority: MPSPriority | None = None
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.
     # Costs vLLM's per-step statistics in the gateway process, hence off by default.
@@ -185,6 +190,9 @@ class EngineConfig:
                              "stage_profile_batches >= 1")
         if self.vllm_mps_thread_percent is not None and not 1 <= self.vllm_mps_thread_percent <= 100:
             raise ValueError("vllm_mps_thread_percent must be in 1..100")
+        if self.vllm_mps_priority is not None and self.vllm_mps_priority not in get_args(MPSPriority):
+            raise ValueError(f"vllm_mps_priority must be one of {', '.join(get_args(MPSPriority))}, "
+                             f"not {self.vllm_mps_priority!r}")
         if self.warmup_concurrency is not None and self.warmup_concurrency < 0:
             raise ValueError("warmup_concurrency must be >= 0")
         if not self.first_chunk_margin >= 0:  # also refuses NaN

@@ -464,6 +464,7 @@ class Engine:
                 timing=config.lm_timing,
                 start_in_thread=config.overlap_start,
                 mps_thread_percent=config.vllm_mps_thread_percent,
+                mps_priority=config.vllm_mps_priority,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")

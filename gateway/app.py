@@ -97,6 +97,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         vllm_max_model_len=e.vllm_max_model_len,
         vllm_async_scheduling=e.vllm_async_scheduling,
         vllm_mps_thread_percent=e.vllm_mps_thread_percent,
+        vllm_mps_priority=e.vllm_mps_priority,  # type: ignore[arg-type]
         lm_timing=e.lm_timing,
         tokens_per_text_token=ratio,
     )

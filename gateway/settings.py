@@ -173,6 +173,11 @@ class EngineSettings:
         metadata=_help("vLLM under an NVIDIA MPS daemon: percent of the GPU's SMs its engine core may use, the rest "
                        "left to the flow/vocoder stage (default: no limit; without a daemon it does nothing)"),
     )
+    vllm_mps_priority: str | None = field(
+        default=None,
+        metadata=_help("vLLM under an NVIDIA MPS daemon: its engine core's priority as an MPS client, normal or "
+                       "below_normal (the flow/vocoder stage's kernels then go first; default: normal)"),
+    )
     lm_timing: bool = field(
         default=False,
         metadata=_help("keep vLLM's own timings of its requests (queued, prefill, decode, time to first token) as "

@@ -373,26 +373,34 @@ def test_sampling_kwargs_mapping() -> None:
     assert RASArgs.from_extra(fixed["extra_args"]).mask_stops
 
 
-def test_the_mps_thread_limit_is_the_engine_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set only while vLLM starts its engine core (the
-    child inherits it) and restored after, whatever was there; None sets nothing."""
+def test_the_mps_client_settings_are_the_engine_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_CLIENT_PRIORITY are set only while
+    vLLM starts its engine core (the child inherits them) and restored after, whatever was
+    there; None sets nothing."""
     import os
 
-    from engine.backends.vllm_backend import MPS_PERCENT_ENV, VLLMBackend, mps_thread_limit
+    from engine.backends.vllm_backend import (MPS_PERCENT_ENV, MPS_PRIORITY_ENV, VLLMBackend, engine_core_env,
+                                              mps_client_env)
     from engine.config import EngineConfig
 
     monkeypatch.delenv(MPS_PERCENT_ENV, raising=False)
-    with mps_thread_limit(40):
-        assert os.environ[MPS_PERCENT_ENV] == "40"
-    assert MPS_PERCENT_ENV not in os.environ
+    monkeypatch.delenv(MPS_PRIORITY_ENV, raising=False)
+    assert mps_client_env(None, None) == {}
+    assert mps_client_env(None, "below_normal") == {MPS_PRIORITY_ENV: "1"}
+    assert mps_client_env(40, "normal") == {MPS_PERCENT_ENV: "40", MPS_PRIORITY_ENV: "0"}
+    with engine_core_env(mps_client_env(40, "below_normal")):
+        assert os.environ[MPS_PERCENT_ENV] == "40" and os.environ[MPS_PRIORITY_ENV] == "1"
+    assert MPS_PERCENT_ENV not in os.environ and MPS_PRIORITY_ENV not in os.environ
     monkeypatch.setenv(MPS_PERCENT_ENV, "90")
-    with pytest.raises(RuntimeError), mps_thread_limit(25):  # a failed start restores it too
-        assert os.environ[MPS_PERCENT_ENV] == "25"
+    with pytest.raises(RuntimeError), engine_core_env(mps_client_env(25, "below_normal")):
+        assert os.environ[MPS_PERCENT_ENV] == "25"  # a failed start restores it too
         raise RuntimeError("engine core failed")
-    assert os.environ[MPS_PERCENT_ENV] == "90"
-    with mps_thread_limit(None):
+    assert os.environ[MPS_PERCENT_ENV] == "90" and MPS_PRIORITY_ENV not in os.environ
+    with engine_core_env(mps_client_env(None, None)):
         assert os.environ[MPS_PERCENT_ENV] == "90"
-    backend = VLLMBackend(Path("unused"), VOCAB, mps_thread_percent=30)
-    assert backend.settings.mps_thread_percent == 30
+    backend = VLLMBackend(Path("unused"), VOCAB, mps_thread_percent=30, mps_priority="below_normal")
+    assert backend.settings.mps_thread_percent == 30 and backend.settings.mps_priority == "below_normal"
     with pytest.raises(ValueError, match="vllm_mps_thread_percent"):
         EngineConfig(model_dir=Path("."), vllm_mps_thread_percent=0)
+    with pytest.raises(ValueError, match="vllm_mps_priority must be one of normal, below_normal"):
+        EngineConfig(model_dir=Path("."), vllm_mps_priority="high")  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
@@ -41,6 +41,9 @@ from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run
 from engine.models.vocab import UnifiedVocab
 
 LOGITS_PROCESSOR_FQCN = "engine.backends.ras_logits:CosyVoiceLogitsProcessor"
+
+
+MPSPriority = Literal["normal", "below_normal"]
 
 
 @dataclass(frozen=True)
@@ -65,31 +68,47 @@ class VLLMEngineSettings:
     start_in_thread: bool = False
     # Under an NVIDIA MPS daemon: the share of the GPU's SMs (percent) the engine core may
     # use, leaving the rest to the audio stage in this process (None: no limit; without a
-    # daemon it does nothing). See `mps_thread_limit`.
+    # daemon it does nothing). See `engine_core_env`.
     mps_thread_percent: int | None = None
+    # Under an NVIDIA MPS daemon: the engine core's scheduling priority as an MPS client
+    # ("below_normal": when both have kernels waiting, the GPU runs the audio stage's
+    # first; None: MPS's default, normal). See `engine_core_env`.
+    mps_priority: MPSPriority | None = None
 
 
 MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+MPS_PRIORITY_VALUES: dict[str, str] = {"normal": "0", "below_normal": "1"}
+
+
+def mps_client_env(thread_percent: int | None, priority: MPSPriority | None) -> dict[str, str]:
+    """The MPS client settings of vLLM's engine core, as environment variables (NVIDIA's
+    MPS documentation, "Environment Variables": CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and
+    CUDA_MPS_CLIENT_PRIORITY, 0 normal, 1 below normal)."""
+    env = {}
+    if thread_percent is not None:
+        env[MPS_PERCENT_ENV] = str(thread_percent)
+    if priority is not None:
+        env[MPS_PRIORITY_ENV] = MPS_PRIORITY_VALUES[priority]
+    return env
 
 
 @contextlib.contextmanager
-def mps_thread_limit(percent: int | None) -> Iterator[None]:
+def engine_core_env(env: dict[str, str]) -> Iterator[None]:
     """While vLLM starts its engine core: that child process inherits this environment, and
-    an MPS client reads CUDA_MPS_ACTIVE_THREAD_PERCENTAGE when it creates its CUDA context,
-    so the limit is the engine core's alone (this process's context exists by then: the
-    engine moves the flow to the GPU before it starts the LM). Restored after."""
-    if percent is None:
-        yield
-        return
-    before = os.environ.get(MPS_PERCENT_ENV)
-    os.environ[MPS_PERCENT_ENV] = str(percent)
+    an MPS client reads its settings when it creates its CUDA context, so they are the
+    engine core's alone (this process's context exists by then: the engine moves the flow
+    to the GPU before it starts the LM). Restored after, whatever was there."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(MPS_PERCENT_ENV, None)
-        else:
-            os.environ[MPS_PERCENT_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -205,7 +224,8 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 4096,
                  max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
                  dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False,
-                 start_in_thread: bool = False, mps_thread_percent: int | None = None) -> None:
+                 start_in_thread: bool = False, mps_thread_percent: int | None = None,
+                 mps_priority: MPSPriority | None = None) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -216,7 +236,7 @@ class VLLMBackend:
                                            enforce_eager=enforce_eager, seed=seed, dtype=dtype,
                                            async_scheduling=async_scheduling, timing=timing,
                                            start_in_thread=start_in_thread,
-                                           mps_thread_percent=mps_thread_percent)
+                                           mps_thread_percent=mps_thread_percent, mps_priority=mps_priority)
         self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
@@ -249,7 +269,7 @@ class VLLMBackend:
         )
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
         build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
-        with mps_thread_limit(s.mps_thread_percent):
+        with engine_core_env(mps_client_env(s.mps_thread_percent, s.mps_priority)):
             self._llm = await asyncio.to_thread(build) if s.start_in_thread else build()
 
     def _params(self, sp: SamplingParams) -> Any:
