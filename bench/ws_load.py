@@ -753,6 +753,11 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # --engine.flow-fill-padding: chunks grown into their batch's padding, tokens taken.
             "flow_grown_chunks": int(_delta(after, before, M_GROWN_CHUNKS)),
             "flow_grown_tokens": int(_delta(after, before, M_GROWN_TOKENS)),
+            # --engine.first-chunk-hold-ms: rounds held for expected first chunks, the time
+            # they waited, and the first chunks that made a round by it.
+            "first_chunk_holds": int(_delta(after, before, "cosyvoice_engine_first_chunk_holds_total")),
+            "first_chunk_hold_ms": round(_delta(after, before, "cosyvoice_engine_first_chunk_hold_seconds_total") * 1e3, 3),
+            "first_chunk_hold_caught": int(_delta(after, before, "cosyvoice_engine_first_chunk_hold_caught_total")),
             # --engine.flow-context-cache-mib: chunks that read their utterance's kept frames,
             # and chunks whose final frames were kept.
             "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),

@@ -40,6 +40,11 @@ class EngineConfig:
     # other moments), and a token more of first chunk costs ~7 ms of first audio at 64
     # sessions while it buys 40 ms of audio to play.
     first_chunk_margin: float = 0.5
+    # A stage round about to start first chunks waits up to this long for the first chunks
+    # the engine expects within it (from each one's tokens still to come and its LM rate):
+    # in a burst they come ready over a few LM steps, and one that misses the round waits
+    # a whole round more. 0: no wait.
+    first_chunk_hold_ms: float = 0.0
     max_hop: int = 100
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
@@ -197,6 +202,8 @@ class EngineConfig:
             raise ValueError("warmup_concurrency must be >= 0")
         if not self.first_chunk_margin >= 0:  # also refuses NaN
             raise ValueError("first_chunk_margin must be >= 0")
+        if not 0 <= self.first_chunk_hold_ms <= 1000:
+            raise ValueError("first_chunk_hold_ms must be in 0..1000")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:

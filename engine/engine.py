@@ -157,6 +157,11 @@ class EngineStats:
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
+    # engine.first_chunk_hold_ms: rounds held for expected first chunks, the seconds they
+    # waited, and the first chunks that made a round by it (StageStats).
+    first_chunk_holds: int = 0
+    first_chunk_hold_seconds: float = 0.0
+    first_chunk_hold_caught: int = 0
     # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
     # and the bytes it holds.
     prompt_cache_hits: int = 0
@@ -358,7 +363,8 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
                           context_cache_bytes=config.flow_context_cache_bytes,
                           context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
-                          context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention)
+                          context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,
+                          first_chunk_hold_s=config.first_chunk_hold_ms / 1000)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -665,6 +671,9 @@ class Engine:
             vocoder_frames=st.vocoder_frames,
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,
+            first_chunk_holds=st.first_chunk_holds,
+            first_chunk_hold_seconds=st.first_chunk_hold_seconds,
+            first_chunk_hold_caught=st.first_chunk_hold_caught,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
             context_reads=st.context_reads,
@@ -1124,6 +1133,8 @@ class Session:
                     continue
             if hop is None and not lm_finished:
                 wake.at = sched.tokens_needed()
+                if sched.index == 0 and first_planned:  # its size is final: say when it comes
+                    eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * _lm_step(utt))
                 more.clear()
                 await more.wait()
                 continue

@@ -7,7 +7,7 @@ utterances when its vocoder stream is created, and all of its chunks run there (
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
 `StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `submit`, `run`,
-`round_estimate`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`, `started`,
+`round_estimate`, `expect_first_chunk`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`, `started`,
 `close`.
 """
 
@@ -69,6 +69,12 @@ class StagePool:
         if not isinstance(stream, PooledStream):
             raise TypeError("stream must come from StagePool.new_stream()")
         return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached)
+
+    def expect_first_chunk(self, stream: object, due: float) -> None:
+        """`AudioStage.expect_first_chunk` on the stage the stream is bound to."""
+        if not isinstance(stream, PooledStream):
+            raise TypeError("stream must come from StagePool.new_stream()")
+        self.stages[stream.stage_index].expect_first_chunk(stream.inner, due)
 
     def drop_cancelled(self) -> int:
         return sum(s.drop_cancelled() for s in self.stages)

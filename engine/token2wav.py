@@ -211,6 +211,11 @@ class StageStats:
     # they took (audio those chunks delivered early, at no extra flow work).
     grown_chunks: int = 0
     grown_tokens: int = 0
+    # `first_chunk_hold_s`: rounds that waited for expected first chunks, the seconds
+    # they waited, and the first chunks queued meanwhile (they made that round).
+    first_chunk_holds: int = 0
+    first_chunk_hold_seconds: float = 0.0
+    first_chunk_hold_caught: int = 0
 
 
 def padding_room(frames: Sequence[int], token_mel_ratio: int) -> list[int]:
@@ -228,7 +233,7 @@ class AudioStage:
                  profiler: StageProfiler | None = None, split_batches: bool = False,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
-                 flow_attention: str = "sdpa"):
+                 flow_attention: str = "sdpa", first_chunk_hold_s: float = 0.0):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -278,6 +283,10 @@ class AudioStage:
         # Vocoder streams of utterances in progress: a stream is dropped with its utterance,
         # so the weak set counts them without any bookkeeping on the hot path.
         self._live: weakref.WeakSet[object] = weakref.WeakSet()
+        # First chunks on their way (`expect_first_chunk`): vocoder stream -> when its
+        # tokens should be there (time.monotonic). Weak: an utterance that ends is gone.
+        self._coming: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+        self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
@@ -296,6 +305,12 @@ class AudioStage:
         from here."""
         if self.profiler is not None:
             self.profiler.origin = self.stats.batches
+
+    def expect_first_chunk(self, stream: object, due: float) -> None:
+        """The first chunk of `stream`'s utterance should be queued at `due`
+        (time.monotonic): a round about to start with other first chunks may wait for it
+        (`_hold`). Its `submit` clears it."""
+        self._coming[stream] = due
 
     def live_utterances(self) -> int:
         """Utterances in progress here (their vocoder streams still exist)."""
@@ -371,6 +386,7 @@ class AudioStage:
         loop = asyncio.get_running_loop()
         job.future, job.started = loop.create_future(), loop.create_future()
         job.seq = next(self._seq)
+        self._coming.pop(job.hift_stream, None)
         self._pending.append(job)
         self.stats.queued = len(self._pending)
         self._wake.set()
@@ -475,7 +491,41 @@ class AudioStage:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
+            if self.first_chunk_hold_s > 0:
+                await self._hold()
             await self._serve_batch()
+
+    async def _hold(self) -> None:
+        """Before a round that starts first chunks: wait, at most `first_chunk_hold_s`,
+        for the first chunks expected within that time (`expect_first_chunk`). A burst's
+        first chunks come ready over a few LM steps, and the stage starts a round with
+        the first one queued: one that misses it waits a whole round (hundreds of ms at
+        tens of rows) for its first audio, and its listener's clock started late against
+        the others' second chunks. The rows already queued wait at most the hold. An
+        expectation more than the hold overdue is dropped from the wait (the LM slowed
+        down, or the estimate was off)."""
+        hold = self.first_chunk_hold_s
+        if not any(j.chunk_index == 0 and j.urgent for j in self._pending):
+            return
+        start = time.monotonic()
+        until = start + hold
+        firsts = sum(1 for j in self._pending if j.chunk_index == 0)
+        held = False
+        while len(self._pending) < self.max_batch:
+            now = time.monotonic()
+            if now >= until or not any(now - hold <= due <= until for due in self._coming.values()):
+                break
+            held = True
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), until - now)
+            except TimeoutError:
+                break
+        if held:
+            st = self.stats
+            st.first_chunk_holds += 1
+            st.first_chunk_hold_seconds += time.monotonic() - start
+            st.first_chunk_hold_caught += sum(1 for j in self._pending if j.chunk_index == 0) - firsts
 
     async def _serve_batch(self) -> None:
         """Take one batch and run it. Its own frame, so that nothing of the batch outlives

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,44 @@ def test_the_next_chunk_is_queued_while_the_stage_runs_this_one(tiny_model_dir):
     assert order[:2] == [(0, False), (1, False)]
     assert [e.chunk_index for e in events] == list(range(len(order))) and events[-1].is_last
     assert sum(e.pcm.size for e in events) == st.num_speech_tokens * TOKEN_SAMPLES
+
+
+def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tiny_model_dir):
+    """Once the first chunk's size is planned and the chunker waits for its tokens, the
+    stage learns when it should come (`AudioStage.expect_first_chunk`, for the hold of
+    `first_chunk_hold_ms`): for that utterance's stream, from the LM's measured rate, and
+    the expectation is gone once the chunk is queued."""
+    calls: list[tuple[str, object, float]] = []
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        expect, submit = engine.stage.expect_first_chunk, engine.stage.submit
+        # As under a burst's load: the planner takes more tokens than the initial hop.
+        engine.first_chunks.first_hop = lambda sched, *args, **kwargs: sched.initial_hop + 8
+
+        def spy_expect(stream, due):
+            calls.append(("expect", stream, due - time.monotonic()))
+            expect(stream, due)
+
+        def spy_submit(job):
+            calls.append(("submit", job.hift_stream, job.chunk_index))
+            future = submit(job)
+            assert job.hift_stream not in engine.stage._coming
+            return future
+
+        engine.stage.expect_first_chunk, engine.stage.submit = spy_expect, spy_submit
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.finish()
+        return await collect(s)
+
+    events = run(tiny_model_dir, fn, initial_hop_max=40, first_chunk_hold_ms=20)
+    assert events[-1].is_last
+    kinds = [c[0] for c in calls]
+    assert kinds[0] == "expect" and kinds[1] == "submit" and calls[1][2] == 0, calls[:3]
+    assert calls[0][1] is calls[1][1]  # the first chunk's own stream
+    assert 0 < calls[0][2] < 60  # 8 tokens more at the LM's measured rate
+    assert kinds.count("expect") == 1  # later chunks are not first chunks
 
 
 def test_cancel_stops_chunks_and_aborts_the_lm_request(tiny_model_dir):

@@ -395,6 +395,77 @@ def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> N
     assert stage.batches == [[3, 0], [1, 2]]
 
 
+def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, second_after: float = 0.05,
+                  hold_s: float = 5.0) -> tuple[_RecordingStage, list[object]]:
+    """An urgent first chunk (seq 0) queued at once; a second chunk (seq 1, chunk index
+    `second_index`) of another stream queued `second_after` s later, announced as expected
+    `expected_in` s from the start (None: not announced)."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=hold_s)
+
+    async def go() -> list[object]:
+        loop = asyncio.get_running_loop()
+        streams = [stage.new_stream(), stage.new_stream()]
+        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=streams[i], speed=1.0, chunk_index=idx,
+                         is_cancelled=lambda: False) for i, idx in enumerate([0, second_index])]
+        await stage.start()
+        if expected_in is not None:
+            stage.expect_first_chunk(streams[1], time.monotonic() + expected_in)
+        first = stage.submit(jobs[0])
+        second = loop.create_future()
+        loop.call_later(second_after, lambda: second.set_result(stage.submit(jobs[1])))
+        try:
+            return [await first, await (await second)]
+        finally:
+            await stage.close()
+
+    return stage, asyncio.run(go())
+
+
+def test_a_round_of_first_chunks_waits_for_the_first_chunks_expected_within_the_hold(flow, hift) -> None:
+    """The round waits for the announced first chunk (queued 50 ms later), and no longer
+    than until it came (the hold allows 5 s)."""
+    stage, out = _held_batches(flow, hift, expected_in=0.05)
+    assert stage.batches == [[0, 1]]
+    assert stage.stats.first_chunk_holds == 1 and stage.stats.first_chunk_hold_caught == 1
+    assert stage.stats.first_chunk_hold_seconds < 5.0
+    assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
+
+
+@pytest.mark.parametrize("expected_in, second_index, hold_s", [
+    (None, 0, 5.0),  # not announced: nothing to wait for
+    (60.0, 0, 5.0),  # announced beyond the hold
+    (-30.0, 0, 5.0),  # overdue by more than the hold: the estimate was off, not waited for
+    (0.05, 0, 0.0),  # the hold is off
+])
+def test_a_round_does_not_wait_for_what_is_not_expected_within_the_hold(flow, hift, expected_in, second_index,
+                                                                         hold_s) -> None:
+    stage, out = _held_batches(flow, hift, expected_in=expected_in, second_index=second_index, second_after=1.0,
+                               hold_s=hold_s)
+    assert stage.batches == [[0], [1]]
+    assert stage.stats.first_chunk_holds == 0
+    assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
+
+
+def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
+    """Only a round that starts someone's first audio waits: later chunks are due to
+    sessions already playing."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=5.0)
+
+    async def go() -> None:
+        streams = [stage.new_stream(), stage.new_stream()]
+        await stage.start()
+        stage.expect_first_chunk(streams[1], time.monotonic() + 0.05)
+        job = ChunkJob(flow=_chunk(30, seed=0), hift_stream=streams[0], speed=1.0, chunk_index=2,
+                       is_cancelled=lambda: False)
+        try:
+            await stage.run(job)
+        finally:
+            await stage.close()
+
+    asyncio.run(go())
+    assert stage.batches == [[0]] and stage.stats.first_chunk_holds == 0
+
+
 def test_playback_clock() -> None:
     from engine.engine import PlaybackClock
 
