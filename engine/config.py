@@ -43,8 +43,10 @@ class EngineConfig:
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
     # in a burst they come ready over a few LM steps, and one that misses the round waits
-    # a whole round more. 0: no wait.
-    first_chunk_hold_ms: float = 0.0
+    # a whole round more. On the H200 (round 16 of docs/benchmarks.md) a 40-session burst
+    # without it opened with a 1-row round and that session ran dry; with 25 ms, two
+    # 40-session bursts held 3 and 6 ms and 25 and 39 first chunks joined. 0: no wait.
+    first_chunk_hold_ms: float = 25.0
     max_hop: int = 100
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
@@ -164,9 +166,11 @@ class EngineConfig:
     # Unlimited MPS gave 2% at 64 sessions on the H200 while vLLM decoded 1.6x slower beside
     # the stage (round 13 of docs/benchmarks.md); a limit is not measured yet. None: none.
     vllm_mps_thread_percent: int | None = None
-    # Under an NVIDIA MPS daemon: vLLM's engine core as a "below_normal" MPS client lets
-    # the audio stage's kernels go first when both wait for the GPU (the LM decodes ~6x
-    # faster than speech plays at 64 sessions, the stage is the bottleneck). None: normal.
+    # Under an NVIDIA MPS daemon: vLLM's engine core as a "below_normal" MPS client, so that
+    # the audio stage's kernels go first when both wait for the GPU (the stage is the
+    # bottleneck; the LM decodes ~6x faster than speech plays at 64 sessions). One H200 run
+    # (round 16 of docs/benchmarks.md): no faster opening round, vLLM 1.6x slower, as under
+    # MPS without it. None: normal.
     vllm_mps_priority: MPSPriority | None = None
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.

@@ -7,8 +7,8 @@ utterances when its vocoder stream is created, and all of its chunks run there (
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
 `StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `submit`, `run`,
-`round_estimate`, `expect_first_chunk`, `drop_cancelled`, `pending_for`, `stats`, `warm_graphs`, `warm_prompt`, `start`, `started`,
-`close`.
+`round_estimate`, `expect_first_chunk`, `drop_cancelled`, `pending_for`, `stats`,
+`warm_graphs`, `warm_prompt`, `start`, `started`, `close`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class EngineSettings:
         default=0.5, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
                                      "(see initial_hop_max)"))
     first_chunk_hold_ms: float = field(
-        default=0.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
+        default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))

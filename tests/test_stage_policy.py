@@ -297,7 +297,7 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
         s, _ = load_settings(["--engine.stage-window-tolerance", bad], environ={})
         with pytest.raises(ValueError, match="stage_window_tolerance"):
             engine_config(s, tmp_path)
-    assert (cfg.first_chunk_hold_ms, cfg.vllm_mps_priority) == (0.0, None)
+    assert (cfg.first_chunk_hold_ms, cfg.vllm_mps_priority) == (25.0, None)
     s, _ = load_settings(["--engine.first-chunk-hold-ms", "20", "--engine.vllm-mps-priority", "below_normal"],
                          environ={})
     cfg = engine_config(s, tmp_path)
