@@ -18,6 +18,13 @@ prefix, block-causal among the new frames, padded frames masked). Per backend:
 
 `flash (no mask)` runs the flash backend without the mask, which it cannot take: a bound
 on what a kernel that knows the mask's structure could reach, not a usable result.
+
+The prefix is one voice's (the same keys and values in every row of a CFG half, as in a
+one-voice batch), so the engine's two ways to attend to it compare too: `copy + <kernel>`
+makes each row's keys and values from the shared prefix and its own frames (the per-row
+copy a block makes) and attends with SDPA on that kernel; `split <kernel>` is
+`split_prefix_attention` (the prefix once per CFG half for all rows' queries, each row's
+own frames apart, merged by log-sum-exp; `--engine.flow-split-prefix`).
 """
 
 from __future__ import annotations
@@ -26,13 +33,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.models.dit import prefixed_attention_mask
+from engine.models.dit import (
+    per_row,
+    prefixed_attention_mask,
+    split_prefix_attention,
+    split_prefix_masks,
+)
 
 HEADS, DIM_HEAD, CHUNK = 16, 64, 50  # CosyVoice3's DiT and its block of 25 tokens
 
@@ -44,29 +56,60 @@ BACKENDS: dict[str, tuple[SDPBackend, bool]] = {  # name -> (backend, with the m
 }
 
 
+class Inputs(NamedTuple):
+    """One block's attention inputs: q and the own frames' keys/values [2 rows, H, frames, dh],
+    the voice's prefix keys/values [2 (CFG halves), H, prefix, dh], and the DiT's mask
+    [2 rows, 1, frames, prefix + frames]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    mask: torch.Tensor
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's prefix then own keys, and the same of the values (the per-row copy)."""
+        rows = self.q.shape[0]
+        return (torch.cat((per_row(self.prefix_k, rows), self.k), dim=2),
+                torch.cat((per_row(self.prefix_v, rows), self.v), dim=2))
+
+
 def inputs(rows: int, prefix: int, frames: int, padded: int, device: torch.device, dtype: torch.dtype,
-           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [2 rows, H, frames, dh], k and v [2 rows, H, prefix + frames, dh], and the DiT's
-    mask; the last `padded` new frames of each row are padding."""
+           seed: int = 0) -> Inputs:
+    """`Inputs` of `rows` chunks of one voice; the last `padded` new frames of each row are padding."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     batch = 2 * rows  # both CFG halves
 
-    def rand(length: int) -> torch.Tensor:
-        return torch.randn(batch, HEADS, length, DIM_HEAD, generator=g).to(device, dtype)
+    def rand(n: int, length: int) -> torch.Tensor:
+        return torch.randn(n, HEADS, length, DIM_HEAD, generator=g).to(device, dtype)
 
-    q, k, v = rand(frames), rand(prefix + frames), rand(prefix + frames)
+    q, k, v = rand(batch, frames), rand(batch, frames), rand(batch, frames)
     pad = torch.ones(batch, frames, dtype=torch.bool)
     if padded:
         pad[:, frames - padded:] = False
     mask = prefixed_attention_mask(torch.ones(batch, prefix, dtype=torch.bool), pad, CHUNK).to(device)
-    return q, k, v, mask
+    return Inputs(q, k, v, rand(2, prefix), rand(2, prefix), mask)
 
 
-def call(backend: SDPBackend, masked: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         mask: torch.Tensor) -> Callable[[], torch.Tensor]:
+def call(backend: SDPBackend, masked: bool, x: Inputs, keys: torch.Tensor, values: torch.Tensor,
+         copy: bool = False) -> Callable[[], torch.Tensor]:
+    """SDPA on `backend` over the concatenated keys; `copy`: making them is part of the call."""
     def fn() -> torch.Tensor:
+        k, v = x.keys_values() if copy else (keys, values)
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masked else None)
+            return F.scaled_dot_product_attention(x.q, k, v, attn_mask=x.mask if masked else None)
+    return fn
+
+
+def split_call(kernel: str, x: Inputs) -> Callable[[], torch.Tensor]:
+    """`split_prefix_attention` with `kernel`'s log-sum-exp attention, as [rows, H, frames, dh]."""
+    masks = split_prefix_masks(x.mask, x.prefix_k.shape[2], x.q.dtype, kernel)
+
+    def fn() -> torch.Tensor:
+        batch, heads, length, dh = x.q.shape
+        out = split_prefix_attention(x.q, x.k, x.v, (x.prefix_k, x.prefix_v), masks)
+        return out.view(batch, length, heads, dh).transpose(1, 2)
     return fn
 
 
@@ -95,12 +138,18 @@ def gpu_us(fn: Callable[[], torch.Tensor], calls: int, reps: int) -> float:
 
 def measure(rows: int, prefix: int, frames: int, padded: int, device: torch.device, dtype: torch.dtype,
             calls: int, reps: int) -> dict[str, Any]:
-    q, k, v, mask = inputs(rows, prefix, frames, padded, device, dtype)
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    x = inputs(rows, prefix, frames, padded, device, dtype)
+    k, v = x.keys_values()
+    ref = F.scaled_dot_product_attention(x.q.float(), k.float(), v.float(), attn_mask=x.mask)
     out: dict[str, Any] = {"rows": rows, "prefix": prefix, "frames": frames, "padded": padded, "backends": {}}
-    for name, (backend, masked) in BACKENDS.items():
+    calls_of: dict[str, tuple[Callable[[], torch.Tensor], bool]] = {
+        name: (call(backend, masked, x, k, v), masked) for name, (backend, masked) in BACKENDS.items()}
+    for kernel, backend in (("sdpa", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        label = "efficient" if kernel == "sdpa" else kernel
+        calls_of[f"copy + {label}"] = (call(backend, True, x, k, v, copy=True), True)
+        calls_of[f"split {label}"] = (split_call(kernel, x), True)
+    for name, (fn, masked) in calls_of.items():
         r: dict[str, Any] = {}
-        fn = call(backend, masked, q, k, v, mask)
         try:
             got = fn()
         except RuntimeError as exc:  # the backend refuses these inputs

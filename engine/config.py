@@ -63,6 +63,11 @@ class EngineConfig:
     # kernel on CUDA) or "cudnn" (1.7-2.0x faster alone on the H200 at the engine's shapes,
     # round 14 of docs/benchmarks.md; not yet measured in the engine, hence not the default).
     flow_attention: FlowAttention = "sdpa"
+    # A batch whose chunks all have one voice attends to the voice's cached prompt once per
+    # CFG half, all rows' queries together, and to each row's own frames apart, merging the
+    # two by their log-sum-exps (`engine.models.dit.split_prefix_attention`), instead of
+    # over per-row copies of the prompt's keys and values. Exact up to rounding.
+    flow_split_prefix: bool = True
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact

@@ -9,9 +9,13 @@ from bench import attention_backends
 
 
 def test_inputs_follow_the_dit_mask() -> None:
-    q, k, v, mask = attention_backends.inputs(rows=2, prefix=100, frames=60, padded=6, device=torch.device("cpu"),
-                                              dtype=torch.float32)
+    x = attention_backends.inputs(rows=2, prefix=100, frames=60, padded=6, device=torch.device("cpu"),
+                                  dtype=torch.float32)
+    k, v = x.keys_values()
+    q, mask = x.q, x.mask
     assert q.shape == (4, 16, 60, 64) and k.shape == v.shape == (4, 16, 160, 64)
+    # One voice: rows of a CFG half share the prefix, the halves differ.
+    assert torch.equal(k[0, :, :100], k[1, :, :100]) and not torch.equal(k[0, :, :100], k[2, :, :100])
     assert mask.shape == (4, 1, 60, 160)
     assert bool(mask[:, :, :, :100].all())  # every query sees the whole cached prefix
     # Block-causal among the new frames (blocks of 50): frame 10 sees frames 0-49 only.
@@ -26,4 +30,8 @@ def test_the_math_backend_matches_the_reference_on_the_cpu(tmp_path) -> None:  #
     (result,) = report["results"]
     math = result["backends"]["math"]
     assert math["max_abs_err"] < 1e-5 and "us" not in math  # no GPU timing off CUDA
-    assert set(result["backends"]) == set(attention_backends.BACKENDS)
+    names = {"copy + efficient", "split efficient", "copy + cudnn", "split cudnn"}
+    assert set(result["backends"]) == set(attention_backends.BACKENDS) | names
+    # The split attention (on the CPU its log-sum-exps are written out) is the same attention.
+    for name in ("split efficient", "split cudnn"):
+        assert result["backends"][name]["max_abs_err"] < 1e-5

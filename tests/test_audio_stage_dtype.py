@@ -46,3 +46,20 @@ def test_flow_attention_reaches_the_dit_and_is_validated() -> None:
     assert flow.decoder.estimator.attention_kernel == "sdpa"
     with pytest.raises(ValueError, match="flow_attention"):
         EngineConfig(model_dir=Path("."), flow_attention="flash")  # type: ignore[arg-type]
+
+
+def test_flow_split_prefix_reaches_the_dit(tmp_path: Path) -> None:
+    """--engine.flow-split-prefix (on by default) is the stage's DiT's `split_prefix`."""
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_split_prefix is True
+    off = engine_config(load_settings(["--engine.flow-split-prefix", "false"], environ={})[0], tmp_path)
+    assert off.flow_split_prefix is False
+    flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_split_prefix=False)
+    assert flow.decoder.estimator.split_prefix is False
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
+    assert flow.decoder.estimator.split_prefix is True

@@ -236,6 +236,49 @@ def test_the_cudnn_setting_keeps_the_dit_output_off_cuda() -> None:
         est.use_attention_kernel("flash")
 
 
+def test_split_prefix_attention_is_the_attention_over_prefix_and_own_keys() -> None:
+    """A one-voice batch's attention split in two (the shared prefix for all rows of a CFG
+    half at once, each row's ring and new keys apart) and merged by log-sum-exp equals the
+    attention over the concatenated keys under the combined mask: prefix slots past the
+    voice's frames masked (a wider graph bucket), a row with padded frames, a padding row
+    (no real frame: the mask's empty-row guard), rows with fewer ring keys."""
+    g = torch.Generator().manual_seed(11)
+    rows, heads, length, dh, width, ring = 3, 2, 9, 8, 12, 5
+    batch = 2 * rows
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v = rand(batch, heads, length, dh), rand(batch, heads, length, dh), rand(batch, heads, length, dh)
+    prefix = (rand(2, heads, width, dh), rand(2, heads, width, dh))
+    ring_k, ring_v = rand(batch, heads, ring, dh), rand(batch, heads, ring, dh)
+    pad = torch.ones(batch, length, dtype=torch.bool)
+    pad[1, 6:] = pad[rows + 1, 6:] = False
+    pad[2] = pad[rows + 2] = False  # a padding row of the bucket
+    key_mask = torch.ones(batch, width + ring, dtype=torch.bool)
+    key_mask[:, 10:width] = False  # the voice has 10 frames in a 12-frame bucket
+    key_mask[0, width + 2:] = key_mask[rows, width + 2:] = False  # fewer ring keys
+    mask = dit_mod.prefixed_attention_mask(key_mask, pad, 4)
+    keys = torch.cat((dit_mod.per_row(prefix[0], batch), ring_k, k), dim=2)
+    values = torch.cat((dit_mod.per_row(prefix[1], batch), ring_v, v), dim=2)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).transpose(1, 2).reshape(batch, length, -1)
+    masks = dit_mod.split_prefix_masks(mask, width, torch.float64, "sdpa")
+    assert masks.prefix.shape == (2, 1, 1, width) and masks.own.shape == (batch, 1, length, ring + length)
+    got = dit_mod.split_prefix_attention(q, torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2),
+                                         prefix, masks)
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    assert (got - ref).abs().max().item() <= 1e-12
+    # The log-sum-exp the merge weighs by is that of each query's visible scaled scores.
+    _, lse = dit_mod.attention_with_lse(q, keys, values, dit_mod.attention_bias(mask, torch.float64), "sdpa")
+    scores = q @ keys.transpose(-1, -2) / dh ** 0.5
+    assert torch.allclose(lse, torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1), atol=1e-12)
+    # Only a prefix shared by every row can be attended apart.
+    attn = dit_mod.Attention(heads * dh, heads, dh).double()
+    rope = (torch.ones(length, heads * dh, dtype=torch.float64), torch.zeros(length, heads * dh, dtype=torch.float64))
+    with pytest.raises(ValueError, match="shared"):
+        attn(rand(batch, length, heads * dh), masks, pad, rope, prefix, shared=False)
+
+
 def _velocity_by_modules(est: DiT, x, mask, mu, t, spks, cond, chunk: int) -> torch.Tensor:  # noqa: ANN001
     """The DiT written out with its official modules one by one (q, k, v, each block's AdaLN
     linear and the final norm's from the time embedding of every row): what the fused

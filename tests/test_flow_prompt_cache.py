@@ -125,7 +125,9 @@ def test_cached_decode_equals_decode_chunks(flow: CausalMaskedDiffWithDiT, voice
 def test_one_voice_batch_shares_its_prefix(flow: CausalMaskedDiffWithDiT, voices: list[Voice],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of one voice get its cached prefix once per CFG half (no per-row copies) and the
-    same frames as the per-row layout and as the plain decode."""
+    same frames as the per-row layout and as the plain decode, whether the blocks attend to
+    it apart (`split_prefix_attention`, the default: the same sums in another order) or
+    over a broadcast of it (the same arithmetic as the per-row layout)."""
     import engine.flow_prompt_cache as fpc
 
     a = voices[0]
@@ -137,12 +139,17 @@ def test_one_voice_batch_shares_its_prefix(flow: CausalMaskedDiffWithDiT, voices
     assert step.layer_kv[0][0].shape[0] == 2 and step.conv_context.shape[0] == 2  # per CFG half, not per row
     assert step.layer_kv[0][0].data_ptr() == entries[0].keys[3, 0].data_ptr()  # the cache itself, no copy
     ref, _ = flow.decode_chunks(chunks)
+    estimator = flow.decoder.estimator
+    assert estimator.split_prefix
+    split, _ = decode_with_prompt_cache(flow, chunks, entries)
+    monkeypatch.setattr(estimator, "split_prefix", False)
     shared, _ = decode_with_prompt_cache(flow, chunks, entries)
     monkeypatch.setattr(fpc, "shared_entry", lambda entries: None)  # force the per-row layout
     assert not fpc.StepPrefixes(entries, torch.device("cpu"))[0].shared
     per_row, _ = decode_with_prompt_cache(flow, chunks, entries)
-    for r, s_, p_ in zip(ref, shared, per_row):
+    for r, x, s_, p_ in zip(ref, split, shared, per_row):
         assert (s_ - p_).abs().max().item() <= 1e-6
+        assert (x - p_).abs().max().item() <= TOL and (x - r).abs().max().item() <= TOL
         assert (s_ - r).abs().max().item() <= TOL
 
 
@@ -271,6 +278,22 @@ def test_stage_bench_checks_the_prompt_cache(tmp_path, capsys) -> None:  # noqa:
     # A mismatch beyond the tolerance (here: any difference at all is too much) fails the run.
     assert stage_bench.main([*common, "--tol-cache-fp32", "-1"]) == 1
     assert "prompt-cache" in capsys.readouterr().err
+
+
+def test_one_voice_split_attention_is_the_same_arithmetic_in_float64(voices: list[Voice]) -> None:
+    """In float64 the split attention of a one-voice batch (`split_prefix_attention`) gives
+    the plain decode's frames to rounding: the merge by log-sum-exp loses nothing."""
+    model = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    init_random_(model, seed=4321)
+    model = model.double().eval()
+    a = replace(voices[0], feat=voices[0].feat.double(), emb=voices[0].emb.double())
+    chunks = [chunk(a, 65, 110, False), chunk(a, 0, 15, False), chunk(a, 0, 20, True)]
+    entries = PromptCache().entries_for(model, chunks)
+    assert all(e is entries[0] for e in entries) and model.decoder.estimator.split_prefix
+    ref, _ = model.decode_chunks(chunks)
+    got, _ = decode_with_prompt_cache(model, chunks, entries)
+    for r, g in zip(ref, got):
+        assert (g - r).abs().max().item() <= 1e-12
 
 
 def test_graph_runner_with_cached_prefixes_equals_decode_chunks(flow: CausalMaskedDiffWithDiT,

@@ -46,7 +46,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +210,72 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bias = torch.zeros(batch, one, tq, width, dtype=dtype, device=mask.device)
     bias[..., :tk].masked_fill_(~mask, float("-inf"))
     return bias[..., :tk]
+
+
+class SplitMasks(NamedTuple):
+    """What a one-voice prefixed call's blocks take instead of a mask when its attention is
+    split (`split_prefix_attention`): additive biases over the shared prefix keys [2, 1, 1, W]
+    and over each row's own keys [B, 1, T, L + T], and the kernel (ATTENTION_KERNELS)."""
+
+    prefix: torch.Tensor
+    own: torch.Tensor
+    kernel: str
+
+
+def split_prefix_masks(mask: torch.Tensor, width: int, dtype: torch.dtype, kernel: str) -> SplitMasks:
+    """The boolean mask of a one-voice prefixed call ([B, 1, T, W + L + T], see
+    `prefixed_attention_mask`) as the two additive biases `split_prefix_attention` takes:
+    the prefix keys' [2, 1, 1, W] (every query of a CFG half sees the same ones: the rows'
+    first, a whole number of blocks before them) and the row's own keys' [B, 1, T, L + T]."""
+    batch = mask.shape[0]
+    first = mask[:, :, :1, :width].reshape(2, batch // 2, 1, 1, width)[:, 0]
+    return SplitMasks(attention_bias(first, dtype), attention_bias(mask[..., width:], dtype), kernel)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                       kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(dh) + bias) v [B, H, Tq, dh] and the log-sum-exp of each query's
+    scaled scores [B, H, Tq] (float32), which two attentions over disjoint key sets need to
+    be merged into the attention over their union. CUDA: cuDNN's or the memory-efficient
+    kernel (`kernel`); elsewhere the same formula written out, in at least float32."""
+    batch, heads, length, _ = q.shape
+    bias = bias.expand(batch, heads, length, k.shape[2])
+    if q.is_cuda:
+        if kernel == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True)
+        else:
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
+        # cuDNN's statistics are [B, H, Tq, 1]; the memory-efficient kernel pads Tq to 32.
+        return res[0], res[1].reshape(batch, heads, -1)[..., :length].float()
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias.to(wide)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(wide))
+    return out.to(q.dtype), lse.to(torch.promote_types(wide, lse.dtype))
+
+
+def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           prefix_kv: tuple[torch.Tensor, torch.Tensor], masks: SplitMasks) -> torch.Tensor:
+    """Attention of a one-voice batch over [shared prefix; own keys] without a per-row copy
+    of the prefix: each CFG half's queries, all rows as one sequence, attend to its prefix
+    once ([2, H, R x T] queries over W keys), each row's queries to its own keys (ring and
+    new frames, [B, H, T] over L + T), and the two are merged by their log-sum-exps
+    (softmax over a union of key sets = the two softmaxes weighted by their shares of the
+    total exp-sum). On the H200 the per-row copies and the attention reading them were a
+    third of a 64-chunk opening round's GPU time (round 15 of docs/benchmarks.md).
+
+    q, k, v: [B, H, T, dh] (B = 2R: rows [0, R) conditional); prefix_kv: [2, H, W, dh] each.
+    Returns [B, T, H x dh]."""
+    batch, heads, length, dh = q.shape
+    halves = q.transpose(1, 2).reshape(2, batch // 2 * length, heads, dh).transpose(1, 2)
+    o_pre, l_pre = attention_with_lse(halves, prefix_kv[0], prefix_kv[1], masks.prefix, masks.kernel)
+    o_own, l_own = attention_with_lse(q, k, v, masks.own, masks.kernel)
+    o_pre = o_pre.transpose(1, 2).reshape(batch, length, heads, dh)
+    l_pre = l_pre.transpose(1, 2).reshape(batch, length, heads)
+    o_own, l_own = o_own.transpose(1, 2), l_own.transpose(1, 2)
+    share = torch.sigmoid(l_pre - l_own).unsqueeze(-1)  # exp(l_pre) / (exp(l_pre) + exp(l_own))
+    out = o_own.to(share.dtype) + (o_pre.to(share.dtype) - o_own.to(share.dtype)) * share
+    return out.to(q.dtype).reshape(batch, length, heads * dh)
 
 
 def prefixed_attention_mask(prefix_mask: torch.Tensor, pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -444,7 +510,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | SplitMasks,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -455,7 +521,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`prefix_kv`: cached prefix keys/values put before this call's (the mask then
         covers them too), per row, or per CFG half when `shared` (see DiTPrefix), and
-        `ring_kv` per row after them; `record` receives this call's keys and values;
+        `ring_kv` per row after them; with `SplitMasks` (shared only) the prefix is attended
+        apart (`split_prefix_attention`); `record` receives this call's keys and values;
         `keep_kv` also returns them as the projections make them, [B, T, H x dh] (out,
         keys, values)."""
         batch, length, _ = x.shape
@@ -467,6 +534,14 @@ class Attention(nn.Module):
         if record is not None:
             record.keys.append(k)
             record.values.append(v)
+        if isinstance(mask, SplitMasks):
+            if prefix_kv is None or not shared:
+                raise ValueError("split attention masks need a prefix shared by every row")
+            if ring_kv is not None:
+                k, v = torch.cat((ring_kv[0], k), dim=2), torch.cat((ring_kv[1], v), dim=2)
+            out = self.to_out[0](split_prefix_attention(q, k, v, prefix_kv, mask))
+            out = out * pad_mask.unsqueeze(-1).to(out.dtype)
+            return (out, new_k, new_v) if keep_kv else out
         if prefix_kv is not None:
             pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
             if ring_kv is None:
@@ -510,7 +585,7 @@ class DiTBlock(nn.Module):
         self,
         x: torch.Tensor,
         mod: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | SplitMasks,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -535,7 +610,8 @@ def _is_compile_error(exc: BaseException) -> bool:
                for e in (exc, exc.__cause__) if e is not None)
 
 
-def _run_block(block: "DiTBlock", h: torch.Tensor, mod: torch.Tensor, mask: torch.Tensor, pad_mask: torch.Tensor,
+def _run_block(block: "DiTBlock", h: torch.Tensor, mod: torch.Tensor, mask: torch.Tensor | SplitMasks,
+               pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
                record: DiTRecord | None, shared: bool = False, ring: tuple[torch.Tensor, torch.Tensor] | None = None,
                keep_kv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -561,6 +637,9 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
         self.attention_kernel = "sdpa"  # one of ATTENTION_KERNELS (`use_attention_kernel`)
+        # One-voice prefixed calls attend to the shared prefix apart from each row's own keys
+        # (`split_prefix_attention`) instead of over per-row copies of it.
+        self.split_prefix = True
         self.register_buffer("time_weight", torch.empty(0), persistent=False)
         self.register_buffer("time_bias", torch.empty(0), persistent=False)
         self.fuse()
@@ -620,7 +699,8 @@ class DiT(nn.Module):
         self._compiled_block = torch.compile(_run_block, dynamic=True, backend=backend)
 
     def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, mods: torch.Tensor,
-                    attn_mask: torch.Tensor, pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    attn_mask: torch.Tensor | SplitMasks, pad_mask: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor],
                     prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
         shared = prefix is not None and prefix.shared
         rings = None if prefix is None else prefix.ring_kv
@@ -688,9 +768,12 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        if self.attention_kernel == "cudnn":
-            attn_mask = attention_bias(attn_mask, h.dtype)
-        blocks = (h, time.blocks, attn_mask, pad_mask, rope, prefix, record)
+        masks: torch.Tensor | SplitMasks = attn_mask
+        if prefix is not None and prefix.shared and self.split_prefix:
+            masks = split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], h.dtype, self.attention_kernel)
+        elif self.attention_kernel == "cudnn":
+            masks = attention_bias(attn_mask, h.dtype)
+        blocks = (h, time.blocks, masks, pad_mask, rope, prefix, record)
         if self._compiled_block is not None and record is None:
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
