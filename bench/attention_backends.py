@@ -24,7 +24,7 @@ one-voice batch), so the engine's two ways to attend to it compare too: `copy + 
 makes each row's keys and values from the shared prefix and its own frames (the per-row
 copy a block makes) and attends with SDPA on that kernel; `split <kernel>` is
 `split_prefix_attention` (the prefix once per CFG half for all rows' queries, each row's
-own frames apart, merged by log-sum-exp; `--engine.flow-split-prefix`).
+own frames apart, merged by log-sum-exp; `--engine.flow-split-prefix-rows`).
 """
 
 from __future__ import annotations

@@ -63,11 +63,14 @@ class EngineConfig:
     # kernel on CUDA) or "cudnn" (1.7-2.0x faster alone on the H200 at the engine's shapes,
     # round 14 of docs/benchmarks.md; not yet measured in the engine, hence not the default).
     flow_attention: FlowAttention = "sdpa"
-    # A batch whose chunks all have one voice attends to the voice's cached prompt once per
-    # CFG half, all rows' queries together, and to each row's own frames apart, merging the
-    # two by their log-sum-exps (`engine.models.dit.split_prefix_attention`), instead of
-    # over per-row copies of the prompt's keys and values. Exact up to rounding.
-    flow_split_prefix: bool = True
+    # A batch of at least this many chunks, all of one voice, attends to the voice's cached
+    # prompt once per CFG half, all rows' queries together, and to each row's own frames
+    # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),
+    # instead of over per-row copies of the prompt's keys and values. Exact up to rounding.
+    # On the H200 (round 17 of docs/benchmarks.md, the stage alone) a 64-chunk opening round
+    # took 129 against 142 ms; one chunk 24.0 against 21.4 ms (two attentions and a merge
+    # where one copy is cheap). 0: never.
+    flow_split_prefix_rows: int = 8
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
@@ -194,6 +197,8 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
+        if self.flow_split_prefix_rows < 0:
+            raise ValueError(f"flow_split_prefix_rows must be >= 0, not {self.flow_split_prefix_rows}")
         if self.flow_attention not in get_args(FlowAttention):
             raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
                              f"not {self.flow_attention!r}")

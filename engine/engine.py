@@ -364,7 +364,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           context_cache_bytes=config.flow_context_cache_bytes,
                           context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
                           context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,
-                          flow_split_prefix=config.flow_split_prefix,
+                          flow_split_prefix_rows=config.flow_split_prefix_rows,
                           first_chunk_hold_s=config.first_chunk_hold_ms / 1000)
 
     if not config.stage_devices:

@@ -233,7 +233,8 @@ class AudioStage:
                  profiler: StageProfiler | None = None, split_batches: bool = False,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
-                 flow_attention: str = "sdpa", flow_split_prefix: bool = True, first_chunk_hold_s: float = 0.0):
+                 flow_attention: str = "sdpa", flow_split_prefix_rows: int = 8,
+                 first_chunk_hold_s: float = 0.0):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -264,7 +265,7 @@ class AudioStage:
         self._context_warmed = False
         if isinstance(estimator, DiT):
             estimator.use_attention_kernel(flow_attention)  # before it compiles: its graphs keep the kernel
-            estimator.split_prefix = flow_split_prefix
+            estimator.split_prefix_rows = flow_split_prefix_rows
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.
         self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)

@@ -66,10 +66,11 @@ class EngineSettings:
         metadata=_help("the CosyVoice3 DiT's attention kernel: sdpa (PyTorch's pick) or cudnn (cuDNN's fused "
                        "attention on CUDA; faster alone on the H200, not yet measured in the engine)"),
     )
-    flow_split_prefix: bool = field(
-        default=True,
-        metadata=_help("one-voice flow batches attend to the voice's cached prompt once for all rows and to each "
-                       "row's own frames apart, merged by log-sum-exp, instead of over per-row copies of the prompt"),
+    flow_split_prefix_rows: int = field(
+        default=8,
+        metadata=_help("one-voice flow batches of at least this many chunks attend to the voice's cached prompt "
+                       "once for all chunks and to each chunk's own frames apart, merged by log-sum-exp, instead "
+                       "of over per-chunk copies of the prompt (0 = never)"),
     )
     flow_cuda_graphs: bool = field(default=True, metadata=_help("run the CosyVoice3 flow's ODE solve as CUDA graphs (CUDA only)"))
     flow_graph_max_rows: int = field(

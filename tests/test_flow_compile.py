@@ -60,11 +60,20 @@ def test_compiled_blocks_give_the_eager_frames(flows: tuple[CausalMaskedDiffWith
     got, _ = decode_with_prompt_cache(compiled, chunks, entries)
     for r, x in zip(ref, got):
         assert (x - r).abs().max().item() <= 1e-5
+    # ... and attended apart from each row's own frames (`split_prefix_attention`).
+    estimator = compiled.decoder.estimator
+    estimator.split_prefix_rows = 1
+    try:
+        got, _ = decode_with_prompt_cache(compiled, chunks, entries)
+    finally:
+        estimator.split_prefix_rows = 8
+    for r, x in zip(ref, got):
+        assert (x - r).abs().max().item() <= 1e-5
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
     # One graph for plain batches, one for per-row cached prefixes (per-row rotary
-    # positions), one for a prefix shared by all rows.
-    assert counters["stats"]["unique_graphs"] == 3
+    # positions), one for a prefix shared by all rows, one for that prefix attended apart.
+    assert counters["stats"]["unique_graphs"] == 4
 
 
 def test_a_deep_copy_starts_uncompiled(flows: tuple[CausalMaskedDiffWithDiT, ...]) -> None:

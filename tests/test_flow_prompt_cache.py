@@ -126,8 +126,10 @@ def test_one_voice_batch_shares_its_prefix(flow: CausalMaskedDiffWithDiT, voices
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of one voice get its cached prefix once per CFG half (no per-row copies) and the
     same frames as the per-row layout and as the plain decode, whether the blocks attend to
-    it apart (`split_prefix_attention`, the default: the same sums in another order) or
-    over a broadcast of it (the same arithmetic as the per-row layout)."""
+    it apart (`split_prefix_attention`, from `split_prefix_rows` chunks: the same sums in
+    another order) or over a broadcast of it (the same arithmetic as the per-row layout)."""
+    from engine.models import dit as dit_mod
+
     import engine.flow_prompt_cache as fpc
 
     a = voices[0]
@@ -140,10 +142,15 @@ def test_one_voice_batch_shares_its_prefix(flow: CausalMaskedDiffWithDiT, voices
     assert step.layer_kv[0][0].data_ptr() == entries[0].keys[3, 0].data_ptr()  # the cache itself, no copy
     ref, _ = flow.decode_chunks(chunks)
     estimator = flow.decoder.estimator
-    assert estimator.split_prefix
+    calls = []
+    real_split = dit_mod.split_prefix_attention
+    monkeypatch.setattr(dit_mod, "split_prefix_attention", lambda *a: calls.append(1) or real_split(*a))
+    monkeypatch.setattr(estimator, "split_prefix_rows", len(chunks))
     split, _ = decode_with_prompt_cache(flow, chunks, entries)
-    monkeypatch.setattr(estimator, "split_prefix", False)
+    assert len(calls) == 10 * len(estimator.transformer_blocks)  # every block of every Euler step
+    monkeypatch.setattr(estimator, "split_prefix_rows", len(chunks) + 1)  # fewer chunks than that: no split
     shared, _ = decode_with_prompt_cache(flow, chunks, entries)
+    assert len(calls) == 10 * len(estimator.transformer_blocks)
     monkeypatch.setattr(fpc, "shared_entry", lambda entries: None)  # force the per-row layout
     assert not fpc.StepPrefixes(entries, torch.device("cpu"))[0].shared
     per_row, _ = decode_with_prompt_cache(flow, chunks, entries)
@@ -289,7 +296,8 @@ def test_one_voice_split_attention_is_the_same_arithmetic_in_float64(voices: lis
     a = replace(voices[0], feat=voices[0].feat.double(), emb=voices[0].emb.double())
     chunks = [chunk(a, 65, 110, False), chunk(a, 0, 15, False), chunk(a, 0, 20, True)]
     entries = PromptCache().entries_for(model, chunks)
-    assert all(e is entries[0] for e in entries) and model.decoder.estimator.split_prefix
+    assert all(e is entries[0] for e in entries)
+    model.decoder.estimator.split_prefix_rows = 1
     ref, _ = model.decode_chunks(chunks)
     got, _ = decode_with_prompt_cache(model, chunks, entries)
     for r, g in zip(ref, got):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the H200 machine (device tool); needs no vLLM, only the server-stack wheels:
-#   run(command="CONFIGS='flow_split_prefix=false flow_split_prefix=true' bash bench/gpu/stage_ab.sh", carry=[".whl"])
+#   run(command="CONFIGS='flow_split_prefix_rows=0 flow_split_prefix_rows=1' bash bench/gpu/stage_ab.sh", carry=[".whl"])
 # Stage settings A/B on the stage alone (bench/stage_syncs.py, the engine's own stage, full-size
 # random model): one process per setting in CONFIGS (space-separated; a setting is one or more
 # EngineConfig FIELD=VALUE joined by commas), the same batches in each; then how far each

@@ -637,9 +637,10 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
         self.attention_kernel = "sdpa"  # one of ATTENTION_KERNELS (`use_attention_kernel`)
-        # One-voice prefixed calls attend to the shared prefix apart from each row's own keys
-        # (`split_prefix_attention`) instead of over per-row copies of it.
-        self.split_prefix = True
+        # One-voice prefixed calls of at least this many rows per CFG half attend to the shared
+        # prefix apart from each row's own keys (`split_prefix_attention`) instead of over
+        # per-row copies of it; 0: never (EngineConfig.flow_split_prefix_rows).
+        self.split_prefix_rows = 8
         self.register_buffer("time_weight", torch.empty(0), persistent=False)
         self.register_buffer("time_bias", torch.empty(0), persistent=False)
         self.fuse()
@@ -769,7 +770,7 @@ class DiT(nn.Module):
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
         masks: torch.Tensor | SplitMasks = attn_mask
-        if prefix is not None and prefix.shared and self.split_prefix:
+        if prefix is not None and prefix.shared and 0 < self.split_prefix_rows <= batch // 2:
             masks = split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], h.dtype, self.attention_kernel)
         elif self.attention_kernel == "cudnn":
             masks = attention_bias(attn_mask, h.dtype)
