@@ -47,6 +47,13 @@ class EngineConfig:
     # without it opened with a 1-row round and that session ran dry; with 25 ms, two
     # 40-session bursts held 3 and 6 ms and 25 and 39 first chunks joined. 0: no wait.
     first_chunk_hold_ms: float = 25.0
+    # The hold grows to this share of the round an expected first chunk would miss (the
+    # full-burst round the engine predicts for it): waiting w ms delays the queued rows by w
+    # and saves each chunk it catches a whole round. In round 17 of docs/benchmarks.md a
+    # 40-session burst held 5 ms, caught 19 first chunks and left 10 for a later round
+    # (p95 857 against 474 ms in the level before it); its rounds were predicted at 434 ms.
+    # 0: the fixed hold alone. Not yet measured on the GPU.
+    first_chunk_hold_share: float = 0.0
     max_hop: int = 100
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
@@ -218,6 +225,8 @@ class EngineConfig:
             raise ValueError("first_chunk_margin must be >= 0")
         if not 0 <= self.first_chunk_hold_ms <= 1000:
             raise ValueError("first_chunk_hold_ms must be in 0..1000")
+        if not 0 <= self.first_chunk_hold_share <= 0.5:
+            raise ValueError("first_chunk_hold_share must be in 0..0.5")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:

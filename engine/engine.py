@@ -365,7 +365,8 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
                           context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,
                           flow_split_prefix_rows=config.flow_split_prefix_rows,
-                          first_chunk_hold_s=config.first_chunk_hold_ms / 1000)
+                          first_chunk_hold_s=config.first_chunk_hold_ms / 1000,
+                          first_chunk_hold_share=config.first_chunk_hold_share)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -1135,7 +1136,13 @@ class Session:
             if hop is None and not lm_finished:
                 wake.at = sched.tokens_needed()
                 if sched.index == 0 and first_planned:  # its size is final: say when it comes
-                    eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * _lm_step(utt))
+                    round_s = None
+                    if cfg.first_chunk_hold_share > 0:  # and what missing a round would cost it
+                        cached = eng._cached_prompt_frames(P)
+                        frames = self._chunk_frames(0, sched.initial_hop, cached, flow_cfg)
+                        round_s = eng.stage.round_estimate(stream, frames, cached)
+                    eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * _lm_step(utt),
+                                                 round_s)
                 more.clear()
                 await more.wait()
                 continue

@@ -234,7 +234,7 @@ class AudioStage:
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "sdpa", flow_split_prefix_rows: int = 8,
-                 first_chunk_hold_s: float = 0.0):
+                 first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -286,9 +286,11 @@ class AudioStage:
         # so the weak set counts them without any bookkeeping on the hot path.
         self._live: weakref.WeakSet[object] = weakref.WeakSet()
         # First chunks on their way (`expect_first_chunk`): vocoder stream -> when its
-        # tokens should be there (time.monotonic). Weak: an utterance that ends is gone.
-        self._coming: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+        # tokens should be there (time.monotonic) and the round it would miss (s, 0 unknown).
+        # Weak: an utterance that ends is gone.
+        self._coming: weakref.WeakKeyDictionary[object, tuple[float, float]] = weakref.WeakKeyDictionary()
         self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
+        self.first_chunk_hold_share = first_chunk_hold_share  # engine.first_chunk_hold_share
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
@@ -308,11 +310,12 @@ class AudioStage:
         if self.profiler is not None:
             self.profiler.origin = self.stats.batches
 
-    def expect_first_chunk(self, stream: object, due: float) -> None:
+    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
         """The first chunk of `stream`'s utterance should be queued at `due`
         (time.monotonic): a round about to start with other first chunks may wait for it
-        (`_hold`). Its `submit` clears it."""
-        self._coming[stream] = due
+        (`_hold`), longer when missing a round would cost it `round_s` seconds and
+        `first_chunk_hold_share` is set. Its `submit` clears it."""
+        self._coming[stream] = (due, round_s or 0.0)
 
     def live_utterances(self) -> int:
         """Utterances in progress here (their vocoder streams still exist)."""
@@ -493,7 +496,7 @@ class AudioStage:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
-            if self.first_chunk_hold_s > 0:
+            if self.first_chunk_hold_s > 0 or self.first_chunk_hold_share > 0:
                 await self._hold()
             await self._serve_batch()
 
@@ -505,17 +508,19 @@ class AudioStage:
         tens of rows) for its first audio, and its listener's clock started late against
         the others' second chunks. The rows already queued wait at most the hold. An
         expectation more than the hold overdue is dropped from the wait (the LM slowed
-        down, or the estimate was off)."""
-        hold = self.first_chunk_hold_s
+        down, or the estimate was off). With `first_chunk_hold_share` the hold is at least
+        that share of the longest round an expected first chunk would miss."""
         if not any(j.chunk_index == 0 and j.urgent for j in self._pending):
             return
+        longest = max((r for _, r in self._coming.values()), default=0.0)
+        hold = max(self.first_chunk_hold_s, self.first_chunk_hold_share * longest)
         start = time.monotonic()
         until = start + hold
         firsts = sum(1 for j in self._pending if j.chunk_index == 0)
         held = False
         while len(self._pending) < self.max_batch:
             now = time.monotonic()
-            if now >= until or not any(now - hold <= due <= until for due in self._coming.values()):
+            if now >= until or not any(now - hold <= due <= until for due, _ in self._coming.values()):
                 break
             held = True
             self._wake.clear()

@@ -65,6 +65,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         initial_hop_max=e.initial_hop_max,
         first_chunk_margin=e.first_chunk_margin,
         first_chunk_hold_ms=e.first_chunk_hold_ms,
+        first_chunk_hold_share=e.first_chunk_hold_share,
         max_hop=e.max_hop,
         flow_left_context=e.flow_left_context,
         max_gpu_batch=e.max_gpu_batch,

@@ -49,6 +49,9 @@ class EngineSettings:
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))
+    first_chunk_hold_share: float = field(
+        default=0.0, metadata=_help("the hold grows to this share (0..0.5) of the round an expected first chunk "
+                                     "would miss, as predicted for it (0 = first_chunk_hold_ms alone)"))
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))

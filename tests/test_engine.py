@@ -179,8 +179,10 @@ def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tin
     """Once the first chunk's size is planned and the chunker waits for its tokens, the
     stage learns when it should come (`AudioStage.expect_first_chunk`, for the hold of
     `first_chunk_hold_ms`): for that utterance's stream, from the LM's measured rate, and
-    the expectation is gone once the chunk is queued."""
+    the expectation is gone once the chunk is queued. With `first_chunk_hold_share` the
+    round it would miss comes with it (the stage's prediction for its planned size)."""
     calls: list[tuple[str, object, float]] = []
+    rounds: list[float | None] = []
 
     async def fn(engine):
         voice = await default_voice(engine)
@@ -188,9 +190,10 @@ def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tin
         # As under a burst's load: the planner takes more tokens than the initial hop.
         engine.first_chunks.first_hop = lambda sched, *args, **kwargs: sched.initial_hop + 8
 
-        def spy_expect(stream, due):
+        def spy_expect(stream, due, round_s=None):
             calls.append(("expect", stream, due - time.monotonic()))
-            expect(stream, due)
+            rounds.append(round_s)
+            expect(stream, due, round_s)
 
         def spy_submit(job):
             calls.append(("submit", job.hift_stream, job.chunk_index))
@@ -204,8 +207,9 @@ def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tin
         await s.finish()
         return await collect(s)
 
-    events = run(tiny_model_dir, fn, initial_hop_max=40, first_chunk_hold_ms=20)
+    events = run(tiny_model_dir, fn, initial_hop_max=40, first_chunk_hold_ms=20, first_chunk_hold_share=0.2)
     assert events[-1].is_last
+    assert len(rounds) == 1 and rounds[0] is not None and rounds[0] > 0  # the warm-up measured rounds
     kinds = [c[0] for c in calls]
     assert kinds[0] == "expect" and kinds[1] == "submit" and calls[1][2] == 0, calls[:3]
     assert calls[0][1] is calls[1][1]  # the first chunk's own stream

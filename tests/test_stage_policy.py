@@ -297,13 +297,15 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
         s, _ = load_settings(["--engine.stage-window-tolerance", bad], environ={})
         with pytest.raises(ValueError, match="stage_window_tolerance"):
             engine_config(s, tmp_path)
-    assert (cfg.first_chunk_hold_ms, cfg.vllm_mps_priority) == (25.0, None)
-    s, _ = load_settings(["--engine.first-chunk-hold-ms", "20", "--engine.vllm-mps-priority", "below_normal"],
-                         environ={})
+    assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (25.0, 0.0, None)
+    s, _ = load_settings(["--engine.first-chunk-hold-ms", "20", "--engine.vllm-mps-priority", "below_normal",
+                          "--engine.first-chunk-hold-share", "0.15"], environ={})
     cfg = engine_config(s, tmp_path)
-    assert (cfg.first_chunk_hold_ms, cfg.vllm_mps_priority) == (20.0, "below_normal")
+    assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (20.0, 0.15, "below_normal")
     for flag, bad, name in (("--engine.first-chunk-hold-ms", "-1", "first_chunk_hold_ms"),
                             ("--engine.first-chunk-hold-ms", "nan", "first_chunk_hold_ms"),
+                            ("--engine.first-chunk-hold-share", "0.6", "first_chunk_hold_share"),
+                            ("--engine.first-chunk-hold-share", "nan", "first_chunk_hold_share"),
                             ("--engine.vllm-mps-priority", "high", "vllm_mps_priority")):
         s, _ = load_settings([flag, bad], environ={})
         with pytest.raises(ValueError, match=name):
@@ -407,11 +409,13 @@ def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> N
 
 
 def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, second_after: float = 0.05,
-                  hold_s: float = 5.0) -> tuple[_RecordingStage, list[object]]:
+                  hold_s: float = 5.0, hold_share: float = 0.0,
+                  round_s: float | None = None) -> tuple[_RecordingStage, list[object]]:
     """An urgent first chunk (seq 0) queued at once; a second chunk (seq 1, chunk index
     `second_index`) of another stream queued `second_after` s later, announced as expected
-    `expected_in` s from the start (None: not announced)."""
-    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=hold_s)
+    `expected_in` s from the start (None: not announced), missing a round of `round_s`."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=hold_s,
+                            first_chunk_hold_share=hold_share)
 
     async def go() -> list[object]:
         loop = asyncio.get_running_loop()
@@ -420,7 +424,7 @@ def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, 
                          is_cancelled=lambda: False) for i, idx in enumerate([0, second_index])]
         await stage.start()
         if expected_in is not None:
-            stage.expect_first_chunk(streams[1], time.monotonic() + expected_in)
+            stage.expect_first_chunk(streams[1], time.monotonic() + expected_in, round_s)
         first = stage.submit(jobs[0])
         second = loop.create_future()
         loop.call_later(second_after, lambda: second.set_result(stage.submit(jobs[1])))
@@ -454,6 +458,21 @@ def test_a_round_does_not_wait_for_what_is_not_expected_within_the_hold(flow, hi
                                hold_s=hold_s)
     assert stage.batches == [[0], [1]]
     assert stage.stats.first_chunk_holds == 0
+    assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
+
+
+@pytest.mark.parametrize("round_s, held", [
+    (20.0, True),  # 0.25 x 20 s: the hold is 5 s, the chunk comes after 0.5 s
+    (0.02, False),  # 0.25 x 20 ms: 5 ms, the fixed 1 ms hold is not longer either
+    (None, False),  # the round it would miss is unknown: the fixed hold alone
+])
+def test_the_hold_grows_with_the_round_an_expected_first_chunk_would_miss(flow, hift, round_s, held) -> None:
+    """`first_chunk_hold_share`: a round waits for an expected first chunk as long as that
+    share of the round it would otherwise miss, beyond the fixed hold."""
+    stage, out = _held_batches(flow, hift, expected_in=0.5, second_after=0.5, hold_s=0.001, hold_share=0.25,
+                               round_s=round_s)
+    assert stage.batches == ([[0, 1]] if held else [[0], [1]])
+    assert stage.stats.first_chunk_hold_caught == (1 if held else 0)
     assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
 
 
