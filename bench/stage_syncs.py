@@ -24,6 +24,11 @@ starting together opens with). Per batch size:
   batch (cumulative, under `cProfile`, whose own cost inflates call-heavy code: a ranking,
   not a timing). At one chunk the GPU sits idle while the host prepares the flow's inputs
   (round 14 of docs/benchmarks.md): this says which of our functions that time is in;
+* `--busy N,M,...`: each batch size measured once per count of Python threads kept busy
+  beside it (pure-Python loops, no I/O: they hold the GIL as the gateway's event loop
+  does under load, while the stage thread needs it for every launch), `busy` in each
+  result. In the gateway a 64-session opening round took 3-4x the same round alone (round
+  17 of docs/benchmarks.md); this says how much of that one busy thread can cause;
 * `--pcm FILE`: the PCM of one more batch per size, saved (`.npz`, `rows_<n>` per size):
   the same seeds give two runs the same inputs, so two builds or settings (say
   `--config flow_attention=cudnn`, which one process cannot hold twice) compare by
@@ -41,6 +46,7 @@ import math
 import pstats
 import statistics
 import sys
+import threading
 import time
 import traceback
 import typing
@@ -170,9 +176,30 @@ def pcm_difference(a: Path, b: Path) -> dict[str, float]:
                 for k in x.files if k in y.files}
 
 
+@contextlib.contextmanager
+def busy_threads(n: int) -> typing.Iterator[None]:
+    """`n` threads running pure-Python work (they hold the GIL except when the interpreter
+    switches) until the block ends."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(i * i for i in range(2000))
+
+    threads = [threading.Thread(target=spin, daemon=True, name=f"busy-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
 def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
             top: int = 0, profile: bool = True, host: int = 0, pcm: dict[str, Any] | None = None,
-            opening: int = 0) -> dict[str, Any]:
+            opening: int = 0, busy: int = 0) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
     batch_at = functools.partial(make_batch, stage, streams, prompt, opening=opening)
 
@@ -185,14 +212,15 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     # `_compute` ends by copying the PCM to the host, so its kernels finish inside its wall.
     profile = cuda and profile
     activities = [torch.profiler.ProfilerActivity.CUDA] if profile else []
-    with torch.profiler.profile(activities=activities) if profile else contextlib.nullcontext() as prof:
+    with (torch.profiler.profile(activities=activities) if profile else contextlib.nullcontext()) as prof, \
+            busy_threads(busy):
         for _ in range(reps):
             batch = batch_at(step)
             step += 1
             t0 = time.perf_counter()
             stage._compute(batch)
             walls.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"rows": rows, "wall_ms": 1e3 * statistics.fmean(walls)}
+    out: dict[str, Any] = {"rows": rows, "busy": busy, "wall_ms": 1e3 * statistics.fmean(walls)}
     if profile:
         kernels = kernel_intervals(prof.events())
         busy_us = union_within(kernels, -math.inf, math.inf)
@@ -260,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="list the N kernels with the most device time")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="list the N functions of this repository with the most host time (cProfile)")
+    p.add_argument("--busy", default="0", metavar="N,M",
+                   help="measure each size beside N (then M ...) busy Python threads")
     p.add_argument("--pcm", type=Path, default=None, metavar="FILE",
                    help="save one more batch's PCM per size (.npz), to compare two runs (pcm_difference)")
     p.add_argument("--json", type=Path, default=None)
@@ -278,12 +308,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n,
                               "opening": args.opening, "results": []}
     pcm: dict[str, Any] | None = {} if args.pcm else None
-    for b in args.batches.split(","):  # printed and saved as they come: a cut-short run keeps them
-        r = measure(stage, prompt, int(b), args.reps, device.type == "cuda", args.kernels, args.profile,
-                    args.host, pcm, args.opening)
+    sizes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.busy.split(",")]
+    for rows, n_busy in sizes:  # printed and saved as they come: a cut-short run keeps them
+        r = measure(stage, prompt, rows, args.reps, device.type == "cuda", args.kernels, args.profile,
+                    args.host, pcm if n_busy == 0 else None, args.opening, n_busy)
         report["results"].append(r)
-        busy = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
-        print(f"{r['rows']:4d} chunks: wall {r['wall_ms']:.1f} ms{busy}", flush=True)
+        gpu = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
+        beside = f" beside {n_busy} busy thread(s)" if n_busy else ""
+        print(f"{r['rows']:4d} chunks{beside}: wall {r['wall_ms']:.1f} ms{gpu}", flush=True)
         for where, count in r.get("syncs", {}).items():
             print(f"        sync x{count}: {where}", flush=True)
         if "families" in r:

@@ -5,6 +5,7 @@ parts, kernel busy time and host syncs, are left out off CUDA)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,24 @@ def test_opening_batches_are_first_chunks_of_fresh_utterances(tiny_model_dir) ->
     assert not any(j.hift_stream is s for j in jobs for s in streams)  # each a new utterance
     sliding = stage_syncs.make_batch(stage, streams, prompt, step=5)
     assert [j.hift_stream for j in sliding] == streams and sliding[0].flow.out_start == 12 + stage_syncs.LEFT
+
+
+def test_busy_threads_run_beside_the_measured_batches(tiny_model_dir, monkeypatch) -> None:  # noqa: ANN001
+    """--busy 0,1: every size is measured once alone and once beside a busy Python thread,
+    which runs while the batches run and is gone after."""
+    seen: list[list[str]] = []
+    real = stage_syncs.AudioStage._compute
+
+    def compute(self, batch):  # noqa: ANN001, ANN202
+        seen.append([t.name for t in threading.enumerate() if t.name.startswith("busy-")])
+        return real(self, batch)
+
+    monkeypatch.setattr(stage_syncs.AudioStage, "_compute", compute)
+    report = stage_syncs.main(["--device", "cpu", "--model", str(tiny_model_dir), "--batches", "1", "--reps", "2",
+                               "--prompt-tokens", "12", "--busy", "0,1"])
+    assert [(r["rows"], r["busy"]) for r in report["results"]] == [(1, 0), (1, 1)]
+    assert all(r["wall_ms"] > 0 for r in report["results"])
+    # Per size: 2 warm-up batches, then the 2 measured ones; only the busy run's measured
+    # batches had the thread beside them.
+    assert seen == [[], [], [], [], [], [], ["busy-0"], ["busy-0"]]
+    assert not [t for t in threading.enumerate() if t.name.startswith("busy-")]
