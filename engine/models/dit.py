@@ -251,7 +251,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
     scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias.to(wide)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(wide))
-    return out.to(q.dtype), lse.to(torch.promote_types(wide, lse.dtype))
+    return out.to(q.dtype), lse
 
 
 def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
