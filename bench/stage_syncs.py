@@ -25,10 +25,13 @@ starting together opens with). Per batch size:
   not a timing). At one chunk the GPU sits idle while the host prepares the flow's inputs
   (round 14 of docs/benchmarks.md): this says which of our functions that time is in;
 * `--busy N,M,...`: each batch size measured once per count of Python threads kept busy
-  beside it (pure-Python loops, no I/O: they hold the GIL as the gateway's event loop
-  does under load, while the stage thread needs it for every launch), `busy` in each
-  result. In the gateway a 64-session opening round took 3-4x the same round alone (round
-  17 of docs/benchmarks.md); this says how much of that one busy thread can cause;
+  beside it (pure-Python loops, no I/O, for `--busy-duty` of every 10 ms: they hold the
+  GIL as the gateway's event loop does under load, while the stage thread needs it for
+  every launch; `bench.gil_contention` models the mechanism), `busy` in each result. In the gateway a 64-session opening round took 3-4x the same round alone (round
+  17 of docs/benchmarks.md); this says how much of that one busy thread can cause.
+  `--switch-ms A,B`: the measurements beside busy threads again under each interpreter
+  switch interval (`sys.setswitchinterval`; Python's default 5 ms, the gateway's
+  `--gil-switch-interval-ms`): how long a thread that gave the lock up waits to get it back;
 * `--pcm FILE`: the PCM of one more batch per size, saved (`.npz`, `rows_<n>` per size):
   the same seeds give two runs the same inputs, so two builds or settings (say
   `--config flow_attention=cudnn`, which one process cannot hold twice) compare by
@@ -58,6 +61,7 @@ from typing import Any
 import torch
 
 from bench.flow_profile import family
+from bench.gil_contention import loop_thread
 from engine.config import EngineConfig
 from engine.config_values import convert_value
 from engine.engine import build_stage
@@ -177,16 +181,13 @@ def pcm_difference(a: Path, b: Path) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def busy_threads(n: int) -> typing.Iterator[None]:
-    """`n` threads running pure-Python work (they hold the GIL except when the interpreter
-    switches) until the block ends."""
+def busy_threads(n: int, duty: float = 1.0, period_s: float = 0.01) -> typing.Iterator[None]:
+    """`n` threads running pure-Python work for `duty` of every `period_s` (holding the GIL
+    but when the interpreter switches; `bench.gil_contention.loop_thread`) until the block ends."""
     stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            sum(i * i for i in range(2000))
-
-    threads = [threading.Thread(target=spin, daemon=True, name=f"busy-{i}") for i in range(n)]
+    threads = [loop_thread(duty, period_s, stop) for _ in range(n)]
+    for i, t in enumerate(threads):
+        t.name = f"busy-{i}"
     for t in threads:
         t.start()
     try:
@@ -199,7 +200,7 @@ def busy_threads(n: int) -> typing.Iterator[None]:
 
 def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
             top: int = 0, profile: bool = True, host: int = 0, pcm: dict[str, Any] | None = None,
-            opening: int = 0, busy: int = 0) -> dict[str, Any]:
+            opening: int = 0, busy: int = 0, busy_duty: float = 1.0) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
     batch_at = functools.partial(make_batch, stage, streams, prompt, opening=opening)
 
@@ -213,14 +214,15 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
     profile = cuda and profile
     activities = [torch.profiler.ProfilerActivity.CUDA] if profile else []
     with (torch.profiler.profile(activities=activities) if profile else contextlib.nullcontext()) as prof, \
-            busy_threads(busy):
+            busy_threads(busy, busy_duty):
         for _ in range(reps):
             batch = batch_at(step)
             step += 1
             t0 = time.perf_counter()
             stage._compute(batch)
             walls.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"rows": rows, "busy": busy, "wall_ms": 1e3 * statistics.fmean(walls)}
+    out: dict[str, Any] = {"rows": rows, "busy": busy, "busy_duty": busy_duty if busy else 0.0,
+                           "wall_ms": 1e3 * statistics.fmean(walls)}
     if profile:
         kernels = kernel_intervals(prof.events())
         busy_us = union_within(kernels, -math.inf, math.inf)
@@ -290,6 +292,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="list the N functions of this repository with the most host time (cProfile)")
     p.add_argument("--busy", default="0", metavar="N,M",
                    help="measure each size beside N (then M ...) busy Python threads")
+    p.add_argument("--busy-duty", type=float, default=1.0, metavar="F",
+                   help="with --busy: the share of every 10 ms each busy thread runs Python (1 = always)")
+    p.add_argument("--switch-ms", default="", metavar="A,B",
+                   help="with --busy: repeat the busy measurements under each interpreter switch interval (ms)")
     p.add_argument("--pcm", type=Path, default=None, metavar="FILE",
                    help="save one more batch's PCM per size (.npz), to compare two runs (pcm_difference)")
     p.add_argument("--json", type=Path, default=None)
@@ -308,13 +314,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"device": str(device), "config": overrides, "prompt_tokens": n,
                               "opening": args.opening, "results": []}
     pcm: dict[str, Any] | None = {} if args.pcm else None
-    sizes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.busy.split(",")]
-    for rows, n_busy in sizes:  # printed and saved as they come: a cut-short run keeps them
-        r = measure(stage, prompt, rows, args.reps, device.type == "cuda", args.kernels, args.profile,
-                    args.host, pcm if n_busy == 0 else None, args.opening, n_busy)
+    default_switch = sys.getswitchinterval()
+    switches = [float(s) / 1e3 for s in args.switch_ms.split(",") if s] or [default_switch]
+    sizes = [(int(b), int(n), s) for b in args.batches.split(",") for n in args.busy.split(",")
+             for s in (switches if int(n) else [default_switch])]
+    for rows, n_busy, switch in sizes:  # printed and saved as they come: a cut-short run keeps them
+        sys.setswitchinterval(switch)
+        try:
+            r = measure(stage, prompt, rows, args.reps, device.type == "cuda", args.kernels, args.profile,
+                        args.host, pcm if n_busy == 0 else None, args.opening, n_busy, args.busy_duty)
+        finally:
+            sys.setswitchinterval(default_switch)
+        r["switch_ms"] = 1e3 * switch
         report["results"].append(r)
         gpu = f" gpu busy {r['gpu_busy_ms']:.1f} ms ({100 * r['gpu_busy_share']:.0f}%)" if "gpu_busy_ms" in r else ""
-        beside = f" beside {n_busy} busy thread(s)" if n_busy else ""
+        beside = (f" beside {n_busy} thread(s) {args.busy_duty:.0%} busy, switch interval {1e3 * switch:g} ms"
+                  if n_busy else "")
         print(f"{r['rows']:4d} chunks{beside}: wall {r['wall_ms']:.1f} ms{gpu}", flush=True)
         for where, count in r.get("syncs", {}).items():
             print(f"        sync x{count}: {where}", flush=True)

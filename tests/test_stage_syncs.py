@@ -5,6 +5,7 @@ parts, kernel busy time and host syncs, are left out off CUDA)."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -121,11 +122,18 @@ def test_busy_threads_run_beside_the_measured_batches(tiny_model_dir, monkeypatc
         return real(self, batch)
 
     monkeypatch.setattr(stage_syncs.AudioStage, "_compute", compute)
+    switches: list[float] = []
+    real_measure = stage_syncs.measure
+    monkeypatch.setattr(stage_syncs, "measure", lambda *a, **k: switches.append(sys.getswitchinterval())
+                        or real_measure(*a, **k))
+    before = sys.getswitchinterval()
     report = stage_syncs.main(["--device", "cpu", "--model", str(tiny_model_dir), "--batches", "1", "--reps", "2",
-                               "--prompt-tokens", "12", "--busy", "0,1"])
-    assert [(r["rows"], r["busy"]) for r in report["results"]] == [(1, 0), (1, 1)]
+                               "--prompt-tokens", "12", "--busy", "0,1", "--switch-ms", "0.5,2"])
+    got = [(r["rows"], r["busy"], r["switch_ms"]) for r in report["results"]]
+    assert got == [(1, 0, 1e3 * before), (1, 1, 0.5), (1, 1, 2.0)]
+    assert switches == pytest.approx([before, 0.0005, 0.002]) and sys.getswitchinterval() == before
     assert all(r["wall_ms"] > 0 for r in report["results"])
-    # Per size: 2 warm-up batches, then the 2 measured ones; only the busy run's measured
-    # batches had the thread beside them.
-    assert seen == [[], [], [], [], [], [], ["busy-0"], ["busy-0"]]
+    # Per measurement: 2 warm-up batches, then the 2 measured ones; only the busy runs'
+    # measured batches had the thread beside them.
+    assert seen == [[]] * 6 + [["busy-0"]] * 2 + [[]] * 2 + [["busy-0"]] * 2
     assert not [t for t in threading.enumerate() if t.name.startswith("busy-")]
