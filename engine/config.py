@@ -101,6 +101,12 @@ class EngineConfig:
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True
+    # Their row (stream) buckets (`VocoderGraphPolicy.batch_buckets`). Up to 8: alone, larger
+    # batches are compute-bound. Beside a busy event loop every operator the vocoder
+    # launches eagerly can wait for the interpreter (a 64-stream step dispatches ~2700, its
+    # decode ~620 of them; round 17 of docs/benchmarks.md): 16-64 make that decode one
+    # replay, for more captures at start and larger static buffers. Not yet measured.
+    vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8)
     # Cache each voice prompt's DiT keys/values (`engine.flow_prompt_cache`) so every flow
     # batch computes only the frames after the prompt's cached blocks (CUDA graphs up to
     # GraphPolicy.prefix_max_rows chunks, or flow_graph_shared_rows for one voice; eager
@@ -234,6 +240,9 @@ class EngineConfig:
         rows = self.flow_graph_rows
         if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
             raise ValueError(f"flow_graph_rows must be increasing row counts >= 1, got {rows}")
+        rows = self.vocoder_graph_rows
+        if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"vocoder_graph_rows must be increasing row counts >= 1, got {rows}")
         if self.flow_prompt_cache_bytes < 0:
             raise ValueError("flow_prompt_cache_bytes must be >= 0")
         if self.flow_context_cache_bytes < 0 or self.flow_context_min_rows < 1:

@@ -361,6 +361,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
                           profiler=profiler, split_batches=config.flow_split_batches,
                           vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
+                          vocoder_graph_rows=config.vocoder_graph_rows,
                           context_cache_bytes=config.flow_context_cache_bytes,
                           context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
                           context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,

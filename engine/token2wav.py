@@ -52,7 +52,7 @@ from .models.dit import DiT
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator
 from .stage_profile import PHASES, StageProfiler
-from .vocoder_graphs import VocoderGraphRunner
+from .vocoder_graphs import VocoderGraphPolicy, VocoderGraphRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -232,6 +232,7 @@ class AudioStage:
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
                  profiler: StageProfiler | None = None, split_batches: bool = False,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
+                 vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "sdpa", flow_split_prefix_rows: int = 8,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0):
@@ -276,7 +277,9 @@ class AudioStage:
         self.fill_padding = fill_padding  # engine.flow_fill_padding: see _fill_padding
         self.hift = hift
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
-        self.vocoder_graphs = (VocoderGraphRunner(hift) if vocoder_cuda_graphs and torch.device(device).type == "cuda"
+        self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows))
+        self.vocoder_graphs = (VocoderGraphRunner(hift, self.vocoder_graph_policy)
+                               if vocoder_cuda_graphs and torch.device(device).type == "cuda"
                                and isinstance(hift, CausalHiFTGenerator) else None)
         self.device = device
         self.max_batch = max_batch

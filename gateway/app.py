@@ -78,6 +78,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_graph_rows=e.flow_graph_rows,
         flow_graph_shared_rows=e.flow_graph_shared_rows,
         vocoder_cuda_graphs=e.vocoder_cuda_graphs,
+        vocoder_graph_rows=e.vocoder_graph_rows,
         flow_prompt_cache=e.flow_prompt_cache,
         flow_prompt_cache_bytes=e.flow_prompt_cache_mib << 20,
         flow_context_cache_bytes=e.flow_context_cache_mib << 20,

@@ -98,6 +98,11 @@ class EngineSettings:
         default=True,
         metadata=_help("run the CosyVoice3 vocoder's decode as CUDA graphs up to 8 streams (CUDA only)"),
     )
+    vocoder_graph_rows: tuple[int, ...] = field(
+        default=(1, 2, 4, 8),
+        metadata=_help("row (stream) buckets of the vocoder's CUDA graphs, increasing: a batch is padded to the "
+                       "smallest that holds it, larger batches decode eagerly"),
+    )
     flow_prompt_cache: bool = field(
         default=True,
         metadata=_help("cache each voice prompt's flow DiT keys/values so flow batches skip the prompt's frames "

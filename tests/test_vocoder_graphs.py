@@ -74,3 +74,30 @@ def test_the_stage_decodes_through_the_runner(tiny_model_dir) -> None:  # noqa: 
     assert stages[1].vocoder_graphs.stats.replays == 3
     for a, b in zip(*pcm):
         assert a.shape == b.shape and abs(a - b).max() <= 1e-6
+
+
+def test_the_row_buckets_are_a_setting(tmp_path) -> None:  # noqa: ANN001
+    """--engine.vocoder-graph-rows reaches the stage's vocoder graph policy (and its runner
+    where there is one); buckets must increase."""
+    import pytest
+
+    from engine.config import EngineConfig
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT
+    from engine.token2wav import AudioStage
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    assert engine_config(load_settings([], environ={})[0], tmp_path).vocoder_graph_rows == (1, 2, 4, 8)
+    s, _ = load_settings(["--engine.vocoder-graph-rows", "1,2,4,8,16,32,64"], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert cfg.vocoder_graph_rows == (1, 2, 4, 8, 16, 32, 64)
+    stage = AudioStage(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), _vocoder(), torch.device("cpu"),
+                       vocoder_graph_rows=cfg.vocoder_graph_rows)
+    try:
+        assert stage.vocoder_graph_policy.bucket(40, 50) == (64, 64)
+        assert VocoderGraphPolicy().bucket(40, 50) is None  # the default stops at 8 streams
+    finally:
+        stage._pool.shutdown(wait=True)
+    with pytest.raises(ValueError, match="vocoder_graph_rows"):
+        EngineConfig(model_dir=tmp_path, vocoder_graph_rows=(8, 4))
