@@ -777,12 +777,14 @@ class AudioStage:
         decoded = [m for m in out if m is not None]
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
         with record_function(PHASES[1]):
-            mels = [_stretch(m.float(), j.speed) for m, j in zip(decoded, batch)]
+            # No operator call that changes nothing: at 64 chunks each one per row is 64 more
+            # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).
+            mels = [_stretch(m if m.dtype == torch.float32 else m.float(), j.speed) for m, j in zip(decoded, batch)]
             vocoder_frames = sum(int(m.shape[0]) for m in mels)
             graphs = {} if self.vocoder_graphs is None else {"decode": self.vocoder_graphs}
             pcm = self.hift.stream_step(
                 [j.hift_stream for j in batch],
-                [m.transpose(0, 1).contiguous() for m in mels],  # [n, 80] -> [80, n]
+                [m.transpose(0, 1) for m in mels],  # [n, 80] -> [80, n] (the stream copies it in)
                 [j.flow.finalize for j in batch],
                 **graphs,
             )
@@ -799,7 +801,7 @@ def _cancel(job: ChunkJob) -> None:
 
 def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:
     """All chunks' samples in one device->host copy (one sync instead of one per chunk)."""
-    flat = [p.detach().reshape(-1).float() for p in pcm]
+    flat = [p if p.dim() == 1 and p.dtype == torch.float32 else p.reshape(-1).float() for p in pcm]
     if not flat:
         return []
     sizes = [int(p.numel()) for p in flat]

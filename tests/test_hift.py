@@ -209,8 +209,13 @@ def test_per_step_work_and_state_are_bounded(gen: CausalHiFTGenerator) -> None:
     windows = []
     for pos in range(0, 104, chunk):
         gen.stream_step([st], [mel[:, pos : pos + chunk]], [False])
-        windows.append((st.last_f0_window, st.last_decode_window, st.mel.shape[1], st.source.numel()))
+        windows.append((st.last_f0_window, st.last_decode_window, st.mel.shape[1], st.source.numel(),
+                        st.mel.untyped_storage().nbytes() // (80 * st.mel.element_size()),
+                        st.source.untyped_storage().nbytes() // st.source.element_size()))
     late = windows[len(windows) // 2 :]
+    # The state is kept as views of the last step's tensors: those stay bounded too.
+    assert max(w[4] for w in late) <= ctx + 8 + 2 * chunk
+    assert max(w[5] for w in late) <= (ctx + 5 + 2 * chunk) * SPF
     # Late steps (past 1.5x the context) process a window that depends on the chunk, not on T.
     assert max(w[0] for w in late) <= 8 + chunk + 3
     assert max(w[1] for w in late) <= ctx + chunk + 4 + 1

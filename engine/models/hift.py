@@ -570,7 +570,9 @@ class CausalHiFTGenerator(nn.Module):
                 raise RuntimeError("stream already finalized")
             if m.dim() != 2 or m.shape[0] != cfg.in_channels:
                 raise ValueError(f"new mel must be [{cfg.in_channels}, n], got {tuple(m.shape)}")
-            st.mel = torch.cat([st.mel, m.to(device=self._device, dtype=self._dtype)], dim=1)
+            if m.device != self._device or m.dtype != self._dtype:
+                m = m.to(device=self._device, dtype=self._dtype)
+            st.mel = torch.cat([st.mel, m], dim=1)
             st.received += m.shape[1]
 
         # Stage 1+2: f0 and excitation for the frames whose f0 became final.
@@ -582,10 +584,13 @@ class CausalHiFTGenerator(nn.Module):
             self._advance_source([streams[i] for i in todo], [f0_targets[i] for i in todo])
 
         # Stage 3: decode a window of [context + new] frames per stream.
-        out = [torch.zeros(0, dtype=self._dtype, device=self._device) for _ in streams]
         targets = [st.received if fin else max(st.emitted, st.received - _F0_LOOKAHEAD - look - 1)
                    for st, fin in zip(streams, finalize)]
         todo = [i for i, st in enumerate(streams) if targets[i] > st.emitted]
+        # Streams with nothing new share one empty tensor: at 64 streams every operator
+        # call counts (each one gives up the interpreter lock; round 17 of docs/benchmarks.md).
+        nothing = torch.zeros(0, dtype=self._dtype, device=self._device) if len(todo) < len(streams) else None
+        out = [nothing for _ in streams]
         if todo:
             pieces = self._advance_audio([streams[i] for i in todo], [targets[i] for i in todo],
                                          [finalize[i] for i in todo], decode or self._decode)
@@ -595,7 +600,7 @@ class CausalHiFTGenerator(nn.Module):
         for st, fin in zip(streams, finalize):
             st.finished = fin
             self._trim(st)
-        return out
+        return out  # type: ignore[return-value]  # every None was replaced by a piece
 
     def _advance_source(self, streams: list[HiFTStream], targets: list[int]) -> None:
         spf = self.cfg.samples_per_frame
@@ -619,7 +624,7 @@ class CausalHiFTGenerator(nn.Module):
         s, acc = self.m_source(f0, phase0, noise)
         for b, (st, n, t) in enumerate(zip(streams, new_counts, targets)):
             st.source = torch.cat([st.source, s[b, : n * spf]])
-            st.phase = acc[b, n - 1].clone()
+            st.phase = acc[b, n - 1]  # a view: acc is this step's own, and small
             st.f0_done = t
             st.last_f0_window = wins[b].shape[1]
 
@@ -647,21 +652,24 @@ class CausalHiFTGenerator(nn.Module):
         wav = decode(torch.stack(mels), s_padded, valid)
         pieces = []
         for b, (st, s0, t) in enumerate(zip(streams, starts, targets)):
-            pieces.append(wav[b, (st.emitted - s0) * spf : (t - s0) * spf].clone())
+            # Views of this step's own output (the caller copies them out at once).
+            pieces.append(wav[b, (st.emitted - s0) * spf : (t - s0) * spf])
             st.emitted = t
             st.last_decode_window = n_net[b] + look
         return pieces
 
     def _trim(self, st: HiFTStream) -> None:
-        """Drop mel / excitation no future step can need (bounded memory and per-step work)."""
+        """Drop mel / excitation no future step can need (bounded memory and per-step work).
+        Views, not copies: the next step's concatenation copies what they keep, and until
+        then each holds at most the one tensor the last step made."""
         spf = self.cfg.samples_per_frame
         keep_src = max(0, st.emitted - self.context_frames)
         keep_mel = max(0, min(keep_src, st.f0_done - 2 * _F0_LEFT_LAYERS))
         if keep_mel > st.mel_start:
-            st.mel = st.mel[:, keep_mel - st.mel_start :].clone()
+            st.mel = st.mel[:, keep_mel - st.mel_start :]
             st.mel_start = keep_mel
         if keep_src > st.source_start:
-            st.source = st.source[(keep_src - st.source_start) * spf :].clone()
+            st.source = st.source[(keep_src - st.source_start) * spf :]
             st.source_start = keep_src
 
 
