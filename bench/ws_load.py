@@ -56,6 +56,7 @@ import io
 import json
 import os
 import re
+import statistics
 import tempfile
 import threading
 import time
@@ -808,6 +809,27 @@ def largest_clean_level(levels: Sequence[dict[str, Any]], max_p95_ms: float | No
     return max(ok) if ok else None
 
 
+def repeats(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per session count that ran more than once (`--sessions 40,64,40,64`): its runs'
+    first-audio p95s in order, their median, and how many were underrun-free and met the
+    capacity bar. On the H200 the same build and load differed by half between levels of
+    one gateway (round 16 of docs/benchmarks.md): one level alone resolves little."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for lv in levels:
+        by.setdefault(lv["sessions"], []).append(lv)
+    out = []
+    for n, runs in sorted(by.items()):
+        if len(runs) < 2:
+            continue
+        p95 = [lv["first_audio_ms"]["p95"] for lv in runs]
+        known = [v for v in p95 if v is not None]
+        out.append({"sessions": n, "runs": len(runs), "first_audio_p95_ms": p95,
+                    "median_first_audio_p95_ms": statistics.median(known) if known else None,
+                    "runs_without_underrun": sum(1 for lv in runs if largest_clean_level([lv]) == n),
+                    "runs_meeting_target": sum(1 for lv in runs if largest_clean_level([lv], TARGET_P95_MS) == n)})
+    return out
+
+
 def compare(product: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """product / baseline at every level both ran (below 1 = the product is better for
     latencies and RTF), and the largest underrun-free level of each (above 1 = better)."""
@@ -868,6 +890,12 @@ def table(report: dict[str, Any]) -> str:
                 f"{lv['sessions_with_underrun']:6d} {f(lv['rtf'], '.3f'):>6s} "
                 f"{f(lv['server']['mean_flow_batch'], '.1f'):>6s} {f(gpu):>5s} "
                 f"{f(None if frac is None else 100 * frac, '.2f'):>6s} {f(lv['rss']['per_active_session_mb'], '.1f'):>8s}")
+    for mode, rows in (report.get("repeats") or {}).items():
+        for r in rows:
+            lines.append(f"{mode} @ {r['sessions']} sessions, {r['runs']} runs: first-audio p95 "
+                         f"{', '.join(f(v) for v in r['first_audio_p95_ms'])} ms, median "
+                         f"{f(r['median_first_audio_p95_ms'])}; without underrun {r['runs_without_underrun']}, "
+                         f"meeting the target {r['runs_meeting_target']}")
     cmp = report.get("comparison")
     if cmp:
         for row in cmp["levels"]:
@@ -1081,6 +1109,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
     def save() -> None:
+        report["repeats"] = {mode: rows for mode, lvs in report["results"].items() if (rows := repeats(lvs))}
         if args.baseline and report["results"]["baseline"]:
             report["comparison"] = compare(report["results"]["product"], report["results"]["baseline"])
         if args.json:

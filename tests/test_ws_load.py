@@ -25,6 +25,8 @@ from bench.ws_load import (
     compare,
     largest_clean_level,
     lm_server_ms,
+    repeats,
+    table,
     main,
     second_chunk_ms,
     split_tokens,
@@ -180,6 +182,23 @@ def test_compare_product_and_baseline() -> None:
     slow = [_level(1, 100, 150, 0.2), _level(8, 450, 520, 0.3), _level(16, 300, 480, 0.3, underruns=1)]
     assert largest_clean_level(slow) == 8 and largest_clean_level(slow, 500.0) == 1  # 8 is clean but too slow
     assert largest_clean_level([_level(4, 1, 1, 1, completed=3)]) is None  # a lost session is not clean
+
+
+def test_repeated_levels_are_summarised_by_their_median() -> None:
+    """A session count run several times in one gateway gets its p95s, their median and
+    how many runs were clean and met the target; counts run once get no row."""
+    levels = [_level(40, 300, 474, 0.3), _level(48, 600, 702, 0.4), _level(40, 600, 857, 0.3),
+              _level(48, 500, 585, 0.4, underruns=2), _level(40, 400, 520, 0.3), _level(1, 60, 60, 0.1)]
+    got = repeats(levels)
+    assert got == [
+        {"sessions": 40, "runs": 3, "first_audio_p95_ms": [474, 857, 520], "median_first_audio_p95_ms": 520,
+         "runs_without_underrun": 3, "runs_meeting_target": 1},
+        {"sessions": 48, "runs": 2, "first_audio_p95_ms": [702, 585], "median_first_audio_p95_ms": 643.5,
+         "runs_without_underrun": 1, "runs_meeting_target": 0},
+    ]
+    assert repeats(levels[:2]) == []
+    text = table({"results": {"product": [], "baseline": []}, "repeats": {"product": got}})
+    assert "product @ 40 sessions, 3 runs: first-audio p95 474, 857, 520 ms, median 520" in text
 
 
 def test_server_breakdowns_from_counter_deltas() -> None:
