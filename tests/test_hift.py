@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
+from engine.models import hift as hift_mod
 from engine.models.config import HiFTConfig, ModelConfig
 from engine.models.hift import CausalHiFTGenerator, HiFTStream, decoder_context_frames, init_random_
 
@@ -309,3 +311,26 @@ def test_stft_and_inverse_are_torchs_without_cufft() -> None:
     tone = torch.sin(2 * torch.pi * 2 * torch.arange(n_fft) / n_fft)[None]
     bins = gen._stft(tone, 1)[0, :, 0]
     assert bins[: n_fft // 2 + 1].abs().argmax() == 2 or bins[n_fft // 2 + 1 :].abs().argmax() == 2
+
+
+def test_ragged_rows_and_pieces_are_the_per_stream_slices() -> None:
+    """The batch gathers that build the vocoder's decode windows equal slicing each stream,
+    F.pad's reflect padding and right zero padding, row by row; the output pieces are views
+    of the rows' own ranges."""
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(5, n, generator=g) for n in (12, 30, 9)]
+    starts, lengths = [2, 10, 0], [7, 20, 9]
+    got = hift_mod._ragged_rows(parts, starts, lengths, 24)
+    for b, (p, s, n) in enumerate(zip(parts, starts, lengths)):
+        assert torch.equal(got[b], F.pad(p[:, s : s + n], (0, 24 - n)))
+    flat = [torch.randn(n, generator=g) for n in (40, 25)]
+    got = hift_mod._ragged_rows(flat, [5, 0], [20, 25], 25 + 16, reflect=8)
+    for b, (p, s, n) in enumerate(zip(flat, [5, 0], [20, 25])):
+        want = F.pad(F.pad(p[s : s + n][None, None], (8, 8), mode="reflect")[0, 0], (0, 41 - n - 16))
+        assert torch.equal(got[b], want)
+    with pytest.raises(ValueError, match="reflect"):
+        hift_mod._ragged_rows(flat, [0, 0], [8, 20], 40, reflect=8)
+    rows = torch.arange(30.0).view(3, 10)
+    pieces = hift_mod._row_pieces(rows, [2, 0, 7], [3, 10, 0])
+    assert [p.tolist() for p in pieces] == [[2.0, 3.0, 4.0], list(map(float, range(10, 20))), []]
+    assert all(p.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for p in pieces)

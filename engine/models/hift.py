@@ -638,22 +638,26 @@ class CausalHiFTGenerator(nn.Module):
         # ones compute one frame more than they release (its iSTFT overlap is still incomplete).
         n_net = [st.received - s0 if fin else t + 1 - s0 for st, s0, t, fin in zip(streams, starts, targets, finalize)]
         n_max = max(n_net)
-        mels, sources = [], []
-        for st, s0, n, fin in zip(streams, starts, n_net, finalize):
-            m = st.mel[:, s0 - st.mel_start : s0 - st.mel_start + n + (0 if fin else look)]
-            mels.append(F.pad(m, (0, n_max + look - m.shape[1])))
-            src = self._centre_pad(st.source[(s0 - st.source_start) * spf : (st.f0_done - st.source_start) * spf])
-            sources.append(src)
-        width = max(x.shape[0] for x in sources)
-        s_padded = torch.stack([F.pad(x, (0, width - x.shape[0])) for x in sources])
+        # Each stream's window, right-padded with zeros, gathered for all streams at once
+        # (a few operators per batch instead of ~12 per stream: each one gives up the
+        # interpreter lock, round 17 of docs/benchmarks.md). The excitation is reflect-
+        # padded by n_fft/2 on both sides first (torch.stft's center=True, `_centre_pad`).
+        mel_len = [n + (0 if fin else look) for n, fin in zip(n_net, finalize)]
+        mels = _ragged_rows([st.mel for st in streams], [s0 - st.mel_start for st, s0 in zip(streams, starts)],
+                            mel_len, n_max + look)
+        src_len = [(st.f0_done - s0) * spf for st, s0 in zip(streams, starts)]
+        pad = cfg.n_fft // 2
+        s_padded = _ragged_rows([st.source for st in streams],
+                                [(s0 - st.source_start) * spf for st, s0 in zip(streams, starts)],
+                                src_len, max(src_len) + 2 * pad, reflect=pad)
         # Queued, not waited for: the host would otherwise stop here until the whole flow
         # batch ran, and launch the vocoder with the GPU idle.
         valid = tensor_on([stft_per_frame * n + 1 for n in n_net], torch.long, self._device)
-        wav = decode(torch.stack(mels), s_padded, valid)
-        pieces = []
-        for b, (st, s0, t) in enumerate(zip(streams, starts, targets)):
-            # Views of this step's own output (the caller copies them out at once).
-            pieces.append(wav[b, (st.emitted - s0) * spf : (t - s0) * spf])
+        wav = decode(mels, s_padded, valid)
+        # Views of this step's own output (the caller copies them out at once), all from one split.
+        pieces = _row_pieces(wav, [(st.emitted - s0) * spf for st, s0 in zip(streams, starts)],
+                             [(t - st.emitted) * spf for st, t in zip(streams, targets)])
+        for b, (st, t) in enumerate(zip(streams, targets)):
             st.emitted = t
             st.last_decode_window = n_net[b] + look
         return pieces
@@ -671,6 +675,45 @@ class CausalHiFTGenerator(nn.Module):
         if keep_src > st.source_start:
             st.source = st.source[(keep_src - st.source_start) * spf :]
             st.source_start = keep_src
+
+
+# ----------------------------------------------------------------------------- batch windows
+
+
+def _ragged_rows(parts: list[torch.Tensor], starts: list[int], lengths: list[int], width: int,
+                 reflect: int = 0) -> torch.Tensor:
+    """Row b: parts[b][..., starts[b] : starts[b] + lengths[b]] (time last, the same leading
+    shape in every part), reflect-padded by `reflect` on both sides like F.pad's "reflect",
+    then zero-padded on the right to `width`: [B, *leading, width], from one gather over
+    the parts' concatenation, however many parts."""
+    if reflect and min(lengths) <= reflect:
+        raise ValueError(f"reflect padding of {reflect} needs windows longer than that, got {min(lengths)}")
+    device = parts[0].device
+    zero = parts[0].new_zeros(*parts[0].shape[:-1], 1)
+    flat = torch.cat([*parts, zero], dim=-1)
+    offsets = np.cumsum([0] + [p.shape[-1] for p in parts])
+    first = tensor_on([int(o) + s for o, s in zip(offsets, starts)], torch.long, device)[:, None]
+    n = tensor_on(lengths, torch.long, device)[:, None]
+    pos = torch.arange(width, device=device)
+    j = (pos - reflect).expand(len(parts), width)
+    if reflect:  # -j left of the window, 2 (n - 1) - j right of it
+        j = j.abs()
+        j = torch.where(j >= n, 2 * (n - 1) - j, j)
+    idx = torch.where(pos < n + 2 * reflect, first + j, int(offsets[-1]))  # past the window: the zero
+    out = flat[..., idx]  # [*leading, B, width]
+    return out if flat.dim() == 1 else out.movedim(-2, 0).contiguous()
+
+
+def _row_pieces(rows: torch.Tensor, starts: list[int], lengths: list[int]) -> list[torch.Tensor]:
+    """rows[b, starts[b] : starts[b] + lengths[b]] for every row, as views from one split."""
+    width = rows.shape[1]
+    sizes, cursor = [], 0
+    for b, (s, n) in enumerate(zip(starts, lengths)):
+        at = b * width + s
+        sizes += [at - cursor, n]
+        cursor = at + n
+    sizes.append(rows.numel() - cursor)
+    return list(rows.reshape(-1).split(sizes)[1::2])
 
 
 # ----------------------------------------------------------------------------- random weights
