@@ -313,10 +313,12 @@ def test_stft_and_inverse_are_torchs_without_cufft() -> None:
     assert bins[: n_fft // 2 + 1].abs().argmax() == 2 or bins[n_fft // 2 + 1 :].abs().argmax() == 2
 
 
-def test_ragged_rows_and_pieces_are_the_per_stream_slices() -> None:
-    """The batch gathers that build the vocoder's decode windows equal slicing each stream,
-    F.pad's reflect padding and right zero padding, row by row; the output pieces are views
-    of the rows' own ranges."""
+@pytest.mark.parametrize("gather_from", [1, 100])
+def test_ragged_rows_and_pieces_are_the_per_stream_slices(gather_from: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch windows of a vocoder step, gathered (from `_GATHER_MIN_ROWS` streams) or
+    sliced, equal slicing each stream, F.pad's reflect padding and right zero padding, row
+    by row; the output pieces are views of the rows' own ranges."""
+    monkeypatch.setattr(hift_mod, "_GATHER_MIN_ROWS", gather_from)
     g = torch.Generator().manual_seed(4)
     parts = [torch.randn(5, n, generator=g) for n in (12, 30, 9)]
     starts, lengths = [2, 10, 0], [7, 20, 9]
@@ -330,6 +332,10 @@ def test_ragged_rows_and_pieces_are_the_per_stream_slices() -> None:
         assert torch.equal(got[b], want)
     with pytest.raises(ValueError, match="reflect"):
         hift_mod._ragged_rows(flat, [0, 0], [8, 20], 40, reflect=8)
+    grid = torch.randn(3, 11, generator=g)
+    got = hift_mod._row_windows(grid, [0, 4, 9], [5, 7, 2], 8)
+    for b, (s, n) in enumerate(zip([0, 4, 9], [5, 7, 2])):
+        assert torch.equal(got[b], F.pad(grid[b, s : s + n], (0, 8 - n)))
     rows = torch.arange(30.0).view(3, 10)
     pieces = hift_mod._row_pieces(rows, [2, 0, 7], [3, 10, 0])
     assert [p.tolist() for p in pieces] == [[2.0, 3.0, 4.0], list(map(float, range(10, 20))), []]
