@@ -14,7 +14,7 @@ def test_counts_the_vocoder_step_and_the_logits_processor(tmp_path) -> None:  # 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     one, two = report["vocoder"][1], report["vocoder"][2]
     assert 0 < one["dispatches"] < two["dispatches"]  # per-stream slicing grows with the batch
-    # From `_GATHER_MIN_ROWS` streams the step gathers its windows for all streams at once:
+    # From `engine.ragged.GATHER_MIN_ROWS` streams the step gathers its windows for all streams at once:
     # ~5 more operators a stream (32 before round 17), each one a hand-off of the interpreter
     # lock beside a busy event loop; no clones of state the next step copies anyway.
     eight, sixteen = report["vocoder"][8]["dispatches"], report["vocoder"][16]["dispatches"]

@@ -481,3 +481,19 @@ def test_graph_plan_falls_back_to_per_row_buffers_and_warms_both(flow: CausalMas
     runner._run = fake_run  # type: ignore[method-assign]
     runner.warm([(1, 60, 50), (4, 60, 50)])
     assert captured == [((1, 100), True), ((1, 100), False), ((4, 100), False)]
+
+
+def test_a_chunks_cache_key_makes_few_operator_calls(voices: list[Voice]) -> None:
+    """The key is asked for every chunk of every batch: after a voice's first chunk it
+    costs a few operator calls (each one gives up the interpreter lock), not ~17, and it
+    still tells voices apart."""
+    from bench.dispatch_count import count
+
+    a, b, _ = voices
+    cache = PromptCache()
+    first = chunk(a, 0, 15, False)
+    key = cache.key(first)
+    later = chunk(a, 40, 90, False)  # another chunk of the same voice: new token tensor
+    calls = count(lambda: cache.key(later), top=10)
+    assert calls["dispatches"] <= 4, calls
+    assert cache.key(later) == key and cache.key(chunk(b, 0, 15, False)) != key

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from engine.models import hift as hift_mod
+from engine import ragged
 from engine.models.config import HiFTConfig, ModelConfig
 from engine.models.hift import CausalHiFTGenerator, HiFTStream, decoder_context_frames, init_random_
 
@@ -315,28 +315,28 @@ def test_stft_and_inverse_are_torchs_without_cufft() -> None:
 
 @pytest.mark.parametrize("gather_from", [1, 100])
 def test_ragged_rows_and_pieces_are_the_per_stream_slices(gather_from: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The batch windows of a vocoder step, gathered (from `_GATHER_MIN_ROWS` streams) or
+    """The batch windows of a vocoder step, gathered (from `GATHER_MIN_ROWS` streams) or
     sliced, equal slicing each stream, F.pad's reflect padding and right zero padding, row
     by row; the output pieces are views of the rows' own ranges."""
-    monkeypatch.setattr(hift_mod, "_GATHER_MIN_ROWS", gather_from)
+    monkeypatch.setattr(ragged, "GATHER_MIN_ROWS", gather_from)
     g = torch.Generator().manual_seed(4)
     parts = [torch.randn(5, n, generator=g) for n in (12, 30, 9)]
     starts, lengths = [2, 10, 0], [7, 20, 9]
-    got = hift_mod._ragged_rows(parts, starts, lengths, 24)
+    got = ragged.ragged_rows(parts, starts, lengths, 24)
     for b, (p, s, n) in enumerate(zip(parts, starts, lengths)):
         assert torch.equal(got[b], F.pad(p[:, s : s + n], (0, 24 - n)))
     flat = [torch.randn(n, generator=g) for n in (40, 25)]
-    got = hift_mod._ragged_rows(flat, [5, 0], [20, 25], 25 + 16, reflect=8)
+    got = ragged.ragged_rows(flat, [5, 0], [20, 25], 25 + 16, reflect=8)
     for b, (p, s, n) in enumerate(zip(flat, [5, 0], [20, 25])):
         want = F.pad(F.pad(p[s : s + n][None, None], (8, 8), mode="reflect")[0, 0], (0, 41 - n - 16))
         assert torch.equal(got[b], want)
     with pytest.raises(ValueError, match="reflect"):
-        hift_mod._ragged_rows(flat, [0, 0], [8, 20], 40, reflect=8)
+        ragged.ragged_rows(flat, [0, 0], [8, 20], 40, reflect=8)
     grid = torch.randn(3, 11, generator=g)
-    got = hift_mod._row_windows(grid, [0, 4, 9], [5, 7, 2], 8)
+    got = ragged.row_windows(grid, [0, 4, 9], [5, 7, 2], 8)
     for b, (s, n) in enumerate(zip([0, 4, 9], [5, 7, 2])):
         assert torch.equal(got[b], F.pad(grid[b, s : s + n], (0, 8 - n)))
     rows = torch.arange(30.0).view(3, 10)
-    pieces = hift_mod._row_pieces(rows, [2, 0, 7], [3, 10, 0])
+    pieces = ragged.row_ranges(rows, [2, 0, 7], [3, 10, 0])
     assert [p.tolist() for p in pieces] == [[2.0, 3.0, 4.0], list(map(float, range(10, 20))), []]
     assert all(p.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for p in pieces)

@@ -54,6 +54,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engine.device_copy import tensor_on, to_device
+from engine import ragged
+from engine.ragged import ragged_rows, row_ranges, row_windows
 from engine.models.config import HiFTConfig
 
 # Sizes of what the official build draws from the RNG between `set_all_random_seed(0)` (flow
@@ -609,16 +611,16 @@ class CausalHiFTGenerator(nn.Module):
         win_len = [st.mel.shape[1] - (s0 - st.mel_start) for st, s0 in zip(streams, starts)]
         # Zero right-padding = the official finalize look-ahead; non-final streams never use
         # outputs that reach into it. Gathered for all streams at once (`_advance_audio`).
-        batch = _ragged_rows([st.mel for st in streams], [s0 - st.mel_start for st, s0 in zip(streams, starts)],
+        batch = ragged_rows([st.mel for st in streams], [s0 - st.mel_start for st, s0 in zip(streams, starts)],
                              win_len, max(win_len) + _F0_LOOKAHEAD)
         f0_all = self._predict_f0(batch)
         new_counts = [t - st.f0_done for st, t in zip(streams, targets)]
         n_max = max(new_counts)
-        f0 = _row_windows(f0_all, [st.f0_done - s0 for st, s0 in zip(streams, starts)], new_counts, n_max)
+        f0 = row_windows(f0_all, [st.f0_done - s0 for st, s0 in zip(streams, starts)], new_counts, n_max)
         noise = self._batch_noise(streams, new_counts, n_max)
         phase0 = torch.stack([st.phase for st in streams])
         s, acc = self.m_source(f0, phase0, noise)
-        news = _row_pieces(s, [0] * len(streams), [n * spf for n in new_counts])
+        news = row_ranges(s, [0] * len(streams), [n * spf for n in new_counts])
         # Views of this step's own (small) accumulated phase, one indexing for all streams.
         last = tensor_on([n - 1 for n in new_counts], torch.long, acc.device)
         phases = acc[torch.arange(len(streams), device=acc.device), last].unbind(0)
@@ -633,7 +635,7 @@ class CausalHiFTGenerator(nn.Module):
         (`_noise`), zero-padded; rows inside the device table are gathered for all streams
         at once, a stream that reaches past it draws its own."""
         spf, table = self.cfg.samples_per_frame, self._table().rows
-        if len(streams) < _GATHER_MIN_ROWS:
+        if len(streams) < ragged.GATHER_MIN_ROWS:
             return torch.stack([F.pad(self._noise(st.noise, st.f0_done, c), (0, 0, 0, (n_max - c) * spf))
                                 for st, c in zip(streams, counts)])
         n_table = table.shape[0]
@@ -665,11 +667,11 @@ class CausalHiFTGenerator(nn.Module):
         # interpreter lock, round 17 of docs/benchmarks.md). The excitation is reflect-
         # padded by n_fft/2 on both sides first (torch.stft's center=True, `_centre_pad`).
         mel_len = [n + (0 if fin else look) for n, fin in zip(n_net, finalize)]
-        mels = _ragged_rows([st.mel for st in streams], [s0 - st.mel_start for st, s0 in zip(streams, starts)],
+        mels = ragged_rows([st.mel for st in streams], [s0 - st.mel_start for st, s0 in zip(streams, starts)],
                             mel_len, n_max + look)
         src_len = [(st.f0_done - s0) * spf for st, s0 in zip(streams, starts)]
         pad = cfg.n_fft // 2
-        s_padded = _ragged_rows([st.source for st in streams],
+        s_padded = ragged_rows([st.source for st in streams],
                                 [(s0 - st.source_start) * spf for st, s0 in zip(streams, starts)],
                                 src_len, max(src_len) + 2 * pad, reflect=pad)
         # Queued, not waited for: the host would otherwise stop here until the whole flow
@@ -677,7 +679,7 @@ class CausalHiFTGenerator(nn.Module):
         valid = tensor_on([stft_per_frame * n + 1 for n in n_net], torch.long, self._device)
         wav = decode(mels, s_padded, valid)
         # Views of this step's own output (the caller copies them out at once), all from one split.
-        pieces = _row_pieces(wav, [(st.emitted - s0) * spf for st, s0 in zip(streams, starts)],
+        pieces = row_ranges(wav, [(st.emitted - s0) * spf for st, s0 in zip(streams, starts)],
                              [(t - st.emitted) * spf for st, t in zip(streams, targets)])
         for b, (st, t) in enumerate(zip(streams, targets)):
             st.emitted = t
@@ -697,77 +699,6 @@ class CausalHiFTGenerator(nn.Module):
         if keep_src > st.source_start:
             st.source = st.source[(keep_src - st.source_start) * spf :]
             st.source_start = keep_src
-
-
-# ----------------------------------------------------------------------------- batch windows
-
-# From this many streams a vocoder step gathers its windows from the streams' concatenation
-# (a fixed ~15 operators a gather) instead of slicing and padding each stream (~3 each):
-# `bench.dispatch_count --tiny`, one step at 1 / 2 / 8 / 64 streams: 704 / 730 / 886 / 2342
-# operators sliced, 784 / 791 / 821 / 1101 gathered.
-_GATHER_MIN_ROWS = 4
-
-
-def _ragged_rows(parts: list[torch.Tensor], starts: list[int], lengths: list[int], width: int,
-                 reflect: int = 0) -> torch.Tensor:
-    """Row b: parts[b][..., starts[b] : starts[b] + lengths[b]] (time last, the same leading
-    shape in every part), reflect-padded by `reflect` on both sides like F.pad's "reflect",
-    then zero-padded on the right to `width`: [B, *leading, width], from one gather over
-    the parts' concatenation, however many parts."""
-    if reflect and min(lengths) <= reflect:
-        raise ValueError(f"reflect padding of {reflect} needs windows longer than that, got {min(lengths)}")
-    if len(parts) < _GATHER_MIN_ROWS:
-        return torch.stack([_window(p[..., s : s + n], width, reflect) for p, s, n in zip(parts, starts, lengths)])
-    zero = parts[0].new_zeros(*parts[0].shape[:-1], 1)
-    offsets = np.cumsum([0] + [p.shape[-1] for p in parts])
-    return _gather_windows(torch.cat([*parts, zero], dim=-1), [int(o) + s for o, s in zip(offsets, starts)],
-                           lengths, width, reflect)
-
-
-def _row_windows(rows: torch.Tensor, starts: list[int], lengths: list[int], width: int) -> torch.Tensor:
-    """rows[b, starts[b] : starts[b] + lengths[b]] zero-padded to `width`, [B, width], from one gather."""
-    batch, length = rows.shape
-    if batch < _GATHER_MIN_ROWS:
-        return torch.stack([_window(r[s : s + n], width) for r, s, n in zip(rows, starts, lengths)])
-    return _gather_windows(F.pad(rows.reshape(-1), (0, 1)), [b * length + s for b, s in enumerate(starts)],
-                           lengths, width)
-
-
-def _window(x: torch.Tensor, width: int, reflect: int = 0) -> torch.Tensor:
-    """One window as `_gather_windows` makes it, by slicing and padding (few rows)."""
-    if reflect:
-        x = F.pad(x[None, None], (reflect, reflect), mode="reflect")[0, 0]
-    return F.pad(x, (0, width - x.shape[-1]))
-
-
-def _gather_windows(flat: torch.Tensor, first: list[int], lengths: list[int], width: int,
-                    reflect: int = 0) -> torch.Tensor:
-    """Windows [first[b], first[b] + lengths[b]) of flat's last axis, whose last element is a
-    zero: reflect-padded by `reflect` on both sides (windows longer than it), then zero-padded
-    to `width`."""
-    device = flat.device
-    start = tensor_on(first, torch.long, device)[:, None]
-    n = tensor_on(lengths, torch.long, device)[:, None]
-    pos = torch.arange(width, device=device)
-    j = (pos - reflect).expand(len(first), width)
-    if reflect:  # -j left of the window, 2 (n - 1) - j right of it
-        j = j.abs()
-        j = torch.where(j >= n, 2 * (n - 1) - j, j)
-    idx = torch.where(pos < n + 2 * reflect, start + j, flat.shape[-1] - 1)  # past the window: the zero
-    out = flat[..., idx]  # [*leading, B, width]
-    return out if flat.dim() == 1 else out.movedim(-2, 0).contiguous()
-
-
-def _row_pieces(rows: torch.Tensor, starts: list[int], lengths: list[int]) -> list[torch.Tensor]:
-    """rows[b, starts[b] : starts[b] + lengths[b]] for every row, as views from one split."""
-    width = rows.shape[1]
-    sizes, cursor = [], 0
-    for b, (s, n) in enumerate(zip(starts, lengths)):
-        at = b * width + s
-        sizes += [at - cursor, n]
-        cursor = at + n
-    sizes.append(rows.numel() - cursor)
-    return list(rows.reshape(-1).split(sizes)[1::2])
 
 
 # ----------------------------------------------------------------------------- random weights
