@@ -13,7 +13,11 @@ random weights, `TorchDispatchMode`, views included):
   third step of each stream (history and context in place), weight norm folded as the
   loader does;
 * `ras`: one `RASBatchState.apply` on vLLM-shaped logits (unified vocabulary) with every
-  row a RAS request 100 tokens in.
+  row a RAS request 100 tokens in;
+* `flow` (`--flow-batches`): one one-voice batch of first chunks (18 new tokens + 3
+  lookahead, a 60-token prompt) through the prompt cache and the CUDA-graph runner's
+  static buffers, with the solve itself left out (on the GPU it is one graph replay):
+  the calls a loaded round makes around the flow's graph.
 
 Per batch size: `dispatches` and the most frequent operators.
 """
@@ -84,23 +88,51 @@ def ras(batch: int, top: int) -> dict[str, Any]:
     return count(lambda: state.apply(logits.clone()), top)
 
 
+def flow(batch: int, cfg: ModelConfig, top: int) -> dict[str, Any]:
+    from engine.flow_graphs import FlowGraphRunner, GraphPolicy
+    from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
+    from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+
+    model = init_random_(CausalMaskedDiffWithDiT(cfg.flow), 7).eval()
+    g = torch.Generator().manual_seed(0)
+    p = 60
+    prompt, feat, emb = (torch.randint(0, 6561, (p,), generator=g), torch.randn(2 * p, 80, generator=g),
+                         torch.randn(192, generator=g))
+    chunks = [FlowChunk(tokens=torch.cat((prompt, torch.randint(0, 6561, (21,), generator=g))), prompt_feat=feat,
+                        embedding=emb, num_prompt_tokens=p, out_start=p, finalize=False) for _ in range(batch)]
+    runner = FlowGraphRunner(model.decoder, GraphPolicy(shared_prefix_max_rows=64), capture=False)
+    runner._solve_into = lambda views, streaming: None  # type: ignore[method-assign]
+    cache = PromptCache()
+
+    def step() -> None:
+        decode_with_prompt_cache(model, chunks, cache.entries_for(model, chunks), solver=runner)
+
+    with torch.inference_mode():
+        step()  # builds the voice's cache entry
+    return count(step, top)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocoder-batches", default="1,8")
     p.add_argument("--ras-batches", default="1,64")
+    p.add_argument("--flow-batches", default="", help="one-voice flow batches to count (e.g. 1,8,64)")
     p.add_argument("--tiny", action="store_true", help="the tiny model (tests)")
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
-    report: dict[str, Any] = {"model": "tiny" if args.tiny else "full", "vocoder": {}, "ras": {}}
+    report: dict[str, Any] = {"model": "tiny" if args.tiny else "full", "vocoder": {}, "ras": {}, "flow": {}}
     for b in (int(x) for x in args.vocoder_batches.split(",") if x):
         report["vocoder"][b] = vocoder(b, cfg, args.top)
         print(f"vocoder stream_step, {b} stream(s): {report['vocoder'][b]['dispatches']} dispatches", flush=True)
     for b in (int(x) for x in args.ras_batches.split(",") if x):
         report["ras"][b] = ras(b, args.top)
         print(f"RAS logits processor, {b} row(s): {report['ras'][b]['dispatches']} dispatches", flush=True)
+    for b in (int(x) for x in args.flow_batches.split(",") if x):
+        report["flow"][b] = flow(b, cfg, args.top)
+        print(f"flow batch around its graph, {b} chunk(s): {report['flow'][b]['dispatches']} dispatches", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

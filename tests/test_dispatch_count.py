@@ -10,7 +10,7 @@ from bench import dispatch_count
 def test_counts_the_vocoder_step_and_the_logits_processor(tmp_path) -> None:  # noqa: ANN001
     out = tmp_path / "dispatch.json"
     report = dispatch_count.main(["--tiny", "--vocoder-batches", "1,2,8,16", "--ras-batches", "1,3", "--top", "50",
-                                  "--json", str(out)])
+                                  "--flow-batches", "8,16", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     one, two = report["vocoder"][1], report["vocoder"][2]
     assert 0 < one["dispatches"] < two["dispatches"]  # per-stream slicing grows with the batch
@@ -24,3 +24,7 @@ def test_counts_the_vocoder_step_and_the_logits_processor(tmp_path) -> None:  # 
     assert "aten.reciprocal.default" not in one["top"]
     assert one["top"]["aten.sin.default"] > 10
     assert all(report["ras"][b]["dispatches"] > 0 for b in (1, 3))
+    # A one-voice flow batch around its graph: ~5 calls a chunk (the prompt-cache key from
+    # remembered digests, the outputs from one split; ~22 a chunk before round 17).
+    f8, f16 = report["flow"][8]["dispatches"], report["flow"][16]["dispatches"]
+    assert 0 < f8 < f16 and f16 - f8 <= 8 * 6
