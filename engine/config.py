@@ -162,6 +162,12 @@ class EngineConfig:
     # Extra GPUs for the flow+vocoder stage (its bottleneck): one stage copy per device,
     # the LM stays on `device`. Empty = one stage on `device`.
     stage_devices: tuple[str, ...] = ()
+    # Run the audio stage in a process of its own (`engine.stage_process`), so that its
+    # thousands of operator calls a round do not queue for the interpreter lock behind the
+    # event loop (the WebSockets, the LM's outputs, the chunk planning). On the H200 a
+    # 64-chunk round took 128 ms alone and 479 ms beside one thread running Python 90% of
+    # the time (round 18 of docs/benchmarks.md). Not with stage_devices or flow_fill_padding.
+    stage_process: bool = False
     text_normalization: bool = True
     warmup: bool = True
     # Start the LM backend while the audio stage is built and the flow warmed (vLLM's
@@ -249,6 +255,11 @@ class EngineConfig:
             raise ValueError("flow_context_cache_bytes must be >= 0 and flow_context_min_rows >= 1")
         if self.flow_context_cache_bytes > 0 and self.flow_left_context <= 0:
             raise ValueError("flow_context_cache_bytes needs a bounded flow_left_context (> 0 tokens)")
+        if self.stage_process and self.stage_devices:
+            raise ValueError("stage_process runs one stage: it does not combine with stage_devices")
+        if self.stage_process and self.flow_fill_padding:
+            raise ValueError("stage_process does not combine with flow_fill_padding (a chunk grows from its "
+                             "utterance's tokens, which live in this process)")
         if self.flow_context_cache_bytes > 0 and not self.flow_prompt_cache:
             raise ValueError("flow_context_cache_bytes needs flow_prompt_cache (its rings follow the cached prompt)")
 

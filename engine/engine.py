@@ -44,9 +44,10 @@ from .flow_graphs import GraphPolicy, prompt_shapes
 from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
 from .stage_pool import StagePool
+from .stage_process import RemoteStage
 from .stage_profile import StageProfiler
 from .text_stream import TextFeed
-from .token2wav import AudioStage, ChunkJob
+from .token2wav import AudioStage, ChunkJob, cuda_memory
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
 
 log = logging.getLogger(__name__)
@@ -330,16 +331,6 @@ class StartClock:
         self._last = now
 
 
-def _cuda_memory(device: torch.device) -> dict[str, int]:
-    """The CUDA allocator's current and peak bytes on `device` (zeros elsewhere)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return {}
-    return {
-        "cuda_memory_allocated_bytes": int(torch.cuda.memory_allocated(device)),
-        "cuda_max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
-    }
-
-
 def graph_policy(config: EngineConfig) -> GraphPolicy:
     """Which flow batch shapes get CUDA graphs."""
     return GraphPolicy(batch_buckets=config.flow_graph_rows,
@@ -387,7 +378,7 @@ class Engine:
         config: EngineConfig,
         model: LoadedModel,
         backend: LMBackend,
-        stage: AudioStage,
+        stage: AudioStage | StagePool | RemoteStage,
         tokenizer,
         featurizer,
         device: torch.device,
@@ -435,8 +426,9 @@ class Engine:
 
         def build() -> tuple[LoadedModel, object, object]:
             model = load_model(model_dir, load_lm=(backend_name == "torch"))
-            model.flow.to(device)
-            model.hift.to(device)
+            if not config.stage_process:  # else the stage's process loads its own
+                model.flow.to(device)
+                model.hift.to(device)
             version = model.config.version
             tok = TextTokenizer.from_dir(model_dir / "CosyVoice-BlankEN", version=version)
             feat = PromptFeaturizer(
@@ -484,10 +476,13 @@ class Engine:
         # its own process) while the audio stage is built and the flow warmed on the
         # warm-up voice, which need no LM; "lm" is then the wait left after those.
         lm_start = asyncio.create_task(backend.start()) if config.overlap_start else None
-        stage: AudioStage | StagePool | None = None
+        stage: AudioStage | StagePool | RemoteStage | None = None
         engine: Engine | None = None
         try:
-            stage = build_stage(model, device, config)
+            if config.stage_process:
+                stage = await RemoteStage.spawn(config, device, graph_policy(config))
+            else:
+                stage = build_stage(model, device, config)
             await stage.start()
             clock.lap("stage")
             engine = cls(config, model, backend, stage, tok, feat, device)
@@ -690,8 +685,16 @@ class Engine:
             **self.opening_second_chunk_times.stats_fields(),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},
-            **_cuda_memory(self.device),
+            **self._cuda_memory(),
         )
+
+    def _cuda_memory(self) -> dict[str, int]:
+        """The CUDA allocator's bytes on this engine's device, the stage's process's included."""
+        ours = cuda_memory(self.device)
+        theirs = getattr(self.stage, "cuda_memory", None)
+        if isinstance(theirs, dict):
+            return {k: ours.get(k, 0) + theirs.get(k, 0) for k in ours.keys() | theirs.keys()}
+        return ours
 
     # ----------------------------------------------------------------- prompts
     def text_ids(self, text: str) -> list[int]:

@@ -218,6 +218,38 @@ class StageStats:
     first_chunk_hold_caught: int = 0
 
 
+def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int) -> int:
+    """Rows x frames of a batch as the stage solves it, the measure `RoundTimes` learns
+    from (`AudioStage._decode`): a graph's bucket when one serves it (taken for one voice,
+    the common load; `policy` None: no flow graphs), else the batch itself. Planned on the
+    exact rows instead, 40 first chunks in the 64-row graph were planned at 9 tokens as if
+    their round were far shorter than its 266 ms (H200, round 13 of docs/benchmarks.md),
+    and every session stalled."""
+    if policy is None:
+        return rows * frames
+    shape = policy.bucket(rows, frames, cached, shared=cached > 0)
+    return rows * frames if shape is None else shape[0] * shape[1]
+
+
+def estimate_round(rounds: RoundTimes, live: int, max_batch: int, policy: GraphPolicy | None,
+                   frames: int, cached: int) -> float | None:
+    """`AudioStage.round_estimate` from its parts: `live` utterances in progress, each
+    with a chunk like this one in the same round, in batches of at most `max_batch`."""
+    live = max(1, live)
+    one = rounds.predict(solved_work(policy, min(live, max_batch), frames, cached))
+    return None if one is None else one * math.ceil(live / max_batch)
+
+
+def cuda_memory(device: torch.device) -> dict[str, int]:
+    """The CUDA allocator's current and peak bytes on `device` (none elsewhere)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    return {
+        "cuda_memory_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+        "cuda_max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+    }
+
+
 def padding_room(frames: Sequence[int], token_mel_ratio: int) -> list[int]:
     """Per row of a flow batch (its computed frames), the speech tokens it could grow by
     without lengthening the batch: every row is padded to the longest."""
@@ -333,22 +365,8 @@ class AudioStage:
         docs/benchmarks.md they did, and that error alone kept bursts from stalling while
         a session queued its next chunk only after the previous one's audio was back
         (`submit` says why it no longer waits)."""
-        live = max(1, self.live_utterances())
-        rows = min(live, self.max_batch)
-        one = self.rounds.predict(self._solved_work(rows, frames, cached))
-        return None if one is None else one * math.ceil(live / self.max_batch)
-
-    def _solved_work(self, rows: int, frames: int, cached: int) -> int:
-        """Rows x frames of a batch as the stage solves it, the measure `RoundTimes` learns
-        from (`_decode`): a graph's bucket when one serves it (taken for one voice, the
-        common load), else the batch itself. Planned on the exact rows instead, 40 first
-        chunks in the 64-row graph were planned at 9 tokens as if their round were far
-        shorter than its 266 ms (H200, round 13 of docs/benchmarks.md), and every session
-        stalled."""
-        if not self.flow_cuda_graphs:
-            return rows * frames
-        shape = self.graph_policy.bucket(rows, frames, cached, shared=cached > 0)
-        return rows * frames if shape is None else shape[0] * shape[1]
+        return estimate_round(self.rounds, self.live_utterances(), self.max_batch,
+                              self.graph_policy if self.flow_cuda_graphs else None, frames, cached)
 
     async def start(self) -> None:
         if self._task is None:

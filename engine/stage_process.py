@@ -1,0 +1,570 @@
+"""The audio stage in a process of its own, behind the interface the engine uses.
+
+Why: PyTorch's Python bindings release the interpreter lock around every operator call,
+and a loaded stage round makes thousands of them outside its CUDA graphs. In the
+gateway's process the other holder of the lock is the event loop (WebSockets, the LM's
+outputs, chunk planning). On the H200 a 64-chunk opening round took 128 ms alone, 138 ms
+beside a thread running Python half of every 10 ms and 479 ms beside one running it 90%
+of the time (`bench.stage_syncs --busy`, round 18 of docs/benchmarks.md), the range the
+gateway's own opening rounds were in (456-581 ms). A process of its own gives the stage
+an interpreter of its own; vLLM keeps its engine core apart for the same reason.
+
+`RemoteStage` (the engine's process) offers what `Engine` uses of an `AudioStage`, and
+the child (`stage_main`) runs an ordinary `AudioStage`, built from the same model
+directory and `EngineConfig`. They talk over one duplex pipe; every send is a list of
+messages (tuples, pickled):
+
+engine -> stage
+    ("tensor", key, array)          a voice's prompt mel or embedding, sent once; chunks
+                                    name it by key (the stage's prompt cache keys on it)
+    ("release", sids, keys)         vocoder streams and tensors the engine dropped
+    ("stream", sid)                 a new vocoder stream (one per utterance)
+    ("submit", jid, sid, chunk, speed, index, urgent, deadline)
+    ("cancel", jids)                queued chunks of cancelled utterances
+    ("expect", sid, due, round_s)   `AudioStage.expect_first_chunk`
+    ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started;
+                                    cid None: no reply
+    ("close",)
+
+stage -> engine
+    ("ready", info) / ("fatal", text)           once, after the stage is built (or not)
+    ("events", started, done, failed, rounds, stats, memory)
+        started: (jid, at, rows) per chunk whose batch was taken (`BatchStart`); done:
+        (jid, pcm); failed: (jid, message); rounds: the (work, wall) pairs the stage's
+        `RoundTimes` observed, replayed into the engine's copy (`round_estimate` is
+        answered here, synchronously); stats: `StageStats` as a dict; memory: CUDA bytes
+    ("reply", cid, ok, value)
+
+The clocks agree: `time.monotonic` is the system's monotonic clock on Linux, one for
+every process, so deadlines and batch starts cross the pipe as they are.
+
+A chunk's `grow` (`flow_fill_padding`) reads its utterance's tokens, which live in the
+engine's process: not offered here (`EngineConfig` refuses the pair). If the stage's
+process exits, every chunk and call waiting on it fails with `StageProcessError` and
+later submits raise it: an utterance ends with an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .first_chunk import RoundTimes
+from .flow_graphs import GraphPolicy
+from .models.flow import FlowChunk
+from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, cuda_memory, estimate_round
+
+log = logging.getLogger(__name__)
+
+# The stage's warm-up calls the engine makes, and `started`; nothing else is called by name.
+CALLS = frozenset({"warm_graphs", "warm_prompt", "warm_context", "started"})
+START_TIMEOUT_S = 900.0  # model load, compile and vocoder graph capture in the child
+CLOSE_TIMEOUT_S = 30.0
+
+
+class StageProcessError(RuntimeError):
+    """The stage's process failed or exited."""
+
+
+@dataclass(frozen=True)
+class ChunkWire:
+    """A `FlowChunk` on the pipe: its voice tensors by key (`("tensor", ...)` messages)."""
+
+    tokens: np.ndarray
+    prompt_feat: int
+    embedding: int
+    num_prompt_tokens: int
+    out_start: int
+    finalize: bool
+    noise_offset: int
+
+
+class RemoteStream:
+    """The engine's handle on a vocoder stream that lives in the stage's process."""
+
+    __slots__ = ("sid", "__weakref__")
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+
+
+class RemoteStage:
+    """An `AudioStage` in a child process (`spawn`); see the module docstring."""
+
+    def __init__(self, conn: Connection, process: multiprocessing.process.BaseProcess, info: dict[str, Any],
+                 policy: GraphPolicy) -> None:
+        self._conn = conn
+        self._process = process
+        self.max_batch: int = info["max_batch"]
+        self.device = info["device"]
+        # Graph buckets decide a round's work (`solved_work`) only where the child has graphs.
+        self.graph_policy: GraphPolicy | None = policy if info["flow_cuda_graphs"] else None
+        self.rounds = RoundTimes()
+        self.stats = StageStats()
+        self.cuda_memory: dict[str, int] = {}
+        self._live: weakref.WeakSet[RemoteStream] = weakref.WeakSet()
+        self._jobs: dict[int, ChunkJob] = {}  # submitted, audio not yet back
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._tensors: dict[int, int] = {}  # id(tensor) -> key, while the tensor lives
+        # Written by weakref callbacks, which run wherever the last reference goes (the
+        # garbage collector may run on the reader thread): sent with the next message from
+        # the event loop, so only the loop's thread ever writes to the pipe.
+        self._released_streams: list[int] = []
+        self._released_tensors: list[int] = []
+        self._ids = itertools.count()
+        self._closed = False
+        self._error: StageProcessError | None = None
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="audio-stage-reader", daemon=True)
+        self._reader.start()
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    async def spawn(cls, config: EngineConfig, device: torch.device, policy: GraphPolicy) -> "RemoteStage":
+        """Start the stage's process and wait until its stage is built and started."""
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        ours, theirs = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=stage_main, args=(theirs, config, str(device)), name="audio-stage")
+        process.start()
+        theirs.close()  # the child's end: with it closed here, the child's exit reads as EOF
+        try:
+            first = await asyncio.wait_for(asyncio.to_thread(_recv_first, ours), START_TIMEOUT_S)
+        except BaseException as exc:
+            _stop(process, ours)
+            if isinstance(exc, (EOFError, OSError)):
+                raise StageProcessError(f"audio stage process exited while starting (exit code "
+                                        f"{process.exitcode})") from None
+            raise
+        kind, payload = first
+        if kind != "ready":
+            _stop(process, ours)
+            raise StageProcessError(f"audio stage process failed to start:\n{payload}")
+        return cls(ours, process, payload, policy)
+
+    async def start(self) -> None:
+        """Started by `spawn` (the child starts its stage before it says it is ready)."""
+
+    def started(self) -> None:
+        self._tell(("call", None, "started", ()))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(StageProcessError):
+            self._send(("close",))
+        await asyncio.to_thread(self._process.join, CLOSE_TIMEOUT_S)
+        _stop(self._process, self._conn)
+        self._fail_all(StageProcessError("audio stage closed"))
+
+    # ----------------------------------------------------------------- the stage interface
+    def new_stream(self) -> RemoteStream:
+        stream = RemoteStream(next(self._ids))
+        self._live.add(stream)
+        weakref.finalize(stream, self._released_streams.append, stream.sid)
+        self._tell(("stream", stream.sid))
+        return stream
+
+    def live_utterances(self) -> int:
+        return len(self._live)
+
+    def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
+        """`AudioStage.submit`: the chunk goes to the stage's process; its futures are
+        resolved from the stage's events."""
+        self._check_open()
+        stream = job.hift_stream
+        if not isinstance(stream, RemoteStream):
+            raise TypeError("job.hift_stream must come from RemoteStage.new_stream()")
+        job.future, job.started = self._loop.create_future(), self._loop.create_future()
+        jid = next(self._ids)
+        job.seq = jid
+        chunk = self._wire(job.flow)
+        self._send(("submit", jid, stream.sid, chunk, job.speed, job.chunk_index, job.urgent, job.deadline))
+        self._jobs[jid] = job
+        return job.future
+
+    async def run(self, job: ChunkJob) -> np.ndarray:
+        return await self.submit(job)
+
+    def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
+        """`AudioStage.round_estimate`, from the round times the stage reported."""
+        return estimate_round(self.rounds, self.live_utterances(), self.max_batch, self.graph_policy, frames, cached)
+
+    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
+        if isinstance(stream, RemoteStream):
+            self._tell(("expect", stream.sid, due, round_s))
+
+    def drop_cancelled(self) -> int:
+        """Cancel the queued chunks of cancelled utterances here, and tell the stage."""
+        gone = [jid for jid, job in self._jobs.items()
+                if not job.started.done() and (job.is_cancelled() or job.future.cancelled())]
+        for jid in gone:
+            _cancel(self._jobs.pop(jid))
+        if gone:
+            self._tell(("cancel", gone))
+        return len(gone)
+
+    def pending_for(self, is_cancelled: object) -> int:
+        """Chunks not yet taken by the stage whose cancel check is `is_cancelled`."""
+        return sum(1 for j in self._jobs.values() if j.is_cancelled is is_cancelled and not j.started.done())
+
+    async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
+        return await self._call("warm_graphs", shapes)
+
+    async def warm_prompt(self, chunk: FlowChunk) -> bool:
+        return await self._call("warm_prompt", self._wire(chunk))
+
+    async def warm_context(self, prompt: FlowChunk) -> bool:
+        return await self._call("warm_context", self._wire(prompt))
+
+    # ----------------------------------------------------------------- the pipe
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise StageProcessError("audio stage is closed")
+
+    def _send(self, *messages: tuple[Any, ...]) -> None:
+        """Send from the event loop's thread (the only writer), with what was released."""
+        batch: list[tuple[Any, ...]] = []
+        if self._released_streams or self._released_tensors:
+            sids, self._released_streams = self._released_streams, []
+            keys, self._released_tensors = self._released_tensors, []
+            batch.append(("release", sids, keys))
+        batch.extend(messages)
+        try:
+            self._conn.send(batch)
+        except (OSError, ValueError) as exc:  # the child is gone (its reader reports how)
+            raise StageProcessError(f"audio stage process is gone ({type(exc).__name__})") from None
+
+    def _tell(self, *messages: tuple[Any, ...]) -> None:
+        """`_send` for what nobody waits on: dropped once the stage is gone."""
+        if self._error is None and not self._closed:
+            with contextlib.suppress(StageProcessError):
+                self._send(*messages)
+
+    def _wire(self, chunk: FlowChunk) -> ChunkWire:
+        return ChunkWire(chunk.tokens.numpy(), self._tensor_key(chunk.prompt_feat), self._tensor_key(chunk.embedding),
+                         chunk.num_prompt_tokens, chunk.out_start, chunk.finalize, chunk.noise_offset)
+
+    def _tensor_key(self, t: torch.Tensor) -> int:
+        """A voice tensor's key in the stage's process, sent there on first use."""
+        key = self._tensors.get(id(t))
+        if key is None:
+            key = next(self._ids)
+            self._send(("tensor", key, t.detach().cpu().numpy()))
+            self._tensors[id(t)] = key
+            weakref.finalize(t, self._forget_tensor, id(t), key)
+        return key
+
+    def _forget_tensor(self, ident: int, key: int) -> None:
+        self._tensors.pop(ident, None)
+        self._released_tensors.append(key)
+
+    async def _call(self, method: str, *args: object) -> Any:
+        self._check_open()
+        cid = next(self._ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[cid] = future
+        self._send(("call", cid, method, args))
+        return await future
+
+    def _read(self) -> None:
+        """The reader thread: every message batch onto the event loop, in order."""
+        reason = ""
+        try:
+            while True:
+                batch = self._conn.recv()
+                self._loop.call_soon_threadsafe(self._on_batch, batch)
+        except (EOFError, OSError):
+            pass
+        except Exception as exc:  # an unreadable message: nothing after it can be trusted
+            log.exception("audio stage pipe failed")
+            reason = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody waits anymore
+            self._loop.call_soon_threadsafe(self._on_exit, reason)
+
+    def _on_batch(self, batch: list[tuple[Any, ...]]) -> None:
+        for message in batch:
+            kind = message[0]
+            if kind == "events":
+                self._on_events(*message[1:])
+            elif kind == "reply":
+                _, cid, ok, value = message
+                future = self._calls.pop(cid, None)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(StageProcessError(value))
+
+    def _on_events(self, started: list[tuple[int, float, int]], done: list[tuple[int, np.ndarray]],
+                   failed: list[tuple[int, str]], rounds: list[tuple[int, float]], stats: dict[str, Any],
+                   memory: dict[str, int]) -> None:
+        for work, wall in rounds:
+            self.rounds.observe(work, wall)
+        self.stats = StageStats(**stats)
+        self.cuda_memory = memory
+        for jid, at, rows in started:
+            job = self._jobs.get(jid)
+            if job is not None and not job.started.done():
+                job.started.set_result(BatchStart(at, rows))
+        for jid, pcm in done:
+            job = self._jobs.pop(jid, None)
+            if job is not None and not job.future.done():
+                job.future.set_result(pcm)
+        for jid, text in failed:
+            job = self._jobs.pop(jid, None)
+            if job is not None:
+                if not job.started.done():
+                    job.started.set_exception(StageProcessError(text))
+                    job.started.exception()  # retrieved: the chunk's future carries the error
+                if not job.future.done():
+                    job.future.set_exception(StageProcessError(text))
+
+    def _on_exit(self, reason: str) -> None:
+        if self._closed:
+            return
+        code = self._process.exitcode
+        text = f"audio stage process exited (exit code {code})" + (f": {reason}" if reason else "")
+        log.error("%s", text)
+        self._error = StageProcessError(text)
+        self._fail_all(self._error)
+
+    def _fail_all(self, error: StageProcessError) -> None:
+        jobs, self._jobs = self._jobs, {}
+        for job in jobs.values():
+            for future in (job.started, job.future):
+                if not future.done():
+                    future.set_exception(error)
+            if job.started.done() and not job.started.cancelled():
+                job.started.exception()  # the chunk's future is what its utterance reports
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+def _recv_first(conn: Connection) -> tuple[str, Any]:
+    batch = conn.recv()
+    return batch[0]
+
+
+def _stop(process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
+    """Make sure the child is gone (it exits by itself on "close" or on EOF)."""
+    with contextlib.suppress(OSError):
+        conn.close()
+    process.join(CLOSE_TIMEOUT_S if process.is_alive() else 0)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _cancel(job: ChunkJob) -> None:
+    for future in (job.future, job.started):
+        if not future.done():
+            future.cancel()
+
+
+# --------------------------------------------------------------------- the stage's process
+def stage_main(conn: Connection, config: EngineConfig, device: str) -> None:
+    """The child's entry point: load the flow and the vocoder, build the stage the engine
+    would build in-process, serve the pipe until "close" or EOF."""
+    try:
+        from .engine import build_stage
+        from .models.loader import load_model
+
+        dev = torch.device(device)
+        model = load_model(Path(config.model_dir), load_lm=False)
+        model.flow.to(dev)
+        model.hift.to(dev)
+        stage = build_stage(model, dev, dataclasses.replace(config, stage_process=False))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send([("fatal", traceback.format_exc())])
+        conn.close()
+        raise SystemExit(1)
+    assert isinstance(stage, AudioStage)
+    asyncio.run(_serve(conn, stage))
+
+
+class _ReportedRounds(RoundTimes):
+    """The stage's round times, each observation also queued for the engine's copy."""
+
+    def __init__(self, sink: Callable[[tuple[int, float]], None]) -> None:
+        super().__init__()
+        self._sink = sink
+
+    def observe(self, work: int, wall_s: float) -> None:
+        super().observe(work, wall_s)
+        self._sink((work, wall_s))
+
+
+class _StageServer:
+    """The child's side: messages -> the `AudioStage`; its results -> one "events"
+    message per turn of the event loop."""
+
+    def __init__(self, conn: Connection, stage: AudioStage) -> None:
+        self.conn = conn
+        self.stage = stage
+        self.loop = asyncio.get_running_loop()
+        self.closing = asyncio.Event()
+        self.streams: dict[int, object] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.cancelled: set[int] = set()
+        self.started: list[tuple[int, float, int]] = []
+        self.done: list[tuple[int, np.ndarray]] = []
+        self.failed: list[tuple[int, str]] = []
+        self.rounds: list[tuple[int, float]] = []
+        self.flush_due = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        stage.rounds = _ReportedRounds(self._round)
+
+    def read(self) -> None:
+        """The reader thread."""
+        try:
+            while True:
+                batch = self.conn.recv()
+                self.loop.call_soon_threadsafe(self.handle, batch)
+        except (EOFError, OSError):
+            pass
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.closing.set)
+
+    def handle(self, batch: list[tuple[Any, ...]]) -> None:
+        for message in batch:
+            getattr(self, "on_" + message[0])(*message[1:])
+
+    def on_tensor(self, key: int, array: np.ndarray) -> None:
+        self.tensors[key] = torch.from_numpy(array)
+
+    def on_release(self, sids: list[int], keys: list[int]) -> None:
+        for sid in sids:
+            self.streams.pop(sid, None)
+        for key in keys:
+            self.tensors.pop(key, None)
+
+    def on_stream(self, sid: int) -> None:
+        self.streams[sid] = self.stage.new_stream()
+
+    def on_submit(self, jid: int, sid: int, wire: ChunkWire, speed: float, index: int, urgent: bool,
+                  deadline: float) -> None:
+        job = ChunkJob(self.chunk(wire), self.streams[sid], speed, index,
+                       functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent)
+        self.stage.submit(job)
+        job.started.add_done_callback(functools.partial(self._started, jid))
+        job.future.add_done_callback(functools.partial(self._done, jid))
+
+    def on_cancel(self, jids: list[int]) -> None:
+        self.cancelled.update(jids)
+        self.stage.drop_cancelled()
+
+    def on_expect(self, sid: int, due: float, round_s: float | None) -> None:
+        stream = self.streams.get(sid)
+        if stream is not None:
+            self.stage.expect_first_chunk(stream, due, round_s)
+
+    def on_call(self, cid: int | None, method: str, args: tuple[Any, ...]) -> None:
+        task = self.loop.create_task(self.call(cid, method, args))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def on_close(self) -> None:
+        self.closing.set()
+
+    async def call(self, cid: int | None, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            if method not in CALLS:
+                raise ValueError(f"unknown stage call {method!r}")
+            args = tuple(self.chunk(a) if isinstance(a, ChunkWire) else a for a in args)
+            value = getattr(self.stage, method)(*args)
+            if asyncio.iscoroutine(value):
+                value = await value
+            reply = ("reply", cid, True, value)
+        except Exception as exc:
+            log.exception("audio stage call %s failed", method)
+            reply = ("reply", cid, False, f"{method}: {type(exc).__name__}: {exc}")
+        if cid is not None:
+            self.send([reply])
+
+    def chunk(self, wire: ChunkWire) -> FlowChunk:
+        return FlowChunk(torch.from_numpy(wire.tokens), self.tensors[wire.prompt_feat], self.tensors[wire.embedding],
+                         wire.num_prompt_tokens, wire.out_start, wire.finalize, wire.noise_offset)
+
+    # Results: the stage resolves a batch's futures together; their callbacks run in the
+    # next turn of the loop, and the flush scheduled by the first runs after them all.
+    def _started(self, jid: int, future: asyncio.Future[BatchStart]) -> None:
+        if not future.cancelled():
+            start = future.result()
+            self.started.append((jid, start.at, start.rows))
+            self._flush_soon()
+
+    def _done(self, jid: int, future: asyncio.Future[np.ndarray]) -> None:
+        self.cancelled.discard(jid)
+        if future.cancelled():
+            return  # cancelled by the engine, which no longer waits for it
+        exc = future.exception()
+        if exc is None:
+            self.done.append((jid, future.result()))
+        else:
+            self.failed.append((jid, f"{type(exc).__name__}: {exc}"))
+        self._flush_soon()
+
+    def _round(self, point: tuple[int, float]) -> None:
+        self.rounds.append(point)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if not self.flush_due:
+            self.flush_due = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_due = False
+        events = ("events", self.started, self.done, self.failed, self.rounds, dict(vars(self.stage.stats)),
+                  cuda_memory(torch.device(self.stage.device)))
+        self.started, self.done, self.failed, self.rounds = [], [], [], []
+        self.send([events])
+
+    def send(self, batch: list[tuple[Any, ...]]) -> None:
+        with contextlib.suppress(OSError):  # the engine is gone: the reader sees EOF and closes
+            self.conn.send(batch)
+
+
+async def _serve(conn: Connection, stage: AudioStage) -> None:
+    server = _StageServer(conn, stage)
+    try:
+        await stage.start()
+    except BaseException:
+        server.send([("fatal", traceback.format_exc())])
+        raise
+    info = {"max_batch": stage.max_batch, "flow_cuda_graphs": stage.flow_cuda_graphs, "device": str(stage.device),
+            "pid": os.getpid()}
+    server.send([("ready", info)])
+    reader = threading.Thread(target=server.read, name="audio-stage-pipe", daemon=True)
+    reader.start()
+    try:
+        await server.closing.wait()
+    finally:
+        for task in list(server.tasks):
+            task.cancel()
+        await stage.close()
+        with contextlib.suppress(OSError):
+            conn.close()

@@ -1,0 +1,114 @@
+"""The audio stage in a process of its own (`engine.stage_process`), on CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import graph_policy
+from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
+from engine.types import AudioChunk, SessionOptions, UtteranceError
+from helpers import assert_same_audio
+from tests.test_engine import collect, default_voice, run
+from bench.ws_load import main as ws_load_main
+from tests.test_stage_pool import _speak_four
+
+
+def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model_dir):
+    async def remote(engine):
+        stage = engine.stage
+        assert isinstance(stage, RemoteStage) and stage._process.is_alive()
+        assert stage.round_estimate(RemoteStream(-1), 100) is None  # no round yet
+        pcm = await _speak_four(engine)
+        # The engine's copy of the round times learnt from the child's rounds, and its
+        # stats are the child's.
+        assert stage.rounds.observed == stage.stats.batches > 0
+        assert stage.round_estimate(RemoteStream(-1), 100) > 0
+        assert engine.stats().chunks == stage.stats.chunks > 0
+        return pcm, stage._process
+
+    single = run(tiny_model_dir, _speak_four, warmup=False)
+    pcm, process = run(tiny_model_dir, remote, warmup=False, stage_process=True)
+    assert not process.is_alive() and process.exitcode == 0  # closed with the engine
+    assert len(pcm) == len(single) == 4
+    for a, b in zip(single, pcm):
+        assert_same_audio(a, b)
+
+
+def test_cancelled_utterances_leave_the_stage_process_serving(tiny_model_dir):
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        doomed = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=1))
+        await doomed.submit("This long sentence is cancelled before its audio is done, " * 3)
+        await doomed.finish()
+        first = await anext(aiter(doomed.events()))  # one chunk out: the rest is queued or coming
+        assert isinstance(first, AudioChunk)
+        await doomed.cancel()
+        assert all(job.started.done() for job in stage._jobs.values())  # none left queued here
+        kept = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=2))
+        await kept.submit("The next caller is served as before.")
+        await kept.finish()
+        events = await collect(kept)
+        assert events and all(isinstance(e, AudioChunk) for e in events), events
+        # Nothing of the cancelled utterance waits here: its queued chunks were dropped,
+        # the ones the stage had taken came back and were let go.
+        assert not stage._jobs
+        return events
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True)
+
+
+def test_a_stage_process_that_dies_fails_its_utterances_with_an_error(tiny_model_dir):
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        stage._process.kill()
+        session = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=3))
+        await session.submit("Nobody is left to make this audio.")
+        await session.finish()
+        events = await asyncio.wait_for(collect(session), 60)  # an error, not a hang
+        assert events and isinstance(events[-1], UtteranceError), events
+        assert "audio stage process" in events[-1].message
+        with pytest.raises(StageProcessError, match="exited"):
+            stage._check_open()
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True)
+
+
+def test_a_stage_process_that_cannot_start_says_why(tiny_model_dir, tmp_path):
+    config = EngineConfig(model_dir=tmp_path / "no-model", device="cpu", lm_backend="torch", stage_process=True)
+
+    async def main():
+        await RemoteStage.spawn(config, config.resolved_device(), graph_policy(config))
+
+    with pytest.raises(StageProcessError, match="failed to start") as err:
+        asyncio.run(main())
+    assert "Traceback" in str(err.value) and "no-model" in str(err.value)
+
+
+def test_stage_process_refuses_what_it_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="stage_devices"):
+        EngineConfig(model_dir=tmp_path, stage_process=True, stage_devices=("cpu", "cpu"))
+    with pytest.raises(ValueError, match="flow_fill_padding"):
+        EngineConfig(model_dir=tmp_path, stage_process=True, flow_fill_padding=True)
+    assert EngineConfig(model_dir=tmp_path, stage_process=True).stage_process
+
+
+def test_the_gateway_serves_websocket_sessions_from_a_stage_process(tiny_model_dir, tmp_path):
+    """`python -m gateway --engine.stage-process true` (spawned by the load benchmark, real
+    uvicorn and WebSocket clients): the stage's process starts from the gateway's and
+    serves its sessions."""
+    report = ws_load_main([
+        "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
+        "--sessions", "2", "--rate", "0", "--no-warm", "--text", "Hello there. How are you?",
+        "--json", str(tmp_path / "load.json"),
+        "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
+        "--engine.text-normalization", "false", "--engine.stage-process", "true",
+    ])
+    (level,) = report["results"]["product"]
+    assert level["sessions"] == level["completed"] == 2 and level["errors"] == 0, level
+    assert level["audio_s"] > 0 and level["first_audio_ms"]["n"] == 2
+    server = level["server"]  # the stage's counters crossed the pipe
+    assert server["flow_frames"] > 0 and server["vocoder_frames"] > 0 and server["stage_busy_share"] > 0
