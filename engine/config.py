@@ -166,8 +166,11 @@ class EngineConfig:
     # thousands of operator calls a round do not queue for the interpreter lock behind the
     # event loop (the WebSockets, the LM's outputs, the chunk planning). On the H200 a
     # 64-chunk round took 128 ms alone and 479 ms beside one thread running Python 90% of
-    # the time (round 18 of docs/benchmarks.md). Not with stage_devices or flow_fill_padding.
-    stage_process: bool = False
+    # the time (round 18 of docs/benchmarks.md), and 64 sessions' opening rounds took
+    # 190-405 ms in a process of their own against 464-565 in the gateway's. None: on with a
+    # CUDA device, unless stage_devices or flow_fill_padding (which it does not combine
+    # with) are set; on the CPU off (no CPU serves the loads where the lock is contended).
+    stage_process: bool | None = None
     text_normalization: bool = True
     warmup: bool = True
     # Start the LM backend while the audio stage is built and the flow warmed (vLLM's
@@ -267,6 +270,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_stage_process(self) -> bool:
+        if self.stage_process is not None:
+            return self.stage_process
+        return self.resolved_device().type == "cuda" and not self.stage_devices and not self.flow_fill_padding
 
     def resolved_flow_dtype(self) -> torch.dtype | str:
         return "auto" if self.flow_dtype == "auto" else getattr(torch, self.flow_dtype)

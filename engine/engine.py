@@ -426,7 +426,7 @@ class Engine:
 
         def build() -> tuple[LoadedModel, object, object]:
             model = load_model(model_dir, load_lm=(backend_name == "torch"))
-            if not config.stage_process:  # else the stage's process loads its own
+            if not config.resolved_stage_process():  # else the stage's process loads its own
                 model.flow.to(device)
                 model.hift.to(device)
             version = model.config.version
@@ -479,7 +479,7 @@ class Engine:
         stage: AudioStage | StagePool | RemoteStage | None = None
         engine: Engine | None = None
         try:
-            if config.stage_process:
+            if config.resolved_stage_process():
                 stage = await RemoteStage.spawn(config, device, graph_policy(config))
             else:
                 stage = build_stage(model, device, config)

@@ -163,10 +163,11 @@ class EngineSettings:
         metadata=_help("flow+vocoder stage copies, one per device, e.g. cuda:0,cuda:1; the LM stays on "
                        "engine.device (empty = one stage on engine.device)"),
     )
-    stage_process: bool = field(
-        default=False,
+    stage_process: bool | None = field(
+        default=None,
         metadata=_help("run the flow+vocoder stage in a process of its own, so that its operator calls do not "
-                       "wait for the interpreter lock behind the event loop"),
+                       "wait for the interpreter lock behind the event loop (default: on with a CUDA device, "
+                       "unless stage_devices or flow_fill_padding are set)"),
     )
     lm_max_batch: int = field(default=256, metadata=_help("LM sequences decoded together (torch: per step; "
                                                           "vLLM: max_num_seqs); more utterances wait"))

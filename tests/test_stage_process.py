@@ -11,6 +11,7 @@ from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from helpers import assert_same_audio
 from tests.test_engine import collect, default_voice, run
+from bench.stage_pipe import main as stage_pipe_main
 from bench.ws_load import main as ws_load_main
 from tests.test_stage_pool import _speak_four
 
@@ -70,7 +71,7 @@ def test_a_stage_process_that_dies_fails_its_utterances_with_an_error(tiny_model
         await session.finish()
         events = await asyncio.wait_for(collect(session), 60)  # an error, not a hang
         assert events and isinstance(events[-1], UtteranceError), events
-        assert "audio stage process" in events[-1].message
+        assert events[-1].code == "engine_error" and "audio stage process" in events[-1].message
         with pytest.raises(StageProcessError, match="exited"):
             stage._check_open()
 
@@ -93,7 +94,13 @@ def test_stage_process_refuses_what_it_cannot_run(tmp_path):
         EngineConfig(model_dir=tmp_path, stage_process=True, stage_devices=("cpu", "cpu"))
     with pytest.raises(ValueError, match="flow_fill_padding"):
         EngineConfig(model_dir=tmp_path, stage_process=True, flow_fill_padding=True)
-    assert EngineConfig(model_dir=tmp_path, stage_process=True).stage_process
+    assert EngineConfig(model_dir=tmp_path, stage_process=True).resolved_stage_process()
+    # By default: on where the lock is contended (a GPU's loads), where it can run.
+    assert not EngineConfig(model_dir=tmp_path, device="cpu").resolved_stage_process()
+    assert EngineConfig(model_dir=tmp_path, device="cuda").resolved_stage_process()
+    assert not EngineConfig(model_dir=tmp_path, device="cuda", stage_devices=("cuda:0", "cuda:1")).resolved_stage_process()
+    assert not EngineConfig(model_dir=tmp_path, device="cuda", flow_fill_padding=True).resolved_stage_process()
+    assert not EngineConfig(model_dir=tmp_path, device="cuda", stage_process=False).resolved_stage_process()
 
 
 def test_the_gateway_serves_websocket_sessions_from_a_stage_process(tiny_model_dir, tmp_path):
@@ -112,3 +119,10 @@ def test_the_gateway_serves_websocket_sessions_from_a_stage_process(tiny_model_d
     assert level["audio_s"] > 0 and level["first_audio_ms"]["n"] == 2
     server = level["server"]  # the stage's counters crossed the pipe
     assert server["flow_frames"] > 0 and server["vocoder_frames"] > 0 and server["stage_busy_share"] > 0
+
+
+def test_stage_pipe_bench_times_round_trips():
+    """`bench.stage_pipe`: a round trip per batch size, through a spawned child."""
+    out = stage_pipe_main(["--rows", "1,4", "--audio-s", "0.01", "--reps", "20"])
+    assert set(out) == {1, 4}
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in out.values()), out
