@@ -156,6 +156,7 @@ class RemoteStage:
         if kind != "ready":
             _stop(process, ours)
             raise StageProcessError(f"audio stage process failed to start:\n{payload}")
+        log.info("audio stage process %s ready on %s", payload["pid"], payload["device"])
         return cls(ours, process, payload, policy)
 
     async def start(self) -> None:

@@ -241,8 +241,10 @@ def estimate_round(rounds: RoundTimes, live: int, max_batch: int, policy: GraphP
 
 
 def cuda_memory(device: torch.device) -> dict[str, int]:
-    """The CUDA allocator's current and peak bytes on `device` (none elsewhere)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    """The CUDA allocator's current and peak bytes on `device` (none elsewhere). Nothing in a
+    process that has not used CUDA: asking would create a context (hundreds of MB) in the
+    engine's process when the stage runs in its own."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
         return {}
     return {
         "cuda_memory_allocated_bytes": int(torch.cuda.memory_allocated(device)),
