@@ -288,17 +288,8 @@ class RemoteStage:
         return await future
 
     def _read(self) -> None:
-        """The reader thread: every message batch onto the event loop, in order."""
-        reason = ""
-        try:
-            while True:
-                batch = self._conn.recv()
-                self._loop.call_soon_threadsafe(self._on_batch, batch)
-        except (EOFError, OSError):
-            pass
-        except Exception as exc:  # an unreadable message: nothing after it can be trusted
-            log.exception("audio stage pipe failed")
-            reason = f"{type(exc).__name__}: {exc}"
+        """The reader thread."""
+        reason = _pump(self._conn, self._loop, self._on_batch)
         with contextlib.suppress(RuntimeError):  # the loop closed first: nobody waits anymore
             self._loop.call_soon_threadsafe(self._on_exit, reason)
 
@@ -361,6 +352,25 @@ class RemoteStage:
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _pump(conn: Connection, loop: asyncio.AbstractEventLoop,
+          handle: Callable[[list[tuple[Any, ...]]], None]) -> str:
+    """A reader thread's loop: every message batch onto the event loop, in order, until the
+    other side closes ("") or a message cannot be read (why: nothing after it can be
+    trusted)."""
+    while True:
+        try:
+            batch = conn.recv()
+        except (EOFError, OSError):
+            return ""
+        except Exception as exc:
+            log.exception("audio stage pipe failed")
+            return f"{type(exc).__name__}: {exc}"
+        try:
+            loop.call_soon_threadsafe(handle, batch)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            return ""
 
 
 def _recv_first(conn: Connection) -> tuple[str, Any]:
@@ -440,12 +450,7 @@ class _StageServer:
 
     def read(self) -> None:
         """The reader thread."""
-        try:
-            while True:
-                batch = self.conn.recv()
-                self.loop.call_soon_threadsafe(self.handle, batch)
-        except (EOFError, OSError):
-            pass
+        _pump(self.conn, self.loop, self.handle)
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.closing.set)
 
