@@ -167,9 +167,10 @@ class EngineConfig:
     # event loop (the WebSockets, the LM's outputs, the chunk planning). On the H200 a
     # 64-chunk round took 128 ms alone and 479 ms beside one thread running Python 90% of
     # the time (round 18 of docs/benchmarks.md), and 64 sessions' opening rounds took
-    # 190-405 ms in a process of their own against 464-565 in the gateway's. None: on with a
-    # CUDA device, unless stage_devices or flow_fill_padding (which it does not combine
-    # with) are set; on the CPU off (no CPU serves the loads where the lock is contended).
+    # 190-405 ms in a process of their own against 464-565 in the gateway's. With
+    # stage_devices, one process per device. None: on with a CUDA device unless
+    # flow_fill_padding (which it does not combine with) is set; on the CPU off (no CPU
+    # serves the loads where the lock is contended).
     stage_process: bool | None = None
     text_normalization: bool = True
     warmup: bool = True
@@ -258,8 +259,6 @@ class EngineConfig:
             raise ValueError("flow_context_cache_bytes must be >= 0 and flow_context_min_rows >= 1")
         if self.flow_context_cache_bytes > 0 and self.flow_left_context <= 0:
             raise ValueError("flow_context_cache_bytes needs a bounded flow_left_context (> 0 tokens)")
-        if self.stage_process and self.stage_devices:
-            raise ValueError("stage_process runs one stage: it does not combine with stage_devices")
         if self.stage_process and self.flow_fill_padding:
             raise ValueError("stage_process does not combine with flow_fill_padding (a chunk grows from its "
                              "utterance's tokens, which live in this process)")
@@ -274,7 +273,7 @@ class EngineConfig:
     def resolved_stage_process(self) -> bool:
         if self.stage_process is not None:
             return self.stage_process
-        return self.resolved_device().type == "cuda" and not self.stage_devices and not self.flow_fill_padding
+        return self.resolved_device().type == "cuda" and not self.flow_fill_padding
 
     def resolved_flow_dtype(self) -> torch.dtype | str:
         return "auto" if self.flow_dtype == "auto" else getattr(torch, self.flow_dtype)

@@ -372,6 +372,29 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
     return StagePool(stages)
 
 
+async def spawn_stages(config: EngineConfig, device: torch.device) -> RemoteStage | StagePool:
+    """`build_stage`, each stage in a process of its own (`engine.stage_process`), started
+    together."""
+    policy = graph_policy(config)
+    if not config.stage_devices:
+        return await RemoteStage.spawn(config, device, policy)
+    spawns = [RemoteStage.spawn(_one_stage_config(config, i), torch.device(name), policy)
+              for i, name in enumerate(config.stage_devices)]
+    started = await asyncio.gather(*spawns, return_exceptions=True)
+    stages = [s for s in started if isinstance(s, RemoteStage)]
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:  # none may outlive a failed start
+        await asyncio.gather(*(s.close() for s in stages), return_exceptions=True)
+        raise failed[0]
+    return StagePool(stages)
+
+
+def _one_stage_config(config: EngineConfig, index: int) -> EngineConfig:
+    """The configuration of stage `index` of `stage_devices`, as its own process builds it."""
+    profile = str(Path(config.stage_profile_dir) / f"stage{index}") if config.stage_profile_dir else ""
+    return replace(config, stage_devices=(), stage_profile_dir=profile)
+
+
 class Engine:
     def __init__(
         self,
@@ -480,7 +503,7 @@ class Engine:
         engine: Engine | None = None
         try:
             if config.resolved_stage_process():
-                stage = await RemoteStage.spawn(config, device, graph_policy(config))
+                stage = await spawn_stages(config, device)
             else:
                 stage = build_stage(model, device, config)
             await stage.start()

@@ -16,9 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .token2wav import AudioStage, ChunkJob, StageStats
+
+if TYPE_CHECKING:
+    from .stage_process import RemoteStage
 
 
 class PooledStream:
@@ -32,7 +37,7 @@ class PooledStream:
 
 
 class StagePool:
-    def __init__(self, stages: list[AudioStage]) -> None:
+    def __init__(self, stages: list[AudioStage] | list[RemoteStage]) -> None:
         if not stages:
             raise ValueError("a stage pool needs at least one stage")
         self.stages = stages
@@ -95,6 +100,16 @@ class StagePool:
             values = [getattr(s.stats, f.name) for s in self.stages]
             merged = max(values) if f.name.startswith(("max_", "last_")) else sum(values)
             setattr(total, f.name, merged)
+        return total
+
+    @property
+    def cuda_memory(self) -> dict[str, int]:
+        """CUDA bytes of the stages in processes of their own, summed (`RemoteStage`); the
+        engine's process counts stages of its own itself."""
+        total: dict[str, int] = {}
+        for stage in self.stages:
+            for key, n in getattr(stage, "cuda_memory", {}).items():
+                total[key] = total.get(key, 0) + n
         return total
 
     async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:

@@ -39,9 +39,10 @@ The clocks agree: `time.monotonic` is the system's monotonic clock on Linux, one
 every process, so deadlines and batch starts cross the pipe as they are.
 
 A chunk's `grow` (`flow_fill_padding`) reads its utterance's tokens, which live in the
-engine's process: not offered here (`EngineConfig` refuses the pair). If the stage's
-process exits, every chunk and call waiting on it fails with `StageProcessError` and
-later submits raise it: an utterance ends with an error, never a hang.
+engine's process: not offered here (`EngineConfig` refuses the pair). With `stage_devices`
+the engine starts one such process per device, behind a `StagePool`. If the stage's process
+exits, every chunk and call waiting on it fails with `StageProcessError` and later submits
+raise it: an utterance ends with an error, never a hang.
 """
 
 from __future__ import annotations
@@ -410,7 +411,7 @@ def stage_main(conn: Connection, config: EngineConfig, device: str) -> None:
         model = load_model(Path(config.model_dir), load_lm=False)
         model.flow.to(dev)
         model.hift.to(dev)
-        stage = build_stage(model, dev, dataclasses.replace(config, stage_process=False))
+        stage = build_stage(model, dev, dataclasses.replace(config, stage_process=False, stage_devices=()))
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send([("fatal", traceback.format_exc())])

@@ -166,8 +166,8 @@ class EngineSettings:
     stage_process: bool | None = field(
         default=None,
         metadata=_help("run the flow+vocoder stage in a process of its own, so that its operator calls do not "
-                       "wait for the interpreter lock behind the event loop (default: on with a CUDA device, "
-                       "unless stage_devices or flow_fill_padding are set)"),
+                       "wait for the interpreter lock behind the event loop; one per stage device (default: on "
+                       "with a CUDA device unless flow_fill_padding is set)"),
     )
     lm_max_batch: int = field(default=256, metadata=_help("LM sequences decoded together (torch: per step; "
                                                           "vLLM: max_num_seqs); more utterances wait"))

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import pytest
+import multiprocessing
 
+import pytest
+import torch
+
+from bench.stage_pipe import main as stage_pipe_main
+from bench.ws_load import main as ws_load_main
 from engine.config import EngineConfig
-from engine.engine import graph_policy
+from engine.engine import graph_policy, spawn_stages
+from engine.stage_pool import StagePool
 from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from helpers import assert_same_audio
 from tests.test_engine import collect, default_voice, run
-from bench.stage_pipe import main as stage_pipe_main
-from bench.ws_load import main as ws_load_main
 from tests.test_stage_pool import _speak_four
 
 
@@ -33,6 +37,27 @@ def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model
     pcm, process = run(tiny_model_dir, remote, warmup=False, stage_process=True)
     assert not process.is_alive() and process.exitcode == 0  # closed with the engine
     assert len(pcm) == len(single) == 4
+    for a, b in zip(single, pcm):
+        assert_same_audio(a, b)
+
+
+def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir):
+    """`stage_devices` with `stage_process`: a `StagePool` of two stages, each in its own
+    process; the utterances are shared out and sound as on one stage in-process."""
+    async def pooled(engine):
+        pool = engine.stage
+        assert isinstance(pool, StagePool) and all(isinstance(s, RemoteStage) for s in pool.stages)
+        processes = [s._process for s in pool.stages]
+        assert len({p.pid for p in processes}) == 2 and all(p.is_alive() for p in processes)
+        pcm = await _speak_four(engine)
+        per_stage = [s.stats.chunks for s in pool.stages]
+        return pcm, per_stage, engine.stats().chunks, processes
+
+    single = run(tiny_model_dir, _speak_four, warmup=False)
+    pcm, per_stage, total, processes = run(tiny_model_dir, pooled, warmup=False, stage_process=True,
+                                           stage_devices=("cpu", "cpu"))
+    assert all(n > 0 for n in per_stage) and total == sum(per_stage), per_stage
+    assert not any(p.is_alive() for p in processes)
     for a, b in zip(single, pcm):
         assert_same_audio(a, b)
 
@@ -89,16 +114,28 @@ def test_a_stage_process_that_cannot_start_says_why(tiny_model_dir, tmp_path):
     assert "Traceback" in str(err.value) and "no-model" in str(err.value)
 
 
+def test_a_stage_device_that_cannot_start_stops_the_others(tiny_model_dir):
+    """One of `stage_devices` fails (a CUDA device on a machine without one): the start
+    fails with its reason and leaves no stage process behind."""
+    config = EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch", stage_process=True,
+                          stage_devices=("cpu", "cuda:0"))
+
+    async def main():
+        await spawn_stages(config, torch.device("cpu"))
+
+    with pytest.raises(StageProcessError, match="failed to start"):
+        asyncio.run(main())
+    assert not multiprocessing.active_children()
+
+
 def test_stage_process_refuses_what_it_cannot_run(tmp_path):
-    with pytest.raises(ValueError, match="stage_devices"):
-        EngineConfig(model_dir=tmp_path, stage_process=True, stage_devices=("cpu", "cpu"))
     with pytest.raises(ValueError, match="flow_fill_padding"):
         EngineConfig(model_dir=tmp_path, stage_process=True, flow_fill_padding=True)
     assert EngineConfig(model_dir=tmp_path, stage_process=True).resolved_stage_process()
     # By default: on where the lock is contended (a GPU's loads), where it can run.
     assert not EngineConfig(model_dir=tmp_path, device="cpu").resolved_stage_process()
     assert EngineConfig(model_dir=tmp_path, device="cuda").resolved_stage_process()
-    assert not EngineConfig(model_dir=tmp_path, device="cuda", stage_devices=("cuda:0", "cuda:1")).resolved_stage_process()
+    assert EngineConfig(model_dir=tmp_path, device="cuda", stage_devices=("cuda:0", "cuda:1")).resolved_stage_process()
     assert not EngineConfig(model_dir=tmp_path, device="cuda", flow_fill_padding=True).resolved_stage_process()
     assert not EngineConfig(model_dir=tmp_path, device="cuda", stage_process=False).resolved_stage_process()
 
