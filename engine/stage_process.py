@@ -461,7 +461,13 @@ class _StageServer:
 
     def handle(self, batch: list[tuple[Any, ...]]) -> None:
         for message in batch:
-            getattr(self, "on_" + message[0])(*message[1:])
+            try:
+                getattr(self, "on_" + message[0])(*message[1:])
+            except Exception as exc:  # one bad message must not leave a chunk unanswered
+                log.exception("audio stage message %r failed", message[0])
+                if message[0] == "submit":
+                    self.failed.append((message[1], f"{type(exc).__name__}: {exc}"))
+                    self._flush_soon()
 
     def on_tensor(self, key: int, array: np.ndarray) -> None:
         self.tensors[key] = torch.from_numpy(array)

@@ -12,8 +12,10 @@ from bench.stage_pipe import main as stage_pipe_main
 from bench.ws_load import main as ws_load_main
 from engine.config import EngineConfig
 from engine.engine import graph_policy, spawn_stages
+from engine.models.flow import FlowChunk
 from engine.stage_pool import StagePool
 from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
+from engine.token2wav import ChunkJob
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from helpers import assert_same_audio
 from tests.test_engine import collect, default_voice, run
@@ -163,3 +165,25 @@ def test_stage_pipe_bench_times_round_trips():
     out = stage_pipe_main(["--rows", "1,4", "--audio-s", "0.01", "--reps", "20"])
     assert set(out) == {1, 4}
     assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in out.values()), out
+
+
+def test_a_chunk_the_stage_process_cannot_take_fails_alone(tiny_model_dir):
+    """A chunk for a vocoder stream the stage's process does not know gets an error back
+    (not silence forever), and the stage goes on serving."""
+    async def fn(engine):
+        stage = engine.stage
+        chunk = FlowChunk(tokens=torch.zeros(12, dtype=torch.long), prompt_feat=torch.zeros(8, 80),
+                          embedding=torch.zeros(192), num_prompt_tokens=4, out_start=4, finalize=True)
+        job = ChunkJob(flow=chunk, hift_stream=RemoteStream(10**9), speed=1.0, chunk_index=0,
+                       is_cancelled=lambda: False)
+        with pytest.raises(StageProcessError, match="KeyError"):
+            await asyncio.wait_for(stage.run(job), 60)
+        assert not stage._jobs
+        voice = await default_voice(engine)
+        session = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=4))
+        await session.submit("Still here.")
+        await session.finish()
+        events = await collect(session)
+        assert events and all(isinstance(e, AudioChunk) for e in events), events
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True)
