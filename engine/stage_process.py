@@ -48,6 +48,7 @@ raise it: an utterance ends with an error, never a hang.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -128,8 +129,8 @@ class RemoteStage:
         # Written by weakref callbacks, which run wherever the last reference goes (the
         # garbage collector may run on the reader thread): sent with the next message from
         # the event loop, so only the loop's thread ever writes to the pipe.
-        self._released_streams: list[int] = []
-        self._released_tensors: list[int] = []
+        self._released_streams: collections.deque[int] = collections.deque()
+        self._released_tensors: collections.deque[int] = collections.deque()
         self._ids = itertools.count()
         self._closed = False
         self._error: StageProcessError | None = None
@@ -248,8 +249,10 @@ class RemoteStage:
         """Send from the event loop's thread (the only writer), with what was released."""
         batch: list[tuple[Any, ...]] = []
         if self._released_streams or self._released_tensors:
-            sids, self._released_streams = self._released_streams, []
-            keys, self._released_tensors = self._released_tensors, []
+            # popleft, not a swap of lists: an append from another thread lands either in
+            # this message or in the next one, never in a list already sent.
+            sids = [self._released_streams.popleft() for _ in range(len(self._released_streams))]
+            keys = [self._released_tensors.popleft() for _ in range(len(self._released_tensors))]
             batch.append(("release", sids, keys))
         batch.extend(messages)
         try:
