@@ -330,11 +330,7 @@ class RemoteStage:
         for jid, text in failed:
             job = self._jobs.pop(jid, None)
             if job is not None:
-                if not job.started.done():
-                    job.started.set_exception(StageProcessError(text))
-                    job.started.exception()  # retrieved: the chunk's future carries the error
-                if not job.future.done():
-                    job.future.set_exception(StageProcessError(text))
+                _fail(job, StageProcessError(text))
 
     def _on_exit(self, reason: str) -> None:
         if self._closed:
@@ -348,11 +344,7 @@ class RemoteStage:
     def _fail_all(self, error: StageProcessError) -> None:
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
-            for future in (job.started, job.future):
-                if not future.done():
-                    future.set_exception(error)
-            if job.started.done() and not job.started.cancelled():
-                job.started.exception()  # the chunk's future is what its utterance reports
+            _fail(job, error)
         calls, self._calls = self._calls, {}
         for future in calls.values():
             if not future.done():
@@ -391,6 +383,15 @@ def _stop(process: multiprocessing.process.BaseProcess, conn: Connection) -> Non
     if process.is_alive():
         process.kill()
         process.join()
+
+
+def _fail(job: ChunkJob, error: StageProcessError) -> None:
+    """A chunk the stage will not answer: both of its futures carry the error."""
+    for future in (job.started, job.future):
+        if not future.done():
+            future.set_exception(error)
+    if not job.started.cancelled():
+        job.started.exception()  # retrieved: the chunk's future is what its utterance reports
 
 
 def _cancel(job: ChunkJob) -> None:
