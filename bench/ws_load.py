@@ -773,11 +773,11 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # ... and the inputs of its latest decision (ms): the LM's time per token, the
             # predicted rounds of that first chunk and of the chunk after it.
             "first_chunk_plan_ms": {name: _ms(after.get(f"cosyvoice_engine_first_chunk_plan_{name}_seconds"))
-                                    for name in ("lm_step", "round", "second_round")},
+                                    for name in ("lm_step", "lm_step_own", "round", "second_round")},
             # The same for the latest session's first segment: what the opening chunks
             # (`opening_chunk_phases_ms`, `opening_second_chunk_ms`) were planned on.
             "opening_chunk_plan_ms": {name: _ms(after.get(f"cosyvoice_engine_opening_chunk_plan_{name}_seconds"))
-                                      for name in ("lm_step", "round", "second_round")},
+                                      for name in ("lm_step", "lm_step_own", "round", "second_round")},
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
             "event_loop": loop_lag_summary(after, idle, after.get(SERVER_WINDOW, wall), audio),
         },

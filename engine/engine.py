@@ -63,6 +63,9 @@ DEADLINE_MARGIN_S = 0.25
 # An utterance's LM rate, for its first chunk's size, is measured over this many first tokens
 # at most (`_lm_step`).
 RATE_TOKENS = 64
+# ... and for the planner's `LMSteps`, from this token on (`_learn_lm_step`): past the
+# prompt's prefill and a burst's first steps, which share the GPU with the others' prefills.
+STEP_FROM = 8
 # Speech tokens of each concurrent warm-up utterance: a sentence (~4 s), like the
 # WebSocket load's segments (105 tokens), so the warm-up's batches span a burst's sizes.
 WARMUP_SPEECH_TOKENS = 100
@@ -219,15 +222,18 @@ class EngineStats:
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
     # The latest planned first chunk's inputs (`FirstChunkPlanner.last`; 0 before any, or
-    # when a round was not predicted): the LM's seconds per token and the predicted rounds
-    # of that first chunk and of the chunk after it.
+    # when a round was not predicted): the LM's seconds per token (the slower of the
+    # utterance's own, `_own_`, and what `LMSteps` learnt for as many utterances decoding)
+    # and the predicted rounds of that first chunk and of the chunk after it.
     first_chunk_plan_lm_step_seconds: float = 0.0
+    first_chunk_plan_lm_step_own_seconds: float = 0.0
     first_chunk_plan_round_seconds: float = 0.0
     first_chunk_plan_second_round_seconds: float = 0.0
     # The same for the latest session's first utterance (`FirstChunkPlanner.last_opening`):
     # what a burst's opening chunks were planned on, to set against `opening_chunk_*` and
     # `opening_second_chunk_*` (what their two rounds took).
     opening_chunk_plan_lm_step_seconds: float = 0.0
+    opening_chunk_plan_lm_step_own_seconds: float = 0.0
     opening_chunk_plan_round_seconds: float = 0.0
     opening_chunk_plan_second_round_seconds: float = 0.0
     # The LM server's own timings, summed (`engine.backends.lm_times`; vLLM with
@@ -421,6 +427,7 @@ class Engine:
         self.silent_tokens = SILENT_TOKENS if mc.version == "cosyvoice3" else frozenset()
         self.ready = False
         self.lm_tokens = 0
+        self.lm_streams = 0  # utterances whose LM is generating now
         self.first_chunk_times = FirstChunkTimes()
         # How long each step of `create` took (StartClock.laps); empty for an engine built
         # another way (tests).
@@ -745,6 +752,7 @@ def _plan_fields(plan: PlanInputs | None, name: str = "first_chunk") -> dict[str
     if plan is None:
         return {}
     return {f"{name}_plan_lm_step_seconds": plan.step_s,
+            f"{name}_plan_lm_step_own_seconds": plan.own_step_s or 0.0,
             f"{name}_plan_round_seconds": plan.first_round_s or 0.0,
             f"{name}_plan_second_round_seconds": plan.second_round_s or 0.0}
 
@@ -758,6 +766,19 @@ def _lm_step(utt: "_Utterance") -> float:
         return math.inf
     half = len(times) // 2
     return (times[-1] - times[half]) / (len(times) - 1 - half)
+
+
+def _learn_lm_step(eng: "Engine", utt: "_Utterance") -> None:
+    """Tell the first-chunk planner this utterance's LM rate from its STEP_FROM-th token to
+    its latest timed one, with the utterances decoding then (the mean of that count at both
+    ends). Not for text-in streaming, whose LM waits for its text; nor over fewer tokens
+    than STEP_FROM, where one output bringing several tokens at once would make the rate."""
+    times = utt.token_times
+    steps = len(times) - 1 - STEP_FROM
+    if utt.feed is not None or utt.lm_streams_from is None or steps < STEP_FROM:
+        return
+    eng.first_chunks.lm_steps.observe((utt.lm_streams_from + eng.lm_streams) / 2,
+                                      (times[-1] - times[STEP_FROM]) / steps)
 
 
 @dataclass
@@ -808,8 +829,10 @@ class _Utterance:
     # (`Session._audio_ahead`): its speech tokens so far (the LM consumer's list), and the
     # samples delivered and made but not yet delivered.
     tokens: list[int] = field(default_factory=list)
-    # When each of its first RATE_TOKENS speech tokens came (`_lm_step`).
+    # When each of its first RATE_TOKENS speech tokens came (`_lm_step`), and how many
+    # utterances were decoding when its STEP_FROM-th came (`_learn_lm_step`).
     token_times: list[float] = field(default_factory=list)
+    lm_streams_from: int | None = None
     # When each speech token came, kept for an opening utterance only (until its second
     # chunk is done: `SecondChunkTimes`).
     arrivals: list[float] | None = None
@@ -1075,12 +1098,17 @@ class Session:
 
         async def consume() -> None:
             silent_run = 0
+            eng.lm_streams += 1
             try:
                 async for tok in lm_stream():
                     if utt.stats.first_token_at is None:
                         utt.stats.first_token_at = time.monotonic()
                     if len(utt.token_times) < RATE_TOKENS:
                         utt.token_times.append(time.monotonic())
+                        if len(utt.token_times) == STEP_FROM + 1:
+                            utt.lm_streams_from = eng.lm_streams
+                        elif len(utt.token_times) == RATE_TOKENS:
+                            _learn_lm_step(eng, utt)
                     eng.lm_tokens += 1
                     if tok in eng.silent_tokens:
                         silent_run += 1
@@ -1094,6 +1122,9 @@ class Session:
                     if len(tokens) >= wake.at:
                         more.set()
             finally:
+                if len(utt.token_times) < RATE_TOKENS:  # it ended before: learn from what it gave
+                    _learn_lm_step(eng, utt)
+                eng.lm_streams -= 1
                 utt.lm_done.set()
                 more.set()
 
@@ -1155,7 +1186,7 @@ class Session:
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
-                    opts.speed, opening=utt.opening)
+                    opts.speed, opening=utt.opening, streams=eng.lm_streams)
                 if first != sched.initial_hop:
                     sched.initial_hop = first
                     utt.stats.extra["first_hop"] = first

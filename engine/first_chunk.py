@@ -18,8 +18,9 @@ measured LM rate and round times, predicts a stall in the chunks up to the sched
 largest hop: the smallest hop that plays through them with `margin` to spare, at most
 `initial_hop_max`. Decided once, when the first chunk could go.
 
-The stage's round time is learnt from its own batches (`RoundTimes`); what the vocoder keeps
-back from a first chunk is learnt from first chunks made (`FirstChunkPlanner.observe`).
+The stage's round time is learnt from its own batches (`RoundTimes`); the LM's rate from the
+utterance's own first tokens and from earlier utterances' later ones (`LMSteps`); what the
+vocoder keeps back from a first chunk from first chunks made (`FirstChunkPlanner.observe`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,46 @@ class RoundTimes:
         return y0 + (y1 - y0) * (work - x0) / (x1 - x0)
 
 
+@dataclass
+class LMSteps:
+    """The LM's seconds per speech token with a number of utterances decoding at once, learnt
+    from utterances past their first tokens: per octave of that number, the median of the
+    last `window` measured.
+
+    Why not only the utterance's own rate: that is measured over its first few tokens, before
+    its first chunk goes, and in a burst that is before the stage's opening round starts,
+    while the chunks after the first are generated during the stage's rounds. On the H200
+    (round 19 of docs/benchmarks.md) 64-session bursts were planned on 4-7 ms a token, and on
+    ~0 where one of vLLM's outputs brought several tokens at once, while vLLM decoded at
+    7.7-8.4 ms a token beside the stage (12-13 under MPS); two bursts planned on 15-token
+    first chunks ran dry 43-45 ms at their second chunk."""
+
+    window: int = 7
+    # octave of the utterances decoding -> the latest seconds per token, oldest first
+    sizes: dict[int, deque[float]] = field(default_factory=dict)
+
+    def observe(self, streams: float, step_s: float) -> None:
+        key = math.floor(math.log2(max(streams, 1.0)))
+        self.sizes.setdefault(key, deque(maxlen=self.window)).append(step_s)
+
+    def predict(self, streams: int) -> float | None:
+        """Seconds per token with `streams` utterances decoding, None below the fewest
+        measured (what more utterances got only bounds it). Its octave's median where
+        measured, linear in the octave between two measured ones, the most's above them;
+        never less than for fewer utterances (each errs long, as `RoundTimes`)."""
+        key = math.floor(math.log2(max(streams, 1)))
+        points, top = [], 0.0
+        for k in sorted(self.sizes):
+            top = max(top, statistics.median(self.sizes[k]))
+            points.append((k, top))
+        if not points or key < points[0][0]:
+            return None
+        for (k0, y0), (k1, y1) in zip(points, points[1:]):
+            if key < k1:
+                return y0 + (y1 - y0) * (key - k0) / (k1 - k0)
+        return points[-1][1]
+
+
 def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[tuple[int, int]]:
     """(offset, hop) of the chunks the schedule makes after a first chunk of `first`
     tokens, up to one past its first largest hop (from there every chunk is as long)."""
@@ -155,6 +196,7 @@ class PlanInputs:
     step_s: float
     first_round_s: float | None
     second_round_s: float | None
+    own_step_s: float | None = None  # the utterance's own rate, when `LMSteps` was asked too
 
 
 @dataclass
@@ -164,6 +206,7 @@ class FirstChunkPlanner:
     limit: int  # EngineConfig.initial_hop_max
     margin: float = 0.25
     holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
+    lm_steps: LMSteps = field(default_factory=LMSteps)
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
@@ -174,13 +217,20 @@ class FirstChunkPlanner:
         self.holdback_s = max(self.holdback_s, tokens * TOKEN_S - samples * speed / sample_rate)
 
     def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float,
-                  opening: bool = False) -> int:
+                  opening: bool = False, streams: int | None = None) -> int:
+        """The first chunk's hop for an utterance whose LM gave it a token every `step_s`
+        so far; with `streams` (the utterances decoding now) the rate `lm_steps` learnt for
+        that many is taken when it is slower."""
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
+        own = None
+        if streams is not None:
+            own, learnt = step_s, self.lm_steps.predict(streams)
+            step_s = max(step_s, learnt or 0.0)
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
         after = chunks_ahead(schedule, hop)[0]
-        self.last = PlanInputs(hop, step_s, round_s(0, hop), round_s(*after))
+        self.last = PlanInputs(hop, step_s, round_s(0, hop), round_s(*after), own)
         if opening:
             self.last_opening = self.last
         return hop

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from engine.chunking import ChunkSchedule
-from engine.engine import CPU_WARMUP_CONCURRENCY, WARMUP_SPEECH_TOKENS, Engine
+from engine.engine import CPU_WARMUP_CONCURRENCY, STEP_FROM, WARMUP_SPEECH_TOKENS, Engine
 from engine.first_chunk import (
     TOKEN_S,
     FirstChunkPlanner,
+    LMSteps,
     PlanInputs,
     RoundTimes,
     chunks_ahead,
@@ -138,6 +139,40 @@ def test_plan_light_and_heavy_load():
     assert plan_first_hop(s, 40, 0.02, lambda o, h: None, 0.16) == 15  # nothing measured yet
 
 
+def test_lm_steps_per_octave_of_utterances_never_faster_for_more():
+    steps = LMSteps(window=3)
+    assert steps.predict(1) is None
+    steps.observe(64, 0.012)
+    assert steps.predict(1) is None and steps.predict(32) is None  # only more utterances measured
+    assert steps.predict(64) == steps.predict(127) == 0.012 == steps.predict(500)
+    steps.observe(1, 0.0035)
+    steps.observe(1.5, 0.0033)  # the mean count over an utterance's span: still the first octave
+    assert steps.predict(1) == pytest.approx(0.0034)  # the median of what one utterance got
+    # 32-63 utterances, not measured: between one (octave 0) and 64 (octave 6), linear in the octave.
+    assert steps.predict(40) == pytest.approx(0.0034 + (0.012 - 0.0034) * 5 / 6)
+    for step in (0.006, 0.005, 0.030, 0.007):  # the last `window` of an octave, one slow among them
+        steps.observe(48, step)
+    assert steps.predict(48) == 0.007
+    steps.observe(2, 0.020)  # a slow rate at 2-3 utterances: more are never planned faster
+    assert steps.predict(2) == steps.predict(48) == steps.predict(64) == 0.020
+
+
+def test_planner_takes_the_slower_of_the_own_and_learnt_lm_rates():
+    p = FirstChunkPlanner(limit=40)
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
+    heavy = lambda offset, hop: 0.25 if offset == 0 else 0.002 * (offset + hop) + 0.3  # noqa: E731
+    on_own = p.first_hop(s, 0.004, heavy, 1.0, streams=64)  # nothing learnt: the own rate
+    assert p.last.step_s == p.last.own_step_s == 0.004
+    p.lm_steps.observe(64, 0.012)  # a burst's utterances decoded at 12 ms a token beside the stage
+    planned = p.first_hop(s, 0.004, heavy, 1.0, opening=True, streams=64)
+    assert planned == plan_first_hop(s, 40, 0.012, heavy, p.holdback_s) > on_own
+    assert p.last_opening == PlanInputs(planned, 0.012, 0.25, heavy(*chunks_ahead(s, planned)[0]), own_step_s=0.004)
+    # One output of vLLM that brought several tokens at once made the own rate ~0: the learnt one stands.
+    assert p.first_hop(s, 1e-6, heavy, 1.0, streams=64) == planned
+    assert p.first_hop(s, 0.004, heavy, 1.0, streams=1) == on_own  # one utterance: nothing learnt for it
+    assert p.first_hop(s, 0.02, heavy, 1.0, streams=64) > planned  # its own is slower still: taken
+
+
 def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
     p = FirstChunkPlanner(limit=40)
     s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
@@ -181,6 +216,7 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     # The planned one's inputs: the measured LM rate, and the 10 s rounds it predicted.
     assert stats.first_chunk_plan_round_seconds >= 10.0 and stats.first_chunk_plan_second_round_seconds >= 10.0
     assert 0 < stats.first_chunk_plan_lm_step_seconds < 1.0
+    assert 0 < stats.first_chunk_plan_lm_step_own_seconds <= stats.first_chunk_plan_lm_step_seconds
     # Each session's first utterance: the opening decision is the same one (the second
     # session's own initial_hop was not planned).
     assert (stats.opening_chunk_plan_round_seconds, stats.opening_chunk_plan_lm_step_seconds) \
@@ -193,6 +229,23 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     assert len(planned[0].pcm) > 30 * TOKEN_SAMPLES  # more than a 5-token chunk and its next could give
     assert "first_hop" not in st_asked.extra
     assert len(asked[0].pcm) <= 5 * TOKEN_SAMPLES
+
+
+def test_engine_learns_the_lm_rate_from_utterances_past_their_first_tokens(tiny_model_dir):
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        uid = await s.submit("A sentence long enough for several chunks of speech here.")
+        await s.finish()
+        await collect(s)
+        return engine.first_chunks.lm_steps, engine.lm_streams, s.utterance_stats(uid)
+
+    steps, streams, st = run(tiny_model_dir, fn, warmup=False, initial_hop=5, initial_hop_max=40)
+    assert streams == 0  # none decoding once it is done
+    assert st.num_speech_tokens > 2 * STEP_FROM
+    assert list(steps.sizes) == [0]  # one utterance decoding: the first octave
+    (seen,) = steps.sizes[0]  # once per utterance
+    assert 0 < seen < 1.0
 
 
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):

@@ -334,7 +334,8 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         # The planner's inputs for the sessions' first segments (gauges): it planned them, on
         # the LM's measured rate (a round only once a batch was measured: no warm-up here).
         plan = server["opening_chunk_plan_ms"]
-        assert set(plan) == {"lm_step", "round", "second_round"} and plan["lm_step"] > 0 and plan["round"] >= 0
+        assert set(plan) == {"lm_step", "lm_step_own", "round", "second_round"} and plan["round"] >= 0
+        assert 0 < plan["lm_step_own"] <= plan["lm_step"]  # its own rate, or slower as learnt
         loop = server["event_loop"]  # sampled every 50 ms; a CPU level lasts seconds
         assert loop["loop"] in ("uvloop", "asyncio")
         assert loop["samples"] >= 1 and loop["mean_ms"] >= 0 and 0 <= loop["share_over_100ms"] <= loop["share_over_20ms"] <= 1
