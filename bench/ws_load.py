@@ -338,12 +338,23 @@ class WsSession:
 
 
 class GpuSampler:
-    """GPU utilisation and memory sampled by pynvml in a thread (None when unavailable)."""
+    """GPU utilisation, memory, SM clock and power sampled by pynvml in a thread (None when
+    unavailable). The clock and the slowdown reasons say whether a slow level was the GPU
+    slowing itself (power or thermal limits) rather than the load: round 19's 64-session
+    levels under MPS opened with rounds of 165 ms in four and 734 ms in one."""
+
+    # nvmlClocksEventReasons that lower the clock under load: the software power cap, hardware
+    # slowdown, software and hardware thermal slowdown, the hardware power brake (not idle,
+    # application clocks, sync boost or display clocks).
+    SLOWDOWN_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 
     def __init__(self, index: int, interval: float = 0.1) -> None:
         self.interval = interval
         self.util: list[float] = []
         self.mem: list[int] = []
+        self.clock: list[float] = []  # SM clock, MHz
+        self.power: list[float] = []  # W
+        self.reasons: list[int] = []  # slowdown reasons (SLOWDOWN_MASK bits) per sample
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml: Any = None
@@ -369,7 +380,7 @@ class GpuSampler:
     def __enter__(self) -> "GpuSampler":
         if self.available:
             self._stop.clear()
-            self.util, self.mem = [], []
+            self.util, self.mem, self.clock, self.power, self.reasons = [], [], [], [], []
             self._thread = threading.Thread(target=self._loop, daemon=True)
             self._thread.start()
         return self
@@ -380,18 +391,42 @@ class GpuSampler:
             self._thread.join(5)
 
     def _loop(self) -> None:
-        nv = self._nvml
         while not self._stop.is_set():
-            with contextlib.suppress(Exception):
-                self.util.append(float(nv.nvmlDeviceGetUtilizationRates(self._handle).gpu))
-                self.mem.append(int(nv.nvmlDeviceGetMemoryInfo(self._handle).used))
+            self.sample()
             self._stop.wait(self.interval)  # pacing between samples
+
+    def sample(self) -> None:
+        """One sample of each reading; one the driver does not offer is left out alone."""
+        nv, h = self._nvml, self._handle
+        with contextlib.suppress(Exception):
+            self.util.append(float(nv.nvmlDeviceGetUtilizationRates(h).gpu))
+            self.mem.append(int(nv.nvmlDeviceGetMemoryInfo(h).used))
+        with contextlib.suppress(Exception):
+            self.clock.append(float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))
+        with contextlib.suppress(Exception):
+            self.power.append(nv.nvmlDeviceGetPowerUsage(h) / 1e3)
+        with contextlib.suppress(Exception):  # the newer name first, then the older one
+            reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) \
+                or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+            self.reasons.append(int(reasons(h)) & self.SLOWDOWN_MASK)
 
     def report(self) -> dict[str, Any] | str:
         if not self.available or not self.util:
             return "n/a"
-        return {"util_mean_pct": round(sum(self.util) / len(self.util), 1), "util_max_pct": max(self.util),
-                "mem_used_max_mb": round(max(self.mem) / 2**20, 1), "samples": len(self.util)}
+        out: dict[str, Any] = {"util_mean_pct": round(sum(self.util) / len(self.util), 1),
+                               "util_max_pct": max(self.util),
+                               "mem_used_max_mb": round(max(self.mem) / 2**20, 1), "samples": len(self.util)}
+        if self.clock:
+            out |= {"sm_clock_min_mhz": min(self.clock), "sm_clock_mean_mhz": round(sum(self.clock) / len(self.clock))}
+        if self.power:
+            out |= {"power_mean_w": round(sum(self.power) / len(self.power), 1), "power_max_w": round(max(self.power), 1)}
+        if self.reasons:
+            seen = 0
+            for r in self.reasons:
+                seen |= r
+            out |= {"slowdown_share": round(sum(1 for r in self.reasons if r) / len(self.reasons), 3),
+                    "slowdown_reasons": hex(seen)}
+        return out
 
 
 # ---- one level --------------------------------------------------------------------------

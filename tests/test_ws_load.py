@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from bench.svg_plot import Chart, Series, render_svg
 from bench.ws_load import (
     M_GROWN_CHUNKS,
     M_GROWN_TOKENS,
+    GpuSampler,
     SegmentSeen,
     SessionRecord,
     analyse,
@@ -230,6 +233,30 @@ def test_server_breakdowns_from_counter_deltas() -> None:
 
 
 # ---- text and speech length -------------------------------------------------------------
+
+
+def test_gpu_sampler_reports_clock_power_and_slowdowns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a stand-in for pynvml: a sample of every reading, the slowdown reasons masked to
+    the ones that lower the clock under load, and a reading the driver lacks left out."""
+    readings = iter([(90, 1980, 0x1), (100, 1755, 0x4 | 0x1), (80, 1410, 0x40)])  # util, SM MHz, reasons
+    now: list[tuple[int, int, int]] = []
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=1,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+        nvmlDeviceGetUtilizationRates=lambda h: (now.append(next(readings)), types.SimpleNamespace(gpu=now[-1][0]))[1],
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=2**30),
+        nvmlDeviceGetClockInfo=lambda h, kind: now[-1][1] if kind == 1 else 0,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: now[-1][2],
+    )  # no nvmlDeviceGetPowerUsage: that reading is left out
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    gpu = GpuSampler(0)
+    assert gpu.available and gpu.report() == "n/a"  # nothing sampled yet
+    for _ in range(3):
+        gpu.sample()
+    assert gpu.report() == {"util_mean_pct": 90.0, "util_max_pct": 100.0, "mem_used_max_mb": 1024.0, "samples": 3,
+                            "sm_clock_min_mhz": 1410.0, "sm_clock_mean_mhz": 1715,
+                            "slowdown_share": 0.667, "slowdown_reasons": "0x44"}
 
 
 def test_split_tokens_is_lossless_and_word_piece_sized() -> None:
