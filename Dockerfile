@@ -8,6 +8,7 @@ COPY gateway ./gateway
 COPY static ./static
 COPY assets ./assets
 COPY config ./config
+COPY deploy/entrypoint.sh ./deploy/entrypoint.sh
 # torch and vllm come from the base image; install the rest.
 RUN pip install --no-cache-dir -e . && python -c "import torch, vllm; print(torch.__version__, vllm.__version__)"
 # The compile caches (the flow's torch.compile, its Triton kernels, vLLM's compiled LM) live
@@ -19,4 +20,5 @@ ENV COSYVOICE_GW_HOST=0.0.0.0 \
     TRITON_CACHE_DIR=/data/cache/triton \
     VLLM_CACHE_ROOT=/data/cache/vllm
 EXPOSE 8080
-ENTRYPOINT ["cosyvoice-gateway"]
+# cosyvoice-gateway, under an NVIDIA MPS daemon of its own with COSYVOICE_MPS=1 (README).
+ENTRYPOINT ["/app/deploy/entrypoint.sh"]
