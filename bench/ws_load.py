@@ -794,6 +794,11 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "first_chunk_holds": int(_delta(after, before, "cosyvoice_engine_first_chunk_holds_total")),
             "first_chunk_hold_ms": round(_delta(after, before, "cosyvoice_engine_first_chunk_hold_seconds_total") * 1e3, 3),
             "first_chunk_hold_caught": int(_delta(after, before, "cosyvoice_engine_first_chunk_hold_caught_total")),
+            # ... the expected first chunks a round started without, and how much later than
+            # expected they came on average (ms; negative: sooner).
+            "first_chunk_passed_over": (passed := int(_delta(after, before, "cosyvoice_engine_first_chunk_passed_over_total"))),
+            "first_chunk_passed_over_late_ms": round(_delta(after, before, "cosyvoice_engine_first_chunk_passed_over_late_seconds")
+                                                     * 1e3 / passed, 3) if passed else None,
             # --engine.flow-context-cache-mib: chunks that read their utterance's kept frames,
             # and chunks whose final frames were kept.
             "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),

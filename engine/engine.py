@@ -166,6 +166,10 @@ class EngineStats:
     first_chunk_holds: int = 0
     first_chunk_hold_seconds: float = 0.0
     first_chunk_hold_caught: int = 0
+    # ... and the expected first chunks a round started without, with how much later than
+    # expected they came, summed (StageStats; a gauge: the sum falls when they came sooner).
+    first_chunk_passed_over: int = 0
+    first_chunk_passed_over_late_seconds: float = 0.0
     # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
     # and the bytes it holds.
     prompt_cache_hits: int = 0
@@ -702,6 +706,8 @@ class Engine:
             first_chunk_holds=st.first_chunk_holds,
             first_chunk_hold_seconds=st.first_chunk_hold_seconds,
             first_chunk_hold_caught=st.first_chunk_hold_caught,
+            first_chunk_passed_over=st.first_chunk_passed_over,
+            first_chunk_passed_over_late_seconds=st.first_chunk_passed_over_late_seconds,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
             context_reads=st.context_reads,

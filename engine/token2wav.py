@@ -179,6 +179,17 @@ def split_by_length(frames: Sequence[int], call_cost: float = SPLIT_CALL_COST,
 
 
 @dataclass
+class _Expected:
+    """A first chunk on its way (`AudioStage.expect_first_chunk`): when its tokens should be
+    there (time.monotonic), the round it would miss (s, 0 unknown), and whether a round of
+    first chunks already started without it."""
+
+    due: float
+    round_s: float
+    passed: bool = False
+
+
+@dataclass
 class StageStats:
     batches: int = 0
     chunks: int = 0
@@ -216,6 +227,11 @@ class StageStats:
     first_chunk_holds: int = 0
     first_chunk_hold_seconds: float = 0.0
     first_chunk_hold_caught: int = 0
+    # With the hold on: expected first chunks that a round of first chunks started without
+    # (held or not), and by how much later than expected they came, summed (negative:
+    # sooner). Passed over and late: the estimates were short; on time: the hold was.
+    first_chunk_passed_over: int = 0
+    first_chunk_passed_over_late_seconds: float = 0.0
 
 
 def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int) -> int:
@@ -322,10 +338,9 @@ class AudioStage:
         # Vocoder streams of utterances in progress: a stream is dropped with its utterance,
         # so the weak set counts them without any bookkeeping on the hot path.
         self._live: weakref.WeakSet[object] = weakref.WeakSet()
-        # First chunks on their way (`expect_first_chunk`): vocoder stream -> when its
-        # tokens should be there (time.monotonic) and the round it would miss (s, 0 unknown).
-        # Weak: an utterance that ends is gone.
-        self._coming: weakref.WeakKeyDictionary[object, tuple[float, float]] = weakref.WeakKeyDictionary()
+        # First chunks on their way (`expect_first_chunk`), by vocoder stream. Weak: an
+        # utterance that ends is gone.
+        self._coming: weakref.WeakKeyDictionary[object, _Expected] = weakref.WeakKeyDictionary()
         self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
         self.first_chunk_hold_share = first_chunk_hold_share  # engine.first_chunk_hold_share
         self._pending: list[ChunkJob] = []
@@ -352,7 +367,7 @@ class AudioStage:
         (time.monotonic): a round about to start with other first chunks may wait for it
         (`_hold`), longer when missing a round would cost it `round_s` seconds and
         `first_chunk_hold_share` is set. Its `submit` clears it."""
-        self._coming[stream] = (due, round_s or 0.0)
+        self._coming[stream] = _Expected(due, round_s or 0.0)
 
     def live_utterances(self) -> int:
         """Utterances in progress here (their vocoder streams still exist)."""
@@ -414,7 +429,10 @@ class AudioStage:
         loop = asyncio.get_running_loop()
         job.future, job.started = loop.create_future(), loop.create_future()
         job.seq = next(self._seq)
-        self._coming.pop(job.hift_stream, None)
+        expected = self._coming.pop(job.hift_stream, None)
+        if expected is not None and expected.passed and job.chunk_index == 0:
+            self.stats.first_chunk_passed_over += 1
+            self.stats.first_chunk_passed_over_late_seconds += time.monotonic() - expected.due
         self._pending.append(job)
         self.stats.queued = len(self._pending)
         self._wake.set()
@@ -535,7 +553,7 @@ class AudioStage:
         that share of the longest round an expected first chunk would miss."""
         if not any(j.chunk_index == 0 and j.urgent for j in self._pending):
             return
-        longest = max((r for _, r in self._coming.values()), default=0.0)
+        longest = max((e.round_s for e in self._coming.values()), default=0.0)
         hold = max(self.first_chunk_hold_s, self.first_chunk_hold_share * longest)
         start = time.monotonic()
         until = start + hold
@@ -543,7 +561,7 @@ class AudioStage:
         held = False
         while len(self._pending) < self.max_batch:
             now = time.monotonic()
-            if now >= until or not any(now - hold <= due <= until for due, _ in self._coming.values()):
+            if now >= until or not any(now - hold <= e.due <= until for e in self._coming.values()):
                 break
             held = True
             self._wake.clear()
@@ -551,6 +569,8 @@ class AudioStage:
                 await asyncio.wait_for(self._wake.wait(), until - now)
             except TimeoutError:
                 break
+        for expected in self._coming.values():  # this round starts without them
+            expected.passed = True
         if held:
             st = self.stats
             st.first_chunk_holds += 1

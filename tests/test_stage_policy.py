@@ -442,6 +442,7 @@ def test_a_round_of_first_chunks_waits_for_the_first_chunks_expected_within_the_
     stage, out = _held_batches(flow, hift, expected_in=0.05)
     assert stage.batches == [[0, 1]]
     assert stage.stats.first_chunk_holds == 1 and stage.stats.first_chunk_hold_caught == 1
+    assert stage.stats.first_chunk_passed_over == 0  # it made the round
     assert stage.stats.first_chunk_hold_seconds < 5.0
     assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
 
@@ -458,6 +459,13 @@ def test_a_round_does_not_wait_for_what_is_not_expected_within_the_hold(flow, hi
                                hold_s=hold_s)
     assert stage.batches == [[0], [1]]
     assert stage.stats.first_chunk_holds == 0
+    # An announced first chunk the round started without is counted when it comes, with how
+    # much later than announced (queued 1 s in: 59 s sooner, 31 s later); with the hold off
+    # nothing is.
+    passed_over = expected_in is not None and hold_s > 0
+    assert stage.stats.first_chunk_passed_over == passed_over
+    late = stage.stats.first_chunk_passed_over_late_seconds
+    assert late == (pytest.approx(1.0 - expected_in, abs=0.5) if passed_over else 0.0)
     assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
 
 

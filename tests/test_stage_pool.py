@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.stage_pool import StagePool
-from engine.token2wav import ChunkJob
+from engine.token2wav import ChunkJob, _Expected
 from engine.types import AudioChunk, SessionOptions
 from helpers import assert_same_audio
 from tests.test_engine import collect, default_voice, run
@@ -63,7 +63,7 @@ def test_pool_places_new_streams_on_the_least_loaded_stage(tiny_model_dir):
         # A first chunk is expected on the stage its stream is bound to, and only there.
         pool.expect_first_chunk(second, 12.5, 0.3)
         bound, other = pool.stages[second.stage_index], pool.stages[1 - second.stage_index]
-        assert dict(bound._coming) == {second.inner: (12.5, 0.3)} and not other._coming
+        assert dict(bound._coming) == {second.inner: _Expected(12.5, 0.3)} and not other._coming
         with pytest.raises(TypeError):
             pool.expect_first_chunk(object(), 1.0)
 

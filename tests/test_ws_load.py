@@ -355,6 +355,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         # The hold (on by default) waits only when a first chunk is expected within it.
         assert server["first_chunk_holds"] >= 0 and server["first_chunk_hold_caught"] >= 0
         assert server["first_chunk_holds"] > 0 or server["first_chunk_hold_ms"] == 0
+        assert server["first_chunk_passed_over"] >= 0 and "first_chunk_passed_over_late_ms" in server
         assert server["flow_context_reads"] == server["flow_context_records"] == 0  # the context cache is off
         assert server["flow_frames_per_chunk"] == server["flow_frames"] / server["flow_chunks"]
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
