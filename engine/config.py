@@ -91,6 +91,10 @@ class EngineConfig:
     # bucket between 32 and 64 (48, say) would solve 33-48 chunks at 3/4 of the 64-row
     # cost, for more captures at start and registration (not measured).
     flow_graph_rows: tuple[int, ...] = GRAPH_ROW_BUCKETS
+    # Frame sizes that get graphs besides every multiple of 50 (`GraphPolicy.frame_buckets`),
+    # e.g. 60,70,80 for first chunks of 20-34 tokens, which pad to 100 frames otherwise.
+    # None by default: not yet measured on a GPU, and each costs captures at start.
+    flow_graph_frames: tuple[int, ...] = ()
     # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
     # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
     # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.
@@ -250,6 +254,9 @@ class EngineConfig:
         rows = self.flow_graph_rows
         if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
             raise ValueError(f"flow_graph_rows must be increasing row counts >= 1, got {rows}")
+        frames = self.flow_graph_frames
+        if any(f < 1 for f in frames) or any(b <= a for a, b in zip(frames, frames[1:])):
+            raise ValueError(f"flow_graph_frames must be increasing frame counts >= 1, got {frames}")
         rows = self.vocoder_graph_rows
         if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
             raise ValueError(f"vocoder_graph_rows must be increasing row counts >= 1, got {rows}")

@@ -343,7 +343,7 @@ class StartClock:
 
 def graph_policy(config: EngineConfig) -> GraphPolicy:
     """Which flow batch shapes get CUDA graphs."""
-    return GraphPolicy(batch_buckets=config.flow_graph_rows,
+    return GraphPolicy(batch_buckets=config.flow_graph_rows, frame_buckets=config.flow_graph_frames,
                        shared_prefix_max_rows=config.flow_graph_shared_rows).with_max_rows(config.flow_graph_max_rows)
 
 

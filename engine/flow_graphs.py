@@ -5,7 +5,8 @@ launching them. Replaying a captured graph launches them all at once.
 A graph has fixed shapes, so `FlowGraphRunner` pads every batch up to a bucket:
 
 * rows (chunks, before the guidance doubling) to the next of `GraphPolicy.batch_buckets`;
-* frames to the next multiple of `GraphPolicy.frame_multiple`.
+* frames to the next multiple of `GraphPolicy.frame_multiple`, or to a smaller one of
+  `GraphPolicy.frame_buckets` when one holds them.
 
 The padding is exact (see `CausalMaskedDiffWithDiT.decode_chunks`): padded rows and frames
 carry mask 0 and zero inputs, the estimator works row by row, its convolutions only look
@@ -60,6 +61,12 @@ class GraphPolicy:
 
     batch_buckets: tuple[int, ...] = BATCH_BUCKETS
     frame_multiple: int = 50
+    # More frame sizes with graphs of their own (`flow_graph_frames`): a batch takes the
+    # smallest of these that holds it when that is below its next multiple. A burst's
+    # first chunks of 20-34 tokens compute 52-80 frames after a 4.25 s voice's cached
+    # prompt, padded to 100 by the multiples alone (twice the flow's work at 52). Each one
+    # is captured at every row bucket and prefix kind, for start time and graph slots.
+    frame_buckets: tuple[int, ...] = ()
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
     # A voice needs ~7 row x ~7 frame buckets, with one-voice and per-row prefix kinds
     # (~90 in all), per prefix width bucket; graphs share one memory pool, so more of them
@@ -110,6 +117,7 @@ class GraphPolicy:
         `shared`: all rows have the same cached prefix (one voice)."""
         fitting = [b for b in self.batch_buckets if b >= rows]
         padded_frames = -(-frames // self.frame_multiple) * self.frame_multiple
+        padded_frames = min([b for b in self.frame_buckets if frames <= b < padded_frames], default=padded_frames)
         if not fitting or rows < 1 or frames < 1 or padded_frames > self.max_frames:
             return None
         padded_rows = min(fitting)

@@ -76,6 +76,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,
         flow_graph_rows=e.flow_graph_rows,
+        flow_graph_frames=e.flow_graph_frames,
         flow_graph_shared_rows=e.flow_graph_shared_rows,
         vocoder_cuda_graphs=e.vocoder_cuda_graphs,
         vocoder_graph_rows=e.vocoder_graph_rows,

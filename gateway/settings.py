@@ -88,6 +88,12 @@ class EngineSettings:
         metadata=_help("row buckets of the flow's CUDA graphs, increasing: a batch is padded to the smallest that "
                        "holds it, and each is captured for every voice prompt width"),
     )
+    flow_graph_frames: tuple[int, ...] = field(
+        default=(),
+        metadata=_help("frame sizes that get flow CUDA graphs besides every multiple of 50, increasing (e.g. "
+                       "60,70,80: first chunks of 20-34 tokens then pad to those instead of 100 frames; each is "
+                       "captured at every row bucket)"),
+    )
     flow_graph_shared_rows: int = field(
         default=64,
         metadata=_help("a batch from the prompt cache whose chunks all have one voice takes a CUDA graph when its "

@@ -83,6 +83,27 @@ def test_row_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
             EngineConfig(model_dir=tmp_path, flow_graph_rows=bad)
 
 
+def test_frame_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
+    """`--engine.flow-graph-frames`: frame sizes with graphs besides the multiples of 50; a
+    batch takes the smallest that holds it when that is below its next multiple."""
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    s, _ = load_settings(["--engine.flow-graph-frames", "60,70,80"], environ={})
+    policy = graph_policy(engine_config(s, tmp_path))
+    assert policy.frame_buckets == (60, 70, 80)
+    assert policy.bucket(64, 52) == (64, 60) and policy.bucket(64, 61) == (64, 70)
+    assert policy.bucket(64, 80) == (64, 80) and policy.bucket(64, 81) == (64, 100)
+    assert policy.bucket(64, 40) == (64, 50)  # the multiple is the smaller: taken
+    assert policy.bucket(1, 120) == (1, 150)
+    default = graph_policy(EngineConfig(model_dir=tmp_path))
+    assert default.frame_buckets == () and default.bucket(64, 52) == (64, 100)
+    assert load_settings([], environ={})[0].engine.flow_graph_frames == ()
+    for bad in ((0, 60), (70, 60), (60, 60)):
+        with pytest.raises(ValueError, match="flow_graph_frames"):
+            EngineConfig(model_dir=tmp_path, flow_graph_frames=bad)
+
+
 def test_bucket_choice() -> None:
     p = GraphPolicy()
     assert p.bucket(1, 1) == (1, 50)
@@ -126,6 +147,17 @@ def test_padded_buckets_equal_plain_decoding(flow: CausalMaskedDiffWithDiT, n: i
     assert shape.rows > rows or shape.frames > frames or (rows, frames) == (1, 50)  # padding really happened
     # The plain path is today's inference_chunks.
     assert _max_diff(flow.inference_chunks(chunks), plain) == 0.0
+
+
+def test_a_frame_bucket_between_multiples_pads_exactly(flow: CausalMaskedDiffWithDiT) -> None:
+    chunks = _chunks(3, seed=3)
+    plain, plain_shape = flow.decode_chunks(chunks)
+    fine = replace(POLICY, frame_buckets=(plain_shape.frames + 3,))  # below the next multiple of 50
+    assert plain_shape.frames + 3 < POLICY.bucket(plain_shape.rows, plain_shape.frames)[1]
+    runner = FlowGraphRunner(flow.decoder, fine)
+    padded, shape = flow.decode_chunks(chunks, solver=runner)
+    assert shape.frames == plain_shape.frames + 3
+    assert _max_diff(plain, padded) <= TOL
 
 
 def test_static_buffers_carry_nothing_between_batches(flow: CausalMaskedDiffWithDiT) -> None:
