@@ -73,23 +73,32 @@ class RoundTimes:
     # size -> the latest (work, wall) of that size, oldest first
     sizes: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     observed: int = 0  # batches observed in all
+    # The prediction's curve (each size's median work, the running maximum of the median
+    # walls), built on the first prediction after an observation: a first chunk's plan
+    # asks for tens of rounds, and a burst plans all its first chunks within a few LM
+    # steps, on the event loop every session shares (`bench.plan_cost`).
+    _curve: tuple[list[float], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def observe(self, work: int, wall_s: float) -> None:
         key = math.floor(self.per_octave * math.log2(max(work, 1)))
         self.sizes.setdefault(key, deque(maxlen=self.window)).append((work, wall_s))
         self.observed += 1
+        self._curve = None
 
     def predict(self, work: int) -> float | None:
         """Seconds for a batch of this much flow work, None before any batch."""
         if not self.sizes:
             return None
-        points = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen))
-                        for seen in self.sizes.values())
-        xs, ys, top = [], [], 0.0
-        for x, y in points:
-            top = max(top, y)
-            xs.append(max(x, 1.0))
-            ys.append(top)
+        if self._curve is None:
+            points = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen))
+                            for seen in self.sizes.values())
+            xs, ys, top = [], [], 0.0
+            for x, y in points:
+                top = max(top, y)
+                xs.append(max(x, 1.0))
+                ys.append(top)
+            self._curve = (xs, ys)
+        xs, ys = self._curve
         if work <= xs[0]:
             return ys[0]
         if work >= xs[-1]:

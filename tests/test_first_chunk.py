@@ -414,3 +414,15 @@ def test_batches_that_capture_or_compile_are_not_rounds(tiny_model_dir):
     weight, batches, weight_after, batches_after = run(tiny_model_dir, fn, warmup=False)
     assert weight > 0 and batches_after > batches
     assert weight_after == weight
+
+
+def test_plan_cost_bench_plans_both_loads() -> None:
+    """`bench.plan_cost`: one session keeps the initial hop; a burst at 12 ms a token tries
+    hops up to a longer one, asking for more round predictions."""
+    from bench.plan_cost import main as plan_cost
+
+    light, burst = plan_cost(["--reps", "3"])["results"]
+    assert (light["sessions"], light["first_hop"]) == (1, 6)
+    assert burst["sessions"] == 64 and burst["first_hop"] > 6
+    assert burst["round_predictions_per_plan"] > light["round_predictions_per_plan"] > 0
+    assert light["ms_per_plan"] > 0 and burst["ms_per_plan"] > 0
