@@ -93,7 +93,7 @@ class EngineConfig:
     flow_graph_rows: tuple[int, ...] = GRAPH_ROW_BUCKETS
     # Frame sizes that get graphs besides every multiple of 50 (`GraphPolicy.frame_buckets`),
     # e.g. 60,70,80 for first chunks of 20-34 tokens, which pad to 100 frames otherwise.
-    # None by default: not yet measured on a GPU, and each costs captures at start.
+    # Empty by default: not yet measured on a GPU, and each costs captures at start.
     flow_graph_frames: tuple[int, ...] = ()
     # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
     # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per

@@ -64,7 +64,7 @@ class GraphPolicy:
     # More frame sizes with graphs of their own (`flow_graph_frames`): a batch takes the
     # smallest of these that holds it when that is below its next multiple. A burst's
     # first chunks of 20-34 tokens compute 52-80 frames after a 4.25 s voice's cached
-    # prompt, padded to 100 by the multiples alone (twice the flow's work at 52). Each one
+    # prompt, padded to 100 by the multiples alone (nearly twice the work at 52). Each one
     # is captured at every row bucket and prefix kind, for start time and graph slots.
     frame_buckets: tuple[int, ...] = ()
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
