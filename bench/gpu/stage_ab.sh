@@ -3,7 +3,8 @@
 #   run(command="CONFIGS='flow_split_prefix_rows=0 flow_split_prefix_rows=1' bash bench/gpu/stage_ab.sh", carry=[".whl"])
 # Stage settings A/B on the stage alone (bench/stage_syncs.py, the engine's own stage, full-size
 # random model): one process per setting in CONFIGS (space-separated; a setting is one or more
-# EngineConfig FIELD=VALUE joined by commas), the same batches in each; then how far each
+# EngineConfig FIELD=VALUE joined by commas; a piece without "=" continues the value before it,
+# as in flow_graph_frames=60,70,80), the same batches in each; then how far each
 # one's PCM is from the first's. Results: $OUT/stage_<i>.{json,log,npz}, i = 0, 1, ...
 # Environment: CONFIGS (default: the two attention kernels), ROWS (batch sizes, default 1,64),
 # REPS (10), KERNELS (12: the top kernels), OPENING (0; N: every row an utterance's first
@@ -16,7 +17,10 @@ for i in "${!configs[@]}"; do
   [ "$left" -ge 60 ] || { echo "${configs[$i]}: no time left"; break; }
   flags=()
   IFS=',' read -r -a fields <<< "${configs[$i]}"
-  for f in "${fields[@]}"; do flags+=(--config "$f"); done
+  for f in "${fields[@]}"; do
+    if [[ "$f" == *=* ]] || [ "${#flags[@]}" -eq 0 ]; then flags+=(--config "$f")
+    else flags[-1]="${flags[-1]},$f"; fi  # the next item of a tuple value: flow_graph_frames=60,70,80
+  done
   timeout "$left" python3 -m bench.stage_syncs --batches "${ROWS:-1,64}" --reps "${REPS:-10}" \
     --kernels "${KERNELS:-12}" --opening "${OPENING:-0}" "${flags[@]}" --pcm $OUT/stage_$i.npz \
     --json $OUT/stage_$i.json > $OUT/stage_$i.log 2>&1
