@@ -341,7 +341,7 @@ class GpuSampler:
     """GPU utilisation, memory, SM clock and power sampled by pynvml in a thread (None when
     unavailable). The clock and the slowdown reasons say whether a slow level was the GPU
     slowing itself (power or thermal limits) rather than the load: round 19's 64-session
-    levels under MPS opened with rounds of 165 ms in four and 734 ms in one."""
+    levels under MPS opened with rounds of 165-197 ms in most and 734 ms in one."""
 
     # nvmlClocksEventReasons that lower the clock under load: the software power cap, hardware
     # slowdown, software and hardware thermal slowdown, the hardware power brake (not idle,
