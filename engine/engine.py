@@ -684,6 +684,13 @@ class Engine:
             parts.append(ev.pcm)
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
+    def planner_state(self) -> dict[str, object]:
+        """The first-chunk planner's learnt inputs (`FirstChunkPlanner.snapshot`) and the
+        stage's round times (`RoundTimes.snapshot`): what sized the first chunks, beside
+        what `stats` says they took."""
+        return self.first_chunks.snapshot() | {"round_times": self.stage.rounds.snapshot(),
+                                               "live_utterances": self.stage.live_utterances()}
+
     def stats(self) -> EngineStats:
         st = self.stage.stats
         return EngineStats(
@@ -783,8 +790,8 @@ def _learn_lm_step(eng: "Engine", utt: "_Utterance") -> None:
     steps = len(times) - 1 - STEP_FROM
     if utt.feed is not None or utt.lm_streams_from is None or steps < STEP_FROM:
         return
-    eng.first_chunks.lm_steps.observe((utt.lm_streams_from + eng.lm_streams) / 2,
-                                      (times[-1] - times[STEP_FROM]) / steps)
+    eng.first_chunks.learn_lm_step((utt.lm_streams_from + eng.lm_streams) / 2,
+                                   (times[-1] - times[STEP_FROM]) / steps, utt.opening)
 
 
 @dataclass

@@ -19,7 +19,8 @@ largest hop: the smallest hop that plays through them with `margin` to spare, at
 `initial_hop_max`. Decided once, when the first chunk could go.
 
 The stage's round time is learnt from its own batches (`RoundTimes`); the LM's rate from the
-utterance's own first tokens and from earlier utterances' later ones (`LMSteps`); what the
+utterance's own first tokens and from earlier utterances' later ones (`LMSteps`, one table for
+sessions' first utterances and one for the rest); what the
 vocoder keeps back from a first chunk from first chunks made (`FirstChunkPlanner.observe`).
 """
 
@@ -39,6 +40,20 @@ TOKEN_S = 1 / SPEECH_TOKENS_PER_S
 
 # Predicted seconds for the round of a chunk of (offset, hop) tokens, None before any batch.
 RoundFn = Callable[[int, int], "float | None"]
+
+
+def monotone_fit(ys: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `ys` in weighted squares (pool adjacent
+    violators): where a value is above the ones after it, the run is replaced by its
+    weighted mean. A lone high value among well-measured lower ones moves them little;
+    values in increasing order are returned as they are."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for y, w in zip(ys, weights):
+        blocks.append([y, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, c1), (m2, w2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    return [m for m, _, c in blocks for _ in range(int(c))]
 
 
 @dataclass
@@ -66,15 +81,24 @@ class RoundTimes:
     Between two measured sizes the prediction is linear, below the smallest measured it is
     that size's wall (a smaller batch is no faster on a launch-bound GPU), above the largest
     proportional to the work, and it never falls as the work grows: each errs long,
-    which makes a first chunk longer, not a stall."""
+    which makes a first chunk longer, not a stall.
+
+    Why the sizes' medians are made monotone by pooling (`monotone_fit`), not by a running
+    maximum: under a running maximum one slow batch of a small size, seen once (say a
+    burst's early round of a few rows beside every session's prefill), set the
+    prediction of every larger size until seven more of its own size came, which a load of
+    other sizes never brings. In round 20 of docs/benchmarks.md four gateways each
+    predicted one constant for 64-row rounds of 147-322 ms and for a single session's
+    26-ms second chunks (292, 483, 636 and 451 ms), and sized first chunks on it: 17-21
+    tokens at one session where 6 played through, 30-40 at 64."""
 
     window: int = 7
     per_octave: int = 2
     # size -> the latest (work, wall) of that size, oldest first
     sizes: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
     observed: int = 0  # batches observed in all
-    # The prediction's curve (each size's median work, the running maximum of the median
-    # walls), built on the first prediction after an observation: a first chunk's plan
+    # The prediction's curve (each size's median work, the sizes' median walls made
+    # monotone), built on the first prediction after an observation: a first chunk's plan
     # asks for tens of rounds, and a burst plans all its first chunks within a few LM
     # steps, on the event loop every session shares (`bench.plan_cost`).
     _curve: tuple[list[float], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
@@ -90,14 +114,10 @@ class RoundTimes:
         if not self.sizes:
             return None
         if self._curve is None:
-            points = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen))
+            points = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen), len(seen))
                             for seen in self.sizes.values())
-            xs, ys, top = [], [], 0.0
-            for x, y in points:
-                top = max(top, y)
-                xs.append(max(x, 1.0))
-                ys.append(top)
-            self._curve = (xs, ys)
+            xs = [max(x, 1.0) for x, _, _ in points]
+            self._curve = (xs, monotone_fit([y for _, y, _ in points], [n for _, _, n in points]))
         xs, ys = self._curve
         if work <= xs[0]:
             return ys[0]
@@ -106,6 +126,14 @@ class RoundTimes:
         i = bisect.bisect_right(xs, work)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (work - x0) / (x1 - x0)
+
+    def snapshot(self) -> list[dict[str, float]]:
+        """Per size, smallest first: its median work and wall, the batches behind them and
+        the wall predicted there (the monotone curve), for `GET /debug/planner`."""
+        rows = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen), len(seen))
+                      for seen in self.sizes.values())
+        return [{"work": w, "wall_s": t, "batches": n, "predicted_s": self.predict(int(w)) or 0.0}
+                for w, t, n in rows]
 
 
 @dataclass
@@ -134,18 +162,24 @@ class LMSteps:
         """Seconds per token with `streams` utterances decoding, None below the fewest
         measured (what more utterances got only bounds it). Its octave's median where
         measured, linear in the octave between two measured ones, the most's above them;
-        never less than for fewer utterances (each errs long, as `RoundTimes`)."""
+        never less than for fewer utterances (each errs long, as `RoundTimes`, and the
+        octaves' medians are made so as its sizes' are: `monotone_fit`)."""
         key = math.floor(math.log2(max(streams, 1)))
-        points, top = [], 0.0
-        for k in sorted(self.sizes):
-            top = max(top, statistics.median(self.sizes[k]))
-            points.append((k, top))
+        octaves = sorted(self.sizes)
+        fitted = monotone_fit([statistics.median(self.sizes[k]) for k in octaves],
+                              [len(self.sizes[k]) for k in octaves])
+        points = list(zip(octaves, fitted))
         if not points or key < points[0][0]:
             return None
         for (k0, y0), (k1, y1) in zip(points, points[1:]):
             if key < k1:
                 return y0 + (y1 - y0) * (key - k0) / (k1 - k0)
         return points[-1][1]
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per octave, keyed by its fewest utterances: the median rate and how many kept."""
+        return {str(2**k): {"step_s": statistics.median(seen), "utterances": len(seen)}
+                for k, seen in sorted(self.sizes.items())}
 
 
 def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[tuple[int, int]]:
@@ -215,7 +249,15 @@ class FirstChunkPlanner:
     limit: int  # EngineConfig.initial_hop_max
     margin: float = 0.25
     holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
+    # The LM rates learnt from utterances that were not their session's first, and from those
+    # that were (`learn_lm_step`): apart, because a burst's opening utterances decode their
+    # tokens past the first chunk while the stage runs the opening rounds, and later ones
+    # while it runs every session's long chunks. In round 20 of docs/benchmarks.md one
+    # table for both learnt 17-22 ms a token at 64 utterances (under MPS) from the later
+    # ones, and bursts' first chunks were sized on it at 30-40 tokens, while the opening
+    # utterances' second chunks had their tokens within 10 ms of their round with 18.
     lm_steps: LMSteps = field(default_factory=LMSteps)
+    opening_lm_steps: LMSteps = field(default_factory=LMSteps)
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
@@ -225,17 +267,28 @@ class FirstChunkPlanner:
         """A first chunk of `tokens` speech tokens gave `samples` of audio."""
         self.holdback_s = max(self.holdback_s, tokens * TOKEN_S - samples * speed / sample_rate)
 
+    def snapshot(self) -> dict[str, object]:
+        """What the next decisions would go on, for `GET /debug/planner`."""
+        return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
+                "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()}}
+
+    def learn_lm_step(self, streams: float, step_s: float, opening: bool) -> None:
+        """An utterance (its session's first: `opening`) decoded at `step_s` seconds a token
+        past its first tokens, with `streams` utterances decoding."""
+        (self.opening_lm_steps if opening else self.lm_steps).observe(streams, step_s)
+
     def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float,
                   opening: bool = False, streams: int | None = None) -> int:
         """The first chunk's hop for an utterance whose LM gave it a token every `step_s`
-        so far; with `streams` (the utterances decoding now) the rate `lm_steps` learnt for
-        that many is taken when it is slower."""
+        so far; with `streams` (the utterances decoding now) the rate learnt for that many
+        (from utterances that were, or were not, their session's first like this one) is
+        taken when it is slower."""
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
         own = None
         if streams is not None:
-            own, learnt = step_s, self.lm_steps.predict(streams)
+            own, learnt = step_s, (self.opening_lm_steps if opening else self.lm_steps).predict(streams)
             step_s = max(step_s, learnt or 0.0)
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
         after = chunks_ahead(schedule, hop)[0]

@@ -18,6 +18,7 @@ from engine.first_chunk import (
     PlanInputs,
     RoundTimes,
     chunks_ahead,
+    monotone_fit,
     plan_first_hop,
     stalls,
 )
@@ -81,9 +82,52 @@ def test_round_times_never_predict_less_for_more_work():
     rt = RoundTimes()
     rt.observe(1000, 0.2)  # a slow small batch (say, it waited on a compile)
     rt.observe(8000, 0.1)
-    assert rt.predict(8000) == pytest.approx(0.2)
-    assert rt.predict(4000) == pytest.approx(0.2)
-    assert rt.predict(16000) == pytest.approx(0.4)
+    # One batch of each: neither is known better, so both sizes get their mean.
+    assert rt.predict(1000) == rt.predict(4000) == rt.predict(8000) == pytest.approx(0.15)
+    assert rt.predict(16000) == pytest.approx(0.3)
+    assert rt.predict(500) == pytest.approx(0.15)
+
+
+def test_round_times_one_slow_small_batch_does_not_set_every_larger_size():
+    """Round 20 on the H200: one slow round of a few rows (a burst's start, beside every
+    session's prefill) made the prediction of every larger size under a running maximum:
+    64-row rounds of ~240 ms and a single session's 26-ms second chunks were both predicted
+    at 483 ms. Pooled with the sizes measured more often it moves them little, and sizes
+    below it not at all."""
+    rt = RoundTimes()
+    for _ in range(7):
+        rt.observe(50, 0.027)  # one session's first chunks
+        rt.observe(130, 0.026)  # ... and its second ones (launch-bound: no slower)
+        rt.observe(64 * 100, 0.30)  # a burst's long chunks
+    rt.observe(2 * 50, 0.483)  # the slow one
+    rt.observe(64 * 50, 0.24)  # a burst's opening round, once
+    pooled = (0.483 + 7 * 0.026) / 8  # with the next size up, measured seven times
+    assert rt.predict(50) == pytest.approx(0.027)
+    assert rt.predict(100) == rt.predict(130) == pytest.approx(pooled)
+    assert rt.predict(64 * 50) == pytest.approx(0.24)
+    assert rt.predict(64 * 100) == pytest.approx(0.30)
+
+
+def test_snapshots_show_the_learnt_inputs():
+    rt = RoundTimes()
+    assert rt.snapshot() == []
+    rt.observe(100, 0.3)
+    rt.observe(3200, 0.1)
+    rt.observe(3200, 0.1)
+    assert rt.snapshot() == [{"work": 100, "wall_s": 0.3, "batches": 1, "predicted_s": pytest.approx(0.5 / 3)},
+                             {"work": 3200, "wall_s": 0.1, "batches": 2, "predicted_s": pytest.approx(0.5 / 3)}]
+    p = FirstChunkPlanner(limit=40)
+    p.learn_lm_step(64, 0.010, opening=True)
+    p.learn_lm_step(70, 0.012, opening=True)
+    p.learn_lm_step(1, 0.003, opening=False)
+    assert p.snapshot()["lm_steps"] == {"opening": {"64": {"step_s": pytest.approx(0.011), "utterances": 2}},
+                                        "later": {"1": {"step_s": 0.003, "utterances": 1}}}
+
+
+def test_monotone_fit_pools_violators_by_weight():
+    assert monotone_fit([0.1, 0.2, 0.3], [1, 1, 1]) == [0.1, 0.2, 0.3]
+    assert monotone_fit([0.1, 0.5, 0.2, 0.3], [1, 1, 3, 1]) == pytest.approx([0.1, 0.275, 0.275, 0.3])
+    assert monotone_fit([3.0, 2.0, 1.0], [1, 1, 1]) == pytest.approx([2.0] * 3)
 
 
 def test_chunks_ahead_follow_the_schedule_to_its_largest_hop():
@@ -153,8 +197,12 @@ def test_lm_steps_per_octave_of_utterances_never_faster_for_more():
     for step in (0.006, 0.005, 0.030, 0.007):  # the last `window` of an octave, one slow among them
         steps.observe(48, step)
     assert steps.predict(48) == 0.007
-    steps.observe(2, 0.020)  # a slow rate at 2-3 utterances: more are never planned faster
-    assert steps.predict(2) == steps.predict(48) == steps.predict(64) == 0.020
+    # A slow rate at 2-3 utterances, once: more are never planned faster, and the octaves
+    # above that break the order are pooled with it by how many each measured.
+    steps.observe(2, 0.020)
+    assert steps.predict(2) == steps.predict(48) == pytest.approx((0.020 + 3 * 0.007) / 4)
+    assert steps.predict(64) == 0.012
+    assert steps.predict(1) == pytest.approx(0.0034)  # fewer: untouched
 
 
 def test_planner_takes_the_slower_of_the_own_and_learnt_lm_rates():
@@ -163,14 +211,20 @@ def test_planner_takes_the_slower_of_the_own_and_learnt_lm_rates():
     heavy = lambda offset, hop: 0.25 if offset == 0 else 0.002 * (offset + hop) + 0.3  # noqa: E731
     on_own = p.first_hop(s, 0.004, heavy, 1.0, streams=64)  # nothing learnt: the own rate
     assert p.last.step_s == p.last.own_step_s == 0.004
-    p.lm_steps.observe(64, 0.012)  # a burst's utterances decoded at 12 ms a token beside the stage
+    # A burst's opening utterances decoded at 12 ms a token beside the stage ...
+    p.learn_lm_step(64, 0.012, opening=True)
     planned = p.first_hop(s, 0.004, heavy, 1.0, opening=True, streams=64)
     assert planned == plan_first_hop(s, 40, 0.012, heavy, p.holdback_s) > on_own
     assert p.last_opening == PlanInputs(planned, 0.012, 0.25, heavy(*chunks_ahead(s, planned)[0]), own_step_s=0.004)
     # One output of vLLM that brought several tokens at once made the own rate ~0: the learnt one stands.
-    assert p.first_hop(s, 1e-6, heavy, 1.0, streams=64) == planned
-    assert p.first_hop(s, 0.004, heavy, 1.0, streams=1) == on_own  # one utterance: nothing learnt for it
-    assert p.first_hop(s, 0.02, heavy, 1.0, streams=64) > planned  # its own is slower still: taken
+    assert p.first_hop(s, 1e-6, heavy, 1.0, opening=True, streams=64) == planned
+    assert p.first_hop(s, 0.004, heavy, 1.0, opening=True, streams=1) == on_own  # one utterance: nothing learnt
+    assert p.first_hop(s, 0.02, heavy, 1.0, opening=True, streams=64) > planned  # its own is slower still: taken
+    # ... and a session's later utterances at 20: each kind is sized on its own kind's rate.
+    assert p.first_hop(s, 0.004, heavy, 1.0, streams=64) == on_own
+    p.learn_lm_step(64, 0.020, opening=False)
+    assert p.first_hop(s, 0.004, heavy, 1.0, streams=64) == plan_first_hop(s, 40, 0.020, heavy, 0.0) > planned
+    assert p.first_hop(s, 0.004, heavy, 1.0, opening=True, streams=64) == planned
 
 
 def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
@@ -232,20 +286,25 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
 
 
 def test_engine_learns_the_lm_rate_from_utterances_past_their_first_tokens(tiny_model_dir):
+    """Once per utterance, into the session's-first table for the first one and the other
+    table for the next (a burst's openings decode beside other rounds than later ones)."""
     async def fn(engine: Engine):
         voice = await default_voice(engine)
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
-        uid = await s.submit("A sentence long enough for several chunks of speech here.")
+        uids = [await s.submit(text) for text in ("A sentence long enough for several chunks of speech here.",
+                                                  "And a second sentence, as long as the first one was.")]
         await s.finish()
         await collect(s)
-        return engine.first_chunks.lm_steps, engine.lm_streams, s.utterance_stats(uid)
+        planner = engine.first_chunks
+        return planner.opening_lm_steps, planner.lm_steps, engine.lm_streams, [s.utterance_stats(u) for u in uids]
 
-    steps, streams, st = run(tiny_model_dir, fn, warmup=False, initial_hop=5, initial_hop_max=40)
+    opening, later, streams, stats = run(tiny_model_dir, fn, warmup=False, initial_hop=5, initial_hop_max=40)
     assert streams == 0  # none decoding once it is done
-    assert st.num_speech_tokens > 2 * STEP_FROM
-    assert list(steps.sizes) == [0]  # one utterance decoding: the first octave
-    (seen,) = steps.sizes[0]  # once per utterance
-    assert 0 < seen < 1.0
+    assert all(st.num_speech_tokens > 2 * STEP_FROM for st in stats)
+    for steps in (opening, later):
+        assert list(steps.sizes) == [0]  # one utterance decoding: the first octave
+        (seen,) = steps.sizes[0]  # once per utterance
+        assert 0 < seen < 1.0
 
 
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
