@@ -30,9 +30,14 @@ if ! nvidia-cuda-mps-control -d; then
 fi
 echo "NVIDIA MPS daemon started (pipe directory $CUDA_MPS_PIPE_DIRECTORY)" >&2
 
+# The trap is set before the gateway starts: a signal between its start and a later trap
+# killed this shell and left the gateway running, and the daemon with it.
+gateway=
+signalled=
+trap 'signalled=1; [ -z "$gateway" ] || kill -TERM "$gateway" 2>/dev/null || true' TERM INT
 cosyvoice-gateway "$@" &
 gateway=$!
-trap 'kill -TERM "$gateway" 2>/dev/null || true' TERM INT
+[ -z "$signalled" ] || kill -TERM "$gateway" 2>/dev/null || true
 # `wait` returns early when a trapped signal arrives: wait again until the gateway is gone.
 status=0
 while :; do
