@@ -127,6 +127,10 @@ class EnginePool:
     def worker_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
 
+    def planner_state(self) -> dict[str, object]:
+        """Each worker's (`Engine.planner_state`): each plans on its own stage."""
+        return {"workers": [e.planner_state() for e in self.engines]}
+
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
 

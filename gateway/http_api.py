@@ -156,6 +156,19 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+@_endpoint("/debug/planner")
+async def planner(request: Request) -> Response:
+    """The first-chunk planner's learnt inputs: the stage's round times per size of batch
+    and the LM rates per number of utterances decoding (`Engine.planner_state`)."""
+    engine = _gw(request).engine
+    if engine is None:
+        raise ApiError(503, "not_ready", "model is loading")
+    state = getattr(engine, "planner_state", None)
+    if state is None:
+        raise ApiError(404, "not_available", "this engine has no first-chunk planner")
+    return JSONResponse(state())
+
+
 def model_aliases(request: Request) -> tuple[str, ...]:
     aliases = tuple(_setting(request, "openai_model_aliases", DEFAULT_ALIASES))
     name = getattr(_gw(request).engine, "model_name", None)
@@ -511,6 +524,7 @@ routes: list[Route] = [
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/debug/planner", planner, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model}", get_model, methods=["GET"]),
     Route("/v1/audio/speech", create_speech, methods=["POST"]),

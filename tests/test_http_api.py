@@ -54,7 +54,7 @@ def test_health_open_everything_else_needs_key(server) -> None:
     srv = server
     with srv.client() as c:
         assert c.get("/health").json() == {"status": "ok"}
-        for method, path in [("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
+        for method, path in [("GET", "/ready"), ("GET", "/metrics"), ("GET", "/debug/planner"), ("GET", "/v1/models"),
                              ("GET", "/v1/voices"), ("POST", "/v1/audio/speech"), ("DELETE", "/v1/voices/x")]:
             resp = c.request(method, path)
             assert err(resp) == (401, "unauthorized"), path
@@ -305,6 +305,25 @@ def test_metrics_exposition(server) -> None:
     for line in lines:
         if line and not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+def test_debug_planner_shows_what_first_chunks_are_sized_on(server) -> None:
+    srv = server
+    with srv.client() as c:
+        assert register(c, "planned", tone_wav(3.5)).status_code in (201, 409)
+        assert c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "planned",
+                                                              "input": "Plan me a first chunk.", **FAST}).status_code == 200
+        resp = c.get("/debug/planner", headers=AUTH)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/json")
+    state = resp.json()
+    assert set(state) >= {"round_times", "lm_steps", "holdback_s", "margin", "limit", "live_utterances"}
+    rounds = state["round_times"]
+    assert rounds and all(r["batches"] >= 1 and r["wall_s"] > 0 for r in rounds)  # the stage ran batches
+    works = [r["work"] for r in rounds]
+    predicted = [r["predicted_s"] for r in rounds]
+    assert works == sorted(works) and predicted == sorted(predicted)  # the curve never falls
+    assert set(state["lm_steps"]) == {"opening", "later"}
+    assert state["limit"] == srv.gw.engine.config.initial_hop_max
 
 
 # --------------------------------------------------------------------------------------
