@@ -180,6 +180,13 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     return parse_metrics(resp.text)
 
 
+async def planner_state(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    """The gateway's `/debug/planner` at the end of a level: the round times and LM rates
+    its first chunks were sized on. None from a gateway without it (an older build)."""
+    resp = await client.get("/debug/planner")
+    return resp.json() if resp.status_code == 200 else None
+
+
 async def ensure_voice(client: httpx.AsyncClient, voice_id: str) -> dict[str, Any]:
     audio, transcript = prompt_wav()
     resp = await client.post("/v1/voices", data={"id": voice_id, "transcript": transcript},
@@ -619,6 +626,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         stop.set()
         await poller
         after = await scrape(client)
+        planner = await planner_state(client)
         # The gateway loop's figures cover idle scrape -> after scrape (handshakes excluded).
         after[SERVER_WINDOW] = time.perf_counter() - t_idle
         for key in (M_RSS, M_CUDA):  # a level shorter than one poll still has a peak
@@ -627,6 +635,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         await clients.close()
     results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s) for r in records]
     report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
+    report["server"]["planner"] = planner
     # The bench's own event loops timestamp every frame: when one is busy, its lateness
     # reads as the gateway's. Near 1.0 the level measured the client, not the server.
     busiest = max(client_cpu, default=0.0)
@@ -661,6 +670,22 @@ def loop_lag_summary(after: dict[str, float], before: dict[str, float], window: 
             "share_over_20ms": over("0.02"), "share_over_100ms": over("0.1"),
             "busy_share": round(cpu / window, 4) if window > 0 else None,
             "cpu_ms_per_audio_s": round(1e3 * cpu / audio_s, 3) if audio_s > 0 else None}
+
+
+def gc_summary(after: dict[str, float], before: dict[str, float]) -> dict[str, Any] | None:
+    """The gateway process's garbage-collector passes between two scrapes: per generation
+    how many and their milliseconds, the longest pass since start and the objects exempt
+    from them (None from a gateway without these series)."""
+    frozen = after.get("cosyvoice_gc_frozen_objects")
+    if frozen is None:
+        return None
+    out: dict[str, Any] = {}
+    for g in range(3):
+        out[f"gen{g}"] = {
+            "passes": int(_delta(after, before, f'cosyvoice_gc_collections_total{{generation="{g}"}}')),
+            "ms": round(1e3 * _delta(after, before, f'cosyvoice_gc_pause_seconds_total{{generation="{g}"}}'), 3)}
+    return out | {"longest_since_start_ms": _ms(after.get("cosyvoice_gc_pause_max_seconds")),
+                  "frozen_objects": int(frozen)}
 
 
 def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -> dict[str, float] | None:
@@ -820,6 +845,8 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
                                       for name in ("lm_step", "lm_step_own", "round", "second_round")},
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
             "event_loop": loop_lag_summary(after, idle, after.get(SERVER_WINDOW, wall), audio),
+            # ... and the garbage collector's passes over the level, which stop every thread.
+            "gc": gc_summary(after, before),
         },
         "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",
         "flops": flops,

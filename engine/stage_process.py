@@ -71,6 +71,7 @@ import torch
 from .config import EngineConfig
 from .first_chunk import RoundTimes
 from .flow_graphs import GraphPolicy
+from .heap import freeze_startup_objects
 from .models.flow import FlowChunk
 from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, cuda_memory, estimate_round
 
@@ -579,6 +580,7 @@ async def _serve(conn: Connection, stage: AudioStage) -> None:
     info = {"max_batch": stage.max_batch, "flow_cuda_graphs": stage.flow_cuda_graphs, "device": str(stage.device),
             "pid": os.getpid()}
     server.send([("ready", info)])
+    freeze_startup_objects()  # this process serves until it is stopped: see `engine.heap`
     reader = threading.Thread(target=server.read, name="audio-stage-pipe", daemon=True)
     reader.start()
     try:

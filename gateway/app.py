@@ -21,6 +21,7 @@ from starlette.staticfiles import StaticFiles
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.heap import freeze_startup_objects, unfreeze
 from engine.pool import EnginePool, create_engine
 from engine.hub import RANDOM_MODELS, resolve_model
 from engine.types import SessionOptions
@@ -137,10 +138,15 @@ def create_app(settings: Settings) -> Starlette:
         app.state.gw = GatewayState(settings, engine, voices, metrics, Auth(settings.api_keys), encode_pool)
         lag = LoopLagMonitor(metrics.observe_loop_lag, add_cpu=metrics.add_loop_cpu)
         lag.start()
-        log.info("ready: model=%s backend=%s device=%s", engine.model_name, engine.backend.name, engine.device)
+        frozen = freeze_startup_objects()
+        metrics.gc_pauses.start()
+        log.info("ready: model=%s backend=%s device=%s (%d start-up objects exempt from garbage collection)",
+                 engine.model_name, engine.backend.name, engine.device, frozen)
         try:
             yield
         finally:
+            metrics.gc_pauses.stop()
+            unfreeze()
             await lag.stop()
             await voices.close()
             await engine.close()

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from .gc_pauses import GcPauses
 
 PREFIX = "cosyvoice"
 
@@ -130,6 +133,9 @@ class Metrics:
         self._errors: dict[str, int] = {}
         self._requests: dict[tuple[str, int], int] = {}
         self._audio_seconds = 0.0
+        # The collector's passes in this process: counted once `gc_pauses.start()` is called
+        # (the app's lifespan), written by the collector's callback outside `_lock`.
+        self.gc_pauses = GcPauses()
         # (monotonic time, lm_tokens) at the previous scrape, for the tokens/s gauge.
         self._last_lm: tuple[float, int] | None = None
 
@@ -209,6 +215,19 @@ class Metrics:
                 head(f"{p}_event_loop_cpu_seconds_total", "counter",
                      "CPU time of the event loop's thread (the engine's and encoders' threads excluded).")
                 lines.append(f"{p}_event_loop_cpu_seconds_total {_fmt(self._loop_cpu)}")
+            gcp = self.gc_pauses
+            if any(gcp.collections):
+                head(f"{p}_gc_collections_total", "counter", "Cyclic garbage collector passes, by generation.")
+                for g, n in enumerate(gcp.collections):
+                    lines.append(f'{p}_gc_collections_total{{generation="{g}"}} {n}')
+                head(f"{p}_gc_pause_seconds_total", "counter",
+                     "Seconds the collector's passes held the GIL (every thread waits), by generation.")
+                for g, secs in enumerate(gcp.seconds):
+                    lines.append(f'{p}_gc_pause_seconds_total{{generation="{g}"}} {_fmt(secs)}')
+                head(f"{p}_gc_pause_max_seconds", "gauge", "The longest collector pass since start.")
+                lines.append(f"{p}_gc_pause_max_seconds {_fmt(gcp.longest)}")
+            head(f"{p}_gc_frozen_objects", "gauge", "Objects exempt from the collector's passes (gc.freeze at start).")
+            lines.append(f"{p}_gc_frozen_objects {gc.get_freeze_count()}")
             if loop is not None:
                 head(f"{p}_event_loop_info", "gauge", "The event loop implementation serving this process.")
                 lines.append(f'{p}_event_loop_info{{loop="{loop}"}} 1')
