@@ -282,12 +282,17 @@ def test_client_disconnect_aborts_engine_session(server) -> None:
         eventually(lambda: leftovers(c) == {}, timeout=30)
 
 
+def speak_once(c, voice_id: str, text: str) -> None:
+    """Register a voice (or find it registered) and speak `text` with it once."""
+    assert register(c, voice_id, tone_wav(3.5)).status_code in (201, 409)
+    resp = c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": voice_id, "input": text, **FAST})
+    assert resp.status_code == 200, resp.text
+
+
 def test_metrics_exposition(server) -> None:
     srv = server
     with srv.client() as c:
-        assert register(c, "metered", tone_wav(3.5)).status_code in (201, 409)
-        assert c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "metered",
-                                                              "input": "Count me.", **FAST}).status_code == 200
+        speak_once(c, "metered", "Count me.")
         c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "ghost", "input": "x"})
         text = c.get("/metrics", headers=AUTH).text
     lines = text.splitlines()
@@ -310,9 +315,7 @@ def test_metrics_exposition(server) -> None:
 def test_debug_planner_shows_what_first_chunks_are_sized_on(server) -> None:
     srv = server
     with srv.client() as c:
-        assert register(c, "planned", tone_wav(3.5)).status_code in (201, 409)
-        assert c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "voice": "planned",
-                                                              "input": "Plan me a first chunk.", **FAST}).status_code == 200
+        speak_once(c, "planned", "Plan me a first chunk.")
         resp = c.get("/debug/planner", headers=AUTH)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/json")
     state = resp.json()
