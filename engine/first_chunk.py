@@ -87,10 +87,10 @@ class RoundTimes:
     maximum: under a running maximum one slow batch of a small size, seen once (say a
     burst's early round of a few rows beside every session's prefill), set the
     prediction of every larger size until seven more of its own size came, which a load of
-    other sizes never brings. In round 20 of docs/benchmarks.md four gateways each
-    predicted one constant for 64-row rounds of 147-322 ms and for a single session's
-    26-ms second chunks (292, 483, 636 and 451 ms), and sized first chunks on it: 17-21
-    tokens at one session where 6 played through, 30-40 at 64."""
+    other sizes never brings. In round 20 of docs/benchmarks.md three gateways each
+    predicted one value (483, 636, 451 ms) for 64-row rounds of 147-322 ms and for a
+    single session's 26-ms second chunks, and sized first chunks on it: 18-21 tokens at
+    one session where 6 played through."""
 
     window: int = 7
     per_octave: int = 2
