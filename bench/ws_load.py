@@ -1033,7 +1033,9 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"rtf={lv['rtf']} "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
-              f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']}",
+              f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
+              f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
+              f"passed over={lv['server'].get('first_chunk_passed_over')} gc={lv['server'].get('gc')}",
               flush=True)
 
 

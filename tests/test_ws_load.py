@@ -369,6 +369,12 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert loop["samples"] >= 1 and loop["mean_ms"] >= 0 and 0 <= loop["share_over_100ms"] <= loop["share_over_20ms"] <= 1
         assert 0 < loop["busy_share"] <= 1.05 and loop["cpu_ms_per_audio_s"] > 0  # the loop served the sessions
         assert 0 < lv["client_loop_busy_share"] <= 1.05  # the bench's own loop did work too
+        # What the planner went on at the level's end (`GET /debug/planner`): the stage's
+        # measured rounds, and its start-up objects exempt from the collector.
+        rounds = server["planner"]["round_times"]
+        assert rounds and all(r["batches"] >= 1 for r in rounds)
+        assert [r["predicted_s"] for r in rounds] == sorted(r["predicted_s"] for r in rounds)
+        assert server["gc"]["frozen_objects"] > 10_000 and set(server["gc"]) >= {"gen0", "gen1", "gen2"}
         assert lv["flops"]["total"] > 0 and lv["flops"]["achieved_flops_per_s"] > 0
         assert lv["rss"]["before_mb"] > 0 and lv["rss"]["active_peak_mb"] >= lv["rss"]["before_mb"]
         assert lv["gpu"] == "n/a"
