@@ -114,8 +114,7 @@ class RoundTimes:
         if not self.sizes:
             return None
         if self._curve is None:
-            points = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen), len(seen))
-                            for seen in self.sizes.values())
+            points = self._medians()
             xs = [max(x, 1.0) for x, _, _ in points]
             self._curve = (xs, monotone_fit([y for _, y, _ in points], [n for _, _, n in points]))
         xs, ys = self._curve
@@ -127,13 +126,16 @@ class RoundTimes:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (work - x0) / (x1 - x0)
 
+    def _medians(self) -> list[tuple[float, float, int]]:
+        """(median work, median wall, batches kept) per size, smallest first."""
+        return sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen), len(seen))
+                      for seen in self.sizes.values())
+
     def snapshot(self) -> list[dict[str, float]]:
         """Per size, smallest first: its median work and wall, the batches behind them and
         the wall predicted there (the monotone curve), for `GET /debug/planner`."""
-        rows = sorted((statistics.median(w for w, _ in seen), statistics.median(t for _, t in seen), len(seen))
-                      for seen in self.sizes.values())
         return [{"work": w, "wall_s": t, "batches": n, "predicted_s": self.predict(int(w)) or 0.0}
-                for w, t, n in rows]
+                for w, t, n in self._medians()]
 
 
 @dataclass
