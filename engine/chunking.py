@@ -84,3 +84,19 @@ def grown_end(prompt_tokens: int, offset: int, end: int, available: int, lm_done
     reach = min(end + room, available - lookahead, limit)
     grid_end = (prompt_tokens + reach) // GRID * GRID - prompt_tokens
     return (grid_end, False) if grid_end > end else None
+
+
+def window_start(offset: int, left_context: int) -> int:
+    """The first generated token a chunk at `offset` re-reads as left context (all of them
+    when `left_context` < 0). Whole GRID blocks are dropped before the window, so the
+    flow's block grid stays aligned."""
+    return 0 if left_context < 0 else max(0, (offset - left_context) // GRID * GRID)
+
+
+def chunk_frames(prompt_tokens: int, offset: int, hop: int, left_context: int, token_mel_ratio: int,
+                 cached: int) -> int:
+    """Flow frames the stage computes for a chunk of `hop` tokens at `offset`: its window
+    (prompt, left context, the hop; the lookahead tokens are read, not computed) after the
+    `cached` prompt frames the prompt cache holds."""
+    window = prompt_tokens + offset - window_start(offset, left_context) + hop
+    return token_mel_ratio * window - cached

@@ -34,7 +34,7 @@ import torch
 
 from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
-from .chunking import ChunkSchedule, grown_end
+from .chunking import ChunkSchedule, chunk_frames, grown_end, window_start
 from .config import EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
@@ -1324,17 +1324,12 @@ class Session:
 
     def _window_start(self, offset: int) -> int:
         """The first generated token a chunk at `offset` re-reads as left context."""
-        left = self.engine.config.flow_left_context
-        # Drop whole 25-token blocks before the window so the block grid stays aligned.
-        return 0 if left < 0 else max(0, (offset - left) // 25 * 25)
+        return window_start(offset, self.engine.config.flow_left_context)
 
     def _chunk_frames(self, offset: int, hop: int, cached: int, flow_cfg) -> int:
-        """Flow frames the stage computes for a chunk of `hop` tokens at `offset`: its
-        window (`AudioStage._window_frames`) after the `cached` prompt frames the prompt
-        cache holds."""
-        # The lookahead tokens are read, not computed.
-        window = self.voice.num_tokens + offset - self._window_start(offset) + hop
-        return flow_cfg.token_mel_ratio * window - cached
+        """`chunking.chunk_frames` for this session's voice (`AudioStage._window_frames`)."""
+        return chunk_frames(self.voice.num_tokens, offset, hop, self.engine.config.flow_left_context,
+                            flow_cfg.token_mel_ratio, cached)
 
     def _flow_chunk(self, tokens, prompt_tokens, offset, end, finalize, flow_cfg) -> FlowChunk:
         win_start = self._window_start(offset)

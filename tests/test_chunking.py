@@ -131,3 +131,15 @@ def test_a_grown_chunk_stays_within_max_hop():
     assert grow(87, 113, available=143, lm_done=True, lookahead=3, room=40, offset=100, max_hop=40) == (138, False)
     # A first chunk (offset 0) with a huge room: one max_hop at most.
     assert grow(87, 15, available=1000, lm_done=False, lookahead=3, room=500, max_hop=100) == (88, False)
+
+
+def test_chunk_frames_counts_the_window_after_the_cached_prompt() -> None:
+    """`chunk_frames`: a 4.25 s voice (106 tokens, 200 cached frames) computes 12 + 2 x hop
+    frames for a first chunk; later windows drop whole 25-token blocks beyond the left
+    context, and none with the left context unbounded."""
+    from engine.chunking import chunk_frames, window_start
+
+    assert chunk_frames(106, 0, 22, 50, 2, 200) == 56
+    assert window_start(75, 50) == 25 and window_start(49, 50) == 0 and window_start(500, -1) == 0
+    assert chunk_frames(106, 75, 50, 50, 2, 200) == 2 * (106 + 50 + 50) - 200
+    assert chunk_frames(106, 75, 50, -1, 2, 200) == 2 * (106 + 75 + 50) - 200
