@@ -12,6 +12,8 @@ from typing import Literal, get_args
 
 import torch
 
+from .first_chunk import OpeningRate
+
 # The flow graphs' row buckets by default (`flow_graph_rows`, `GraphPolicy.batch_buckets`).
 GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
@@ -40,6 +42,10 @@ class EngineConfig:
     # other moments), and a token more of first chunk costs ~7 ms of first audio at 64
     # sessions while it buys 40 ms of audio to play.
     first_chunk_margin: float = 0.5
+    # The LM rate a session's first utterance is sized on: "slower" (of its own and the one
+    # learnt for as many decoding) or "learnt" (that one alone, where there is one):
+    # `engine.first_chunk.FirstChunkPlanner.opening_rate` says why. Not yet measured.
+    first_chunk_opening_rate: OpeningRate = "slower"
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
     # in a burst they come ready over a few LM steps, and one that misses the round waits
@@ -52,7 +58,8 @@ class EngineConfig:
     # and saves each chunk it catches a whole round. In round 17 of docs/benchmarks.md a
     # 40-session burst held 5 ms, caught 19 first chunks and left 10 for a later round
     # (p95 857 against 474 ms in the level before it); its rounds were predicted at 434 ms.
-    # 0: the fixed hold alone. Not yet measured on the GPU.
+    # 0: the fixed hold alone. Round 21: 0.15 put every first chunk of two 64-session bursts
+    # in one round (0 passed over, against 63 and 27), and the third ran 34 sessions dry.
     first_chunk_hold_share: float = 0.0
     max_hop: int = 100
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
@@ -243,6 +250,9 @@ class EngineConfig:
             raise ValueError("warmup_concurrency must be >= 0")
         if not self.first_chunk_margin >= 0:  # also refuses NaN
             raise ValueError("first_chunk_margin must be >= 0")
+        if self.first_chunk_opening_rate not in get_args(OpeningRate):
+            raise ValueError(f"first_chunk_opening_rate must be one of {', '.join(get_args(OpeningRate))}, "
+                             f"not {self.first_chunk_opening_rate!r}")
         if not 0 <= self.first_chunk_hold_ms <= 1000:
             raise ValueError("first_chunk_hold_ms must be in 0..1000")
         if not 0 <= self.first_chunk_hold_share <= 0.5:

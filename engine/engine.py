@@ -438,7 +438,8 @@ class Engine:
         self.start_seconds: dict[str, float] = {}
         self.opening_chunk_times = FirstChunkTimes()  # of sessions' first utterances only
         self.opening_second_chunk_times = SecondChunkTimes()
-        self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin)
+        self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin,
+                                              opening_rate=config.first_chunk_opening_rate)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured

@@ -31,7 +31,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Literal
 
 from .chunking import ChunkSchedule
 
@@ -40,6 +40,8 @@ TOKEN_S = 1 / SPEECH_TOKENS_PER_S
 
 # Predicted seconds for the round of a chunk of (offset, hop) tokens, None before any batch.
 RoundFn = Callable[[int, int], "float | None"]
+# Which LM rate a session's first utterance is sized on (`FirstChunkPlanner.opening_rate`).
+OpeningRate = Literal["slower", "learnt"]
 
 
 def monotone_fit(ys: list[float], weights: list[float]) -> list[float]:
@@ -250,6 +252,14 @@ class FirstChunkPlanner:
 
     limit: int  # EngineConfig.initial_hop_max
     margin: float = 0.25
+    # "slower": a session's first utterance, like any other, is sized on the slower of its
+    # own rate and the learnt one. "learnt": on the learnt one alone where there is one for
+    # as many decoding. Its own rate is read over 4-5 tokens while a burst's prompts are
+    # prefilled: in round 21 of docs/benchmarks.md it read 0-21 ms a token (the learnt one
+    # 6-10, vLLM's level average 13-14.5), and where it was the slower one (12-21 ms) each
+    # session of a burst got a first chunk of its own size (28-31 tokens on average) and
+    # 53-63 first chunks missed the round they were planned for. EngineConfig.first_chunk_opening_rate.
+    opening_rate: OpeningRate = "slower"
     holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
     # The LM rates learnt from utterances that were not their session's first, and from those
     # that were (`learn_lm_step`): apart, because a burst's opening utterances decode their
@@ -272,6 +282,7 @@ class FirstChunkPlanner:
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
+                "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()}}
 
     def learn_lm_step(self, streams: float, step_s: float, opening: bool) -> None:
@@ -284,14 +295,18 @@ class FirstChunkPlanner:
         """The first chunk's hop for an utterance whose LM gave it a token every `step_s`
         so far; with `streams` (the utterances decoding now) the rate learnt for that many
         (from utterances that were, or were not, their session's first like this one) is
-        taken when it is slower."""
+        taken when it is slower, or for a session's first utterance always with
+        `opening_rate` "learnt"."""
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
         own = None
         if streams is not None:
             own, learnt = step_s, (self.opening_lm_steps if opening else self.lm_steps).predict(streams)
-            step_s = max(step_s, learnt or 0.0)
+            if opening and self.opening_rate == "learnt" and learnt is not None:
+                step_s = learnt
+            else:
+                step_s = max(step_s, learnt or 0.0)
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
         after = chunks_ahead(schedule, hop)[0]
         self.last = PlanInputs(hop, step_s, round_s(0, hop), round_s(*after), own)

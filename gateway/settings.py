@@ -46,6 +46,10 @@ class EngineSettings:
     first_chunk_margin: float = field(
         default=0.5, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
                                      "(see initial_hop_max)"))
+    first_chunk_opening_rate: str = field(
+        default="slower", metadata=_help("the LM rate a session's first utterance is sized on: slower (of its own "
+                                          "and the one learnt for as many decoding) or learnt (that one alone, "
+                                          "where there is one)"))
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))

@@ -227,6 +227,26 @@ def test_planner_takes_the_slower_of_the_own_and_learnt_lm_rates():
     assert p.first_hop(s, 0.004, heavy, 1.0, opening=True, streams=64) == planned
 
 
+def test_with_opening_rate_learnt_a_sessions_first_utterance_takes_the_learnt_rate_alone():
+    """`opening_rate="learnt"`: a burst's first utterances are sized on one rate, the learnt
+    one, however slow or fast each one's own first tokens came; with nothing learnt for as
+    many decoding, on their own; later utterances as before (the slower of the two)."""
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
+    heavy = lambda offset, hop: 0.25 if offset == 0 else 0.002 * (offset + hop) + 0.3  # noqa: E731
+    p = FirstChunkPlanner(limit=40, opening_rate="learnt")
+    assert p.first_hop(s, 0.004, heavy, 1.0, opening=True, streams=64) == plan_first_hop(s, 40, 0.004, heavy, 0.0)
+    p.learn_lm_step(64, 0.010, opening=True)
+    on_learnt = plan_first_hop(s, 40, 0.010, heavy, 0.0)
+    for own in (1e-6, 0.004, 0.021):  # round 21's own rates: the hop is the same for each
+        assert p.first_hop(s, own, heavy, 1.0, opening=True, streams=64) == on_learnt
+        assert p.last_opening.step_s == 0.010 and p.last_opening.own_step_s == own
+    slower = FirstChunkPlanner(limit=40)
+    slower.learn_lm_step(64, 0.010, opening=True)
+    assert slower.first_hop(s, 0.021, heavy, 1.0, opening=True, streams=64) > on_learnt
+    p.learn_lm_step(64, 0.010, opening=False)
+    assert p.first_hop(s, 0.021, heavy, 1.0, streams=64) == plan_first_hop(s, 40, 0.021, heavy, 0.0) > on_learnt
+
+
 def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
     p = FirstChunkPlanner(limit=40)
     s = ChunkSchedule(prompt_tokens=106, initial_hop=15)

@@ -319,7 +319,7 @@ def test_debug_planner_shows_what_first_chunks_are_sized_on(server) -> None:
         resp = c.get("/debug/planner", headers=AUTH)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/json")
     state = resp.json()
-    assert set(state) >= {"round_times", "lm_steps", "holdback_s", "margin", "limit", "live_utterances"}
+    assert set(state) >= {"round_times", "lm_steps", "holdback_s", "margin", "limit", "opening_rate", "live_utterances"}
     rounds = state["round_times"]
     assert rounds and all(r["batches"] >= 1 and r["wall_s"] > 0 for r in rounds)  # the stage ran batches
     works = [r["work"] for r in rounds]
