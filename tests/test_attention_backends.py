@@ -32,6 +32,9 @@ def test_the_math_backend_matches_the_reference_on_the_cpu(tmp_path) -> None:  #
     assert math["max_abs_err"] < 1e-5 and "us" not in math  # no GPU timing off CUDA
     names = {"copy + efficient", "split efficient", "copy + cudnn", "split cudnn"}
     assert set(result["backends"]) == set(attention_backends.BACKENDS) | names
-    # The split attention (on the CPU its log-sum-exps are written out) is the same attention.
+    # The split attention (on the CPU its log-sum-exps are written out) is the same attention,
+    # to float32's rounding: two partial softmaxes merged by their log-sum-exps round
+    # differently from one (5e-7 here usually, 1.6e-5 once in a CI run; a wrong merge is off
+    # by ~1e-1).
     for name in ("split efficient", "split cudnn"):
-        assert result["backends"][name]["max_abs_err"] < 1e-5
+        assert result["backends"][name]["max_abs_err"] < 1e-4
