@@ -254,8 +254,8 @@ class FirstChunkPlanner:
     margin: float = 0.25
     # "slower": a session's first utterance, like any other, is sized on the slower of its
     # own rate and the learnt one. "learnt": on the learnt one alone where there is one for
-    # as many decoding. Its own rate is read over 4-5 tokens while a burst's prompts are
-    # prefilled: in round 21 of docs/benchmarks.md it read 0-21 ms a token (the learnt one
+    # as many decoding. Its own rate is read over its first few tokens, before the first
+    # chunk goes: in round 21 of docs/benchmarks.md it read 0-21 ms a token (the learnt one
     # 6-10, vLLM's level average 13-14.5), and where it was the slower one (12-21 ms) each
     # session of a burst got a first chunk of its own size (28-31 tokens on average) and
     # 53-63 first chunks missed the round they were planned for. EngineConfig.first_chunk_opening_rate.
