@@ -13,6 +13,7 @@ from typing import Literal, get_args
 import torch
 
 from .first_chunk import OpeningRate
+from .mps import MPSPriority
 
 # The flow graphs' row buckets by default (`flow_graph_rows`, `GraphPolicy.batch_buckets`).
 GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -21,7 +22,6 @@ LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
-MPSPriority = Literal["normal", "below_normal"]  # engine.backends.vllm_backend.MPS_PRIORITY_VALUES
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,13 @@ class EngineConfig:
     # flow_fill_padding (which it does not combine with) is set; on the CPU off (no CPU
     # serves the loads where the lock is contended).
     stage_process: bool | None = None
+    # Under an NVIDIA MPS daemon: the percent of the GPU's SMs the stage's process(es) may
+    # use, the rest left to vLLM's engine core. Unlimited, the stage's rounds fill the GPU
+    # and vLLM's decode steps wait for SMs: 13-14.5 ms a token at 64 streams beside the
+    # stage against 7.7-8.4 in time slices (rounds 19-21 of docs/benchmarks.md), and that
+    # rate sets how long a burst's first chunks must be. None: no limit. Needs the stage's
+    # own process (MPS reads it when a process creates its CUDA context).
+    stage_mps_thread_percent: int | None = None
     text_normalization: bool = True
     warmup: bool = True
     # Start the LM backend while the audio stage is built and the flow warmed (vLLM's
@@ -243,6 +250,11 @@ class EngineConfig:
                              "stage_profile_batches >= 1")
         if self.vllm_mps_thread_percent is not None and not 1 <= self.vllm_mps_thread_percent <= 100:
             raise ValueError("vllm_mps_thread_percent must be in 1..100")
+        if self.stage_mps_thread_percent is not None:
+            if not 1 <= self.stage_mps_thread_percent <= 100:
+                raise ValueError("stage_mps_thread_percent must be in 1..100")
+            if self.stage_process is False:
+                raise ValueError("stage_mps_thread_percent needs the stage's own process (stage_process)")
         if self.vllm_mps_priority is not None and self.vllm_mps_priority not in get_args(MPSPriority):
             raise ValueError(f"vllm_mps_priority must be one of {', '.join(get_args(MPSPriority))}, "
                              f"not {self.vllm_mps_priority!r}")

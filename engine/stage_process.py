@@ -73,6 +73,7 @@ from .first_chunk import RoundTimes
 from .flow_graphs import GraphPolicy
 from .heap import freeze_startup_objects
 from .models.flow import FlowChunk
+from .mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, child_env, mps_client_env
 from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, cuda_memory, estimate_round
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class RemoteStage:
         self._process = process
         self.max_batch: int = info["max_batch"]
         self.device = info["device"]
+        self.mps_env: dict[str, str] = info["mps"]  # the child's MPS client settings
         # Graph buckets decide a round's work (`solved_work`) only where the child has graphs.
         self.graph_policy: GraphPolicy | None = policy if info["flow_cuda_graphs"] else None
         self.rounds = RoundTimes()
@@ -146,7 +148,8 @@ class RemoteStage:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(target=stage_main, args=(theirs, config, str(device)), name="audio-stage")
-        process.start()
+        with child_env(mps_client_env(config.stage_mps_thread_percent)):
+            process.start()
         theirs.close()  # the child's end: with it closed here, the child's exit reads as EOF
         try:
             first = await asyncio.wait_for(asyncio.to_thread(_recv_first, ours), START_TIMEOUT_S)
@@ -160,7 +163,8 @@ class RemoteStage:
         if kind != "ready":
             _stop(process, ours)
             raise StageProcessError(f"audio stage process failed to start:\n{payload}")
-        log.info("audio stage process %s ready on %s", payload["pid"], payload["device"])
+        log.info("audio stage process %s ready on %s%s", payload["pid"], payload["device"],
+                 f" (MPS client: {payload['mps']})" if payload["mps"] else "")
         return cls(ours, process, payload, policy)
 
     async def start(self) -> None:
@@ -416,7 +420,9 @@ def stage_main(conn: Connection, config: EngineConfig, device: str) -> None:
         model = load_model(Path(config.model_dir), load_lm=False)
         model.flow.to(dev)
         model.hift.to(dev)
-        stage = build_stage(model, dev, dataclasses.replace(config, stage_process=False, stage_devices=()))
+        # This process is the stage's process (its SM share was set when it was spawned).
+        stage = build_stage(model, dev, dataclasses.replace(config, stage_process=False, stage_devices=(),
+                                                              stage_mps_thread_percent=None))
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send([("fatal", traceback.format_exc())])
@@ -578,7 +584,8 @@ async def _serve(conn: Connection, stage: AudioStage) -> None:
         server.send([("fatal", traceback.format_exc())])
         raise
     info = {"max_batch": stage.max_batch, "flow_cuda_graphs": stage.flow_cuda_graphs, "device": str(stage.device),
-            "pid": os.getpid()}
+            "pid": os.getpid(),
+            "mps": {k: os.environ[k] for k in (MPS_PERCENT_ENV, MPS_PRIORITY_ENV) if k in os.environ}}
     server.send([("ready", info)])
     freeze_startup_objects()  # this process serves until it is stopped: see `engine.heap`
     reader = threading.Thread(target=server.read, name="audio-stage-pipe", daemon=True)

@@ -92,6 +92,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_window_tolerance=e.stage_window_tolerance,
         stage_devices=e.stage_devices,
         stage_process=e.stage_process,
+        stage_mps_thread_percent=e.stage_mps_thread_percent,
         stage_profile_dir=e.stage_profile_dir,
         stage_profile_start=e.stage_profile_start,
         stage_profile_batches=e.stage_profile_batches,

@@ -179,6 +179,12 @@ class EngineSettings:
                        "wait for the interpreter lock behind the event loop; one per stage device (default: on "
                        "with a CUDA device unless flow_fill_padding is set)"),
     )
+    stage_mps_thread_percent: int | None = field(
+        default=None,
+        metadata=_help("the flow+vocoder stage's process(es) under an NVIDIA MPS daemon: percent of the GPU's SMs "
+                       "they may use, the rest left to vLLM's decode (default: no limit; without a daemon it does "
+                       "nothing)"),
+    )
     lm_max_batch: int = field(default=256, metadata=_help("LM sequences decoded together (torch: per step; "
                                                           "vLLM: max_num_seqs); more utterances wait"))
     text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from bench.ws_load import main as ws_load_main
 from engine.config import EngineConfig
 from engine.engine import graph_policy, spawn_stages
 from engine.models.flow import FlowChunk
+from engine.mps import MPS_PERCENT_ENV
 from engine.stage_pool import StagePool
 from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
 from engine.token2wav import ChunkJob
@@ -26,6 +28,7 @@ def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model
     async def remote(engine):
         stage = engine.stage
         assert isinstance(stage, RemoteStage) and stage._process.is_alive()
+        assert stage.mps_env == {}  # no SM share asked for: MPS's defaults
         assert stage.round_estimate(RemoteStream(-1), 100) is None  # no round yet
         pcm = await _speak_four(engine)
         # The engine's copy of the round times learnt from the child's rounds, and its
@@ -45,10 +48,13 @@ def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model
 
 def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir):
     """`stage_devices` with `stage_process`: a `StagePool` of two stages, each in its own
-    process; the utterances are shared out and sound as on one stage in-process."""
+    process; the utterances are shared out and sound as on one stage in-process. Each
+    process is an MPS client with the stage's SM share; this one's environment is as it was."""
     async def pooled(engine):
         pool = engine.stage
         assert isinstance(pool, StagePool) and all(isinstance(s, RemoteStage) for s in pool.stages)
+        assert all(s.mps_env == {MPS_PERCENT_ENV: "70"} for s in pool.stages)
+        assert os.environ.get(MPS_PERCENT_ENV) == before
         processes = [s._process for s in pool.stages]
         assert len({p.pid for p in processes}) == 2 and all(p.is_alive() for p in processes)
         pcm = await _speak_four(engine)
@@ -56,8 +62,9 @@ def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir):
         return pcm, per_stage, engine.stats().chunks, processes
 
     single = run(tiny_model_dir, _speak_four, warmup=False)
+    before = os.environ.get(MPS_PERCENT_ENV)
     pcm, per_stage, total, processes = run(tiny_model_dir, pooled, warmup=False, stage_process=True,
-                                           stage_devices=("cpu", "cpu"))
+                                           stage_devices=("cpu", "cpu"), stage_mps_thread_percent=70)
     assert all(n > 0 for n in per_stage) and total == sum(per_stage), per_stage
     assert not any(p.is_alive() for p in processes)
     for a, b in zip(single, pcm):
@@ -140,6 +147,11 @@ def test_stage_process_refuses_what_it_cannot_run(tmp_path):
     assert EngineConfig(model_dir=tmp_path, device="cuda", stage_devices=("cuda:0", "cuda:1")).resolved_stage_process()
     assert not EngineConfig(model_dir=tmp_path, device="cuda", flow_fill_padding=True).resolved_stage_process()
     assert not EngineConfig(model_dir=tmp_path, device="cuda", stage_process=False).resolved_stage_process()
+    # An SM share is the stage process's MPS setting: refused without that process.
+    with pytest.raises(ValueError, match="stage_mps_thread_percent needs the stage's own process"):
+        EngineConfig(model_dir=tmp_path, stage_process=False, stage_mps_thread_percent=70)
+    with pytest.raises(ValueError, match="stage_mps_thread_percent must be in 1..100"):
+        EngineConfig(model_dir=tmp_path, stage_mps_thread_percent=0)
 
 
 def test_the_gateway_serves_websocket_sessions_from_a_stage_process(tiny_model_dir, tmp_path):

@@ -379,24 +379,24 @@ def test_the_mps_client_settings_are_the_engine_cores_alone(monkeypatch: pytest.
     there; None sets nothing."""
     import os
 
-    from engine.backends.vllm_backend import (MPS_PERCENT_ENV, MPS_PRIORITY_ENV, VLLMBackend, engine_core_env,
-                                              mps_client_env)
+    from engine.backends.vllm_backend import VLLMBackend
     from engine.config import EngineConfig
+    from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, child_env, mps_client_env
 
     monkeypatch.delenv(MPS_PERCENT_ENV, raising=False)
     monkeypatch.delenv(MPS_PRIORITY_ENV, raising=False)
     assert mps_client_env(None, None) == {}
     assert mps_client_env(None, "below_normal") == {MPS_PRIORITY_ENV: "1"}
     assert mps_client_env(40, "normal") == {MPS_PERCENT_ENV: "40", MPS_PRIORITY_ENV: "0"}
-    with engine_core_env(mps_client_env(40, "below_normal")):
+    with child_env(mps_client_env(40, "below_normal")):
         assert os.environ[MPS_PERCENT_ENV] == "40" and os.environ[MPS_PRIORITY_ENV] == "1"
     assert MPS_PERCENT_ENV not in os.environ and MPS_PRIORITY_ENV not in os.environ
     monkeypatch.setenv(MPS_PERCENT_ENV, "90")
-    with pytest.raises(RuntimeError), engine_core_env(mps_client_env(25, "below_normal")):
+    with pytest.raises(RuntimeError), child_env(mps_client_env(25, "below_normal")):
         assert os.environ[MPS_PERCENT_ENV] == "25"  # a failed start restores it too
         raise RuntimeError("engine core failed")
     assert os.environ[MPS_PERCENT_ENV] == "90" and MPS_PRIORITY_ENV not in os.environ
-    with engine_core_env(mps_client_env(None, None)):
+    with child_env(mps_client_env(None, None)):
         assert os.environ[MPS_PERCENT_ENV] == "90"
     backend = VLLMBackend(Path("unused"), VOCAB, mps_thread_percent=30, mps_priority="below_normal")
     assert backend.settings.mps_thread_percent == 30 and backend.settings.mps_priority == "below_normal"

@@ -27,23 +27,20 @@ bistream layout (fill is never fed); that was the "expected forced id 6564, got
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal
+from typing import Any, AsyncIterator
 
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
 from engine.backends.ras_logits import RASArgs
 from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run
 from engine.models.vocab import UnifiedVocab
+from engine.mps import MPSPriority, child_env, mps_client_env
 
 LOGITS_PROCESSOR_FQCN = "engine.backends.ras_logits:CosyVoiceLogitsProcessor"
-
-
-MPSPriority = Literal["normal", "below_normal"]
 
 
 @dataclass(frozen=True)
@@ -67,48 +64,13 @@ class VLLMEngineSettings:
     # output tasks on first use when built outside a running loop.
     start_in_thread: bool = False
     # Under an NVIDIA MPS daemon: the share of the GPU's SMs (percent) the engine core may
-    # use, leaving the rest to the audio stage in this process (None: no limit; without a
-    # daemon it does nothing). See `engine_core_env`.
+    # use, leaving the rest to the audio stage (None: no limit; without a
+    # daemon it does nothing). See `engine.mps`.
     mps_thread_percent: int | None = None
     # Under an NVIDIA MPS daemon: the engine core's scheduling priority as an MPS client
     # ("below_normal": when both have kernels waiting, the GPU runs the audio stage's
-    # first; None: MPS's default, normal). See `engine_core_env`.
+    # first; None: MPS's default, normal). See `engine.mps`.
     mps_priority: MPSPriority | None = None
-
-
-MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
-MPS_PRIORITY_VALUES: dict[str, str] = {"normal": "0", "below_normal": "1"}
-
-
-def mps_client_env(thread_percent: int | None, priority: MPSPriority | None) -> dict[str, str]:
-    """The MPS client settings of vLLM's engine core, as environment variables (NVIDIA's
-    MPS documentation, "Environment Variables": CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and
-    CUDA_MPS_CLIENT_PRIORITY, 0 normal, 1 below normal)."""
-    env = {}
-    if thread_percent is not None:
-        env[MPS_PERCENT_ENV] = str(thread_percent)
-    if priority is not None:
-        env[MPS_PRIORITY_ENV] = MPS_PRIORITY_VALUES[priority]
-    return env
-
-
-@contextlib.contextmanager
-def engine_core_env(env: dict[str, str]) -> Iterator[None]:
-    """While vLLM starts its engine core: that child process inherits this environment, and
-    an MPS client reads its settings when it creates its CUDA context, so they are the
-    engine core's alone (this process's context exists by then: the engine moves the flow
-    to the GPU before it starts the LM). Restored after, whatever was there."""
-    before = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -269,7 +231,7 @@ class VLLMBackend:
         )
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
         build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
-        with engine_core_env(mps_client_env(s.mps_thread_percent, s.mps_priority)):
+        with child_env(mps_client_env(s.mps_thread_percent, s.mps_priority)):
             self._llm = await asyncio.to_thread(build) if s.start_in_thread else build()
 
     def _params(self, sp: SamplingParams) -> Any:
