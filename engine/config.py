@@ -46,6 +46,11 @@ class EngineConfig:
     # learnt for as many decoding) or "learnt" (that one alone, where there is one):
     # `engine.first_chunk.FirstChunkPlanner.opening_rate` says why. Not yet measured.
     first_chunk_opening_rate: OpeningRate = "slower"
+    # Plan a later chunk's round no shorter than second chunks took lately with as many
+    # utterances on the stage (`engine.first_chunk.SecondRounds` says why: under arrivals
+    # spread over time a second chunk waits for the round in progress and rides with
+    # other utterances' long chunks). Off: the round estimate alone, as up to round 21.
+    first_chunk_second_rounds: bool = True
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
     # in a burst they come ready over a few LM steps, and one that misses the round waits

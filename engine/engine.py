@@ -70,6 +70,7 @@ STEP_FROM = 8
 # WebSocket load's segments (105 tokens), so the warm-up's batches span a burst's sizes.
 WARMUP_SPEECH_TOKENS = 100
 CPU_WARMUP_CONCURRENCY = 4  # EngineConfig.warmup_concurrency None on the CPU
+WARMUP_VOICE_ID = "__warmup__"  # the voice the engine warms up with before it is ready
 
 
 async def _next_handed(handed: asyncio.Queue[_Queued], producer: asyncio.Task) -> _Queued | None:
@@ -439,7 +440,8 @@ class Engine:
         self.opening_chunk_times = FirstChunkTimes()  # of sessions' first utterances only
         self.opening_second_chunk_times = SecondChunkTimes()
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin,
-                                              opening_rate=config.first_chunk_opening_rate)
+                                              opening_rate=config.first_chunk_opening_rate,
+                                              learn_second_rounds=config.first_chunk_second_rounds)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -556,7 +558,7 @@ class Engine:
         sr = self.sample_rate
         t = np.arange(int(3.0 * sr)) / sr
         wav = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-        return await self.prepare_voice("__warmup__", wav, sr, "Warm up.")
+        return await self.prepare_voice(WARMUP_VOICE_ID, wav, sr, "Warm up.")
 
     async def _warmup(self, voice: VoicePrompt) -> None:
         """Syntheses with the warm-up voice through the whole engine."""
@@ -613,7 +615,7 @@ class Engine:
         P = voice.num_tokens
         prompt = FlowChunk(tokens=voice.speech_tokens, prompt_feat=voice.speech_feat, embedding=voice.embedding,
                            num_prompt_tokens=P, out_start=P, finalize=True)
-        if self.config.flow_prompt_cache and voice.voice_id != "__warmup__":
+        if self.config.flow_prompt_cache and voice.voice_id != WARMUP_VOICE_ID:
             await self.stage.warm_prompt(prompt)
         if self.config.flow_prompt_cache and self.config.flow_context_cache_bytes:
             # Once per stage, with the first voice that has a cached block (warm-up's included):
@@ -658,7 +660,7 @@ class Engine:
 
     # ----------------------------------------------------------------- sessions
     def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> "Session":
-        if not self.ready and self.config.warmup and voice.voice_id != "__warmup__":
+        if not self.ready and self.config.warmup and voice.voice_id != WARMUP_VOICE_ID:
             raise EngineError("not_ready", "engine is still loading")
         if voice.num_tokens not in self._warmed_prompts and self.ready:
             # A voice from the store (featurised before this process started): warm its
@@ -824,6 +826,7 @@ class _Queued:
     queued_at: float
     queued_end: int
     queued_final: bool
+    staged: int  # utterances on its stage when it was queued (`SecondRounds`)
 
 
 @dataclass
@@ -1200,7 +1203,8 @@ class Session:
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
-                    opts.speed, opening=utt.opening, streams=eng.lm_streams)
+                    opts.speed, opening=utt.opening, streams=eng.lm_streams,
+                    staged=eng.stage.live_utterances(stream))
                 if first != sched.initial_hop:
                     sched.initial_hop = first
                     utt.stats.extra["first_hop"] = first
@@ -1235,7 +1239,8 @@ class Session:
             in_flight = (sched.offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / opts.speed
             job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
             eng.stage.submit(job)
-            await handed.put(_Queued(job, sched.index, extent, queued_at, end, finalize))
+            await handed.put(_Queued(job, sched.index, extent, queued_at, end, finalize,
+                                     eng.stage.live_utterances(stream)))
             await asyncio.wait({job.started})  # cancelled with the utterance: the loop ends
             if extent.finalize or job.started.cancelled():
                 return
@@ -1248,6 +1253,7 @@ class Session:
         eng = self.engine
         emitted = 0
         first_samples, first_rows = 0, 0  # the first chunk's audio, the chunks of its batch
+        first_back = 0.0  # when the first chunk's audio came back
         while True:
             item = await _next_handed(handed, producer)
             if item is None or utt.cancelled:
@@ -1265,11 +1271,14 @@ class Session:
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
                     eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
+            if item.index == 1 and self.voice.voice_id != WARMUP_VOICE_ID:
+                # Not the warm-up's: its first syntheses may wait behind graph captures (seconds).
+                eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))
             if item.index == 1 and utt.arrivals is not None:
                 self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
                                         first_rows, eng.model.config.flow.pre_lookahead_len)
             if item.index == 0:
-                first_samples, first_rows = int(pcm.size), batch.rows
+                first_samples, first_rows, first_back = int(pcm.size), batch.rows, time.monotonic()
             if utt.stats.first_audio_at is None and pcm.size:
                 utt.stats.first_audio_at = time.monotonic()
             utt.stats.num_samples += int(pcm.size)

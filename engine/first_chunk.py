@@ -22,6 +22,9 @@ The stage's round time is learnt from its own batches (`RoundTimes`); the LM's r
 utterance's own first tokens and from earlier utterances' later ones (`LMSteps`, one table for
 sessions' first utterances and one for the rest); what the
 vocoder keeps back from a first chunk from first chunks made (`FirstChunkPlanner.observe`).
+A later chunk's round is never planned shorter than what second chunks took lately with as
+many utterances on the stage (`SecondRounds`): under arrivals spread over time a round
+holds other utterances' long chunks, and the one in progress has to end first.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Callable, ClassVar, Literal
 
 from .chunking import ChunkSchedule
 
@@ -141,33 +144,25 @@ class RoundTimes:
 
 
 @dataclass
-class LMSteps:
-    """The LM's seconds per speech token with a number of utterances decoding at once, learnt
-    from utterances past their first tokens: per octave of that number, the median of the
-    last `window` measured.
-
-    Why not only the utterance's own rate: that is measured over its first few tokens, before
-    its first chunk goes, and in a burst that is before the stage's opening round starts,
-    while the chunks after the first are generated during the stage's rounds. On the H200
-    (round 19 of docs/benchmarks.md) 64-session bursts were planned on 4-7 ms a token, and on
-    ~0 where one of vLLM's outputs brought several tokens at once, while vLLM decoded at
-    7.7-8.4 ms a token beside the stage (12-13 under MPS); two bursts planned on 15-token
-    first chunks ran dry 43-45 ms at their second chunk."""
+class OctaveMedians:
+    """Seconds against a count of utterances (decoding, or on the stage): per octave of the
+    count, the median of the last `window` measured."""
 
     window: int = 7
-    # octave of the utterances decoding -> the latest seconds per token, oldest first
+    # octave of the count -> the latest seconds, oldest first
     sizes: dict[int, deque[float]] = field(default_factory=dict)
+    snapshot_key: ClassVar[str] = "seconds"
 
-    def observe(self, streams: float, step_s: float) -> None:
+    def observe(self, streams: float, seconds: float) -> None:
         key = math.floor(math.log2(max(streams, 1.0)))
-        self.sizes.setdefault(key, deque(maxlen=self.window)).append(step_s)
+        self.sizes.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def predict(self, streams: int) -> float | None:
-        """Seconds per token with `streams` utterances decoding, None below the fewest
-        measured (what more utterances got only bounds it). Its octave's median where
-        measured, linear in the octave between two measured ones, the most's above them;
-        never less than for fewer utterances (each errs long, as `RoundTimes`, and the
-        octaves' medians are made so as its sizes' are: `monotone_fit`)."""
+        """Seconds with `streams` utterances, None below the fewest measured (what more
+        utterances got only bounds it). Its octave's median where measured, linear in the
+        octave between two measured ones, the most's above them; never less than for fewer
+        utterances (each errs long, as `RoundTimes`, and the octaves' medians are made so as
+        its sizes' are: `monotone_fit`)."""
         key = math.floor(math.log2(max(streams, 1)))
         octaves = sorted(self.sizes)
         fitted = monotone_fit([statistics.median(self.sizes[k]) for k in octaves],
@@ -181,9 +176,42 @@ class LMSteps:
         return points[-1][1]
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per octave, keyed by its fewest utterances: the median rate and how many kept."""
-        return {str(2**k): {"step_s": statistics.median(seen), "utterances": len(seen)}
+        """Per octave, keyed by its fewest utterances: the median and how many kept."""
+        return {str(2**k): {self.snapshot_key: statistics.median(seen), "utterances": len(seen)}
                 for k, seen in sorted(self.sizes.items())}
+
+
+@dataclass
+class LMSteps(OctaveMedians):
+    """The LM's seconds per speech token with a number of utterances decoding at once, learnt
+    from utterances past their first tokens.
+
+    Why not only the utterance's own rate: that is measured over its first few tokens, before
+    its first chunk goes, and in a burst that is before the stage's opening round starts,
+    while the chunks after the first are generated during the stage's rounds. On the H200
+    (round 19 of docs/benchmarks.md) 64-session bursts were planned on 4-7 ms a token, and on
+    ~0 where one of vLLM's outputs brought several tokens at once, while vLLM decoded at
+    7.7-8.4 ms a token beside the stage (12-13 under MPS); two bursts planned on 15-token
+    first chunks ran dry 43-45 ms at their second chunk."""
+
+    snapshot_key: ClassVar[str] = "step_s"
+
+
+@dataclass
+class SecondRounds(OctaveMedians):
+    """Seconds from a second chunk's turn (its tokens there and its first chunk's audio
+    back, whichever is later) to its audio, with a number of utterances on the stage: the
+    stage's wait and round as they came, the floor of a later chunk's planned round.
+
+    Why: the round estimate (`AudioStage.round_estimate`) counts a round of chunks like this
+    one, one per utterance in progress, which is what a burst brings. Under arrivals spread
+    over time a second chunk waits for the round in progress and rides with other
+    utterances' long chunks, padded to the longest. On the H200 (round 22 of
+    docs/benchmarks.md, 32 and 48 sessions starting over 16 s) second chunks were planned
+    on 30-39 ms rounds and took 70-112 (21-40 ms of it waiting), after 6-8-token first
+    chunks, and 9 and 7 sessions ran dry by 21-51 ms; with 10-token first chunks none did."""
+
+    snapshot_key: ClassVar[str] = "round_s"
 
 
 def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[tuple[int, int]]:
@@ -202,9 +230,10 @@ def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[
 
 
 def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
-           speed: float = 1.0, margin: float = 0.25) -> bool | None:
+           speed: float = 1.0, margin: float = 0.25, later_round_s: float | None = None) -> bool | None:
     """Whether a first chunk of `first` tokens is predicted to run dry before a later chunk
-    arrives (None: no round measured yet). Times count from the first chunk's arrival."""
+    arrives (None: no round measured yet). Times count from the first chunk's arrival;
+    `later_round_s` is the least a later chunk's round takes (`SecondRounds`)."""
     r0 = round_s(0, first)
     if r0 is None:
         return None
@@ -213,7 +242,7 @@ def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn,
         generated += hop
         ready = generated * step_s - r0  # the LM went on while the first chunk was made
         rnd = round_s(offset, hop)
-        done = max(ready, done) + (r0 if rnd is None else rnd)
+        done = max(ready, done) + max(r0 if rnd is None else rnd, later_round_s or 0.0)
         if (1.0 + margin) * done > played / speed:
             return True
         played += hop * TOKEN_S
@@ -221,12 +250,12 @@ def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn,
 
 
 def plan_first_hop(schedule: ChunkSchedule, limit: int, step_s: float, round_s: RoundFn, holdback_s: float,
-                   speed: float = 1.0, margin: float = 0.25) -> int:
+                   speed: float = 1.0, margin: float = 0.25, later_round_s: float | None = None) -> int:
     """The smallest first hop in [schedule.initial_hop, limit] predicted to play without a
     stall; `limit` when none is; `initial_hop` when nothing was measured yet."""
     low = schedule.initial_hop
     for hop in range(low, max(low, limit) + 1):
-        verdict = stalls(schedule, hop, step_s, round_s, holdback_s, speed, margin)
+        verdict = stalls(schedule, hop, step_s, round_s, holdback_s, speed, margin, later_round_s)
         if verdict is None:
             return low
         if not verdict:
@@ -237,7 +266,8 @@ def plan_first_hop(schedule: ChunkSchedule, limit: int, step_s: float, round_s: 
 @dataclass(frozen=True)
 class PlanInputs:
     """What one first-chunk decision went on: the LM's seconds per token, and the predicted
-    rounds of the chosen first chunk and of the chunk after it (None: not measured yet)."""
+    rounds of the chosen first chunk and of the chunk after it (at least `SecondRounds`'
+    floor; None: not measured yet)."""
 
     hop: int
     step_s: float
@@ -270,6 +300,8 @@ class FirstChunkPlanner:
     # utterances' second chunks had their tokens within 10 ms of their round with 18.
     lm_steps: LMSteps = field(default_factory=LMSteps)
     opening_lm_steps: LMSteps = field(default_factory=LMSteps)
+    second_rounds: SecondRounds = field(default_factory=SecondRounds)
+    learn_second_rounds: bool = True  # EngineConfig.first_chunk_second_rounds
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
@@ -283,20 +315,28 @@ class FirstChunkPlanner:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "opening_rate": self.opening_rate,
-                "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()}}
+                "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
+                "second_rounds": self.second_rounds.snapshot()}
 
     def learn_lm_step(self, streams: float, step_s: float, opening: bool) -> None:
         """An utterance (its session's first: `opening`) decoded at `step_s` seconds a token
         past its first tokens, with `streams` utterances decoding."""
         (self.opening_lm_steps if opening else self.lm_steps).observe(streams, step_s)
 
+    def learn_second_round(self, staged: int, seconds: float) -> None:
+        """A second chunk queued with `staged` utterances on its stage had its audio
+        `seconds` after its turn (`SecondRounds`)."""
+        if self.learn_second_rounds:
+            self.second_rounds.observe(staged, seconds)
+
     def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float,
-                  opening: bool = False, streams: int | None = None) -> int:
+                  opening: bool = False, streams: int | None = None, staged: int | None = None) -> int:
         """The first chunk's hop for an utterance whose LM gave it a token every `step_s`
         so far; with `streams` (the utterances decoding now) the rate learnt for that many
         (from utterances that were, or were not, their session's first like this one) is
         taken when it is slower, or for a session's first utterance always with
-        `opening_rate` "learnt"."""
+        `opening_rate` "learnt"; with `staged` (the utterances on its stage) later rounds
+        take at least what second chunks took lately with as many."""
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
@@ -307,9 +347,13 @@ class FirstChunkPlanner:
                 step_s = learnt
             else:
                 step_s = max(step_s, learnt or 0.0)
-        hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin)
+        later = self.second_rounds.predict(staged) if staged is not None else None
+        hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin, later)
         after = chunks_ahead(schedule, hop)[0]
-        self.last = PlanInputs(hop, step_s, round_s(0, hop), round_s(*after), own)
+        second = round_s(*after)
+        if second is not None and later is not None:
+            second = max(second, later)
+        self.last = PlanInputs(hop, step_s, round_s(0, hop), second, own)
         if opening:
             self.last_opening = self.last
         return hop

@@ -7,7 +7,7 @@ utterances when its vocoder stream is created, and all of its chunks run there (
 vocoder's per-utterance state lives on that stage's device). The LM backend is shared.
 
 `StagePool` offers what `Engine` uses of an `AudioStage`: `new_stream`, `submit`, `run`,
-`round_estimate`, `expect_first_chunk`, `drop_cancelled`, `pending_for`, `stats`,
+`round_estimate`, `live_utterances`, `expect_first_chunk`, `drop_cancelled`, `pending_for`, `stats`,
 `warm_graphs`, `warm_prompt`, `start`, `started`, `close`.
 """
 
@@ -49,6 +49,14 @@ class StagePool:
     def load(self) -> list[int]:
         """Live utterances per stage."""
         return [s.live_utterances() for s in self.stages]
+
+    def live_utterances(self, stream: object | None = None) -> int:
+        """Live utterances on the stage `stream` is bound to (None: on all of them)."""
+        if stream is None:
+            return sum(self.load())
+        if not isinstance(stream, PooledStream):
+            raise TypeError("stream must come from StagePool.new_stream()")
+        return self.stages[stream.stage_index].live_utterances()
 
     def new_stream(self) -> PooledStream:
         loads = self.load()

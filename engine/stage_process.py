@@ -191,7 +191,7 @@ class RemoteStage:
         self._tell(("stream", stream.sid))
         return stream
 
-    def live_utterances(self) -> int:
+    def live_utterances(self, stream: object | None = None) -> int:
         return len(self._live)
 
     def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:

@@ -369,8 +369,9 @@ class AudioStage:
         `first_chunk_hold_share` is set. Its `submit` clears it."""
         self._coming[stream] = _Expected(due, round_s or 0.0)
 
-    def live_utterances(self) -> int:
-        """Utterances in progress here (their vocoder streams still exist)."""
+    def live_utterances(self, stream: object | None = None) -> int:
+        """Utterances in progress here (their vocoder streams still exist); `stream` is for
+        `StagePool`'s interface (the stage it is bound to)."""
         return len(self._live)
 
     def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:

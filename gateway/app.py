@@ -66,6 +66,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         initial_hop_max=e.initial_hop_max,
         first_chunk_margin=e.first_chunk_margin,
         first_chunk_opening_rate=e.first_chunk_opening_rate,  # type: ignore[arg-type]
+        first_chunk_second_rounds=e.first_chunk_second_rounds,
         first_chunk_hold_ms=e.first_chunk_hold_ms,
         first_chunk_hold_share=e.first_chunk_hold_share,
         max_hop=e.max_hop,

@@ -50,6 +50,10 @@ class EngineSettings:
         default="slower", metadata=_help("the LM rate a session's first utterance is sized on: slower (of its own "
                                           "and the one learnt for as many decoding) or learnt (that one alone, "
                                           "where there is one)"))
+    first_chunk_second_rounds: bool = field(
+        default=True, metadata=_help("plan a later chunk's flow/vocoder round no shorter than second chunks took "
+                                     "lately with as many utterances on the stage (false: the round estimate "
+                                     "alone)"))
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))

@@ -17,6 +17,7 @@ from engine.first_chunk import (
     LMSteps,
     PlanInputs,
     RoundTimes,
+    SecondRounds,
     chunks_ahead,
     monotone_fit,
     plan_first_hop,
@@ -183,6 +184,45 @@ def test_plan_light_and_heavy_load():
     assert plan_first_hop(s, 40, 0.02, lambda o, h: None, 0.16) == 15  # nothing measured yet
 
 
+def test_later_rounds_take_at_least_what_second_chunks_took():
+    """`later_round_s`: a later chunk's round is planned no shorter than it (the stage's wait
+    and mixed rounds under spread arrivals); shorter than every estimate, it changes nothing."""
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=6)
+    light = lambda offset, hop: 0.03  # noqa: E731  one-row rounds
+    alone = plan_first_hop(s, 40, 0.004, light, 0.16, margin=0.5)
+    assert alone == 6  # round 21's one session
+    assert plan_first_hop(s, 40, 0.004, light, 0.16, margin=0.5, later_round_s=0.02) == alone
+    # Round 22's 32 sessions over 16 s: second chunks took ~70 ms after their turn.
+    loaded = plan_first_hop(s, 40, 0.004, light, 0.16, margin=0.5, later_round_s=0.07)
+    assert loaded > alone
+    assert stalls(s, alone, 0.004, light, 0.16, margin=0.5, later_round_s=0.07)
+    assert not stalls(s, loaded, 0.004, light, 0.16, margin=0.5, later_round_s=0.07)
+
+
+def test_planner_floors_later_rounds_by_the_second_rounds_learnt_for_the_stage_load():
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=6)
+    light = lambda offset, hop: 0.03  # noqa: E731
+    p = FirstChunkPlanner(limit=40, margin=0.5)
+    p.observe(6, 1920, 24000, 1.0)  # the vocoder held 160 ms of a 6-token chunk back
+    alone = p.first_hop(s, 0.004, light, 1.0, staged=32)  # nothing learnt: the estimates alone
+    assert alone == 6
+    p.learn_second_round(1, 0.027)  # one utterance: its second chunk's own round
+    assert p.first_hop(s, 0.004, light, 1.0, staged=1) == alone
+    for seconds in (0.07, 0.06, 0.09):
+        p.learn_second_round(32, seconds)
+    assert isinstance(p.second_rounds, SecondRounds) and p.second_rounds.predict(40) == 0.07
+    loaded = p.first_hop(s, 0.004, light, 1.0, staged=40)
+    assert loaded == plan_first_hop(s, 40, 0.004, light, p.holdback_s, margin=0.5, later_round_s=0.07) > alone
+    assert p.last.second_round_s == 0.07  # the floor, above the 30-ms estimate
+    assert p.first_hop(s, 0.004, light, 1.0) == alone  # no stage load given: no floor
+    assert p.snapshot()["second_rounds"] == {"1": {"round_s": 0.027, "utterances": 1},
+                                             "32": {"round_s": 0.07, "utterances": 3}}
+    off = FirstChunkPlanner(limit=40, margin=0.5, learn_second_rounds=False)  # as up to round 21
+    off.observe(6, 1920, 24000, 1.0)
+    off.learn_second_round(32, 0.07)
+    assert off.first_hop(s, 0.004, light, 1.0, staged=40) == alone and not off.second_rounds.sizes
+
+
 def test_lm_steps_per_octave_of_utterances_never_faster_for_more():
     steps = LMSteps(window=3)
     assert steps.predict(1) is None
@@ -325,6 +365,36 @@ def test_engine_learns_the_lm_rate_from_utterances_past_their_first_tokens(tiny_
         assert list(steps.sizes) == [0]  # one utterance decoding: the first octave
         (seen,) = steps.sizes[0]  # once per utterance
         assert 0 < seen < 1.0
+
+
+def test_engine_learns_second_rounds_per_stage_load_and_plans_on_them(tiny_model_dir):
+    """Each utterance's second chunk is timed from its turn to its audio, keyed by the
+    utterances on its stage when it was queued; a first chunk is planned with that load."""
+    asked = []
+
+    async def fn(engine: Engine):
+        planner = engine.first_chunks
+        plan = planner.first_hop
+
+        def spy(*args, **kwargs):
+            asked.append(kwargs["staged"])
+            return plan(*args, **kwargs)
+
+        planner.first_hop = spy  # type: ignore[method-assign]
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        await s.submit("A sentence long enough for several chunks of speech here.")
+        await s.finish()
+        await collect(s)
+        return planner.second_rounds
+
+    rounds = run(tiny_model_dir, fn, initial_hop=5, initial_hop_max=40)
+    assert asked == [1]  # its own stream: one utterance on the stage
+    assert list(rounds.sizes) == [0]
+    # One second chunk: the warm-up's (one alone, thrice, then four together here) taught
+    # nothing, as their first ones may wait behind graph captures on a GPU.
+    (seen,) = rounds.sizes[0]
+    assert 0 < seen < 5.0
 
 
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
