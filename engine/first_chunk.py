@@ -208,8 +208,8 @@ class SecondRounds(OctaveMedians):
     over time a second chunk waits for the round in progress and rides with other
     utterances' long chunks, padded to the longest. On the H200 (round 22 of
     docs/benchmarks.md, 32 and 48 sessions starting over 16 s) second chunks were planned
-    on 30-39 ms rounds and took 70-112 (21-40 ms of it waiting), after 6-8-token first
-    chunks, and 9 and 7 sessions ran dry by 21-51 ms; with 10-token first chunks none did."""
+    on 30-39 ms rounds and took 70-112 (22-40 ms of it waiting), after 6-8-token first
+    chunks, and 9 and 7 sessions ran dry by 22-51 ms; with 10-token first chunks none did."""
 
     snapshot_key: ClassVar[str] = "round_s"
 
