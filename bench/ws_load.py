@@ -14,7 +14,9 @@ re-reads the whole prefix, prompt included, every chunk). `--url` measures a run
 Per level, N sessions connect (idle), then start together (or spread over `--ramp`
 seconds). Each opens one context with a registered 3-5 s voice, streams the paragraph
 as LLM-like word pieces at `--rate` pieces/s (0 = in one message), flushes, ends, and
-plays the audio on a virtual real-time clock (`bench.playback`).
+plays the audio on a virtual real-time clock (`bench.playback`). With `--register-at S`,
+S seconds into each level one more voice is registered over HTTP, as a user would while
+others are served (`registration`: how long the request took, what it answered).
 
 Reported per level (see `level_report`): first-audio latency from the moment a
 segment's text was complete (its last character sent, or the flush that closed it) to
@@ -145,19 +147,25 @@ def calibrated_tokens_per_text_token(text: str, n_text_tokens: int,
     return round(speech_tokens / n_text_tokens, 2)
 
 
-def prompt_wav() -> tuple[bytes, str]:
-    """The benchmark voice: the first 4.25 s (first sentence) of assets/default.wav."""
+def prompt_wav(whole: bool = False) -> tuple[bytes, str]:
+    """The benchmark voice: the first 4.25 s (first sentence) of assets/default.wav; with
+    `whole`, all of it (6.6 s: a cached prompt prefix of another graph width)."""
     from engine.wavio import read_wav
 
     pcm, sr = read_wav(ROOT / "assets" / "default.wav")
-    pcm = pcm[: int(PROMPT_SECONDS * sr)]
+    if whole:
+        return _wav_bytes(pcm, sr), (ROOT / "assets" / "default.txt").read_text().strip()
+    return _wav_bytes(pcm[: int(PROMPT_SECONDS * sr)], sr), PROMPT_TRANSCRIPT
+
+
+def _wav_bytes(pcm: np.ndarray, sr: int) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(sr)
         w.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue(), PROMPT_TRANSCRIPT
+    return buf.getvalue()
 
 
 # ---- the gateway ------------------------------------------------------------------------
@@ -195,6 +203,25 @@ async def ensure_voice(client: httpx.AsyncClient, voice_id: str) -> dict[str, An
         raise RuntimeError(f"voice registration failed: {resp.status_code} {resp.text}")
     return {"voice_id": voice_id, "prompt_seconds": PROMPT_SECONDS, "transcript": transcript,
             "registered": resp.status_code != 409}
+
+
+async def register_meanwhile(client: httpx.AsyncClient, at: float, voice_id: str) -> dict[str, Any]:
+    """At perf_counter `at`, register a voice the gateway has not seen (all of
+    assets/default.wav, a longer prompt than the sessions' voice), as a user would while
+    the level's sessions are served: how long the request took and what it answered.
+    A voice whose prompt needs flow graphs not captured yet captures them at registration,
+    on the stage every session's rounds run on."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    audio, transcript = prompt_wav(whole=True)
+    start = time.perf_counter()
+    try:
+        resp = await client.post("/v1/voices", data={"id": voice_id, "transcript": transcript},
+                                 files={"file": ("voice.wav", audio, "audio/wav")})
+        status: int | str = resp.status_code
+    except httpx.HTTPError as e:
+        status = type(e).__name__
+    return {"voice_id": voice_id, "at_s": round(start - at, 3) if start > at else 0.0,
+            "seconds": round(time.perf_counter() - start, 3), "status": status}
 
 
 # ---- one session ------------------------------------------------------------------------
@@ -471,6 +498,8 @@ class BenchContext:
     # Client processes the sessions are spread over (1 = this process): one event loop
     # timestamps every frame of its sessions, and hundreds of sessions would make it late.
     client_procs: int = 1
+    # Seconds into each level at which one more voice is registered (None: none).
+    register_at: float | None = None
 
 
 async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
@@ -605,7 +634,8 @@ def shard_plans(target: Target, n: int, ctx: BenchContext) -> list[ShardPlan]:
 async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]:
     plans = shard_plans(target, n, ctx)
     clients: ClientShard | ShardProcesses = ClientShard(plans[0]) if len(plans) == 1 else ShardProcesses(plans)
-    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client, \
+            httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=600) as registrar:
         before = await scrape(client)
         if target.pid is not None and M_RSS not in before:
             before[M_RSS] = float(rss_bytes(target.pid) or 0)
@@ -620,11 +650,16 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
         gpu = ctx.gpu if ctx.gpu is not None else contextlib.nullcontext()
         with gpu:
             t0 = time.perf_counter() + 0.05 + 0.05 * (len(plans) > 1)  # a pipe hop to every worker first
+            registering = None
+            if ctx.register_at is not None:
+                registering = asyncio.create_task(register_meanwhile(
+                    registrar, t0 + ctx.register_at, f"bench-registered-{n}-{os.getpid()}-{time.time_ns()}"))
             records, client_cpu = await clients.run(t0)
             ends = [r.audio[-1][0] for r in records if r.audio]
             wall = (max(ends) if ends else time.perf_counter()) - t0
         stop.set()
         await poller
+        registration = await registering if registering is not None else None
         after = await scrape(client)
         planner = await planner_state(client)
         # The gateway loop's figures cover idle scrape -> after scrape (handshakes excluded).
@@ -636,6 +671,8 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
     results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s) for r in records]
     report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
     report["server"]["planner"] = planner
+    if registration is not None:
+        report["registration"] = registration
     # The bench's own event loops timestamp every frame: when one is busy, its lateness
     # reads as the gateway's. Near 1.0 the level measured the client, not the server.
     busiest = max(client_cpu, default=0.0)
@@ -1035,7 +1072,8 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
               f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
-              f"passed over={lv['server'].get('first_chunk_passed_over')} gc={lv['server'].get('gc')}",
+              f"passed over={lv['server'].get('first_chunk_passed_over')} gc={lv['server'].get('gc')}"
+              + (f" registration={lv['registration']}" if "registration" in lv else ""),
               flush=True)
 
 
@@ -1083,6 +1121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-sessions", default=None, help="baseline levels (default: --sessions)")
     p.add_argument("--rate", type=float, default=30.0, help="text pieces per second per session (0 = all at once)")
     p.add_argument("--ramp", type=float, default=0.0, help="spread session starts over this many seconds")
+    p.add_argument("--register-at", type=float, default=None,
+                   help="register one more voice (a longer prompt) this many seconds into each level")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--text-file", type=Path, default=None)
     p.add_argument("--text-mode", choices=("segment", "stream"), default="segment")
@@ -1150,7 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        args.prebuffer_ms / 1e3, None, peak, gpu if gpu and gpu.available else None,
                        kv_tokens_per_session(count, text, tptt) if count else None,
                        resolve_format(args.format, 24000 if args.format == "pcm_s16le" else None),
-                       max(1, args.client_procs))
+                       max(1, args.client_procs), args.register_at)
     levels = parse_levels(args.sessions)
     base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
 
@@ -1159,7 +1199,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "model": args.model, "model_dir": str(model_dir) if model_dir else None,
             "gateway_flags": gateway_flags, "baseline_flags": list(BASELINE_FLAGS) if args.baseline else None,
             "url": args.url, "sessions": levels, "baseline_sessions": base_levels if args.baseline else None,
-            "rate_tokens_per_s": args.rate, "ramp_s": args.ramp, "text_mode": args.text_mode,
+            "rate_tokens_per_s": args.rate, "ramp_s": args.ramp, "register_at_s": args.register_at,
+            "text_mode": args.text_mode,
             "text": text, "text_chars": len(text), "text_pieces": len(pieces), "text_tokens": n_text,
             # With --url the running gateway's own setting applies; this is what it should be.
             "tokens_per_text_token": tptt,

@@ -391,10 +391,11 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert len(root.findall(f"{SVG}circle")) == 4  # product/baseline x p50/p95
 
 
-def test_sessions_spread_over_client_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sessions_spread_over_client_processes_and_a_voice_registered_meanwhile(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
     report = main([
         "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
-        "--sessions", "3", "--client-procs", "2", "--rate", "0", "--no-warm", "--no-flops",
+        "--sessions", "3", "--client-procs", "2", "--rate", "0", "--no-warm", "--no-flops", "--register-at", "0",
         "--text", "Hello there. How are you?", "--json", str(tmp_path / "load.json"),
         "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
         "--engine.text-normalization", "false",
@@ -405,6 +406,10 @@ def test_sessions_spread_over_client_processes(tiny_model_dir: Path, tmp_path: P
     assert lv["client_procs"] == 2 and lv["completed"] == 3 and lv["errors"] == 0, lv
     assert lv["first_audio_ms"]["n"] == 3 and lv["segment_first_audio_ms"]["n"] >= 6
     assert lv["audio_s"] > 0 and lv["underruns"] >= 0 and 0 < lv["client_loop_busy_share"] <= 1.05
+    # One more voice, registered while the sessions ran: a new voice, created.
+    reg = lv["registration"]
+    assert reg["status"] == 201 and reg["seconds"] > 0 and reg["voice_id"].startswith("bench-registered-3-"), reg
+    assert report["settings"]["register_at_s"] == 0
 
 
 def test_the_context_cache_through_a_gateway(tiny_model_dir: Path, tmp_path: Path) -> None:
