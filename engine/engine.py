@@ -71,6 +71,13 @@ STEP_FROM = 8
 WARMUP_SPEECH_TOKENS = 100
 CPU_WARMUP_CONCURRENCY = 4  # EngineConfig.warmup_concurrency None on the CPU
 WARMUP_VOICE_ID = "__warmup__"  # the voice the engine warms up with before it is ready
+# Its prompt's length. The flow graphs captured at start serve every voice whose cached
+# prompt prefix pads to the same width (`GraphPolicy.prefix_multiple`, 100 frames); a voice
+# of another width captures its own (~90) at registration, one stage job each, while the
+# stage serves. 4.25 s (a 200-frame prefix) is the middle of the 3-5 s prompts voices are
+# registered with, and the load benchmark's voice: on the H200 its registration took 47-76 s
+# after a warm-up with a 3-s prompt (100 frames; round 22 of docs/benchmarks.md).
+WARMUP_PROMPT_SECONDS = 4.25
 
 
 async def _next_handed(handed: asyncio.Queue[_Queued], producer: asyncio.Task) -> _Queued | None:
@@ -556,7 +563,7 @@ class Engine:
     async def _warmup_voice(self) -> VoicePrompt:
         """The warm-up voice; preparing it compiles the flow and captures its graphs."""
         sr = self.sample_rate
-        t = np.arange(int(3.0 * sr)) / sr
+        t = np.arange(int(WARMUP_PROMPT_SECONDS * sr)) / sr
         wav = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
         return await self.prepare_voice(WARMUP_VOICE_ID, wav, sr, "Warm up.")
 
