@@ -22,7 +22,8 @@ stage) and the LM times (a faster LM): how much faster each has to be for a targ
 
 A model, not a measurement: waits for the stage (rounds that pass first chunks over, the
 hold) are left out, so the measured p50 lies above it. Its use is the lower bound and the
-what-ifs.
+what-ifs. The planner's choice also takes what second chunks took (`SecondRounds`, where
+the gateway learnt it and its flags keep it on) as the least a later round lasts.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 from engine.chunking import ChunkSchedule, chunk_frames
 from engine.config import EngineConfig
 from engine.engine import graph_policy
-from engine.first_chunk import TOKEN_S, RoundTimes, plan_first_hop, stalls
+from engine.first_chunk import TOKEN_S, RoundTimes, SecondRounds, plan_first_hop, stalls
 from engine.flow_prompt_cache import cacheable_frames
 from engine.token2wav import estimate_round
 from gateway.app import engine_config
@@ -64,6 +65,9 @@ class Level:
     measured_hop: float
     config: EngineConfig
     prompt_tokens: int
+    # The least a later chunk's round lasts in the planner's eyes (`SecondRounds` for the
+    # level's sessions), None where nothing was learnt or the run turned it off.
+    second_round_s: float | None = None
 
 
 def rounds_from_snapshot(points: list[dict[str, float]]) -> RoundTimes:
@@ -74,6 +78,15 @@ def rounds_from_snapshot(points: list[dict[str, float]]) -> RoundTimes:
         for _ in range(int(p["batches"])):
             rounds.observe(int(p["work"]), float(p["wall_s"]))
     return rounds
+
+
+def second_rounds_from_snapshot(octaves: dict[str, dict[str, float]]) -> SecondRounds:
+    """A `SecondRounds` that predicts as the snapshotted one did (its octaves' medians)."""
+    table = SecondRounds()
+    for streams, seen in octaves.items():
+        for _ in range(int(seen["utterances"])):
+            table.observe(int(streams), float(seen["round_s"]))
+    return table
 
 
 def load_level(path: Path, index: int) -> Level:
@@ -94,6 +107,9 @@ def load_level(path: Path, index: int) -> Level:
     opening = level["opening_chunk_phases_ms"]
     hop = float(opening["tokens"])
     prompt_s = float(settings_doc.get("voice", {}).get("prompt_seconds", 4.25))
+    learnt = planner.get("second_rounds")
+    second = (second_rounds_from_snapshot(learnt).predict(int(level["sessions"]))
+              if learnt and config.first_chunk_second_rounds else None)
     return Level(
         sessions=int(level["sessions"]), rounds=rounds_from_snapshot(planner["round_times"]),
         holdback_s=float(planner["holdback_s"]), margin=float(planner["margin"]),
@@ -101,7 +117,7 @@ def load_level(path: Path, index: int) -> Level:
         open_step_s=opening["lm_decode"] / 1e3 / max(1.0, hop + LOOKAHEAD - 1),
         later_step_s=level["lm_server_ms"]["decode_per_token"] / 1e3,
         measured_p50_ms=float(level["first_audio_ms"]["p50"]), measured_hop=hop, config=config,
-        prompt_tokens=round(prompt_s / TOKEN_S))
+        prompt_tokens=round(prompt_s / TOKEN_S), second_round_s=second)
 
 
 def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> dict[str, Any]:
@@ -118,15 +134,18 @@ def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> 
 
     schedule = ChunkSchedule(prompt_tokens=P, initial_hop=cfg.initial_hop, max_hop=cfg.max_hop, lookahead=LOOKAHEAD)
     later = level.later_step_s / lm_speedup
+    floor_s = None if level.second_round_s is None else level.second_round_s / stage_speedup
     rows = []
     for hop in range(cfg.initial_hop, cfg.initial_hop_max + 1):
         first_round = round_s(0, hop) or 0.0
         audio = level.first_token_s / lm_speedup + (hop + LOOKAHEAD - 1) * level.open_step_s / lm_speedup + first_round
         rows.append({"hop": hop, "first_audio_ms": round(audio * 1e3, 1), "round_ms": round(first_round * 1e3, 1),
                      "plays_through": stalls(schedule, hop, later, round_s, level.holdback_s, margin=0.0) is False,
-                     "with_margin": stalls(schedule, hop, later, round_s, level.holdback_s, margin=level.margin) is False})
+                     "with_margin": stalls(schedule, hop, later, round_s, level.holdback_s, margin=level.margin,
+                                           later_round_s=floor_s) is False})
     through = [r for r in rows if r["plays_through"]]
-    chosen = plan_first_hop(schedule, cfg.initial_hop_max, later, round_s, level.holdback_s, margin=level.margin)
+    chosen = plan_first_hop(schedule, cfg.initial_hop_max, later, round_s, level.holdback_s, margin=level.margin,
+                            later_round_s=floor_s)
     return {"stage_speedup": stage_speedup, "lm_speedup": lm_speedup, "rows": rows,
             "floor": min(through, key=lambda r: r["first_audio_ms"]) if through else None,
             "planner": next(r for r in rows if r["hop"] == chosen)}

@@ -10,7 +10,8 @@ import pytest
 from bench.first_audio_floor import LOOKAHEAD, main
 
 
-def _write_level(path: Path, wall_per_work_s: float, flags: list[str] | None = None) -> Path:
+def _write_level(path: Path, wall_per_work_s: float, flags: list[str] | None = None,
+                 second_rounds: dict[str, dict[str, float]] | None = None) -> Path:
     """A `bench.ws_load` JSON with one 64-session level whose rounds take 20 ms plus
     `wall_per_work_s` per row x frame, at the sizes a burst meets."""
     rounds = [{"work": w, "wall_s": 0.02 + wall_per_work_s * w, "batches": 7, "predicted_s": 0.0}
@@ -20,6 +21,8 @@ def _write_level(path: Path, wall_per_work_s: float, flags: list[str] | None = N
              "opening_chunk_phases_ms": {"lm_first_token": 50.0, "lm_decode": 180.0, "tokens": 16.0},
              "lm_server_ms": {"decode_per_token": 13.0},
              "server": {"planner": {"holdback_s": 0.16, "margin": 0.5, "round_times": rounds}}}
+    if second_rounds is not None:
+        level["server"]["planner"]["second_rounds"] = second_rounds
     path.write_text(json.dumps({"settings": repr(settings), "results": {"product": [level]}}))
     return path
 
@@ -60,6 +63,18 @@ def test_the_runs_frame_buckets_are_the_ones_planned_on(tmp_path: Path) -> None:
     at = {r["hop"]: r["round_ms"] for r in plain["rows"]}, {r["hop"]: r["round_ms"] for r in buckets["rows"]}
     assert abs(at[0][22] - (20 + 4e-2 * 64 * 100)) < 0.5
     assert abs(at[1][22] - (20 + 4e-2 * 64 * 60)) < 0.5
+
+
+def test_the_planners_choice_takes_the_learnt_second_rounds_the_floor_does_not(tmp_path: Path) -> None:
+    """A run that learnt long second chunks (waits included) has the planner's choice
+    planned on them, unless its flags turned them off; the floor (no waits) is unchanged."""
+    learnt = {"32": {"round_s": 0.9, "utterances": 5}}
+    plain, slow, off = (main([str(_write_level(tmp_path / name, 4e-5, flags, rounds)), "--level", "0",
+                              "--stage-speedup", "1", "--lm-speedup", "1"])["results"][0]
+                        for name, flags, rounds in (("a.json", None, None), ("b.json", None, learnt),
+                                                    ("c.json", ["--engine.first-chunk-second-rounds", "false"], learnt)))
+    assert slow["planner"]["hop"] > plain["planner"]["hop"] == off["planner"]["hop"]
+    assert slow["floor"] == plain["floor"] == off["floor"]
 
 
 def test_a_level_without_the_planner_snapshot_is_refused_plainly(tmp_path: Path) -> None:
