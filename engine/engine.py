@@ -1278,8 +1278,8 @@ class Session:
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
                     eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
-            if item.index == 1 and self.voice.voice_id != WARMUP_VOICE_ID:
-                # Not the warm-up's: its first syntheses may wait behind graph captures (seconds).
+            if item.index == 1 and eng.ready:
+                # Not from the warm-up: its first syntheses may wait behind graph captures (seconds).
                 eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))
             if item.index == 1 and utt.arrivals is not None:
                 self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
