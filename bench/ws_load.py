@@ -16,7 +16,9 @@ seconds). Each opens one context with a registered 3-5 s voice, streams the para
 as LLM-like word pieces at `--rate` pieces/s (0 = in one message), flushes, ends, and
 plays the audio on a virtual real-time clock (`bench.playback`). With `--register-at S`,
 S seconds into each level one more voice is registered over HTTP, as a user would while
-others are served (`registration`: how long the request took, what it answered).
+others are served (`registration`: how long the request took, what it answered). Per level,
+`sessions_playing_at_once` is the most sessions whose audio played at the same moment (all
+of them in a burst, or over a ramp shorter than a session's audio).
 
 Reported per level (see `level_report`): first-audio latency from the moment a
 segment's text was complete (its last character sent, or the flush that closed it) to
@@ -263,6 +265,19 @@ class SessionResult:
     underrun_at_s: tuple[float, ...] = ()  # audio of its segment played when each underrun began
     underrun_segment: tuple[int, ...] = ()  # the segment of each underrun
     underrun_since_start_s: tuple[float, ...] = ()  # when each began, after playback started
+    playing: tuple[float, float] | None = None  # its playback's start and end (client clock)
+
+
+def playing_at_once(results: Sequence[SessionResult]) -> int:
+    """The most sessions whose audio played at the same moment: with starts spread over a
+    ramp shorter than a session's audio, all of them; a longer ramp, fewer."""
+    edges = sorted((t, step) for r in results if r.playing is not None
+                   for t, step in ((r.playing[0], 1), (r.playing[1], -1)))  # an end before a start at one t
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0) -> SessionResult:
@@ -285,7 +300,9 @@ def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: flo
     gen = rec.audio[-1][0] - rec.sends[0][0] if rec.audio and rec.sends else None
     return SessionResult(rec.completed, tuple(rec.errors), first, tuple(lat), pb.gaps_s, pb.underruns,
                          pb.underrun_s, pb.text_wait_s, pb.audio_s, gen, pb.underrun_at_s, pb.underrun_segment,
-                         pb.underrun_since_start_s)
+                         pb.underrun_since_start_s,
+                         (pb.play_start, pb.play_end) if pb.play_start is not None and pb.play_end is not None
+                         else None)
 
 
 class WsSession:
@@ -830,6 +847,7 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "underruns": sum(r.underruns for r in results),
         "underrun_ms": round(sum(r.underrun_s for r in results) * 1e3, 3),
         "sessions_with_underrun": sum(1 for r in results if r.underruns),
+        "sessions_playing_at_once": playing_at_once(results),
         # Where the underruns began: ms of their segment's audio already played (0: the
         # segment's first chunk came late; small: its next chunk after a start; seconds: a
         # stage falling behind).
@@ -1063,6 +1081,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
         on_level()
         fa = lv["first_audio_ms"]
         print(f"[{target.name}] sessions={n} completed={lv['completed']} errors={lv['errors']} "
+              f"playing at once={lv['sessions_playing_at_once']} "
               f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} "
               f"(at audio ms p10/p50/p90 {[lv['underrun_at_audio_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
               f"after start ms {[lv['underrun_since_start_ms'][q] for q in ('p10', 'p50', 'p90')]}, "

@@ -22,12 +22,14 @@ from bench.ws_load import (
     GpuSampler,
     SegmentSeen,
     SessionRecord,
+    SessionResult,
     analyse,
     calibrated_tokens_per_text_token,
     chunk_phases,
     compare,
     largest_clean_level,
     lm_server_ms,
+    playing_at_once,
     repeats,
     table,
     main,
@@ -165,6 +167,20 @@ def test_analyse_session_record() -> None:
                                  audio=[(0.1, 2400, 0), (0.5, 2400, 0)]), sample_rate=24000)
     assert late.underruns == 1 and late.underrun_s == pytest.approx(0.3)
     assert not late.completed
+    # Playback from the first chunk to the last sample: 10.8 + 2.5 s; the late one stalls 0.3 s.
+    assert res.playing == pytest.approx((10.8, 13.3)) and late.playing == pytest.approx((0.1, 0.6))
+
+
+def test_sessions_playing_at_once_is_the_most_overlapping_playbacks() -> None:
+    def played(start: float, end: float) -> SessionResult:
+        return SessionResult(True, (), 0.1, (), (), 0, 0.0, 0.0, end - start, None, playing=(start, end))
+
+    # A ramp: starts 0, 1, 2, 3 s, 2.5 s of audio each; the 4th starts after the 1st ended.
+    ramp = [played(t, t + 2.5) for t in (0.0, 1.0, 2.0, 3.0)]
+    assert playing_at_once(ramp) == 3
+    assert playing_at_once([played(0.0, 1.0), played(1.0, 2.0)]) == 1  # one ends as the next starts
+    assert playing_at_once(ramp + [SessionResult(False, ("x",), None, (), (), 0, 0.0, 0.0, 0.0, None)]) == 3
+    assert playing_at_once([]) == 0
 
 
 def _level(n: int, p50: float, p95: float, rtf: float, underruns: int = 0, completed: int | None = None) -> dict:
@@ -407,6 +423,7 @@ def test_sessions_spread_over_client_processes_and_a_voice_registered_meanwhile(
     assert lv["first_audio_ms"]["n"] == 3 and lv["segment_first_audio_ms"]["n"] >= 6
     assert lv["audio_s"] > 0 and lv["underruns"] >= 0 and 0 < lv["client_loop_busy_share"] <= 1.05
     # One more voice, registered while the sessions ran: a new voice, created.
+    assert 1 <= lv["sessions_playing_at_once"] <= 3
     reg = lv["registration"]
     assert reg["status"] == 201 and reg["seconds"] > 0 and reg["voice_id"].startswith("bench-registered-3-"), reg
     assert report["settings"]["register_at_s"] == 0
