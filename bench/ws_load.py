@@ -92,6 +92,9 @@ DEFAULT_TEXT = (
     "message, or is there anything else I can help you with today?"
 )
 VOICE_ID = "bench-voice"
+# A registration captures the voice's flow graphs when its prompt width is new (~1 min on
+# the H200): the client waits this long for one.
+REGISTRATION_TIMEOUT_S = 600.0
 
 # /metrics series the report reads (the engine's counters and gauges, gateway RSS).
 M_LM = "cosyvoice_engine_lm_tokens_total"
@@ -207,13 +210,13 @@ async def ensure_voice(client: httpx.AsyncClient, voice_id: str) -> dict[str, An
             "registered": resp.status_code != 409}
 
 
-async def register_meanwhile(client: httpx.AsyncClient, at: float, voice_id: str) -> dict[str, Any]:
-    """At perf_counter `at`, register a voice the gateway has not seen (all of
+async def register_meanwhile(client: httpx.AsyncClient, t0: float, after_s: float, voice_id: str) -> dict[str, Any]:
+    """`after_s` seconds after perf_counter `t0` (the level's start), register a voice the gateway has not seen (all of
     assets/default.wav, a longer prompt than the sessions' voice), as a user would while
     the level's sessions are served: how long the request took and what it answered.
     A voice whose prompt needs flow graphs not captured yet captures them at registration,
     on the stage every session's rounds run on."""
-    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    await asyncio.sleep(max(0.0, t0 + after_s - time.perf_counter()))
     audio, transcript = prompt_wav(whole=True)
     start = time.perf_counter()
     try:
@@ -222,7 +225,7 @@ async def register_meanwhile(client: httpx.AsyncClient, at: float, voice_id: str
         status: int | str = resp.status_code
     except httpx.HTTPError as e:
         status = type(e).__name__
-    return {"voice_id": voice_id, "at_s": round(start - at, 3) if start > at else 0.0,
+    return {"voice_id": voice_id, "at_s": round(start - t0, 3),  # into the level, as it came
             "seconds": round(time.perf_counter() - start, 3), "status": status}
 
 
@@ -652,7 +655,8 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
     plans = shard_plans(target, n, ctx)
     clients: ClientShard | ShardProcesses = ClientShard(plans[0]) if len(plans) == 1 else ShardProcesses(plans)
     async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client, \
-            httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=600) as registrar:
+            httpx.AsyncClient(base_url=target.url, headers=target.headers,
+                              timeout=REGISTRATION_TIMEOUT_S) as registrar:
         before = await scrape(client)
         if target.pid is not None and M_RSS not in before:
             before[M_RSS] = float(rss_bytes(target.pid) or 0)
@@ -670,7 +674,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]
             registering = None
             if ctx.register_at is not None:
                 registering = asyncio.create_task(register_meanwhile(
-                    registrar, t0 + ctx.register_at, f"bench-registered-{n}-{os.getpid()}-{time.time_ns()}"))
+                    registrar, t0, ctx.register_at, f"bench-registered-{n}-{os.getpid()}-{time.time_ns()}"))
             records, client_cpu = await clients.run(t0)
             ends = [r.audio[-1][0] for r in records if r.audio]
             wall = (max(ends) if ends else time.perf_counter()) - t0
@@ -1064,7 +1068,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
     registration (it captures the voice's flow graphs), in seconds."""
     # A registration captures the voice's flow graphs: 40-130 s on the H200 (round 11 timed
     # out at 120 s with the context cache's ring graphs).
-    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=REGISTRATION_TIMEOUT_S) as client:
         t0 = time.perf_counter()
         await ensure_voice(client, ctx.voice_id)
         if start is not None:

@@ -426,6 +426,7 @@ def test_sessions_spread_over_client_processes_and_a_voice_registered_meanwhile(
     assert 1 <= lv["sessions_playing_at_once"] <= 3
     reg = lv["registration"]
     assert reg["status"] == 201 and reg["seconds"] > 0 and reg["voice_id"].startswith("bench-registered-3-"), reg
+    assert 0 <= reg["at_s"] < lv["wall_s"] + 1, reg  # asked for at the level's start
     assert report["settings"]["register_at_s"] == 0
 
 
