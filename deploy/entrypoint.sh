@@ -38,11 +38,17 @@ trap 'signalled=1; [ -z "$gateway" ] || kill -TERM "$gateway" 2>/dev/null || tru
 cosyvoice-gateway "$@" &
 gateway=$!
 [ -z "$signalled" ] || kill -TERM "$gateway" 2>/dev/null || true
-# `wait` returns early when a trapped signal arrives: wait again until the gateway is gone.
+# `wait` returns early (128 + the signal) when a trapped signal arrives: wait again until the
+# gateway is gone. The shell can reap the gateway within the interrupted wait (a test run once
+# exited 143 after the gateway's clean 0), so after such a return one more wait asks the
+# shell for the status it kept (dash and bash keep it; 127: it kept none).
 status=0
 while :; do
   wait "$gateway" && status=0 || status=$?
   kill -0 "$gateway" 2>/dev/null || break
 done
+if [ -n "$signalled" ] && [ "$status" -gt 128 ]; then
+  wait "$gateway" 2>/dev/null && status=0 || { again=$?; [ "$again" = 127 ] || status=$again; }
+fi
 echo quit | nvidia-cuda-mps-control || echo "the NVIDIA MPS daemon did not take quit" >&2
 exit "$status"

@@ -22,13 +22,14 @@ read -r command
 echo "control $command" >> "$LOG"
 """
 
-# FAKE_GW: "exit N" ends at once with N; "serve" says ready and runs until SIGTERM.
+# FAKE_GW: "exit N" ends at once with N; "serve" says ready and runs until SIGTERM, then
+# exits 0; "serve-hard" the same, but SIGTERM kills it.
 FAKE_GATEWAY = """#!/bin/sh
 echo "gateway $* pipe=${CUDA_MPS_PIPE_DIRECTORY:-none}" >> "$LOG"
 case "$FAKE_GW" in
   exit*) exit "${FAKE_GW#exit }" ;;
+  serve) trap 'echo "gateway term" >> "$LOG"; exit 0' TERM ;;
 esac
-trap 'echo "gateway term" >> "$LOG"; exit 0' TERM
 echo ready
 while :; do sleep 1 > /dev/null 2>&1 & wait $!; done
 """
@@ -81,8 +82,9 @@ def test_a_daemon_that_does_not_start_stops_the_container(env: dict[str, str]) -
     assert [line for line in log(env) if line.startswith("gateway")] == []  # not served without it
 
 
-def test_sigterm_reaches_the_gateway_and_then_the_daemon_quits(env: dict[str, str]) -> None:
-    proc = subprocess.Popen(["sh", str(ENTRYPOINT)], env=env | {"COSYVOICE_MPS": "1", "FAKE_GW": "serve"},
+def terminated(env: dict[str, str], gateway: str) -> int:
+    """The entrypoint's status after a SIGTERM sent once its gateway serves."""
+    proc = subprocess.Popen(["sh", str(ENTRYPOINT)], env=env | {"COSYVOICE_MPS": "1", "FAKE_GW": gateway},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"  # the gateway is serving
@@ -91,5 +93,14 @@ def test_sigterm_reaches_the_gateway_and_then_the_daemon_quits(env: dict[str, st
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0  # the gateway's status after draining
+    return proc.returncode
+
+
+def test_sigterm_reaches_the_gateway_and_then_the_daemon_quits(env: dict[str, str]) -> None:
+    assert terminated(env, "serve") == 0  # the gateway's status after draining, not the wait's 143
     assert log(env)[-2:] == ["gateway term", "control quit"]
+
+
+def test_a_gateway_killed_by_sigterm_gives_its_status(env: dict[str, str]) -> None:
+    assert terminated(env, "serve-hard") == 128 + signal.SIGTERM
+    assert log(env)[-1] == "control quit"
