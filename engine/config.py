@@ -30,7 +30,12 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     lm_backend: LMBackendName = "auto"  # auto = vllm on CUDA when importable, else torch
     # Chunk schedule in speech tokens (25 tokens = 1 s of audio).
-    initial_hop: int = 6  # first chunk after this many tokens (+ lookahead); 0 = official 25-grid start
+    # First chunk after this many tokens (+ lookahead); 0 = official 25-grid start. 10: on
+    # the H200 with sessions arriving over 16 s (rounds 22-23 of docs/benchmarks.md), every
+    # level with 6 had sessions run dry at their second chunk (2-9 of 32-64), one session
+    # had too (rounds 21-22), and no level of 32-96 sessions with 10 had one. It costs one
+    # session ~4 LM steps (~13 ms) of first audio.
+    initial_hop: int = 10
     # The first chunk takes more tokens, up to this many, when the load predicts that the
     # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
     # rate and the audio stage's round times, both measured). <= initial_hop, or
@@ -143,10 +148,12 @@ class EngineConfig:
     # Run a flow batch whose chunks differ much in length as up to three calls of similar
     # lengths (`engine.token2wav.split_by_length`): under staggered arrivals a batch mixes
     # first chunks (~50 frames) with later ones (~300) and a single call pads every row to
-    # the longest (H200, sessions spread over 5 s: 228-281 computed frames per chunk against
-    # 127-141 in a burst). Off by default: on the H200 (round 7, the same spread load) it
-    # cut the padded frames by 38-44% but not the stage's busy time.
-    flow_split_batches: bool = False
+    # the longest. On the H200 with 64 sessions arriving over 16 s (round 23 of
+    # docs/benchmarks.md) the stage computed 3.9x the frames played against 5.8x, and
+    # first audio p95 was 396 ms against 857 (RTF 0.21 against 0.30). A burst's batches,
+    # of chunks of one length, stay one call. (Round 7, before graphs and the stage's
+    # own process, found fewer padded frames but no less stage time.)
+    flow_split_batches: bool = True
     # A queued chunk shorter than the longest in its batch (its flow call, with split
     # batches) takes more of its utterance's already generated tokens, up to the length the
     # batch pads it to anyway, and at most max_hop tokens (whole 25-token blocks, or the

@@ -36,7 +36,7 @@ def _help(text: str) -> dict[str, str]:
 class EngineSettings:
     device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N"))
     lm_backend: str = field(default="auto", metadata=_help("LM backend: auto (vllm on GPU when installed), torch, vllm"))
-    initial_hop: int = field(default=6, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
+    initial_hop: int = field(default=10, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
     initial_hop_max: int = field(
         default=40,
         metadata=_help("the first chunk takes up to this many speech tokens when the measured load (LM rate, "
@@ -123,9 +123,10 @@ class EngineSettings:
                        "(exact; CosyVoice3)"),
     )
     flow_split_batches: bool = field(
-        default=False,
+        default=True,
         metadata=_help("run a flow batch whose chunks differ much in length as up to three calls of similar "
-                       "lengths (less padding under staggered arrivals; on the H200 it did not cut the stage's time)"),
+                       "lengths (less padding under staggered arrivals: on the H200, 64 sessions arriving over "
+                       "16 s got first audio p95 396 ms against 857 without it)"),
     )
     flow_fill_padding: bool = field(
         default=False,
