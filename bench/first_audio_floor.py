@@ -7,7 +7,7 @@ Takes one level of a `bench.ws_load` JSON: the stage's round times the gateway h
 its end (`server.planner.round_times`), the vocoder's holdback and the planner's margin, the
 sessions' opening LM timings (`opening_chunk_phases_ms`) and vLLM's rate over the level
 (`lm_server_ms.decode_per_token`), and the gateway's flags (graph buckets, hops, left
-context) as the run had them. For every first hop it asks the engine's own functions
+context) as the run had them, its first chunk's bounds from the planner's snapshot. For every first hop it asks the engine's own functions
 (`first_chunk.stalls`, `token2wav.estimate_round`, `chunking.chunk_frames`) whether a burst of
 that level's sessions would play through without running dry, and what its first audio
 would be:
@@ -32,7 +32,7 @@ import argparse
 import ast
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ from engine.token2wav import estimate_round
 from gateway.app import engine_config
 from gateway.settings import load_settings
 
+# The first chunk's floor (`initial_hop`) of runs whose planner snapshot does not carry it
+# (before round 23) and whose flags did not set it: the default then.
+LEGACY_INITIAL_HOP = 6
 TOKEN_MEL_RATIO = 2  # CosyVoice2 and 3: two mel frames per speech token
 LOOKAHEAD = 3  # the flow's pre_lookahead_len
 BLOCK = 50  # the DiT's attention block (static_chunk_size)
@@ -100,10 +103,14 @@ def load_level(path: Path, index: int) -> Level:
                          "since GET /debug/planner, round 21 of docs/benchmarks.md)")
     settings_doc = data["settings"]
     settings_doc = ast.literal_eval(settings_doc) if isinstance(settings_doc, str) else settings_doc
-    settings, _ = load_settings(["--model", settings_doc.get("model") or "full-random",
-                                 *settings_doc.get("gateway_flags", [])], environ={})
-    config = engine_config(settings, Path("."))
+    flags = settings_doc.get("gateway_flags", [])
+    settings, _ = load_settings(["--model", settings_doc.get("model") or "full-random", *flags], environ={})
     planner = level["server"]["planner"]
+    # The run's first-chunk bounds as its gateway had them, not this build's defaults.
+    first = planner.get("initial_hop", None if "--engine.initial-hop" in flags else LEGACY_INITIAL_HOP)
+    config = engine_config(settings, Path("."))
+    config = replace(config, initial_hop=int(first) if first is not None else config.initial_hop,
+                     initial_hop_max=int(planner.get("limit", config.initial_hop_max)))
     opening = level["opening_chunk_phases_ms"]
     hop = float(opening["tokens"])
     prompt_s = float(settings_doc.get("voice", {}).get("prompt_seconds", 4.25))

@@ -698,7 +698,8 @@ class Engine:
         """The first-chunk planner's learnt inputs (`FirstChunkPlanner.snapshot`) and the
         stage's round times (`RoundTimes.snapshot`): what sized the first chunks, beside
         what `stats` says they took."""
-        return self.first_chunks.snapshot() | {"round_times": self.stage.rounds.snapshot(),
+        return self.first_chunks.snapshot() | {"initial_hop": self.config.initial_hop,
+                                               "round_times": self.stage.rounds.snapshot(),
                                                "live_utterances": self.stage.live_utterances()}
 
     def stats(self) -> EngineStats:

@@ -11,7 +11,8 @@ from bench.first_audio_floor import LOOKAHEAD, main
 
 
 def _write_level(path: Path, wall_per_work_s: float, flags: list[str] | None = None,
-                 second_rounds: dict[str, dict[str, float]] | None = None) -> Path:
+                 second_rounds: dict[str, dict[str, float]] | None = None,
+                 bounds: dict[str, int] | None = None) -> Path:
     """A `bench.ws_load` JSON with one 64-session level whose rounds take 20 ms plus
     `wall_per_work_s` per row x frame, at the sizes a burst meets."""
     rounds = [{"work": w, "wall_s": 0.02 + wall_per_work_s * w, "batches": 7, "predicted_s": 0.0}
@@ -23,6 +24,7 @@ def _write_level(path: Path, wall_per_work_s: float, flags: list[str] | None = N
              "server": {"planner": {"holdback_s": 0.16, "margin": 0.5, "round_times": rounds}}}
     if second_rounds is not None:
         level["server"]["planner"]["second_rounds"] = second_rounds
+    level["server"]["planner"].update(bounds or {})
     path.write_text(json.dumps({"settings": repr(settings), "results": {"product": [level]}}))
     return path
 
@@ -86,3 +88,16 @@ def test_a_level_without_the_planner_snapshot_is_refused_plainly(tmp_path: Path)
     src.write_text(json.dumps(data))
     with pytest.raises(SystemExit, match="no server.planner"):
         main([str(src), "--level", "0"])
+
+
+def test_the_first_chunk_bounds_are_the_runs(tmp_path: Path) -> None:
+    """The hops replayed run from the run's own first-chunk floor to its limit: the planner's
+    snapshot says them since round 23; before, the flags or the default of then (6)."""
+    def hops(name: str, **kwargs: object) -> list[int]:
+        src = _write_level(tmp_path / f"{name}.json", 4e-5, **kwargs)  # type: ignore[arg-type]
+        (r,) = main([str(src), "--level", "0", "--stage-speedup", "1", "--lm-speedup", "1"])["results"]
+        return [row["hop"] for row in r["rows"]]
+
+    assert hops("old") == list(range(6, 41))
+    assert hops("flagged", flags=["--engine.initial-hop", "8"]) == list(range(8, 41))
+    assert hops("snapshot", bounds={"initial_hop": 10, "limit": 30}) == list(range(10, 31))

@@ -319,7 +319,8 @@ def test_debug_planner_shows_what_first_chunks_are_sized_on(server) -> None:
         resp = c.get("/debug/planner", headers=AUTH)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/json")
     state = resp.json()
-    assert set(state) >= {"round_times", "lm_steps", "holdback_s", "margin", "limit", "opening_rate", "live_utterances"}
+    assert set(state) >= {"round_times", "lm_steps", "holdback_s", "margin", "limit", "initial_hop", "opening_rate",
+                          "live_utterances"}
     rounds = state["round_times"]
     assert rounds and all(r["batches"] >= 1 and r["wall_s"] > 0 for r in rounds)  # the stage ran batches
     works = [r["work"] for r in rounds]
@@ -327,6 +328,7 @@ def test_debug_planner_shows_what_first_chunks_are_sized_on(server) -> None:
     assert works == sorted(works) and predicted == sorted(predicted)  # the curve never falls
     assert set(state["lm_steps"]) == {"opening", "later"}
     assert state["limit"] == srv.gw.engine.config.initial_hop_max
+    assert state["initial_hop"] == srv.gw.engine.config.initial_hop
 
 
 # --------------------------------------------------------------------------------------
