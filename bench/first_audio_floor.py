@@ -7,7 +7,8 @@ Takes one level of a `bench.ws_load` JSON: the stage's round times the gateway h
 its end (`server.planner.round_times`), the vocoder's holdback and the planner's margin, the
 sessions' opening LM timings (`opening_chunk_phases_ms`) and vLLM's rate over the level
 (`lm_server_ms.decode_per_token`), and the gateway's flags (graph buckets, hops, left
-context) as the run had them, its first chunk's bounds from the planner's snapshot. For every first hop it asks the engine's own functions
+context) as the run had them (its first chunk's bounds from the planner's snapshot). For
+every first hop it asks the engine's own functions
 (`first_chunk.stalls`, `token2wav.estimate_round`, `chunking.chunk_frames`) whether a burst of
 that level's sessions would play through without running dry, and what its first audio
 would be:
