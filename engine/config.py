@@ -34,7 +34,7 @@ class EngineConfig:
     # the H200 with sessions arriving over 16 s (rounds 22-23 of docs/benchmarks.md), every
     # level with 6 had sessions run dry at their second chunk (2-9 of 32-64), one session
     # had too (rounds 21-22), and no level of 32-96 sessions with 10 had one. It costs one
-    # session ~4 LM steps (~13 ms) of first audio.
+    # session ~4 LM steps (~13 ms, estimated) of first audio.
     initial_hop: int = 10
     # The first chunk takes more tokens, up to this many, when the load predicts that the
     # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
