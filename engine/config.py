@@ -32,7 +32,7 @@ class EngineConfig:
     # Chunk schedule in speech tokens (25 tokens = 1 s of audio).
     # First chunk after this many tokens (+ lookahead); 0 = official 25-grid start. 10: on
     # the H200 with sessions arriving over 16 s (rounds 22-23 of docs/benchmarks.md), every
-    # level with 6 had sessions run dry at their second chunk (2-9 of 32-64), one session
+    # level with 6 had sessions run dry at their second chunk (1-9 of 32-64), one session
     # had too (rounds 21-22), and no level of 32-96 sessions with 10 had one. It costs one
     # session ~4 LM steps (~13 ms, estimated) of first audio.
     initial_hop: int = 10
