@@ -154,6 +154,11 @@ class EngineConfig:
     # of chunks of one length, stay one call. (Round 7, before graphs and the stage's
     # own process, found fewer padded frames but no less stage time.)
     flow_split_batches: bool = True
+    # With flow graphs, price each candidate call at its graph bucket's padded shape (rows
+    # to the next row bucket, frames to the next multiple of 50) rather than its exact one
+    # (`engine.token2wav.call_work`): 33 rows of one length then run as 32 + 1, not padded
+    # to 64, and a split that only moves padding around is not taken.
+    flow_split_padded: bool = True
     # A queued chunk shorter than the longest in its batch (its flow call, with split
     # batches) takes more of its utterance's already generated tokens, up to the length the
     # batch pads it to anyway, and at most max_hop tokens (whole 25-token blocks, or the

@@ -369,6 +369,7 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           policy=config.stage_policy, window_tolerance=config.stage_window_tolerance,
                           prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
                           profiler=profiler, split_batches=config.flow_split_batches,
+                          split_padded=config.flow_split_padded,
                           vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
                           vocoder_graph_rows=config.vocoder_graph_rows,
                           context_cache_bytes=config.flow_context_cache_bytes,

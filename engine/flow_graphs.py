@@ -115,10 +115,13 @@ class GraphPolicy:
         """(padded rows, padded frames) for a batch, or None when no graph may serve it;
         `width`: the longest cached prompt prefix of its rows in frames (0 = none);
         `shared`: all rows have the same cached prefix (one voice)."""
+        padded_rows, padded_frames = self.padded_rows(rows, width, shared), self.padded_frames(frames)
+        return None if padded_rows is None or padded_frames is None else (padded_rows, padded_frames)
+
+    def padded_rows(self, rows: int, width: int = 0, shared: bool = False) -> int | None:
+        """The row bucket of a batch of `rows` (None: no graph for that many; `bucket`)."""
         fitting = [b for b in self.batch_buckets if b >= rows]
-        padded_frames = -(-frames // self.frame_multiple) * self.frame_multiple
-        padded_frames = min([b for b in self.frame_buckets if frames <= b < padded_frames], default=padded_frames)
-        if not fitting or rows < 1 or frames < 1 or padded_frames > self.max_frames:
+        if not fitting or rows < 1:
             return None
         padded_rows = min(fitting)
         if padded_rows > self.fill_free_rows and rows < self.min_fill * padded_rows:
@@ -126,7 +129,13 @@ class GraphPolicy:
         max_rows = self.shared_prefix_max_rows if shared else self.prefix_max_rows
         if width and (padded_rows > max_rows or self.prefix_bucket(width) > self.prefix_max_frames):
             return None
-        return padded_rows, padded_frames
+        return padded_rows
+
+    def padded_frames(self, frames: int) -> int | None:
+        """The frame bucket of a batch whose longest row has `frames` (None: too long; `bucket`)."""
+        padded = -(-frames // self.frame_multiple) * self.frame_multiple
+        padded = min([b for b in self.frame_buckets if frames <= b < padded], default=padded)
+        return None if frames < 1 or padded > self.max_frames else padded
 
 
 @dataclass

@@ -137,45 +137,75 @@ def deadline_batch(candidates: Sequence[BatchCandidate], max_batch: int, window_
 
 # `engine.flow_split_batches`: the fixed cost of one more flow call, in row-frames of ODE work
 # (the H200 stage bench: an eager batch from the prompt cache takes ~36 ms plus ~0.049 ms per
-# row x frame, so a call costs about as much as 730 row-frames).
+# row x frame, so a call costs about as much as 730 row-frames; a graph replay ~23 ms plus
+# ~0.03 ms per padded row x frame, about 770 of its row-frames: one constant serves both).
 SPLIT_CALL_COST = 730
 SPLIT_MAX_CALLS = 3
 
 
 def split_by_length(frames: Sequence[int], call_cost: float = SPLIT_CALL_COST,
-                    max_calls: int = SPLIT_MAX_CALLS) -> list[list[int]]:
+                    max_calls: int = SPLIT_MAX_CALLS,
+                    solved: Callable[[int, int], int] | None = None) -> list[list[int]]:
     """A flow batch's rows (their computed frames) as at most `max_calls` calls of similar
-    length, minimising sum over calls of (call_cost + rows x longest row): every call is
-    padded to its longest row, so one call over chunks of very different lengths computes
+    length, minimising sum over calls of (call_cost + solved(rows, longest row)): every call
+    is padded to its longest row, so one call over chunks of very different lengths computes
     mostly padding (under staggered arrivals, a first chunk of ~50 frames next to later
-    ones of ~300). Returns the calls (row indices, ascending) from shortest to longest; one
-    call holding every row when splitting does not pay."""
+    ones of ~300). `solved`: the row-frames a call of that shape runs (default rows x
+    longest; with CUDA graphs the padded bucket, `call_work`, under which 33 equal rows may
+    cost more as one call than as 32 + 1). Returns the calls (row indices, ascending) from
+    shortest to longest; one call holding every row when splitting does not pay."""
     if max_calls < 1:
         raise ValueError("max_calls must be at least 1")
-    lengths = sorted(set(frames))
-    count = [sum(1 for f in frames if f == x) for x in lengths]
-    m = len(lengths)
-    # best[k][j]: cheapest cover of the j shortest lengths with k calls; a call spans
-    # lengths [i, j) and costs call_cost + (its rows) x lengths[j - 1].
+    order = sorted(range(len(frames)), key=lambda r: (frames[r], r))
+    lengths = [frames[r] for r in order]
+    n = len(order)
+    # A call ends where the length changes or, with `solved` (padding), anywhere: splitting
+    # rows of one length pays only when rows are padded. Without it the search runs over
+    # the distinct lengths alone.
+    ends = [j for j in range(1, n + 1) if solved is not None or j == n or lengths[j] > lengths[j - 1]]
+    starts = [0] + ends[:-1]
+    work = solved or (lambda rows, longest: rows * longest)
+    # table[j][r]: the cost of one call of r rows ending at sorted row j (its longest).
+    by_length = {x: [0.0] + [call_cost + work(r, x) for r in range(1, n + 1)] for x in set(lengths)}
     inf = float("inf")
-    best = [[inf] * (m + 1) for _ in range(max_calls + 1)]
-    cut = [[0] * (m + 1) for _ in range(max_calls + 1)]
+    best = [[inf] * (n + 1) for _ in range(max_calls + 1)]  # best[k][j]: first j sorted rows in k calls
+    cut = [[0] * (n + 1) for _ in range(max_calls + 1)]
     best[0][0] = 0.0
     for k in range(1, max_calls + 1):
-        for j in range(1, m + 1):
-            rows = 0
-            for i in range(j - 1, -1, -1):
-                rows += count[i]
-                cost = best[k - 1][i] + call_cost + rows * lengths[j - 1]
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
-    calls = min(range(1, max_calls + 1), key=lambda k: (best[k][m], k))
-    bounds, j = [], m
+        prev, here, cuts = best[k - 1], best[k], cut[k]
+        for j in ends:
+            row = by_length[lengths[j - 1]]
+            for i in starts:
+                if i >= j:
+                    break
+                c = prev[i] + row[j - i]
+                if c < here[j]:
+                    here[j], cuts[j] = c, i
+    calls = min(range(1, max_calls + 1), key=lambda k: (best[k][n], k))
+    spans, j = [], n
     for k in range(calls, 0, -1):
         i = cut[k][j]
-        bounds.append((lengths[i], lengths[j - 1]))
+        spans.append(sorted(order[i:j]))
         j = i
-    return [[r for r, f in enumerate(frames) if lo <= f <= hi] for lo, hi in reversed(bounds)]
+    return spans[::-1]
+
+
+def call_work(policy: GraphPolicy, width: int, shared: bool) -> Callable[[int, int], int]:
+    """`split_by_length`'s `solved` for a stage with flow graphs: a call of (rows, frames)
+    runs its graph bucket's padded rows x frames when one serves it, else (eagerly) its
+    exact shape. `width`, `shared`: the batch's cached prompt prefix, as `GraphPolicy.bucket`
+    takes them (a part of the batch is priced as if it had the whole batch's)."""
+    rows_memo: dict[int, int | None] = {}
+    frames_memo: dict[int, int | None] = {}
+
+    def solved(rows: int, frames: int) -> int:
+        if rows not in rows_memo:
+            rows_memo[rows] = policy.padded_rows(rows, width, shared)
+        if frames not in frames_memo:
+            frames_memo[frames] = policy.padded_frames(frames)
+        padded_rows, padded_frames = rows_memo[rows], frames_memo[frames]
+        return rows * frames if padded_rows is None or padded_frames is None else padded_rows * padded_frames
+    return solved
 
 
 @dataclass
@@ -280,7 +310,7 @@ class AudioStage:
                  flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
-                 profiler: StageProfiler | None = None, split_batches: bool = False,
+                 profiler: StageProfiler | None = None, split_batches: bool = False, split_padded: bool = True,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
@@ -324,6 +354,7 @@ class AudioStage:
             estimator.compile_blocks()
         self.profiler = profiler  # engine.stage_profile_dir: a window of batches under torch.profiler
         self.split_batches = split_batches  # engine.flow_split_batches: see split_by_length
+        self.split_padded = split_padded  # engine.flow_split_padded: see _split_pricing
         self.fill_padding = fill_padding  # engine.flow_fill_padding: see _fill_padding
         self.hift = hift
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
@@ -503,7 +534,12 @@ class AudioStage:
                 return 0 if refused is not None and frames >= refused else frames
 
             measures.append([f - prefix(c) for f, c in zip(full, chunks)])
-        calls = split_by_length(measures[-1]) if self.split_batches else [list(range(len(chunks)))]
+        if self.split_batches:
+            width = max((f - m for f, m in zip(full, measures[-1])), default=0)
+            shared = all(c.prompt_feat is chunks[0].prompt_feat for c in chunks)  # one voice, as far as seen here
+            calls = split_by_length(measures[-1], solved=self._split_pricing(width, shared))
+        else:
+            calls = [list(range(len(chunks)))]
         rooms = [0] * len(chunks)
         ratio = self.flow.token_mel_ratio
         for rows in calls:
@@ -755,7 +791,13 @@ class AudioStage:
         if not self.split_batches or len(chunks) < 2:
             return [list(range(len(chunks)))]
         cached = [0] * len(chunks) if entries is None else [0 if e is None else e.frames for e in entries]
-        return split_by_length([self._window_frames(c) - k for c, k in zip(chunks, cached)])
+        solved = self._split_pricing(prefix_width(entries), shared_entry(entries) is not None)
+        return split_by_length([self._window_frames(c) - k for c, k in zip(chunks, cached)], solved=solved)
+
+    def _split_pricing(self, width: int, shared: bool) -> Callable[[int, int], int] | None:
+        """How `split_by_length` prices a call: at the graph bucket's padded shape when the
+        flow has graphs and `split_padded` is on (`call_work`), else at its exact shape."""
+        return call_work(self.graph_policy, width, shared) if self.split_padded and self.flow_cuda_graphs else None
 
     def _context_plan(self, chunks: list[FlowChunk], entries: list[PromptKV | None],
                       keys: list[object]) -> ContextPlan | None:

@@ -128,6 +128,11 @@ class EngineSettings:
                        "lengths (less padding under staggered arrivals: on the H200, 64 sessions arriving over "
                        "16 s got first audio p95 396 ms against 857 without it)"),
     )
+    flow_split_padded: bool = field(
+        default=True,
+        metadata=_help("with flow CUDA graphs, split a batch by the padded shapes its graphs run (row and frame "
+                       "buckets) rather than its exact ones"),
+    )
     flow_fill_padding: bool = field(
         default=False,
         metadata=_help("let a queued chunk shorter than the longest in its flow batch take more of its "

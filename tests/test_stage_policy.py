@@ -28,7 +28,8 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import AudioStage, BatchCandidate, ChunkJob, deadline_batch, padding_room, split_by_length
+from engine.token2wav import (AudioStage, BatchCandidate, ChunkJob, call_work, deadline_batch, padding_room,
+                              split_by_length)
 from engine.types import AudioChunk, SessionOptions
 from gateway.app import engine_config
 from gateway.settings import load_settings
@@ -346,6 +347,65 @@ def test_split_by_length_is_the_cheapest_partition(seed: int) -> None:
         for labels in itertools.product(range(3), repeat=n)
     )
     assert _cost(calls, frames, call_cost) == pytest.approx(best)
+
+
+def _pow2_padded(rows: int, frames: int) -> int:
+    """A monotone padded pricing like the graphs': rows to a power of two, frames to 50."""
+    return (1 << (rows - 1).bit_length()) * -(-frames // 50) * 50
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_split_by_length_is_the_cheapest_partition_when_padded(seed: int) -> None:
+    """With padded pricing rows of one length may go to different calls (brute force over
+    every partition into at most three calls)."""
+    import itertools
+
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 8))
+    frames = [int(x) for x in rng.choice([40, 50, 120, 200, 210], size=n)]
+    call_cost = float(rng.choice([0, 50, 200, 730]))
+    calls = split_by_length(frames, call_cost=call_cost, solved=_pow2_padded)
+    assert sorted(i for c in calls for i in c) == list(range(n)) and all(c == sorted(c) for c in calls)
+
+    def cost(parts: list[list[int]]) -> float:
+        return sum(call_cost + _pow2_padded(len(c), max(frames[i] for i in c)) for c in parts if c)
+
+    best = min(cost([[i for i in range(n) if labels[i] == g] for g in range(3)])
+               for labels in itertools.product(range(3), repeat=n))
+    assert cost(calls) == pytest.approx(best)
+
+
+def test_padded_pricing_splits_what_the_graphs_would_pad() -> None:
+    policy = GraphPolicy()
+    solved = call_work(policy, width=0, shared=False)
+    assert solved(33, 52) == 64 * 100 and solved(3, 300) == 4 * 300 and solved(65, 10) == 65 * 10  # no bucket: exact
+    # 33 first chunks of one length: the 64-row graph pads 31 rows; 32 + 1 costs less.
+    assert [len(c) for c in split_by_length([52] * 33, solved=solved)] == [1, 32]
+    assert split_by_length([52] * 33) == [list(range(33))]  # priced exactly: nothing to split
+    # 60 and 95 frames both run at 100: priced exactly, eight of each would be split.
+    frames = [60] * 8 + [95] * 8
+    assert split_by_length(frames, call_cost=200) == [list(range(8)), list(range(8, 16))]
+    assert split_by_length(frames, call_cost=200, solved=solved) == [list(range(16))]
+    # A cached prefix too wide for the graphs: every call runs eagerly, priced exactly.
+    wide = call_work(policy, width=policy.prefix_max_frames + 1, shared=True)
+    assert wide(33, 52) == 33 * 52
+
+
+def test_the_stage_prices_its_calls_at_its_graphs_shapes(tiny_model_dir) -> None:  # noqa: ANN001
+    from engine.models.loader import load_model
+    from tests.test_flow_prompt_cache import chunk, make_voice
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    chunks = [chunk(make_voice(60, 5), 0, 15, False)] * 33
+    stage = AudioStage(model.flow, model.hift, torch.device("cpu"), split_batches=True)
+    try:
+        assert stage._flow_calls(chunks, None) == [list(range(33))]  # no graphs on the CPU: priced exactly
+        stage.flow_cuda_graphs = True  # priced as on CUDA (pricing runs no graph)
+        assert [len(c) for c in stage._flow_calls(chunks, None)] == [1, 32]
+        stage.split_padded = False
+        assert stage._flow_calls(chunks, None) == [list(range(33))]
+    finally:
+        stage._pool.shutdown(wait=True)
 
 
 def test_a_split_batch_gives_the_same_audio_with_fewer_frames(tiny_model_dir) -> None:  # noqa: ANN001
@@ -755,6 +815,7 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
 # Split calls are on by default (round 23 of docs/benchmarks.md), padding filling off.
 @pytest.mark.parametrize("flag,name,attr,default", [
     ("--engine.flow-split-batches", "flow_split_batches", "split_batches", True),
+    ("--engine.flow-split-padded", "flow_split_padded", "split_padded", True),
     ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False)])
 def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr, default) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
