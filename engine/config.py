@@ -33,8 +33,8 @@ class EngineConfig:
     # First chunk after this many tokens (+ lookahead); 0 = official 25-grid start. 10: on
     # the H200 with sessions arriving over 16 s (rounds 22-23 of docs/benchmarks.md), every
     # level with 6 had sessions run dry at their second chunk (1-9 of 32-64), one session
-    # had too (rounds 21-22), and no level of 32-96 sessions with 10 had one. It costs one
-    # session ~4 LM steps (~13 ms, estimated) of first audio.
+    # had too (rounds 21-22), and no level of 32-128 sessions with 10 had one (rounds
+    # 22-24). It costs one session ~4 LM steps of first audio: 85 ms in round 24, 74 with 6.
     initial_hop: int = 10
     # The first chunk takes more tokens, up to this many, when the load predicts that the
     # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
@@ -157,7 +157,9 @@ class EngineConfig:
     # With flow graphs, price each candidate call at its graph bucket's padded shape (rows
     # to the next row bucket, frames to the next multiple of 50) rather than its exact one
     # (`engine.token2wav.call_work`): 33 rows of one length then run as 32 + 1, not padded
-    # to 64, and a split that only moves padding around is not taken.
+    # to 64, and a split that only moves padding around is not taken. H200, sessions
+    # arriving over 16 s (round 24 of docs/benchmarks.md): flow frames computed per frame
+    # played 2.9-3.2x against 3.8-4.1x; 80 sessions at first audio p95 403 ms against 875.
     flow_split_padded: bool = True
     # A queued chunk shorter than the longest in its batch (its flow call, with split
     # batches) takes more of its utterance's already generated tokens, up to the length the

@@ -131,7 +131,8 @@ class EngineSettings:
     flow_split_padded: bool = field(
         default=True,
         metadata=_help("with flow CUDA graphs, split a batch by the padded shapes its graphs run (row and frame "
-                       "buckets) rather than its exact ones"),
+                       "buckets) rather than its exact ones (on the H200, 80 sessions arriving over 16 s got "
+                       "first audio p95 403 ms against 875)"),
     )
     flow_fill_padding: bool = field(
         default=False,

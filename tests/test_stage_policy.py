@@ -382,6 +382,9 @@ def test_padded_pricing_splits_what_the_graphs_would_pad() -> None:
     # 33 first chunks of one length: the 64-row graph pads 31 rows; 32 + 1 costs less.
     assert [len(c) for c in split_by_length([52] * 33, solved=solved)] == [1, 32]
     assert split_by_length([52] * 33) == [list(range(33))]  # priced exactly: nothing to split
+    # 50, 50, 300: one call of 900 row-frames priced exactly, a 4 x 300 graph as run.
+    assert split_by_length([50, 50, 300]) == [[0, 1, 2]]
+    assert split_by_length([50, 50, 300], solved=solved) == [[0, 1], [2]]
     # 60 and 95 frames both run at 100: priced exactly, eight of each would be split.
     frames = [60] * 8 + [95] * 8
     assert split_by_length(frames, call_cost=200) == [list(range(8)), list(range(8, 16))]
