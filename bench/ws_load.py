@@ -873,6 +873,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # --engine.flow-fill-padding: chunks grown into their batch's padding, tokens taken.
             "flow_grown_chunks": int(_delta(after, before, M_GROWN_CHUNKS)),
             "flow_grown_tokens": int(_delta(after, before, M_GROWN_TOKENS)),
+            # --engine.chunk-patience-s: chunks cut big, their audio not due soon; their tokens.
+            "patient_chunks": int(_delta(after, before, "cosyvoice_engine_patient_chunks_total")),
+            "patient_tokens": int(_delta(after, before, "cosyvoice_engine_patient_tokens_total")),
             # --engine.first-chunk-hold-ms: rounds held for expected first chunks, the time
             # they waited, and the first chunks that made a round by it.
             "first_chunk_holds": int(_delta(after, before, "cosyvoice_engine_first_chunk_holds_total")),

@@ -86,6 +86,31 @@ def grown_end(prompt_tokens: int, offset: int, end: int, available: int, lm_done
     return (grid_end, False) if grid_end > end else None
 
 
+def patient_target(prompt_tokens: int, offset: int, available: int, lm_done: bool, lookahead: int,
+                   max_hop: int, left_context: int) -> tuple[int, bool]:
+    """(end, finalize) of a chunk of tokens from `offset` whose audio is not needed soon
+    (`engine.chunk_patience_s`): as large as a chunk may be. It can be cut once its
+    lookahead is generated (`available >= end + lookahead`), or at once when final.
+
+    Every chunk re-reads its left context and pays a flow call's fixed cost, and a short
+    chunk is padded to the flow graphs' 50 frames, so fewer, longer chunks cost the stage
+    less for the same audio. With the LM done, the rest is one last chunk when its flow
+    window is no wider than the widest a chunk of the schedule has (left context + a
+    block + max_hop + lookahead: the shapes the engine warms), not a chunk and a tail of
+    a few tokens that re-reads its whole left context. Otherwise the chunk ends at the
+    furthest 25-token boundary (counted from the prompt) within `max_hop`, as the
+    schedule's own chunks do."""
+    rest = available - offset
+    if left_context >= 0:
+        room = left_context + GRID - 1 + max_hop + lookahead - (offset - window_start(offset, left_context))
+    else:
+        room = max_hop + lookahead
+    if lm_done and 0 < rest <= room:
+        return available, True
+    end = (prompt_tokens + offset + max_hop) // GRID * GRID - prompt_tokens
+    return (end if end > offset else offset + max_hop), False
+
+
 def window_start(offset: int, left_context: int) -> int:
     """The first generated token a chunk at `offset` re-reads as left context (all of them
     when `left_context` < 0). Whole GRID blocks are dropped before the window, so the

@@ -72,6 +72,16 @@ class EngineConfig:
     # in one round (0 passed over, against 63 and 27), and the third ran 34 sessions dry.
     first_chunk_hold_share: float = 0.0
     max_hop: int = 100
+    # A chunk whose audio is due more than this many seconds from now (a later segment
+    # behind seconds of audio still to play, or a long utterance well ahead of its
+    # listener) waits for more tokens and is cut as large as a chunk may be: max_hop
+    # tokens on the 25-token grid, or the utterance's rest once its LM is done
+    # (`engine.chunking.patient_target`). A 105-token segment is then one or two chunks
+    # instead of four (10 + 34 + 50 + an 11-token tail re-reading 50 tokens of context):
+    # fewer flow calls and less re-read context for the same audio. Its first audio
+    # comes later, when it is not awaited. Chunk boundaries then depend on timing, like
+    # the first-chunk planner's. 0 = off (not yet measured on a GPU).
+    chunk_patience_s: float = 0.0
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
     flow_left_context: int = 50
@@ -286,6 +296,8 @@ class EngineConfig:
                              f"not {self.first_chunk_opening_rate!r}")
         if not 0 <= self.first_chunk_hold_ms <= 1000:
             raise ValueError("first_chunk_hold_ms must be in 0..1000")
+        if not 0 <= self.chunk_patience_s <= 60:  # also refuses NaN
+            raise ValueError("chunk_patience_s must be in 0..60")
         if not 0 <= self.first_chunk_hold_share <= 0.5:
             raise ValueError("first_chunk_hold_share must be in 0..0.5")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN

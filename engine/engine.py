@@ -34,7 +34,7 @@ import torch
 
 from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
-from .chunking import ChunkSchedule, chunk_frames, grown_end, window_start
+from .chunking import ChunkSchedule, chunk_frames, grown_end, patient_target, window_start
 from .config import EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
@@ -169,6 +169,10 @@ class EngineStats:
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
+    # engine.chunk_patience_s: chunks cut big because their audio was not due soon, and
+    # their speech tokens (left out of the first-chunk fields below).
+    patient_chunks: int = 0
+    patient_tokens: int = 0
     # engine.first_chunk_hold_ms: rounds held for expected first chunks, the seconds they
     # waited, and the first chunks that made a round by it (StageStats).
     first_chunk_holds: int = 0
@@ -441,6 +445,8 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self.lm_streams = 0  # utterances whose LM is generating now
+        self.patient_chunks = 0  # chunks cut big, their audio not due soon (chunk_patience_s) ...
+        self.patient_tokens = 0  # ... and their speech tokens
         self.first_chunk_times = FirstChunkTimes()
         # How long each step of `create` took (StartClock.laps); empty for an engine built
         # another way (tests).
@@ -722,6 +728,8 @@ class Engine:
             vocoder_frames=st.vocoder_frames,
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,
+            patient_chunks=self.patient_chunks,
+            patient_tokens=self.patient_tokens,
             first_chunk_holds=st.first_chunk_holds,
             first_chunk_hold_seconds=st.first_chunk_hold_seconds,
             first_chunk_hold_caught=st.first_chunk_hold_caught,
@@ -836,6 +844,7 @@ class _Queued:
     queued_end: int
     queued_final: bool
     staged: int  # utterances on its stage when it was queued (`SecondRounds`)
+    patient: bool = False  # cut big, its audio not due soon (`engine.chunk_patience_s`)
 
 
 @dataclass
@@ -1202,9 +1211,27 @@ class Session:
         )
         prompt_tokens = voice.speech_tokens
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
+        look = flow_cfg.pre_lookahead_len
         while not utt.cancelled:
             lm_finished = lm_task.done()
-            hop = sched.ready(len(tokens))
+            spare = self._patience_left(utt, sched.offset)
+            patient = spare is not None and len(tokens) > sched.offset
+            if patient:
+                end, finalize = patient_target(P, sched.offset, len(tokens), lm_finished, look, sched.max_hop,
+                                               cfg.flow_left_context)
+                if not finalize and len(tokens) < end + look:
+                    if lm_finished:  # cannot be: more than a chunk left means its lookahead is there
+                        patient = False
+                    else:
+                        # Wait for the big chunk's tokens, or until its audio is due within
+                        # the patience: then the schedule's own chunk goes.
+                        wake.at = end + look
+                        more.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(more.wait(), spare)
+                        continue
+                first_planned = True  # no first-chunk plan for a chunk that is not awaited
+            hop = None if patient else sched.ready(len(tokens))
             if hop is not None and not first_planned:
                 # The first chunk could go now: size it for the load it goes into.
                 first_planned = True
@@ -1218,7 +1245,7 @@ class Session:
                     sched.initial_hop = first
                     utt.stats.extra["first_hop"] = first
                     continue
-            if hop is None and not lm_finished:
+            if hop is None and not lm_finished and not patient:
                 wake.at = sched.tokens_needed()
                 if sched.index == 0 and first_planned:  # its size is final: say when it comes
                     round_s = None
@@ -1231,7 +1258,10 @@ class Session:
                 more.clear()
                 await more.wait()
                 continue
-            if hop is None:  # LM done: finalize with everything left
+            if patient:
+                eng.patient_chunks += 1
+                eng.patient_tokens += end - sched.offset
+            elif hop is None:  # LM done: finalize with everything left
                 if lm_task.exception() is not None:
                     raise lm_task.exception()  # type: ignore[misc]
                 if not tokens:  # e.g. a streamed utterance whose text was empty
@@ -1249,11 +1279,25 @@ class Session:
             job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
             eng.stage.submit(job)
             await handed.put(_Queued(job, sched.index, extent, queued_at, end, finalize,
-                                     eng.stage.live_utterances(stream)))
+                                     eng.stage.live_utterances(stream), patient))
             await asyncio.wait({job.started})  # cancelled with the utterance: the loop ends
             if extent.finalize or job.started.cancelled():
                 return
             sched.advance(extent.end - sched.offset)  # the stage may have grown the chunk
+
+    def _patience_left(self, utt: _Utterance, offset: int) -> float | None:
+        """Seconds the utterance's next chunk (its tokens from `offset`) may wait for more
+        tokens before its audio is due within `chunk_patience_s`; None when it is due
+        sooner, or patience is off. Due as the stage's deadline policy reckons it
+        (`chunk_due`): after the audio delivered and the audio ahead of it have played."""
+        patience = self.engine.config.chunk_patience_s
+        if patience <= 0:
+            return None
+        now = time.monotonic()
+        in_flight = (offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / utt.options.speed
+        due, urgent = chunk_due(now, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
+        spare = due - now - patience
+        return spare if not urgent and spare > 0 else None
 
     async def _deliver_chunks(self, utt: _Utterance, handed: asyncio.Queue[_Queued], producer: asyncio.Task) -> None:
         """Each queued chunk's audio, in order, into the utterance's queue, with the
@@ -1263,6 +1307,9 @@ class Session:
         emitted = 0
         first_samples, first_rows = 0, 0  # the first chunk's audio, the chunks of its batch
         first_back = 0.0  # when the first chunk's audio came back
+        # Chunks cut big because they were not awaited (`chunk_patience_s`) are not what the
+        # first-chunk planner sizes and learns from, nor a first audio anyone waits for.
+        planned = True
         while True:
             item = await _next_handed(handed, producer)
             if item is None or utt.cancelled:
@@ -1275,15 +1322,16 @@ class Session:
             batch = job.started.result()  # a chunk with audio was taken by the stage
             if item.index == 0 and not finalize:
                 eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, utt.options.speed)
-            if item.index == 0 and utt.stats.first_token_at is not None:
+            planned = planned and not item.patient
+            if item.index == 0 and planned and utt.stats.first_token_at is not None:
                 phases = (utt.stats.submitted_at, utt.stats.first_token_at, item.queued_at, batch.at, time.monotonic())
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
                     eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
-            if item.index == 1 and eng.ready:
+            if item.index == 1 and planned and eng.ready:
                 # Not from the warm-up: its first syntheses may wait behind graph captures (seconds).
                 eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))
-            if item.index == 1 and utt.arrivals is not None:
+            if item.index == 1 and planned and utt.arrivals is not None:
                 self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
                                         first_rows, eng.model.config.flow.pre_lookahead_len)
             if item.index == 0:

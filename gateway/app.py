@@ -70,6 +70,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         first_chunk_hold_ms=e.first_chunk_hold_ms,
         first_chunk_hold_share=e.first_chunk_hold_share,
         max_hop=e.max_hop,
+        chunk_patience_s=e.chunk_patience_s,
         flow_left_context=e.flow_left_context,
         max_gpu_batch=e.max_gpu_batch,
         flow_dtype=e.flow_dtype,  # type: ignore[arg-type]

@@ -61,6 +61,12 @@ class EngineSettings:
         default=0.0, metadata=_help("the hold grows to this share (0..0.5) of the round an expected first chunk "
                                      "would miss, as predicted for it (0 = first_chunk_hold_ms alone)"))
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
+    chunk_patience_s: float = field(
+        default=0.0,
+        metadata=_help("a chunk whose audio is due more than this many seconds from now waits and is cut as large "
+                       "as allowed (max_hop, or the utterance's rest): fewer flow calls for later segments "
+                       "(0 = off)"),
+    )
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))
     flow_dtype: str = field(

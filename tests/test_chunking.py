@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.chunking import GRID, ChunkSchedule, grown_end
+from engine.chunking import GRID, ChunkSchedule, grown_end, patient_target, window_start
 
 
 def hops(prompt: int, initial: int, n: int, max_hop: int = 100) -> list[int]:
@@ -143,3 +143,38 @@ def test_chunk_frames_counts_the_window_after_the_cached_prompt() -> None:
     assert window_start(75, 50) == 25 and window_start(49, 50) == 0 and window_start(500, -1) == 0
     assert chunk_frames(106, 75, 50, 50, 2, 200) == 2 * (106 + 50 + 50) - 200
     assert chunk_frames(106, 75, 50, -1, 2, 200) == 2 * (106 + 75 + 50) - 200
+
+
+def test_a_patient_chunk_is_a_max_hop_on_the_grid_or_the_rest() -> None:
+    # Prompt of 106 tokens: the grid falls at 19, 44, 69, 94, ... generated tokens.
+    assert patient_target(106, 0, 50, False, 3, 100, 50) == (94, False)  # wait for 97 tokens
+    assert patient_target(106, 94, 200, False, 3, 100, 50) == (194, False)
+    # The LM done: the rest as one last chunk while its window is no wider than the
+    # schedule's widest (50 + 24 of context + 100 + 3 = 177 tokens) ...
+    assert patient_target(106, 0, 105, True, 3, 100, 50) == (105, True)  # not 94 and an 11-token tail
+    assert patient_target(106, 0, 177, True, 3, 100, 50) == (177, True)
+    assert patient_target(106, 94, 94 + 108, True, 3, 100, 50) == (94 + 108, True)  # 69 of context + 108
+    # ... else a whole max_hop on the grid, whose lookahead is there.
+    assert patient_target(106, 0, 178, True, 3, 100, 50) == (94, False)
+    assert patient_target(106, 94, 94 + 109, True, 3, 100, 50) == (194, False)
+    assert patient_target(106, 0, 104, True, 3, 100, -1) == (94, False)  # unbounded context: max_hop + lookahead
+    # From an offset off the grid (after a first chunk of 10), the grid end within max_hop.
+    assert patient_target(106, 10, 60, False, 3, 100, 50) == (94, False)
+    assert patient_target(100, 0, 10, False, 3, 20, 50) == (20, False)  # max_hop under a block: no grid end within it
+
+
+@given(st.integers(0, 300), st.integers(0, 400), st.integers(0, 300), st.booleans(), st.integers(25, 200),
+       st.sampled_from([-1, 0, 25, 50]))
+def test_a_patient_chunk_stays_within_the_schedules_shapes(prompt, offset, extra, lm_done, max_hop, left_context):
+    available = offset + extra
+    end, final = patient_target(prompt, offset, available, lm_done, 3, max_hop, left_context)
+    assert end > offset
+    if final:
+        assert lm_done and end == available
+        if left_context >= 0:  # its window: no wider than the widest of the schedule's
+            assert end - window_start(offset, left_context) <= left_context + GRID - 1 + max_hop + 3
+        else:
+            assert end - offset <= max_hop + 3
+    else:
+        assert end - offset <= max_hop and (prompt + end) % GRID == 0
+        assert max_hop - (end - offset) < GRID  # the furthest boundary within max_hop

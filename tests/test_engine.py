@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine, EngineError
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from engine.wavio import read_wav
+from helpers import assert_same_audio
 
 ROOT = Path(__file__).resolve().parent.parent
 SPF = 480  # samples per mel frame at 24 kHz
@@ -358,3 +359,36 @@ def test_chunks_grown_into_batch_padding_stay_exact(tiny_model_dir):
     streamed = np.concatenate([e.pcm for e in events])
     assert streamed.shape == whole.shape
     assert np.abs(streamed - whole).max() < 1e-3
+
+
+def test_a_segment_behind_seconds_of_audio_is_cut_in_fewer_chunks(tiny_model_dir):
+    """With `chunk_patience_s` a session's second utterance, queued behind seconds of the
+    first's audio still to play, waits for its LM's end and goes as one chunk (its tokens
+    fit in max_hop), while the first's opening chunk, awaited in silence, goes as the
+    schedule cuts it. Chunks that end on the 25-token grid decode exactly (unbounded left
+    context), so the audio is the audio without patience."""
+    first_text = ("A much longer first sentence, with enough words in it that its speech plays "
+                  "for many seconds while the next one is being made.")
+    second_text = "Then a short one."
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
+        uids = [await s.submit(first_text), await s.submit(second_text)]
+        await s.finish()
+        events = await collect(s)
+        return events, [s.utterance_stats(u) for u in uids], engine.stats()
+
+    runs = {p: run(tiny_model_dir, fn, flow_left_context=-1, warmup=False, chunk_patience_s=p) for p in (0.0, 1.0)}
+    (plain, plain_st, plain_eng), (patient, patient_st, patient_eng) = runs[0.0], runs[1.0]
+    first, second = patient_st
+    assert first.num_speech_tokens * 40 > 6000 and second.num_speech_tokens <= 100  # ms of audio; one max_hop
+    assert second.chunks == 1 and plain_st[1].chunks >= 2
+    assert patient_eng.patient_chunks >= 1 and patient_eng.patient_tokens >= second.num_speech_tokens
+    assert plain_eng.patient_chunks == 0 and plain_eng.first_chunks == 2
+    assert patient_eng.first_chunks == 1  # the second utterance's chunk was not awaited: not a first audio
+    for a, b in zip(plain_st, patient_st):
+        assert a.speech_tokens == b.speech_tokens
+    for events in (plain, patient):
+        assert sum(e.pcm.size for e in events) == sum(st.num_speech_tokens for st in patient_st) * TOKEN_SAMPLES
+    assert_same_audio(np.concatenate([e.pcm for e in plain]), np.concatenate([e.pcm for e in patient]))

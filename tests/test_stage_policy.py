@@ -303,10 +303,15 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
                           "--engine.first-chunk-hold-share", "0.15"], environ={})
     cfg = engine_config(s, tmp_path)
     assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (20.0, 0.15, "below_normal")
+    assert cfg.chunk_patience_s == 0.0
+    s, _ = load_settings(["--engine.chunk-patience-s", "1.5"], environ={})
+    assert engine_config(s, tmp_path).chunk_patience_s == 1.5
     for flag, bad, name in (("--engine.first-chunk-hold-ms", "-1", "first_chunk_hold_ms"),
                             ("--engine.first-chunk-hold-ms", "nan", "first_chunk_hold_ms"),
                             ("--engine.first-chunk-hold-share", "0.6", "first_chunk_hold_share"),
                             ("--engine.first-chunk-hold-share", "nan", "first_chunk_hold_share"),
+                            ("--engine.chunk-patience-s", "-1", "chunk_patience_s"),
+                            ("--engine.chunk-patience-s", "nan", "chunk_patience_s"),
                             ("--engine.vllm-mps-priority", "high", "vllm_mps_priority")):
         s, _ = load_settings([flag, bad], environ={})
         with pytest.raises(ValueError, match=name):
