@@ -87,17 +87,18 @@ def grown_end(prompt_tokens: int, offset: int, end: int, available: int, lm_done
 
 
 def patient_target(prompt_tokens: int, offset: int, available: int, lm_done: bool, lookahead: int,
-                   max_hop: int, left_context: int) -> tuple[int, bool]:
-    """(end, finalize) of a chunk of tokens from `offset` whose audio is not needed soon
-    (`engine.chunk_patience_s`): as large as a chunk may be. It can be cut once its
-    lookahead is generated (`available >= end + lookahead`), or at once when final.
+                   max_hop: int, left_context: int) -> tuple[int, bool, int]:
+    """(end, finalize, need) of a chunk of tokens from `offset` whose audio is not needed
+    soon (`engine.chunk_patience_s`): as large as a chunk may be, cut once `available`
+    reaches `need` (at once when final).
 
     Every chunk re-reads its left context and pays a flow call's fixed cost, and a short
     chunk is padded to the flow graphs' 50 frames, so fewer, longer chunks cost the stage
-    less for the same audio. With the LM done, the rest is one last chunk when its flow
-    window is no wider than the widest a chunk of the schedule has (left context + a
-    block + max_hop + lookahead: the shapes the engine warms), not a chunk and a tail of
-    a few tokens that re-reads its whole left context. Otherwise the chunk ends at the
+    less for the same audio. So the chunk waits for the LM's end while the rest could
+    still be one last chunk, whose flow window is no wider than the widest a chunk of the
+    schedule has (left context + a block + max_hop + lookahead: the shapes the engine
+    warms): a 105-token segment is one chunk, not 94 tokens and an 11-token tail that
+    re-reads 69 tokens of context. Once more is generated than that, it ends at the
     furthest 25-token boundary (counted from the prompt) within `max_hop`, as the
     schedule's own chunks do."""
     rest = available - offset
@@ -106,9 +107,10 @@ def patient_target(prompt_tokens: int, offset: int, available: int, lm_done: boo
     else:
         room = max_hop + lookahead
     if lm_done and 0 < rest <= room:
-        return available, True
+        return available, True, available
     end = (prompt_tokens + offset + max_hop) // GRID * GRID - prompt_tokens
-    return (end if end > offset else offset + max_hop), False
+    end = end if end > offset else offset + max_hop
+    return end, False, max(end + lookahead, offset + room + 1)
 
 
 def window_start(offset: int, left_context: int) -> int:

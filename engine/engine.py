@@ -1217,15 +1217,15 @@ class Session:
             spare = self._patience_left(utt, sched.offset)
             patient = spare is not None and len(tokens) > sched.offset
             if patient:
-                end, finalize = patient_target(P, sched.offset, len(tokens), lm_finished, look, sched.max_hop,
-                                               cfg.flow_left_context)
-                if not finalize and len(tokens) < end + look:
-                    if lm_finished:  # cannot be: more than a chunk left means its lookahead is there
+                end, finalize, need = patient_target(P, sched.offset, len(tokens), lm_finished, look,
+                                                     sched.max_hop, cfg.flow_left_context)
+                if len(tokens) < need:
+                    if lm_finished:  # cannot be: with the LM done the chunk goes at once
                         patient = False
                     else:
-                        # Wait for the big chunk's tokens, or until its audio is due within
-                        # the patience: then the schedule's own chunk goes.
-                        wake.at = end + look
+                        # Wait for the big chunk's tokens (or the LM's end), or until its audio
+                        # is due within the patience: then the schedule's own chunk goes.
+                        wake.at = need
                         more.clear()
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(more.wait(), spare)

@@ -145,30 +145,33 @@ def test_chunk_frames_counts_the_window_after_the_cached_prompt() -> None:
     assert chunk_frames(106, 75, 50, -1, 2, 200) == 2 * (106 + 75 + 50) - 200
 
 
-def test_a_patient_chunk_is_a_max_hop_on_the_grid_or_the_rest() -> None:
-    # Prompt of 106 tokens: the grid falls at 19, 44, 69, 94, ... generated tokens.
-    assert patient_target(106, 0, 50, False, 3, 100, 50) == (94, False)  # wait for 97 tokens
-    assert patient_target(106, 94, 200, False, 3, 100, 50) == (194, False)
-    # The LM done: the rest as one last chunk while its window is no wider than the
-    # schedule's widest (50 + 24 of context + 100 + 3 = 177 tokens) ...
-    assert patient_target(106, 0, 105, True, 3, 100, 50) == (105, True)  # not 94 and an 11-token tail
-    assert patient_target(106, 0, 177, True, 3, 100, 50) == (177, True)
-    assert patient_target(106, 94, 94 + 108, True, 3, 100, 50) == (94 + 108, True)  # 69 of context + 108
-    # ... else a whole max_hop on the grid, whose lookahead is there.
-    assert patient_target(106, 0, 178, True, 3, 100, 50) == (94, False)
-    assert patient_target(106, 94, 94 + 109, True, 3, 100, 50) == (194, False)
-    assert patient_target(106, 0, 104, True, 3, 100, -1) == (94, False)  # unbounded context: max_hop + lookahead
+def test_a_patient_chunk_waits_for_the_rest_or_goes_as_a_max_hop_on_the_grid() -> None:
+    # Prompt of 106 tokens: the grid falls at 19, 44, 69, 94, ... generated tokens. The
+    # widest window of the schedule: 50 + 24 of context + 100 + 3 = 177 tokens.
+    assert patient_target(106, 0, 50, False, 3, 100, 50) == (94, False, 178)  # the rest may still fit
+    assert patient_target(106, 0, 178, False, 3, 100, 50) == (94, False, 178)  # it cannot: 94 goes
+    assert patient_target(106, 94, 200, False, 3, 100, 50) == (194, False, 94 + 108 + 1)  # 69 of context
+    # The LM done: the rest as one last chunk while its window fits ...
+    assert patient_target(106, 0, 105, True, 3, 100, 50) == (105, True, 105)  # not 94 and an 11-token tail
+    assert patient_target(106, 0, 177, True, 3, 100, 50) == (177, True, 177)
+    assert patient_target(106, 94, 94 + 108, True, 3, 100, 50) == (94 + 108, True, 94 + 108)
+    # ... else a whole max_hop on the grid, at once (its lookahead is there).
+    assert patient_target(106, 0, 178, True, 3, 100, 50) == (94, False, 178)
+    assert patient_target(106, 94, 94 + 109, True, 3, 100, 50) == (194, False, 94 + 109)
+    assert patient_target(106, 0, 104, True, 3, 100, -1) == (94, False, 104)  # unbounded context: max_hop + lookahead
     # From an offset off the grid (after a first chunk of 10), the grid end within max_hop.
-    assert patient_target(106, 10, 60, False, 3, 100, 50) == (94, False)
-    assert patient_target(100, 0, 10, False, 3, 20, 50) == (20, False)  # max_hop under a block: no grid end within it
+    assert patient_target(106, 10, 60, False, 3, 100, 50)[:2] == (94, False)
+    assert patient_target(100, 0, 10, False, 3, 20, 50)[:2] == (20, False)  # max_hop under a block: no grid end within it
 
 
 @given(st.integers(0, 300), st.integers(0, 400), st.integers(0, 300), st.booleans(), st.integers(25, 200),
        st.sampled_from([-1, 0, 25, 50]))
 def test_a_patient_chunk_stays_within_the_schedules_shapes(prompt, offset, extra, lm_done, max_hop, left_context):
     available = offset + extra
-    end, final = patient_target(prompt, offset, available, lm_done, 3, max_hop, left_context)
-    assert end > offset
+    end, final, need = patient_target(prompt, offset, available, lm_done, 3, max_hop, left_context)
+    assert end > offset and need >= (end if final else end + 3)  # a non-final chunk's lookahead is there
+    if lm_done and extra > 0:
+        assert available >= need  # the LM done: it goes now
     if final:
         assert lm_done and end == available
         if left_context >= 0:  # its window: no wider than the widest of the schedule's
