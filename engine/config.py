@@ -76,9 +76,9 @@ class EngineConfig:
     # behind seconds of audio still to play, or a long utterance well ahead of its
     # listener) waits for more tokens and is cut as large as a chunk may be: max_hop
     # tokens on the 25-token grid, or the utterance's rest once its LM is done
-    # (`engine.chunking.patient_target`). A 105-token segment is then one or two chunks
-    # instead of four (10 + 34 + 50 + an 11-token tail re-reading 50 tokens of context):
-    # fewer flow calls and less re-read context for the same audio. Its first audio
+    # (`engine.chunking.patient_target`). A 105-token segment behind earlier audio is then
+    # one chunk instead of four (10 + 34 + 50 + an 11-token tail that re-reads 69 tokens
+    # of context): fewer flow calls and less re-read context for the same audio. Its first audio
     # comes later, when it is not awaited. Chunk boundaries then depend on timing, like
     # the first-chunk planner's. 0 = off (not yet measured on a GPU).
     chunk_patience_s: float = 0.0

@@ -165,7 +165,7 @@ def split_by_length(frames: Sequence[int], call_cost: float = SPLIT_CALL_COST,
     ends = [j for j in range(1, n + 1) if solved is not None or j == n or lengths[j] > lengths[j - 1]]
     starts = [0] + ends[:-1]
     work = solved or (lambda rows, longest: rows * longest)
-    # table[j][r]: the cost of one call of r rows ending at sorted row j (its longest).
+    # by_length[x][r]: the cost of one call of r rows whose longest row has x frames.
     by_length = {x: [0.0] + [call_cost + work(r, x) for r in range(1, n + 1)] for x in set(lengths)}
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(max_calls + 1)]  # best[k][j]: first j sorted rows in k calls
