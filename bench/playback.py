@@ -50,6 +50,10 @@ class Playback:
     # started: whether stalls hit the first sentence right after a start or later ones.
     underrun_segment: tuple[int, ...] = ()
     underrun_since_start_s: tuple[float, ...] = ()
+    # Per segment after the session's first: how long before the playhead reached it its
+    # first chunk arrived (seconds; negative: late, an underrun). A segment made while
+    # earlier audio still plays may come late in latency yet early here.
+    segment_leads_s: tuple[float, ...] = ()
 
 
 def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s: float = 0.0) -> Playback:
@@ -62,19 +66,23 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
     stall_positions: list[float] = []
     stall_segments: list[int] = []
     stall_times: list[float] = []
+    leads: list[float] = []
     segment_start, segment = 0, None  # samples played before the current segment began
     gaps = tuple(b.t - a.t for a, b in zip(arrivals, arrivals[1:]))
     play_start = arrivals[0].t + prebuffer_s
     position = play_start  # wall time at which the playhead reaches the next chunk
     total = 0
     for i, chunk in enumerate(arrivals):
-        if chunk.segment >= 0 and chunk.segment != segment:
+        opens = chunk.segment >= 0 and chunk.segment != segment
+        if opens:
             segment, segment_start = chunk.segment, total
         if i > 0:
             due = position
             if chunk.ready_at is not None and chunk.ready_at > due:
                 waited += chunk.ready_at - due
                 due = chunk.ready_at
+            if opens:
+                leads.append(due - chunk.t)
             if chunk.t > due:
                 underruns += 1
                 stalled += chunk.t - due
@@ -86,7 +94,7 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
         position += chunk.samples / sample_rate
         total += chunk.samples
     return Playback(underruns, stalled, waited, gaps, total / sample_rate, play_start, position,
-                    tuple(stall_positions), tuple(stall_segments), tuple(stall_times))
+                    tuple(stall_positions), tuple(stall_segments), tuple(stall_times), tuple(leads))
 
 
 # ---- small statistics -------------------------------------------------------------------

@@ -24,7 +24,9 @@ Reported per level (see `level_report`): first-audio latency from the moment a
 segment's text was complete (its last character sent, or the flush that closed it) to
 its first audio byte -- for each context's first segment (`first_audio_ms`, the
 headline) and for every segment (`segment_first_audio_ms`; later segments also wait
-for the earlier ones' audio, since a context's audio is delivered in order) --
+for the earlier ones' audio, since a context's audio is delivered in order), and how long
+before the playhead reached it each later segment's first audio came (`segment_lead_ms`:
+a segment made behind seconds of earlier audio has a long latency but a lead) --
 chunk gaps, underruns and where in their segment's audio they began (`underrun_at_audio_ms`), RTF,
 completed sessions and errors, GPU utilisation (pynvml),
 achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
@@ -269,6 +271,7 @@ class SessionResult:
     underrun_segment: tuple[int, ...] = ()  # the segment of each underrun
     underrun_since_start_s: tuple[float, ...] = ()  # when each began, after playback started
     playing: tuple[float, float] | None = None  # its playback's start and end (client clock)
+    segment_leads_s: tuple[float, ...] = ()  # later segments' first audio before the playhead got there
 
 
 def playing_at_once(results: Sequence[SessionResult]) -> int:
@@ -305,7 +308,7 @@ def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: flo
                          pb.underrun_s, pb.text_wait_s, pb.audio_s, gen, pb.underrun_at_s, pb.underrun_segment,
                          pb.underrun_since_start_s,
                          (pb.play_start, pb.play_end) if pb.play_start is not None and pb.play_end is not None
-                         else None)
+                         else None, pb.segment_leads_s)
 
 
 class WsSession:
@@ -804,6 +807,7 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
     for code in [e for r in results for e in r.errors] + list(connect_errors):
         codes[code] = codes.get(code, 0) + 1
     audio = sum(r.audio_s for r in results)
+    leads = [x for r in results for x in r.segment_leads_s]
     rtfs = [r.generation_s / r.audio_s for r in results if r.generation_s is not None and r.audio_s > 0]
     lm_tokens = int(_delta(after, before, M_LM))
     flow_frames = int(_delta(after, before, M_FLOW))
@@ -859,6 +863,10 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         # ... and when, after the session's playback started, and in which of its segments.
         "underrun_since_start_ms": summary_ms([x for r in results for x in r.underrun_since_start_s],
                                               qs=(10, 50, 90)),
+        # How early later segments' first audio came before the playhead reached them (the
+        # least, and low percentiles): their latency counts from their own text, but the
+        # listener only hears them after the earlier audio; negative leads are underruns.
+        "segment_lead_ms": summary_ms(leads, qs=(5, 50)) | {"min": round(min(leads) * 1e3, 3) if leads else None},
         "underruns_by_segment": {str(k): v for k, v in sorted(Counter(x for r in results for x in r.underrun_segment).items())},
         "text_wait_ms": round(sum(r.text_wait_s for r in results) * 1e3, 3),
         "audio_s": round(audio, 3),
@@ -1093,6 +1101,8 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"(at audio ms p10/p50/p90 {[lv['underrun_at_audio_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
               f"after start ms {[lv['underrun_since_start_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
               f"by segment {lv['underruns_by_segment']}) "
+              f"later segments' lead ms min/p5/p50 "
+              f"{[lv['segment_lead_ms'][q] for q in ('min', 'p5', 'p50')]} "
               f"rtf={lv['rtf']} "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "

@@ -82,6 +82,19 @@ def test_underrun_positions_count_from_their_segments_start() -> None:
     assert pb.underrun_segment == (1, 1)
     # Due at 1.0 s and (after resuming at 1.2 with 0.3 s) at 1.5 s after playback started.
     assert pb.underrun_since_start_s == pytest.approx((1.0, 1.5))
+    assert pb.segment_leads_s == pytest.approx((-0.2,))  # segment 1 came 0.2 s after the playhead
+
+
+def test_a_later_segment_made_early_has_a_lead() -> None:
+    # Segment 1's text was complete at 0.2 s, its audio came at 0.6 s (0.4 s of latency),
+    # but segment 0's 1.0 s of audio plays until 1.0: it came 0.4 s before it was heard.
+    # Segment 2 waited for its text (ready at 2.5, after segment 1 ran out at 1.5): no lead
+    # counted against the text's wait; it came 0.1 s after its text, so a lead of -0.1.
+    arrivals = [Arrival(0.0, 1000, ready_at=0.0, segment=0), Arrival(0.6, 500, ready_at=0.2, segment=1),
+                Arrival(2.6, 500, ready_at=2.5, segment=2)]
+    pb = simulate_playback(arrivals, SR)
+    assert pb.segment_leads_s == pytest.approx((0.4, -0.1))
+    assert pb.underruns == 1 and pb.text_wait_s == pytest.approx(1.0)
 
 
 def test_silence_waiting_for_text_is_not_an_underrun() -> None:
