@@ -98,9 +98,10 @@ def patient_target(prompt_tokens: int, offset: int, available: int, lm_done: boo
     still be one last chunk, whose flow window is no wider than the widest a chunk of the
     schedule has (left context + a block + max_hop + lookahead: the shapes the engine
     warms): a 105-token segment is one chunk, not 94 tokens and an 11-token tail that
-    re-reads 69 tokens of context. Once more is generated than that, it ends at the
-    furthest 25-token boundary (counted from the prompt) within `max_hop`, as the
-    schedule's own chunks do."""
+    re-reads 69 tokens of context. (The vocoder's graphs stop at ~110 tokens of new mel: a
+    longer last chunk decodes eagerly there, as every vocoder batch over 8 rows does.)
+    Once more is generated than that, it ends at the furthest 25-token boundary (counted
+    from the prompt) within `max_hop`, as the schedule's own chunks do."""
     rest = available - offset
     if left_context >= 0:
         room = left_context + GRID - 1 + max_hop + lookahead - (offset - window_start(offset, left_context))
