@@ -80,7 +80,8 @@ class EngineConfig:
     # one chunk instead of four (10 + 34 + 50 + an 11-token tail that re-reads 69 tokens
     # of context): fewer flow calls and less re-read context for the same audio. Its first audio
     # comes later, when it is not awaited. Chunk boundaries then depend on timing, like
-    # the first-chunk planner's. 0 = off (not yet measured on a GPU).
+    # the first-chunk planner's; a request that sets its own initial_hop or max_hop keeps
+    # its schedule. 0 = off (not yet measured on a GPU).
     chunk_patience_s: float = 0.0
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).

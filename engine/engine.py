@@ -1211,10 +1211,12 @@ class Session:
         )
         prompt_tokens = voice.speech_tokens
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
+        # ... and so is a request's own schedule: no chunk cut by timing (patience) then.
+        may_wait = opts.initial_hop is None and opts.max_hop is None
         look = flow_cfg.pre_lookahead_len
         while not utt.cancelled:
             lm_finished = lm_task.done()
-            spare = self._patience_left(utt, sched.offset)
+            spare = self._patience_left(utt, sched.offset) if may_wait else None
             patient = spare is not None and len(tokens) > sched.offset
             if patient:
                 end, finalize, need = patient_target(P, sched.offset, len(tokens), lm_finished, look,

@@ -371,15 +371,17 @@ def test_a_segment_behind_seconds_of_audio_is_cut_in_fewer_chunks(tiny_model_dir
                   "for many seconds while the next one is being made.")
     second_text = "Then a short one."
 
-    async def fn(engine):
+    async def fn(engine, options=SessionOptions(tokens_per_text_token=6.0, seed=3)):
         voice = await default_voice(engine)
-        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
+        s = engine.open_session(voice, options)
         uids = [await s.submit(first_text), await s.submit(second_text)]
         await s.finish()
         events = await collect(s)
         return events, [s.utterance_stats(u) for u in uids], engine.stats()
 
-    runs = {p: run(tiny_model_dir, fn, flow_left_context=-1, warmup=False, chunk_patience_s=p) for p in (0.0, 1.0)}
+    # initial_hop 0: every chunk ends on the grid (the first one included), so all decode exactly.
+    runs = {p: run(tiny_model_dir, fn, flow_left_context=-1, warmup=False, initial_hop=0, chunk_patience_s=p)
+            for p in (0.0, 1.0)}
     (plain, plain_st, plain_eng), (patient, patient_st, patient_eng) = runs[0.0], runs[1.0]
     first, second = patient_st
     assert first.num_speech_tokens * 40 > 6000 and second.num_speech_tokens <= 100  # ms of audio; one max_hop
@@ -392,3 +394,9 @@ def test_a_segment_behind_seconds_of_audio_is_cut_in_fewer_chunks(tiny_model_dir
     for events in (plain, patient):
         assert sum(e.pcm.size for e in events) == sum(st.num_speech_tokens for st in patient_st) * TOKEN_SAMPLES
     assert_same_audio(np.concatenate([e.pcm for e in plain]), np.concatenate([e.pcm for e in patient]))
+
+    # A request that sets its own schedule gets it as asked: no chunk cut by timing.
+    own = SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0)
+    _, own_st, own_eng = run(tiny_model_dir, lambda engine: fn(engine, own), flow_left_context=-1, warmup=False,
+                             chunk_patience_s=1.0)
+    assert own_eng.patient_chunks == 0 and [st.chunks for st in own_st] == [st.chunks for st in plain_st]
