@@ -271,10 +271,7 @@ def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int)
     exact rows instead, 40 first chunks in the 64-row graph were planned at 9 tokens as if
     their round were far shorter than its 266 ms (H200, round 13 of docs/benchmarks.md),
     and every session stalled."""
-    if policy is None:
-        return rows * frames
-    shape = policy.bucket(rows, frames, cached, shared=cached > 0)
-    return rows * frames if shape is None else shape[0] * shape[1]
+    return rows * frames if policy is None else call_work(policy, cached, cached > 0)(rows, frames)
 
 
 def estimate_round(rounds: RoundTimes, live: int, max_batch: int, policy: GraphPolicy | None,
