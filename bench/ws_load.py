@@ -7,9 +7,10 @@
 `--launch` starts `python -m gateway` itself (every option this tool does not know is
 passed to the gateway), so it knows the server's PID and can start the *baseline*: the
 same code with `--engine.max-gpu-batch 1 --engine.flow-left-context -1
---engine.flow-cuda-graphs false --engine.flow-prompt-cache false`, i.e. like the seed
-project (each chunk its own flow/vocoder call, no batching across sessions, and the flow
-re-reads the whole prefix, prompt included, every chunk). `--url` measures a running gateway.
+--engine.flow-cuda-graphs false --engine.flow-prompt-cache false --engine.chunk-patience-s 0`
+(and no context cache), i.e. like the seed project (each chunk its own flow/vocoder call, no
+batching across sessions, every chunk cut on the fixed schedule, and the flow re-reads the
+whole prefix, prompt included, every chunk). `--url` measures a running gateway.
 
 Per level, N sessions connect (idle), then start together (or spread over `--ramp`
 seconds). Each opens one context with a registered 3-5 s voice, streams the paragraph
@@ -87,7 +88,8 @@ SPOKEN_CHARS_PER_SECOND = 14.0
 PROMPT_SECONDS = 4.25  # the first sentence of assets/default.wav (a 3-5 s prompt)
 PROMPT_TRANSCRIPT = "Hello, this is the default voice of the CosyVoice gateway."
 BASELINE_FLAGS = ("--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1", "--engine.flow-cuda-graphs", "false",
-                  "--engine.flow-prompt-cache", "false", "--engine.flow-context-cache-mib", "0")
+                  "--engine.flow-prompt-cache", "false", "--engine.flow-context-cache-mib", "0",
+                  "--engine.chunk-patience-s", "0")
 DEFAULT_TEXT = (
     "Thanks for calling, I have found your order. It shipped this morning and should arrive "
     "on Tuesday between nine and eleven. Would you like me to send the tracking link by text "

@@ -62,7 +62,7 @@ class EngineSettings:
                                      "would miss, as predicted for it (0 = first_chunk_hold_ms alone)"))
     max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     chunk_patience_s: float = field(
-        default=0.0,
+        default=1.0,
         metadata=_help("a chunk whose audio is due more than this many seconds from now waits and is cut as large "
                        "as allowed (max_hop, or the utterance's rest): fewer flow calls for later segments "
                        "(0 = off)"),

@@ -63,16 +63,19 @@ def tone_wav(seconds: float, sr: int = SR, freq: float = 220.0) -> bytes:
 # --------------------------------------------------------------------------------------
 
 
-# The first chunk's size follows the measured load by default (`engine.first_chunk`), so a
-# seeded request's audio depends on what else ran before it (on a slow CPU, a lot). The
-# tests that compare audio across requests, restarts or servers fix it.
-FIXED_FIRST_CHUNK = ("--engine.initial-hop-max", "0")
+# By default chunk sizes follow timing: the first chunk's the measured load
+# (`engine.first_chunk`), a later chunk's how far ahead of its listener it is
+# (`engine.chunk_patience_s`). So a seeded request's audio and its chunks depend on what else
+# ran before it and on how fast this CPU is. The tests that compare audio across requests,
+# restarts or servers, or count chunks, fix both.
+FIXED_CHUNKS = ("--engine.initial-hop-max", "0", "--engine.chunk-patience-s", "0")
 
 
 def engine_config(model_dir: Path) -> EngineConfig:
-    """The tiny engine as the tests run it: CPU, torch LM, no warm-up synthesis, and first
-    chunks of a fixed size (FIXED_FIRST_CHUNK)."""
-    return EngineConfig(model_dir=Path(model_dir), device="cpu", lm_backend="torch", warmup=False, initial_hop_max=0)
+    """The tiny engine as the tests run it: CPU, torch LM, no warm-up synthesis, and
+    chunks of fixed sizes (FIXED_CHUNKS)."""
+    return EngineConfig(model_dir=Path(model_dir), device="cpu", lm_backend="torch", warmup=False, initial_hop_max=0,
+                        chunk_patience_s=0.0)
 
 
 async def create_engine(model_dir: Path) -> Engine:
@@ -217,7 +220,8 @@ def gateway_settings(model_dir: Path, root: Path, **over: Any) -> Settings:
         assets_dir=root / "no-assets",
         api_keys=(API_KEY,),
         default_voice="default",
-        engine=EngineSettings(device="cpu", lm_backend="torch", warmup=False, initial_hop_max=0),
+        engine=EngineSettings(device="cpu", lm_backend="torch", warmup=False, initial_hop_max=0,
+                              chunk_patience_s=0.0),
         voices=VoiceLimits(max_upload_bytes=2_000_000),
     )
     return replace(base, **over)
@@ -468,7 +472,7 @@ class GatewayProcess:
         cmd = [sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--data-dir", str(self.root / "data"),
                "--assets-dir", str(self.root / "assets"), "--engine.device", "cpu",
-               "--engine.lm-backend", "torch", "--engine.warmup", "false", *FIXED_FIRST_CHUNK, *self.args]
+               "--engine.lm-backend", "torch", "--engine.warmup", "false", *FIXED_CHUNKS, *self.args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
         env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
         self.root.mkdir(parents=True, exist_ok=True)

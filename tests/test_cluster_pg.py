@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from gateway.audio_files import wav_bytes
-from helpers import FIXED_FIRST_CHUNK
+from helpers import FIXED_CHUNKS
 from pg_server import PgServer, find_pg_bindir, free_port, temporary_postgres
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def start_replica(name: str, tmp: Path, db_url: str) -> Replica:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
     cmd = [sys.executable, "-m", "gateway", "--model", "tiny-random", "--port", str(port),
            "--data-dir", str(data), "--voice-store", db_url, "--assets-dir", str(REPO / "assets"),
-           "--log-level", "info", *FIXED_FIRST_CHUNK]  # the replicas' audio is compared
+           "--log-level", "info", *FIXED_CHUNKS]  # the replicas' audio is compared
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     return Replica(name, port, proc, log)

@@ -25,9 +25,11 @@ TOKEN_SAMPLES = 2 * SPF  # 25 Hz tokens -> 960 samples each
 
 
 def run(model_dir: Path, fn, **cfg):
-    # Fixed first chunks unless a test asks otherwise: sized from the measured load
-    # (`engine.first_chunk`), a short utterance on a slow CPU becomes one chunk.
+    # Fixed chunk sizes unless a test asks otherwise: sized from the measured load
+    # (`engine.first_chunk`) or from how far ahead of its listener a chunk is
+    # (`engine.chunk_patience_s`), a short utterance on a slow CPU becomes one chunk.
     cfg.setdefault("initial_hop_max", 0)
+    cfg.setdefault("chunk_patience_s", 0.0)
 
     async def main():
         engine = await Engine.create(EngineConfig(model_dir=model_dir, device="cpu", lm_backend="torch", **cfg))

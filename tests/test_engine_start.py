@@ -20,7 +20,8 @@ from tests.test_engine import default_voice
 def start_and_speak(model_dir: Path, overlap: bool) -> tuple[list[str], np.ndarray]:
     async def main() -> tuple[list[str], np.ndarray]:
         engine = await Engine.create(EngineConfig(model_dir=model_dir, device="cpu", lm_backend="torch",
-                                                  initial_hop_max=0, warmup_concurrency=0, overlap_start=overlap))
+                                                  initial_hop_max=0, chunk_patience_s=0.0, warmup_concurrency=0,
+                                                  overlap_start=overlap))
         try:
             assert engine.ready
             voice = await default_voice(engine)

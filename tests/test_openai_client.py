@@ -43,7 +43,7 @@ def make_settings(model_dir: Path, root: Path) -> Settings:
         assets_dir=assets,
         api_keys=(API_KEY,),
         default_voice="default",
-        engine=EngineSettings(device="cpu", lm_backend="torch", initial_hop_max=0),  # reproducible audio
+        engine=EngineSettings(device="cpu", lm_backend="torch", initial_hop_max=0, chunk_patience_s=0.0),  # reproducible audio
     )
 
 

@@ -350,7 +350,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert st["format"] == "opus" and st["sample_rate"] == 48000
     assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
                                     "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false",
-                                    "--engine.flow-context-cache-mib", "0"]
+                                    "--engine.flow-context-cache-mib", "0", "--engine.chunk-patience-s", "0"]
     assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
     for start in st["start_s"].values():  # the engine's start by step, and the voice's registration
         assert set(start) == {"voice_s", "load", "lm", "stage", "voice", "warmup"} and start["load"] > 0, start
