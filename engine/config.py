@@ -192,6 +192,17 @@ class EngineConfig:
     # Larger values give earliest-deadline-first batches of any mix of lengths (with
     # flow_fill_padding, the short rows then use the padding instead of waiting).
     stage_window_tolerance: float = 0.25
+    # Either policy: a row due before its whole round would end (a session whose first
+    # chunk went alone in a burst, with only that chunk's audio ahead of the 64-row round
+    # of everyone's second chunks) runs first in a smaller round, and the rows with time
+    # to spare in the next, when that leaves fewer rows late (`engine.token2wav.deadline_cut`).
+    stage_deadline_cut: bool = True
+    # ... counting a row late when its round would end less than this before its audio
+    # runs out at the client. The default is the deadlines' own margin (the engine's
+    # DEADLINE_MARGIN_S, which also leaves room for the round itself): a second chunk behind
+    # a first chunk of less audio than that (10 tokens make 240 ms) is then late before any
+    # round, and the cut does not see it (round 26 of docs/benchmarks.md).
+    stage_deadline_cut_margin_ms: float = 250.0
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,
@@ -302,6 +313,8 @@ class EngineConfig:
             raise ValueError("chunk_patience_s must be in 0..60")
         if not 0 <= self.first_chunk_hold_share <= 0.5:
             raise ValueError("first_chunk_hold_share must be in 0..0.5")
+        if not 0 <= self.stage_deadline_cut_margin_ms <= 1000:  # also refuses NaN
+            raise ValueError("stage_deadline_cut_margin_ms must be in 0..1000")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:

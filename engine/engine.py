@@ -182,6 +182,8 @@ class EngineStats:
     # expected they came, summed (StageStats; a gauge: the sum falls when they came sooner).
     first_chunk_passed_over: int = 0
     first_chunk_passed_over_late_seconds: float = 0.0
+    # engine.stage_deadline_cut: rounds cut short for rows due before they would end.
+    deadline_cuts: int = 0
     # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
     # and the bytes it holds.
     prompt_cache_hits: int = 0
@@ -381,7 +383,9 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,
                           flow_split_prefix_rows=config.flow_split_prefix_rows,
                           first_chunk_hold_s=config.first_chunk_hold_ms / 1000,
-                          first_chunk_hold_share=config.first_chunk_hold_share)
+                          first_chunk_hold_share=config.first_chunk_hold_share,
+                          cut_for_deadlines=config.stage_deadline_cut,
+                          cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)
@@ -735,6 +739,7 @@ class Engine:
             first_chunk_hold_caught=st.first_chunk_hold_caught,
             first_chunk_passed_over=st.first_chunk_passed_over,
             first_chunk_passed_over_late_seconds=st.first_chunk_passed_over_late_seconds,
+            deadline_cuts=st.deadline_cuts,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
             context_reads=st.context_reads,
@@ -1278,7 +1283,10 @@ class Session:
             queued_at = time.monotonic()
             # The chunks queued before this one and not yet made play before it too.
             in_flight = (sched.offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / opts.speed
-            job.deadline, job.urgent = chunk_due(queued_at, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
+            runs_out = self.playback.runs_out()
+            job.deadline, job.urgent = chunk_due(queued_at, runs_out, self._audio_ahead(utt) + in_flight)
+            if in_flight > 0:  # taken as delivered now: the stage corrects by when it is
+                job.deadline_from = max(queued_at, runs_out)
             eng.stage.submit(job)
             await handed.put(_Queued(job, sched.index, extent, queued_at, end, finalize,
                                      eng.stage.live_utterances(stream), patient))

@@ -19,7 +19,7 @@ engine -> stage
                                     name it by key (the stage's prompt cache keys on it)
     ("release", sids, keys)         vocoder streams and tensors the engine dropped
     ("stream", sid)                 a new vocoder stream (one per utterance)
-    ("submit", jid, sid, chunk, speed, index, urgent, deadline)
+    ("submit", jid, sid, chunk, speed, index, urgent, deadline, deadline_from)
     ("cancel", jids)                queued chunks of cancelled utterances
     ("expect", sid, due, round_s)   `AudioStage.expect_first_chunk`
     ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started;
@@ -205,7 +205,8 @@ class RemoteStage:
         jid = next(self._ids)
         job.seq = jid
         chunk = self._wire(job.flow)
-        self._send(("submit", jid, stream.sid, chunk, job.speed, job.chunk_index, job.urgent, job.deadline))
+        self._send(("submit", jid, stream.sid, chunk, job.speed, job.chunk_index, job.urgent, job.deadline,
+                    job.deadline_from))
         self._jobs[jid] = job
         return job.future
 
@@ -493,9 +494,10 @@ class _StageServer:
         self.streams[sid] = self.stage.new_stream()
 
     def on_submit(self, jid: int, sid: int, wire: ChunkWire, speed: float, index: int, urgent: bool,
-                  deadline: float) -> None:
+                  deadline: float, deadline_from: float | None) -> None:
         job = ChunkJob(self.chunk(wire), self.streams[sid], speed, index,
-                       functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent)
+                       functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent,
+                       deadline_from=deadline_from)
         self.stage.submit(job)
         job.started.add_done_callback(functools.partial(self._started, jid))
         job.future.add_done_callback(functools.partial(self._done, jid))

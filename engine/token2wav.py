@@ -78,6 +78,11 @@ class ChunkJob:
     # When this chunk's audio is needed (time.monotonic seconds); only the "deadline"
     # policy reads it. Unset = as urgent as can be.
     deadline: float = -math.inf
+    # Set when `deadline` counted the audio of its utterance's earlier chunks still being
+    # made as if delivered at this time (time.monotonic; the engine cannot know when their
+    # round ends). The stage moves the deadline by how much later their round did end
+    # (`AudioStage._refresh_deadlines`). None: nothing of the utterance was in the making.
+    deadline_from: float | None = None
     # A first chunk (chunk_index 0) whose audio the listener waits for in silence; the
     # "first_chunks" policy lets only these jump the queue. The engine clears it for an
     # utterance queued behind its session's audio still playing (`chunk_due`).
@@ -133,6 +138,39 @@ def deadline_batch(candidates: Sequence[BatchCandidate], max_batch: int, window_
             shortest = longest = w
         chosen.append(i)
     return chosen
+
+
+def deadline_cut(deadlines: Sequence[float], now: float,
+                 round_s: Callable[[Sequence[int]], float | None]) -> list[int] | None:
+    """The rows of a batch to run first, in a smaller round of their own, or None to run
+    the batch whole. `deadlines`: when each row's audio is needed (time.monotonic
+    seconds); `round_s(rows)`: the predicted seconds of a round of those rows (None:
+    no prediction yet).
+
+    Every row of a round is done when the round is. A row due before a long round ends,
+    say a session whose first chunk went alone and that has only that chunk's audio
+    ahead, runs its listener dry although a small round would have made it in time. So
+    the rows due before the whole round's end (rows already past due with them: they
+    only gain) run first, and the rest, due later, go to the next round, when that
+    leaves fewer rows with a deadline still ahead missing it: the first round by its own
+    end, the rest by the end of both. Rows already past due do not count as misses
+    either way; the rest never includes one."""
+    rows = range(len(deadlines))
+    whole = round_s(rows)
+    if whole is None:
+        return None
+    end = now + whole
+    first = [i for i in rows if deadlines[i] < end]
+    rest = [i for i in rows if deadlines[i] >= end]
+    missed = sum(1 for i in first if deadlines[i] > now)
+    if not missed or not rest:
+        return None
+    first_s, rest_s = round_s(first), round_s(rest)
+    if first_s is None or rest_s is None:
+        return None
+    missed_cut = (sum(1 for i in first if now < deadlines[i] < now + first_s)
+                  + sum(1 for i in rest if deadlines[i] < now + first_s + rest_s))
+    return first if missed_cut < missed else None
 
 
 # `engine.flow_split_batches`: the fixed cost of one more flow call, in row-frames of ODE work
@@ -262,6 +300,9 @@ class StageStats:
     # sooner). Passed over and late: the estimates were short; on time: the hold was.
     first_chunk_passed_over: int = 0
     first_chunk_passed_over_late_seconds: float = 0.0
+    # `cut_for_deadlines`: rounds cut short so that rows due before the whole round's end
+    # ran first (`deadline_cut`).
+    deadline_cuts: int = 0
 
 
 def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int) -> int:
@@ -312,7 +353,8 @@ class AudioStage:
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "sdpa", flow_split_prefix_rows: int = 8,
-                 first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0):
+                 first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
+                 cut_for_deadlines: bool = False, cut_shift_s: float = 0.0):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -369,8 +411,15 @@ class AudioStage:
         # First chunks on their way (`expect_first_chunk`), by vocoder stream. Weak: an
         # utterance that ends is gone.
         self._coming: weakref.WeakKeyDictionary[object, _Expected] = weakref.WeakKeyDictionary()
+        # When each utterance's latest round ended (time.monotonic), by vocoder stream: its
+        # queued chunk's deadline moves by it (`_refresh_deadlines`).
+        self._done_at: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
         self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
         self.first_chunk_hold_share = first_chunk_hold_share  # engine.first_chunk_hold_share
+        self.cut_for_deadlines = cut_for_deadlines  # engine.stage_deadline_cut: see deadline_cut
+        # ... which takes a row as late when its round ends after its deadline plus this
+        # (engine.stage_deadline_cut_margin_ms: the chunks' deadline margin less its own).
+        self.cut_shift_s = cut_shift_s
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
@@ -489,9 +538,25 @@ class AudioStage:
         """Queued chunks whose cancel check is `is_cancelled` (tests, metrics)."""
         return sum(1 for j in self._pending if j.is_cancelled is is_cancelled)
 
+    def _refresh_deadlines(self, jobs: list[ChunkJob]) -> None:
+        """Move each job's deadline by how much later than it assumed its utterance's
+        earlier chunk was delivered (`ChunkJob.deadline_from`). An utterance queues its
+        next chunk as soon as the stage takes the previous one, so that chunk's audio
+        comes back a whole round after the deadline took it as delivered: in a burst a
+        second chunk's deadline was a 163-ms opening round early, and every row of the
+        second round looked late already."""
+        for job in jobs:
+            if job.deadline_from is None:
+                continue
+            done = self._done_at.get(job.hift_stream)
+            if done is not None and done > job.deadline_from:
+                job.deadline += done - job.deadline_from
+                job.deadline_from = done
+
     def _take_batch(self) -> list[ChunkJob]:
         self.drop_cancelled()
         live = self._pending
+        self._refresh_deadlines(live)
         if self.policy == "deadline":
             picked = deadline_batch([BatchCandidate(j.deadline, len(j.flow.tokens), j.seq) for j in live],
                                     self.max_batch, self.window_tolerance)
@@ -504,6 +569,8 @@ class AudioStage:
             # earlier audio plays first, and jumping ahead of its next chunks stalls it.
             live.sort(key=lambda j: (not (j.chunk_index == 0 and j.urgent), j.seq))
             batch, self._pending = live[: self.max_batch], live[self.max_batch :]
+        if self.cut_for_deadlines and len(batch) > 1:
+            batch = self._cut_for_deadlines(batch)
         self.stats.queued = len(self._pending)
         if self.fill_padding:
             self._fill_padding(batch)
@@ -514,12 +581,14 @@ class AudioStage:
         look = 0 if chunk.finalize else self.flow.pre_lookahead_len
         return self.flow.token_mel_ratio * (len(chunk.tokens) - look)
 
-    def _padding_rooms(self, chunks: list[FlowChunk]) -> list[int]:
-        """Per chunk, the tokens it can grow by without lengthening any flow call of its
-        batch, whichever way the worker decodes it: its whole window (no prompt cache, or
-        the cache not paying for this batch) or the frames after the cached prefix (which
-        differ between voices; none for a prompt too long for the cache's budget). With
-        split batches, against its own call's longest row."""
+    def _call_plan(self, chunks: list[FlowChunk],
+                   split: bool = True) -> tuple[list[list[int]], list[list[int]], int, bool]:
+        """How the worker will run these chunks as seen from the event loop: the rows of
+        each flow call, the frames each chunk computes by each way the worker may decode
+        it (its whole window; with the prompt cache, also the frames after the cached
+        prefix, which differ between voices; none for a prompt too long for the cache's
+        budget), and the calls' cached prefix width and whether it is one voice's.
+        `split=False`: all in one call, whatever `split_batches` says."""
         full = [self._window_frames(c) for c in chunks]
         measures = [full]
         cache = self.prompt_cache
@@ -531,12 +600,19 @@ class AudioStage:
                 return 0 if refused is not None and frames >= refused else frames
 
             measures.append([f - prefix(c) for f, c in zip(full, chunks)])
-        if self.split_batches:
-            width = max((f - m for f, m in zip(full, measures[-1])), default=0)
-            shared = all(c.prompt_feat is chunks[0].prompt_feat for c in chunks)  # one voice, as far as seen here
+        width = max((f - m for f, m in zip(full, measures[-1])), default=0)
+        shared = all(c.prompt_feat is chunks[0].prompt_feat for c in chunks)  # one voice, as far as seen here
+        if self.split_batches and split:
             calls = split_by_length(measures[-1], solved=self._split_pricing(width, shared))
         else:
             calls = [list(range(len(chunks)))]
+        return calls, measures, width, shared
+
+    def _padding_rooms(self, chunks: list[FlowChunk]) -> list[int]:
+        """Per chunk, the tokens it can grow by without lengthening any flow call of its
+        batch, whichever way the worker decodes it (`_call_plan`). With split batches,
+        against its own call's longest row."""
+        calls, measures, _, _ = self._call_plan(chunks)
         rooms = [0] * len(chunks)
         ratio = self.flow.token_mel_ratio
         for rows in calls:
@@ -544,6 +620,38 @@ class AudioStage:
             for k, i in enumerate(rows):
                 rooms[i] = min(r[k] for r in per_measure)
         return rooms
+
+    def _round_seconds(self, chunks: list[FlowChunk], split: bool = True) -> float | None:
+        """Predicted wall seconds of a round of these chunks (`RoundTimes`), from the flow
+        work the worker would count for it: each call at its graph bucket's padded shape
+        (at its exact one without graphs), after the cached prompt prefix where there is
+        a cache. `split=False`: as one call, which the worker's split never exceeds."""
+        if not chunks:
+            return 0.0
+        calls, measures, width, shared = self._call_plan(chunks, split)
+        frames = measures[-1]
+        solved = (call_work(self.graph_policy, width, shared) if self.flow_cuda_graphs
+                  else lambda rows, longest: rows * longest)
+        return self.rounds.predict(sum(solved(len(rows), max(frames[i] for i in rows)) for rows in calls))
+
+    def _cut_for_deadlines(self, batch: list[ChunkJob]) -> list[ChunkJob]:
+        """`deadline_cut` on a batch the policy picked: the rows to run now; the others go
+        back to the head of the queue for the next round. A cut plans the calls of three
+        rounds (~0.5 ms each at 64 rows on the CPU machine), so first a bound: with no row
+        due before an unsplit round would end, no cut can pay."""
+        chunks = [j.flow for j in batch]
+        due = [j.deadline + self.cut_shift_s for j in batch]
+        now = time.monotonic()
+        bound = self._round_seconds(chunks, split=False)
+        if bound is None or not any(now < d < now + bound for d in due):
+            return batch
+        first = deadline_cut(due, now, lambda rows: self._round_seconds([chunks[i] for i in rows]))
+        if first is None:
+            return batch
+        kept = set(first)
+        self._pending[:0] = [j for i, j in enumerate(batch) if i not in kept]
+        self.stats.deadline_cuts += 1
+        return [batch[i] for i in first]
 
     def _fill_padding(self, batch: list[ChunkJob]) -> None:
         """Grow the batch's shorter chunks into the padding it computes for them anyway.
@@ -658,7 +766,9 @@ class AudioStage:
         if self.context_cache is not None:
             ctx = self.context_cache
             st.context_reads, st.context_records, st.context_bytes = ctx.reads, ctx.records, ctx.nbytes
+        done = time.monotonic()
         for job, pcm in zip(batch, results):
+            self._done_at[job.hift_stream] = done
             if not job.future.done():
                 job.future.set_result(pcm)
 

@@ -93,6 +93,8 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_fill_padding=e.flow_fill_padding,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_window_tolerance=e.stage_window_tolerance,
+        stage_deadline_cut=e.stage_deadline_cut,
+        stage_deadline_cut_margin_ms=e.stage_deadline_cut_margin_ms,
         stage_devices=e.stage_devices,
         stage_process=e.stage_process,
         stage_mps_thread_percent=e.stage_mps_thread_percent,

@@ -29,6 +29,7 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
     {"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds", "stage_handoff_seconds",
      "flow_frames", "vocoder_frames", "flow_grown_chunks", "flow_grown_tokens", "patient_chunks", "patient_tokens",
      "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_passed_over",
+     "deadline_cuts",
      "prompt_cache_hits", "context_reads", "context_records", "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",
      "first_chunk_stage_wait_seconds", "first_chunk_stage_seconds", "first_chunk_tokens",
      "first_chunk_planned_tokens", "first_chunk_batch_rows",

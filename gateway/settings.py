@@ -174,6 +174,16 @@ class EngineSettings:
         metadata=_help("deadline policy: a batch's longest flow window is at most (1 + this) x its shortest; a large "
                        "value (e.g. 1000) batches by deadline alone"),
     )
+    stage_deadline_cut: bool = field(
+        default=True,
+        metadata=_help("a flow/vocoder round that would end after a row's playback deadline runs the rows due "
+                       "sooner first in a smaller round, when that leaves fewer rows late"),
+    )
+    stage_deadline_cut_margin_ms: float = field(
+        default=250.0,
+        metadata=_help("the deadline cut counts a row late when its round would end less than this before its "
+                       "audio runs out at the client (0..1000)"),
+    )
     stage_profile_dir: str = field(
         default="",
         metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory "

@@ -28,8 +28,8 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import (AudioStage, BatchCandidate, ChunkJob, call_work, deadline_batch, padding_room,
-                              split_by_length)
+from engine.token2wav import (AudioStage, BatchCandidate, ChunkJob, call_work, deadline_batch, deadline_cut,
+                              padding_room, split_by_length)
 from engine.types import AudioChunk, SessionOptions
 from gateway.app import engine_config
 from gateway.settings import load_settings
@@ -88,6 +88,37 @@ def test_chunk_due() -> None:
     assert chunk_due(100.0, 102.0, 3.0, margin=0.0) == (105.0, False)
     assert chunk_due(100.0, -inf, 3.0, margin=0.0) == (103.0, False)  # ... even before any is heard
     assert chunk_due(100.0, 97.0, 3.0, margin=0.0) == (103.0, False)  # silent now: it starts from now
+
+
+def _linear_round(fixed: float, per_row: float):  # noqa: ANN202
+    return lambda rows: fixed + per_row * len(rows)
+
+
+def test_deadline_cut_runs_a_row_due_before_the_round_ends_first() -> None:
+    """A burst's second round: one session (row 0) has only its lone first chunk's audio
+    ahead, the 63 others a second more. A 64-row round (0.34 s) would end after row 0's
+    deadline; a one-row round first (0.025 s) saves it and the rest still end in time."""
+    now = 100.0
+    deadlines = [now + 0.3] + [now + 1.0] * 63
+    assert deadline_cut(deadlines, now, _linear_round(0.02, 0.005)) == [0]
+    # Rows already past due (listeners waiting in silence) go with it: they only gain.
+    deadlines = [now + 0.3, now - 0.1, float("-inf")] + [now + 1.0] * 61
+    assert deadline_cut(deadlines, now, _linear_round(0.02, 0.005)) == [0, 1, 2]
+
+
+def test_deadline_cut_keeps_a_round_whole_when_cutting_makes_more_rows_late() -> None:
+    now = 100.0
+    # The 63 would miss 0.35 s behind a one-row round: 63 late against 1.
+    assert deadline_cut([now + 0.3] + [now + 0.35] * 63, now, _linear_round(0.02, 0.005)) is None
+    # Row 0 would be late even alone (due in 10 ms): cutting saves nobody.
+    assert deadline_cut([now + 0.01] + [now + 1.0] * 63, now, _linear_round(0.02, 0.005)) is None
+    # Nothing due before the round ends, or only rows already past due: nothing to save.
+    assert deadline_cut([now + 1.0] * 8, now, _linear_round(0.02, 0.005)) is None
+    assert deadline_cut([now - 1.0] + [now + 1.0] * 7, now, _linear_round(0.02, 0.005)) is None
+    # Every row due before the end: no rest to defer.
+    assert deadline_cut([now + 0.01, now + 0.02], now, _linear_round(0.02, 0.005)) is None
+    # No round measured yet: no prediction, no cut.
+    assert deadline_cut([now + 0.3] + [now + 1.0] * 63, now, lambda rows: None) is None
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -294,6 +325,13 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
         engine_config(s, tmp_path)
     s, _ = load_settings(["--engine.stage-window-tolerance", "1000"], environ={})
     assert engine_config(s, tmp_path).stage_window_tolerance == 1000.0
+    assert cfg.stage_deadline_cut_margin_ms == 250.0
+    s, _ = load_settings(["--engine.stage-deadline-cut-margin-ms", "50"], environ={})
+    assert engine_config(s, tmp_path).stage_deadline_cut_margin_ms == 50.0
+    for bad in ("-1", "nan", "2000"):
+        s, _ = load_settings(["--engine.stage-deadline-cut-margin-ms", bad], environ={})
+        with pytest.raises(ValueError, match="stage_deadline_cut_margin_ms"):
+            engine_config(s, tmp_path)
     for bad in ("-0.5", "nan"):
         s, _ = load_settings(["--engine.stage-window-tolerance", bad], environ={})
         with pytest.raises(ValueError, match="stage_window_tolerance"):
@@ -474,6 +512,86 @@ def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> N
     asyncio.run(go())
     # seq 3 (urgent first chunk) first; seq 1 (a first chunk behind playing audio) in FIFO order.
     assert stage.batches == [[3, 0], [1, 2]]
+
+
+def test_the_stage_cuts_a_round_for_a_row_due_before_it_ends(flow, hift) -> None:
+    """Three like rows; the round times the stage learnt say 1 s for one row and 10 s for
+    three. Row 0 is due in 5 s, the others in 100: with the cut, row 0 runs alone first,
+    and the audio is the same as in one round."""
+    chunks = [_chunk(40, seed=i) for i in range(3)]
+
+    def serve(cut: bool, first_due: float = 5.0, shift: float = 0.0) -> tuple[_RecordingStage, list[np.ndarray]]:
+        stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, cut_for_deadlines=cut,
+                                cut_shift_s=shift)
+        frames = stage._window_frames(chunks[0])
+        stage.rounds.observe(frames, 1.0)
+        stage.rounds.observe(3 * frames, 10.0)
+
+        async def go() -> list[np.ndarray]:
+            now = time.monotonic()
+            jobs = [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
+                             is_cancelled=lambda: False, deadline=now + due)
+                    for c, due in zip(chunks, (first_due, 100.0, 100.0))]
+            tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
+            await stage.start()
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                await stage.close()
+
+        return stage, asyncio.run(go())
+
+    whole, pcm_whole = serve(cut=False)
+    cut, pcm_cut = serve(cut=True)
+    assert whole.batches == [[0, 1, 2]] and whole.stats.deadline_cuts == 0
+    assert cut.batches == [[0], [1, 2]] and cut.stats.deadline_cuts == 1
+    for a, b in zip(pcm_whole, pcm_cut):
+        assert a.size == b.size == 2 * (40 - 13) * 480 and float(np.abs(a - b).max()) <= 1e-4
+    # A deadline already past (its margin longer than the audio ahead) is no miss the cut
+    # can prevent; with the cut's own margin smaller by 6 s, it is due in 5 s again.
+    assert serve(cut=True, first_due=-1.0)[0].batches == [[0, 1, 2]]
+    assert serve(cut=True, first_due=-1.0, shift=6.0)[0].batches == [[0], [1, 2]]
+
+
+def test_a_deadline_moves_with_the_end_of_its_utterances_previous_round(flow, hift) -> None:
+    """A chunk queued while its utterance's previous chunk is in its round was given a
+    deadline as if that audio were delivered when it was queued; once that round is over
+    the stage moves the deadline by how much later it ended, once."""
+    stage = AudioStage(flow, hift, torch.device("cpu"))
+
+    async def go() -> tuple[ChunkJob, float, float]:
+        stream = stage.new_stream()
+        await stage.start()
+        try:
+            first = ChunkJob(flow=dataclasses.replace(_chunk(30, seed=0), finalize=False), hift_stream=stream,
+                             speed=1.0, chunk_index=0,
+                             is_cancelled=lambda: False)
+            pcm = stage.submit(first)
+            await first.started
+            queued = time.monotonic()
+            second = ChunkJob(flow=_chunk(30, seed=1), hift_stream=stream, speed=1.0, chunk_index=1,
+                              is_cancelled=lambda: False, deadline=queued + 100.0, deadline_from=queued)
+            stage.submit(second)
+            await pcm
+            done = stage._done_at[stream]
+            await second.future
+            return second, queued, done
+        finally:
+            await stage.close()
+
+    second, queued, done = asyncio.run(go())
+    assert done > queued and second.deadline_from == done
+    assert second.deadline == pytest.approx(queued + 100.0 + (done - queued))
+
+    # No earlier chunk in the making, or its round over before the reckoning: unchanged.
+    a, b = stage.new_stream(), stage.new_stream()
+    stage._done_at[a] = stage._done_at[b] = 7.0
+    plain = ChunkJob(flow=_chunk(30, seed=2), hift_stream=a, speed=1.0, chunk_index=1, is_cancelled=lambda: False,
+                     deadline=10.0)
+    earlier = ChunkJob(flow=_chunk(30, seed=3), hift_stream=b, speed=1.0, chunk_index=1, is_cancelled=lambda: False,
+                       deadline=10.0, deadline_from=8.0)
+    stage._refresh_deadlines([plain, earlier])
+    assert (plain.deadline, earlier.deadline, earlier.deadline_from) == (10.0, 10.0, 8.0)
 
 
 def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, second_after: float = 0.05,
@@ -824,7 +942,8 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
 @pytest.mark.parametrize("flag,name,attr,default", [
     ("--engine.flow-split-batches", "flow_split_batches", "split_batches", True),
     ("--engine.flow-split-padded", "flow_split_padded", "split_padded", True),
-    ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False)])
+    ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False),
+    ("--engine.stage-deadline-cut", "stage_deadline_cut", "cut_for_deadlines", True)])
 def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr, default) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
     assert getattr(engine_config(s, tmp_path), name) is default
@@ -837,5 +956,6 @@ def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, at
                         dataclasses.replace(cfg, model_dir=tiny_model_dir, device="cpu"))
     try:
         assert getattr(stage, attr) is not default and stage.window_tolerance == 3.0
+        assert stage.cut_shift_s == pytest.approx(DEADLINE_MARGIN_S - 0.25)  # the default cut margin
     finally:
         stage._pool.shutdown(wait=True)
