@@ -147,6 +147,21 @@ class _RecordingStage(AudioStage):
         return super()._compute(batch)
 
 
+def _serve(stage: AudioStage, make_jobs, return_exceptions: bool = False) -> list[object]:  # noqa: ANN001
+    """Queue the jobs `make_jobs()` builds before the stage's loop first runs (its task is
+    created after theirs, so it finds them all queued), run them, close the stage; each
+    job's PCM (or exception)."""
+    async def go() -> list[object]:
+        tasks = [asyncio.create_task(stage.run(j)) for j in make_jobs()]
+        await stage.start()
+        try:
+            return list(await asyncio.gather(*tasks, return_exceptions=return_exceptions))
+        finally:
+            await stage.close()
+
+    return asyncio.run(go())
+
+
 def _chunk(window: int, seed: int) -> FlowChunk:
     g = torch.Generator().manual_seed(seed)
     tp = 13
@@ -155,21 +170,11 @@ def _chunk(window: int, seed: int) -> FlowChunk:
 
 
 def _run_queued(stage: AudioStage, specs: list[tuple[int, int, float, bool]]) -> list[object]:
-    """Queue one job per (window, chunk_index, deadline, cancelled) before the stage's loop
-    first runs (its task is created after theirs, so it finds them all queued), then run
-    them; returns each job's PCM or exception."""
-    async def go() -> list[object]:
-        jobs = [ChunkJob(flow=_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=idx,
-                         is_cancelled=lambda c=cancelled: c, deadline=deadline)
-                for i, (w, idx, deadline, cancelled) in enumerate(specs)]
-        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
-        await stage.start()
-        try:
-            return list(await asyncio.gather(*tasks, return_exceptions=True))
-        finally:
-            await stage.close()
-
-    return asyncio.run(go())
+    """One job per (window, chunk_index, deadline, cancelled), all queued before the stage
+    runs (`_serve`); each job's PCM or exception."""
+    return _serve(stage, lambda: [ChunkJob(flow=_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0,
+                                           chunk_index=idx, is_cancelled=lambda c=cancelled: c, deadline=deadline)
+                                  for i, (w, idx, deadline, cancelled) in enumerate(specs)], return_exceptions=True)
 
 
 SPECS = [  # (window tokens, chunk index, deadline, cancelled)
@@ -498,18 +503,9 @@ def test_first_chunks_policy_lets_only_urgent_first_chunks_jump(flow, hift) -> N
     its turn; one heard after silence jumps the queue."""
     stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=2)
 
-    async def go() -> None:
-        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=idx,
-                         is_cancelled=lambda: False, urgent=urgent)
-                for i, (idx, urgent) in enumerate([(2, True), (0, False), (3, True), (0, True)])]
-        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
-        await stage.start()
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await stage.close()
-
-    asyncio.run(go())
+    _serve(stage, lambda: [ChunkJob(flow=_chunk(30, seed=i), hift_stream=stage.new_stream(), speed=1.0,
+                                    chunk_index=idx, is_cancelled=lambda: False, urgent=urgent)
+                           for i, (idx, urgent) in enumerate([(2, True), (0, False), (3, True), (0, True)])])
     # seq 3 (urgent first chunk) first; seq 1 (a first chunk behind playing audio) in FIFO order.
     assert stage.batches == [[3, 0], [1, 2]]
 
@@ -527,19 +523,13 @@ def test_the_stage_cuts_a_round_for_a_row_due_before_it_ends(flow, hift) -> None
         stage.rounds.observe(frames, 1.0)
         stage.rounds.observe(3 * frames, 10.0)
 
-        async def go() -> list[np.ndarray]:
+        def jobs() -> list[ChunkJob]:
             now = time.monotonic()
-            jobs = [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
+            return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
                              is_cancelled=lambda: False, deadline=now + due)
                     for c, due in zip(chunks, (first_due, 100.0, 100.0))]
-            tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
-            await stage.start()
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                await stage.close()
 
-        return stage, asyncio.run(go())
+        return stage, _serve(stage, jobs)
 
     whole, pcm_whole = serve(cut=False)
     cut, pcm_cut = serve(cut=True)
@@ -833,19 +823,9 @@ def _grow_run(stage: AudioStage, windows: list[int], take: dict[int, int]) -> tu
             return _open_chunk(windows[i] + n, seed=i) if n else None
         return grow
 
-    async def go() -> list[np.ndarray]:
-        jobs = [ChunkJob(flow=_open_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
-                         is_cancelled=lambda: False) for i, w in enumerate(windows)]
-        for i, j in enumerate(jobs):
-            j.grow = grower(i)
-        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
-        await stage.start()
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            await stage.close()
-
-    return rooms, asyncio.run(go())
+    return rooms, _serve(stage, lambda: [ChunkJob(flow=_open_chunk(w, seed=i), hift_stream=stage.new_stream(),
+                                                  speed=1.0, chunk_index=1, is_cancelled=lambda: False,
+                                                  grow=grower(i)) for i, w in enumerate(windows)])
 
 
 def test_fill_padding_grows_short_chunks_within_the_batch_length(flow, hift) -> None:
