@@ -75,8 +75,8 @@ class ChunkJob:
     is_cancelled: Callable[[], bool]
     future: asyncio.Future[np.ndarray] = field(repr=False, default=None)  # type: ignore[assignment]
     seq: int = 0
-    # When this chunk's audio is needed (time.monotonic seconds); only the "deadline"
-    # policy reads it. Unset = as urgent as can be.
+    # When this chunk's audio is needed, less the engine's margin (time.monotonic seconds);
+    # the "deadline" policy and the deadline cut read it. Unset = as urgent as can be.
     deadline: float = -math.inf
     # Set when `deadline` counted the audio of its utterance's earlier chunks still being
     # made as if delivered at this time (time.monotonic; the engine cannot know when their
