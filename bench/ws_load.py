@@ -903,6 +903,11 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),
             "flow_context_records": int(_delta(after, before, M_CONTEXT_RECORDS)),
             "flow_frames_per_chunk": flow_frames / chunks if chunks else None,
+            # Where the flow frames went: padding (to a call's longest row, to a graph's
+            # bucket) and frames re-read (left context, uncached prompt) besides those played.
+            "flow_exact_frames": (exact := int(_delta(after, before, "cosyvoice_engine_flow_exact_frames_total"))),
+            "flow_padding_share": (flow_frames - exact) / flow_frames if flow_frames else None,
+            "flow_reread_share": (exact - voc_frames) / flow_frames if flow_frames else None,
             "stage_busy_share": _delta(after, before, M_BUSY) / wall if wall > 0 else None,
             # Of that share: the stage waiting for its worker thread or the event loop.
             "stage_handoff_share": _delta(after, before, M_HANDOFF) / wall if wall > 0 else None,

@@ -166,6 +166,8 @@ class EngineStats:
     # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
     flow_frames: int = 0
     vocoder_frames: int = 0
+    # Of flow_frames, the rows' own frames before any padding (StageStats).
+    flow_exact_frames: int = 0
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
@@ -729,6 +731,7 @@ class Engine:
             stage_busy_seconds=st.busy_seconds,
             stage_handoff_seconds=st.handoff_seconds,
             flow_frames=st.flow_frames,
+            flow_exact_frames=st.flow_exact_frames,
             vocoder_frames=st.vocoder_frames,
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,

@@ -277,6 +277,10 @@ class StageStats:
     # frames after the cached prefix); vocoder = mel frames vocoded.
     flow_frames: int = 0
     vocoder_frames: int = 0
+    # Of flow_frames, the rows' own frames before padding (to a call's longest row, to a
+    # graph's bucket): flow_frames - this is padding, this - vocoder_frames the left
+    # context and prompt frames re-read.
+    flow_exact_frames: int = 0
     # Flow prompt cache (off unless enabled): chunks decoded from a cached prompt prefix,
     # and the bytes the cache holds now.
     prompt_cache_hits: int = 0
@@ -921,10 +925,14 @@ class AudioStage:
         return ctx.plan(chunks, entries, keys)
 
     def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None,
-                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int]:
-        """One flow call: mel per chunk and the padded rows x frames it ran. `keys`: the
-        chunks' utterances (their vocoder streams), for the context cache."""
+                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int, int]:
+        """One flow call: mel per chunk, the padded rows x frames it ran, and the frames its
+        rows computed before any padding (each row's window, after its cached prompt prefix
+        when decoded from the cache; with the context cache an upper bound: its kept frames
+        are read, not computed). `keys`: the chunks' utterances (their vocoder streams), for
+        the context cache."""
         cache = self.prompt_cache
+        cached = sum(0 if e is None else e.frames for e in entries) if entries is not None else 0
         plan = None if cache is None or entries is None or keys is None else self._context_plan(chunks, entries, keys)
         if plan is not None:
             assert cache is not None and entries is not None and self.context_cache is not None
@@ -938,7 +946,8 @@ class AudioStage:
             mels, shape = decode_with_prompt_cache(self.flow, chunks, entries, solver=self.graph_runner())
         else:
             mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
-        return mels, shape.rows * shape.frames
+            cached = 0  # the whole windows
+        return mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks) - cached
 
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
@@ -948,16 +957,17 @@ class AudioStage:
         entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
         keys = [j.hift_stream for j in batch]
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        flow_work = 0
+        flow_work = exact = 0
         # The phases are `record_function` ranges for `engine.stage_profile` (free when no
         # profiler runs).
         try:
             with record_function(PHASES[0]):
                 for rows in self._flow_calls(chunks, entries):
-                    part, work = self._decode([chunks[i] for i in rows],
-                                              None if entries is None else [entries[i] for i in rows],
-                                              [keys[i] for i in rows])
+                    part, work, unpadded = self._decode([chunks[i] for i in rows],
+                                                        None if entries is None else [entries[i] for i in rows],
+                                                        [keys[i] for i in rows])
                     flow_work += work
+                    exact += unpadded
                     for i, m in zip(rows, part):
                         out[i] = m
         except BaseException:
@@ -966,6 +976,7 @@ class AudioStage:
             raise
         decoded = [m for m in out if m is not None]
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
+        self.stats.flow_exact_frames += exact  # this worker thread is its only writer
         with record_function(PHASES[1]):
             # No operator call that changes nothing: at 64 chunks each one per row is 64 more
             # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).

@@ -288,6 +288,8 @@ def test_stage_counts_frames_and_pads_exactly(flow: CausalMaskedDiffWithDiT) -> 
     assert st.flow_frames == shape.rows * shape.frames == 3 * shape.frames
     mel_frames = sum(2 * (len(c.tokens) - (0 if c.finalize else 3) - c.out_start) for c in chunks)
     assert st.vocoder_frames == mel_frames
+    windows = [2 * (len(c.tokens) - (0 if c.finalize else 3)) for c in chunks]
+    assert st.flow_exact_frames == sum(windows) < st.flow_frames  # the shorter rows were padded
 
     # The same batch through the padded static-buffer path (what CUDA replays).
     padded_stage = AudioStage(flow, hift, torch.device("cpu"), graph_policy=POLICY)
@@ -296,6 +298,7 @@ def test_stage_counts_frames_and_pads_exactly(flow: CausalMaskedDiffWithDiT) -> 
     padded = _stage_run(padded_stage, chunks)
     assert padded_stage.stats.flow_frames == 4 * POLICY.bucket(3, shape.frames)[1]
     assert padded_stage.stats.vocoder_frames == mel_frames
+    assert padded_stage.stats.flow_exact_frames == sum(windows)  # the same rows, padded further
     assert [p.shape for p in padded] == [p.shape for p in plain]
     assert all(p.size > 0 for p in plain)
     assert max(float(np.abs(a - b).max()) for a, b in zip(plain, padded)) <= 1e-4

@@ -387,6 +387,11 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert server["first_chunk_passed_over"] >= 0 and "first_chunk_passed_over_late_ms" in server
         assert server["flow_context_reads"] == server["flow_context_records"] == 0  # the context cache is off
         assert server["flow_frames_per_chunk"] == server["flow_frames"] / server["flow_chunks"]
+        # Frames played <= frames the rows computed <= frames with padding; the shares add up.
+        assert server["vocoder_frames"] <= server["flow_exact_frames"] <= server["flow_frames"]
+        assert server["flow_padding_share"] + server["flow_reread_share"] == pytest.approx(
+            1 - server["vocoder_frames"] / server["flow_frames"])
+        assert server["deadline_cuts"] >= 0
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
         # The planner's inputs for the sessions' first segments (gauges): it planned them, on
         # the LM's measured rate (a round only once a batch was measured: no warm-up here).
