@@ -64,6 +64,7 @@ class DrainingServer(uvicorn.Server):
             return
         self.drain_deadline = time.monotonic() + self.drain_timeout
         gw.engine.ready = False  # type: ignore[attr-defined]
+        gw.draining = True  # type: ignore[attr-defined]
         log.info("signal %s: draining (up to %.0f s) before shutdown", sig, self.drain_timeout)
 
     async def on_tick(self, counter: int) -> bool:
@@ -74,7 +75,11 @@ class DrainingServer(uvicorn.Server):
                 await self._trim_if_idle()
             return False
         gw = self._gw()
-        busy = gw.engine.stats().active_sessions if gw is not None else 0  # type: ignore[attr-defined]
+        # Engine sessions, and the connections and streams still sending their audio: an
+        # engine session ends when its last audio is made, before a WebSocket has sent it
+        # (and its `done`), and stopping then cut that audio off.
+        busy = (max(gw.engine.stats().active_sessions, gw.metrics.sessions_active)  # type: ignore[attr-defined]
+                if gw is not None else 0)
         if busy and time.monotonic() < self.drain_deadline:
             return False
         if busy:

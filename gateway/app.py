@@ -51,6 +51,9 @@ class GatewayState:
     encode_pool: EncodePool
     # Base options of every WebSocket context (requests override them).
     session_defaults: SessionOptions = SessionOptions()
+    # Set on SIGTERM (`gateway.__main__`): new sessions are refused, and a WebSocket
+    # connection closes with 1001 once its contexts are done and their audio is sent.
+    draining: bool = False
 
 
 def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:

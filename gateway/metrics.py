@@ -150,6 +150,11 @@ class Metrics:
         with self._lock:
             self._sessions_active = max(0, self._sessions_active - 1)
 
+    @property
+    def sessions_active(self) -> int:
+        """WebSocket connections and HTTP speech streams open now."""
+        return self._sessions_active
+
     def observe_first_audio(self, seconds: float) -> None:
         with self._lock:
             self._first_audio.observe(seconds)

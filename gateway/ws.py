@@ -34,6 +34,7 @@ from engine.types import AudioChunk, SessionOptions, UtteranceError
 from .audio import ENGINE_RATE, Encoder, make_encoder
 from .errors import ApiError
 from .protocol import (
+    CLOSE_GOING_AWAY,
     CLOSE_IDLE,
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
@@ -378,6 +379,9 @@ class _Connection:
                 return
             if not self.state.contexts and now - self.last_client_at > limits.idle_timeout_s:
                 self.request_close(CLOSE_IDLE, "idle timeout", drain=True)
+                return
+            if not self.state.contexts and getattr(self.gw, "draining", False):
+                self.request_close(CLOSE_GOING_AWAY, "server shutting down", drain=True)
                 return
             if limits.keepalive_interval_s > 0 and self.writer.idle and now - self.writer.last_sent_at > limits.keepalive_interval_s:
                 self.send_event({"type": "keepalive", "t": round(now, 3)})

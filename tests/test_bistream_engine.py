@@ -6,12 +6,12 @@ import asyncio
 import random
 from pathlib import Path
 
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.frontend.tokenizer import TextTokenizer
 from engine.text_stream import TextFeed
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from engine.wavio import read_wav
+from helpers import engine_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Hello there, this sentence is streamed word by word while it is spoken. Numbers 1234 too!"
@@ -51,7 +51,10 @@ def test_incremental_tokenization_equals_whole_text(tiny_model_dir: Path) -> Non
 
 def _run(model_dir: Path, fn):
     async def main():
-        engine = await Engine.create(EngineConfig(model_dir=model_dir, device="cpu", lm_backend="torch", warmup=False))
+        # Chunks of fixed sizes (`helpers.engine_config`): the tests count chunks, and a streamed
+        # utterance queued behind more than `chunk_patience_s` of another's audio still to play
+        # (this CPU running ahead of real time) would otherwise go as one patient chunk.
+        engine = await Engine.create(engine_config(model_dir))
         try:
             return await fn(engine)
         finally:

@@ -24,7 +24,7 @@ import pytest
 import websockets
 
 from engine.types import SessionOptions
-from gateway.protocol import CLOSE_SLOW_CONSUMER, CLOSE_TRY_LATER, WsLimits
+from gateway.protocol import CLOSE_GOING_AWAY, CLOSE_SLOW_CONSUMER, CLOSE_TRY_LATER, WsLimits
 from helpers import (
     AUTH,
     FAST,
@@ -208,9 +208,13 @@ def test_sigterm_drains_in_flight_context_then_exits_0(tiny_model_dir: Path, tmp
                     await refused.recv_one()
                     with pytest.raises(websockets.ConnectionClosed):
                         await refused.recv_one(30)
-                # The open context still takes text and is spoken to the end.
+                # The open context still takes text and is spoken to the end; then, with no
+                # context left, the server closes the connection as it goes away (the
+                # process does not stop before: its audio and `done` were still to send).
                 await rec.send(type="text", context_id="t", text="And one more sentence to finish.", end=True)
                 await rec.until(lambda r: r.finished("t"), 120)
+                with pytest.raises(websockets.ConnectionClosed):
+                    await rec.recv_one(30)
                 return rec, refused
 
         try:
@@ -218,6 +222,7 @@ def test_sigterm_drains_in_flight_context_then_exits_0(tiny_model_dir: Path, tmp
         except Exception as exc:
             raise AssertionError("server log:\n" + "\n".join(gw.log[-25:])) from exc
         assert refused.events[0]["code"] == "not_ready" and refused.ws.close_code == CLOSE_TRY_LATER
+        assert rec.ws.close_code == CLOSE_GOING_AWAY
         (done,) = rec.of("done", "t")
         assert not rec.of("error") and done["audio_samples"] * 2 == len(rec.audio["t"]) > 0
         assert done["segments"] == 2 and rec.of("flushed", "t")

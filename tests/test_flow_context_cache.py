@@ -200,8 +200,9 @@ def test_the_cache_needs_a_bounded_ring(flow: CausalMaskedDiffWithDiT) -> None:
 
 
 async def _synthesize(model_dir, **overrides) -> tuple[list[np.ndarray], object]:  # noqa: ANN001
+    # Chunks of fixed sizes (as `helpers.engine_config`): the two runs compare audio.
     cfg = EngineConfig(model_dir=model_dir, device="cpu", lm_backend="torch", warmup=False, initial_hop=5,
-                       max_hop=50, seed=0, **overrides)
+                       max_hop=50, seed=0, initial_hop_max=0, chunk_patience_s=0.0, **overrides)
     engine = await Engine.create(cfg)
     try:
         sr = engine.sample_rate
