@@ -75,9 +75,9 @@ class DrainingServer(uvicorn.Server):
                 await self._trim_if_idle()
             return False
         gw = self._gw()
-        # Engine sessions, and the connections and streams still sending their audio: an
-        # engine session ends when its last audio is made, before a WebSocket has sent it
-        # (and its `done`), and stopping then cut that audio off.
+        # Engine sessions, and the connections and streams still sending their audio: a
+        # WebSocket context's engine session ends once its last audio and `done` are queued
+        # for the socket, and stopping then cut them off before they were sent.
         busy = (max(gw.engine.stats().active_sessions, gw.metrics.sessions_active)  # type: ignore[attr-defined]
                 if gw is not None else 0)
         if busy and time.monotonic() < self.drain_deadline:
