@@ -36,6 +36,15 @@ class EngineConfig:
     # had too (rounds 21-22), and no level of 32-128 sessions with 10 had one (rounds
     # 22-24). It costs one session ~4 LM steps of first audio: 85 ms in round 24, 74 with 6.
     initial_hop: int = 10
+    # ... and this many when nothing else is on the engine as the first chunk is sized (no
+    # other utterance decoding or on the stage: a lone session's first chunk rides a
+    # one-row round, ~25 ms on the H200, and its next chunk one like it). 8 tokens play
+    # 160 ms after the vocoder's holdback: room for a next chunk of up to 31 tokens at the
+    # 2.4-3.1 ms a token measured and a 100-113-ms lone round, the slowest one measured
+    # (rounds 21-22, where 6-token first chunks ran dry). The planner still raises it when
+    # its timeline predicts a stall. 0, or >= initial_hop: initial_hop alone. Only with the
+    # planner on (initial_hop_max > initial_hop): fixed chunks stay fixed.
+    idle_initial_hop: int = 8
     # The first chunk takes more tokens, up to this many, when the load predicts that the
     # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
     # rate and the audio stage's round times, both measured). <= initial_hop, or

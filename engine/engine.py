@@ -661,6 +661,11 @@ class Engine:
             shapes = [(rows, frames) for rows, frames in shapes if rows <= policy.prefix_max_rows]
         return await self.stage.warm_graphs(shapes)
 
+    def alone(self) -> bool:
+        """Whether at most one utterance is decoding and at most one is on the stages: the
+        one asking, sizing its first chunk (`EngineConfig.idle_initial_hop`)."""
+        return self.lm_streams <= 1 and self.stage.live_utterances() <= 1
+
     def _cached_prompt_frames(self, num_prompt_tokens: int) -> int:
         """C of a P-token prompt when the flow prompt cache serves this model, else 0."""
         flow = self.model.flow
@@ -712,6 +717,7 @@ class Engine:
         stage's round times (`RoundTimes.snapshot`): what sized the first chunks, beside
         what `stats` says they took."""
         return self.first_chunks.snapshot() | {"initial_hop": self.config.initial_hop,
+                                               "idle_initial_hop": self.config.idle_initial_hop,
                                                "round_times": self.stage.rounds.snapshot(),
                                                "live_utterances": self.stage.live_utterances()}
 
@@ -1219,6 +1225,11 @@ class Session:
         )
         prompt_tokens = voice.speech_tokens
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
+        # Whether nothing else is on the engine is known when the first chunk is sized: until
+        # then the schedule waits for the idle floor's tokens, and takes `busy_floor` if not.
+        busy_floor = None
+        if not first_planned and 0 < cfg.idle_initial_hop < cfg.initial_hop < cfg.initial_hop_max:
+            busy_floor, sched.initial_hop = cfg.initial_hop, cfg.idle_initial_hop
         # ... and so is a request's own schedule: no chunk cut by timing (patience) then.
         may_wait = opts.initial_hop is None and opts.max_hop is None
         look = flow_cfg.pre_lookahead_len
@@ -1241,17 +1252,22 @@ class Session:
                             await asyncio.wait_for(more.wait(), spare)
                         continue
                 first_planned = True  # no first-chunk plan for a chunk that is not awaited
+                if busy_floor is not None:
+                    sched.initial_hop = busy_floor
             hop = None if patient else sched.ready(len(tokens))
             if hop is not None and not first_planned:
                 # The first chunk could go now: size it for the load it goes into.
                 first_planned = True
+                low = sched.initial_hop
+                if busy_floor is not None and not eng.alone():
+                    sched.initial_hop = busy_floor
                 cached = eng._cached_prompt_frames(P)  # once: the planner asks for many chunks
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
                     opts.speed, opening=utt.opening, streams=eng.lm_streams,
                     staged=eng.stage.live_utterances(stream))
-                if first != sched.initial_hop:
+                if first != low:
                     sched.initial_hop = first
                     utt.stats.extra["first_hop"] = first
                     continue

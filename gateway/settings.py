@@ -37,6 +37,9 @@ class EngineSettings:
     device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N"))
     lm_backend: str = field(default="auto", metadata=_help("LM backend: auto (vllm on GPU when installed), torch, vllm"))
     initial_hop: int = field(default=10, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
+    idle_initial_hop: int = field(
+        default=8, metadata=_help("speech tokens in the first chunk when no other utterance is on the engine "
+                                  "(0 or >= initial_hop: initial_hop; needs the planner, initial_hop_max)"))
     initial_hop_max: int = field(
         default=40,
         metadata=_help("the first chunk takes up to this many speech tokens when the measured load (LM rate, "

@@ -345,6 +345,61 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     assert len(asked[0].pcm) <= 5 * TOKEN_SAMPLES
 
 
+def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
+    """Alone on the engine, the planner sizes the first chunk from idle_initial_hop; with
+    another utterance there, from initial_hop; a request's own initial_hop, and fixed
+    chunks (the planner off), are left as they are."""
+    floors: list[int] = []
+
+    async def fn(engine: Engine, cases):
+        voice = await default_voice(engine)
+
+        def planner(sched, *args, **kwargs):  # the floor it is given plays through
+            floors.append(sched.initial_hop)
+            return sched.initial_hop
+        engine.first_chunks.first_hop = planner
+        firsts = []
+        for alone, opts in cases:
+            engine.alone = lambda alone=alone: alone  # the instance's own, over the method
+            before = engine.stats().first_chunk_tokens
+            s = engine.open_session(voice, opts)
+            await s.submit("A sentence long enough for several chunks of speech here.")
+            await s.finish()
+            events = await collect(s)
+            assert all(isinstance(e, AudioChunk) for e in events) and events[-1].is_last
+            firsts.append(engine.stats().first_chunk_tokens - before)
+        return firsts
+
+    plain = SessionOptions(tokens_per_text_token=6.0, seed=3)
+    cases = [(True, plain), (False, plain), (True, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=9))]
+    assert run(tiny_model_dir, lambda e: fn(e, cases), warmup=False, initial_hop=10, idle_initial_hop=6,
+               initial_hop_max=40) == [6, 10, 9]
+    assert floors == [6, 10]  # the request's own first hop is not planned
+    floors.clear()
+    # The planner off (initial_hop_max <= initial_hop): the chunks stay fixed, alone or not.
+    assert run(tiny_model_dir, lambda e: fn(e, cases[:2]), warmup=False, initial_hop=10, idle_initial_hop=6,
+               initial_hop_max=0) == [10, 10]
+    assert floors == [10, 10]
+
+
+def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):
+    async def fn(engine: Engine):
+        seen = [engine.alone()]
+        engine.lm_streams = 1
+        seen.append(engine.alone())
+        engine.lm_streams = 2  # another one decoding
+        seen.append(engine.alone())
+        engine.lm_streams = 1
+        streams = [engine.stage.new_stream() for _ in range(2)]  # two utterances on the stage
+        seen.append(engine.alone())
+        del streams[1]
+        seen.append(engine.alone())
+        engine.lm_streams = 0
+        return seen
+
+    assert run(tiny_model_dir, fn, warmup=False) == [True, True, False, False, True]
+
+
 def test_engine_learns_the_lm_rate_from_utterances_past_their_first_tokens(tiny_model_dir):
     """Once per utterance, into the session's-first table for the first one and the other
     table for the next (a burst's openings decode beside other rounds than later ones)."""
