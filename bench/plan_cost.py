@@ -41,7 +41,8 @@ def warmed_rounds(seed: int = 0) -> RoundTimes:
     return rounds
 
 
-def one(rounds: RoundTimes, live: int, step_s: float, reps: int) -> dict[str, Any]:
+def one(rounds: RoundTimes, live: int, step_s: float, reps: int, initial_hop: int = 6,
+        min_hop: int = 0) -> dict[str, Any]:
     policy = GraphPolicy()
     asked = 0
 
@@ -51,11 +52,11 @@ def one(rounds: RoundTimes, live: int, step_s: float, reps: int) -> dict[str, An
         frames = 2 * (PROMPT_TOKENS + offset + hop) - CACHED_FRAMES  # no left-context cut: an upper bound
         return estimate_round(rounds, live, 64, policy, frames, CACHED_FRAMES)
 
-    planner = FirstChunkPlanner(limit=40, margin=0.5, holdback_s=0.16)
+    planner = FirstChunkPlanner(limit=40, margin=0.5, holdback_s=0.16, min_hop=min_hop)
     hop = 0
     start = time.perf_counter()
     for _ in range(reps):
-        hop = planner.first_hop(ChunkSchedule(prompt_tokens=PROMPT_TOKENS, initial_hop=6), step_s, round_s, 1.0)
+        hop = planner.first_hop(ChunkSchedule(prompt_tokens=PROMPT_TOKENS, initial_hop=initial_hop), step_s, round_s, 1.0)
     per = (time.perf_counter() - start) / reps
     return {"sessions": live, "lm_step_ms": step_s * 1e3, "first_hop": hop, "ms_per_plan": round(per * 1e3, 4),
             "round_predictions_per_plan": asked / reps}
@@ -64,11 +65,14 @@ def one(rounds: RoundTimes, live: int, step_s: float, reps: int) -> dict[str, An
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--initial-hop", type=int, default=6, help="the floor (EngineConfig.initial_hop)")
+    ap.add_argument("--min-hop", type=int, default=0, help="EngineConfig.first_chunk_min_hop")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rounds = warmed_rounds()
-    out = {"sizes": len(rounds.sizes), "results": [one(rounds, 1, 0.0035, args.reps),
-                                                   one(rounds, 64, 0.012, args.reps)]}
+    hops = {"initial_hop": args.initial_hop, "min_hop": args.min_hop}
+    out = {"sizes": len(rounds.sizes), **hops, "results": [one(rounds, 1, 0.0035, args.reps, **hops),
+                                                           one(rounds, 64, 0.012, args.reps, **hops)]}
     for r in out["results"]:
         print(f"{r['sessions']:3d} sessions, {r['lm_step_ms']:.1f} ms a token: first hop {r['first_hop']}, "
               f"{r['ms_per_plan']:.3f} ms a decision ({r['round_predictions_per_plan']:.0f} round predictions)")

@@ -50,6 +50,12 @@ class EngineConfig:
     # rate and the audio stage's round times, both measured). <= initial_hop, or
     # initial_hop 0: fixed. A request that sets its own initial_hop gets it as asked.
     initial_hop_max: int = 40
+    # The planner may take fewer tokens than the floor (initial_hop, or idle_initial_hop
+    # alone), down to this many, when its timeline predicts at least as much time to spare
+    # as for the hop it would take (`engine.first_chunk.shortest_as_safe`: the chunk after
+    # the first ends on the 25-token grid, and a shorter first chunk can make it much
+    # shorter). 0: never below the floor. Not yet measured on the GPU, hence off.
+    first_chunk_min_hop: int = 0
     # The planned first chunk's predicted arrival times keep this fraction to spare. 0.5:
     # in an H200 burst of round 15 (docs/benchmarks.md) the opening round ran 1.9x its
     # prediction (the LM decoding beside it slows it; the planner learnt that size at

@@ -166,8 +166,10 @@ class EngineStats:
     # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
     flow_frames: int = 0
     vocoder_frames: int = 0
-    # Of flow_frames, the rows' own frames before any padding (StageStats).
+    # Of flow_frames, the rows' own frames before any padding, and the frames of rows
+    # added to fill a graph's row bucket (StageStats).
     flow_exact_frames: int = 0
+    flow_row_padding_frames: int = 0
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
@@ -461,7 +463,8 @@ class Engine:
         self.opening_second_chunk_times = SecondChunkTimes()
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin,
                                               opening_rate=config.first_chunk_opening_rate,
-                                              learn_second_rounds=config.first_chunk_second_rounds)
+                                              learn_second_rounds=config.first_chunk_second_rounds,
+                                              min_hop=config.first_chunk_min_hop)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -738,6 +741,7 @@ class Engine:
             stage_handoff_seconds=st.handoff_seconds,
             flow_frames=st.flow_frames,
             flow_exact_frames=st.flow_exact_frames,
+            flow_row_padding_frames=st.flow_row_padding_frames,
             vocoder_frames=st.vocoder_frames,
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,
@@ -1225,14 +1229,17 @@ class Session:
         )
         prompt_tokens = voice.speech_tokens
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
-        # Whether nothing else is on the engine is known when the first chunk is sized: until
-        # then the schedule waits for the idle floor's tokens, and takes `busy_floor` if not.
-        busy_floor = None
-        if not first_planned and 0 < cfg.idle_initial_hop < cfg.initial_hop < cfg.initial_hop_max:
-            busy_floor, sched.initial_hop = cfg.initial_hop, cfg.idle_initial_hop
         # ... and so is a request's own schedule: no chunk cut by timing (patience) then.
         may_wait = opts.initial_hop is None and opts.max_hop is None
         look = flow_cfg.pre_lookahead_len
+        # Whether nothing else is on the engine is known when the first chunk is sized, and
+        # the planner may go below the floor then (`first_chunk_min_hop`): until then the
+        # schedule waits for the fewest tokens the first chunk may take.
+        busy_floor = None
+        if not first_planned and 0 < cfg.initial_hop < cfg.initial_hop_max:
+            lowest = min(h for h in (cfg.idle_initial_hop, cfg.first_chunk_min_hop, cfg.initial_hop) if h > 0)
+            if lowest < cfg.initial_hop:
+                busy_floor, sched.initial_hop = cfg.initial_hop, lowest
         while not utt.cancelled:
             lm_finished = lm_task.done()
             spare = self._patience_left(utt, sched.offset) if may_wait else None
@@ -1259,16 +1266,17 @@ class Session:
                 # The first chunk could go now: size it for the load it goes into.
                 first_planned = True
                 low = sched.initial_hop
-                if busy_floor is not None and not eng.alone():
-                    sched.initial_hop = busy_floor
+                if busy_floor is not None:
+                    alone = 0 < cfg.idle_initial_hop < cfg.initial_hop and eng.alone()
+                    sched.initial_hop = cfg.idle_initial_hop if alone else busy_floor
                 cached = eng._cached_prompt_frames(P)  # once: the planner asks for many chunks
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
                     opts.speed, opening=utt.opening, streams=eng.lm_streams,
                     staged=eng.stage.live_utterances(stream))
-                if first != low:
-                    sched.initial_hop = first
+                sched.initial_hop = first
+                if first != low:  # `hop` was for the fewest tokens: wait for this many
                     utt.stats.extra["first_hop"] = first
                     continue
             if hop is None and not lm_finished and not patient:

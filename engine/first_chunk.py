@@ -229,24 +229,62 @@ def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[
     return out
 
 
-def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
-           speed: float = 1.0, margin: float = 0.25, later_round_s: float | None = None) -> bool | None:
-    """Whether a first chunk of `first` tokens is predicted to run dry before a later chunk
-    arrives (None: no round measured yet). Times count from the first chunk's arrival;
-    `later_round_s` is the least a later chunk's round takes (`SecondRounds`)."""
+def slack(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
+          speed: float = 1.0, margin: float = 0.25, later_round_s: float | None = None, *,
+          stop_below: float = -math.inf) -> float | None:
+    """The least seconds to spare, over the chunks after a first chunk of `first` tokens,
+    between the audio delivered before a chunk and its predicted arrival with `margin`
+    (below 0: a stall; None: no round measured yet). Times count from the first chunk's
+    arrival; `later_round_s` is the least a later chunk's round takes (`SecondRounds`).
+    Once it is below `stop_below` the rest are not predicted (a burst plans every first
+    chunk on the event loop: `bench.plan_cost`)."""
     r0 = round_s(0, first)
     if r0 is None:
         return None
     generated, done, played = 0, 0.0, first * TOKEN_S - holdback_s
+    least = math.inf
     for offset, hop in chunks_ahead(schedule, first):
         generated += hop
         ready = generated * step_s - r0  # the LM went on while the first chunk was made
         rnd = round_s(offset, hop)
         done = max(ready, done) + max(r0 if rnd is None else rnd, later_round_s or 0.0)
-        if (1.0 + margin) * done > played / speed:
-            return True
+        least = min(least, played / speed - (1.0 + margin) * done)
+        if least < stop_below:
+            break
         played += hop * TOKEN_S
-    return False
+    return least
+
+
+def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
+           speed: float = 1.0, margin: float = 0.25, later_round_s: float | None = None) -> bool | None:
+    """Whether a first chunk of `first` tokens is predicted to run dry before a later chunk
+    arrives (None: no round measured yet): `slack` below 0."""
+    spare = slack(schedule, first, step_s, round_s, holdback_s, speed, margin, later_round_s, stop_below=0.0)
+    return None if spare is None else spare < 0
+
+
+def shortest_as_safe(schedule: ChunkSchedule, chosen: int, low: int, step_s: float, round_s: RoundFn,
+                     holdback_s: float, speed: float = 1.0, margin: float = 0.25,
+                     later_round_s: float | None = None) -> int:
+    """The smallest first hop in [low, chosen] with at least the `slack` of `chosen` (and
+    none below 0).
+
+    Why a shorter first chunk can be safer: the chunk after it ends on the schedule's
+    25-token grid, so its length depends on where the first one ends. With the bench
+    voice's 106 prompt tokens a 10-token first chunk is followed by 34 tokens, a 9-token
+    one by 10: 240 ms of audio to cover 34 tokens of LM and a round, against 200 ms to
+    cover 10. On the H200 (round 27 of docs/benchmarks.md) 64 sessions arriving over 16 s
+    ran 1-3 sessions dry in five runs of six, each 240 ms into its audio, after 10-token
+    first chunks."""
+    target = slack(schedule, chosen, step_s, round_s, holdback_s, speed, margin, later_round_s)
+    if target is None:
+        return chosen
+    enough = max(target, 0.0)
+    for hop in range(max(low, 1), chosen):
+        spare = slack(schedule, hop, step_s, round_s, holdback_s, speed, margin, later_round_s, stop_below=enough)
+        if spare is not None and spare >= enough:
+            return hop
+    return chosen
 
 
 def plan_first_hop(schedule: ChunkSchedule, limit: int, step_s: float, round_s: RoundFn, holdback_s: float,
@@ -302,6 +340,9 @@ class FirstChunkPlanner:
     opening_lm_steps: LMSteps = field(default_factory=LMSteps)
     second_rounds: SecondRounds = field(default_factory=SecondRounds)
     learn_second_rounds: bool = True  # EngineConfig.first_chunk_second_rounds
+    # Below the schedule's initial_hop, down to this many tokens, when as safe
+    # (`shortest_as_safe`; EngineConfig.first_chunk_min_hop). 0: never below.
+    min_hop: int = 0
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
@@ -349,6 +390,9 @@ class FirstChunkPlanner:
                 step_s = max(step_s, learnt or 0.0)
         later = self.second_rounds.predict(staged) if staged is not None else None
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin, later)
+        if 0 < self.min_hop < hop:
+            hop = shortest_as_safe(schedule, hop, self.min_hop, step_s, round_s, self.holdback_s, speed,
+                                   self.margin, later)
         after = chunks_ahead(schedule, hop)[0]
         second = round_s(*after)
         if second is not None and later is not None:

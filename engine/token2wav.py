@@ -281,6 +281,9 @@ class StageStats:
     # graph's bucket): flow_frames - this is padding, this - vocoder_frames the left
     # context and prompt frames re-read.
     flow_exact_frames: int = 0
+    # Of that padding, the frames of rows added to fill a graph's row bucket (the rest pads
+    # rows to a call's longest row and to a graph's frame bucket).
+    flow_row_padding_frames: int = 0
     # Flow prompt cache (off unless enabled): chunks decoded from a cached prompt prefix,
     # and the bytes the cache holds now.
     prompt_cache_hits: int = 0
@@ -925,12 +928,12 @@ class AudioStage:
         return ctx.plan(chunks, entries, keys)
 
     def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None,
-                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int, int]:
-        """One flow call: mel per chunk, the padded rows x frames it ran, and the frames its
+                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int, int, int]:
+        """One flow call: mel per chunk, the padded rows x frames it ran, the frames its
         rows computed before any padding (each row's window, after its cached prompt prefix
         when decoded from the cache; with the context cache an upper bound: its kept frames
-        are read, not computed). `keys`: the chunks' utterances (their vocoder streams), for
-        the context cache."""
+        are read, not computed), and the frames of the rows added as padding. `keys`: the
+        chunks' utterances (their vocoder streams), for the context cache."""
         cache = self.prompt_cache
         cached = sum(0 if e is None else e.frames for e in entries) if entries is not None else 0
         plan = None if cache is None or entries is None or keys is None else self._context_plan(chunks, entries, keys)
@@ -947,7 +950,8 @@ class AudioStage:
         else:
             mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
             cached = 0  # the whole windows
-        return mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks) - cached
+        return (mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks) - cached,
+                (shape.rows - len(chunks)) * shape.frames)
 
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
@@ -957,17 +961,18 @@ class AudioStage:
         entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
         keys = [j.hift_stream for j in batch]
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        flow_work = exact = 0
+        flow_work = exact = row_padding = 0
         # The phases are `record_function` ranges for `engine.stage_profile` (free when no
         # profiler runs).
         try:
             with record_function(PHASES[0]):
                 for rows in self._flow_calls(chunks, entries):
-                    part, work, unpadded = self._decode([chunks[i] for i in rows],
-                                                        None if entries is None else [entries[i] for i in rows],
-                                                        [keys[i] for i in rows])
+                    part, work, unpadded, padded_rows = self._decode(
+                        [chunks[i] for i in rows], None if entries is None else [entries[i] for i in rows],
+                        [keys[i] for i in rows])
                     flow_work += work
                     exact += unpadded
+                    row_padding += padded_rows
                     for i, m in zip(rows, part):
                         out[i] = m
         except BaseException:
@@ -977,6 +982,7 @@ class AudioStage:
         decoded = [m for m in out if m is not None]
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
         self.stats.flow_exact_frames += exact  # this worker thread is its only writer
+        self.stats.flow_row_padding_frames += row_padding
         with record_function(PHASES[1]):
             # No operator call that changes nothing: at 64 chunks each one per row is 64 more
             # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).

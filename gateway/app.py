@@ -68,6 +68,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         initial_hop=e.initial_hop,
         idle_initial_hop=e.idle_initial_hop,
         initial_hop_max=e.initial_hop_max,
+        first_chunk_min_hop=e.first_chunk_min_hop,
         first_chunk_margin=e.first_chunk_margin,
         first_chunk_opening_rate=e.first_chunk_opening_rate,  # type: ignore[arg-type]
         first_chunk_second_rounds=e.first_chunk_second_rounds,

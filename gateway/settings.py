@@ -46,6 +46,9 @@ class EngineSettings:
                        "flow/vocoder round times) predicts that a shorter one would run out before a later "
                        "chunk arrives (<= initial_hop: fixed; fixed chunks give reproducible seeded audio)"),
     )
+    first_chunk_min_hop: int = field(
+        default=0, metadata=_help("the planner may take fewer first-chunk tokens than initial_hop, down to this "
+                                  "many, where that leaves at least as much time to spare (0 = never)"))
     first_chunk_margin: float = field(
         default=0.5, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
                                      "(see initial_hop_max)"))

@@ -21,6 +21,8 @@ from engine.first_chunk import (
     chunks_ahead,
     monotone_fit,
     plan_first_hop,
+    shortest_as_safe,
+    slack,
     stalls,
 )
 from engine.types import AudioChunk, SessionOptions
@@ -199,6 +201,49 @@ def test_later_rounds_take_at_least_what_second_chunks_took():
     assert not stalls(s, loaded, 0.004, light, 0.16, margin=0.5, later_round_s=0.07)
 
 
+def test_slack_is_the_least_time_to_spare_and_stalls_below_zero():
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=10, max_hop=100, lookahead=3)
+    flat = lambda offset, hop: 0.04  # noqa: E731
+    assert slack(s, 10, 0.005, lambda o, h: None, 0.16) is None  # nothing measured yet
+    # A 10-token first chunk, 240 ms of audio: the next chunk is 34 tokens (to the grid),
+    # ready 34 x 5 - 40 ms after the first chunk's audio, done one 99-ms round later.
+    assert chunks_ahead(s, 10)[0] == (10, 34)
+    assert slack(s, 10, 0.005, flat, 0.16, margin=0.5, later_round_s=0.099) == pytest.approx(0.24 - 1.5 * 0.229)
+    for hop in range(6, 16):
+        spare = slack(s, hop, 0.005, flat, 0.16, margin=0.5, later_round_s=0.099)
+        assert stalls(s, hop, 0.005, flat, 0.16, margin=0.5, later_round_s=0.099) == (spare < 0)
+
+
+def test_a_shorter_first_chunk_is_taken_where_it_leaves_as_much_to_spare():
+    """The bench voice (106 prompt tokens) with the planner's inputs at 64 sessions over 16 s
+    (round 27: 3.6-5 ms a token, second chunks 62-99 ms from their turn). 10 tokens are
+    followed by 34, 8 by 11: at 3.6 ms and 62 ms, 8 leave more to spare than the 10 the
+    planner takes; at 5 ms and 99 ms nothing below its 13 leaves as much."""
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=10, max_hop=100, lookahead=3)
+    flat = lambda offset, hop: 0.04  # noqa: E731
+    light = (0.0036, flat, 0.16, 1.0, 0.5, 0.062)
+    assert plan_first_hop(s, 40, *light) == 10
+    assert [chunks_ahead(s, hop)[0][1] for hop in (8, 10)] == [11, 34]
+    assert slack(s, 8, *light) > slack(s, 10, *light) > slack(s, 7, *light) > 0
+    assert shortest_as_safe(s, 10, 6, *light) == 8
+    assert shortest_as_safe(s, 10, 9, *light) == 9  # no lower than asked
+    heavy = (0.005, flat, 0.16, 1.0, 0.5, 0.099)
+    assert plan_first_hop(s, 40, *heavy) == 13
+    assert all(slack(s, hop, *heavy) < slack(s, 13, *heavy) for hop in range(6, 13))
+    assert shortest_as_safe(s, 13, 6, *heavy) == 13
+    assert shortest_as_safe(s, 13, 6, 0.005, lambda o, h: None, 0.16) == 13  # nothing measured
+    # Where the planner's hop stalls too (its limit), a shorter one must not.
+    assert slack(s, 12, *heavy) < 0 and shortest_as_safe(s, 12, 6, *heavy) == 9
+    assert shortest_as_safe(s, 12, 6, 0.005, lambda o, h: 5.0, 0.16, 1.0, 0.5) == 12
+    # The planner with `min_hop` sizes it so, on the second rounds it learnt.
+    p = FirstChunkPlanner(limit=40, margin=0.5, min_hop=6, holdback_s=0.16)
+    for _ in range(3):
+        p.learn_second_round(64, 0.062)
+    assert p.first_hop(s, 0.0036, flat, 1.0, staged=64) == 8 and p.last.hop == 8
+    plain = FirstChunkPlanner(limit=40, margin=0.5, holdback_s=0.16, second_rounds=p.second_rounds)
+    assert plain.first_hop(s, 0.0036, flat, 1.0, staged=64) == 10
+
+
 def test_planner_floors_later_rounds_by_the_second_rounds_learnt_for_the_stage_load():
     s = ChunkSchedule(prompt_tokens=106, initial_hop=6)
     light = lambda offset, hop: 0.03  # noqa: E731
@@ -347,38 +392,44 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
 
 def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
     """Alone on the engine, the planner sizes the first chunk from idle_initial_hop; with
-    another utterance there, from initial_hop; a request's own initial_hop, and fixed
-    chunks (the planner off), are left as they are."""
+    another utterance there, from initial_hop; with first_chunk_min_hop it may take fewer
+    (the schedule waits for no more tokens than that); a request's own initial_hop, and
+    fixed chunks (the planner off), are left as they are."""
     floors: list[int] = []
 
     async def fn(engine: Engine, cases):
         voice = await default_voice(engine)
-
-        def planner(sched, *args, **kwargs):  # the floor it is given plays through
-            floors.append(sched.initial_hop)
-            return sched.initial_hop
-        engine.first_chunks.first_hop = planner
         firsts = []
-        for alone, opts in cases:
+        for alone, below, opts in cases:
+            def planner(sched, *args, below=below, **kwargs):  # the floor, or that many fewer
+                floors.append(sched.initial_hop)
+                return sched.initial_hop - below
+            engine.first_chunks.first_hop = planner
             engine.alone = lambda alone=alone: alone  # the instance's own, over the method
             before = engine.stats().first_chunk_tokens
             s = engine.open_session(voice, opts)
-            await s.submit("A sentence long enough for several chunks of speech here.")
+            uid = await s.submit("A sentence long enough for several chunks of speech here.")
             await s.finish()
             events = await collect(s)
             assert all(isinstance(e, AudioChunk) for e in events) and events[-1].is_last
+            assert sum(len(e.pcm) for e in events) == s.utterance_stats(uid).num_speech_tokens * TOKEN_SAMPLES
             firsts.append(engine.stats().first_chunk_tokens - before)
         return firsts
 
     plain = SessionOptions(tokens_per_text_token=6.0, seed=3)
-    cases = [(True, plain), (False, plain), (True, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=9))]
+    cases = [(True, 0, plain), (False, 0, plain), (True, 0, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=9))]
     assert run(tiny_model_dir, lambda e: fn(e, cases), warmup=False, initial_hop=10, idle_initial_hop=6,
                initial_hop_max=40) == [6, 10, 9]
     assert floors == [6, 10]  # the request's own first hop is not planned
     floors.clear()
+    below = [(False, 1, plain), (False, 3, plain), (True, 2, plain)]
+    assert run(tiny_model_dir, lambda e: fn(e, below), warmup=False, initial_hop=10, idle_initial_hop=0,
+               first_chunk_min_hop=7, initial_hop_max=40) == [9, 7, 8]
+    assert floors == [10, 10, 10]  # idle_initial_hop 0: alone or not
+    floors.clear()
     # The planner off (initial_hop_max <= initial_hop): the chunks stay fixed, alone or not.
     assert run(tiny_model_dir, lambda e: fn(e, cases[:2]), warmup=False, initial_hop=10, idle_initial_hop=6,
-               initial_hop_max=0) == [10, 10]
+               first_chunk_min_hop=7, initial_hop_max=0) == [10, 10]
     assert floors == [10, 10]
 
 
