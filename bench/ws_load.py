@@ -525,6 +525,9 @@ class BenchContext:
     client_procs: int = 1
     # Seconds into each level at which one more voice is registered (None: none).
     register_at: float | None = None
+    # First-chunk planner knobs set before each of the product's levels, in turn
+    # (`POST /debug/planner`): an A/B on one gateway, level by level.
+    planner_knobs: tuple[dict[str, Any], ...] = ()
 
 
 async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
@@ -964,16 +967,17 @@ def repeats(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     first-audio p95s in order, their median, and how many were underrun-free and met the
     capacity bar. On the H200 the same build and load differed by half between levels of
     one gateway (round 16 of docs/benchmarks.md): one level alone resolves little."""
-    by: dict[int, list[dict[str, Any]]] = {}
-    for lv in levels:
-        by.setdefault(lv["sessions"], []).append(lv)
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for lv in levels:  # levels run with other planner knobs (`--planner-knobs`) apart
+        by.setdefault((lv["sessions"], json.dumps(lv.get("planner_knobs"), sort_keys=True)), []).append(lv)
     out = []
-    for n, runs in sorted(by.items()):
+    for (n, _), runs in sorted(by.items()):
         if len(runs) < 2:
             continue
         p95 = [lv["first_audio_ms"]["p95"] for lv in runs]
         known = [v for v in p95 if v is not None]
-        out.append({"sessions": n, "runs": len(runs), "first_audio_p95_ms": p95,
+        knobs = {"planner_knobs": runs[0]["planner_knobs"]} if "planner_knobs" in runs[0] else {}
+        out.append({"sessions": n, **knobs, "runs": len(runs), "first_audio_p95_ms": p95,
                     "median_first_audio_p95_ms": statistics.median(known) if known else None,
                     "runs_without_underrun": sum(1 for lv in runs if largest_clean_level([lv]) == n),
                     "runs_meeting_target": sum(1 for lv in runs if largest_clean_level([lv], TARGET_P95_MS) == n)})
@@ -1042,7 +1046,8 @@ def table(report: dict[str, Any]) -> str:
                 f"{f(None if frac is None else 100 * frac, '.2f'):>6s} {f(lv['rss']['per_active_session_mb'], '.1f'):>8s}")
     for mode, rows in (report.get("repeats") or {}).items():
         for r in rows:
-            lines.append(f"{mode} @ {r['sessions']} sessions, {r['runs']} runs: first-audio p95 "
+            knobs = f" with {json.dumps(r['planner_knobs'])}" if "planner_knobs" in r else ""
+            lines.append(f"{mode} @ {r['sessions']} sessions{knobs}, {r['runs']} runs: first-audio p95 "
                          f"{', '.join(f(v) for v in r['first_audio_p95_ms'])} ms, median "
                          f"{f(r['median_first_audio_p95_ms'])}; without underrun {r['runs_without_underrun']}, "
                          f"meeting the target {r['runs_meeting_target']}")
@@ -1083,6 +1088,28 @@ async def _warm(target: Target, ctx: BenchContext) -> None:
 START_STEPS = ("load", "lm", "stage", "voice", "warmup")  # EngineStats.start_<step>_seconds
 
 
+async def tune_planner(target: Target, knobs: dict[str, Any]) -> None:
+    """Set the gateway's first-chunk planner knobs (`POST /debug/planner`; the gateway needs
+    `--debug-tuning true`, which the bench adds to a gateway it launches)."""
+    async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client:
+        resp = await client.post("/debug/planner", json=knobs)
+    if resp.status_code != 200:
+        raise RuntimeError(f"POST /debug/planner {knobs}: HTTP {resp.status_code} {resp.text}")
+
+
+def parse_planner_knobs(spec: str | None) -> tuple[dict[str, Any], ...]:
+    """`--planner-knobs '{"min_hop": 0};{"min_hop": 8}'`: one JSON object per setting."""
+    if not spec:
+        return ()
+    out = []
+    for part in spec.split(";"):
+        knobs = json.loads(part)
+        if not isinstance(knobs, dict) or not knobs:
+            raise SystemExit(f"--planner-knobs: each setting must be a non-empty JSON object, got {part!r}")
+        out.append(knobs)
+    return tuple(out)
+
+
 async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, warm: bool,
                      out: list[dict[str, Any]], on_level: Callable[[], None] = lambda: None,
                      start: dict[str, Any] | None = None) -> None:
@@ -1103,8 +1130,13 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
             print(f"[{target.name}] start (s): {start}", flush=True)
     if warm:
         await _warm(target, ctx)
-    for n in levels:
+    knobs = ctx.planner_knobs if target.name == "product" else ()
+    for i, n in enumerate(levels):
+        if knobs:
+            await tune_planner(target, knobs[i % len(knobs)])
         lv = await run_level(target, n, ctx)
+        if knobs:
+            lv["planner_knobs"] = knobs[i % len(knobs)]
         out.append(lv)
         on_level()
         fa = lv["first_audio_ms"]
@@ -1123,6 +1155,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
               f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')} "
               f"gc={lv['server'].get('gc')}"
+              + (f" planner knobs={lv['planner_knobs']}" if "planner_knobs" in lv else "")
               + (f" registration={lv['registration']}" if "registration" in lv else ""),
               flush=True)
 
@@ -1173,6 +1206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ramp", type=float, default=0.0, help="spread session starts over this many seconds")
     p.add_argument("--register-at", type=float, default=None,
                    help="register one more voice (a longer prompt) this many seconds into each level")
+    p.add_argument("--planner-knobs", default=None,
+                   help="first-chunk planner knobs set before each level in turn, ';'-separated JSON objects "
+                        "(e.g. '{\"min_hop\": 0};{\"min_hop\": 8}'): an A/B on one gateway (POST /debug/planner)")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--text-file", type=Path, default=None)
     p.add_argument("--text-mode", choices=("segment", "stream"), default="segment")
@@ -1240,7 +1276,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        args.prebuffer_ms / 1e3, None, peak, gpu if gpu and gpu.available else None,
                        kv_tokens_per_session(count, text, tptt) if count else None,
                        resolve_format(args.format, 24000 if args.format == "pcm_s16le" else None),
-                       max(1, args.client_procs), args.register_at)
+                       max(1, args.client_procs), args.register_at, parse_planner_knobs(args.planner_knobs))
     levels = parse_levels(args.sessions)
     base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
 
@@ -1250,6 +1286,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "gateway_flags": gateway_flags, "baseline_flags": list(BASELINE_FLAGS) if args.baseline else None,
             "url": args.url, "sessions": levels, "baseline_sessions": base_levels if args.baseline else None,
             "rate_tokens_per_s": args.rate, "ramp_s": args.ramp, "register_at_s": args.register_at,
+            "planner_knobs": list(ctx.planner_knobs) or None,
             "text_mode": args.text_mode,
             "text": text, "text_chars": len(text), "text_pieces": len(pieces), "text_tokens": n_text,
             # With --url the running gateway's own setting applies; this is what it should be.
@@ -1294,7 +1331,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ws-load-"))
         flags = [*gateway_flags, "--engine.tokens-per-text-token", str(tptt)]
-        runs = [("product", flags, levels)]
+        tuning = ["--debug-tuning", "true"] if ctx.planner_knobs else []
+        runs = [("product", [*flags, *tuning], levels)]
         if args.baseline:
             runs.append(("baseline", [*flags, *BASELINE_FLAGS], base_levels))
         for name, fl, lv in runs:

@@ -464,7 +464,8 @@ class Engine:
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin,
                                               opening_rate=config.first_chunk_opening_rate,
                                               learn_second_rounds=config.first_chunk_second_rounds,
-                                              min_hop=config.first_chunk_min_hop)
+                                              min_hop=config.first_chunk_min_hop,
+                                              idle_hop=config.idle_initial_hop)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -720,7 +721,6 @@ class Engine:
         stage's round times (`RoundTimes.snapshot`): what sized the first chunks, beside
         what `stats` says they took."""
         return self.first_chunks.snapshot() | {"initial_hop": self.config.initial_hop,
-                                               "idle_initial_hop": self.config.idle_initial_hop,
                                                "round_times": self.stage.rounds.snapshot(),
                                                "live_utterances": self.stage.live_utterances()}
 
@@ -1235,9 +1235,9 @@ class Session:
         # Whether nothing else is on the engine is known when the first chunk is sized, and
         # the planner may go below the floor then (`first_chunk_min_hop`): until then the
         # schedule waits for the fewest tokens the first chunk may take.
-        busy_floor = None
+        busy_floor, idle_floor = None, eng.first_chunks.idle_hop  # as the utterance starts (`tune`)
         if not first_planned and 0 < cfg.initial_hop < cfg.initial_hop_max:
-            lowest = min(h for h in (cfg.idle_initial_hop, cfg.first_chunk_min_hop, cfg.initial_hop) if h > 0)
+            lowest = min(h for h in (idle_floor, eng.first_chunks.min_hop, cfg.initial_hop) if h > 0)
             if lowest < cfg.initial_hop:
                 busy_floor, sched.initial_hop = cfg.initial_hop, lowest
         while not utt.cancelled:
@@ -1267,8 +1267,8 @@ class Session:
                 first_planned = True
                 low = sched.initial_hop
                 if busy_floor is not None:
-                    alone = 0 < cfg.idle_initial_hop < cfg.initial_hop and eng.alone()
-                    sched.initial_hop = cfg.idle_initial_hop if alone else busy_floor
+                    alone = 0 < idle_floor < cfg.initial_hop and eng.alone()
+                    sched.initial_hop = idle_floor if alone else busy_floor
                 cached = eng._cached_prompt_frames(P)  # once: the planner asks for many chunks
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),

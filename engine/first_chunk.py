@@ -314,6 +314,11 @@ class PlanInputs:
     own_step_s: float | None = None  # the utterance's own rate, when `LMSteps` was asked too
 
 
+# The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
+TUNABLE: dict[str, type] = {"min_hop": int, "idle_hop": int, "margin": float}
+MAX_MARGIN = 10.0
+
+
 @dataclass
 class FirstChunkPlanner:
     """One engine's first-chunk decisions (`plan_first_hop`) and what they learn from."""
@@ -343,6 +348,9 @@ class FirstChunkPlanner:
     # Below the schedule's initial_hop, down to this many tokens, when as safe
     # (`shortest_as_safe`; EngineConfig.first_chunk_min_hop). 0: never below.
     min_hop: int = 0
+    # The floor for an utterance alone on the engine (EngineConfig.idle_initial_hop; the
+    # engine applies it). 0: none.
+    idle_hop: int = 0
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
@@ -355,9 +363,28 @@ class FirstChunkPlanner:
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
-                "opening_rate": self.opening_rate,
+                "min_hop": self.min_hop, "idle_hop": self.idle_hop, "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
                 "second_rounds": self.second_rounds.snapshot()}
+
+    def tune(self, knobs: dict[str, object]) -> None:
+        """Set `TUNABLE` knobs (`POST /debug/planner`: A/B levels on one gateway, where
+        between gateways the LM's first token alone moved ~1 ms in round 27). An utterance
+        reads `idle_hop` as it starts and the rest when its first chunk is sized. All or
+        nothing: ValueError names the first bad knob."""
+        checked: dict[str, object] = {}
+        for name, value in knobs.items():
+            kind = TUNABLE.get(name)
+            if kind is None:
+                raise ValueError(f"{name!r} is not tunable (one of {', '.join(sorted(TUNABLE))})")
+            if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+                raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+            high = self.limit if kind is int else MAX_MARGIN
+            if not 0 <= value <= high:
+                raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
+            checked[name] = kind(value)
+        for name, value in checked.items():
+            setattr(self, name, value)
 
     def learn_lm_step(self, streams: float, step_s: float, opening: bool) -> None:
         """An utterance (its session's first: `opening`) decoded at `step_s` seconds a token

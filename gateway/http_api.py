@@ -169,6 +169,27 @@ async def planner(request: Request) -> Response:
     return JSONResponse(state())
 
 
+@_endpoint("/debug/planner")
+async def tune_planner(request: Request) -> Response:
+    """Set first-chunk planner knobs while serving (`FirstChunkPlanner.tune`), with
+    `debug_tuning` on only: a benchmark alternates settings level by level on one gateway.
+    Answers the planner's state as GET does."""
+    if not _setting(request, "debug_tuning", False):
+        raise ApiError(403, "tuning_off", "live tuning is off (start the gateway with --debug-tuning true)")
+    engine = _gw(request).engine
+    if engine is None:
+        raise ApiError(503, "not_ready", "model is loading")
+    planner = getattr(engine, "first_chunks", None)
+    if planner is None:
+        raise ApiError(404, "not_available", "this engine has no first-chunk planner")
+    knobs = await _json_body(request, MAX_JSON_BYTES)
+    try:
+        planner.tune(knobs)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from exc
+    return JSONResponse(engine.planner_state())
+
+
 def model_aliases(request: Request) -> tuple[str, ...]:
     aliases = tuple(_setting(request, "openai_model_aliases", DEFAULT_ALIASES))
     name = getattr(_gw(request).engine, "model_name", None)
@@ -525,6 +546,7 @@ routes: list[Route] = [
     Route("/ready", ready, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/debug/planner", planner, methods=["GET"]),
+    Route("/debug/planner", tune_planner, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model}", get_model, methods=["GET"]),
     Route("/v1/audio/speech", create_speech, methods=["POST"]),

@@ -291,6 +291,9 @@ class Settings:
     max_input_chars: int = field(default=4096, metadata=_help("longest /v1/audio/speech input"))
     max_sessions: int = field(default=512, metadata=_help("concurrent WebSocket connections + HTTP syntheses"))
     shutdown_timeout: float = field(default=30.0, metadata=_help("seconds SIGTERM waits for running sessions"))
+    debug_tuning: bool = field(
+        default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs while serving "
+                                      "(benchmarks: A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))
     gil_switch_interval_ms: float = field(

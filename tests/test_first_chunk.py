@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import re
 import time
 
 import pytest
@@ -431,6 +432,22 @@ def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
     assert run(tiny_model_dir, lambda e: fn(e, cases[:2]), warmup=False, initial_hop=10, idle_initial_hop=6,
                first_chunk_min_hop=7, initial_hop_max=0) == [10, 10]
     assert floors == [10, 10]
+
+
+def test_planner_knobs_are_tuned_all_or_nothing():
+    p = FirstChunkPlanner(limit=40, margin=0.5)
+    p.tune({"min_hop": 8, "idle_hop": 7, "margin": 0.25})
+    assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 0.25)
+    assert p.snapshot()["min_hop"] == 8 and p.snapshot()["idle_hop"] == 7
+    p.tune({"margin": 1})  # an integer margin is a number
+    assert p.margin == 1.0 and isinstance(p.margin, float)
+    for bad, says in (({"limit": 20}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
+                      ({"min_hop": -1}, "within [0, 40]"), ({"idle_hop": 41}, "within [0, 40]"),
+                      ({"margin": float("nan")}, "within"), ({"margin": "0.5"}, "a number"),
+                      ({"min_hop": 6, "margin": -0.1}, "margin")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            p.tune(bad)
+    assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
 
 
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):

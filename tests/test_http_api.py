@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -310,6 +311,34 @@ def test_metrics_exposition(server) -> None:
     for line in lines:
         if line and not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+def test_debug_planner_tuning_needs_the_setting(server) -> None:
+    """POST /debug/planner sets planner knobs only with `debug_tuning`: 403 without it, 400
+    for a bad knob (nothing set), 200 and the new state with it."""
+    srv = server
+    planner = srv.gw.engine.first_chunks
+    with srv.client() as c:
+        resp = c.post("/debug/planner", json={"min_hop": 8}, headers=AUTH)
+        assert resp.status_code == 403 and resp.json()["error"]["code"] == "tuning_off"
+        assert planner.min_hop == 0
+        assert c.post("/debug/planner", json={"min_hop": 8}).status_code == 401  # auth first
+        srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=True)
+        planner.limit = 40  # a planner that sizes first chunks (this server's chunks are fixed)
+        try:
+            resp = c.post("/debug/planner", json={"min_hop": 8, "idle_hop": 99}, headers=AUTH)
+            assert resp.status_code == 400 and "idle_hop" in resp.json()["error"]["message"]
+            assert planner.min_hop == 0
+            resp = c.post("/debug/planner", json={"min_hop": 8, "margin": 0.25}, headers=AUTH)
+            assert resp.status_code == 200 and resp.json()["min_hop"] == 8 and resp.json()["margin"] == 0.25
+            assert (planner.min_hop, planner.margin) == (8, 0.25)
+            assert c.get("/debug/planner", headers=AUTH).json()["min_hop"] == 8
+            resp = c.post("/debug/planner", content=b"[1]", headers=AUTH | {"content-type": "application/json"})
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
+        finally:
+            planner.tune({"min_hop": 0, "margin": 0.5})
+            planner.limit = srv.gw.engine.config.initial_hop_max
+            srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=False)
 
 
 def test_debug_planner_shows_what_first_chunks_are_sized_on(server) -> None:

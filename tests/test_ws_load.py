@@ -33,6 +33,7 @@ from bench.ws_load import (
     repeats,
     table,
     main,
+    parse_planner_knobs,
     second_chunk_ms,
     split_tokens,
 )
@@ -463,6 +464,39 @@ def test_the_context_cache_through_a_gateway(tiny_model_dir: Path, tmp_path: Pat
     assert lv["completed"] == 1 and lv["errors"] == 0, lv
     server = lv["server"]
     assert server["flow_context_records"] > 0 and server["flow_context_reads"] > 0, server
+
+
+def test_planner_knobs_alternate_level_by_level_on_one_gateway(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`--planner-knobs`: each level's knobs are set on the launched gateway before it runs
+    (the bench turns `--debug-tuning` on), are the planner's at its end, and repeated
+    levels are summarised per setting."""
+    knobs = [{"min_hop": 0, "margin": 0.5}, {"min_hop": 6, "idle_hop": 7}]
+    report = main([
+        "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
+        "--sessions", "1,1,1", "--rate", "0", "--no-warm", "--no-flops", "--json", str(tmp_path / "load.json"),
+        "--text", "Hello there.", "--planner-knobs", ";".join(json.dumps(k) for k in knobs),
+        "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
+        "--engine.text-normalization", "false",
+    ])
+    assert report["settings"]["planner_knobs"] == knobs
+    levels = report["results"]["product"]
+    assert [lv["planner_knobs"] for lv in levels] == [knobs[0], knobs[1], knobs[0]]
+    for lv in levels:
+        assert lv["completed"] == 1 and lv["errors"] == 0, lv
+        state = lv["server"]["planner"]
+        assert {k: state[k] for k in lv["planner_knobs"]} == lv["planner_knobs"]
+    assert levels[2]["server"]["planner"]["idle_hop"] == 7  # a knob not set again keeps its value
+    (row,) = report["repeats"]["product"]  # the first setting ran twice, the second once
+    assert row["planner_knobs"] == knobs[0] and row["runs"] == 2
+    assert 'product @ 1 sessions with {"min_hop": 0, "margin": 0.5}, 2 runs' in table(report)
+
+
+def test_planner_knobs_parse_as_json_objects() -> None:
+    assert parse_planner_knobs(None) == ()
+    assert parse_planner_knobs('{"min_hop": 8};{"min_hop": 0}') == ({"min_hop": 8}, {"min_hop": 0})
+    for bad in ("[1]", "{}", '{"min_hop": 8};'):
+        with pytest.raises((SystemExit, ValueError)):
+            parse_planner_knobs(bad)
 
 
 def test_shard_plans_deal_sessions_round_robin() -> None:

@@ -13,6 +13,8 @@
 # EXTRA="--engine.x y ..." (more gateway options for the product runs),
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
 # its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call),
+# KNOBS='{"min_hop":0};{"min_hop":8}' (first-chunk planner knobs set before each level in
+# turn on the same gateway, `bench.ws_load --planner-knobs`: an A/B without a second start),
 # MPS=1 (run the gateway's processes under an NVIDIA MPS daemon started for this run and
 # stopped after it: vLLM's engine-core process and the gateway's stage then share the GPU
 # by running kernels side by side, instead of taking turns in time slices),
@@ -27,7 +29,8 @@ MODE="${1:-single}"
 . "$(dirname "$0")/prepare.sh"
 python3 -c "from pathlib import Path; from engine.hub import resolve_model; print(resolve_model('full-random', Path('/tmp/models')))" > $OUT/model.log 2>&1
 COMMON=(--launch --model full-random --model-cache /tmp/models --engine.device cuda --engine.lm-backend vllm
-        --engine.text-normalization false --rate 30 --timeout "${LEVEL_TIMEOUT:-90}" ${RAMP:+--ramp "$RAMP"} ${EXTRA:-})
+        --engine.text-normalization false --rate 30 --timeout "${LEVEL_TIMEOUT:-90}" ${RAMP:+--ramp "$RAMP"}
+        ${KNOBS:+--planner-knobs "$KNOBS"} ${EXTRA:-})
 if [ "$MODE" = single ]; then
   export CUDA_VISIBLE_DEVICES=0
   ARGS=(--sessions "${LEVELS:-1,8,32,64,128}")
