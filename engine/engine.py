@@ -716,6 +716,10 @@ class Engine:
             parts.append(ev.pcm)
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
+    def tune_planner(self, knobs: dict[str, object]) -> None:
+        """`FirstChunkPlanner.tune` (`POST /debug/planner`)."""
+        self.first_chunks.tune(knobs)
+
     def planner_state(self) -> dict[str, object]:
         """The first-chunk planner's learnt inputs (`FirstChunkPlanner.snapshot`) and the
         stage's round times (`RoundTimes.snapshot`): what sized the first chunks, beside

@@ -127,6 +127,12 @@ class EnginePool:
     def worker_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
 
+    def tune_planner(self, knobs: dict[str, object]) -> None:
+        """Every worker's (`Engine.tune_planner`). The workers share one configuration, so
+        knobs one refuses the first refuses, before any is set."""
+        for e in self.engines:
+            e.tune_planner(knobs)
+
     def planner_state(self) -> dict[str, object]:
         """Each worker's (`Engine.planner_state`): each plans on its own stage."""
         return {"workers": [e.planner_state() for e in self.engines]}

@@ -156,17 +156,21 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _planning_engine(request: Request) -> Any:
+    """The engine (or pool) whose first-chunk planners `/debug/planner` shows and tunes."""
+    engine = _gw(request).engine
+    if engine is None:
+        raise ApiError(503, "not_ready", "model is loading")
+    if getattr(engine, "planner_state", None) is None or getattr(engine, "tune_planner", None) is None:
+        raise ApiError(404, "not_available", "this engine has no first-chunk planner")
+    return engine
+
+
 @_endpoint("/debug/planner")
 async def planner(request: Request) -> Response:
     """The first-chunk planner's learnt inputs: the stage's round times per size of batch
     and the LM rates per number of utterances decoding (`Engine.planner_state`)."""
-    engine = _gw(request).engine
-    if engine is None:
-        raise ApiError(503, "not_ready", "model is loading")
-    state = getattr(engine, "planner_state", None)
-    if state is None:
-        raise ApiError(404, "not_available", "this engine has no first-chunk planner")
-    return JSONResponse(state())
+    return JSONResponse(_planning_engine(request).planner_state())
 
 
 @_endpoint("/debug/planner")
@@ -176,15 +180,10 @@ async def tune_planner(request: Request) -> Response:
     Answers the planner's state as GET does."""
     if not _setting(request, "debug_tuning", False):
         raise ApiError(403, "tuning_off", "live tuning is off (start the gateway with --debug-tuning true)")
-    engine = _gw(request).engine
-    if engine is None:
-        raise ApiError(503, "not_ready", "model is loading")
-    planner = getattr(engine, "first_chunks", None)
-    if planner is None:
-        raise ApiError(404, "not_available", "this engine has no first-chunk planner")
+    engine = _planning_engine(request)
     knobs = await _json_body(request, MAX_JSON_BYTES)
     try:
-        planner.tune(knobs)
+        engine.tune_planner(knobs)
     except ValueError as exc:
         raise ApiError(400, "invalid_request", str(exc)) from exc
     return JSONResponse(engine.planner_state())

@@ -118,3 +118,11 @@ def test_gateway_serves_through_a_pool(tiny_model_dir: Path, tmp_path: Path) -> 
         gw.engine.engines[1].ready = False
         assert client.get("/ready").status_code == 503  # readiness reflects every worker
         gw.engine.engines[1].ready = True
+        # Each worker plans its own first chunks: /debug/planner shows them all, and tunes them
+        # all (with --debug-tuning), or none.
+        assert [w["limit"] for w in client.get("/debug/planner").json()["workers"]] == [40, 40]
+        gw.settings = dataclasses.replace(gw.settings, debug_tuning=True)
+        assert client.post("/debug/planner", json={"min_hop": 99}).status_code == 400
+        r = client.post("/debug/planner", json={"min_hop": 8})
+        assert r.status_code == 200 and [w["min_hop"] for w in r.json()["workers"]] == [8, 8]
+        assert [e.first_chunks.min_hop for e in gw.engine.engines] == [8, 8]
