@@ -7,7 +7,8 @@ Takes one level of a `bench.ws_load` JSON: the stage's round times the gateway h
 its end (`server.planner.round_times`), the vocoder's holdback and the planner's margin, the
 sessions' opening LM timings (`opening_chunk_phases_ms`) and vLLM's rate over the level
 (`lm_server_ms.decode_per_token`), and the gateway's flags (graph buckets, hops, left
-context) as the run had them (its first chunk's bounds from the planner's snapshot). For
+context) as the run had them (its first chunk's bounds, and how far below its floor the
+planner could go, from the planner's snapshot). For
 every first hop it asks the engine's own functions
 (`first_chunk.stalls`, `token2wav.estimate_round`, `chunking.chunk_frames`) whether a burst of
 that level's sessions would play through without running dry, and what its first audio
@@ -40,7 +41,7 @@ from typing import Any
 from engine.chunking import ChunkSchedule, chunk_frames
 from engine.config import EngineConfig
 from engine.engine import graph_policy
-from engine.first_chunk import TOKEN_S, RoundTimes, SecondRounds, plan_first_hop, stalls
+from engine.first_chunk import TOKEN_S, RoundTimes, SecondRounds, plan_first_hop, shortest_as_safe, stalls
 from engine.flow_prompt_cache import cacheable_frames
 from engine.token2wav import estimate_round
 from gateway.app import engine_config
@@ -72,6 +73,8 @@ class Level:
     # The least a later chunk's round lasts in the planner's eyes (`SecondRounds` for the
     # level's sessions), None where nothing was learnt or the run turned it off.
     second_round_s: float | None = None
+    # How far below its floor the planner could go (`first_chunk_min_hop`; 0: not at all).
+    min_hop: int = 0
 
 
 def rounds_from_snapshot(points: list[dict[str, float]]) -> RoundTimes:
@@ -125,7 +128,8 @@ def load_level(path: Path, index: int) -> Level:
         open_step_s=opening["lm_decode"] / 1e3 / max(1.0, hop + LOOKAHEAD - 1),
         later_step_s=level["lm_server_ms"]["decode_per_token"] / 1e3,
         measured_p50_ms=float(level["first_audio_ms"]["p50"]), measured_hop=hop, config=config,
-        prompt_tokens=round(prompt_s / TOKEN_S), second_round_s=second)
+        prompt_tokens=round(prompt_s / TOKEN_S), second_round_s=second,
+        min_hop=int(planner.get("min_hop", config.first_chunk_min_hop)))
 
 
 def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> dict[str, Any]:
@@ -144,7 +148,8 @@ def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> 
     later = level.later_step_s / lm_speedup
     floor_s = None if level.second_round_s is None else level.second_round_s / stage_speedup
     rows = []
-    for hop in range(cfg.initial_hop, cfg.initial_hop_max + 1):
+    lowest = min(cfg.initial_hop, level.min_hop) if level.min_hop > 0 else cfg.initial_hop
+    for hop in range(lowest, cfg.initial_hop_max + 1):
         first_round = round_s(0, hop) or 0.0
         audio = level.first_token_s / lm_speedup + (hop + LOOKAHEAD - 1) * level.open_step_s / lm_speedup + first_round
         rows.append({"hop": hop, "first_audio_ms": round(audio * 1e3, 1), "round_ms": round(first_round * 1e3, 1),
@@ -154,6 +159,9 @@ def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> 
     through = [r for r in rows if r["plays_through"]]
     chosen = plan_first_hop(schedule, cfg.initial_hop_max, later, round_s, level.holdback_s, margin=level.margin,
                             later_round_s=floor_s)
+    if 0 < level.min_hop < chosen:
+        chosen = shortest_as_safe(schedule, chosen, level.min_hop, later, round_s, level.holdback_s,
+                                  margin=level.margin, later_round_s=floor_s)
     return {"stage_speedup": stage_speedup, "lm_speedup": lm_speedup, "rows": rows,
             "floor": min(through, key=lambda r: r["first_audio_ms"]) if through else None,
             "planner": next(r for r in rows if r["hop"] == chosen)}
