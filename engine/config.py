@@ -295,6 +295,9 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
+        if self.idle_initial_hop < 0 or self.first_chunk_min_hop < 0:
+            raise ValueError("idle_initial_hop and first_chunk_min_hop must be >= 0 (0: off), "
+                             f"not {self.idle_initial_hop} and {self.first_chunk_min_hop}")
         if self.flow_split_prefix_rows < 0:
             raise ValueError(f"flow_split_prefix_rows must be >= 0, not {self.flow_split_prefix_rows}")
         if self.flow_attention not in get_args(FlowAttention):

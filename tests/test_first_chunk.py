@@ -11,6 +11,7 @@ import time
 import pytest
 
 from engine.chunking import ChunkSchedule
+from engine.config import EngineConfig
 from engine.engine import CPU_WARMUP_CONCURRENCY, STEP_FROM, WARMUP_SPEECH_TOKENS, Engine
 from engine.first_chunk import (
     TOKEN_S,
@@ -448,6 +449,12 @@ def test_planner_knobs_are_tuned_all_or_nothing():
         with pytest.raises(ValueError, match=re.escape(says)):
             p.tune(bad)
     assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
+
+
+def test_negative_first_chunk_floors_are_refused(tiny_model_dir):
+    for field in ("idle_initial_hop", "first_chunk_min_hop"):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            EngineConfig(model_dir=tiny_model_dir, **{field: -1})
 
 
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):
