@@ -73,8 +73,10 @@ class Level:
     # The least a later chunk's round lasts in the planner's eyes (`SecondRounds` for the
     # level's sessions), None where nothing was learnt or the run turned it off.
     second_round_s: float | None = None
-    # How far below its floor the planner could go (`first_chunk_min_hop`; 0: not at all).
+    # How far below its floor the planner could go (`first_chunk_min_hop`; 0: not at all),
+    # and with how many others sizing theirs at most (`first_chunk_min_hop_crowd`).
     min_hop: int = 0
+    min_hop_crowd: int = 4
 
 
 def rounds_from_snapshot(points: list[dict[str, float]]) -> RoundTimes:
@@ -129,7 +131,8 @@ def load_level(path: Path, index: int) -> Level:
         later_step_s=level["lm_server_ms"]["decode_per_token"] / 1e3,
         measured_p50_ms=float(level["first_audio_ms"]["p50"]), measured_hop=hop, config=config,
         prompt_tokens=round(prompt_s / TOKEN_S), second_round_s=second,
-        min_hop=int(planner.get("min_hop", config.first_chunk_min_hop)))
+        min_hop=int(planner.get("min_hop", config.first_chunk_min_hop)),
+        min_hop_crowd=int(planner.get("min_hop_crowd", config.first_chunk_min_hop_crowd)))
 
 
 def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> dict[str, Any]:
@@ -159,7 +162,8 @@ def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> 
     through = [r for r in rows if r["plays_through"]]
     chosen = plan_first_hop(schedule, cfg.initial_hop_max, later, round_s, level.holdback_s, margin=level.margin,
                             later_round_s=floor_s)
-    if 0 < level.min_hop < chosen:
+    # A burst: every other session sizes its first chunk too.
+    if 0 < level.min_hop < chosen and level.sessions - 1 < level.min_hop_crowd:
         chosen = shortest_as_safe(schedule, chosen, level.min_hop, later, round_s, level.holdback_s,
                                   margin=level.margin, later_round_s=floor_s)
     return {"stage_speedup": stage_speedup, "lm_speedup": lm_speedup, "rows": rows,

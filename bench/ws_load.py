@@ -910,10 +910,12 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # bucket) and frames re-read (left context, uncached prompt) besides those played.
             "flow_exact_frames": (exact := int(_delta(after, before, "cosyvoice_engine_flow_exact_frames_total"))),
             "flow_padding_share": (flow_frames - exact) / flow_frames if flow_frames else None,
-            # ... of which rows added to fill a graph's row bucket (the rest: rows padded to a
-            # call's longest row and to a graph's frame bucket).
+            # ... of which rows added to fill a graph's row bucket, and rows padded past their
+            # call's longest to a graph's frame bucket (the rest: rows padded to the longest).
             "flow_row_padding_share": _delta(after, before, "cosyvoice_engine_flow_row_padding_frames_total")
                                       / flow_frames if flow_frames else None,
+            "flow_bucket_padding_share": _delta(after, before, "cosyvoice_engine_flow_bucket_padding_frames_total")
+                                         / flow_frames if flow_frames else None,
             "flow_reread_share": (exact - voc_frames) / flow_frames if flow_frames else None,
             "stage_busy_share": _delta(after, before, M_BUSY) / wall if wall > 0 else None,
             # Of that share: the stage waiting for its worker thread or the event loop.

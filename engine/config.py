@@ -54,8 +54,15 @@ class EngineConfig:
     # alone), down to this many, when its timeline predicts at least as much time to spare
     # as for the hop it would take (`engine.first_chunk.shortest_as_safe`: the chunk after
     # the first ends on the 25-token grid, and a shorter first chunk can make it much
-    # shorter). 0: never below the floor. Not yet measured on the GPU, hence off.
+    # shorter). 0: never below the floor. Off: on the H200 (round 28) 8 ran none dry at 64
+    # sessions arriving over 16 s, but doubled bursts' first audio without the limit below.
     first_chunk_min_hop: int = 0
+    # ... and only while fewer than this many other utterances wait for their first chunk:
+    # first chunks sized at once share an opening round, which one utterance's timeline
+    # does not see (`FirstChunkPlanner.min_hop_crowd`: on the H200 in round 28 of
+    # docs/benchmarks.md, 64-session bursts' first audio doubled with the option and no such
+    # limit). 4: not measured; a burst has tens, sessions arriving over time a few at most.
+    first_chunk_min_hop_crowd: int = 4
     # The planned first chunk's predicted arrival times keep this fraction to spare. 0.5:
     # in an H200 burst of round 15 (docs/benchmarks.md) the opening round ran 1.9x its
     # prediction (the LM decoding beside it slows it; the planner learnt that size at
@@ -295,9 +302,10 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
-        if self.idle_initial_hop < 0 or self.first_chunk_min_hop < 0:
-            raise ValueError("idle_initial_hop and first_chunk_min_hop must be >= 0 (0: off), "
-                             f"not {self.idle_initial_hop} and {self.first_chunk_min_hop}")
+        if self.idle_initial_hop < 0 or self.first_chunk_min_hop < 0 or self.first_chunk_min_hop_crowd < 0:
+            raise ValueError("idle_initial_hop, first_chunk_min_hop and first_chunk_min_hop_crowd must be >= 0, "
+                             f"not {self.idle_initial_hop}, {self.first_chunk_min_hop} and "
+                             f"{self.first_chunk_min_hop_crowd}")
         if self.flow_split_prefix_rows < 0:
             raise ValueError(f"flow_split_prefix_rows must be >= 0, not {self.flow_split_prefix_rows}")
         if self.flow_attention not in get_args(FlowAttention):

@@ -166,10 +166,12 @@ class EngineStats:
     # included), vocoder = mel frames vocoded. 0 when the stage does not count them.
     flow_frames: int = 0
     vocoder_frames: int = 0
-    # Of flow_frames, the rows' own frames before any padding, and the frames of rows
-    # added to fill a graph's row bucket (StageStats).
+    # Of flow_frames, the rows' own frames before any padding, the frames of rows added to
+    # fill a graph's row bucket, and of rows padded past their call's longest to a graph's
+    # frame bucket (StageStats).
     flow_exact_frames: int = 0
     flow_row_padding_frames: int = 0
+    flow_bucket_padding_frames: int = 0
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
@@ -453,6 +455,7 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self.lm_streams = 0  # utterances whose LM is generating now
+        self.first_chunks_pending = 0  # utterances whose first chunk is not on the stage yet
         self.patient_chunks = 0  # chunks cut big, their audio not due soon (chunk_patience_s) ...
         self.patient_tokens = 0  # ... and their speech tokens
         self.first_chunk_times = FirstChunkTimes()
@@ -465,6 +468,7 @@ class Engine:
                                               opening_rate=config.first_chunk_opening_rate,
                                               learn_second_rounds=config.first_chunk_second_rounds,
                                               min_hop=config.first_chunk_min_hop,
+                                              min_hop_crowd=config.first_chunk_min_hop_crowd,
                                               idle_hop=config.idle_initial_hop)
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
@@ -746,6 +750,7 @@ class Engine:
             flow_frames=st.flow_frames,
             flow_exact_frames=st.flow_exact_frames,
             flow_row_padding_frames=st.flow_row_padding_frames,
+            flow_bucket_padding_frames=st.flow_bucket_padding_frames,
             vocoder_frames=st.vocoder_frames,
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,
@@ -896,6 +901,7 @@ class _Utterance:
     delivered: int = 0
     undelivered: int = 0
     made_tokens: int = 0  # speech tokens whose audio is made (queued for delivery or delivered)
+    first_chunk_pending: bool = False  # counted in Engine.first_chunks_pending
 
 
 class Session:
@@ -1205,16 +1211,24 @@ class Session:
         # One chunk between the two: the stage holds at most two of the utterance's chunks
         # beyond the one being delivered, however slow the listener.
         handed: asyncio.Queue[_Queued] = asyncio.Queue(maxsize=1)
+        self.engine.first_chunks_pending += 1
+        utt.first_chunk_pending = True
         producer = asyncio.create_task(self._queue_chunks(utt, tokens, more, wake, lm_task, stream, handed),
                                        name=f"chunks-{utt.uid}")
         try:
             await self._deliver_chunks(utt, handed, producer)
         finally:
+            self._first_chunk_queued(utt)
             if not producer.done():  # no await otherwise: the utterance ends as its last chunk goes out
                 producer.cancel()
                 await asyncio.wait({producer})
             if not producer.cancelled():
                 producer.exception()  # raised by the deliverer already, if it was one
+
+    def _first_chunk_queued(self, utt: _Utterance) -> None:
+        if utt.first_chunk_pending:
+            utt.first_chunk_pending = False
+            self.engine.first_chunks_pending -= 1
 
     async def _queue_chunks(self, utt: _Utterance, tokens: list[int], more: asyncio.Event, wake: "_Wake",
                             lm_task: asyncio.Task, stream: object, handed: asyncio.Queue[_Queued]) -> None:
@@ -1278,7 +1292,7 @@ class Session:
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
                     opts.speed, opening=utt.opening, streams=eng.lm_streams,
-                    staged=eng.stage.live_utterances(stream))
+                    staged=eng.stage.live_utterances(stream), sizing=eng.first_chunks_pending - 1)
                 sched.initial_hop = first
                 if first != low:  # `hop` was for the fewest tokens: wait for this many
                     utt.stats.extra["first_hop"] = first
@@ -1319,6 +1333,7 @@ class Session:
             if in_flight > 0:  # taken as delivered now: the stage corrects by when it is
                 job.deadline_from = max(queued_at, runs_out)
             eng.stage.submit(job)
+            self._first_chunk_queued(utt)
             await handed.put(_Queued(job, sched.index, extent, queued_at, end, finalize,
                                      eng.stage.live_utterances(stream), patient))
             await asyncio.wait({job.started})  # cancelled with the utterance: the loop ends

@@ -315,8 +315,9 @@ class PlanInputs:
 
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
-TUNABLE: dict[str, type] = {"min_hop": int, "idle_hop": int, "margin": float}
+TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float}
 MAX_MARGIN = 10.0
+MAX_CROWD = 10_000
 
 
 @dataclass
@@ -348,6 +349,14 @@ class FirstChunkPlanner:
     # Below the schedule's initial_hop, down to this many tokens, when as safe
     # (`shortest_as_safe`; EngineConfig.first_chunk_min_hop). 0: never below.
     min_hop: int = 0
+    # ... and only while fewer than this many other utterances wait for their first chunk
+    # (EngineConfig.first_chunk_min_hop_crowd). Why: first chunks sized at once share an
+    # opening round, which one utterance's timeline does not see. In H200 bursts of 64
+    # sessions (round 28 of docs/benchmarks.md) `min_hop` 8 split that round (47-52 rows,
+    # not 62-64; first chunks waited 63-108 ms for the stage, not 3-25), and first audio's
+    # p95 went from 327-369 ms to 680-703; with sessions arriving over 16 s it ran none dry
+    # in three runs where the floor alone ran 2 and 3 sessions dry in two of three.
+    min_hop_crowd: int = 4
     # The floor for an utterance alone on the engine (EngineConfig.idle_initial_hop; the
     # engine applies it). 0: none.
     idle_hop: int = 0
@@ -363,7 +372,8 @@ class FirstChunkPlanner:
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
-                "min_hop": self.min_hop, "idle_hop": self.idle_hop, "opening_rate": self.opening_rate,
+                "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
+                "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
                 "second_rounds": self.second_rounds.snapshot()}
 
@@ -379,7 +389,7 @@ class FirstChunkPlanner:
                 raise ValueError(f"{name!r} is not tunable (one of {', '.join(sorted(TUNABLE))})")
             if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-            high = self.limit if kind is int else MAX_MARGIN
+            high = MAX_MARGIN if kind is float else MAX_CROWD if name == "min_hop_crowd" else self.limit
             if not 0 <= value <= high:
                 raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
             checked[name] = kind(value)
@@ -398,13 +408,15 @@ class FirstChunkPlanner:
             self.second_rounds.observe(staged, seconds)
 
     def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float,
-                  opening: bool = False, streams: int | None = None, staged: int | None = None) -> int:
+                  opening: bool = False, streams: int | None = None, staged: int | None = None,
+                  sizing: int = 0) -> int:
         """The first chunk's hop for an utterance whose LM gave it a token every `step_s`
         so far; with `streams` (the utterances decoding now) the rate learnt for that many
         (from utterances that were, or were not, their session's first like this one) is
         taken when it is slower, or for a session's first utterance always with
         `opening_rate` "learnt"; with `staged` (the utterances on its stage) later rounds
-        take at least what second chunks took lately with as many."""
+        take at least what second chunks took lately with as many; `sizing`: the other
+        utterances waiting for their first chunk (`min_hop_crowd`)."""
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
@@ -417,7 +429,7 @@ class FirstChunkPlanner:
                 step_s = max(step_s, learnt or 0.0)
         later = self.second_rounds.predict(staged) if staged is not None else None
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin, later)
-        if 0 < self.min_hop < hop:
+        if 0 < self.min_hop < hop and sizing < self.min_hop_crowd:
             hop = shortest_as_safe(schedule, hop, self.min_hop, step_s, round_s, self.holdback_s, speed,
                                    self.margin, later)
         after = chunks_ahead(schedule, hop)[0]

@@ -431,5 +431,5 @@ def decode_with_context(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], 
     args, frames, length = shifted_inputs(flow, chunks, plan.starts)
     mel = solver(*args, prefix=entries, context=plan)
     shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),
-                                                shared_entry(entries) is not None))
+                                                shared_entry(entries) is not None), length)
     return outputs(flow, chunks, plan.starts, frames, mel), shape

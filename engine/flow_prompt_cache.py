@@ -362,7 +362,7 @@ def decode_with_prompt_cache(
     the one the ODE ran at: rows x the longest row's new frames, or the solver's padded
     shape (`solver`: e.g. the CUDA-graph runner, which takes the entries itself)."""
     if not chunks:
-        return [], FlowBatchShape(0, 0)
+        return [], FlowBatchShape(0, 0, 0)
     check_entries(flow, chunks, entries)
     if all(e is None for e in entries):
         return flow.decode_chunks(chunks, streaming=True, solver=solver)
@@ -372,7 +372,7 @@ def decode_with_prompt_cache(
     args, frames, length = shifted_inputs(flow, chunks, starts)
     mel = solver(*args, prefix=entries)
     shape = FlowBatchShape(*solver.padded_shape(len(chunks), length, prefix_width(entries),
-                                                shared_entry(entries) is not None))
+                                                shared_entry(entries) is not None), length)
     return outputs(flow, chunks, starts, frames, mel), shape
 
 
@@ -429,7 +429,7 @@ def run_from(flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk], starts: lis
             raise ValueError(f"a row starting at frame {s} would skip output frames")
     args, frames, length = shifted_inputs(flow, chunks, starts)
     mel = flow.decoder.solve(*args, prefix=prefix)
-    return outputs(flow, chunks, starts, frames, mel), FlowBatchShape(len(chunks), length)
+    return outputs(flow, chunks, starts, frames, mel), FlowBatchShape(len(chunks), length, length)
 
 
 class PrefixSolver(Protocol):

@@ -281,9 +281,11 @@ class StageStats:
     # graph's bucket): flow_frames - this is padding, this - vocoder_frames the left
     # context and prompt frames re-read.
     flow_exact_frames: int = 0
-    # Of that padding, the frames of rows added to fill a graph's row bucket (the rest pads
-    # rows to a call's longest row and to a graph's frame bucket).
+    # Of that padding, the frames of rows added to fill a graph's row bucket, and those that
+    # pad a call's own rows past its longest row to a graph's frame bucket (the rest pads
+    # rows to the call's longest).
     flow_row_padding_frames: int = 0
+    flow_bucket_padding_frames: int = 0
     # Flow prompt cache (off unless enabled): chunks decoded from a cached prompt prefix,
     # and the bytes the cache holds now.
     prompt_cache_hits: int = 0
@@ -928,11 +930,12 @@ class AudioStage:
         return ctx.plan(chunks, entries, keys)
 
     def _decode(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None,
-                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int, int, int]:
+                keys: list[object] | None = None) -> tuple[list[torch.Tensor], int, int, int, int]:
         """One flow call: mel per chunk, the padded rows x frames it ran, the frames its
         rows computed before any padding (each row's window, after its cached prompt prefix
         when decoded from the cache; with the context cache an upper bound: its kept frames
-        are read, not computed), and the frames of the rows added as padding. `keys`: the
+        are read, not computed), the frames of the rows added as padding, and the frames
+        its own rows were padded past the longest to the graph's frame bucket. `keys`: the
         chunks' utterances (their vocoder streams), for the context cache."""
         cache = self.prompt_cache
         cached = sum(0 if e is None else e.frames for e in entries) if entries is not None else 0
@@ -951,7 +954,7 @@ class AudioStage:
             mels, shape = self.flow.decode_chunks(chunks, solver=self.graph_runner())
             cached = 0  # the whole windows
         return (mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks) - cached,
-                (shape.rows - len(chunks)) * shape.frames)
+                (shape.rows - len(chunks)) * shape.frames, len(chunks) * (shape.frames - shape.longest))
 
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
@@ -961,18 +964,19 @@ class AudioStage:
         entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
         keys = [j.hift_stream for j in batch]
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        flow_work = exact = row_padding = 0
+        flow_work = exact = row_padding = bucket_padding = 0
         # The phases are `record_function` ranges for `engine.stage_profile` (free when no
         # profiler runs).
         try:
             with record_function(PHASES[0]):
                 for rows in self._flow_calls(chunks, entries):
-                    part, work, unpadded, padded_rows = self._decode(
+                    part, work, unpadded, padded_rows, padded_frames = self._decode(
                         [chunks[i] for i in rows], None if entries is None else [entries[i] for i in rows],
                         [keys[i] for i in rows])
                     flow_work += work
                     exact += unpadded
                     row_padding += padded_rows
+                    bucket_padding += padded_frames
                     for i, m in zip(rows, part):
                         out[i] = m
         except BaseException:
@@ -983,6 +987,7 @@ class AudioStage:
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
         self.stats.flow_exact_frames += exact  # this worker thread is its only writer
         self.stats.flow_row_padding_frames += row_padding
+        self.stats.flow_bucket_padding_frames += bucket_padding
         with record_function(PHASES[1]):
             # No operator call that changes nothing: at 64 chunks each one per row is 64 more
             # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).

@@ -69,6 +69,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         idle_initial_hop=e.idle_initial_hop,
         initial_hop_max=e.initial_hop_max,
         first_chunk_min_hop=e.first_chunk_min_hop,
+        first_chunk_min_hop_crowd=e.first_chunk_min_hop_crowd,
         first_chunk_margin=e.first_chunk_margin,
         first_chunk_opening_rate=e.first_chunk_opening_rate,  # type: ignore[arg-type]
         first_chunk_second_rounds=e.first_chunk_second_rounds,

@@ -105,14 +105,17 @@ def test_the_first_chunk_bounds_are_the_runs(tmp_path: Path) -> None:
 
 def test_the_runs_min_hop_is_replayed(tmp_path: Path) -> None:
     """A run whose planner could go below its floor (`min_hop` in the snapshot) has the hops
-    from there replayed, and the planner's choice is at most the one without it, with at
-    least as much time to spare by the planner's own check (plays through with the margin)."""
+    from there replayed, and the planner's choice is below the one without it where its crowd
+    limit lets it go there, with at least as much time to spare by its own check (plays
+    through with the margin)."""
     def result(name: str, **bounds: int) -> dict:
-        src = _write_level(tmp_path / f"{name}.json", 4e-5, bounds={"initial_hop": 10, **bounds})
-        (r,) = main([str(src), "--level", "0", "--stage-speedup", "1", "--lm-speedup", "1"])["results"]
+        src = _write_level(tmp_path / f"{name}.json", 1e-5, bounds={"initial_hop": 10, **bounds})
+        (r,) = main([str(src), "--level", "0", "--stage-speedup", "4", "--lm-speedup", "4"])["results"]
         return r
 
-    plain, below = result("plain"), result("below", min_hop=6)
+    plain, below = result("plain"), result("below", min_hop=6, min_hop_crowd=1000)
     assert [row["hop"] for row in plain["rows"]][0] == 10 and [row["hop"] for row in below["rows"]][0] == 6
-    assert below["planner"]["hop"] <= plain["planner"]["hop"]
+    assert below["planner"]["hop"] == 8 < plain["planner"]["hop"] == 10
     assert below["planner"]["with_margin"] or not plain["planner"]["with_margin"]
+    # A burst of the level's sessions is a crowd of first chunks (`min_hop_crowd`, 4 by default).
+    assert result("crowd", min_hop=6)["planner"] == plain["planner"]

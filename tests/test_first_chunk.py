@@ -244,6 +244,10 @@ def test_a_shorter_first_chunk_is_taken_where_it_leaves_as_much_to_spare():
     assert p.first_hop(s, 0.0036, flat, 1.0, staged=64) == 8 and p.last.hop == 8
     plain = FirstChunkPlanner(limit=40, margin=0.5, holdback_s=0.16, second_rounds=p.second_rounds)
     assert plain.first_hop(s, 0.0036, flat, 1.0, staged=64) == 10
+    # Not while as many other utterances as `min_hop_crowd` wait for their first chunk
+    # (a burst: they share an opening round).
+    assert p.min_hop_crowd == 4
+    assert [p.first_hop(s, 0.0036, flat, 1.0, staged=64, sizing=n) for n in (0, 3, 4, 63)] == [8, 8, 10, 10]
 
 
 def test_planner_floors_later_rounds_by_the_second_rounds_learnt_for_the_stage_load():
@@ -437,13 +441,14 @@ def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
 
 def test_planner_knobs_are_tuned_all_or_nothing():
     p = FirstChunkPlanner(limit=40, margin=0.5)
-    p.tune({"min_hop": 8, "idle_hop": 7, "margin": 0.25})
-    assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 0.25)
-    assert p.snapshot()["min_hop"] == 8 and p.snapshot()["idle_hop"] == 7
+    p.tune({"min_hop": 8, "idle_hop": 7, "margin": 0.25, "min_hop_crowd": 64})
+    assert (p.min_hop, p.idle_hop, p.margin, p.min_hop_crowd) == (8, 7, 0.25, 64)
+    assert p.snapshot()["min_hop"] == 8 and p.snapshot()["idle_hop"] == 7 and p.snapshot()["min_hop_crowd"] == 64
     p.tune({"margin": 1})  # an integer margin is a number
     assert p.margin == 1.0 and isinstance(p.margin, float)
     for bad, says in (({"limit": 20}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
                       ({"min_hop": -1}, "within [0, 40]"), ({"idle_hop": 41}, "within [0, 40]"),
+                      ({"min_hop_crowd": -1}, "within [0, 10000]"),
                       ({"margin": float("nan")}, "within"), ({"margin": "0.5"}, "a number"),
                       ({"min_hop": 6, "margin": -0.1}, "margin")):
         with pytest.raises(ValueError, match=re.escape(says)):
@@ -452,9 +457,50 @@ def test_planner_knobs_are_tuned_all_or_nothing():
 
 
 def test_negative_first_chunk_floors_are_refused(tiny_model_dir):
-    for field in ("idle_initial_hop", "first_chunk_min_hop"):
+    for field in ("idle_initial_hop", "first_chunk_min_hop", "first_chunk_min_hop_crowd"):
         with pytest.raises(ValueError, match="must be >= 0"):
             EngineConfig(model_dir=tiny_model_dir, **{field: -1})
+
+
+def test_engine_counts_the_utterances_waiting_for_their_first_chunk(tiny_model_dir):
+    """The planner is told how many other utterances wait for their first chunk (`sizing`):
+    of two sessions' utterances started together, the first to be sized sees the other.
+    Once first chunks are on the stage none is counted, nor one cancelled before its first
+    chunk went."""
+    seen: list[tuple[int, int]] = []
+
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        plan = engine.first_chunks.first_hop
+        cancel: list = []
+
+        def planner(sched, *args, **kwargs):
+            seen.append((kwargs["sizing"], engine.first_chunks_pending))
+            if cancel:  # wait for more tokens than there will be before the cancel
+                asyncio.get_running_loop().create_task(cancel.pop()())
+                return 40
+            return plan(sched, *args, **kwargs)
+        engine.first_chunks.first_hop = planner
+        opts = SessionOptions(tokens_per_text_token=6.0, seed=3)
+        sessions = [engine.open_session(voice, opts) for _ in range(2)]
+        for s in sessions:
+            await s.submit("A sentence long enough for several chunks of speech here.")
+            await s.finish()
+        for s in sessions:
+            assert all(isinstance(e, AudioChunk) for e in await collect(s))
+        after = [engine.first_chunks_pending]
+        s = engine.open_session(voice, opts)
+        uid = await s.submit("Another sentence long enough for several chunks, cancelled first.")
+        cancel.append(lambda: s.cancel(uid))
+        await s.finish()
+        events = await collect(s)
+        assert not cancel and not any(isinstance(e, AudioChunk) for e in events)
+        return after + [engine.first_chunks_pending]
+
+    assert run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40) == [0, 0]
+    assert seen[0] == (1, 2)  # the other utterance had not queued its first chunk yet
+    assert seen[-1] == (0, 1)  # the cancelled one, alone
+    assert all(sizing == pending - 1 for sizing, pending in seen)
 
 
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):

@@ -290,7 +290,9 @@ def test_stage_counts_frames_and_pads_exactly(flow: CausalMaskedDiffWithDiT) -> 
     assert st.vocoder_frames == mel_frames
     windows = [2 * (len(c.tokens) - (0 if c.finalize else 3)) for c in chunks]
     assert st.flow_exact_frames == sum(windows) < st.flow_frames  # the shorter rows were padded
+    assert shape.longest == shape.frames == max(windows)
     assert st.flow_row_padding_frames == 0  # eager: no row added
+    assert st.flow_bucket_padding_frames == 0  # ... and no frame bucket: the longest row's frames
 
     # The same batch through the padded static-buffer path (what CUDA replays).
     padded_stage = AudioStage(flow, hift, torch.device("cpu"), graph_policy=POLICY)
@@ -301,6 +303,7 @@ def test_stage_counts_frames_and_pads_exactly(flow: CausalMaskedDiffWithDiT) -> 
     assert padded_stage.stats.vocoder_frames == mel_frames
     assert padded_stage.stats.flow_exact_frames == sum(windows)  # the same rows, padded further
     assert padded_stage.stats.flow_row_padding_frames == POLICY.bucket(3, shape.frames)[1]  # a 4th row
+    assert padded_stage.stats.flow_bucket_padding_frames == 3 * (POLICY.bucket(3, shape.frames)[1] - shape.frames) > 0
     assert [p.shape for p in padded] == [p.shape for p in plain]
     assert all(p.size > 0 for p in plain)
     assert max(float(np.abs(a - b).max()) for a, b in zip(plain, padded)) <= 1e-4

@@ -393,6 +393,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert server["flow_padding_share"] + server["flow_reread_share"] == pytest.approx(
             1 - server["vocoder_frames"] / server["flow_frames"])
         assert 0 <= server["flow_row_padding_share"] <= server["flow_padding_share"]
+        assert 0 <= server["flow_bucket_padding_share"] <= server["flow_padding_share"] - server["flow_row_padding_share"]
         assert server["deadline_cuts"] >= 0
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
         # The planner's inputs for the sessions' first segments (gauges): it planned them, on

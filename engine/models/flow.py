@@ -295,7 +295,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         keys whose mask is 1.
         """
         if not chunks:
-            return [], FlowBatchShape(0, 0)
+            return [], FlowBatchShape(0, 0, 0)
         ratio, look = self.token_mel_ratio, self.pre_lookahead_len
         n_main = [len(c.tokens) - (0 if c.finalize else look) for c in chunks]
         for c, n in zip(chunks, n_main):
@@ -312,7 +312,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         run = self.decoder.solve if solver is None else solver
         mel = run(noise, mask, mu, spks, cond, streaming)
         out = [mel[i, :, ratio * c.out_start : frames[i]].T for i, c in enumerate(chunks)]
-        return out, FlowBatchShape(rows, t_pad)
+        return out, FlowBatchShape(rows, t_pad, t_max)
 
 
 @dataclass
@@ -330,10 +330,12 @@ class FlowBatchInputs:
 @dataclass(frozen=True)
 class FlowBatchShape:
     """Shape one `decode_chunks` call ran the ODE at: padded rows x padded frames (before
-    the classifier-free-guidance doubling)."""
+    the classifier-free-guidance doubling), and the call's longest row before its frames
+    were padded to a graph's bucket."""
 
     rows: int
     frames: int
+    longest: int
 
 
 class FlowSolver(Protocol):
