@@ -188,6 +188,10 @@ class EngineStats:
     # expected they came, summed (StageStats; a gauge: the sum falls when they came sooner).
     first_chunk_passed_over: int = 0
     first_chunk_passed_over_late_seconds: float = 0.0
+    # engine.first_chunk_min_hop: first chunks planned below the floor, and decisions a
+    # crowd of first chunks kept from it (FirstChunkPlanner).
+    first_chunk_below_floor: int = 0
+    first_chunk_crowded: int = 0
     # engine.stage_deadline_cut: rounds cut short for rows due before they would end.
     deadline_cuts: int = 0
     # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
@@ -761,6 +765,8 @@ class Engine:
             first_chunk_hold_caught=st.first_chunk_hold_caught,
             first_chunk_passed_over=st.first_chunk_passed_over,
             first_chunk_passed_over_late_seconds=st.first_chunk_passed_over_late_seconds,
+            first_chunk_below_floor=self.first_chunks.below_floor,
+            first_chunk_crowded=self.first_chunks.crowded,
             deadline_cuts=st.deadline_cuts,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,

@@ -360,6 +360,10 @@ class FirstChunkPlanner:
     # The floor for an utterance alone on the engine (EngineConfig.idle_initial_hop; the
     # engine applies it). 0: none.
     idle_hop: int = 0
+    # Decisions that went below the floor (`min_hop`), and those that might have but for a
+    # crowd of first chunks (`min_hop_crowd`): how often each fires under a load.
+    below_floor: int = 0
+    crowded: int = 0
     last: PlanInputs | None = None  # the latest decision's inputs, for the engine's stats
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
@@ -429,9 +433,12 @@ class FirstChunkPlanner:
                 step_s = max(step_s, learnt or 0.0)
         later = self.second_rounds.predict(staged) if staged is not None else None
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin, later)
-        if 0 < self.min_hop < hop and sizing < self.min_hop_crowd:
+        if 0 < self.min_hop < hop and sizing >= self.min_hop_crowd:
+            self.crowded += 1
+        elif 0 < self.min_hop < hop:
             hop = shortest_as_safe(schedule, hop, self.min_hop, step_s, round_s, self.holdback_s, speed,
                                    self.margin, later)
+            self.below_floor += hop < schedule.initial_hop
         after = chunks_ahead(schedule, hop)[0]
         second = round_s(*after)
         if second is not None and later is not None:

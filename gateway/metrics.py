@@ -27,8 +27,10 @@ PREFIX = "cosyvoice"
 # Engine stats fields that only ever grow: exposed as Prometheus counters (`_total`).
 ENGINE_COUNTERS: frozenset[str] = frozenset(
     {"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds", "stage_handoff_seconds",
-     "flow_frames", "flow_exact_frames", "flow_row_padding_frames", "flow_bucket_padding_frames", "vocoder_frames", "flow_grown_chunks", "flow_grown_tokens", "patient_chunks", "patient_tokens",
+     "flow_frames", "flow_exact_frames", "flow_row_padding_frames", "flow_bucket_padding_frames", "vocoder_frames",
+     "flow_grown_chunks", "flow_grown_tokens", "patient_chunks", "patient_tokens",
      "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_passed_over",
+     "first_chunk_below_floor", "first_chunk_crowded",
      "deadline_cuts",
      "prompt_cache_hits", "context_reads", "context_records", "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",
      "first_chunk_stage_wait_seconds", "first_chunk_stage_seconds", "first_chunk_tokens",

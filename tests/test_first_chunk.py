@@ -248,6 +248,7 @@ def test_a_shorter_first_chunk_is_taken_where_it_leaves_as_much_to_spare():
     # (a burst: they share an opening round).
     assert p.min_hop_crowd == 4
     assert [p.first_hop(s, 0.0036, flat, 1.0, staged=64, sizing=n) for n in (0, 3, 4, 63)] == [8, 8, 10, 10]
+    assert (p.below_floor, p.crowded) == (3, 2) and (plain.below_floor, plain.crowded) == (0, 0)
 
 
 def test_planner_floors_later_rounds_by_the_second_rounds_learnt_for_the_stage_load():
@@ -466,7 +467,8 @@ def test_engine_counts_the_utterances_waiting_for_their_first_chunk(tiny_model_d
     """The planner is told how many other utterances wait for their first chunk (`sizing`):
     of two sessions' utterances started together, the first to be sized sees the other.
     Once first chunks are on the stage none is counted, nor one cancelled before its first
-    chunk went."""
+    chunk went. With `first_chunk_min_hop`, a decision made with as many others waiting as
+    `first_chunk_min_hop_crowd` is counted as crowded."""
     seen: list[tuple[int, int]] = []
 
     async def fn(engine: Engine):
@@ -495,12 +497,16 @@ def test_engine_counts_the_utterances_waiting_for_their_first_chunk(tiny_model_d
         await s.finish()
         events = await collect(s)
         assert not cancel and not any(isinstance(e, AudioChunk) for e in events)
-        return after + [engine.first_chunks_pending]
+        return after + [engine.first_chunks_pending, engine.stats().first_chunk_crowded]
 
-    assert run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40) == [0, 0]
+    *pending, crowded = run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40,
+                            first_chunk_min_hop=7, first_chunk_min_hop_crowd=1)
+    assert pending == [0, 0]
     assert seen[0] == (1, 2)  # the other utterance had not queued its first chunk yet
     assert seen[-1] == (0, 1)  # the cancelled one, alone
-    assert all(sizing == pending - 1 for sizing, pending in seen)
+    assert all(sizing == waiting - 1 for sizing, waiting in seen)
+    # The decisions the planner made (not the cancelled one's) with the other one waiting.
+    assert crowded == sum(sizing >= 1 for sizing, _ in seen[:-1]) >= 1
 
 
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):

@@ -395,6 +395,7 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert 0 <= server["flow_row_padding_share"] <= server["flow_padding_share"]
         assert 0 <= server["flow_bucket_padding_share"] <= server["flow_padding_share"] - server["flow_row_padding_share"]
         assert server["deadline_cuts"] >= 0
+        assert server["first_chunk_below_floor"] == server["first_chunk_crowded"] == 0  # min_hop off by default
         assert 0 < server["stage_handoff_share"] <= server["stage_busy_share"]
         # The planner's inputs for the sessions' first segments (gauges): it planned them, on
         # the LM's measured rate (a round only once a batch was measured: no warm-up here).
