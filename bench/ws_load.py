@@ -13,7 +13,7 @@ batching across sessions, every chunk cut on the fixed schedule, and the flow re
 whole prefix, prompt included, every chunk). `--url` measures a running gateway.
 
 Per level, N sessions connect (idle), then start together (or spread over `--ramp`
-seconds). Each opens one context with a registered 3-5 s voice, streams the paragraph
+seconds; one ramp per level, `--ramp 16,16,0,0`, runs both kinds on one gateway). Each opens one context with a registered 3-5 s voice, streams the paragraph
 as LLM-like word pieces at `--rate` pieces/s (0 = in one message), flushes, ends, and
 plays the audio on a virtual real-time clock (`bench.playback`). With `--register-at S`,
 S seconds into each level one more voice is registered over HTTP, as a user would while
@@ -61,6 +61,7 @@ import asyncio
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import statistics
@@ -528,6 +529,9 @@ class BenchContext:
     # First-chunk planner knobs set before each of the product's levels, in turn
     # (`POST /debug/planner`): an A/B on one gateway, level by level.
     planner_knobs: tuple[dict[str, Any], ...] = ()
+    # A ramp per product level (`--ramp 16,16,0,0`), instead of `ramp` for all: spread and
+    # burst arrivals on one gateway, whose start costs 100-270 s of the H200's device time.
+    level_ramps: tuple[float, ...] = ()
 
 
 async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
@@ -649,18 +653,19 @@ class ShardProcesses:
             await asyncio.to_thread(proc.join, 60)
 
 
-def shard_plans(target: Target, n: int, ctx: BenchContext) -> list[ShardPlan]:
+def shard_plans(target: Target, n: int, ctx: BenchContext, ramp: float | None = None) -> list[ShardPlan]:
     """Sessions 0..n-1 dealt round-robin over `ctx.client_procs` groups (so a ramp's early
-    and late starters are spread over every process)."""
+    and late starters are spread over every process); starting over `ramp` seconds
+    (default `ctx.ramp`)."""
     settings = {"voice": ctx.voice_id, "format": ctx.fmt.name, "sample_rate": ctx.fmt.sample_rate,
                 "text_mode": ctx.text_mode}
     k = max(1, min(ctx.client_procs, n))
     return [ShardPlan(target.ws_url, target.headers, ctx.fmt, tuple(range(j, n, k)), n, tuple(ctx.pieces),
-                      ctx.rate, ctx.ramp, settings, ctx.timeout) for j in range(k)]
+                      ctx.rate, ctx.ramp if ramp is None else ramp, settings, ctx.timeout) for j in range(k)]
 
 
-async def run_level(target: Target, n: int, ctx: BenchContext) -> dict[str, Any]:
-    plans = shard_plans(target, n, ctx)
+async def run_level(target: Target, n: int, ctx: BenchContext, ramp: float | None = None) -> dict[str, Any]:
+    plans = shard_plans(target, n, ctx, ramp)
     clients: ClientShard | ShardProcesses = ClientShard(plans[0]) if len(plans) == 1 else ShardProcesses(plans)
     async with httpx.AsyncClient(base_url=target.url, headers=target.headers, timeout=60) as client, \
             httpx.AsyncClient(base_url=target.url, headers=target.headers,
@@ -973,16 +978,19 @@ def repeats(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     first-audio p95s in order, their median, and how many were underrun-free and met the
     capacity bar. On the H200 the same build and load differed by half between levels of
     one gateway (round 16 of docs/benchmarks.md): one level alone resolves little."""
-    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for lv in levels:  # levels run with other planner knobs (`--planner-knobs`) apart
-        by.setdefault((lv["sessions"], json.dumps(lv.get("planner_knobs"), sort_keys=True)), []).append(lv)
+    by: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
+    for lv in levels:  # levels run with other planner knobs (`--planner-knobs`) or ramps apart
+        key = (lv["sessions"], lv.get("ramp_s", 0.0), json.dumps(lv.get("planner_knobs"), sort_keys=True))
+        by.setdefault(key, []).append(lv)
     out = []
-    for (n, _), runs in sorted(by.items()):
+    for (n, _, _), runs in sorted(by.items()):
         if len(runs) < 2:
             continue
         p95 = [lv["first_audio_ms"]["p95"] for lv in runs]
         known = [v for v in p95 if v is not None]
         knobs = {"planner_knobs": runs[0]["planner_knobs"]} if "planner_knobs" in runs[0] else {}
+        if "ramp_s" in runs[0]:
+            knobs["ramp_s"] = runs[0]["ramp_s"]
         out.append({"sessions": n, **knobs, "runs": len(runs), "first_audio_p95_ms": p95,
                     "median_first_audio_p95_ms": statistics.median(known) if known else None,
                     "runs_without_underrun": sum(1 for lv in runs if largest_clean_level([lv]) == n),
@@ -1053,6 +1061,8 @@ def table(report: dict[str, Any]) -> str:
     for mode, rows in (report.get("repeats") or {}).items():
         for r in rows:
             knobs = f" with {json.dumps(r['planner_knobs'])}" if "planner_knobs" in r else ""
+            if "ramp_s" in r:
+                knobs += f" over {r['ramp_s']:g} s" if r["ramp_s"] else " at once"
             lines.append(f"{mode} @ {r['sessions']} sessions{knobs}, {r['runs']} runs: first-audio p95 "
                          f"{', '.join(f(v) for v in r['first_audio_p95_ms'])} ms, median "
                          f"{f(r['median_first_audio_p95_ms'])}; without underrun {r['runs_without_underrun']}, "
@@ -1103,6 +1113,19 @@ async def tune_planner(target: Target, knobs: dict[str, Any]) -> None:
         raise RuntimeError(f"POST /debug/planner {knobs}: HTTP {resp.status_code} {resp.text}")
 
 
+def parse_ramps(spec: str, levels: int) -> tuple[float, ...]:
+    """`--ramp 16` (every level) or `--ramp 16,16,0,0` (one per level): seconds >= 0."""
+    try:
+        ramps = tuple(float(x) for x in str(spec).split(","))
+    except ValueError:
+        raise SystemExit(f"--ramp: seconds, or one per level comma-separated, got {spec!r}") from None
+    if any(not r >= 0 or math.isinf(r) for r in ramps):
+        raise SystemExit(f"--ramp: seconds must be finite and >= 0, got {spec!r}")
+    if len(ramps) not in (1, levels):
+        raise SystemExit(f"--ramp: one value, or one per level ({levels}), got {len(ramps)}")
+    return ramps
+
+
 def parse_planner_knobs(spec: str | None) -> tuple[dict[str, Any], ...]:
     """`--planner-knobs '{"min_hop": 0};{"min_hop": 8}'`: one JSON object per setting."""
     if not spec:
@@ -1137,12 +1160,15 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
     if warm:
         await _warm(target, ctx)
     knobs = ctx.planner_knobs if target.name == "product" else ()
+    ramps = ctx.level_ramps if target.name == "product" else ()
     for i, n in enumerate(levels):
         if knobs:
             await tune_planner(target, knobs[i % len(knobs)])
-        lv = await run_level(target, n, ctx)
+        lv = await run_level(target, n, ctx, ramps[i] if ramps else None)
         if knobs:
             lv["planner_knobs"] = knobs[i % len(knobs)]
+        if ramps:
+            lv["ramp_s"] = ramps[i]
         out.append(lv)
         on_level()
         fa = lv["first_audio_ms"]
@@ -1210,7 +1236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="store_true", help="also run the baseline gateway (--launch only)")
     p.add_argument("--baseline-sessions", default=None, help="baseline levels (default: --sessions)")
     p.add_argument("--rate", type=float, default=30.0, help="text pieces per second per session (0 = all at once)")
-    p.add_argument("--ramp", type=float, default=0.0, help="spread session starts over this many seconds")
+    p.add_argument("--ramp", default="0",
+                   help="spread each level's session starts over this many seconds; one value per level of "
+                        "--sessions, comma-separated (e.g. 16,16,0,0), runs spread and burst levels on one gateway")
     p.add_argument("--register-at", type=float, default=None,
                    help="register one more voice (a longer prompt) this many seconds into each level")
     p.add_argument("--planner-knobs", default=None,
@@ -1244,6 +1272,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--baseline needs --launch (the bench starts the baseline gateway itself)")
     if gateway_flags and not args.launch:
         raise SystemExit(f"unknown options {gateway_flags} (gateway options need --launch)")
+    levels = parse_levels(args.sessions)
+    ramps = parse_ramps(args.ramp, len(levels))
+    if len(ramps) > 1 and args.baseline:
+        raise SystemExit("--ramp: one ramp per level applies to the product's levels; run --baseline with one")
     text = args.text_file.read_text().strip() if args.text_file else args.text
     pieces = split_tokens(text)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
@@ -1279,12 +1311,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             flops_dir = model_dir
             count_flops = lambda: count_model_flops(flops_dir, "cpu")  # noqa: E731
     gpu = GpuSampler(args.gpu_index if args.gpu_index is not None else nvml_index()) if use_cuda else None
-    ctx = BenchContext(pieces, args.rate, args.ramp, VOICE_ID, args.text_mode, args.timeout,
+    ctx = BenchContext(pieces, args.rate, ramps[0] if len(ramps) == 1 else 0.0, VOICE_ID, args.text_mode, args.timeout,
                        args.prebuffer_ms / 1e3, None, peak, gpu if gpu and gpu.available else None,
                        kv_tokens_per_session(count, text, tptt) if count else None,
                        resolve_format(args.format, 24000 if args.format == "pcm_s16le" else None),
-                       max(1, args.client_procs), args.register_at, parse_planner_knobs(args.planner_knobs))
-    levels = parse_levels(args.sessions)
+                       max(1, args.client_procs), args.register_at, parse_planner_knobs(args.planner_knobs),
+                       ramps if len(ramps) > 1 else ())
     base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
 
     report: dict[str, Any] = {
@@ -1292,7 +1324,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "model": args.model, "model_dir": str(model_dir) if model_dir else None,
             "gateway_flags": gateway_flags, "baseline_flags": list(BASELINE_FLAGS) if args.baseline else None,
             "url": args.url, "sessions": levels, "baseline_sessions": base_levels if args.baseline else None,
-            "rate_tokens_per_s": args.rate, "ramp_s": args.ramp, "register_at_s": args.register_at,
+            "rate_tokens_per_s": args.rate, "ramp_s": ramps[0] if len(ramps) == 1 else list(ramps), "register_at_s": args.register_at,
             "planner_knobs": list(ctx.planner_knobs) or None,
             "text_mode": args.text_mode,
             "text": text, "text_chars": len(text), "text_pieces": len(pieces), "text_tokens": n_text,

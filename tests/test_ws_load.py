@@ -34,6 +34,7 @@ from bench.ws_load import (
     table,
     main,
     parse_planner_knobs,
+    parse_ramps,
     second_chunk_ms,
     split_tokens,
 )
@@ -471,18 +472,19 @@ def test_the_context_cache_through_a_gateway(tiny_model_dir: Path, tmp_path: Pat
 def test_planner_knobs_alternate_level_by_level_on_one_gateway(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`--planner-knobs`: each level's knobs are set on the launched gateway before it runs
     (the bench turns `--debug-tuning` on), are the planner's at its end, and repeated
-    levels are summarised per setting."""
+    levels are summarised per setting (and per ramp, one a level here)."""
     knobs = [{"min_hop": 0, "margin": 0.5}, {"min_hop": 6, "idle_hop": 7}]
     report = main([
         "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
         "--sessions", "1,1,1", "--rate", "0", "--no-warm", "--no-flops", "--json", str(tmp_path / "load.json"),
-        "--text", "Hello there.", "--planner-knobs", ";".join(json.dumps(k) for k in knobs),
+        "--text", "Hello there.", "--planner-knobs", ";".join(json.dumps(k) for k in knobs), "--ramp", "0,0.2,0",
         "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
         "--engine.text-normalization", "false",
     ])
     assert report["settings"]["planner_knobs"] == knobs
     levels = report["results"]["product"]
     assert [lv["planner_knobs"] for lv in levels] == [knobs[0], knobs[1], knobs[0]]
+    assert report["settings"]["ramp_s"] == [lv["ramp_s"] for lv in levels] == [0.0, 0.2, 0.0]
     for lv in levels:
         assert lv["completed"] == 1 and lv["errors"] == 0, lv
         state = lv["server"]["planner"]
@@ -490,7 +492,28 @@ def test_planner_knobs_alternate_level_by_level_on_one_gateway(tiny_model_dir: P
     assert levels[2]["server"]["planner"]["idle_hop"] == 7  # a knob not set again keeps its value
     (row,) = report["repeats"]["product"]  # the first setting ran twice, the second once
     assert row["planner_knobs"] == knobs[0] and row["runs"] == 2
-    assert 'product @ 1 sessions with {"min_hop": 0, "margin": 0.5}, 2 runs' in table(report)
+    assert 'product @ 1 sessions with {"min_hop": 0, "margin": 0.5} at once, 2 runs' in table(report)
+
+
+def test_repeated_levels_with_other_ramps_are_summarised_apart() -> None:
+    """Levels of one gateway run spread and at once (`--ramp 16,16,0,0`) get a row each."""
+    levels = [_level(64, 100, 170, 0.2) | {"ramp_s": 16.0}, _level(64, 300, 330, 0.3) | {"ramp_s": 0.0},
+              _level(64, 110, 190, 0.2) | {"ramp_s": 16.0}, _level(64, 320, 360, 0.3) | {"ramp_s": 0.0}]
+    got = repeats(levels)
+    assert [(r["ramp_s"], r["first_audio_p95_ms"]) for r in got] == [(0.0, [330, 360]), (16.0, [170, 190])]
+    text = table({"results": {"product": [], "baseline": []}, "repeats": {"product": got}})
+    assert "product @ 64 sessions at once, 2 runs: first-audio p95 330, 360 ms" in text
+    assert "product @ 64 sessions over 16 s, 2 runs: first-audio p95 170, 190 ms" in text
+
+
+def test_ramps_parse_as_one_or_one_per_level() -> None:
+    assert parse_ramps("16", 3) == (16.0,)
+    assert parse_ramps("16,16,0", 3) == (16.0, 16.0, 0.0)
+    for bad in ("x", "-1", "inf", "nan", "16,0"):
+        with pytest.raises(SystemExit, match="--ramp"):
+            parse_ramps(bad, 3)
+    with pytest.raises(SystemExit, match="one ramp per level"):
+        main(["--launch", "--sessions", "1,1", "--ramp", "1,0", "--baseline"])
 
 
 def test_planner_knobs_parse_as_json_objects() -> None:
@@ -509,6 +532,8 @@ def test_shard_plans_deal_sessions_round_robin() -> None:
     assert [p.indices for p in plans] == [(0, 3, 6), (1, 4), (2, 5)]
     assert all(p.n == 7 and p.ws_url == "ws://h:1/v1/tts/stream" for p in plans)
     assert len(shard_plans(Target("product", "http://h:1", None), 2, ctx)) == 2  # never more than sessions
+    assert {p.ramp for p in plans} == {2.0}  # the context's ramp, or the level's own
+    assert {p.ramp for p in shard_plans(Target("product", "http://h:1", None), 7, ctx, 0.0)} == {0.0}
 
 
 def test_metrics_expose_stage_work_and_process_memory() -> None:

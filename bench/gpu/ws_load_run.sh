@@ -9,7 +9,8 @@
 #           baseline (batch 1, whole-prefix flow, no CUDA graphs) at 1, 8, 32, one invocation;
 #   multi:  two GPUs: the LM and one flow+vocoder stage on GPU 0, a second stage on GPU 1.
 # Environment: LEVELS / BASE_LEVELS (session levels), BASELINE=0 (single: no baseline run),
-# RAMP=S (sessions start spread over S seconds instead of all at once), LEVEL_TIMEOUT (s),
+# RAMP=S (sessions start spread over S seconds instead of all at once; or S1,S2,... one per
+# level of LEVELS, e.g. RAMP=16,16,0,0 for spread and burst levels on one gateway), LEVEL_TIMEOUT (s),
 # EXTRA="--engine.x y ..." (more gateway options for the product runs),
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
 # its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call),
