@@ -61,7 +61,10 @@ class EngineConfig:
     # first chunks sized at once share an opening round, which one utterance's timeline
     # does not see (`FirstChunkPlanner.min_hop_crowd`: on the H200 in round 28 of
     # docs/benchmarks.md, 64-session bursts' first audio doubled with the option and no such
-    # limit). 4: not measured; a burst has tens, sessions arriving over time a few at most.
+    # limit). 4: a burst has tens. Round 29 ran it when the count took in a session's next
+    # utterances, whose first chunks wait behind its playing audio: the gate then stayed shut
+    # for 58-61 of 64 sessions arriving over 16 s. Only awaited first chunks count now
+    # (`Session._first_chunk_awaited`); not measured since.
     first_chunk_min_hop_crowd: int = 4
     # The planned first chunk's predicted arrival times keep this fraction to spare. 0.5:
     # in an H200 burst of round 15 (docs/benchmarks.md) the opening round ran 1.9x its

@@ -349,8 +349,8 @@ class FirstChunkPlanner:
     # Below the schedule's initial_hop, down to this many tokens, when as safe
     # (`shortest_as_safe`; EngineConfig.first_chunk_min_hop). 0: never below.
     min_hop: int = 0
-    # ... and only while fewer than this many other utterances wait for their first chunk
-    # (EngineConfig.first_chunk_min_hop_crowd). Why: first chunks sized at once share an
+    # ... and only while fewer than this many other utterances' listeners wait for a first
+    # chunk (EngineConfig.first_chunk_min_hop_crowd). Why: first chunks sized at once share an
     # opening round, which one utterance's timeline does not see. In H200 bursts of 64
     # sessions (round 28 of docs/benchmarks.md) `min_hop` 8 split that round (47-52 rows,
     # not 62-64; first chunks waited 63-108 ms for the stage, not 3-25), and first audio's

@@ -50,8 +50,8 @@ class EngineSettings:
         default=0, metadata=_help("the planner may take fewer first-chunk tokens than initial_hop, down to this "
                                   "many, where that leaves at least as much time to spare (0 = never)"))
     first_chunk_min_hop_crowd: int = field(
-        default=4, metadata=_help("first-chunk-min-hop applies only while fewer than this many other utterances "
-                                  "wait for their first chunk (a burst's first chunks share one opening round)"))
+        default=4, metadata=_help("first-chunk-min-hop applies only while fewer than this many other utterances' "
+                                  "listeners wait for a first chunk (a burst's first chunks share one opening round)"))
     first_chunk_margin: float = field(
         default=0.5, metadata=_help("spare fraction on the planned first chunk's predicted arrival times "
                                      "(see initial_hop_max)"))

@@ -509,6 +509,38 @@ def test_engine_counts_the_utterances_waiting_for_their_first_chunk(tiny_model_d
     assert crowded == sum(sizing >= 1 for sizing, _ in seen[:-1]) >= 1
 
 
+def test_a_first_chunk_that_waits_behind_playing_audio_is_not_in_the_crowd(tiny_model_dir, monkeypatch):
+    """A session's next utterance starts while the one before it plays: its first chunk is
+    not awaited (it waits for a patient, bigger cut) and does not count among the
+    utterances waiting for a first chunk, which would keep `first_chunk_min_hop_crowd`'s
+    gate shut for every session that speaks more than once."""
+    from engine.engine import Session
+    counted: list[int] = []
+    awaited = Session._first_chunk_awaited
+
+    def spy(self, utt):
+        if not utt.first_chunk_pending:
+            counted.append(utt.uid)
+        awaited(self, utt)
+    monkeypatch.setattr(Session, "_first_chunk_awaited", spy)
+
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        first = await s.submit("A first sentence, long enough for seconds of speech to play before the next one, "
+                               "and then a little more of it.")
+        second = await s.submit("Then a second one.")
+        await s.finish()
+        events = await collect(s)
+        assert {e.utterance_id for e in events if isinstance(e, AudioChunk)} == {first, second}
+        return first, engine.patient_chunks, engine.first_chunks_pending
+
+    first, patient, pending = run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40,
+                                  chunk_patience_s=1.0)
+    assert counted == [first]  # the second utterance's first chunk played behind the first's audio
+    assert patient >= 1 and pending == 0
+
+
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):
     async def fn(engine: Engine):
         seen = [engine.alone()]
