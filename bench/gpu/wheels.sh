@@ -5,6 +5,7 @@
 #            gives a production install; without them uvicorn falls back to the slower asyncio
 #            loop and h11), websockets, python-multipart, soxr, opuslib (Opus over WebSocket;
 #            needs the system libopus, which prepare.sh reports)
+#            and py-spy (samples the gateway under load: ws_load_run.sh's PYSPY=)
 #   .whl_av  PyAV (decodes uploaded voices)
 # Both are git-ignored (.gitignore) and carried: run(..., carry=[".whl", ".whl_av"]).
 set -euo pipefail
@@ -26,6 +27,7 @@ rm -rf .whl .whl_av
 mkdir -p .whl .whl_av
 "${PIP[@]}" download -q "${TARGET[@]}" -d .whl "${pkgs[@]}"
 "${PIP[@]}" wheel -q --no-deps -w .whl "opuslib==$opus"  # sdist only; pure Python
+"${PIP[@]}" download -q "${TARGET[@]}" -d .whl "py-spy==0.4.3"  # a tool, not in .venv: pinned here
 "${PIP[@]}" download -q "${TARGET[@]}" -d .whl_av "av==$av"
 du -sh .whl .whl_av
 ls .whl .whl_av

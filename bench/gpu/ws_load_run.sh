@@ -19,6 +19,9 @@
 # MPS=1 (run the gateway's processes under an NVIDIA MPS daemon started for this run and
 # stopped after it: vLLM's engine-core process and the gateway's stage then share the GPU
 # by running kernels side by side, instead of taking turns in time slices),
+# PYSPY=S (sample the gateway process for S seconds with py-spy, PYSPY_DELAY seconds, default
+# 10, after it is first ready, i.e. inside the first level: $OUT/pyspy_gateway.txt, raw stacks
+# per thread, and $OUT/pyspy_top.txt, their summary by `python -m bench.stack_summary`),
 # WARM=1 (single: first start one gateway for a 1-session level, so the compile caches are
 # warm before the runs that count: on a fresh machine the first start compiles for two
 # minutes or more, and round 7 lost a variant to it; each run prints its time to ready).
@@ -81,8 +84,29 @@ if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
 fi
 left=$(( 585 - (SECONDS - T0) ))
 [ "$left" -ge 30 ] || { echo "no time left for the run"; exit 0; }
+rm -f /tmp/ws_load_done
+if [ -n "${PYSPY:-}" ]; then
+  # The gateway's own process (its event loop, the engine's per-token work, vLLM's output
+  # handler); the stage and vLLM's engine core are processes of their own.
+  (
+    until grep -q "ready in" $OUT/ws_load_$MODE.log 2>/dev/null; do
+      [ ! -e /tmp/ws_load_done ] || exit 0  # the run ended before a gateway was ready
+      sleep 1
+    done
+    sleep "${PYSPY_DELAY:-10}"
+    pid=$(pgrep -f -- "-m gateway --model" | head -1)
+    if [ -z "$pid" ]; then echo "py-spy: no gateway process" > $OUT/pyspy.log; exit 0; fi
+    /tmp/site/bin/py-spy record --pid "$pid" --duration "$PYSPY" --rate 100 --threads --nonblocking \
+      --format raw -o $OUT/pyspy_gateway.txt > $OUT/pyspy.log 2>&1
+    python3 -m bench.stack_summary $OUT/pyspy_gateway.txt --rate 100 --duration "$PYSPY" --top 40 \
+      > $OUT/pyspy_top.txt 2>&1
+  ) &
+  spy=$!
+fi
 timeout "$left" python3 -m bench.ws_load "${COMMON[@]}" "${ARGS[@]}" \
   --json $OUT/ws_load_$MODE.json --plot $OUT/ws_load_$MODE.svg > $OUT/ws_load_$MODE.log 2>&1
 echo "ws_load $MODE rc=$? at $((SECONDS - T0)) s"
+touch /tmp/ws_load_done
+[ -z "${spy:-}" ] || { wait "$spy"; echo "py-spy: $(tail -1 $OUT/pyspy.log 2>/dev/null)"; head -12 $OUT/pyspy_top.txt 2>/dev/null; }
 nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >> $OUT/ws_load_$MODE.log 2>&1
 grep -v "^(EngineCore" $OUT/ws_load_$MODE.log | grep -v "^\s*$" | tail -30
