@@ -151,7 +151,7 @@ def create_app(settings: Settings) -> Starlette:
         app.state.gw = GatewayState(settings, engine, voices, metrics, Auth(settings.api_keys), encode_pool)
         lag = LoopLagMonitor(metrics.observe_loop_lag, add_cpu=metrics.add_loop_cpu)
         lag.start()
-        frozen = freeze_startup_objects()
+        frozen = metrics.frozen_objects = freeze_startup_objects()
         metrics.gc_pauses.start()
         log.info("ready: model=%s backend=%s device=%s (%d start-up objects exempt from garbage collection)",
                  engine.model_name, engine.backend.name, engine.device, frozen)
@@ -160,6 +160,7 @@ def create_app(settings: Settings) -> Starlette:
         finally:
             metrics.gc_pauses.stop()
             unfreeze()
+            metrics.frozen_objects = 0
             await lag.stop()
             await voices.close()
             await engine.close()
