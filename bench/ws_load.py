@@ -1002,8 +1002,9 @@ def largest_clean_level(levels: Sequence[dict[str, Any]], max_p95_ms: float | No
 def repeats(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per session count that ran more than once (`--sessions 40,64,40,64`): its runs'
     first-audio p95s in order, their median, and how many were underrun-free and met
-    issue #12's bar for that count (`issue_target`). On the H200 the same build and load differed by half between levels of
-    one gateway (round 16 of docs/benchmarks.md): one level alone resolves little."""
+    issue #12's bar for that count (`issue_target`). On the H200 the same build and load
+    differed by half between levels of one gateway (round 16 of docs/benchmarks.md): one
+    level alone resolves little."""
     by: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
     for lv in levels:  # levels run with other planner knobs (`--planner-knobs`) or ramps apart
         key = (lv["sessions"], lv.get("ramp_s", 0.0), json.dumps(lv.get("planner_knobs"), sort_keys=True))

@@ -239,7 +239,8 @@ class Metrics:
                     lines.append(f'{p}_gc_pause_seconds_total{{generation="{g}"}} {_fmt(secs)}')
                 head(f"{p}_gc_pause_max_seconds", "gauge", "The longest collector pass since start.")
                 lines.append(f"{p}_gc_pause_max_seconds {_fmt(gcp.longest)}")
-            head(f"{p}_gc_frozen_objects", "gauge", "Objects exempted from the collector's passes at start (gc.freeze; freed ones not subtracted).")
+            head(f"{p}_gc_frozen_objects", "gauge",
+                 "Objects exempted from the collector's passes at start (gc.freeze; freed ones not subtracted).")
             lines.append(f"{p}_gc_frozen_objects {self.frozen_objects}")
             if loop is not None:
                 head(f"{p}_event_loop_info", "gauge", "The event loop implementation serving this process.")
