@@ -14,6 +14,9 @@ for d in .whl .whl_av; do
   if compgen -G "$BUNDLE/$d/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$BUNDLE"/$d/*.whl || exit 4
+    # pip --target --upgrade replaces /tmp/site/bin with the last install's own scripts, so
+    # each set's scripts (py-spy among them) are kept aside.
+    mkdir -p /tmp/site_bin && cp -a /tmp/site/bin/. /tmp/site_bin/ 2>/dev/null || true
   fi
 done
 export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1

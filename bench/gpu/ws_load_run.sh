@@ -96,7 +96,7 @@ if [ -n "${PYSPY:-}" ]; then
     sleep "${PYSPY_DELAY:-10}"
     pid=$(pgrep -f -- "-m gateway --model" | head -1)
     if [ -z "$pid" ]; then echo "py-spy: no gateway process" > $OUT/pyspy.log; exit 0; fi
-    /tmp/site/bin/py-spy record --pid "$pid" --duration "$PYSPY" --rate 100 --threads --nonblocking \
+    /tmp/site_bin/py-spy record --pid "$pid" --duration "$PYSPY" --rate 100 --threads --nonblocking \
       --format raw -o $OUT/pyspy_gateway.txt > $OUT/pyspy.log 2>&1
     python3 -m bench.stack_summary $OUT/pyspy_gateway.txt --rate 100 --duration "$PYSPY" --top 40 \
       > $OUT/pyspy_top.txt 2>&1
