@@ -131,7 +131,10 @@ def load_level(path: Path, index: int) -> Level:
         later_step_s=level["lm_server_ms"]["decode_per_token"] / 1e3,
         measured_p50_ms=float(level["first_audio_ms"]["p50"]), measured_hop=hop, config=config,
         prompt_tokens=round(prompt_s / TOKEN_S), second_round_s=second,
-        min_hop=int(planner.get("min_hop", config.first_chunk_min_hop)),
+        # A snapshot without min_hop predates the option (round 28): such runs never went
+        # below their floor, whatever this build's default.
+        min_hop=int(planner.get("min_hop", config.first_chunk_min_hop
+                                if "--engine.first-chunk-min-hop" in flags else 0)),
         min_hop_crowd=int(planner.get("min_hop_crowd", config.first_chunk_min_hop_crowd)))
 
 

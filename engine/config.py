@@ -54,9 +54,12 @@ class EngineConfig:
     # alone), down to this many, when its timeline predicts at least as much time to spare
     # as for the hop it would take (`engine.first_chunk.shortest_as_safe`: the chunk after
     # the first ends on the 25-token grid, and a shorter first chunk can make it much
-    # shorter). 0: never below the floor. Off: on the H200 (round 28) 8 ran none dry at 64
-    # sessions arriving over 16 s, but doubled bursts' first audio without the limit below.
-    first_chunk_min_hop: int = 0
+    # shorter). 0: never below the floor. 8: on the H200 (round 28) it ran none dry at 64
+    # sessions arriving over 16 s, but doubled bursts' first audio without the limit below;
+    # with it (round 30, levels alternating with 0 on one gateway) 64 sessions over 16 s had
+    # p95 125-157 ms against 153-176 and bursts 461-524 against 471-729, none dry over 16 s
+    # and one burst of three dry either way.
+    first_chunk_min_hop: int = 8
     # ... and only while fewer than this many other utterances wait for their first chunk:
     # first chunks sized at once share an opening round, which one utterance's timeline
     # does not see (`FirstChunkPlanner.min_hop_crowd`: on the H200 in round 28 of
@@ -64,7 +67,8 @@ class EngineConfig:
     # limit). 4: a burst has tens. Round 29 ran it when the count took in a session's next
     # utterances, whose first chunks wait behind its playing audio: the gate then stayed shut
     # for 58-61 of 64 sessions arriving over 16 s. Only awaited first chunks count now
-    # (`Session._first_chunk_awaited`); not measured since.
+    # (`Session._first_chunk_awaited`): in round 30 it let 62-63 of 64 such decisions go
+    # below the floor, and none in bursts.
     first_chunk_min_hop_crowd: int = 4
     # The planned first chunk's predicted arrival times keep this fraction to spare. 0.5:
     # in an H200 burst of round 15 (docs/benchmarks.md) the opening round ran 1.9x its

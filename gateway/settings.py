@@ -47,7 +47,7 @@ class EngineSettings:
                        "chunk arrives (<= initial_hop: fixed; fixed chunks give reproducible seeded audio)"),
     )
     first_chunk_min_hop: int = field(
-        default=0, metadata=_help("the planner may take fewer first-chunk tokens than initial_hop, down to this "
+        default=8, metadata=_help("the planner may take fewer first-chunk tokens than initial_hop, down to this "
                                   "many, where that leaves at least as much time to spare (0 = never)"))
     first_chunk_min_hop_crowd: int = field(
         default=4, metadata=_help("first-chunk-min-hop applies only while fewer than this many other utterances' "

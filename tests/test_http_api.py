@@ -318,25 +318,27 @@ def test_debug_planner_tuning_needs_the_setting(server) -> None:
     for a bad knob (nothing set), 200 and the new state with it."""
     srv = server
     planner = srv.gw.engine.first_chunks
+    start = planner.min_hop  # the configured default (8); each post asks for another value
+    assert start != 6
     with srv.client() as c:
-        resp = c.post("/debug/planner", json={"min_hop": 8}, headers=AUTH)
+        resp = c.post("/debug/planner", json={"min_hop": 6}, headers=AUTH)
         assert resp.status_code == 403 and resp.json()["error"]["code"] == "tuning_off"
-        assert planner.min_hop == 0
-        assert c.post("/debug/planner", json={"min_hop": 8}).status_code == 401  # auth first
+        assert planner.min_hop == start
+        assert c.post("/debug/planner", json={"min_hop": 6}).status_code == 401  # auth first
         srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=True)
         planner.limit = 40  # a planner that sizes first chunks (this server's chunks are fixed)
         try:
-            resp = c.post("/debug/planner", json={"min_hop": 8, "idle_hop": 99}, headers=AUTH)
+            resp = c.post("/debug/planner", json={"min_hop": 6, "idle_hop": 99}, headers=AUTH)
             assert resp.status_code == 400 and "idle_hop" in resp.json()["error"]["message"]
-            assert planner.min_hop == 0
-            resp = c.post("/debug/planner", json={"min_hop": 8, "margin": 0.25}, headers=AUTH)
-            assert resp.status_code == 200 and resp.json()["min_hop"] == 8 and resp.json()["margin"] == 0.25
-            assert (planner.min_hop, planner.margin) == (8, 0.25)
-            assert c.get("/debug/planner", headers=AUTH).json()["min_hop"] == 8
+            assert planner.min_hop == start
+            resp = c.post("/debug/planner", json={"min_hop": 6, "margin": 0.25}, headers=AUTH)
+            assert resp.status_code == 200 and resp.json()["min_hop"] == 6 and resp.json()["margin"] == 0.25
+            assert (planner.min_hop, planner.margin) == (6, 0.25)
+            assert c.get("/debug/planner", headers=AUTH).json()["min_hop"] == 6
             resp = c.post("/debug/planner", content=b"[1]", headers=AUTH | {"content-type": "application/json"})
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
         finally:
-            planner.tune({"min_hop": 0, "margin": 0.5})
+            planner.tune({"min_hop": start, "margin": 0.5})
             planner.limit = srv.gw.engine.config.initial_hop_max
             srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=False)
 
