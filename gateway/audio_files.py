@@ -81,17 +81,18 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
         parts: list[np.ndarray] = []
         total = 0
         rate = 0
-        # Planar float keeps channels apart; we average them ourselves (an honest mono
-        # mix regardless of the channel layout libswresample would assume).
+        # Packed float, channels averaged here: an honest mono mix regardless of the
+        # channel layout libswresample would assume. Packed, not planar: PyAV 18's
+        # `to_ndarray` of a planar frame with 8 or more channels crashes the process
+        # (the frame's first 8 data pointers only), and a packed frame is one plane.
         resampler: av.AudioResampler | None = None
         try:
             for frame in container.decode(stream):
                 if resampler is None:
                     rate = int(frame.sample_rate)
-                    resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=rate)
+                    resampler = av.AudioResampler(format="flt", layout=frame.layout.name, rate=rate)
                 for out in resampler.resample(frame):
-                    block = out.to_ndarray().astype(np.float32, copy=False)
-                    mono = block.mean(axis=0) if block.ndim == 2 else block
+                    mono = _packed_mono(out)
                     parts.append(mono)
                     total += mono.shape[0]
                 if max_seconds is not None and rate and total > (max_seconds + 1.0) * rate:
@@ -100,14 +101,20 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
             raise ApiError(400, "invalid_audio", f"audio could not be decoded ({exc.__class__.__name__})") from exc
         if resampler is not None:
             for out in resampler.resample(None):
-                block = out.to_ndarray().astype(np.float32, copy=False)
-                parts.append(block.mean(axis=0) if block.ndim == 2 else block)
+                parts.append(_packed_mono(out))
         if not parts or rate <= 0:
             raise ApiError(400, "invalid_audio", "the file contains no audio samples")
         samples = np.clip(np.concatenate(parts), -1.0, 1.0).astype(np.float32)
         return DecodedAudio(samples=samples, sample_rate=rate)
     finally:
         container.close()
+
+
+def _packed_mono(frame: av.AudioFrame) -> np.ndarray:
+    """A packed float frame (one plane, channels interleaved) as float32 mono."""
+    channels = max(1, len(frame.layout.channels))
+    block = frame.to_ndarray().astype(np.float32, copy=False).reshape(-1, channels)
+    return block.mean(axis=1) if channels > 1 else block[:, 0]
 
 
 def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:

@@ -254,7 +254,14 @@ class VoiceStore:
         if prompt is not None:
             self._cache.move_to_end(voice_id)
             return prompt
-        arrays = await asyncio.to_thread(self._load_arrays, info)
+        try:
+            arrays = await asyncio.to_thread(self._load_arrays, info)
+        except FileNotFoundError:
+            # A delete or replace drops the id from the catalog before removing its files,
+            # so a load that lost that race finds the catalog changed: ask it again.
+            if self._infos.get(voice_id) is info:
+                raise
+            return await self.get_prompt(voice_id)
         if self._infos.get(voice_id) is not info:  # deleted or replaced meanwhile
             return await self.get_prompt(voice_id)
         prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
@@ -405,8 +412,12 @@ class VoiceStore:
             if not txt.is_file():
                 log.info("asset %s has no %s transcript; skipped", wav.name, txt.name)
                 continue
-            audio_bytes = await asyncio.to_thread(wav.read_bytes)
-            transcript = (await asyncio.to_thread(txt.read_text, encoding="utf-8")).strip()
+            try:
+                audio_bytes = await asyncio.to_thread(wav.read_bytes)
+                transcript = (await asyncio.to_thread(txt.read_text, encoding="utf-8")).strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                log.warning("asset voice %r not registered: %s", voice_id, exc)
+                continue
             existing = await self._current_info(voice_id)
             if (existing is not None and existing.audio_sha256 == hashlib.sha256(audio_bytes).hexdigest()
                     and existing.transcript == transcript):
@@ -417,6 +428,9 @@ class VoiceStore:
                                     source="asset", replace=True)
             except ApiError as exc:
                 log.warning("asset voice %r not registered: %s (%s)", voice_id, exc.message, exc.code)
+                continue
+            except Exception:
+                log.exception("asset voice %r not registered", voice_id)
                 continue
             done.append(voice_id)
         return done

@@ -10,6 +10,7 @@ computed before. The engine lives on one event loop thread for the module
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
@@ -146,6 +147,26 @@ def test_register_rejects_bad_input(tmp_path: Path, run, engine, voice_id, audio
     run(scenario())
 
 
+@pytest.mark.parametrize("channels", [1, 2, 8, 64])
+def test_uploads_of_any_channel_count_mix_to_mono(channels: int) -> None:
+    """Every channel counts once in the mono mix; 8 or more channels once crashed the
+    process inside PyAV (a planar frame's `to_ndarray`)."""
+    import io
+    import wave
+
+    frames = np.zeros((SR // 4, channels), dtype="<i2")
+    frames[:, 0] = 16000  # one channel carries the signal, the others are silent
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(SR)
+        w.writeframes(frames.tobytes())
+    audio = decode_audio(buf.getvalue())
+    assert audio.sample_rate == SR and audio.samples.shape == (SR // 4,)
+    np.testing.assert_allclose(audio.samples, 16000 / 32768 / channels, rtol=1e-6)
+
+
 def test_size_limit_and_conflict(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
         store = await open_store(tmp_path, engine, max_upload_bytes=150_000)
@@ -223,6 +244,32 @@ def test_recovery_removes_orphans_on_open(tmp_path: Path, run, engine) -> None:
     run(scenario())
 
 
+def test_a_prompt_load_that_loses_a_race_with_delete_is_an_unknown_voice(tmp_path: Path, run, engine) -> None:
+    """A delete drops the id from the catalog, then removes the files: a prompt load from
+    disk caught between the two finds no file, and must answer "unknown voice" (KeyError,
+    a 404), not a FileNotFoundError (a 500)."""
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine)
+        await store.register("v", None, "A transcript.", tone_wav(3.5))
+        await store.close()
+        store = await open_store(tmp_path, engine)  # a fresh process: nothing cached
+        info = store.get("v")
+        load = store._load_arrays
+
+        def deleted_meanwhile(i: VoiceInfo) -> Any:
+            store._infos.pop("v")  # what `delete` does first, then the files go
+            shutil.rmtree(store._files / i.dir_name)
+            return load(i)
+
+        store._load_arrays = deleted_meanwhile  # type: ignore[method-assign]
+        assert info is not None
+        with pytest.raises(KeyError):
+            await store.get_prompt("v")
+        await store.close()
+
+    run(scenario())
+
+
 def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, caplog, run, engine) -> None:
     assets = tmp_path / "assets"
     assets.mkdir()
@@ -231,6 +278,8 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
     (assets / "orphan.wav").write_bytes(tone_wav(3.5))  # no transcript: skipped
     (assets / "short.wav").write_bytes(tone_wav(1.0))  # invalid: logged, skipped
     (assets / "short.txt").write_text("too short")
+    (assets / "latin1.wav").write_bytes(tone_wav(3.5))
+    (assets / "latin1.txt").write_bytes(b"caf\xe9 au lait")  # not UTF-8: logged, skipped
     data = tmp_path / "data"
 
     async def scenario() -> None:
