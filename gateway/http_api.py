@@ -41,6 +41,7 @@ from gateway.audio_files import (
     read_body_bounded,
 )
 from gateway.errors import ApiError, error_response
+from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ OPENAI_VOICES: frozenset[str] = frozenset({
 DEFAULT_ALIASES: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3")
 MAX_JSON_BYTES = 256 * 1024  # a speech request is 4096 characters of text plus a few fields
 SPEED_RANGE = (0.25, 4.0)
+MAX_SEED = 2**63 - 1  # the widest seed every backend's torch.Generator takes
 
 
 # --------------------------------------------------------------------------------------
@@ -115,8 +117,11 @@ async def _json_body(request: Request, limit: int, too_large: str = "request_too
         raise ApiError(413, too_large, exc.message) from exc
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid_request", f"body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        # ValueError: malformed JSON, bad UTF-8, or an integer past Python's digit limit;
+        # RecursionError: arrays nested thousands deep (both fit in a small body).
+        raise ApiError(400, "invalid_request", f"body is not valid JSON: {exc.__class__.__name__}: "
+                       f"{str(exc)[:200]}") from exc
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_request", "body must be a JSON object")
     try:
@@ -374,16 +379,17 @@ def parse_speech_request(body: dict[str, Any], aliases: tuple[str, ...], max_cha
     speed = body.get("speed", 1.0)
     if speed is None:
         speed = 1.0
+    # Compared as given: float() of a 400-digit integer overflows; NaN compares False.
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (
-            SPEED_RANGE[0] <= float(speed) <= SPEED_RANGE[1]):
+            SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]):
         raise ApiError(400, "invalid_speed", f"speed must be a number in [{SPEED_RANGE[0]}, {SPEED_RANGE[1]}]")
     instructions = _opt_str(body.get("instructions"), "instructions")
     instructions = instructions.strip() if instructions else None
     # Extensions (OpenAI clients pass them through `extra_body`): a sampling seed, and
     # a fixed speech-token budget per text token for benchmarks and tests.
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "invalid_request", "seed must be an integer")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise ApiError(400, "invalid_request", f"seed must be an integer in [0, {MAX_SEED}]")
     tptt = body.get("tokens_per_text_token")
     if tptt is not None and (isinstance(tptt, bool) or not isinstance(tptt, (int, float)) or not 0 < tptt <= 50):
         raise ApiError(400, "invalid_request", "tokens_per_text_token must be a number in (0, 50]")
@@ -406,6 +412,11 @@ def _utterance_error(ev: UtteranceError) -> ApiError:
     if ev.code in ("empty_text",):
         return ApiError(400, "invalid_request", ev.message)
     return ApiError(500, "synthesis_failed", f"{ev.code}: {ev.message}")
+
+
+class SpeechStreamFailed(RuntimeError):
+    """Synthesis failed after an audio response had started: raised out of the body so
+    the server drops the connection instead of ending the transfer cleanly."""
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -447,8 +458,8 @@ async def create_speech(request: Request) -> Response:
     gw.metrics.session_opened()
     events: AsyncIterator[AudioChunk | UtteranceError] | None = None
     try:
-        uid = await session.submit(req.input)
-        stats = session.utterance_stats(uid) if hasattr(session, "utterance_stats") else None
+        uids = [await session.submit(text) for text in speech_pieces(req.input)]
+        stats = [session.utterance_stats(uid) for uid in uids] if hasattr(session, "utterance_stats") else []
         await session.finish()
         events = session.events().__aiter__()
         # Wait for the first event before answering: a failure that happens before any
@@ -480,6 +491,7 @@ async def create_speech(request: Request) -> Response:
         samples = 0
         sent_any = False
         failed = False
+        pieces_left = len(uids)  # the pieces come out in order; the encoder ends with the last
         try:
             ev: AudioChunk | UtteranceError | None = first
             while ev is not None:
@@ -487,18 +499,23 @@ async def create_speech(request: Request) -> Response:
                     failed = True
                     gw.metrics.error(_utterance_error(ev).code)
                     log.warning("speech utterance failed mid-stream: %s %s", ev.code, ev.message)
-                    if req.stream_format == "sse":
-                        yield _sse({"type": "error", "error": {"code": "synthesis_failed", "message": ev.message}})
+                    if req.stream_format != "sse":
+                        # Headers and part of the audio are out: only a broken transfer can
+                        # tell the client the file is incomplete (a clean end would pass a
+                        # truncated file off as the whole).
+                        raise SpeechStreamFailed(f"{ev.code}: {ev.message}")
+                    yield _sse({"type": "error", "error": {"code": "synthesis_failed", "message": ev.message}})
                     break
                 samples += int(ev.pcm.size)
-                data = await encode(ev.pcm, ev.is_last)
+                pieces_left -= int(ev.is_last)
+                data = await encode(ev.pcm, pieces_left == 0)
                 if data:
                     if not sent_any:
                         sent_any = True
                         gw.metrics.observe_first_audio(time.monotonic() - t0)
                     yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) \
                         if req.stream_format == "sse" else data
-                if ev.is_last:
+                if pieces_left == 0:
                     break
                 ev = await anext(events, None)
             if failed:
@@ -510,8 +527,8 @@ async def create_speech(request: Request) -> Response:
                     if req.stream_format == "sse" else tail
             if req.stream_format == "sse":
                 input_tokens = await asyncio.to_thread(_count_text_tokens, engine, req.input)
-                output_tokens = (stats.num_speech_tokens if stats is not None and stats.num_speech_tokens
-                                 else round(samples * 25 / sample_rate))
+                counted = sum(s.num_speech_tokens or 0 for s in stats if s is not None)
+                output_tokens = counted or round(samples * 25 / sample_rate)
                 yield _sse({
                     "type": "speech.audio.done",
                     "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
@@ -530,6 +547,17 @@ async def create_speech(request: Request) -> Response:
     else:
         media_type, headers = MEDIA_TYPES[req.response_format], {"Cache-Control": "no-store"}
     return _ClosingStreamingResponse(produce(), media_type=media_type, headers=headers)
+
+
+def speech_pieces(text: str) -> list[str]:
+    """The input as the WebSocket path would speak it: one utterance per segment (sentences;
+    the first may end at a clause, none longer than the segmenter's limit). One utterance
+    for a whole 4096-character input would overrun the LM's context (prompt, text and
+    minutes of speech tokens in one request). Text with nothing speakable stays whole, so
+    the engine names the problem (`empty_text`)."""
+    segmenter = Segmenter()
+    pieces = [seg.text.strip() for seg in segmenter.push(text) + segmenter.end() if seg.speakable]
+    return pieces or [text]
 
 
 def _count_text_tokens(engine: Any, text: str) -> int:

@@ -133,6 +133,25 @@ def test_engine_fault_mid_http_stream_reports_sse_error(server: LiveServer) -> N
         eventually(lambda: leftovers(c) == {}, timeout=30)
 
 
+def test_engine_fault_mid_http_audio_stream_breaks_the_transfer(server: LiveServer) -> None:
+    """Plain audio has no room for an error event: once part of the file is out, the
+    server drops the connection, so the client sees an incomplete transfer rather than a
+    clean end to a truncated file."""
+    srv = server
+    prompt = srv.call(srv.gw.voices.get_prompt("faulty"))
+    body = {"voice": "faulty", "input": TEXT, "response_format": "pcm", **FAST}
+    received = bytearray()
+    with StageFault(srv.gw.engine, prompt, from_chunk=1, where="compute"), srv.client() as c:
+        with c.stream("POST", "/v1/audio/speech", headers=AUTH, json=body) as resp:
+            assert resp.status_code == 200  # the first chunk was fine: headers are out
+            with pytest.raises(httpx.RemoteProtocolError):
+                for data in resp.iter_bytes():
+                    received += data
+    assert 0 < len(received) < 2 * _expected_samples(srv, TEXT)
+    with srv.client() as c:
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+
+
 # --------------------------------------------------------------------------------------
 # A client that stops reading
 # --------------------------------------------------------------------------------------

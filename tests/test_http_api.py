@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -20,6 +21,7 @@ import pytest
 
 from gateway.audio_files import decode_audio, wav_bytes
 from gateway.auth import Auth
+from gateway.http_api import speech_pieces
 from helpers import (  # noqa: F401 (LiveServer, register, ... are re-exported for other test modules)
     API_KEY,
     AUTH,
@@ -232,6 +234,33 @@ def test_bounded_stream_stops_pulling_at_the_limit() -> None:
 # --------------------------------------------------------------------------------------
 
 
+def test_long_speech_input_is_spoken_sentence_by_sentence(server) -> None:
+    """A long input goes to the engine as the WebSocket path would send it, one utterance
+    per segment (a whole 4096-character input in one LM request would overrun its context):
+    the audio and the SSE usage add up over the pieces, and the file ends once, after the
+    last."""
+    srv = server
+    text = " ".join(f"Sentence number {n} is here." for n in range(1, 31))  # ~800 characters
+    pieces = speech_pieces(text)
+    assert len(pieces) == 30 and "".join(pieces).replace(" ", "") == text.replace(" ", "")
+    tokens = sum(len(srv.gw.engine.text_ids(p)) for p in pieces)
+    body = {"model": "tts-1", "voice": "speaker", "input": text, **FAST}
+    with srv.client() as c:
+        assert register(c, "speaker", tone_wav(3.5)).status_code in (201, 409)
+        chunks = srv.gw.engine.stats().chunks
+        pcm = c.post("/v1/audio/speech", headers=AUTH, json={**body, "response_format": "pcm"})
+        assert pcm.status_code == 200 and len(pcm.content) == 2 * tokens * 2 * SAMPLES_PER_TOKEN
+        # At least a chunk per piece: one utterance of its ~400 tokens would be ~10 chunks.
+        assert srv.gw.engine.stats().chunks - chunks >= len(pieces)
+        wav = decode_audio(c.post("/v1/audio/speech", headers=AUTH, json={**body, "response_format": "wav"}).content)
+        assert wav.samples.shape[0] == 2 * tokens * SAMPLES_PER_TOKEN
+        sse = c.post("/v1/audio/speech", headers=AUTH, json={**body, "response_format": "pcm", "stream_format": "sse"})
+        events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
+        assert [e["type"] for e in events].count("speech.audio.done") == 1 and events[-1]["type"] == "speech.audio.done"
+        assert events[-1]["usage"]["output_tokens"] == 2 * tokens
+    assert speech_pieces("...") == ["..."]  # nothing speakable: the engine says so
+
+
 def test_speech_errors(server) -> None:
     srv = server
     with srv.client() as c:
@@ -248,6 +277,10 @@ def test_speech_errors(server) -> None:
         assert err(speech(model="whisper-1")) == (404, "model_not_found")
         assert err(speech(speed=4.5)) == (400, "invalid_speed")
         assert err(speech(speed=0.1)) == (400, "invalid_speed")
+        assert err(speech(speed=10**400)) == (400, "invalid_speed")  # float() of it overflows
+        assert err(speech(seed=-1)) == (400, "invalid_request")
+        assert err(speech(seed=2**64)) == (400, "invalid_request")
+        assert speech(seed=2**63 - 1).status_code == 200
         assert err(speech(response_format="ogg")) == (400, "unsupported_format")
         assert err(speech(stream_format="ws")) == (400, "unsupported_format")
         # The engine failing before any audio exists is a proper 500, not a broken 200.
@@ -259,6 +292,11 @@ def test_speech_errors(server) -> None:
         assert speech(voice="faulty").status_code == 200  # and the voice works once the fault is gone
         resp = c.post("/v1/audio/speech", headers={**AUTH, "Content-Type": "application/json"}, content=b"{nope")
         assert err(resp) == (400, "invalid_request")
+        # Bodies json.loads refuses with other errors than a syntax error: an integer past
+        # Python's digit limit (ValueError), arrays nested past the recursion limit.
+        for raw in (b'{"input": "Hi.", "seed": 1' + b"0" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+            resp = c.post("/v1/audio/speech", headers={**AUTH, "Content-Type": "application/json"}, content=raw)
+            assert err(resp) == (400, "invalid_request")
         # A stock OpenAI voice name with no "default" voice registered is a clean 404.
         assert err(speech(voice="alloy")) == (404, "voice_not_found")
 
