@@ -982,17 +982,26 @@ class Session:
 
     async def cancel(self, utterance_id: str | None = None) -> None:
         targets = list(self._utts.values()) if utterance_id is None else [self._utts[utterance_id]] if utterance_id in self._utts else []
+        requests: list[str] = []
+        # Every target is marked and its task cancelled before the first await: an LM abort
+        # that raises (a dead vLLM engine core) or a cancel of the caller must not leave
+        # later utterances running.
         for u in targets:
             if u.cancelled:
                 continue
             u.cancelled = True
             u.lm_done.set()  # let a following utterance start its LM at once
-            if u.request_id:
-                await self.engine.backend.abort(u.request_id)
             if u.task is not None and not u.task.done():
                 u.task.cancel()
+            if u.request_id:
+                requests.append(u.request_id)
         # Queued GPU work of cancelled utterances goes now, not at the next batch.
         self.engine.stage.drop_cancelled()
+        for request_id in requests:
+            try:
+                await self.engine.backend.abort(request_id)
+            except Exception:
+                log.exception("aborting LM request %s failed", request_id)
 
     async def finish(self) -> None:
         """No more text; events() ends after the last submitted utterance is delivered."""
@@ -1001,13 +1010,22 @@ class Session:
             self._order.put_nowait(None)
 
     async def abort(self) -> None:
-        await self.cancel(None)
-        await self.finish()
-        self._closed = True
-        if not self._deliver.done():
-            self._deliver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._deliver
+        self._closed = True  # no submit from here on: nothing would cancel or deliver it
+        try:
+            await self.cancel(None)
+        finally:
+            self._end_after_abort()
+        await asyncio.wait([self._deliver])  # let the delivery loop unwind; never raises
+
+    def _end_after_abort(self) -> None:
+        """What an abort must do even when cancelling failed part-way: no more text, no
+        more delivery, the end marker for events(), the engine's count."""
+        if not self._finished:
+            self._finished = True
+            self._order.put_nowait(None)
+        # A cancelled delivery loop runs no statement past its current await (its `finally`
+        # only counts the session ended), so nothing is put after the end marker below.
+        self._deliver.cancel()
         # events() consumers must see the end even when the delivery loop was mid-put.
         while True:
             try:

@@ -250,6 +250,36 @@ def test_cancel_stops_chunks_and_aborts_the_lm_request(tiny_model_dir):
     assert len(rest) <= chunks_after <= len(rest) + 1
 
 
+def test_abort_ends_the_session_when_the_lm_abort_fails(tiny_model_dir):
+    """A backend whose abort raises (vLLM's engine core dead) must still leave an aborted
+    session ended: every utterance's task cancelled, events() ended, the engine's count
+    down, and no more text taken."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=40.0, seed=1))
+        await s.submit("This utterance is long enough to be aborted in the middle of it.")
+        await s.submit("And a second one queued behind it.")
+        events = s.events()
+        first = await events.__anext__()
+        assert isinstance(first, AudioChunk) and engine.stats().active_sessions == 1
+
+        async def dead(request_id: str) -> None:
+            raise RuntimeError("engine core died")
+
+        engine.backend.abort = dead
+        tasks = [u.task for u in s._utts.values()]
+        await s.abort()
+        rest = [e async for e in events]
+        _, running = await asyncio.wait(tasks, timeout=60)  # a bound for a broken build, not a sync
+        with pytest.raises(EngineError):
+            await s.submit("too late")
+        return rest, len(running), engine.stats().active_sessions
+
+    rest, running, active = run(tiny_model_dir, fn, warmup=False)
+    assert all(isinstance(e, AudioChunk) for e in rest)
+    assert running == 0 and active == 0
+
+
 def test_bad_text_fails_only_that_utterance(tiny_model_dir):
     async def fn(engine):
         voice = await default_voice(engine)
