@@ -56,7 +56,8 @@ class Context:
         await self.client.send({"type": "cancel", "context_id": self.context_id})
 
     async def stream(self) -> AsyncIterator[bytes | dict[str, Any]]:
-        """Audio payloads (bytes) and events (dicts) until done / cancelled / socket end."""
+        """Audio payloads (bytes) and events (dicts) until done / cancelled / a final error
+        (the server refused or ended the context) / socket end."""
         while True:
             item = await self._queue.get()
             if item is _END:
@@ -77,7 +78,8 @@ class Context:
         if isinstance(item, dict):
             self.events.append(item)
         self._queue.put_nowait(item)
-        if isinstance(item, dict) and item.get("type") in ("done", "cancelled"):
+        if isinstance(item, dict) and (item.get("type") in ("done", "cancelled")
+                                       or (item.get("type") == "error" and item.get("final"))):
             self.finished = True
             self._queue.put_nowait(_END)
 

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
-from .audio import AudioFormat, AudioFormatError, resolve_format
+from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
 from .segmenter import Segment, Segmenter, SegmenterConfig
 
 
@@ -70,6 +70,7 @@ ERROR_CODES = frozenset(
         "context_ended",
         "synthesis_failed",
         "not_ready",
+        "too_many_sessions",
         "unauthorized",
         "internal_error",
     }
@@ -100,6 +101,15 @@ TextMode = Literal["segment", "stream"]
 TEXT_MODES = ("segment", "stream")
 TRANSPORTS = ("binary", "base64")
 MAX_INSTRUCTION_CHARS = 500
+SPEED_RANGE = (0.25, 4)
+# Every rate some format allows lies within this; the exact check is `resolve_format`'s.
+SAMPLE_RATE_RANGE = (min(PCM_RATES + OPUS_RATES), max(PCM_RATES + OPUS_RATES))
+# A segment is one LM request: lengths past this are no tuning, only a way to send
+# numbers that later arithmetic cannot take.
+MAX_SEGMENT_CHARS = 100_000
+# Client strings quoted back in errors (a bad id, an unknown type or voice) are cut to
+# this, so a refusal never costs the server as much as the frame that caused it.
+MAX_ECHO_CHARS = 128
 _CONTEXT_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
 
@@ -257,6 +267,25 @@ def _opt(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str
     return value
 
 
+def echo(value: str) -> str:
+    """A client-supplied string as quoted back in an error event."""
+    return value[:MAX_ECHO_CHARS]
+
+
+def _number(obj: dict[str, Any], key: str, lo: float, hi: float, code: str = "invalid_message",
+            integer: bool = False) -> int | float | None:
+    """An optional numeric field within [lo, hi].
+
+    Compared as given, never through float(): float() of a 400-digit integer raises
+    OverflowError, and NaN/Infinity (which Python's JSON reader accepts) fail every
+    comparison, so the range test also rejects non-finite values.
+    """
+    value = _opt(obj, key, int if integer else (int, float), "an integer" if integer else "a number")
+    if value is not None and not lo <= value <= hi:
+        raise _Invalid(code, f"'{key}' must be within {lo}..{hi}")
+    return value
+
+
 def _parse_segmentation(obj: Any) -> SegmenterConfig | None:
     if obj is None:
         return None
@@ -264,7 +293,7 @@ def _parse_segmentation(obj: Any) -> SegmenterConfig | None:
         raise _Invalid("invalid_message", "'segmentation' must be an object")
     kwargs: dict[str, int | bool] = {}
     for name in ("first_min_chars", "min_chars", "max_chars"):
-        v = _opt(obj, name, int, "an integer")
+        v = _number(obj, name, 0, MAX_SEGMENT_CHARS, integer=True)
         if v is not None:
             kwargs[name] = v
     eager = _opt(obj, "eager_ends", bool, "a boolean")
@@ -293,14 +322,12 @@ def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
     instruction = _opt(obj, "instruction", str, "a string")
     if instruction is not None and len(instruction) > MAX_INSTRUCTION_CHARS:
         raise _Invalid("invalid_message", f"'instruction' longer than {MAX_INSTRUCTION_CHARS} characters")
-    speed = _opt(obj, "speed", (int, float), "a number")
-    if speed is not None and not 0.25 <= float(speed) <= 4.0:
-        raise _Invalid("invalid_speed", "'speed' must be within 0.25..4")
+    speed = _number(obj, "speed", *SPEED_RANGE, code="invalid_speed")
     language = _opt(obj, "language", str, "a string")
     if language is not None and len(language) > 16:
         raise _Invalid("invalid_message", "'language' is at most 16 characters")
     fmt = _opt(obj, "format", str, "a string")
-    rate = _opt(obj, "sample_rate", int, "an integer")
+    rate = _number(obj, "sample_rate", *SAMPLE_RATE_RANGE, code="unsupported_format", integer=True)
     if fmt is not None or rate is not None:
         try:  # validate now so the error names the message that was wrong
             resolve_format(fmt or "pcm_s16le", rate) if fmt is not None else None
@@ -372,7 +399,7 @@ def parse_client_message(raw: str | bytes, limits: WsLimits) -> ClientMessage | 
     if _SURROGATE_ESCAPE.search(raw) and not _is_unicode(obj):
         # "\ud800" is legal JSON but not text: it would fail the tokenizer and any echo.
         return ProtocolError("invalid_message", "message contains a lone surrogate, which is not valid Unicode text")
-    cid_hint = obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
+    cid_hint = echo(obj["context_id"]) if isinstance(obj.get("context_id"), str) else None
     try:
         return _parse_object(obj)
     except _Invalid as exc:
@@ -408,7 +435,7 @@ def _parse_object(obj: dict[str, Any]) -> ClientMessage:
         return KeepaliveMessage()
     if kind == "close":
         return CloseMessage()
-    raise _Invalid("unknown_type", f"unknown message type {kind!r}")
+    raise _Invalid("unknown_type", f"unknown message type {echo(kind)!r}")
 
 
 # ---- commands for the I/O layer -------------------------------------------------------

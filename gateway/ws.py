@@ -55,6 +55,7 @@ from .protocol import (
     StartContext,
     StreamText,
     WsLimits,
+    echo,
     parse_client_message,
 )
 from .segmenter import Segment
@@ -86,6 +87,7 @@ class _Item:
     samples: int = 0  # output samples carried (audio frames)
     segment: Segment | None = None  # set on segment_started events
     enqueued_at: float = 0.0
+    event: bool = False  # queued by put_event (not subject to the producers' wait)
 
 
 class FrameWriter:
@@ -93,7 +95,9 @@ class FrameWriter:
 
     `put_audio` waits while more than `max_bytes` are queued (backpressure to the
     engine). Events (`put_event`) never wait: they are small and must not block the
-    reader; the lag monitor bounds them too. Items of a cancelled context are dropped.
+    reader. But a client may provoke them without reading (a `flush` per frame), so
+    they have a hard cap of their own, `max_event_bytes`: past it `put_event` refuses
+    and the caller disconnects the client. Items of a cancelled context are dropped.
     """
 
     def __init__(
@@ -102,10 +106,12 @@ class FrameWriter:
         send_bytes: Callable[[bytes], Awaitable[None]],
         max_bytes: int,
         clock: Callable[[], float] = time.monotonic,
+        max_event_bytes: int | None = None,
     ) -> None:
         self._send_text = send_text
         self._send_bytes = send_bytes
         self._max_bytes = max_bytes
+        self.max_event_bytes = 2 * max_bytes if max_event_bytes is None else max_event_bytes
         self._clock = clock
         self._queue: deque[_Item] = deque()
         self._has_items = asyncio.Event()
@@ -115,6 +121,7 @@ class FrameWriter:
         self._idle.set()
         self._sending: _Item | None = None
         self.queued_bytes = 0
+        self.event_bytes = 0  # the part of queued_bytes that put_event queued
         self.frames_sent = 0
         self.bytes_sent = 0
         self.last_sent_at = clock()
@@ -143,18 +150,25 @@ class FrameWriter:
         event: dict[str, Any] | Callable[[], dict[str, Any]],
         ctx: "_ContextRuntime | None" = None,
         segment: Segment | None = None,
-    ) -> None:
+    ) -> bool:
+        """Queue an event; False (and nothing queued) when events are over their cap."""
         if callable(event):
             render = event
-            self._push(_Item(lambda: _dumps(render()), ctx, 256, segment=segment))
+            item = _Item(lambda: _dumps(render()), ctx, 256, segment=segment, event=True)  # 256: a size estimate
         else:
             data = _dumps(event)
-            self._push(_Item(data, ctx, len(data), segment=segment))
+            item = _Item(data, ctx, len(data), segment=segment, event=True)
+        if self.event_bytes + item.nbytes > self.max_event_bytes:
+            return False
+        self._push(item)
+        return True
 
     def _push(self, item: _Item) -> None:
         item.enqueued_at = self._clock()
         self._queue.append(item)
         self.queued_bytes += item.nbytes
+        if item.event:
+            self.event_bytes += item.nbytes
         self._has_items.set()
         self._idle.clear()
 
@@ -162,6 +176,7 @@ class FrameWriter:
         """Remove every queued item of ``ctx`` (barge-in) and release waiting producers."""
         self._queue = deque(i for i in self._queue if i.ctx is not ctx)
         self.queued_bytes = sum(i.nbytes for i in self._queue)
+        self.event_bytes = sum(i.nbytes for i in self._queue if i.event)
         self._room.set()
         if self.idle:
             self._idle.set()
@@ -177,6 +192,8 @@ class FrameWriter:
                 await self._has_items.wait()
             item = self._queue.popleft()
             self.queued_bytes -= item.nbytes
+            if item.event:
+                self.event_bytes -= item.nbytes
             if self.queued_bytes < self._max_bytes:
                 self._room.set()
             if item.ctx is not None and item.ctx.cancelled:
@@ -282,6 +299,7 @@ class _Connection:
         self.last_client_at = time.monotonic()
         self.stats_interval_s = 0.0
         self.last_stats_at = time.monotonic()
+        self._writer_task: asyncio.Task | None = None
         # Tests may fix engine options (e.g. a deterministic speech-token count).
         self.base_options: SessionOptions = getattr(gw, "session_defaults", None) or SessionOptions()
 
@@ -304,11 +322,14 @@ class _Connection:
                 "limits": {k: v for k, v in dataclasses.asdict(limits).items() if k != "per_message_deflate"},
             }
         )
+        self._writer_task = asyncio.create_task(self._writer_loop(), name=f"{self.session_id}-writer")
         tasks = [
-            asyncio.create_task(self._writer_loop(), name=f"{self.session_id}-writer"),
+            self._writer_task,
             asyncio.create_task(self._reader_loop(), name=f"{self.session_id}-reader"),
             asyncio.create_task(self._monitor_loop(), name=f"{self.session_id}-monitor"),
         ]
+        for t in tasks:
+            t.add_done_callback(self._on_task_done)
         try:
             await self.stop.wait()
             tasks[1].cancel()  # read no more
@@ -327,6 +348,21 @@ class _Connection:
                 # A slow consumer may not even take the close frame: do not wait for it.
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.ws.close(code=self.close_code, reason=self.close_reason), timeout=2.0)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        """A socket task ended. Each one runs until the socket stops; one that ended
+        before (a bug) would leave the socket open with nobody reading, writing or
+        watching, and the idle timeout is off while a context is open: close it."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None and self.stop.is_set():
+            return  # it asked for the close itself
+        log.error("%s: task %s ended unexpectedly", self.session_id, task.get_name(), exc_info=exc)
+        writer_alive = task is not self._writer_task
+        if writer_alive:  # the client may still learn why
+            self.send_event(ProtocolError("internal_error", "internal error").event())
+        self.request_close(CLOSE_INTERNAL, "internal error", drain=writer_alive)
 
     async def _writer_loop(self) -> None:
         try:
@@ -350,17 +386,39 @@ class _Connection:
                 raw = message.get("text")
                 if raw is None:
                     raw = message.get("bytes") or b""
-                parsed = parse_client_message(raw, self.limits)
-                for cmd in self.state.handle(parsed):
-                    try:
-                        await self._execute(cmd)
-                    except Exception:
-                        log.exception("websocket command %r failed", cmd)
-                        self.send_event(ProtocolError("internal_error", "internal error").event())
+                await self._handle_frame(raw)
         except asyncio.CancelledError:
             raise
         except (WebSocketDisconnect, RuntimeError):
             self.request_close(None)
+
+    async def _handle_frame(self, raw: str | bytes) -> None:
+        """One client frame. A bug met while handling it costs that frame an
+        `internal_error`, never the reader: a dead reader leaves the socket hanging."""
+        failed = False
+        commands: list[Command] = []
+        try:
+            commands = self.state.handle(parse_client_message(raw, self.limits))
+        except Exception:
+            log.exception("%s: websocket message failed", self.session_id)
+            failed = True
+        for cmd in commands:
+            try:
+                await self._execute(cmd)
+            except Exception:
+                log.exception("websocket command %r failed", cmd)
+                failed = True
+        if failed:
+            self.send_event(ProtocolError("internal_error", "internal error").event())
+            self._drop_unstarted_contexts()  # only now: a later command may have started them
+
+    def _drop_unstarted_contexts(self) -> None:
+        """After a failed frame: contexts the state machine opened but that never got a
+        runtime would swallow their text and keep `close` waiting for a `done` that
+        cannot come. Between frames every context of the state has a runtime."""
+        for cid in [c for c in self.state.contexts if c not in self.contexts]:
+            self.state.context_finished(cid)
+            self.send_event(ProtocolError("internal_error", "context could not be started", cid).event())
 
     async def _monitor_loop(self) -> None:
         limits = self.limits
@@ -373,9 +431,7 @@ class _Connection:
             await asyncio.sleep(max(0.02, min(periods)))
             now = time.monotonic()
             if self.writer.lag() > limits.max_lag_s:
-                log.info("%s: slow consumer (lag %.1fs), closing", self.session_id, self.writer.lag())
-                self.gw.metrics.error("slow_consumer")
-                self.request_close(CLOSE_SLOW_CONSUMER, "slow consumer")
+                self._slow_consumer(f"lag {self.writer.lag():.1f}s")
                 return
             if not self.state.contexts and now - self.last_client_at > limits.idle_timeout_s:
                 self.request_close(CLOSE_IDLE, "idle timeout", drain=True)
@@ -402,6 +458,13 @@ class _Connection:
             "engine": engine_stats,
         }
 
+    def _slow_consumer(self, why: str) -> None:
+        if self.stop.is_set():
+            return
+        log.info("%s: slow consumer (%s), closing", self.session_id, why)
+        self.gw.metrics.error("slow_consumer")
+        self.request_close(CLOSE_SLOW_CONSUMER, "slow consumer")
+
     # -- commands ----------------------------------------------------------------------
 
     def send_event(
@@ -412,7 +475,14 @@ class _Connection:
     ) -> None:
         if isinstance(event, dict) and event.get("type") == "error":
             self.gw.metrics.error(str(event.get("code")))
-        self.writer.put_event(event, ctx, segment)
+            cid = event.get("context_id")
+            if cid is not None and cid not in self.state.contexts:
+                # The context was refused, never opened or ended by the server: no `done`
+                # or `cancelled` will follow, so the error is its last event.
+                event = {**event, "final": True}
+        if not self.writer.put_event(event, ctx, segment):
+            # Events only pile up this far when the client provokes them without reading.
+            self._slow_consumer(f"over {self.writer.max_event_bytes} bytes of events queued")
 
     async def _execute(self, cmd: Command) -> None:
         if isinstance(cmd, Send):
@@ -446,31 +516,51 @@ class _Connection:
 
     async def _start_context(self, cmd: StartContext) -> None:
         cid, settings = cmd.context_id, cmd.settings
+        started: _ContextRuntime | ProtocolError
+        try:
+            started = await self._open_runtime(cid, settings)
+        except Exception:
+            log.exception("%s: context %s failed to start", self.session_id, cid)
+            started = ProtocolError("internal_error", "context could not be started", cid)
+        if isinstance(started, ProtocolError):
+            # The state machine opened it: without this its later text would be dropped
+            # silently and `close` would wait for a `done` that never comes.
+            self.state.context_finished(cid)
+            self.send_event(started.event())
+            return
+        rt = started
+        self.contexts[cid] = rt
+        rt.pump = asyncio.create_task(self._pump(rt), name=f"{self.session_id}-{cid}-pump")
+        self.send_event({"type": "context_started", "context_id": cid, **settings.describe()}, rt)
+
+    async def _open_runtime(self, cid: str, settings: ContextSettings) -> _ContextRuntime | ProtocolError:
+        """Voice, encoder and engine session of a new context. Refusals the client can
+        act on come back as errors; anything else raises, but never with an engine
+        session left open."""
         try:
             voice = await self.gw.voices.get_prompt(settings.voice)
         except KeyError:
-            self.state.context_finished(cid)
-            self.send_event(ProtocolError("voice_not_found", f"voice {settings.voice!r} is not registered", cid).event())
-            return
+            return ProtocolError("voice_not_found", f"voice {echo(settings.voice)!r} is not registered", cid)
         except ApiError as exc:  # e.g. the shared voice store is unreachable
-            self.state.context_finished(cid)
-            self.send_event(ProtocolError(exc.code, exc.message, cid).event())
-            return
+            return ProtocolError(exc.code, exc.message, cid)
+        # Before the engine session: an encoder that cannot be built (no libopus) then
+        # has nothing to clean up.
+        encoder = self._new_encoder(settings)
         options = dataclasses.replace(
             self.base_options, mode=settings.effective_mode, instruction=settings.instruction, speed=settings.speed
         )
         try:
             session = self.gw.engine.open_session(voice, options)
         except Exception as exc:
-            code = getattr(exc, "code", "internal_error")
-            self.state.context_finished(cid)
-            self.send_event(ProtocolError("not_ready" if code == "not_ready" else "internal_error", str(exc), cid).event())
-            return
-        raw_id = cid.encode("utf-8")
-        rt = _ContextRuntime(cid, settings, session, self._new_encoder(settings), bytes([len(raw_id)]) + raw_id)
-        self.contexts[cid] = rt
-        rt.pump = asyncio.create_task(self._pump(rt), name=f"{self.session_id}-{cid}-pump")
-        self.send_event({"type": "context_started", "context_id": cid, **settings.describe()}, rt)
+            code = "not_ready" if getattr(exc, "code", None) == "not_ready" else "internal_error"
+            return ProtocolError(code, str(exc), cid)
+        try:
+            raw_id = cid.encode("utf-8")
+            return _ContextRuntime(cid, settings, session, encoder, bytes([len(raw_id)]) + raw_id)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await session.abort()
+            raise
 
     async def _speak(self, cmd: Speak) -> None:
         rt = self.contexts.get(cmd.context_id)
@@ -615,22 +705,35 @@ class _Connection:
 
     async def _pump(self, rt: _ContextRuntime) -> None:
         try:
-            async for ev in rt.session.events():
-                if rt.cancelled:
-                    return
-                async with rt.lock:
-                    finished = await self._on_engine_event(rt, ev)
-                if finished:
-                    await self._settle(rt)
+            await self._pump_events(rt)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("pump of context %s failed", rt.cid)
-            self.send_event(ProtocolError("internal_error", "audio pipeline failed", rt.cid).event(), rt)
+            await self._fail_context(rt, "audio pipeline failed")
+
+    async def _pump_events(self, rt: _ContextRuntime) -> None:
+        async for ev in rt.session.events():
+            if rt.cancelled:
+                return
+            async with rt.lock:
+                finished = await self._on_engine_event(rt, ev)
+            if finished:
+                await self._settle(rt)
         # The engine stream ended: anything still pending will never come.
         if not rt.cancelled and any(p[0] == "utt" for p in rt.pending):
             rt.pending = deque(p for p in rt.pending if p[0] != "utt")
             await self._settle(rt)
+
+    async def _fail_context(self, rt: _ContextRuntime, message: str) -> None:
+        """The context's audio can no longer be produced: end it as a cancel would (engine
+        session aborted, its frames dropped, its id free again), with an error instead
+        of `done`, so neither the engine session nor a `close` waits on it forever."""
+        if rt.cancelled:
+            return  # already being stopped: its client asked for that
+        await self._stop_context(rt)
+        self.send_event(ProtocolError("internal_error", message, rt.cid).event())
+        self._maybe_close()
 
     async def _on_engine_event(self, rt: _ContextRuntime, ev: AudioChunk | UtteranceError) -> bool:
         """Handle one engine event; True when an utterance finished."""
@@ -677,6 +780,11 @@ class _Connection:
         return False
 
 
+async def _refuse(websocket: WebSocket, error: ProtocolError, close_code: int, reason: str) -> None:
+    await websocket.send_text(json.dumps(error.event()))
+    await websocket.close(code=close_code, reason=reason)
+
+
 async def tts_websocket(websocket: WebSocket) -> None:
     """Starlette WebSocket endpoint, mounted at /v1/tts/stream."""
     gw = websocket.app.state.gw
@@ -684,13 +792,19 @@ async def tts_websocket(websocket: WebSocket) -> None:
     # Accept first, then refuse with an event + close code that a browser can read.
     if not gw.auth.check_websocket(websocket):
         gw.metrics.error("unauthorized")
-        await websocket.send_text(json.dumps(ProtocolError("unauthorized", "missing or invalid API key").event()))
-        await websocket.close(code=CLOSE_POLICY, reason="unauthorized")
+        await _refuse(websocket, ProtocolError("unauthorized", "missing or invalid API key"), CLOSE_POLICY, "unauthorized")
         return
     if not getattr(gw.engine, "ready", True):
         gw.metrics.error("not_ready")
-        await websocket.send_text(json.dumps(ProtocolError("not_ready", "engine is still loading").event()))
-        await websocket.close(code=CLOSE_TRY_LATER, reason="not ready")
+        await _refuse(websocket, ProtocolError("not_ready", "engine is still loading"), CLOSE_TRY_LATER, "not ready")
+        return
+    limit = getattr(gw.settings, "max_sessions", None)
+    # uvicorn's limit_concurrency does not count WebSocket upgrades: enforced here. No
+    # await between this check and session_opened(), so sockets cannot race past it.
+    if limit is not None and gw.metrics.sessions_active >= limit:
+        gw.metrics.error("too_many_sessions")
+        await _refuse(websocket, ProtocolError("too_many_sessions", f"too many sessions (at most {limit}); try again later"),
+                      CLOSE_TRY_LATER, "too many sessions")
         return
     gw.metrics.session_opened()
     try:

@@ -102,6 +102,7 @@ def test_engine_fault_mid_utterance_fails_only_that_context(server: LiveServer, 
     assert fault.count >= 1
     errors = a.of("error", "bad")
     assert [e["code"] for e in errors] == ["synthesis_failed"], a.events
+    assert "final" not in errors[0]  # one segment failed; the context goes on to its `done`
     # The victim heard its first chunk, then the error, then `done` (the context ends cleanly).
     assert 0 < len(a.audio.get("bad", b"")) < full
     assert a.of("done", "bad")

@@ -446,3 +446,110 @@ def test_python_client_and_cli(server: Server, tmp_path: Path) -> None:
     with wave.open(str(out)) as w:
         assert w.getframerate() == 16000 and w.getnframes() == round(result["audio_s"] * 16000) > 0
     assert result["first_audio_s"] < result["wall_s"]
+
+
+# ---- a context that cannot start, and the session limit ------------------------------------
+
+
+class _VanishingVoices:
+    """The fixture's voices, but "vanished" fails as a voice deleted mid-read does."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    async def get_prompt(self, voice_id: str) -> Any:
+        if voice_id == "vanished":
+            raise FileNotFoundError("voices/vanished/prompt.npz")
+        return await self._inner.get_prompt(voice_id)
+
+
+async def _close_code(ws: Any, rec: Recording) -> int | None:
+    await send(ws, type="close")
+    with pytest.raises(websockets.ConnectionClosed):
+        await receive_until(ws, rec, lambda r: False, timeout=30)
+    return ws.close_code
+
+
+def test_voice_failing_at_start_leaves_no_phantom_context(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.gw, "voices", _VanishingVoices(server.gw.voices))
+
+    async def main() -> tuple[Recording, int | None]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="text", context_id="v", text="Hello.", voice="vanished")
+            await receive_until(ws, rec, lambda r: bool(r.of("error")))
+            # Before: "v" stayed open in the protocol state, so this text was dropped
+            # silently and `close` waited forever for its `done`.
+            await send(ws, type="text", context_id="v", text="Hello again.", end=True)
+            await receive_until(ws, rec, has_done("v"))
+            return rec, await _close_code(ws, rec)
+
+    rec, code = run(main())
+    assert [(e["code"], e.get("context_id"), e.get("final")) for e in rec.of("error")] == [("internal_error", "v", True)]
+    assert rec.of("done", "v")[0]["audio_samples"] > 0 and code == 1000
+
+
+def test_encoder_failing_at_start_opens_no_engine_session(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.ws
+
+    real_make_encoder = gateway.ws.make_encoder
+
+    def make_encoder(name: str, sample_rate: int | None = None, options: Any = None) -> Any:
+        if name == "opus":
+            raise RuntimeError("libopus not found")  # what a host without libopus raises
+        return real_make_encoder(name, sample_rate, options)
+
+    monkeypatch.setattr(gateway.ws, "make_encoder", make_encoder)
+
+    async def main() -> tuple[Recording, Any, int | None]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await send(ws, type="text", context_id="o", text="Hello.", format="opus", end=True)
+            await receive_until(ws, rec, lambda r: bool(r.of("error")))
+            # Before: the engine session opened before the encoder failed was never closed.
+            stats = asyncio.run_coroutine_threadsafe(_engine_stats(server), server.loop).result(10)
+            await send(ws, type="text", context_id="o", text="Plain audio then.", end=True)
+            await receive_until(ws, rec, has_done("o"))
+            return rec, stats, await _close_code(ws, rec)
+
+    rec, stats, code = run(main())
+    assert [(e["code"], e.get("context_id")) for e in rec.of("error")] == [("internal_error", "o")]
+    assert stats.active_sessions == 0
+    assert rec.of("done", "o")[0]["audio_samples"] > 0 and code == 1000
+
+
+def test_max_sessions_refuses_sockets_over_the_limit(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from gateway.protocol import CLOSE_TRY_LATER
+    from helpers import AUTH, eventually, live_gateway
+
+    async def session_started(ws: Any) -> None:
+        assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "session_started"
+
+    with live_gateway(tiny_model_dir, tmp_path, max_sessions=2) as srv:
+        metrics = srv.gw.metrics
+
+        async def over_the_limit() -> tuple[dict[str, Any], int | None, str | None, int]:
+            async with websockets.connect(srv.ws_url, additional_headers=AUTH) as a, \
+                    websockets.connect(srv.ws_url, additional_headers=AUTH) as b:
+                await session_started(a)
+                await session_started(b)
+                # Before: uvicorn's limit_concurrency does not count WebSocket upgrades,
+                # so this third socket was served too.
+                async with websockets.connect(srv.ws_url, additional_headers=AUTH) as c:
+                    ev = json.loads(await asyncio.wait_for(c.recv(), 30))
+                    with pytest.raises(websockets.ConnectionClosed):
+                        await asyncio.wait_for(c.recv(), 30)
+                return ev, c.close_code, c.close_reason, metrics.sessions_active
+
+        ev, code, reason, active = asyncio.run(over_the_limit())
+        assert ev["type"] == "error" and ev["code"] == "too_many_sessions" and "too many sessions" in ev["message"]
+        assert code == CLOSE_TRY_LATER and reason == "too many sessions"
+        assert active == 2  # the refused socket was never counted
+        # Closed sockets give their places back (counted down once their handler ends).
+        eventually(lambda: metrics.sessions_active == 0)
+
+        async def room_again() -> None:
+            async with websockets.connect(srv.ws_url, additional_headers=AUTH) as ws:
+                await session_started(ws)
+
+        asyncio.run(room_again())

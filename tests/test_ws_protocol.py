@@ -352,3 +352,282 @@ def test_idle_socket_gets_keepalives_then_idle_close() -> None:
         assert kinds[0] == "session_started" and kinds.count("keepalive") >= 2
 
     asyncio.run(main())
+
+
+# ---- numbers that float() cannot take, ids too long to echo ----------------------------
+
+_HUGE = "1" + "0" * 400  # an integer JSON allows and float() overflows on
+
+
+# Every numeric field, past float's range, non-finite or merely out of range.
+_BAD_NUMBERS = [
+    ('{"type":"config","speed":%s}' % _HUGE, "invalid_speed"),
+    ('{"type":"config","speed":-%s}' % _HUGE, "invalid_speed"),
+    ('{"type":"config","speed":1e999}', "invalid_speed"),  # Python's JSON reader: inf
+    ('{"type":"config","speed":NaN}', "invalid_speed"),
+    ('{"type":"text","context_id":"a","text":"x","speed":-Infinity}', "invalid_speed"),
+    ('{"type":"config","sample_rate":%s}' % _HUGE, "unsupported_format"),
+    ('{"type":"open","context_id":"a","format":"opus","sample_rate":%s}' % _HUGE, "unsupported_format"),
+    ('{"type":"config","sample_rate":-1}', "unsupported_format"),
+    ('{"type":"config","segmentation":{"max_chars":%s}}' % _HUGE, "invalid_message"),
+    ('{"type":"config","segmentation":{"first_min_chars":-%s}}' % _HUGE, "invalid_message"),
+    ('{"type":"config","stats_interval_ms":%s}' % _HUGE, "invalid_message"),
+]
+
+
+def test_numeric_fields_out_of_range_are_refused_not_raised() -> None:
+    # Before: float(10**400) raised OverflowError out of a parser that promises never to
+    # raise, and a huge (or negative) rate or segment length was accepted as it came.
+    for raw, expected in _BAD_NUMBERS:
+        res = parse_client_message(raw, WsLimits())
+        assert isinstance(res, ProtocolError) and res.code == expected, (raw[:80], res)
+        assert len(res.message) < 100  # the number is not quoted back
+        assert ConnectionState(ContextSettings(voice="v"), WsLimits()).handle(res) == [Send(res.event())]
+    # The bounds themselves still parse.
+    cfg = parse({"type": "config", "speed": 4, "sample_rate": 48000, "segmentation": {"max_chars": 100000}})
+    assert isinstance(cfg, ConfigMessage) and cfg.patch.speed == 4.0 and isinstance(cfg.patch.speed, float)
+    assert cfg.patch.sample_rate == 48000 and cfg.patch.segmentation.max_chars == 100000
+
+
+def test_echoed_ids_and_names_are_truncated() -> None:
+    limits = WsLimits(max_message_bytes=65536)
+    bad_id = parse_client_message(json.dumps({"type": "flush", "context_id": "x" * 20000}), limits)
+    assert isinstance(bad_id, ProtocolError) and bad_id.code == "invalid_message"
+    assert bad_id.context_id == "x" * 128
+    bad_type = parse_client_message(json.dumps({"type": "y" * 20000}), limits)
+    assert isinstance(bad_type, ProtocolError) and bad_type.code == "unknown_type"
+    assert len(bad_type.message) < 200
+
+
+def test_writer_caps_queued_events() -> None:
+    async def main() -> None:
+        async def never(_: Any) -> None:
+            await asyncio.Event().wait()
+
+        w = FrameWriter(never, never, max_bytes=100)  # nothing is ever sent
+        assert w.max_event_bytes == 200
+        ctx = _Ctx()
+        ev = {"type": "flushed", "context_id": "a", "flush_id": 1}
+        size = len(json.dumps(ev, separators=(",", ":")))
+        accepted = 0
+        while w.put_event(ev, ctx):  # before: returned None and queued without limit
+            accepted += 1
+            assert accepted < 1000
+        assert accepted == 200 // size and w.event_bytes == w.queued_bytes == accepted * size
+        # Dropped events free their share of the cap.
+        w.drop(ctx)
+        assert w.event_bytes == 0 and w.put_event(ev)
+
+    asyncio.run(main())
+
+
+# ---- a whole connection that meets a bug, a broken encoder or a flood of events ----------
+
+
+class _Socket:
+    """Starlette-WebSocket stand-in driven by the test: `push` feeds the reader (an
+    exception instance is raised by `receive`), `next_event` waits for a sent event."""
+
+    def __init__(self, block_sends: bool = False) -> None:
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.texts: list[dict[str, Any]] = []
+        self.closed_with: int | None = None
+        self.block_sends = block_sends  # a client that reads nothing at all
+
+    def push(self, **msg: Any) -> None:
+        self.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps(msg)})
+
+    async def receive(self) -> dict[str, Any]:
+        item = await self.inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def send_text(self, data: str) -> None:
+        if self.block_sends:
+            await asyncio.Event().wait()
+        ev = json.loads(data)
+        self.texts.append(ev)
+        self.sent.put_nowait(ev)
+
+    async def send_bytes(self, data: bytes) -> None:
+        if self.block_sends:
+            await asyncio.Event().wait()
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.closed_with = code
+
+    async def next_event(self, kind: str) -> dict[str, Any]:
+        while True:
+            ev = await asyncio.wait_for(self.sent.get(), 5)
+            if ev["type"] == kind:
+                return ev
+
+    def errors(self) -> list[tuple[str, str | None]]:
+        return [(e["code"], e.get("context_id")) for e in self.texts if e["type"] == "error"]
+
+
+class _ScriptedSession:
+    """Engine session stand-in: one short final chunk per submitted segment."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self._events: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def submit(self, text: str, options: Any = None, utterance_id: str | None = None) -> str:
+        from engine.types import AudioChunk
+        import numpy as np
+
+        uid = utterance_id or "u"
+        self._events.put_nowait(AudioChunk(uid, np.zeros(480, np.float32), 0, True, 0))
+        return uid
+
+    async def finish(self) -> None:
+        self._events.put_nowait(None)
+
+    async def abort(self) -> None:
+        self.aborted = True
+        self._events.put_nowait(None)
+
+    async def events(self) -> Any:
+        while (ev := await self._events.get()) is not None:
+            yield ev
+
+
+def _fake_gw(limits: WsLimits, sessions: list[_ScriptedSession] | None = None, encode_pool: Any = None) -> Any:
+    from types import SimpleNamespace
+
+    class Voices:
+        async def get_prompt(self, voice_id: str) -> object:
+            return object()
+
+    def open_session(voice: object, options: object) -> _ScriptedSession:
+        session = _ScriptedSession()
+        if sessions is not None:
+            sessions.append(session)
+        return session
+
+    errors: list[str] = []
+    return SimpleNamespace(
+        engine=SimpleNamespace(open_session=open_session, model_name="fake", sample_rate=24000),
+        voices=Voices(),
+        settings=SimpleNamespace(ws=limits, default_voice="v", audio=EncoderOptions()),
+        metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None),
+        encode_pool=encode_pool or EncodePool(0),
+        errors=errors,
+    )
+
+
+class _Bug(Exception):
+    pass
+
+
+def test_unexpected_error_in_one_message_costs_only_that_message() -> None:
+    from gateway.ws import _Connection
+
+    async def main() -> None:
+        sock = _Socket()
+        conn = _Connection(sock, _fake_gw(WsLimits(keepalive_interval_s=0)))  # type: ignore[arg-type]
+        real_handle = conn.state.handle
+
+        def handle(msg: Any) -> list[Any]:
+            commands = real_handle(msg)
+            if isinstance(msg, TextMessage) and msg.context_id == "a":
+                raise _Bug("after the state machine opened 'a'")  # its StartContext never runs
+            return commands
+
+        conn.state.handle = handle  # type: ignore[method-assign]
+        sock.push(type="text", context_id="a", text="Hi")
+        sock.push(type="flush", context_id="zz")
+        sock.push(type="close")  # completes only if no context is left waiting
+        # Before: the exception killed the reader silently and the socket hung.
+        await asyncio.wait_for(conn.run(), 5)
+        assert sock.errors() == [("internal_error", None), ("internal_error", "a")]
+        assert {"type": "flushed", "context_id": "zz", "flush_id": 0} in sock.texts
+        assert sock.closed_with == 1000 and not conn.state.contexts
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("task", ["reader", "monitor"])
+def test_a_dead_socket_task_closes_the_socket_with_1011(task: str) -> None:
+    from gateway.protocol import CLOSE_INTERNAL
+    from gateway.ws import _Connection
+
+    async def main() -> None:
+        sock = _Socket()
+        conn = _Connection(sock, _fake_gw(WsLimits(keepalive_interval_s=0)))  # type: ignore[arg-type]
+        if task == "reader":
+            sock.inbox.put_nowait(_Bug("receive broke"))
+        else:
+            def lag() -> float:
+                raise _Bug("monitor broke")
+
+            conn.writer.lag = lag  # type: ignore[method-assign]
+        # Before: the task died alone and the socket stayed open with nobody serving it.
+        await asyncio.wait_for(conn.run(), 5)
+        assert sock.closed_with == CLOSE_INTERNAL
+        assert sock.errors() == [("internal_error", None)]
+
+    asyncio.run(main())
+
+
+class _FailingEncodes:
+    """The encode pool, failing its first encode (an encoder error mid-stream)."""
+
+    def __init__(self) -> None:
+        self.pool = EncodePool(0)
+        self.failures_left = 1
+
+    async def encode(self, encoder: Any, pcm: Any) -> list[bytes]:
+        if self.failures_left:
+            self.failures_left -= 1
+            raise _Bug("encoder broke")
+        return await self.pool.encode(encoder, pcm)
+
+    async def flush(self, encoder: Any) -> list[bytes]:
+        return await self.pool.flush(encoder)
+
+
+def test_pump_failure_aborts_the_session_and_frees_the_context() -> None:
+    from gateway.ws import _Connection
+
+    async def main() -> None:
+        sock = _Socket()
+        sessions: list[_ScriptedSession] = []
+        gw = _fake_gw(WsLimits(keepalive_interval_s=0), sessions, _FailingEncodes())
+        conn = _Connection(sock, gw)  # type: ignore[arg-type]
+        run = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="a", text="Hello there.", flush=True)
+        assert await sock.next_event("error") == {
+            "type": "error", "code": "internal_error", "message": "audio pipeline failed", "context_id": "a",
+            "final": True}  # no `done` follows: the id is free again
+        # Before: the engine session ran on and "a" stayed registered (a zombie).
+        assert sessions[0].aborted and not conn.contexts and not conn.state.contexts
+        sock.push(type="text", context_id="a", text="Again.", end=True)  # the id is free again
+        done = await sock.next_event("done")
+        assert done["context_id"] == "a" and done["audio_samples"] == 480 and sessions[1].aborted
+        sock.push(type="close")
+        await asyncio.wait_for(run, 5)
+        assert sock.closed_with == 1000 and not any(e["type"] == "flushed" for e in sock.texts)
+
+    asyncio.run(main())
+
+
+def test_client_provoking_events_without_reading_is_closed_with_4001() -> None:
+    from gateway.protocol import CLOSE_SLOW_CONSUMER
+    from gateway.ws import _Connection
+
+    async def main() -> None:
+        sock = _Socket(block_sends=True)
+        for i in range(500):  # each one answered by a `flushed` event at once
+            sock.push(type="flush", context_id=f"c{i}")
+        # The lag monitor alone would wait a minute: the event cap must act first.
+        gw = _fake_gw(WsLimits(max_pending_bytes=1000, max_lag_s=60, keepalive_interval_s=0))
+        conn = _Connection(sock, gw)  # type: ignore[arg-type]
+        await asyncio.wait_for(conn.run(), 5)
+        assert sock.closed_with == CLOSE_SLOW_CONSUMER and gw.errors == ["slow_consumer"]
+        assert conn.writer.event_bytes <= 2 * 1000
+
+    asyncio.run(main())
