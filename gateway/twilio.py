@@ -124,6 +124,12 @@ class _Segment:
     played: bool = False
 
 
+def _field(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested object of a Twilio message; {} when missing or not an object."""
+    value = data.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 @dataclass
 class _Turn:
     turn_id: str
@@ -192,24 +198,35 @@ class TwilioBridge:
     # -- Twilio side -----------------------------------------------------------------
 
     async def handle_twilio(self, raw: str | bytes | dict[str, Any]) -> TwilioMessage:
-        """Feed one message received from Twilio; returns it parsed for the agent."""
-        data = raw if isinstance(raw, dict) else json.loads(raw)
+        """Feed one message received from Twilio; returns it parsed for the agent.
+
+        A frame that is not a JSON object comes back as event "invalid" and changes
+        nothing: one garbled frame must not end the call."""
+        data: Any = raw
+        if not isinstance(raw, dict):
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError):
+                data = None
+        if not isinstance(data, dict):
+            return TwilioMessage("invalid", {})
         event = str(data.get("event", ""))
         payload = b""
         if event == "start":
-            start = data.get("start") or {}
+            start = _field(data, "start")
+            params = start.get("customParameters")
             self.call = CallInfo(
                 stream_sid=str(data.get("streamSid") or start.get("streamSid") or ""),
                 call_sid=str(start.get("callSid", "")),
                 account_sid=str(start.get("accountSid", "")),
-                custom_parameters=dict(start.get("customParameters") or {}),
+                custom_parameters=dict(params) if isinstance(params, dict) else {},
             )
             self._started.set()
         elif event == "media":
             with contextlib.suppress(ValueError, TypeError):
-                payload = base64.b64decode((data.get("media") or {}).get("payload", ""))
+                payload = base64.b64decode(_field(data, "media").get("payload", ""))
         elif event == "mark":
-            self._on_mark(str((data.get("mark") or {}).get("name", "")))
+            self._on_mark(str(_field(data, "mark").get("name", "")))
         elif event == "stop":
             await self._shutdown("stop")
         return TwilioMessage(event, data, payload)
@@ -247,6 +264,12 @@ class TwilioBridge:
         if self.closed:
             raise RuntimeError("the call has ended")
         turn = self._turn
+        open_now = turn is not None and not turn.ended and not turn.cleared
+        if turn_id is not None and turn_id in self._contexts and not (open_now and turn_id == turn.turn_id):
+            # Text for a turn that was interrupted or ended (a piece in flight at a
+            # barge-in): nobody wants it spoken, and its id must not open a second
+            # gateway context, whose events the old turn's forwarder would never see.
+            return turn_id
         if turn is None or turn.ended or turn.cleared or (turn_id is not None and turn_id != turn.turn_id):
             turn = self._open_turn(turn_id)
             # Pinned per turn, so a shared or differently configured client works too.

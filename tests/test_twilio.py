@@ -28,7 +28,7 @@ import websockets
 from gateway.app import create_app
 from gateway.audio import ulaw_decode, ulaw_encode
 from gateway.settings import EngineSettings, Settings
-from gateway.twilio import CallEnded, SegmentPlayed, TwilioBridge
+from gateway.twilio import CallEnded, SegmentPlayed, TurnError, TwilioBridge
 from helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,6 +205,9 @@ def test_barge_in_sends_clear_and_no_audio_of_the_turn_after_it(gateway_url: str
         for name in tw.marks()[1:]:
             await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
         stray = bridge.events.qsize()
+        # A piece of the interrupted turn still in flight (the agent's LLM stream was not
+        # stopped yet) is dropped: it must not reopen turn-1 under the same id.
+        assert await bridge.say(" and one more thing.", turn_id="turn-1") == "turn-1"
         # The next turn is heard again.
         tid2 = await bridge.speak(["Okay,", " go", " ahead."])
         await bridge.wait_turn_sent(timeout=60)
@@ -301,6 +304,35 @@ def test_example_agent_over_a_twilio_socket(gateway_url: str) -> None:
     after = [m["mark"]["name"] for m in got[clear + 1 :] if m["event"] == "mark"]
     assert after and all(n.startswith("turn-2/") for n in after)
     assert "media" in events[clear + 1 :]
+
+
+def test_a_refused_turn_does_not_silence_the_next_and_garbled_frames_are_ignored(gateway_url: str) -> None:
+    """A turn whose context the gateway refuses (an unknown voice) ends with its error
+    (`final`), so the turn after it is spoken; frames that are not Twilio JSON objects
+    change nothing."""
+    async def main() -> tuple[TwilioSide, list[Any], list[str]]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        garbled = [(await bridge.handle_twilio(raw)).event
+                   for raw in ("{nope", "[1, 2]", '{"event": "media", "media": "x"}', '{"event": "mark", "mark": 3}')]
+        await bridge.handle_twilio(START)
+        await bridge.say("Nobody can say this.", voice="nobody-registered-this")
+        await bridge.end_turn()
+        await bridge.say("But this is spoken.")
+        await bridge.end_turn()
+        await tw.wait_for(lambda sent: any(m["event"] == "mark" and m["mark"]["name"].startswith("turn-2/")
+                                           for m in sent))
+        errors = []
+        while not bridge.events.empty():
+            errors.append(bridge.events.get_nowait())
+        await bridge.aclose()
+        return tw, errors, garbled
+
+    tw, errors, garbled = asyncio.run(main())
+    assert garbled == ["invalid", "invalid", "media", "mark"]
+    assert [(e.turn_id, e.code) for e in errors if isinstance(e, TurnError)] == [("turn-1", "voice_not_found")]
+    assert not any(n.startswith("turn-1/") for n in tw.marks())
+    assert any(m["event"] == "media" for m in tw.sent)
 
 
 def test_text_before_start_waits_for_the_stream_and_stop_ends_the_call(gateway_url: str) -> None:
