@@ -308,6 +308,8 @@
       case "error":
         state.errors.push(ev);
         if (ev.code === "unauthorized") setConn("error", "unauthorized: set the API key");
+        // `final`: the server refused or ended this turn's context; no `done` will come.
+        if (mine && ev.final) { finishTurn(); $("state").textContent = `failed: ${ev.code}`; }
         break;
     }
     changed();

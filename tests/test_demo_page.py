@@ -297,6 +297,23 @@ def test_page_reports_a_missing_api_key(gateway: LiveServer) -> None:
     assert "API key required" in r["voices"]
 
 
+def test_a_turn_the_server_refuses_frees_the_speak_button(gateway: LiveServer) -> None:
+    """A voice deleted after the list was loaded: the server refuses the turn's context
+    (an error marked `final`), and the page ends the turn instead of waiting for `done`."""
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await use_key_and_voice(b, "alice")
+        await b.js("""(() => { const o = document.createElement('option'); o.value = o.textContent = 'ghost';
+                       document.getElementById('voice').append(o); document.getElementById('voice').value = 'ghost';
+                       document.getElementById('text').value = 'Nobody speaks this.';
+                       document.getElementById('speak').click(); })()""")
+        await b.until("demo.state.errors.length > 0 && !document.getElementById('speak').disabled")
+        return await b.js("({error: demo.state.errors[0], state: document.getElementById('state').textContent})")
+
+    r = browse(gateway, scenario)
+    assert r["error"]["code"] == "voice_not_found" and r["error"]["final"] is True
+    assert r["state"] == "failed: voice_not_found"
+
+
 def test_record_a_voice_in_the_browser_register_it_and_speak_with_it(gateway: LiveServer) -> None:
     async def scenario(b: DevTools) -> dict[str, Any]:
         await use_key_and_voice(b, "alice")
