@@ -1308,8 +1308,11 @@ class Session:
                         # is due within the patience: then the schedule's own chunk goes.
                         wake.at = need
                         more.clear()
+                        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                        # cancel that lands as the wait completes, and the chunker would run on.
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(more.wait(), spare)
+                            async with asyncio.timeout(spare):
+                                await more.wait()
                         continue
                 first_planned = True  # no first-chunk plan for a chunk that is not awaited
                 if busy_floor is not None:
