@@ -695,6 +695,27 @@ class Engine:
             embedding=torch.as_tensor(np.asarray(embedding), dtype=torch.float32).reshape(-1),
         )
 
+    # ----------------------------------------------------------------- health
+    @property
+    def ready(self) -> bool:
+        """Loaded and warmed, not draining, and its stage and LM still able to serve (a
+        dead stage process or vLLM engine core fails every request: /ready says so, and a
+        pool places no session here)."""
+        return self._ready and self.failure is None
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can serve no more; None while it can."""
+        for part in (getattr(self, "stage", None), getattr(self, "backend", None)):
+            why = getattr(part, "failure", None)
+            if why is not None:
+                return str(why)
+        return None
+
     # ----------------------------------------------------------------- sessions
     def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> "Session":
         if not self.ready and self.config.warmup and voice.voice_id != WARMUP_VOICE_ID:

@@ -75,6 +75,18 @@ class EnginePool:
     def ready(self) -> bool:
         return all(e.ready for e in self.engines)
 
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        """False: the gateway drains (SIGTERM); no worker takes a new session."""
+        for e in self.engines:
+            e.ready = value
+
+    @property
+    def failure(self) -> str | None:
+        """The failed workers and why; None while all can serve."""
+        failures = [f"worker {i}: {e.failure}" for i, e in enumerate(self.engines) if e.failure is not None]
+        return "; ".join(failures) or None
+
     @property
     def workers_ready(self) -> list[bool]:
         return [e.ready for e in self.engines]

@@ -59,9 +59,17 @@ class StagePool:
         return self.stages[stream.stage_index].live_utterances()
 
     def new_stream(self) -> PooledStream:
-        loads = self.load()
-        index = loads.index(min(loads))
+        # A stage whose process died has no live utterances left, so by load alone it
+        # would take every new one and fail it: only working stages are candidates.
+        working = [(n, i) for i, n in enumerate(self.load()) if getattr(self.stages[i], "failure", None) is None]
+        index = min(working)[1] if working else 0  # none works: its submit says why
         return PooledStream(index, self.stages[index].new_stream())
+
+    @property
+    def failure(self) -> str | None:
+        """Why no stage can serve (every one failed); None while one can."""
+        failures = [getattr(s, "failure", None) for s in self.stages]
+        return None if None in failures else "; ".join(str(f) for f in failures)
 
     def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
         """`AudioStage.submit` on the stage the job's stream is bound to (one stage runs

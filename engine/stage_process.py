@@ -194,6 +194,11 @@ class RemoteStage:
     def live_utterances(self, stream: object | None = None) -> int:
         return len(self._live)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the stage can serve no more (its process exited); None while it can."""
+        return str(self._error) if self._error is not None else None
+
     def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
         """`AudioStage.submit`: the chunk goes to the stage's process; its futures are
         resolved from the stage's events."""

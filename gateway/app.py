@@ -134,6 +134,11 @@ def transport_options(settings: Settings) -> dict[str, object]:
             "ws_per_message_deflate": settings.ws.per_message_deflate}
 
 
+def _unfreeze(metrics: Metrics) -> None:
+    unfreeze()
+    metrics.frozen_objects = 0
+
+
 def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -141,30 +146,32 @@ def create_app(settings: Settings) -> Starlette:
         data_dir.mkdir(parents=True, exist_ok=True)
         model_dir = resolve_model(settings.model, data_dir / "models")
         log.info("loading model from %s", model_dir)
-        engine = await create_engine(engine_config(settings, model_dir), settings.engine.devices)
-        voices = create_voice_store(settings.voice_store, data_dir, engine, settings.voices)
-        await voices.open()
-        if Path(settings.assets_dir).is_dir():
-            await voices.register_assets(Path(settings.assets_dir))
-        encode_pool = EncodePool(settings.audio.encode_threads)
-        metrics = Metrics()
-        app.state.gw = GatewayState(settings, engine, voices, metrics, Auth(settings.api_keys), encode_pool)
-        lag = LoopLagMonitor(metrics.observe_loop_lag, add_cpu=metrics.add_loop_cpu)
-        lag.start()
-        frozen = metrics.frozen_objects = freeze_startup_objects()
-        metrics.gc_pauses.start()
-        log.info("ready: model=%s backend=%s device=%s (%d start-up objects exempt from garbage collection)",
-                 engine.model_name, engine.backend.name, engine.device, frozen)
-        try:
+        # Each part is closed, last first, whether the start fails after it (an unreachable
+        # voice store) or the server stops; a close that raises does not skip the others.
+        # An engine left open would keep its stage process, whose pipe a reader thread
+        # holds, and the interpreter would wait for that child at exit for ever.
+        async with contextlib.AsyncExitStack() as stack:
+            engine = await create_engine(engine_config(settings, model_dir), settings.engine.devices)
+            stack.push_async_callback(engine.close)
+            voices = create_voice_store(settings.voice_store, data_dir, engine, settings.voices)
+            await voices.open()
+            stack.push_async_callback(voices.close)
+            if Path(settings.assets_dir).is_dir():
+                await voices.register_assets(Path(settings.assets_dir))
+            encode_pool = EncodePool(settings.audio.encode_threads)
+            stack.callback(encode_pool.close)
+            metrics = Metrics()
+            app.state.gw = GatewayState(settings, engine, voices, metrics, Auth(settings.api_keys), encode_pool)
+            lag = LoopLagMonitor(metrics.observe_loop_lag, add_cpu=metrics.add_loop_cpu)
+            lag.start()
+            stack.push_async_callback(lag.stop)
+            frozen = metrics.frozen_objects = freeze_startup_objects()
+            stack.callback(_unfreeze, metrics)
+            metrics.gc_pauses.start()
+            stack.callback(metrics.gc_pauses.stop)
+            log.info("ready: model=%s backend=%s device=%s (%d start-up objects exempt from garbage collection)",
+                     engine.model_name, engine.backend.name, engine.device, frozen)
             yield
-        finally:
-            metrics.gc_pauses.stop()
-            unfreeze()
-            metrics.frozen_objects = 0
-            await lag.stop()
-            await voices.close()
-            await engine.close()
-            encode_pool.close()
 
     routes = [
         *http_api.routes,

@@ -147,9 +147,12 @@ async def health(request: Request) -> Response:
 @_endpoint("/ready")
 async def ready(request: Request) -> Response:
     """Readiness: the model is loaded and warmed (load balancers route on this)."""
-    engine = _gw(request).engine
+    gw = _gw(request)
+    engine = gw.engine
     if engine is None or not getattr(engine, "ready", False):
-        raise ApiError(503, "not_ready", "model is loading")
+        failure = getattr(engine, "failure", None)
+        why = failure or ("draining for shutdown" if getattr(gw, "draining", False) else "model is loading")
+        raise ApiError(503, "not_ready", why)
     return JSONResponse({"status": "ready", "model": engine.model_name})
 
 

@@ -81,6 +81,14 @@ def test_readiness_needs_every_worker(tiny_model_dir: Path) -> None:
             assert exc.value.code == "not_ready"
             pool.engines[1].ready = True
             pool.open_session(voice, OPTS)
+            # SIGTERM's drain sets the pool not ready (it once raised: `ready` had no setter).
+            pool.ready = False
+            assert pool.workers_ready == [False, False]
+            pool.ready = True
+            # A worker whose LM died is not ready, says why, and takes no session.
+            pool.engines[0].backend.failure = "the vLLM engine core died"  # type: ignore[misc]
+            assert pool.workers_ready == [False, True] and pool.failure == "worker 0: the vLLM engine core died"
+            del pool.engines[0].backend.failure
         finally:
             await pool.close()
 

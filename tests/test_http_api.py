@@ -32,6 +32,7 @@ from helpers import (  # noqa: F401 (LiveServer, register, ... are re-exported f
     StageFault,
     err,
     eventually,
+    gateway_settings,
     leftovers,
     live_gateway,
     register,
@@ -234,6 +235,43 @@ def test_bounded_stream_stops_pulling_at_the_limit() -> None:
 # --------------------------------------------------------------------------------------
 
 
+def test_a_start_that_fails_after_the_engine_loaded_closes_the_engine(tiny_model_dir: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The voice store failing to open (a PostgreSQL store that cannot be reached) after the
+    engine loaded: the start fails with that error, and the engine is closed, not left with
+    its stage process (which once kept the interpreter from exiting)."""
+    from gateway import app as app_module
+
+    built: list[Any] = []
+    closed: list[Any] = []
+
+    async def engine_then_record(*args: Any, **kwargs: Any) -> Any:
+        engine = await real_create_engine(*args, **kwargs)
+        close = engine.close
+
+        async def recorded_close() -> None:
+            closed.append(engine)
+            await close()
+
+        engine.close = recorded_close
+        built.append(engine)
+        return engine
+
+    class Unreachable:
+        async def open(self) -> None:
+            raise RuntimeError("voice store unreachable")
+
+    real_create_engine = app_module.create_engine
+    monkeypatch.setattr(app_module, "create_engine", engine_then_record)
+    monkeypatch.setattr(app_module, "create_voice_store", lambda *args, **kwargs: Unreachable())
+    from starlette.testclient import TestClient
+
+    with pytest.raises(RuntimeError, match="voice store unreachable"):
+        with TestClient(app_module.create_app(gateway_settings(tiny_model_dir, tmp_path))):
+            pass
+    assert len(built) == 1 and closed == built and not built[0].ready
+
+
 def test_long_speech_input_is_spoken_sentence_by_sentence(server) -> None:
     """A long input goes to the engine as the WebSocket path would send it, one utterance
     per segment (a whole 4096-character input in one LM request would overrun its context):
@@ -244,9 +282,9 @@ def test_long_speech_input_is_spoken_sentence_by_sentence(server) -> None:
     pieces = speech_pieces(text)
     assert len(pieces) == 30 and "".join(pieces).replace(" ", "") == text.replace(" ", "")
     tokens = sum(len(srv.gw.engine.text_ids(p)) for p in pieces)
-    body = {"model": "tts-1", "voice": "speaker", "input": text, **FAST}
+    body = {"model": "tts-1", "voice": "long-reader", "input": text, **FAST}
     with srv.client() as c:
-        assert register(c, "speaker", tone_wav(3.5)).status_code in (201, 409)
+        assert register(c, "long-reader", tone_wav(3.5)).status_code == 201
         chunks = srv.gw.engine.stats().chunks
         pcm = c.post("/v1/audio/speech", headers=AUTH, json={**body, "response_format": "pcm"})
         assert pcm.status_code == 200 and len(pcm.content) == 2 * tokens * 2 * SAMPLES_PER_TOKEN

@@ -70,6 +70,25 @@ def test_pool_places_new_streams_on_the_least_loaded_stage(tiny_model_dir):
     run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"))
 
 
+def test_a_failed_stage_takes_no_new_streams_and_all_failed_fail_the_engine(tiny_model_dir):
+    """A stage whose process died has no live utterances, so by load alone it would take
+    every new stream and fail it: placement skips it; with none left the engine is not ready."""
+    async def fn(engine):
+        pool = engine.stage
+        busy = pool.new_stream()  # stage 0 now has one live utterance, stage 1 none
+        assert busy.stage_index == 0 and engine.ready
+        pool.stages[1].failure = "audio stage process exited (exit code -9)"
+        placed = [pool.new_stream() for _ in range(3)]
+        assert [s.stage_index for s in placed] == [0, 0, 0]
+        assert pool.failure is None and engine.ready  # one stage still serves
+        pool.stages[0].failure = "audio stage process exited (exit code -11)"
+        assert not engine.ready and "exit code -9" in pool.failure and "exit code -11" in engine.failure
+        del pool.stages[0].failure, pool.stages[1].failure  # the engine's close needs them working
+        assert engine.ready
+
+    run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"))
+
+
 def test_registering_a_voice_builds_its_prompt_cache_on_every_stage(tiny_model_dir):
     async def fn(engine):
         await default_voice(engine)

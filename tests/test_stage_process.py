@@ -108,6 +108,8 @@ def test_a_stage_process_that_dies_fails_its_utterances_with_an_error(tiny_model
         assert events[-1].code == "engine_error" and "audio stage process" in events[-1].message
         with pytest.raises(StageProcessError, match="exited"):
             stage._check_open()
+        # The engine says so: /ready turns 503 with the reason, and no pool places here.
+        assert not engine.ready and "audio stage process exited" in (engine.failure or "")
 
     run(tiny_model_dir, fn, warmup=False, stage_process=True)
 

@@ -204,6 +204,13 @@ class VLLMBackend:
         self._active: set[str] = set()
         self._aborted: set[str] = set()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the LM can serve no more (vLLM's engine core died); None while it can."""
+        if self._llm is not None and getattr(self._llm, "errored", False):
+            return "the vLLM engine core died"
+        return None
+
     async def start(self) -> None:
         if self._llm is not None:
             return
