@@ -309,6 +309,8 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
+        if self.lm_max_batch < 1:
+            raise ValueError(f"lm_max_batch must be >= 1 (utterances beyond it wait for a slot), not {self.lm_max_batch}")
         if self.idle_initial_hop < 0 or self.first_chunk_min_hop < 0 or self.first_chunk_min_hop_crowd < 0:
             raise ValueError("idle_initial_hop, first_chunk_min_hop and first_chunk_min_hop_crowd must be >= 0, "
                              f"not {self.idle_initial_hop}, {self.first_chunk_min_hop} and "

@@ -136,8 +136,13 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.hub import resolve_model
 
-    from .app import create_app, transport_options
+    from .app import create_app, engine_config, transport_options
 
+    try:  # the engine's values, checked before a download and a model load
+        engine_config(settings, Path(settings.model))
+    except ValueError as exc:
+        print(f"cosyvoice-gateway: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     # Resolve (and download, with a progress bar) before uvicorn starts, so that a
     # missing model is one clear line on stderr rather than a failed lifespan.
     try:

@@ -19,6 +19,7 @@ audio_too_long               400     prompt longer than the maximum duration
 sample_rate_too_low          400     prompt sample rate below the minimum
 input_too_long               400     speech ``input`` over the character limit
 invalid_speed                400     ``speed`` outside 0.25..4
+instructions_too_long        400     speech ``instructions`` over 500 characters
 unsupported_format           400     unknown ``response_format`` / ``stream_format``
 unauthorized                 401     API keys configured and none / a wrong one sent
 voice_not_found              404     unknown voice id
@@ -30,6 +31,7 @@ voice_exists                 409     registering an id that is already taken
 audio_too_large              413     upload over the byte limit (stopped while reading)
 request_too_large            413     a JSON speech request over 256 KiB
 not_ready                    503     engine not loaded / warmed yet
+too_many_sessions            503     ``max_sessions`` sessions (WebSockets and syntheses) already open
 synthesis_failed             500     the engine reported an error for the utterance
 internal_error               500     anything unexpected
 ===========================  ======  ===============================================

@@ -41,6 +41,7 @@ from gateway.audio_files import (
     read_body_bounded,
 )
 from gateway.errors import ApiError, error_response
+from gateway.protocol import MAX_INSTRUCTION_CHARS
 from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
 
@@ -388,6 +389,9 @@ def parse_speech_request(body: dict[str, Any], aliases: tuple[str, ...], max_cha
         raise ApiError(400, "invalid_speed", f"speed must be a number in [{SPEED_RANGE[0]}, {SPEED_RANGE[1]}]")
     instructions = _opt_str(body.get("instructions"), "instructions")
     instructions = instructions.strip() if instructions else None
+    if instructions is not None and len(instructions) > MAX_INSTRUCTION_CHARS:
+        raise ApiError(400, "instructions_too_long",
+                       f"instructions are {len(instructions)} characters; the limit is {MAX_INSTRUCTION_CHARS}")
     # Extensions (OpenAI clients pass them through `extra_body`): a sampling seed, and
     # a fixed speech-token budget per text token for benchmarks and tests.
     seed = body.get("seed")
@@ -453,6 +457,11 @@ async def create_speech(request: Request) -> Response:
     prompt = await resolve_voice(request, req.voice)
     encoder = make_encoder(req.response_format, engine.sample_rate)
 
+    limit = _setting(request, "max_sessions", None)
+    # Counted with the WebSockets (`ws.tts_websocket` checks the same); no await between
+    # this check and session_opened(), so concurrent requests cannot slip past it.
+    if limit is not None and gw.metrics.sessions_active >= limit:
+        raise ApiError(503, "too_many_sessions", f"too many sessions (at most {limit}); try again later")
     try:
         session = engine.open_session(prompt, req.options)
     except Exception as exc:  # EngineError("not_ready") and friends

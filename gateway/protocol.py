@@ -43,6 +43,16 @@ class WsLimits:
                           "every frame took most of the event loop's send time)"},
     )
 
+    def __post_init__(self) -> None:
+        # A 0 or negative limit would not switch a check off: it would refuse or close every
+        # socket at its first frame (`not x > 0` also refuses NaN).
+        for name in ("max_message_bytes", "max_contexts", "max_text_chars", "max_pending_bytes", "max_lag_s",
+                     "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ws.{name} must be > 0, not {getattr(self, name)}")
+        if not self.keepalive_interval_s >= 0:
+            raise ValueError(f"ws.keepalive_interval_s must be >= 0 (0 = off), not {self.keepalive_interval_s}")
+
 
 # ---- close codes and error codes ------------------------------------------------------
 

@@ -316,6 +316,11 @@ class Settings:
         # opposite of the ask.
         if not 0.01 <= self.gil_switch_interval_ms <= 1000:
             raise ValueError("gil_switch_interval_ms must be within [0.01, 1000]")
+        for name in ("max_sessions", "max_input_chars"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, not {self.shutdown_timeout}")
 
 
 # ---------------------------------------------------------------- loading

@@ -57,6 +57,17 @@ class VoiceLimits:
     max_transcript_chars: int = 1000
     max_name_chars: int = 200
 
+    def __post_init__(self) -> None:
+        for name in ("min_seconds", "min_sample_rate", "max_upload_bytes", "max_transcript_chars", "max_name_chars"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"voices.{name} must be > 0, not {getattr(self, name)}")
+        if not self.max_seconds >= self.min_seconds:
+            raise ValueError(f"voices.max_seconds ({self.max_seconds}) must be >= voices.min_seconds ({self.min_seconds})")
+        try:
+            re.compile(self.id_pattern)
+        except re.error as exc:
+            raise ValueError(f"voices.id_pattern is not a regular expression: {exc}") from None
+
 
 @dataclass(frozen=True)
 class VoiceInfo:

@@ -44,3 +44,23 @@ def test_gateway_without_a_reachable_hub_names_the_tiny_model(tmp_path):
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--model tiny-random" in lines[0] and "Fun-CosyVoice3" in lines[0]
+
+
+def test_gateway_refuses_nonsense_limits_before_loading_anything(tmp_path):
+    """A 0 or negative limit would not switch a check off but refuse or close everything (or,
+    for the LM's batch, hang the start): each is one line on stderr and exit status 2, before
+    a model is resolved (the model named here does not exist)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
+    for flag, value, name in (("--max-sessions", "0", "max_sessions"), ("--ws.max-pending-bytes", "0", "max_pending_bytes"),
+                              ("--ws.max-lag-s", "-1", "max_lag_s"), ("--voices.max-upload-bytes", "0", "max_upload_bytes"),
+                              ("--engine.lm-max-batch", "0", "lm_max_batch")):
+        r = subprocess.run(
+            [sys.executable, "-m", "gateway", "--data-dir", str(tmp_path), "--config", os.devnull,
+             "--model", str(tmp_path / "nope"), flag, value],
+            capture_output=True, text=True, timeout=120, env=env,
+        )
+        assert r.returncode == 2, (flag, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and name in lines[0], (flag, r.stderr)

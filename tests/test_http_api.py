@@ -319,6 +319,15 @@ def test_speech_errors(server) -> None:
         assert err(speech(seed=-1)) == (400, "invalid_request")
         assert err(speech(seed=2**64)) == (400, "invalid_request")
         assert speech(seed=2**63 - 1).status_code == 200
+        assert err(speech(instructions="x" * 501)) == (400, "instructions_too_long")
+        # max_sessions counts HTTP syntheses too: at the limit a request is refused, not queued.
+        settings = srv.gw.settings
+        srv.gw.settings = dataclasses.replace(settings, max_sessions=srv.gw.metrics.sessions_active)
+        try:
+            assert err(speech()) == (503, "too_many_sessions")
+        finally:
+            srv.gw.settings = settings
+        assert speech().status_code == 200
         assert err(speech(response_format="ogg")) == (400, "unsupported_format")
         assert err(speech(stream_format="ws")) == (400, "unsupported_format")
         # The engine failing before any audio exists is a proper 500, not a broken 200.
