@@ -320,13 +320,19 @@ def test_speech_errors(server) -> None:
         assert err(speech(seed=2**64)) == (400, "invalid_request")
         assert speech(seed=2**63 - 1).status_code == 200
         assert err(speech(instructions="x" * 501)) == (400, "instructions_too_long")
-        # max_sessions counts HTTP syntheses too: at the limit a request is refused, not queued.
+        # max_sessions counts HTTP syntheses with the WebSockets: with the one slot held by
+        # a socket, a speech request is refused, not queued.
+        from websockets.sync.client import connect
+
         settings = srv.gw.settings
-        srv.gw.settings = dataclasses.replace(settings, max_sessions=srv.gw.metrics.sessions_active)
-        try:
-            assert err(speech()) == (503, "too_many_sessions")
-        finally:
-            srv.gw.settings = settings
+        with connect(srv.ws_url, additional_headers=AUTH) as ws:
+            assert json.loads(ws.recv(timeout=30))["type"] == "session_started"  # counted by now
+            assert srv.gw.metrics.sessions_active == 1
+            srv.gw.settings = dataclasses.replace(settings, max_sessions=1)
+            try:
+                assert err(speech()) == (503, "too_many_sessions")
+            finally:
+                srv.gw.settings = settings
         assert speech().status_code == 200
         assert err(speech(response_format="ogg")) == (400, "unsupported_format")
         assert err(speech(stream_format="ws")) == (400, "unsupported_format")
