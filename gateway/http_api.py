@@ -41,7 +41,7 @@ from gateway.audio_files import (
     read_body_bounded,
 )
 from gateway.errors import ApiError, error_response
-from gateway.protocol import MAX_INSTRUCTION_CHARS
+from gateway.protocol import MAX_INSTRUCTION_CHARS, SPEED_RANGE
 from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
 
@@ -55,7 +55,6 @@ OPENAI_VOICES: frozenset[str] = frozenset({
 })
 DEFAULT_ALIASES: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3")
 MAX_JSON_BYTES = 256 * 1024  # a speech request is 4096 characters of text plus a few fields
-SPEED_RANGE = (0.25, 4.0)
 MAX_SEED = 2**63 - 1  # the widest seed every backend's torch.Generator takes
 
 
@@ -457,11 +456,9 @@ async def create_speech(request: Request) -> Response:
     prompt = await resolve_voice(request, req.voice)
     encoder = make_encoder(req.response_format, engine.sample_rate)
 
-    limit = _setting(request, "max_sessions", None)
-    # Counted with the WebSockets (`ws.tts_websocket` checks the same); no await between
-    # this check and session_opened(), so concurrent requests cannot slip past it.
-    if limit is not None and gw.metrics.sessions_active >= limit:
-        raise ApiError(503, "too_many_sessions", f"too many sessions (at most {limit}); try again later")
+    refusal = gw.metrics.session_refusal(_setting(request, "max_sessions", None))
+    if refusal is not None:
+        raise ApiError(503, "too_many_sessions", refusal)
     try:
         session = engine.open_session(prompt, req.options)
     except Exception as exc:  # EngineError("not_ready") and friends

@@ -162,6 +162,14 @@ class Metrics:
         """WebSocket connections and HTTP speech streams open now."""
         return self._sessions_active
 
+    def session_refusal(self, limit: int | None) -> str | None:
+        """Why a new session is refused at `limit` (settings.max_sessions: WebSockets and HTTP
+        speech count together); None while there is room. Callers open the session with no
+        await after asking, so concurrent ones cannot slip past the limit together."""
+        if limit is None or self._sessions_active < limit:
+            return None
+        return f"too many sessions (at most {limit}); try again later"
+
     def observe_first_audio(self, seconds: float) -> None:
         with self._lock:
             self._first_audio.observe(seconds)

@@ -111,7 +111,7 @@ TextMode = Literal["segment", "stream"]
 TEXT_MODES = ("segment", "stream")
 TRANSPORTS = ("binary", "base64")
 MAX_INSTRUCTION_CHARS = 500
-SPEED_RANGE = (0.25, 4)
+SPEED_RANGE = (0.25, 4.0)  # WebSocket and HTTP speech alike
 # Every rate some format allows lies within this; the exact check is `resolve_format`'s.
 SAMPLE_RATE_RANGE = (min(PCM_RATES + OPUS_RATES), max(PCM_RATES + OPUS_RATES))
 # A segment is one LM request: lengths past this are no tuning, only a way to send

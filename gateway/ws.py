@@ -798,13 +798,11 @@ async def tts_websocket(websocket: WebSocket) -> None:
         gw.metrics.error("not_ready")
         await _refuse(websocket, ProtocolError("not_ready", "engine is still loading"), CLOSE_TRY_LATER, "not ready")
         return
-    limit = getattr(gw.settings, "max_sessions", None)
-    # uvicorn's limit_concurrency does not count WebSocket upgrades: enforced here. No
-    # await between this check and session_opened(), so sockets cannot race past it.
-    if limit is not None and gw.metrics.sessions_active >= limit:
+    # uvicorn's limit_concurrency does not count WebSocket upgrades: enforced here.
+    refusal = gw.metrics.session_refusal(getattr(gw.settings, "max_sessions", None))
+    if refusal is not None:
         gw.metrics.error("too_many_sessions")
-        await _refuse(websocket, ProtocolError("too_many_sessions", f"too many sessions (at most {limit}); try again later"),
-                      CLOSE_TRY_LATER, "too many sessions")
+        await _refuse(websocket, ProtocolError("too_many_sessions", refusal), CLOSE_TRY_LATER, "too many sessions")
         return
     gw.metrics.session_opened()
     try:

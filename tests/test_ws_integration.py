@@ -57,6 +57,9 @@ class _Metrics:
     def session_closed(self) -> None:
         self.open -= 1
 
+    def session_refusal(self, limit: int | None) -> str | None:
+        return None if limit is None or self.open < limit else f"too many sessions (at most {limit})"
+
     def observe_first_audio(self, seconds: float) -> None:
         self.first_audio.append(seconds)
 
