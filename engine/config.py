@@ -254,6 +254,12 @@ class EngineConfig:
     # flow_fill_padding (which it does not combine with) is set; on the CPU off (no CPU
     # serves the loads where the lock is contended).
     stage_process: bool | None = None
+    # A stage process that is alive but stuck (a GPU hang, a deadlock) would leave every
+    # session waiting for audio for ever. The engine kills it, and its utterances end with
+    # an error, when it has said nothing for this long or one piece of its device work (a
+    # round, a graph capture, a compile) has run this long. The longest legitimate piece is
+    # a compile of a new shape: seconds to a minute. 0: no watchdog. Needs stage_process.
+    stage_stall_timeout_s: float = 120.0
     # Under an NVIDIA MPS daemon: the percent of the GPU's SMs the stage's process(es) may
     # use, the rest left to vLLM's engine core. Unlimited, the stage's rounds fill the GPU
     # and vLLM's decode steps wait for SMs: 13-14.5 ms a token at 64 streams beside the
@@ -332,6 +338,8 @@ class EngineConfig:
                 raise ValueError("stage_mps_thread_percent must be in 1..100")
             if self.stage_process is False:
                 raise ValueError("stage_mps_thread_percent needs the stage's own process (stage_process)")
+        if not self.stage_stall_timeout_s >= 0:  # also refuses NaN
+            raise ValueError(f"stage_stall_timeout_s must be >= 0 (0: no watchdog), not {self.stage_stall_timeout_s}")
         if self.vllm_mps_priority is not None and self.vllm_mps_priority not in get_args(MPSPriority):
             raise ValueError(f"vllm_mps_priority must be one of {', '.join(get_args(MPSPriority))}, "
                              f"not {self.vllm_mps_priority!r}")

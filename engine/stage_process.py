@@ -34,6 +34,8 @@ stage -> engine
         `RoundTimes` observed, replayed into the engine's copy (`round_estimate` is
         answered here, synchronously); stats: `StageStats` as a dict; memory: CUDA bytes
     ("reply", cid, ok, value)
+    ("alive", busy_for)             every `heartbeat_period(config)` seconds: how long the
+                                    device work running now has run (None: idle)
 
 The clocks agree: `time.monotonic` is the system's monotonic clock on Linux, one for
 every process, so deadlines and batch starts cross the pipe as they are.
@@ -42,7 +44,10 @@ A chunk's `grow` (`flow_fill_padding`) reads its utterance's tokens, which live 
 engine's process: not offered here (`EngineConfig` refuses the pair). With `stage_devices`
 the engine starts one such process per device, behind a `StagePool`. If the stage's process
 exits, every chunk and call waiting on it fails with `StageProcessError` and later submits
-raise it: an utterance ends with an error, never a hang.
+raise it: an utterance ends with an error, never a hang. A process that is alive but stuck
+(a GPU hang) is killed by the engine's watchdog (`EngineConfig.stage_stall_timeout_s`) when
+it has sent nothing, or its heartbeat has reported the same piece of device work, for that
+long; its chunks then fail the same way.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -88,6 +94,12 @@ class StageProcessError(RuntimeError):
     """The stage's process failed or exited."""
 
 
+def heartbeat_period(stall_timeout_s: float) -> float:
+    """How often the stage's process says it is alive, and the engine looks: a few times per
+    stall timeout, at most once a second."""
+    return min(1.0, stall_timeout_s / 4)
+
+
 @dataclass(frozen=True)
 class ChunkWire:
     """A `FlowChunk` on the pipe: its voice tensors by key (`("tensor", ...)` messages)."""
@@ -114,7 +126,7 @@ class RemoteStage:
     """An `AudioStage` in a child process (`spawn`); see the module docstring."""
 
     def __init__(self, conn: Connection, process: multiprocessing.process.BaseProcess, info: dict[str, Any],
-                 policy: GraphPolicy) -> None:
+                 policy: GraphPolicy, stall_timeout_s: float = 0.0) -> None:
         self._conn = conn
         self._process = process
         self.max_batch: int = info["max_batch"]
@@ -138,8 +150,15 @@ class RemoteStage:
         self._closed = False
         self._error: StageProcessError | None = None
         self._loop = asyncio.get_running_loop()
+        # The watchdog's inputs: when the reader thread last received anything (written
+        # there, so a busy event loop does not read as a silent stage), and the last
+        # heartbeat's report of the device work running (seconds, at monotonic time).
+        self._heard = time.monotonic()
+        self._busy: tuple[float, float] | None = None
+        self._stall_timeout_s = stall_timeout_s
         self._reader = threading.Thread(target=self._read, name="audio-stage-reader", daemon=True)
         self._reader.start()
+        self._watchdog = self._loop.create_task(self._watch(), name="audio-stage-watchdog") if stall_timeout_s else None
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -165,7 +184,7 @@ class RemoteStage:
             raise StageProcessError(f"audio stage process failed to start:\n{payload}")
         log.info("audio stage process %s ready on %s%s", payload["pid"], payload["device"],
                  f" (MPS client: {payload['mps']})" if payload["mps"] else "")
-        return cls(ours, process, payload, policy)
+        return cls(ours, process, payload, policy, config.stage_stall_timeout_s)
 
     async def start(self) -> None:
         """Started by `spawn` (the child starts its stage before it says it is ready)."""
@@ -177,6 +196,8 @@ class RemoteStage:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         with contextlib.suppress(StageProcessError):
             self._send(("close",))
         await asyncio.to_thread(self._process.join, CLOSE_TIMEOUT_S)
@@ -305,14 +326,20 @@ class RemoteStage:
 
     def _read(self) -> None:
         """The reader thread."""
-        reason = _pump(self._conn, self._loop, self._on_batch)
+        reason = _pump(self._conn, self._loop, self._on_batch, self._received)
         with contextlib.suppress(RuntimeError):  # the loop closed first: nobody waits anymore
             self._loop.call_soon_threadsafe(self._on_exit, reason)
+
+    def _received(self) -> None:
+        self._heard = time.monotonic()
 
     def _on_batch(self, batch: list[tuple[Any, ...]]) -> None:
         for message in batch:
             kind = message[0]
-            if kind == "events":
+            if kind == "alive":
+                busy = message[1]
+                self._busy = None if busy is None else (busy, time.monotonic())
+            elif kind == "events":
                 self._on_events(*message[1:])
             elif kind == "reply":
                 _, cid, ok, value = message
@@ -343,8 +370,30 @@ class RemoteStage:
             if job is not None:
                 _fail(job, StageProcessError(text))
 
+    async def _watch(self) -> None:
+        """Kill the stage's process when it is stuck: silent, or one piece of its device work
+        running, for longer than the stall timeout (see the module docstring)."""
+        timeout = self._stall_timeout_s
+        while not self._closed and self._error is None:
+            await asyncio.sleep(heartbeat_period(timeout))
+            now = time.monotonic()
+            busy = None if self._busy is None else self._busy[0] + now - self._busy[1]
+            if now - self._heard > timeout:
+                self._stall(f"no word from it for {now - self._heard:.1f} s")
+            elif busy is not None and busy > timeout:
+                self._stall(f"one piece of its device work has run for {busy:.1f} s")
+
+    def _stall(self, why: str) -> None:
+        waiting = len(self._jobs)
+        text = (f"audio stage process {self._process.pid} stalled ({why}, {waiting} chunk(s) waiting) and was "
+                f"killed (engine.stage_stall_timeout_s {self._stall_timeout_s:g})")
+        log.error("%s", text)
+        self._error = StageProcessError(text)
+        self._process.kill()  # the reader then reads EOF; `_on_exit` keeps this reason
+        self._fail_all(self._error)
+
     def _on_exit(self, reason: str) -> None:
-        if self._closed:
+        if self._closed or self._error is not None:
             return
         code = self._process.exitcode
         text = f"audio stage process exited (exit code {code})" + (f": {reason}" if reason else "")
@@ -363,10 +412,10 @@ class RemoteStage:
 
 
 def _pump(conn: Connection, loop: asyncio.AbstractEventLoop,
-          handle: Callable[[list[tuple[Any, ...]]], None]) -> str:
+          handle: Callable[[list[tuple[Any, ...]]], None], received: Callable[[], None] | None = None) -> str:
     """A reader thread's loop: every message batch onto the event loop, in order, until the
     other side closes ("") or a message cannot be read (why: nothing after it can be
-    trusted)."""
+    trusted). `received` is called on this thread as each batch arrives."""
     while True:
         try:
             batch = conn.recv()
@@ -375,6 +424,8 @@ def _pump(conn: Connection, loop: asyncio.AbstractEventLoop,
         except Exception as exc:
             log.exception("audio stage pipe failed")
             return f"{type(exc).__name__}: {exc}"
+        if received is not None:
+            received()
         try:
             loop.call_soon_threadsafe(handle, batch)
         except RuntimeError:  # the loop is closed: nobody is left to tell
@@ -435,7 +486,7 @@ def stage_main(conn: Connection, config: EngineConfig, device: str) -> None:
         conn.close()
         raise SystemExit(1)
     assert isinstance(stage, AudioStage)
-    asyncio.run(_serve(conn, stage))
+    asyncio.run(_serve(conn, stage, config.stage_stall_timeout_s))
 
 
 class _ReportedRounds(RoundTimes):
@@ -582,8 +633,15 @@ class _StageServer:
         with contextlib.suppress(OSError):  # the engine is gone: the reader sees EOF and closes
             self.conn.send(batch)
 
+    async def heartbeat(self, period: float) -> None:
+        """Say, from this loop, that the process lives and how long its device work has run:
+        a GPU hang stops the worker thread, not this loop, and shows as a growing time."""
+        while True:
+            await asyncio.sleep(period)
+            self.send([("alive", self.stage.worker_busy_for())])
 
-async def _serve(conn: Connection, stage: AudioStage) -> None:
+
+async def _serve(conn: Connection, stage: AudioStage, stall_timeout_s: float) -> None:
     server = _StageServer(conn, stage)
     try:
         await stage.start()
@@ -597,9 +655,12 @@ async def _serve(conn: Connection, stage: AudioStage) -> None:
     freeze_startup_objects()  # this process serves until it is stopped: see `engine.heap`
     reader = threading.Thread(target=server.read, name="audio-stage-pipe", daemon=True)
     reader.start()
+    beat = asyncio.create_task(server.heartbeat(heartbeat_period(stall_timeout_s))) if stall_timeout_s else None
     try:
         await server.closing.wait()
     finally:
+        if beat is not None:
+            beat.cancel()
         for task in list(server.tasks):
             task.cancel()
         await stage.close()

@@ -352,6 +352,29 @@ def padding_room(frames: Sequence[int], token_mel_ratio: int) -> list[int]:
     return [(longest - f) // token_mel_ratio for f in frames]
 
 
+class DeviceWorker(concurrent.futures.ThreadPoolExecutor):
+    """The stage's one worker thread, which runs all of its device work, one piece at a
+    time; it knows since when the piece it runs now has run (`busy_for`)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="audio-stage")
+        self._since: float | None = None
+
+    def submit(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> concurrent.futures.Future[T]:
+        return super().submit(self._timed, fn, *args, **kwargs)
+
+    def _timed(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        self._since = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._since = None
+
+    def busy_for(self) -> float | None:
+        since = self._since
+        return None if since is None else time.monotonic() - since
+
+
 class AudioStage:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device, max_batch: int = 64,
                  flow_dtype: torch.dtype | str = "auto", flow_compile: bool = False, flow_cuda_graphs: bool = True,
@@ -433,7 +456,7 @@ class AudioStage:
         self._wake = asyncio.Event()
         self._seq = itertools.count()
         self._task: asyncio.Task[None] | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audio-stage")
+        self._pool = DeviceWorker()
         self._closed = False
         self._other_work_until = 0.0  # perf_counter when the worker last finished a non-batch job
 
@@ -454,6 +477,11 @@ class AudioStage:
         (`_hold`), longer when missing a round would cost it `round_s` seconds and
         `first_chunk_hold_share` is set. Its `submit` clears it."""
         self._coming[stream] = _Expected(due, round_s or 0.0)
+
+    def worker_busy_for(self) -> float | None:
+        """Seconds the device work running now (a round, a capture, a warm-up) has run; None
+        while the worker is idle. The stage process's watchdog reads it."""
+        return self._pool.busy_for()
 
     def live_utterances(self, stream: object | None = None) -> int:
         """Utterances in progress here (their vocoder streams still exist); `stream` is for

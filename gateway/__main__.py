@@ -19,6 +19,8 @@ from .settings import load_settings, settings_to_dict
 
 log = logging.getLogger("gateway")
 
+EXIT_ENGINE_FAILED = 3  # the engine failed for good (DrainingServer); 1: the server never started
+
 
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None on other C libraries."""
@@ -39,6 +41,10 @@ class DrainingServer(uvicorn.Server):
     waits until the engine has no session left or `drain_timeout` passes; then uvicorn
     shuts down as usual. A second signal exits at once.
 
+    An engine that fails for good (`Settings.exit_on_engine_failure`) drains the same way,
+    its own sessions ending with errors at once, and the process then exits with status
+    `EXIT_ENGINE_FAILED` for its supervisor to start a fresh one.
+
     It also hands freed heap back to the OS when the engine goes idle after work: glibc
     keeps pages that tensors of many shapes were freed into, so RSS after a burst stays
     at its high-water mark although the memory is unused (bench/soak.py measures this).
@@ -46,11 +52,14 @@ class DrainingServer(uvicorn.Server):
 
     TRIM_EVERY_TICKS = 50  # on_tick runs every 0.1 s
 
-    def __init__(self, config: uvicorn.Config, app: object, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: object, drain_timeout: float,
+                 exit_on_engine_failure: bool = True) -> None:
         super().__init__(config)
         self._app = app
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
+        self.exit_on_engine_failure = exit_on_engine_failure
+        self.engine_failure: str | None = None  # why the engine failed, once this server drains for it
         self._trim = _malloc_trim()
         self._tokens_at_trim = -1
 
@@ -71,6 +80,8 @@ class DrainingServer(uvicorn.Server):
         if await super().on_tick(counter):
             return True
         if self.drain_deadline is None:
+            if self.exit_on_engine_failure:
+                self._check_engine()
             if counter % self.TRIM_EVERY_TICKS == 0:
                 await self._trim_if_idle()
             return False
@@ -87,6 +98,19 @@ class DrainingServer(uvicorn.Server):
         else:
             log.info("drained")
         return True
+
+    def _check_engine(self) -> None:
+        gw = self._gw()
+        failure = None if gw is None else gw.engine.failure  # type: ignore[attr-defined]
+        if failure is None:
+            return
+        self.engine_failure = failure
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        gw.engine.ready = False  # type: ignore[union-attr]
+        gw.engine_failure = failure  # type: ignore[union-attr]
+        gw.draining = True  # type: ignore[union-attr]
+        log.error("the engine can serve no more (%s): draining (up to %.0f s), then exiting with status %d for a "
+                  "restart", failure, self.drain_timeout, EXIT_ENGINE_FAILED)
 
     async def _trim_if_idle(self) -> None:
         gw = self._gw()
@@ -162,10 +186,12 @@ def main(argv: list[str] | None = None) -> None:
         limit_concurrency=settings.max_sessions + 64,
         **transport_options(settings),  # type: ignore[arg-type]
     )
-    server = DrainingServer(config, app, settings.shutdown_timeout)
+    server = DrainingServer(config, app, settings.shutdown_timeout, settings.exit_on_engine_failure)
     server.run()
     if not server.started:
         raise SystemExit(1)
+    if server.engine_failure is not None:
+        raise SystemExit(EXIT_ENGINE_FAILED)
 
 
 if __name__ == "__main__":

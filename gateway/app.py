@@ -54,6 +54,9 @@ class GatewayState:
     # Set on SIGTERM (`gateway.__main__`): new sessions are refused, and a WebSocket
     # connection closes with 1001 once its contexts are done and their audio is sent.
     draining: bool = False
+    # Set with `draining` when the engine failed and the gateway exits for a restart
+    # (Settings.exit_on_engine_failure): connections then close with 1012, not 1001.
+    engine_failure: str | None = None
 
 
 def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
@@ -103,6 +106,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_deadline_cut_margin_ms=e.stage_deadline_cut_margin_ms,
         stage_devices=e.stage_devices,
         stage_process=e.stage_process,
+        stage_stall_timeout_s=e.stage_stall_timeout_s,
         stage_mps_thread_percent=e.stage_mps_thread_percent,
         stage_profile_dir=e.stage_profile_dir,
         stage_profile_start=e.stage_profile_start,

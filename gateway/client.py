@@ -33,6 +33,39 @@ class GatewayError(RuntimeError):
         self.message = message
 
 
+# A `text` message's flags that act after its text is appended: they go with its last part.
+_AFTER_TEXT = ("flush", "end")
+
+
+def text_messages(message: dict[str, Any], limit: int | None) -> list[dict[str, Any]]:
+    """A `text` message as one or more whose frames (`json.dumps`, ASCII) are at most `limit`
+    bytes each; their texts concatenate to its text (text is appended verbatim, so a cut
+    inside a word is harmless). The open overrides (voice, format, ...) go with the first
+    part, `flush` and `end` with the last."""
+    if limit is None or len(json.dumps(message)) <= limit:
+        return [message]
+    text = message["text"]
+    first = {k: v for k, v in message.items() if k not in _AFTER_TEXT} | {"text": ""}
+    last = {k: message[k] for k in _AFTER_TEXT if k in message}
+    parts: list[dict[str, Any]] = []
+    start, head = 0, first
+    while start < len(text):
+        # Room for the text once the other fields and the last part's flags are in.
+        room = limit - len(json.dumps(head | last))
+        end, used = start, 0
+        while end < len(text):
+            cost = len(json.dumps(text[end])) - 2  # the character as the frame spells it
+            if used + cost > room:
+                break
+            used, end = used + cost, end + 1
+        if end == start:
+            raise ValueError(f"a text frame of at most {limit} bytes has no room for text")
+        parts.append(head | {"text": text[start:end]})
+        start, head = end, {"type": "text", "context_id": message["context_id"], "text": ""}
+    parts[-1] |= last
+    return parts
+
+
 class Context:
     """One turn on the socket: send text, then read its audio and events in order."""
 
@@ -44,7 +77,11 @@ class Context:
         self.finished = False
 
     async def send_text(self, text: str, **overrides: Any) -> None:
-        await self.client.send({"type": "text", "context_id": self.context_id, "text": text, **overrides})
+        """Append `text`; a piece too large for one frame (the server's `max_message_bytes`)
+        goes as several, since the server drops an oversized frame's text whole."""
+        message = {"type": "text", "context_id": self.context_id, "text": text, **overrides}
+        for part in text_messages(message, self.client.max_message_bytes):
+            await self.client.send(part)
 
     async def flush(self) -> None:
         await self.client.send({"type": "flush", "context_id": self.context_id})
@@ -106,6 +143,12 @@ class GatewayClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+    @property
+    def max_message_bytes(self) -> int | None:
+        """The server's frame limit (`session_started`'s limits); None before it said."""
+        limit = self.session.get("limits", {}).get("max_message_bytes")
+        return limit if isinstance(limit, int) else None
 
     async def send(self, message: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(message))

@@ -28,9 +28,11 @@ model_not_found              404     ``model`` is not one of the served aliases
 not_found                    404     no such route
 method_not_allowed           405     the route exists but not for this method
 voice_exists                 409     registering an id that is already taken
+too_many_voices              409     registering a new id with ``voices.max_voices`` voices registered
 audio_too_large              413     upload over the byte limit (stopped while reading)
 request_too_large            413     a JSON speech request over 256 KiB
-not_ready                    503     engine not loaded / warmed yet
+not_ready                    503     engine not loaded / warmed yet, draining, or failed (``/ready``)
+engine_failed                503     ``/health``: the engine can serve no more (stage process dead or stalled)
 too_many_sessions            503     ``max_sessions`` sessions (WebSockets and syntheses) already open
 synthesis_failed             500     the engine reported an error for the utterance
 internal_error               500     anything unexpected

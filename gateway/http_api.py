@@ -140,7 +140,12 @@ async def _json_body(request: Request, limit: int, too_large: str = "request_too
 
 @_endpoint("/health", open_route=True)
 async def health(request: Request) -> Response:
-    """Liveness: the process serves HTTP. Never touches the engine."""
+    """Liveness: the process serves HTTP and its engine has not failed for good (a dead or
+    stalled stage process, a dead vLLM engine core: nothing in this process brings them
+    back, so a liveness probe should restart it). Loading and draining are alive."""
+    failure = getattr(getattr(_gw(request), "engine", None), "failure", None)
+    if failure is not None:
+        raise ApiError(503, "engine_failed", f"the engine can serve no more: {failure}")
     return JSONResponse({"status": "ok"})
 
 
@@ -420,6 +425,34 @@ def _utterance_error(ev: UtteranceError) -> ApiError:
     return ApiError(500, "synthesis_failed", f"{ev.code}: {ev.message}")
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+# nginx's status for a request its client abandoned: logged and counted, sent to nobody.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _unless_disconnected(request: Request, pending: Awaitable[Any]) -> Any:
+    """`pending`'s result, or `_ClientGone` as soon as the client disconnects first. The
+    request body is read by now, so the next ASGI message is the disconnect; waiting for it
+    costs nothing while the client stays."""
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(pending), asyncio.ensure_future(left())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise _ClientGone
+    return work.result()
+
+
 class SpeechStreamFailed(RuntimeError):
     """Synthesis failed after an audio response had started: raised out of the body so
     the server drops the connection instead of ending the transfer cleanly."""
@@ -472,14 +505,18 @@ async def create_speech(request: Request) -> Response:
         await session.finish()
         events = session.events().__aiter__()
         # Wait for the first event before answering: a failure that happens before any
-        # audio exists still gets a proper HTTP status instead of a truncated 200.
-        first = await anext(events, None)
+        # audio exists still gets a proper HTTP status instead of a truncated 200. A client
+        # that leaves meanwhile frees the engine at once, not when that audio is ready.
+        first = await _unless_disconnected(request, anext(events, None))
         if isinstance(first, UtteranceError):
             raise _utterance_error(first)
-    except BaseException:
+    except BaseException as exc:
         with anyio.CancelScope(shield=True):
             await session.abort()
         gw.metrics.session_closed()
+        if isinstance(exc, _ClientGone):
+            log.info("speech client disconnected before its first audio")
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
 
     sample_rate = engine.sample_rate

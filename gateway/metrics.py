@@ -221,7 +221,7 @@ class Metrics:
             lines.append(f"{p}_sessions_active {self._sessions_active}")
             head(f"{p}_first_audio_seconds", "histogram", "Time from request to the first audio bytes sent.")
             lines.extend(self._first_audio.lines(f"{p}_first_audio_seconds"))
-            head(f"{p}_audio_seconds_total", "counter", "Seconds of audio delivered.")
+            head(f"{p}_audio_seconds_total", "counter", "Seconds of audio delivered (HTTP speech and WebSocket contexts).")
             lines.append(f"{p}_audio_seconds_total {_fmt(self._audio_seconds)}")
             head(f"{p}_errors_total", "counter", "Errors returned to clients, by code.")
             for code, n in sorted(self._errors.items()):

@@ -60,6 +60,7 @@ CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY = 1008
 CLOSE_INTERNAL = 1011
+CLOSE_SERVICE_RESTART = 1012
 CLOSE_TRY_LATER = 1013
 CLOSE_IDLE = 4000
 CLOSE_SLOW_CONSUMER = 4001
@@ -83,6 +84,7 @@ ERROR_CODES = frozenset(
         "too_many_sessions",
         "unauthorized",
         "internal_error",
+        "engine_failed",
     }
 )
 

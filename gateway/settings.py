@@ -215,6 +215,12 @@ class EngineSettings:
                        "wait for the interpreter lock behind the event loop; one per stage device (default: on "
                        "with a CUDA device unless flow_fill_padding is set)"),
     )
+    stage_stall_timeout_s: float = field(
+        default=120.0,
+        metadata=_help("kill a flow+vocoder stage process that has said nothing, or run one piece of device work, "
+                       "for this many seconds (a GPU hang): its utterances end with an error instead of waiting "
+                       "for ever (0 = no watchdog)"),
+    )
     stage_mps_thread_percent: int | None = field(
         default=None,
         metadata=_help("the flow+vocoder stage's process(es) under an NVIDIA MPS daemon: percent of the GPU's SMs "
@@ -294,6 +300,13 @@ class Settings:
     max_input_chars: int = field(default=4096, metadata=_help("longest /v1/audio/speech input"))
     max_sessions: int = field(default=512, metadata=_help("concurrent WebSocket connections + HTTP syntheses"))
     shutdown_timeout: float = field(default=30.0, metadata=_help("seconds SIGTERM waits for running sessions"))
+    exit_on_engine_failure: bool = field(
+        default=True,
+        metadata=_help("when the engine can serve no more (its stage process died or stalled, vLLM's engine core "
+                       "died), end its sessions with errors, drain the rest (up to shutdown_timeout) and exit with "
+                       "status 3, so a supervisor (a restart policy, systemd, Kubernetes) starts a fresh gateway; "
+                       "off: stay up with /ready and /health answering 503"),
+    )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs while serving "
                                       "(benchmarks: A/B levels on one gateway)"))

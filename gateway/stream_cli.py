@@ -4,7 +4,8 @@
         --voice alice --file text.txt --rate 30 --out out.wav
 
 Tokens are whitespace-delimited words (with their leading space), sent ``--rate`` per
-second, like an LLM streaming its answer. Prints the time to first audio.
+second, like an LLM streaming its answer. Prints the time to first audio. Exits with
+status 1 when the gateway reported an error (the WAV then holds what audio there was).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def fake_tokens(text: str) -> list[str]:
 
 async def stream_file(url: str, text: str, voice: str | None, rate: float, out: Path, fmt: str,
                       sample_rate: int | None, api_key: str | None) -> dict[str, float]:
+    """Speak `text` into `out`; returns the timings and the count of error events."""
     af = resolve_format(fmt, sample_rate)
     async with await GatewayClient.connect(url, api_key=api_key) as gw:
         settings = {"format": af.name, "sample_rate": af.sample_rate}
@@ -40,6 +42,7 @@ async def stream_file(url: str, text: str, voice: str | None, rate: float, out: 
         t0 = time.monotonic()
         first_audio: list[float] = []
         frames: list[bytes] = []
+        errors = 0
 
         async def reader() -> None:
             async for item in ctx.stream():
@@ -48,6 +51,8 @@ async def stream_file(url: str, text: str, voice: str | None, rate: float, out: 
                         first_audio.append(time.monotonic() - t0)
                     frames.append(item)
                 elif item.get("type") == "error":
+                    nonlocal errors
+                    errors += 1
                     print(f"error: {item['code']}: {item['message']}", file=sys.stderr)
                 elif item.get("type") == "segment_started":
                     print(f"[{item['audio_offset_ms'] / 1000:7.2f}s] {item['text'].strip()}", file=sys.stderr)
@@ -69,6 +74,7 @@ async def stream_file(url: str, text: str, voice: str | None, rate: float, out: 
         "first_audio_s": first_audio[0] if first_audio else float("nan"),
         "audio_s": len(pcm) / af.sample_rate,
         "wall_s": time.monotonic() - t0,
+        "errors": errors,
     }
 
 
@@ -90,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"wrote {args.out}: {result['audio_s']:.2f}s of audio, first audio after "
         f"{result['first_audio_s'] * 1000:.0f} ms, total {result['wall_s']:.2f}s"
+        + (f"; {result['errors']:.0f} error(s) from the gateway" if result["errors"] else "")
     )
-    return 0
+    return 1 if result["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -347,6 +347,15 @@ class PgVoiceStore(VoiceStore):
         await self._refresh_one(voice_id)
         return self._infos.get(voice_id)
 
+    async def _check_room_now(self, voice_id: str, conn: Any = None) -> None:
+        """`_check_room` against the table as it is now (in `conn`'s transaction if given)."""
+        async with contextlib.AsyncExitStack() as stack:
+            if conn is None:
+                conn = await stack.enter_async_context(self._conn())
+            cur = await conn.execute(f"SELECT count(*), count(*) FILTER (WHERE id = %s) FROM {TABLE}", (voice_id,))
+            registered, exists = await cur.fetchone()
+        self._check_room(voice_id, int(registered), bool(exists))
+
     async def _exists(self, voice_id: str) -> bool:
         async with self._conn() as conn:
             cur = await conn.execute(f"SELECT 1 FROM {TABLE} WHERE id = %s", (voice_id,))
@@ -367,6 +376,7 @@ class PgVoiceStore(VoiceStore):
         # is what actually decides when two replicas race.
         if not replace and await self._exists(voice_id):
             raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+        await self._check_room_now(voice_id)
         ext = audio_ext.lower().lstrip(".")
         if not ext.isalnum() or not 1 <= len(ext) <= 5:
             ext = "bin"
@@ -391,6 +401,9 @@ class PgVoiceStore(VoiceStore):
         else:
             conflict = "ON CONFLICT (id) DO NOTHING"
         async with self._conn() as conn, conn.transaction():
+            # Counted again in the insert's transaction; replicas registering new ids at the
+            # same moment may still pass it together (at most one voice each over the limit).
+            await self._check_room_now(voice_id, conn)
             cur = await conn.execute(f"INSERT INTO {TABLE} ({cols}) VALUES ({marks}) {conflict} RETURNING id", values)
             if await cur.fetchone() is None:
                 raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")

@@ -56,9 +56,13 @@ class VoiceLimits:
     id_pattern: str = r"^[A-Za-z0-9_-]{1,64}$"
     max_transcript_chars: int = 1000
     max_name_chars: int = 200
+    # Registered voices at most (each keeps its files and a row; a replica caches prompts of
+    # the ones in use): a registration of a new id beyond it is refused, 409 too_many_voices.
+    max_voices: int = 10000
 
     def __post_init__(self) -> None:
-        for name in ("min_seconds", "min_sample_rate", "max_upload_bytes", "max_transcript_chars", "max_name_chars"):
+        for name in ("min_seconds", "min_sample_rate", "max_upload_bytes", "max_transcript_chars", "max_name_chars",
+                     "max_voices"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"voices.{name} must be > 0, not {getattr(self, name)}")
         if not self.max_seconds >= self.min_seconds:
@@ -304,6 +308,13 @@ class VoiceStore:
         if len(name) > self.limits.max_name_chars:
             raise ApiError(400, "invalid_request", f"name is longer than {self.limits.max_name_chars} characters")
 
+    def _check_room(self, voice_id: str, registered: int, exists: bool) -> None:
+        """A new voice must fit under `max_voices` (replacing one takes no room)."""
+        if not exists and registered >= self.limits.max_voices:
+            raise ApiError(409, "too_many_voices",
+                           f"{registered} voices are registered, the most this gateway keeps "
+                           f"(voices.max_voices); delete one first")
+
     def _decode_checked(self, audio_bytes: bytes):  # -> DecodedAudio
         lim = self.limits
         if len(audio_bytes) > lim.max_upload_bytes:
@@ -339,6 +350,7 @@ class VoiceStore:
         self._validate_text(name, transcript)
         if not replace and voice_id in self._infos:
             raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+        self._check_room(voice_id, len(self._infos), voice_id in self._infos)
         ext = audio_ext.lower().lstrip(".")
         if not _AUDIO_EXT.match(ext):
             ext = "bin"
@@ -349,6 +361,7 @@ class VoiceStore:
         async with self._write_lock:
             if not replace and voice_id in self._infos:  # lost a race with a twin request
                 raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
+            self._check_room(voice_id, len(self._infos), voice_id in self._infos)  # others registered meanwhile
             info = VoiceInfo(
                 id=voice_id, name=name, transcript=transcript, created_at=time.time(),
                 duration_s=audio.duration_s, sample_rate=audio.sample_rate,

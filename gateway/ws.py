@@ -39,6 +39,7 @@ from .protocol import (
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
     CLOSE_POLICY,
+    CLOSE_SERVICE_RESTART,
     CLOSE_SLOW_CONSUMER,
     CLOSE_TRY_LATER,
     CancelContext,
@@ -433,11 +434,15 @@ class _Connection:
             if self.writer.lag() > limits.max_lag_s:
                 self._slow_consumer(f"lag {self.writer.lag():.1f}s")
                 return
+            await self._end_failed_contexts()
             if not self.state.contexts and now - self.last_client_at > limits.idle_timeout_s:
                 self.request_close(CLOSE_IDLE, "idle timeout", drain=True)
                 return
             if not self.state.contexts and getattr(self.gw, "draining", False):
-                self.request_close(CLOSE_GOING_AWAY, "server shutting down", drain=True)
+                if getattr(self.gw, "engine_failure", None):
+                    self.request_close(CLOSE_SERVICE_RESTART, "engine failed: the gateway restarts", drain=True)
+                else:
+                    self.request_close(CLOSE_GOING_AWAY, "server shutting down", drain=True)
                 return
             if limits.keepalive_interval_s > 0 and self.writer.idle and now - self.writer.last_sent_at > limits.keepalive_interval_s:
                 self.send_event({"type": "keepalive", "t": round(now, 3)})
@@ -725,15 +730,25 @@ class _Connection:
             rt.pending = deque(p for p in rt.pending if p[0] != "utt")
             await self._settle(rt)
 
-    async def _fail_context(self, rt: _ContextRuntime, message: str) -> None:
+    async def _fail_context(self, rt: _ContextRuntime, message: str, code: str = "internal_error") -> None:
         """The context's audio can no longer be produced: end it as a cancel would (engine
         session aborted, its frames dropped, its id free again), with an error instead
         of `done`, so neither the engine session nor a `close` waits on it forever."""
         if rt.cancelled:
             return  # already being stopped: its client asked for that
         await self._stop_context(rt)
-        self.send_event(ProtocolError("internal_error", message, rt.cid).event())
+        self.send_event(ProtocolError(code, message, rt.cid).event())
         self._maybe_close()
+
+    async def _end_failed_contexts(self) -> None:
+        """End the contexts whose engine can serve no more (its stage process died or
+        stalled, its vLLM engine core died): each of their segments would fail, so the
+        context ends now with `engine_failed` rather than skip segment after segment.
+        Per context: in a pool of engines, the others' contexts go on."""
+        for rt in list(self.contexts.values()):
+            failure = getattr(getattr(rt.session, "engine", None), "failure", None)
+            if failure is not None:
+                await self._fail_context(rt, f"the engine can serve no more: {failure}", "engine_failed")
 
     async def _on_engine_event(self, rt: _ContextRuntime, ev: AudioChunk | UtteranceError) -> bool:
         """Handle one engine event; True when an utterance finished."""
@@ -772,6 +787,7 @@ class _Connection:
         frames = await self.gw.encode_pool.encode(rt.encoder, pcm)
         rt.in_samples += int(pcm.size)
         await self._emit_frames(rt, frames, seg)
+        self.gw.metrics.add_audio_seconds(pcm.size / getattr(self.gw.engine, "sample_rate", ENGINE_RATE))
         if ev.is_last:
             if seg is not None:
                 rt.pending.popleft()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
+import re
 import signal
 import socket
 import sqlite3
@@ -24,7 +26,7 @@ import pytest
 import websockets
 
 from engine.types import SessionOptions
-from gateway.protocol import CLOSE_GOING_AWAY, CLOSE_SLOW_CONSUMER, CLOSE_TRY_LATER, WsLimits
+from gateway.protocol import CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART, CLOSE_SLOW_CONSUMER, CLOSE_TRY_LATER, WsLimits
 from helpers import (
     AUTH,
     FAST,
@@ -153,6 +155,38 @@ def test_engine_fault_mid_http_audio_stream_breaks_the_transfer(server: LiveServ
         eventually(lambda: leftovers(c) == {}, timeout=30)
 
 
+def test_http_client_that_leaves_before_its_first_audio_frees_the_engine_at_once(server: LiveServer) -> None:
+    """The flow/vocoder stage is held (its batch waits on a gate), so no audio can exist
+    yet; the client sends its speech request and hangs up. Its engine session is freed
+    while the stage is still held, not when the first audio would have come."""
+    srv = server
+    stage = srv.gw.engine.stage
+    orig = stage._compute
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(batch: list[Any]) -> Any:
+        entered.set()
+        gate.wait(120)
+        return orig(batch)
+
+    stage._compute = held  # type: ignore[method-assign]
+    try:
+        body = json.dumps({"voice": "good", "input": TEXT, "response_format": "pcm", **FAST}).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in {**AUTH, "Host": "gw", "Content-Type": "application/json",
+                                                     "Content-Length": str(len(body))}.items())
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            sock.sendall(f"POST /v1/audio/speech HTTP/1.1\r\n{head}\r\n".encode() + body)
+            assert entered.wait(60)  # its first chunk is on the (held) stage
+        with srv.client() as c:
+            eventually(lambda: "cosyvoice_engine_active_sessions" not in leftovers(c), timeout=30)
+            assert not gate.is_set()
+    finally:
+        gate.set()
+        del stage._compute
+    with srv.client() as c:
+        eventually(lambda: leftovers(c) == {}, timeout=30)
+
+
 # --------------------------------------------------------------------------------------
 # A client that stops reading
 # --------------------------------------------------------------------------------------
@@ -250,6 +284,65 @@ def test_sigterm_drains_in_flight_context_then_exits_0(tiny_model_dir: Path, tmp
         assert any("drained" in line for line in gw.log)
     finally:
         gw.kill()
+
+
+@pytest.mark.parametrize("exit_on_failure", [True, False])
+def test_a_stalled_stage_process_ends_its_contexts_and_the_gateway_restarts(
+        tiny_model_dir: Path, tmp_path: Path, exit_on_failure: bool) -> None:
+    """The stage's own process stops answering mid-stream (SIGSTOP: alive, silent, as a GPU
+    hang looks from outside). The watchdog kills it, the open context ends with
+    `engine_failed` (final) instead of waiting for audio that cannot come, and the gateway
+    exits with status 3 for its supervisor to restart it, closing the socket with 1012.
+    With the exit turned off it stays up, and says why on /health and /ready (503)."""
+    _assets(tmp_path)
+    gw = GatewayProcess(tiny_model_dir, tmp_path, "--shutdown-timeout", "60", "--engine.stage-process", "true",
+                        "--engine.stage-stall-timeout-s", "1",
+                        "--exit-on-engine-failure", str(exit_on_failure).lower()).start()
+    pid = None
+    try:
+        (pid,) = [int(m.group(1)) for line in gw.log if (m := re.search(r"audio stage process (\d+) ready", line))]
+
+        async def scenario() -> WsRecorder:
+            async with websockets.connect(gw.ws_url) as ws:
+                rec = WsRecorder(ws)
+                await rec.recv_one()
+                await rec.send(type="text", context_id="t", text=TEXT * 4, flush=True)
+                await rec.until(lambda r: len(r.audio.get("t", b"")) > 0, 60)
+                os.kill(pid, signal.SIGSTOP)
+                await rec.until(lambda r: bool(r.of("error", "t")) and r.of("error", "t")[-1].get("final", False), 60)
+                if exit_on_failure:
+                    with pytest.raises(websockets.ConnectionClosed):
+                        await rec.until(lambda r: False, 60)
+                else:
+                    with gw.client() as c:
+                        health, ready = c.get("/health"), c.get("/ready")
+                    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_failed"
+                    assert ready.status_code == 503 and "stalled" in ready.json()["error"]["message"]
+                    assert "stalled" in health.json()["error"]["message"]
+                    async with websockets.connect(gw.ws_url) as late:  # new sessions: come back later
+                        refused = WsRecorder(late)
+                        await refused.recv_one()
+                        assert refused.events[0]["code"] == "not_ready"
+                return rec
+
+        try:
+            rec = asyncio.run(scenario())
+        except Exception as exc:
+            raise AssertionError("server log:\n" + "\n".join(gw.log[-25:])) from exc
+        final = rec.of("error", "t")[-1]
+        assert final["code"] == "engine_failed" and "stalled" in final["message"], final
+        assert not rec.of("done", "t")
+        assert any("was killed" in line and "stalled" in line for line in gw.log)
+        if exit_on_failure:
+            assert rec.ws.close_code == CLOSE_SERVICE_RESTART
+            assert gw.wait(60) == 3, "\n".join(gw.log[-20:])
+        else:
+            assert gw.proc.poll() is None  # still serving
+    finally:
+        gw.kill()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a test that failed before the watchdog did
 
 
 def _register_forever(url: str, prefix: str, acked: dict[str, dict[str, Any]], cut: list[str],

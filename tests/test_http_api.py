@@ -7,6 +7,7 @@ with `helpers.StageFault` around the real audio stage, never by a stand-in engin
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -18,6 +19,7 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 import pytest
+import websockets
 
 from gateway.audio_files import decode_audio, wav_bytes
 from gateway.auth import Auth
@@ -30,6 +32,7 @@ from helpers import (  # noqa: F401 (LiveServer, register, ... are re-exported f
     SR,
     LiveServer,
     StageFault,
+    WsRecorder,
     err,
     eventually,
     gateway_settings,
@@ -402,6 +405,26 @@ def test_metrics_exposition(server) -> None:
     for line in lines:
         if line and not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+def test_audio_seconds_count_websocket_audio_too(server) -> None:
+    srv = server
+    with srv.client() as c:
+        assert register(c, "wsmeter", tone_wav(3.5)).status_code in (201, 409)
+        before = scrape(c).get("cosyvoice_audio_seconds_total", 0.0)
+
+    async def speak() -> WsRecorder:
+        async with websockets.connect(srv.ws_url, additional_headers=AUTH) as ws:
+            rec = WsRecorder(ws)
+            await rec.recv_one()
+            await rec.send(type="text", context_id="m", voice="wsmeter", text="Count this audio.", end=True)
+            return await rec.until(lambda r: r.finished("m"), 60)
+
+    (done,) = asyncio.run(speak()).of("done", "m")
+    with srv.client() as c:
+        after = scrape(c)["cosyvoice_audio_seconds_total"]
+    assert done["duration_ms"] > 0
+    assert after - before == pytest.approx(done["duration_ms"] / 1000, abs=0.03)
 
 
 def test_debug_planner_tuning_needs_the_setting(server) -> None:

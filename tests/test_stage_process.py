@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from engine.models.flow import FlowChunk
 from engine.mps import MPS_PERCENT_ENV
 from engine.stage_pool import StagePool
 from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
-from engine.token2wav import ChunkJob
+from engine.token2wav import ChunkJob, DeviceWorker
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from helpers import assert_same_audio
 from tests.test_engine import collect, default_voice, run
@@ -112,6 +114,70 @@ def test_a_stage_process_that_dies_fails_its_utterances_with_an_error(tiny_model
         assert not engine.ready and "audio stage process exited" in (engine.failure or "")
 
     run(tiny_model_dir, fn, warmup=False, stage_process=True)
+
+
+def test_a_stage_process_that_stops_answering_is_killed_and_its_utterances_fail(tiny_model_dir):
+    """A stage process alive but stuck (SIGSTOP: what a GPU hang looks like from outside)
+    is killed by the watchdog once it has been silent for the stall timeout; the utterance
+    waiting on it ends with an error that says so, instead of waiting for ever. Before
+    that, an idle stage's heartbeats keep it alive through several timeouts."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        heard = stage._heard
+        await asyncio.sleep(2.5)  # five stall timeouts of an idle stage: not a stall
+        assert stage.failure is None and stage._process.is_alive()
+        assert stage._heard > heard and stage._busy is None  # heartbeats came, from an idle worker
+        os.kill(stage._process.pid, signal.SIGSTOP)
+        session = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=5))
+        await session.submit("Nobody answers for this audio.")
+        await session.finish()
+        events = await asyncio.wait_for(collect(session), 60)
+        assert events and isinstance(events[-1], UtteranceError), events
+        assert "stalled (no word from it for" in events[-1].message, events[-1].message
+        assert not engine.ready and "stage_stall_timeout_s 0.5" in (engine.failure or "")
+        await asyncio.to_thread(stage._process.join, 30)
+        assert stage._process.exitcode == -signal.SIGKILL
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=0.5)
+
+
+def test_a_stage_process_whose_device_work_never_ends_is_killed(tiny_model_dir):
+    """The other half of the watchdog: the process answers (its loop runs), but a heartbeat
+    reports one piece of device work running past the timeout (a kernel that never
+    returns). Injected as that heartbeat: a real one would need a hung device."""
+    async def fn(engine):
+        stage = engine.stage
+        stage._on_batch([("alive", 3.0)])
+        await asyncio.to_thread(stage._process.join, 30)
+        assert stage._process.exitcode == -signal.SIGKILL
+        assert "one piece of its device work has run for" in (stage.failure or ""), stage.failure
+        with pytest.raises(StageProcessError, match="stalled"):
+            stage._check_open()
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=2.0)
+
+
+def test_the_device_worker_says_how_long_its_current_work_has_run():
+    worker = DeviceWorker()
+    try:
+        assert worker.busy_for() is None
+        began, gate = threading.Event(), threading.Event()
+        done = worker.submit(lambda: (began.set(), gate.wait(30))[1])
+        assert began.wait(30)
+        assert worker.busy_for() >= 0
+        gate.set()
+        assert done.result(30) is True
+        assert worker.busy_for() is None
+    finally:
+        worker.shutdown(wait=True)
+
+
+def test_stage_stall_timeout_is_checked_at_configuration(tmp_path):
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="stage_stall_timeout_s must be >= 0"):
+            EngineConfig(model_dir=tmp_path, stage_stall_timeout_s=bad)
+    assert EngineConfig(model_dir=tmp_path, stage_stall_timeout_s=0).stage_stall_timeout_s == 0
 
 
 def test_a_stage_process_that_cannot_start_says_why(tiny_model_dir, tmp_path):

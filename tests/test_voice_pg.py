@@ -24,7 +24,7 @@ from engine.engine import Engine
 from gateway.audio_files import wav_bytes
 from gateway.errors import ApiError
 from gateway.voice_pg import PgOptions, PgVoiceStore, VoiceStoreUnavailable, create_voice_store, redact_url
-from gateway.voices import VoiceStore
+from gateway.voices import VoiceLimits, VoiceStore
 from pg_server import PgServer, find_pg_bindir, temporary_postgres
 
 SR = 24000
@@ -106,6 +106,26 @@ def test_register_on_one_use_on_other_delete_propagates(tiny_model_dir: Path, db
             assert await a.delete("alice") is False  # already gone everywhere
             assert await b.wait_for_mirror(lambda s: "alice" not in s, WAIT)
             assert a.list() == [] and b.list() == []
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_voice_count_limit_counts_the_shared_table(tiny_model_dir: Path, db_url: str) -> None:
+    """`max_voices` holds for the table all replicas share: B is refused a new id once
+    A's registrations filled it, and may replace one."""
+    async def scenario(engine: Engine, url: str) -> None:
+        a = await PgVoiceStore(url, engine, VoiceLimits(max_voices=1)).open()
+        b = await PgVoiceStore(url, engine, VoiceLimits(max_voices=1)).open()
+        try:
+            await a.register("one", None, "The first voice.", tone_wav(3.5, 230.0))
+            with pytest.raises(ApiError) as err:
+                await b.register("two", None, "The second voice.", tone_wav(3.5, 240.0))
+            assert (err.value.status, err.value.code) == (409, "too_many_voices")
+            await b.register("one", None, "The first voice, again.", tone_wav(3.5, 250.0), replace=True)
+            assert [v.id for v in b.list()] == ["one"]
         finally:
             await a.close()
             await b.close()

@@ -183,6 +183,29 @@ def test_size_limit_and_conflict(tmp_path: Path, run, engine) -> None:
     run(scenario())
 
 
+def test_voice_count_limit(tmp_path: Path, run, engine) -> None:
+    """`max_voices`: a new id past it is a 409 `too_many_voices` before any feature
+    extraction; replacing a voice takes no room, and a delete makes room again."""
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine, max_voices=2)
+        await store.register("a", None, "hi", tone_wav(3.2))
+        await store.register("b", None, "hi", tone_wav(3.3))
+        prepared = engine.prepared
+        with pytest.raises(ApiError) as err:
+            await store.register("c", None, "hi", tone_wav(3.4))
+        assert (err.value.status, err.value.code) == (409, "too_many_voices")
+        assert engine.prepared == prepared and store.get("c") is None
+        await store.register("a", None, "hi again", tone_wav(3.5), replace=True)
+        assert await store.delete("b")
+        await store.register("c", None, "hi", tone_wav(3.4))
+        assert sorted(v.id for v in store.list()) == ["a", "c"] and store.get("a").transcript == "hi again"
+        await store.close()
+
+    run(scenario())
+    with pytest.raises(ValueError, match="voices.max_voices must be > 0"):
+        VoiceLimits(max_voices=0)
+
+
 def test_concurrent_registrations_of_one_id(tmp_path: Path, run, engine) -> None:
     async def scenario() -> None:
         store = await open_store(tmp_path, engine)

@@ -54,6 +54,9 @@ class _Metrics:
     def session_opened(self) -> None:
         self.open += 1
 
+    def add_audio_seconds(self, seconds: float) -> None:
+        pass
+
     def session_closed(self) -> None:
         self.open -= 1
 
@@ -448,7 +451,59 @@ def test_python_client_and_cli(server: Server, tmp_path: Path) -> None:
 
     with wave.open(str(out)) as w:
         assert w.getframerate() == 16000 and w.getnframes() == round(result["audio_s"] * 16000) > 0
-    assert result["first_audio_s"] < result["wall_s"]
+    assert result["first_audio_s"] < result["wall_s"] and result["errors"] == 0
+    # An error from the gateway is the command's failure, not a silent WAV.
+    (tmp_path / "in.txt").write_text("Nobody speaks this.")
+    from gateway.stream_cli import main as cli_main
+
+    status = cli_main(["--url", server.url, "--voice", "no_such_voice", "--file", str(tmp_path / "in.txt"),
+                       "--rate", "0", "--out", str(tmp_path / "none.wav")])
+    assert status == 1
+
+
+def test_client_splits_a_text_piece_over_the_frame_limit() -> None:
+    """`text_messages`: parts within the limit as sent, texts concatenating back, the open
+    overrides on the first part and flush/end on the last only."""
+    from gateway.client import text_messages
+
+    text = 'Grüße "aus" Köln \\ 你好。' * 40 + "😀 end"
+    msg = {"type": "text", "context_id": "c", "text": text, "voice": "alice", "flush": True, "end": True}
+    parts = text_messages(msg, 300)
+    assert len(parts) > 1 and all(len(json.dumps(p)) <= 300 for p in parts)
+    assert "".join(p["text"] for p in parts) == text
+    assert parts[0]["voice"] == "alice" and all("voice" not in p for p in parts[1:])
+    assert parts[-1]["flush"] is parts[-1]["end"] is True
+    assert all("flush" not in p and "end" not in p for p in parts[:-1])
+    assert text_messages(msg, None) == [msg] and text_messages({**msg, "text": "hi"}, 300) == [{**msg, "text": "hi"}]
+    with pytest.raises(ValueError, match="no room for text"):
+        text_messages(msg, 60)
+
+
+def test_python_client_sends_a_piece_over_the_frame_limit_whole(server: Server) -> None:
+    """A say() piece larger than `max_message_bytes` as the client sends it (the fixture's
+    4096; non-ASCII text is escaped on the wire): the server would drop such a frame with a
+    `message_too_large` that names no context. The client splits it instead, and the
+    server takes all of it: no error before the `cancelled` that follows."""
+    from gateway.client import GatewayClient
+
+    text = "你好。" * 300  # 900 characters, 5400 bytes as sent
+
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async with await GatewayClient.connect(server.url) as gw:
+            assert gw.max_message_bytes == 4096 and len(json.dumps({"text": text})) > 4096
+            ctx = gw.context("big")
+            await ctx.send_text(text)
+            await ctx.cancel()
+            async for _ in ctx.stream():
+                pass
+            stray: list[dict[str, Any]] = []
+            while not gw.events.empty():
+                stray.append(gw.events.get_nowait())
+            return ctx.events, stray
+
+    events, stray = run(main())
+    assert not [e for e in events + stray if e["type"] == "error"], events + stray
+    assert events[-1]["type"] == "cancelled" and events[-1]["active"] is True
 
 
 # ---- a context that cannot start, and the session limit ------------------------------------
