@@ -96,8 +96,8 @@ class StageProcessError(RuntimeError):
 
 def heartbeat_period(stall_timeout_s: float) -> float:
     """How often the stage's process says it is alive, and the engine looks: a few times per
-    stall timeout, at most once a second."""
-    return min(1.0, stall_timeout_s / 4)
+    stall timeout, at most once a second and at least every 50 ms."""
+    return max(0.05, min(1.0, stall_timeout_s / 4))
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,11 @@ class RemoteStage:
         self._heard = time.monotonic()
         self._busy: tuple[float, float] | None = None
         self._stall_timeout_s = stall_timeout_s
+        # The engine's start (warm-up) is over (`started`): only then is a long piece of
+        # device work a stall. Its cold compiles and graph captures may legitimately run
+        # long (64-156 s for the warm-up voice's in all on the H200), and a start that
+        # hangs is its orchestrator's to time out.
+        self._serving = False
         self._reader = threading.Thread(target=self._read, name="audio-stage-reader", daemon=True)
         self._reader.start()
         self._watchdog = self._loop.create_task(self._watch(), name="audio-stage-watchdog") if stall_timeout_s else None
@@ -190,6 +195,7 @@ class RemoteStage:
         """Started by `spawn` (the child starts its stage before it says it is ready)."""
 
     def started(self) -> None:
+        self._serving = True
         self._tell(("call", None, "started", ()))
 
     async def close(self) -> None:
@@ -201,7 +207,7 @@ class RemoteStage:
         with contextlib.suppress(StageProcessError):
             self._send(("close",))
         await asyncio.to_thread(self._process.join, CLOSE_TIMEOUT_S)
-        _stop(self._process, self._conn)
+        await asyncio.to_thread(_stop, self._process, self._conn)
         self._fail_all(StageProcessError("audio stage closed"))
 
     # ----------------------------------------------------------------- the stage interface
@@ -289,8 +295,11 @@ class RemoteStage:
         batch.extend(messages)
         try:
             self._conn.send(batch)
-        except (OSError, ValueError) as exc:  # the child is gone (its reader reports how)
-            raise StageProcessError(f"audio stage process is gone ({type(exc).__name__})") from None
+        except (OSError, ValueError) as exc:
+            # The child is gone. Its reader would say so too, but maybe after this caller
+            # has failed and someone asks `failure`: say it now, once.
+            self._on_exit(f"its pipe broke ({type(exc).__name__})")
+            raise self._error or StageProcessError("audio stage is closed") from None
 
     def _tell(self, *messages: tuple[Any, ...]) -> None:
         """`_send` for what nobody waits on: dropped once the stage is gone."""
@@ -374,13 +383,21 @@ class RemoteStage:
         """Kill the stage's process when it is stuck: silent, or one piece of its device work
         running, for longer than the stall timeout (see the module docstring)."""
         timeout = self._stall_timeout_s
+        period = heartbeat_period(timeout)
         while not self._closed and self._error is None:
-            await asyncio.sleep(heartbeat_period(timeout))
+            before = time.monotonic()
+            await asyncio.sleep(period)
             now = time.monotonic()
+            if now - before > period + timeout / 2:
+                # This process did not run for a while either (SIGSTOP of the group, a
+                # paused VM or container, a debugger): the stage's heartbeats may still be
+                # in the pipe. Give it a full timeout again rather than judge on that gap.
+                self._heard = now
+                continue
             busy = None if self._busy is None else self._busy[0] + now - self._busy[1]
             if now - self._heard > timeout:
                 self._stall(f"no word from it for {now - self._heard:.1f} s")
-            elif busy is not None and busy > timeout:
+            elif self._serving and busy is not None and busy > timeout:
                 self._stall(f"one piece of its device work has run for {busy:.1f} s")
 
     def _stall(self, why: str) -> None:
@@ -438,13 +455,17 @@ def _recv_first(conn: Connection) -> tuple[str, Any]:
 
 
 def _stop(process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
-    """Make sure the child is gone (it exits by itself on "close" or on EOF)."""
+    """Make sure the child is gone (it exits by itself on "close" or on EOF). Bounded: a
+    process stuck in the GPU driver may outlive even SIGKILL for a while, and whoever stops
+    the engine must not wait for it for ever."""
     with contextlib.suppress(OSError):
         conn.close()
     process.join(CLOSE_TIMEOUT_S if process.is_alive() else 0)
     if process.is_alive():
         process.kill()
-        process.join()
+        process.join(CLOSE_TIMEOUT_S)
+    if process.is_alive():
+        log.error("audio stage process %s did not exit after SIGKILL", process.pid)
 
 
 def _fail(job: ChunkJob, error: StageProcessError) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import os
 import sys
 import time
 from typing import Callable
@@ -191,7 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     if not server.started:
         raise SystemExit(1)
     if server.engine_failure is not None:
-        raise SystemExit(EXIT_ENGINE_FAILED)
+        # Not SystemExit: at interpreter exit multiprocessing joins its children without a
+        # bound, and a stage process stuck in the GPU driver may not be reaped yet.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_ENGINE_FAILED)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import math
@@ -40,7 +41,7 @@ from gateway.audio_files import (
     make_encoder,
     read_body_bounded,
 )
-from gateway.errors import ApiError, error_response
+from gateway.errors import ApiError, error_response, unhandled_error_handler
 from gateway.protocol import MAX_INSTRUCTION_CHARS, SPEED_RANGE
 from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
@@ -55,6 +56,13 @@ OPENAI_VOICES: frozenset[str] = frozenset({
 })
 DEFAULT_ALIASES: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3")
 MAX_JSON_BYTES = 256 * 1024  # a speech request is 4096 characters of text plus a few fields
+
+
+def speech_body_limit(max_input_chars: int) -> int:
+    """The largest JSON speech request read: room for `max_input_chars` characters each
+    spelt as the longest JSON escape (a surrogate pair, 12 bytes) and the other fields, so
+    an input within the configured limit is never refused for its bytes first."""
+    return max(MAX_JSON_BYTES, 12 * max_input_chars + 64 * 1024)
 MAX_SEED = 2**63 - 1  # the widest seed every backend's torch.Generator takes
 
 
@@ -96,6 +104,8 @@ def _endpoint(route_name: str, *, open_route: bool = False) -> Callable[[Handler
                     # than let the server drain it.
                     headers["Connection"] = "close"
                 response = error_response(exc.status, exc.code, exc.message, headers or None)
+            except Exception as exc:  # a bug: the same 500 as the app's last resort, but counted per route
+                response = await unhandled_error_handler(request, exc)
             if gw.metrics is not None:
                 gw.metrics.observe_request(route_name, response.status_code)
             return response
@@ -446,9 +456,13 @@ async def _unless_disconnected(request: Request, pending: Awaitable[Any]) -> Any
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
+        gone = not work.done()
+        if gone:
             work.cancel()
-    if work.cancelled():
+        for task in (work, watch):
+            with contextlib.suppress(BaseException):
+                await task  # settled, so neither leaves an exception nobody retrieved
+    if gone:
         raise _ClientGone
     return work.result()
 
@@ -481,8 +495,9 @@ async def create_speech(request: Request) -> Response:
     """OpenAI `POST /v1/audio/speech`: audio bytes streamed as produced, or SSE."""
     t0 = time.monotonic()
     gw = _gw(request)
-    body = await _json_body(request, MAX_JSON_BYTES)
-    req = parse_speech_request(body, model_aliases(request), int(_setting(request, "max_input_chars", 4096)))
+    max_chars = int(_setting(request, "max_input_chars", 4096))
+    body = await _json_body(request, speech_body_limit(max_chars))
+    req = parse_speech_request(body, model_aliases(request), max_chars)
     engine = gw.engine
     if engine is None or not getattr(engine, "ready", False):
         raise ApiError(503, "not_ready", "model is loading")
@@ -561,6 +576,8 @@ async def create_speech(request: Request) -> Response:
                         gw.metrics.observe_first_audio(time.monotonic() - t0)
                     yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) \
                         if req.stream_format == "sse" else data
+                # Handed to the connection (an encoder may hold a few ms back until its end).
+                gw.metrics.add_audio_seconds(ev.pcm.size / sample_rate)
                 if pieces_left == 0:
                     break
                 ev = await anext(events, None)
@@ -580,7 +597,6 @@ async def create_speech(request: Request) -> Response:
                     "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
                               "total_tokens": input_tokens + output_tokens},
                 })
-            gw.metrics.add_audio_seconds(samples / sample_rate)
         finally:
             # The encoder is not closed here: after a cancelled `to_thread` a worker may
             # still be inside it, and an unfinished encoder is simply garbage-collected.

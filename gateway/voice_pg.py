@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 TABLE = "cosyvoice_voices"
 CHANNEL = "cosyvoice_voices"
+# pg_advisory_xact_lock key serialising inserts for the `max_voices` count ("cvgw" in ASCII).
+COUNT_LOCK = 0x63766777
 # Any constant works; it only has to be the same for every replica (pg_advisory_xact_lock).
 _SCHEMA_LOCK_KEY = 0x43565657  # "CVVW"
 
@@ -401,8 +403,10 @@ class PgVoiceStore(VoiceStore):
         else:
             conflict = "ON CONFLICT (id) DO NOTHING"
         async with self._conn() as conn, conn.transaction():
-            # Counted again in the insert's transaction; replicas registering new ids at the
-            # same moment may still pass it together (at most one voice each over the limit).
+            # Counted again in the insert's transaction, under a lock every replica's insert
+            # takes (held to its commit), so registrations racing for the last places are
+            # counted one after another.
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (COUNT_LOCK,))
             await self._check_room_now(voice_id, conn)
             cur = await conn.execute(f"INSERT INTO {TABLE} ({cols}) VALUES ({marks}) {conflict} RETURNING id", values)
             if await cur.fetchone() is None:

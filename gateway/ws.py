@@ -247,6 +247,7 @@ class _ContextRuntime:
     first_submit_at: float | None = None
     first_audio_seen: bool = False
     streaming: "_StreamSegment | None" = None  # stream mode: the utterance taking text
+    count_audio: Callable[[float], None] | None = None  # seconds of audio sent (the metrics' counter)
 
     @property
     def rate(self) -> int:
@@ -258,6 +259,8 @@ class _ContextRuntime:
 
     def on_sent(self, item: _Item) -> None:
         self.sent_samples += item.samples
+        if item.samples and self.count_audio is not None:
+            self.count_audio(item.samples / self.rate)
         if item.segment is not None:
             self.heard_text_end = item.segment.end
             self.segments_started_sent += 1
@@ -561,7 +564,8 @@ class _Connection:
             return ProtocolError(code, str(exc), cid)
         try:
             raw_id = cid.encode("utf-8")
-            return _ContextRuntime(cid, settings, session, encoder, bytes([len(raw_id)]) + raw_id)
+            return _ContextRuntime(cid, settings, session, encoder, bytes([len(raw_id)]) + raw_id,
+                                   count_audio=self.gw.metrics.add_audio_seconds)
         except BaseException:
             with contextlib.suppress(Exception):
                 await session.abort()
@@ -730,25 +734,36 @@ class _Connection:
             rt.pending = deque(p for p in rt.pending if p[0] != "utt")
             await self._settle(rt)
 
-    async def _fail_context(self, rt: _ContextRuntime, message: str, code: str = "internal_error") -> None:
+    async def _fail_context(self, rt: _ContextRuntime, message: str) -> None:
         """The context's audio can no longer be produced: end it as a cancel would (engine
         session aborted, its frames dropped, its id free again), with an error instead
         of `done`, so neither the engine session nor a `close` waits on it forever."""
         if rt.cancelled:
             return  # already being stopped: its client asked for that
         await self._stop_context(rt)
-        self.send_event(ProtocolError(code, message, rt.cid).event())
+        self.send_event(ProtocolError("internal_error", message, rt.cid).event())
         self._maybe_close()
 
     async def _end_failed_contexts(self) -> None:
         """End the contexts whose engine can serve no more (its stage process died or
         stalled, its vLLM engine core died): each of their segments would fail, so the
-        context ends now with `engine_failed` rather than skip segment after segment.
-        Per context: in a pool of engines, the others' contexts go on."""
+        context ends now with `engine_failed` rather than skip segment after segment. The
+        audio it made is still sent, the error after it. Per context: in a pool of
+        engines the other engines' contexts go on (until the gateway's drain for a
+        restart ends, `Settings.exit_on_engine_failure`)."""
         for rt in list(self.contexts.values()):
             failure = getattr(getattr(rt.session, "engine", None), "failure", None)
-            if failure is not None:
-                await self._fail_context(rt, f"the engine can serve no more: {failure}", "engine_failed")
+            if failure is None or rt.cancelled:
+                continue
+            if rt.pump is not None:
+                rt.pump.cancel()
+                with contextlib.suppress(BaseException):
+                    await rt.pump
+            with contextlib.suppress(Exception):
+                await rt.session.abort()
+            self._forget(rt)
+            self.send_event(ProtocolError("engine_failed", f"the engine can serve no more: {failure}", rt.cid).event())
+            self._maybe_close()
 
     async def _on_engine_event(self, rt: _ContextRuntime, ev: AudioChunk | UtteranceError) -> bool:
         """Handle one engine event; True when an utterance finished."""
@@ -787,7 +802,6 @@ class _Connection:
         frames = await self.gw.encode_pool.encode(rt.encoder, pcm)
         rt.in_samples += int(pcm.size)
         await self._emit_frames(rt, frames, seg)
-        self.gw.metrics.add_audio_seconds(pcm.size / getattr(self.gw.engine, "sample_rate", ENGINE_RATE))
         if ev.is_last:
             if seg is not None:
                 rt.pending.popleft()

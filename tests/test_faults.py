@@ -170,6 +170,9 @@ def test_http_client_that_leaves_before_its_first_audio_frees_the_engine_at_once
         return orig(batch)
 
     stage._compute = held  # type: ignore[method-assign]
+    left = 'cosyvoice_http_requests_total{route="/v1/audio/speech",status="499"}'
+    with srv.client() as c:
+        before = scrape(c)
     try:
         body = json.dumps({"voice": "good", "input": TEXT, "response_format": "pcm", **FAST}).encode()
         head = "".join(f"{k}: {v}\r\n" for k, v in {**AUTH, "Host": "gw", "Content-Type": "application/json",
@@ -180,6 +183,11 @@ def test_http_client_that_leaves_before_its_first_audio_frees_the_engine_at_once
         with srv.client() as c:
             eventually(lambda: "cosyvoice_engine_active_sessions" not in leftovers(c), timeout=30)
             assert not gate.is_set()
+            # Counted as a request its client abandoned (nginx's 499), not as a server error.
+            after = scrape(c)
+            assert after[left] == before.get(left, 0) + 1
+            internal = 'cosyvoice_errors_total{code="internal_error"}'
+            assert after.get(internal, 0) == before.get(internal, 0)
     finally:
         gate.set()
         del stage._compute

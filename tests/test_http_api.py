@@ -313,6 +313,14 @@ def test_speech_errors(server) -> None:
 
         assert speech().status_code == 200
         assert err(speech(input="x" * 4097)) == (400, "input_too_long")
+        # The body limit follows max_input_chars: 25,001 emoji are 300 kB of JSON escapes,
+        # and the answer is about the input, not the bytes.
+        settings = srv.gw.settings
+        srv.gw.settings = dataclasses.replace(settings, max_input_chars=25_000)
+        try:
+            assert err(speech(input="\N{GRINNING FACE}" * 25_001)) == (400, "input_too_long")
+        finally:
+            srv.gw.settings = settings
         assert err(speech(input="   ")) == (400, "invalid_request")
         assert err(speech(voice="nobody")) == (404, "voice_not_found")
         assert err(speech(model="whisper-1")) == (404, "model_not_found")
@@ -405,6 +413,21 @@ def test_metrics_exposition(server) -> None:
     for line in lines:
         if line and not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+def test_an_unexpected_error_is_a_counted_json_500(server, monkeypatch) -> None:
+    srv = server
+
+    def broken() -> list[Any]:
+        raise RuntimeError("a bug")
+
+    with srv.client() as c:
+        series = 'cosyvoice_http_requests_total{route="/v1/voices",status="500"}'
+        before = scrape(c).get(series, 0.0)
+        monkeypatch.setattr(srv.gw.voices, "list", broken)
+        assert err(c.get("/v1/voices", headers=AUTH)) == (500, "internal_error")
+        monkeypatch.undo()
+        assert scrape(c)[series] == before + 1
 
 
 def test_audio_seconds_count_websocket_audio_too(server) -> None:

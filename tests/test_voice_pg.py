@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from gateway.audio_files import wav_bytes
 from gateway.errors import ApiError
-from gateway.voice_pg import PgOptions, PgVoiceStore, VoiceStoreUnavailable, create_voice_store, redact_url
+from gateway.voice_pg import TABLE, PgOptions, PgVoiceStore, VoiceStoreUnavailable, create_voice_store, redact_url
 from gateway.voices import VoiceLimits, VoiceStore
 from pg_server import PgServer, find_pg_bindir, temporary_postgres
 
@@ -126,6 +126,17 @@ def test_voice_count_limit_counts_the_shared_table(tiny_model_dir: Path, db_url:
             assert (err.value.status, err.value.code) == (409, "too_many_voices")
             await b.register("one", None, "The first voice, again.", tone_wav(3.5, 250.0), replace=True)
             assert [v.id for v in b.list()] == ["one"]
+            # Two replicas registering at once with one place left: one is refused, however
+            # their inserts interleave (each counts under a lock the other's insert holds).
+            a.limits = b.limits = VoiceLimits(max_voices=2)
+            results = await asyncio.gather(a.register("two", None, "Two.", tone_wav(3.5, 260.0)),
+                                           b.register("three", None, "Three.", tone_wav(3.5, 270.0)),
+                                           return_exceptions=True)
+            refused = [r for r in results if isinstance(r, ApiError)]
+            assert len(refused) == 1 and refused[0].code == "too_many_voices", results
+            async with a._conn() as conn:
+                cur = await conn.execute(f"SELECT count(*) FROM {TABLE}")
+                assert (await cur.fetchone())[0] == 2
         finally:
             await a.close()
             await b.close()

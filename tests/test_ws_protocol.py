@@ -301,7 +301,8 @@ def test_slow_consumer_is_closed_with_4001_and_memory_stays_bounded() -> None:
             engine=SimpleNamespace(open_session=lambda voice, options: session, model_name="fake", sample_rate=24000),
             voices=Voices(),
             settings=SimpleNamespace(ws=limits, default_voice="v", audio=EncoderOptions()),
-            metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None),
+            metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None,
+                                    add_audio_seconds=lambda s: None),
             encode_pool=EncodePool(0),
         )
         sock = _NeverReadingSocket([json.dumps({"type": "text", "context_id": "a", "text": "Speak forever."})])
@@ -341,7 +342,7 @@ def test_idle_socket_gets_keepalives_then_idle_close() -> None:
             engine=SimpleNamespace(model_name="fake", sample_rate=24000),
             voices=None,
             settings=SimpleNamespace(ws=limits, default_voice="v"),
-            metrics=SimpleNamespace(error=lambda code: None),
+            metrics=SimpleNamespace(error=lambda code: None, add_audio_seconds=lambda s: None),
         )
         sock = _NeverReadingSocket([])
         t0 = asyncio.get_running_loop().time()
@@ -513,7 +514,8 @@ def _fake_gw(limits: WsLimits, sessions: list[_ScriptedSession] | None = None, e
         engine=SimpleNamespace(open_session=open_session, model_name="fake", sample_rate=24000),
         voices=Voices(),
         settings=SimpleNamespace(ws=limits, default_voice="v", audio=EncoderOptions()),
-        metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None),
+        metrics=SimpleNamespace(error=errors.append, observe_first_audio=lambda s: None,
+                                add_audio_seconds=lambda s: None),
         encode_pool=encode_pool or EncodePool(0),
         errors=errors,
     )
