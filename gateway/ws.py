@@ -635,10 +635,12 @@ class _Connection:
         )
         self._maybe_close()
 
-    async def _stop_context(self, rt: _ContextRuntime) -> None:
-        """Barge-in: no more frames, engine work aborted, queued frames dropped."""
-        rt.cancelled = True
-        self.writer.drop(rt)
+    async def _stop_context(self, rt: _ContextRuntime, keep_queued: bool = False) -> None:
+        """Barge-in: no more frames, engine work aborted, queued frames dropped (unless
+        `keep_queued`: what was made is still sent)."""
+        if not keep_queued:
+            rt.cancelled = True
+            self.writer.drop(rt)
         if rt.pump is not None and rt.pump is not asyncio.current_task():
             rt.pump.cancel()
             with contextlib.suppress(BaseException):
@@ -755,13 +757,7 @@ class _Connection:
             failure = getattr(getattr(rt.session, "engine", None), "failure", None)
             if failure is None or rt.cancelled:
                 continue
-            if rt.pump is not None:
-                rt.pump.cancel()
-                with contextlib.suppress(BaseException):
-                    await rt.pump
-            with contextlib.suppress(Exception):
-                await rt.session.abort()
-            self._forget(rt)
+            await self._stop_context(rt, keep_queued=True)
             self.send_event(ProtocolError("engine_failed", f"the engine can serve no more: {failure}", rt.cid).event())
             self._maybe_close()
 
