@@ -150,9 +150,9 @@ class RemoteStage:
         self._closed = False
         self._error: StageProcessError | None = None
         self._loop = asyncio.get_running_loop()
-        # The watchdog's inputs: when the reader thread last received anything (written
-        # there, so a busy event loop does not read as a silent stage), and the last
-        # heartbeat's report of the device work running (seconds, at monotonic time).
+        # The watchdog's inputs, written by the reader thread as messages arrive (so a busy
+        # event loop does not read as a silent stage): when it last received anything, and
+        # the last heartbeat's report of the device work running (seconds, at monotonic time).
         self._heard = time.monotonic()
         self._busy: tuple[float, float] | None = None
         self._stall_timeout_s = stall_timeout_s
@@ -161,9 +161,13 @@ class RemoteStage:
         # long (64-156 s for the warm-up voice's in all on the H200), and a start that
         # hangs is its orchestrator's to time out.
         self._serving = False
+        self._stalled: str | None = None  # why the watchdog killed the process
         self._reader = threading.Thread(target=self._read, name="audio-stage-reader", daemon=True)
         self._reader.start()
-        self._watchdog = self._loop.create_task(self._watch(), name="audio-stage-watchdog") if stall_timeout_s else None
+        if stall_timeout_s:
+            # A thread, not a task: a child that stops reading fills the pipe, and the event
+            # loop then blocks in `_send` until the child is killed.
+            threading.Thread(target=self._watch, name="audio-stage-watchdog", daemon=True).start()
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -202,8 +206,6 @@ class RemoteStage:
         if self._closed:
             return
         self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         with contextlib.suppress(StageProcessError):
             self._send(("close",))
         await asyncio.to_thread(self._process.join, CLOSE_TIMEOUT_S)
@@ -329,8 +331,8 @@ class RemoteStage:
         self._check_open()
         cid = next(self._ids)
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._calls[cid] = future
-        self._send(("call", cid, method, args))
+        self._send(("call", cid, method, args))  # first: a send that fails leaves no future behind
+        self._calls[cid] = future  # its reply is handled on this loop, so not before this
         return await future
 
     def _read(self) -> None:
@@ -339,16 +341,17 @@ class RemoteStage:
         with contextlib.suppress(RuntimeError):  # the loop closed first: nobody waits anymore
             self._loop.call_soon_threadsafe(self._on_exit, reason)
 
-    def _received(self) -> None:
-        self._heard = time.monotonic()
+    def _received(self, batch: list[tuple[Any, ...]]) -> None:
+        """On the reader thread: what the watchdog reads."""
+        now = self._heard = time.monotonic()
+        for message in batch:
+            if message[0] == "alive":
+                self._busy = None if message[1] is None else (message[1], now)
 
     def _on_batch(self, batch: list[tuple[Any, ...]]) -> None:
         for message in batch:
             kind = message[0]
-            if kind == "alive":
-                busy = message[1]
-                self._busy = None if busy is None else (busy, time.monotonic())
-            elif kind == "events":
+            if kind == "events":
                 self._on_events(*message[1:])
             elif kind == "reply":
                 _, cid, ok, value = message
@@ -379,14 +382,16 @@ class RemoteStage:
             if job is not None:
                 _fail(job, StageProcessError(text))
 
-    async def _watch(self) -> None:
-        """Kill the stage's process when it is stuck: silent, or one piece of its device work
-        running, for longer than the stall timeout (see the module docstring)."""
+    def _watch(self) -> None:
+        """The watchdog thread: kill the stage's process when it is stuck, silent or one piece
+        of its device work running for longer than the stall timeout (module docstring).
+        The kill closes the pipe; the reader (or a blocked `_send`) then fails everything
+        with the reason `_stall` left."""
         timeout = self._stall_timeout_s
         period = heartbeat_period(timeout)
-        while not self._closed and self._error is None:
+        while not self._closed and self._error is None and self._stalled is None:
             before = time.monotonic()
-            await asyncio.sleep(period)
+            time.sleep(period)
             now = time.monotonic()
             if now - before > period + timeout / 2:
                 # This process did not run for a while either (SIGSTOP of the group, a
@@ -401,20 +406,20 @@ class RemoteStage:
                 self._stall(f"one piece of its device work has run for {busy:.1f} s")
 
     def _stall(self, why: str) -> None:
-        waiting = len(self._jobs)
-        text = (f"audio stage process {self._process.pid} stalled ({why}, {waiting} chunk(s) waiting) and was "
-                f"killed (engine.stage_stall_timeout_s {self._stall_timeout_s:g})")
-        log.error("%s", text)
-        self._error = StageProcessError(text)
-        self._process.kill()  # the reader then reads EOF; `_on_exit` keeps this reason
-        self._fail_all(self._error)
+        self._stalled = (f"audio stage process {self._process.pid} stalled ({why}) and was killed "
+                         f"(engine.stage_stall_timeout_s {self._stall_timeout_s:g})")
+        log.error("%s", self._stalled)
+        self._process.kill()
 
     def _on_exit(self, reason: str) -> None:
         if self._closed or self._error is not None:
             return
-        code = self._process.exitcode
-        text = f"audio stage process exited (exit code {code})" + (f": {reason}" if reason else "")
-        log.error("%s", text)
+        if self._stalled is not None:
+            text = self._stalled
+        else:
+            code = self._process.exitcode
+            text = f"audio stage process exited (exit code {code})" + (f": {reason}" if reason else "")
+            log.error("%s", text)
         self._error = StageProcessError(text)
         self._fail_all(self._error)
 
@@ -428,8 +433,8 @@ class RemoteStage:
                 future.set_exception(error)
 
 
-def _pump(conn: Connection, loop: asyncio.AbstractEventLoop,
-          handle: Callable[[list[tuple[Any, ...]]], None], received: Callable[[], None] | None = None) -> str:
+def _pump(conn: Connection, loop: asyncio.AbstractEventLoop, handle: Callable[[list[tuple[Any, ...]]], None],
+          received: Callable[[list[tuple[Any, ...]]], None] | None = None) -> str:
     """A reader thread's loop: every message batch onto the event loop, in order, until the
     other side closes ("") or a message cannot be read (why: nothing after it can be
     trusted). `received` is called on this thread as each batch arrives."""
@@ -442,7 +447,7 @@ def _pump(conn: Connection, loop: asyncio.AbstractEventLoop,
             log.exception("audio stage pipe failed")
             return f"{type(exc).__name__}: {exc}"
         if received is not None:
-            received()
+            received(batch)
         try:
             loop.call_soon_threadsafe(handle, batch)
         except RuntimeError:  # the loop is closed: nobody is left to tell

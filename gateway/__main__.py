@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -21,6 +22,16 @@ from .settings import load_settings, settings_to_dict
 log = logging.getLogger("gateway")
 
 EXIT_ENGINE_FAILED = 3  # the engine failed for good (DrainingServer); 1: the server never started
+EXIT_GRACE_S = 60.0  # after the drain, for uvicorn's shutdown and the engine's close
+
+
+def _exit_now(status: int) -> None:
+    """Leave without the interpreter's exit handlers: multiprocessing joins its children
+    there without a bound, and a stage process stuck in the GPU driver may not be reaped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -112,6 +123,11 @@ class DrainingServer(uvicorn.Server):
         gw.draining = True  # type: ignore[union-attr]
         log.error("the engine can serve no more (%s): draining (up to %.0f s), then exiting with status %d for a "
                   "restart", failure, self.drain_timeout, EXIT_ENGINE_FAILED)
+        # A backstop: the orderly way out can wait on threads a hung GPU holds (asyncio.run
+        # joins its worker threads without a bound on Python 3.11).
+        backstop = threading.Timer(self.drain_timeout + EXIT_GRACE_S, _exit_now, (EXIT_ENGINE_FAILED,))
+        backstop.daemon = True
+        backstop.start()
 
     async def _trim_if_idle(self) -> None:
         gw = self._gw()
@@ -192,12 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     if not server.started:
         raise SystemExit(1)
     if server.engine_failure is not None:
-        # Not SystemExit: at interpreter exit multiprocessing joins its children without a
-        # bound, and a stage process stuck in the GPU driver may not be reaped yet.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_ENGINE_FAILED)
+        _exit_now(EXIT_ENGINE_FAILED)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ method_not_allowed           405     the route exists but not for this method
 voice_exists                 409     registering an id that is already taken
 too_many_voices              409     registering a new id with ``voices.max_voices`` voices registered
 audio_too_large              413     upload over the byte limit (stopped while reading)
-request_too_large            413     a JSON speech request over 256 KiB
+request_too_large            413     a JSON speech request over max(256 KiB, 12 bytes x ``max_input_chars`` + 64 KiB)
 not_ready                    503     engine not loaded / warmed yet, draining, or failed (``/ready``)
 engine_failed                503     ``/health``: the engine can serve no more (stage process dead or stalled)
 too_many_sessions            503     ``max_sessions`` sessions (WebSockets and syntheses) already open

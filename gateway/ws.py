@@ -755,10 +755,17 @@ class _Connection:
         restart ends, `Settings.exit_on_engine_failure`)."""
         for rt in list(self.contexts.values()):
             failure = getattr(getattr(rt.session, "engine", None), "failure", None)
-            if failure is None or rt.cancelled:
+            # Each await below lets the client and the pumps run: a context may have ended
+            # (done, cancelled) or its id been opened again since the list was taken.
+            if failure is None or rt.cancelled or rt.done or self.contexts.get(rt.cid) is not rt:
                 continue
-            await self._stop_context(rt, keep_queued=True)
+            # Before anything can run: no more audio of it, its id free, the error queued
+            # after the audio it made (and marked final).
+            if rt.pump is not None:
+                rt.pump.cancel()
+            self._forget(rt)
             self.send_event(ProtocolError("engine_failed", f"the engine can serve no more: {failure}", rt.cid).event())
+            await self._stop_context(rt, keep_queued=True)  # the pump's end, the session's abort
             self._maybe_close()
 
     async def _on_engine_event(self, rt: _ContextRuntime, ev: AudioChunk | UtteranceError) -> bool:

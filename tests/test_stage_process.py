@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,8 @@ from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
 from engine.token2wav import ChunkJob, DeviceWorker
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from helpers import assert_same_audio
-from tests.test_engine import collect, default_voice, run
+from engine.wavio import read_wav
+from tests.test_engine import ROOT, collect, default_voice, run
 from tests.test_stage_pool import _speak_four
 
 
@@ -142,20 +144,58 @@ def test_a_stage_process_that_stops_answering_is_killed_and_its_utterances_fail(
     run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=0.5)
 
 
+def test_a_stopped_stage_process_with_a_full_pipe_is_killed_too(tiny_model_dir):
+    """A stopped child no longer reads its pipe, and a long voice's prompt features (0.4 MB)
+    fill it: the event loop blocks in the send. The watchdog runs on its own thread, so it
+    still kills the child, which breaks the pipe and frees the loop; the utterance ends with
+    the stall's reason. (A backstop kills the child after 60 s, so that a watchdog that
+    cannot run fails this test instead of hanging the suite.)"""
+    async def fn(engine):
+        wav, sr = read_wav(ROOT / "assets" / "default.wav")
+        text = (ROOT / "assets" / "default.txt").read_text().strip()
+        voice = await engine.prepare_voice("long", np.concatenate([wav] * 4), sr, " ".join([text] * 4))
+        stage = engine.stage
+        os.kill(stage._process.pid, signal.SIGSTOP)
+        backstop = threading.Timer(60, os.kill, (stage._process.pid, signal.SIGKILL))
+        backstop.start()
+        try:
+            session = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=6))
+            await session.submit("Nobody reads this voice.")
+            await session.finish()
+            events = await asyncio.wait_for(collect(session), 90)
+        finally:
+            backstop.cancel()
+        assert isinstance(events[-1], UtteranceError), events
+        assert "stalled (" in events[-1].message and "was killed" in events[-1].message, events[-1].message
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=1.0)
+
+
 def test_a_stage_process_whose_device_work_never_ends_is_killed(tiny_model_dir):
     """The other half of the watchdog: the process answers (its loop runs), but a heartbeat
     reports one piece of device work running past the timeout (a kernel that never
     returns). Injected as that heartbeat: a real one would need a hung device."""
     async def fn(engine):
         stage = engine.stage
-        stage._on_batch([("alive", 3.0)])
+        # Injected as the reader thread would record it, until the watchdog acts: the
+        # child's own heartbeats (idle) keep coming in between.
+        deadline = asyncio.get_running_loop().time() + 30
+        while stage._process.is_alive() and asyncio.get_running_loop().time() < deadline:
+            stage._received([("alive", 3.0)])
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(stage._process.join, 30)
         assert stage._process.exitcode == -signal.SIGKILL
+        await asyncio.wait_for(_until(lambda: stage.failure is not None), 30)  # the reader's EOF
         assert "one piece of its device work has run for" in (stage.failure or ""), stage.failure
         with pytest.raises(StageProcessError, match="stalled"):
             stage._check_open()
 
     run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=2.0)
+
+
+async def _until(check) -> None:
+    while not check():
+        await asyncio.sleep(0.01)
 
 
 def test_the_device_worker_says_how_long_its_current_work_has_run():
