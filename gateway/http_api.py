@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import json
 import logging
 import math
@@ -56,6 +55,7 @@ OPENAI_VOICES: frozenset[str] = frozenset({
 })
 DEFAULT_ALIASES: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3")
 MAX_JSON_BYTES = 256 * 1024  # a speech request is 4096 characters of text plus a few fields
+MAX_SEED = 2**63 - 1  # the widest seed every backend's torch.Generator takes
 
 
 def speech_body_limit(max_input_chars: int) -> int:
@@ -63,7 +63,6 @@ def speech_body_limit(max_input_chars: int) -> int:
     spelt as the longest JSON escape (a surrogate pair, 12 bytes) and the other fields, so
     an input within the configured limit is never refused for its bytes first."""
     return max(MAX_JSON_BYTES, 12 * max_input_chars + 64 * 1024)
-MAX_SEED = 2**63 - 1  # the widest seed every backend's torch.Generator takes
 
 
 # --------------------------------------------------------------------------------------
@@ -455,16 +454,19 @@ async def _unless_disconnected(request: Request, pending: Awaitable[Any]) -> Any
     try:
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
         gone = not work.done()
-        if gone:
-            work.cancel()
         for task in (work, watch):
-            with contextlib.suppress(BaseException):
-                await task  # settled, so neither leaves an exception nobody retrieved
+            task.cancel()  # no-op when done; not awaited, so a cancel of this task stays one
+            task.add_done_callback(_retrieve)
     if gone:
         raise _ClientGone
     return work.result()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A task nobody awaits: read its exception, so asyncio does not log it as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 class SpeechStreamFailed(RuntimeError):
