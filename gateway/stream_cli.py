@@ -5,7 +5,9 @@
 
 Tokens are whitespace-delimited words (with their leading space), sent ``--rate`` per
 second, like an LLM streaming its answer. Prints the time to first audio. Exits with
-status 1 when the gateway reported an error (the WAV then holds what audio there was).
+status 1 when the gateway reported an error (the WAV then holds what audio there was), and
+with 2 before sending anything when the file is longer than one context may be
+(`ws.max_text_chars`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from .audio import decode_frames, resolve_format
 from .client import GatewayClient
 
 
+class TextTooLong(ValueError):
+    """The text does not fit one context on this server."""
+
+
 def fake_tokens(text: str) -> list[str]:
     """Split into word-sized pieces that concatenate back to the text exactly."""
     return re.findall(r"\s*\S+|\s+$", text)
@@ -34,6 +40,10 @@ async def stream_file(url: str, text: str, voice: str | None, rate: float, out: 
     """Speak `text` into `out`; returns the timings and the count of error events."""
     af = resolve_format(fmt, sample_rate)
     async with await GatewayClient.connect(url, api_key=api_key) as gw:
+        limit = gw.session.get("limits", {}).get("max_text_chars")
+        if isinstance(limit, int) and len(text) > limit:
+            raise TextTooLong(f"the text has {len(text)} characters; one context takes at most {limit} "
+                              f"(the server's ws.max_text_chars)")
         settings = {"format": af.name, "sample_rate": af.sample_rate}
         if voice:
             settings["voice"] = voice
@@ -90,9 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     args = p.parse_args(argv)
     text = args.file.read_text(encoding="utf-8")
-    result = asyncio.run(
-        stream_file(args.url, text, args.voice, args.rate, args.out, args.format, args.sample_rate, args.api_key)
-    )
+    try:
+        result = asyncio.run(
+            stream_file(args.url, text, args.voice, args.rate, args.out, args.format, args.sample_rate, args.api_key)
+        )
+    except TextTooLong as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"wrote {args.out}: {result['audio_s']:.2f}s of audio, first audio after "
         f"{result['first_audio_s'] * 1000:.0f} ms, total {result['wall_s']:.2f}s"

@@ -459,6 +459,11 @@ def test_python_client_and_cli(server: Server, tmp_path: Path) -> None:
     status = cli_main(["--url", server.url, "--voice", "no_such_voice", "--file", str(tmp_path / "in.txt"),
                        "--rate", "0", "--out", str(tmp_path / "none.wav")])
     assert status == 1
+    # A file longer than one context may be (the fixture's 2000 characters): refused before sending.
+    (tmp_path / "long.txt").write_text("word " * 500)
+    status = cli_main(["--url", server.url, "--file", str(tmp_path / "long.txt"), "--rate", "0",
+                       "--out", str(tmp_path / "long.wav")])
+    assert status == 2 and not (tmp_path / "long.wav").exists()
 
 
 def test_client_splits_a_text_piece_over_the_frame_limit() -> None:
