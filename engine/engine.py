@@ -175,6 +175,8 @@ class EngineStats:
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
+    # Flow batches that failed and ran again chunk by chunk (StageStats.batches_retried_apart).
+    stage_batches_retried_apart: int = 0
     # engine.chunk_patience_s: chunks cut big because their audio was not due soon, and
     # their speech tokens (left out of the first-chunk fields below).
     patient_chunks: int = 0
@@ -779,6 +781,7 @@ class Engine:
             vocoder_frames=st.vocoder_frames,
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,
+            stage_batches_retried_apart=st.batches_retried_apart,
             patient_chunks=self.patient_chunks,
             patient_tokens=self.patient_tokens,
             first_chunk_holds=st.first_chunk_holds,

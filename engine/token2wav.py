@@ -299,6 +299,8 @@ class StageStats:
     # they took (audio those chunks delivered early, at no extra flow work).
     grown_chunks: int = 0
     grown_tokens: int = 0
+    # Batches whose flow failed and whose chunks then ran one at a time (`FlowPhaseError`).
+    batches_retried_apart: int = 0
     # `first_chunk_hold_s`: rounds that waited for expected first chunks, the seconds
     # they waited, and the first chunks queued meanwhile (they made that round).
     first_chunk_holds: int = 0
@@ -350,6 +352,11 @@ def padding_room(frames: Sequence[int], token_mel_ratio: int) -> list[int]:
     without lengthening the batch: every row is padded to the longest."""
     longest = max(frames, default=0)
     return [(longest - f) // token_mel_ratio for f in frames]
+
+
+class FlowPhaseError(RuntimeError):
+    """A batch failed in the flow, before any of it reached the vocoder: its chunks' vocoder
+    streams are as they were, so each may run again on its own (its cause: `__cause__`)."""
 
 
 class DeviceWorker(concurrent.futures.ThreadPoolExecutor):
@@ -775,11 +782,21 @@ class AudioStage:
         try:
             began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
                 self._pool, self._timed_batch, self.stats.batches, [batch])
+        except FlowPhaseError as exc:
+            if len(batch) == 1:
+                log.error("audio stage: a chunk's flow failed: %s", exc)
+                _fail_jobs(batch, exc.__cause__ or exc)
+                return
+            # One bad chunk, or a batch too large for the device's memory, would otherwise
+            # fail every utterance in it.
+            log.warning("audio stage: a flow batch of %d chunks failed (%s); running them one at a time",
+                        len(batch), exc)
+            self.stats.batches_retried_apart += 1
+            await self._run_apart(batch)
+            return
         except Exception as exc:  # fail this batch's chunks, keep serving others
             log.exception("audio stage batch failed")
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+            _fail_jobs(batch, exc)
             return
         resumed = time.perf_counter()
         dt = resumed - t0
@@ -808,6 +825,25 @@ class AudioStage:
             self._done_at[job.hift_stream] = done
             if not job.future.done():
                 job.future.set_result(pcm)
+
+    async def _run_apart(self, batch: list[ChunkJob]) -> None:
+        """Each chunk of a batch whose flow failed, alone and in order: the ones that did not
+        cause it get their audio, the one that did its error. Later chunks of the same
+        utterances wait, as batches run one at a time."""
+        loop = asyncio.get_running_loop()
+        for job in batch:
+            if job.future.done():  # cancelled meanwhile
+                continue
+            try:
+                _, (results, _, _), _, _ = await loop.run_in_executor(
+                    self._pool, self._timed_batch, self.stats.batches, [[job]])
+            except Exception as exc:
+                log.error("audio stage: a chunk's flow failed on its own too: %s", exc)
+                _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, FlowPhaseError) else exc)
+                continue
+            self._done_at[job.hift_stream] = time.monotonic()
+            if not job.future.done():
+                job.future.set_result(results[0])
 
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
@@ -1007,9 +1043,11 @@ class AudioStage:
                     bucket_padding += padded_frames
                     for i, m in zip(rows, part):
                         out[i] = m
-        except BaseException:
+        except BaseException as exc:
             if self.context_cache is not None:  # the rings may be half written
                 self.context_cache.release(keys)
+            if isinstance(exc, Exception):
+                raise FlowPhaseError(f"{type(exc).__name__}: {exc}") from exc
             raise
         decoded = [m for m in out if m is not None]
         assert len(decoded) == len(batch), "every row belongs to exactly one flow call"
@@ -1030,6 +1068,12 @@ class AudioStage:
             )
         with record_function(PHASES[2]):
             return _to_host(pcm), flow_work, vocoder_frames
+
+
+def _fail_jobs(jobs: list[ChunkJob], exc: BaseException) -> None:
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(exc)
 
 
 def _cancel(job: ChunkJob) -> None:

@@ -15,9 +15,11 @@ import torch
 from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineError
+from engine.models.flow import FlowChunk
+from engine.token2wav import ChunkJob
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from engine.wavio import read_wav
-from helpers import assert_same_audio
+from helpers import InjectedFault, assert_same_audio
 
 ROOT = Path(__file__).resolve().parent.parent
 SPF = 480  # samples per mel frame at 24 kHz
@@ -432,3 +434,50 @@ def test_a_segment_behind_seconds_of_audio_is_cut_in_fewer_chunks(tiny_model_dir
     _, own_st, own_eng = run(tiny_model_dir, lambda engine: fn(engine, own), flow_left_context=-1, warmup=False,
                              chunk_patience_s=1.0)
     assert own_eng.patient_chunks == 0 and [st.chunks for st in own_st] == [st.chunks for st in plain_st]
+
+
+def test_a_flow_batch_that_fails_runs_its_other_chunks_apart(tiny_model_dir):
+    """A chunk whose flow call fails (an injected fault on the stage's worker thread, for one
+    voice) no longer fails its batch-mates: the batch runs again chunk by chunk, before any
+    of it reached the vocoder, and the others get the audio they get without the fault."""
+    async def fn(engine):
+        good = await default_voice(engine)
+        wav, sr = read_wav(ROOT / "assets" / "default.wav")
+        bad = await engine.prepare_voice("bad", np.ascontiguousarray(wav[::-1]), sr, "A voice read backwards.")
+        stage = engine.stage
+
+        def job(voice, seed: int) -> ChunkJob:
+            g = torch.Generator().manual_seed(seed)
+            new = voice.speech_tokens[torch.randperm(voice.num_tokens, generator=g)[:20]]
+            chunk = FlowChunk(tokens=torch.cat([voice.speech_tokens, new]), prompt_feat=voice.speech_feat,
+                              embedding=voice.embedding, num_prompt_tokens=voice.num_tokens,
+                              out_start=voice.num_tokens, finalize=True)
+            return ChunkJob(flow=chunk, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                            is_cancelled=lambda: False)
+
+        async def together(jobs: list[ChunkJob]) -> list:
+            futures = [stage.submit(j) for j in jobs]  # no await between: one batch
+            return await asyncio.gather(*futures, return_exceptions=True)
+
+        clean = await together([job(good, 1), job(good, 2)])
+        calls: list[int] = []
+        decode = stage._decode
+
+        def failing(chunks, entries, keys):
+            if any(torch.equal(c.embedding, bad.embedding) for c in chunks):
+                calls.append(len(chunks))
+                raise InjectedFault("a flow call with the bad voice")
+            return decode(chunks, entries, keys)
+
+        stage._decode = failing
+        try:
+            mixed = await together([job(good, 1), job(bad, 3), job(good, 2)])
+        finally:
+            del stage._decode
+        assert calls == [3, 1], calls  # the batch, then the bad chunk on its own
+        assert stage.stats.batches_retried_apart == 1 and engine.stats().stage_batches_retried_apart == 1
+        assert isinstance(mixed[1], InjectedFault), mixed[1]
+        assert_same_audio(mixed[0], clean[0])
+        assert_same_audio(mixed[2], clean[1])
+
+    run(tiny_model_dir, fn, warmup=False)
