@@ -835,12 +835,16 @@ class AudioStage:
             if job.future.done():  # cancelled meanwhile
                 continue
             try:
-                _, (results, _, _), _, _ = await loop.run_in_executor(
+                _, (results, flow_frames, vocoder_frames), _, _ = await loop.run_in_executor(
                     self._pool, self._timed_batch, self.stats.batches, [[job]])
             except Exception as exc:
                 log.error("audio stage: a chunk's flow failed on its own too: %s", exc)
                 _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, FlowPhaseError) else exc)
                 continue
+            st = self.stats  # the work, as a batch's (its padding shares stay consistent)
+            st.chunks += 1
+            st.flow_frames += flow_frames
+            st.vocoder_frames += vocoder_frames
             self._done_at[job.hift_stream] = time.monotonic()
             if not job.future.done():
                 job.future.set_result(results[0])
