@@ -784,13 +784,13 @@ class AudioStage:
                 self._pool, self._timed_batch, self.stats.batches, [batch])
         except FlowPhaseError as exc:
             if len(batch) == 1:
-                log.error("audio stage: a chunk's flow failed: %s", exc)
+                log.error("audio stage: a chunk's flow failed: %s", exc, exc_info=exc.__cause__)
                 _fail_jobs(batch, exc.__cause__ or exc)
                 return
             # One bad chunk, or a batch too large for the device's memory, would otherwise
             # fail every utterance in it.
             log.warning("audio stage: a flow batch of %d chunks failed (%s); running them one at a time",
-                        len(batch), exc)
+                        len(batch), exc, exc_info=exc.__cause__)
             self.stats.batches_retried_apart += 1
             await self._run_apart(batch)
             return
@@ -838,7 +838,7 @@ class AudioStage:
                 _, (results, flow_frames, vocoder_frames), _, _ = await loop.run_in_executor(
                     self._pool, self._timed_batch, self.stats.batches, [[job]])
             except Exception as exc:
-                log.error("audio stage: a chunk's flow failed on its own too: %s", exc)
+                log.error("audio stage: a chunk's flow failed on its own too: %s", exc, exc_info=exc)
                 _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, FlowPhaseError) else exc)
                 continue
             st = self.stats  # the work, as a batch's (its padding shares stay consistent)
