@@ -175,7 +175,8 @@ class EngineStats:
     # engine.flow_fill_padding: chunks grown into their batch's padding, tokens they took.
     flow_grown_chunks: int = 0
     flow_grown_tokens: int = 0
-    # Flow batches that failed and ran again chunk by chunk (StageStats.batches_retried_apart).
+    # Stage batches whose flow or vocoder step failed and ran again chunk by chunk
+    # (StageStats.batches_retried_apart).
     stage_batches_retried_apart: int = 0
     # engine.chunk_patience_s: chunks cut big because their audio was not due soon, and
     # their speech tokens (left out of the first-chunk fields below).

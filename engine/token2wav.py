@@ -299,7 +299,9 @@ class StageStats:
     # they took (audio those chunks delivered early, at no extra flow work).
     grown_chunks: int = 0
     grown_tokens: int = 0
-    # Batches whose flow failed and whose chunks then ran one at a time (`FlowPhaseError`).
+    # Batches that failed and whose chunks then ran one at a time: the whole chunk when the
+    # flow failed (`FlowPhaseError`), only its vocoder step when the vocoder did
+    # (`VocoderPhaseError`).
     batches_retried_apart: int = 0
     # `first_chunk_hold_s`: rounds that waited for expected first chunks, the seconds
     # they waited, and the first chunks queued meanwhile (they made that round).
@@ -357,6 +359,43 @@ def padding_room(frames: Sequence[int], token_mel_ratio: int) -> list[int]:
 class FlowPhaseError(RuntimeError):
     """A batch failed in the flow, before any of it reached the vocoder: its chunks' vocoder
     streams are as they were, so each may run again on its own (its cause: `__cause__`)."""
+
+
+class VocoderPhaseError(RuntimeError):
+    """A batch's flow ran, then its vocoder step (or the copy of its audio to the host)
+    failed: its streams were put back as they were before the step (`_stream_checkpoint`),
+    so each chunk's step may run again on its own from its mel, without its flow again
+    (whose context-cache rings already hold its frames). Cause: `__cause__`."""
+
+    def __init__(self, message: str, mels: list[torch.Tensor], flow_work: int) -> None:
+        super().__init__(message)
+        self.mels = mels  # per chunk: the mel frames the step was given, [n, 80]
+        self.flow_work = flow_work  # the batch's flow work (`StageStats.flow_frames`)
+
+
+def _stream_checkpoint(streams: Sequence[object]) -> Callable[[], None]:
+    """What puts these vocoder streams (objects of tensors, counters, lists and a noise
+    generator) back as they are now. A step replaces their tensors rather than writing
+    into them, so keeping the references is enough; a list's items are copied, and a
+    generator's state is read out (a step past the noise table draws from it). ~2 us a
+    stream on the CPU machine."""
+    saved = []
+    for st in streams:
+        values = dict(vars(st))
+        items = [(v, list(v)) for v in values.values() if isinstance(v, list)]
+        states = [(v, v.get_state()) for v in values.values() if isinstance(v, torch.Generator)]
+        saved.append((st, values, items, states))
+
+    def restore() -> None:
+        for st, values, items, states in saved:
+            for name, value in values.items():
+                setattr(st, name, value)
+            for kept, before in items:
+                kept[:] = before
+            for generator, state in states:
+                generator.set_state(state)
+
+    return restore
 
 
 class DeviceWorker(concurrent.futures.ThreadPoolExecutor):
@@ -794,6 +833,19 @@ class AudioStage:
             self.stats.batches_retried_apart += 1
             await self._run_apart(batch)
             return
+        except VocoderPhaseError as exc:
+            self.stats.flow_frames += exc.flow_work  # its flow ran: the padding shares stay whole
+            if len(batch) == 1:
+                log.error("audio stage: a chunk's vocoder step failed: %s", exc, exc_info=exc.__cause__)
+                _fail_jobs(batch, exc.__cause__ or exc)
+                return
+            # Its streams are as before the step, and the mels are made: only the vocoder
+            # runs again, one chunk at a time.
+            log.warning("audio stage: the vocoder step of a batch of %d chunks failed (%s); running it "
+                        "one chunk at a time", len(batch), exc, exc_info=exc.__cause__)
+            self.stats.batches_retried_apart += 1
+            await self._vocode_apart(batch, exc.mels)
+            return
         except Exception as exc:  # fail this batch's chunks, keep serving others
             log.exception("audio stage batch failed")
             _fail_jobs(batch, exc)
@@ -839,7 +891,7 @@ class AudioStage:
                     self._pool, self._timed_batch, self.stats.batches, [[job]])
             except Exception as exc:
                 log.error("audio stage: a chunk's flow failed on its own too: %s", exc, exc_info=exc)
-                _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, FlowPhaseError) else exc)
+                _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, (FlowPhaseError, VocoderPhaseError)) else exc)
                 continue
             st = self.stats  # the work, as a batch's (its padding shares stay consistent)
             st.chunks += 1
@@ -848,6 +900,26 @@ class AudioStage:
             self._done_at[job.hift_stream] = time.monotonic()
             if not job.future.done():
                 job.future.set_result(results[0])
+
+    async def _vocode_apart(self, batch: list[ChunkJob], mels: list[torch.Tensor]) -> None:
+        """Each chunk's vocoder step of a batch whose step failed, alone and in order, from
+        the mel its flow made: the chunks that did not cause the failure get the audio they
+        would have got in the batch, the one that did its error."""
+        loop = asyncio.get_running_loop()
+        for job, mel in zip(batch, mels):
+            if job.future.done():  # cancelled meanwhile
+                continue
+            try:
+                pcm, frames = await loop.run_in_executor(self._pool, self._vocode_alone, job, mel)
+            except Exception as exc:
+                log.error("audio stage: a chunk's vocoder step failed on its own too: %s", exc, exc_info=exc)
+                _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, VocoderPhaseError) else exc)
+                continue
+            self.stats.chunks += 1
+            self.stats.vocoder_frames += frames
+            self._done_at[job.hift_stream] = time.monotonic()
+            if not job.future.done():
+                job.future.set_result(pcm)
 
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
@@ -1058,20 +1130,39 @@ class AudioStage:
         self.stats.flow_exact_frames += exact  # this worker thread is its only writer
         self.stats.flow_row_padding_frames += row_padding
         self.stats.flow_bucket_padding_frames += bucket_padding
-        with record_function(PHASES[1]):
-            # No operator call that changes nothing: at 64 chunks each one per row is 64 more
-            # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).
-            mels = [_stretch(m if m.dtype == torch.float32 else m.float(), j.speed) for m, j in zip(decoded, batch)]
-            vocoder_frames = sum(int(m.shape[0]) for m in mels)
-            graphs = {} if self.vocoder_graphs is None else {"decode": self.vocoder_graphs}
-            pcm = self.hift.stream_step(
-                [j.hift_stream for j in batch],
-                [m.transpose(0, 1) for m in mels],  # [n, 80] -> [80, n] (the stream copies it in)
-                [j.flow.finalize for j in batch],
-                **graphs,
-            )
-        with record_function(PHASES[2]):
-            return _to_host(pcm), flow_work, vocoder_frames
+        # No operator call that changes nothing: at 64 chunks each one per row is 64 more
+        # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).
+        mels = [_stretch(m if m.dtype == torch.float32 else m.float(), j.speed) for m, j in zip(decoded, batch)]
+        pcm, vocoder_frames = self._vocode(batch, mels, flow_work)
+        return pcm, flow_work, vocoder_frames
+
+    def _vocode(self, batch: list[ChunkJob], mels: list[torch.Tensor],
+                flow_work: int = 0) -> tuple[list[np.ndarray], int]:
+        """The vocoder step of these chunks' streams from their mels ([n, 80]) and the copy
+        of its audio to the host: PCM per chunk and the mel frames vocoded. On a failure the
+        streams are put back as they were and `VocoderPhaseError` is raised."""
+        streams = [j.hift_stream for j in batch]
+        restore = _stream_checkpoint(streams)
+        try:
+            with record_function(PHASES[1]):
+                graphs = {} if self.vocoder_graphs is None else {"decode": self.vocoder_graphs}
+                pcm = self.hift.stream_step(
+                    streams,
+                    [m.transpose(0, 1) for m in mels],  # [n, 80] -> [80, n] (the stream copies it in)
+                    [j.flow.finalize for j in batch],
+                    **graphs,
+                )
+            with record_function(PHASES[2]):
+                return _to_host(pcm), sum(int(m.shape[0]) for m in mels)
+        except Exception as exc:
+            restore()
+            raise VocoderPhaseError(f"{type(exc).__name__}: {exc}", mels, flow_work) from exc
+
+    @torch.inference_mode()
+    def _vocode_alone(self, job: ChunkJob, mel: torch.Tensor) -> tuple[np.ndarray, int]:
+        """One chunk's vocoder step on its own (`_vocode_apart`)."""
+        pcm, frames = self._vocode([job], [mel])
+        return pcm[0], frames
 
 
 def _fail_jobs(jobs: list[ChunkJob], exc: BaseException) -> None:

@@ -481,3 +481,74 @@ def test_a_flow_batch_that_fails_runs_its_other_chunks_apart(tiny_model_dir):
         assert_same_audio(mixed[2], clean[1])
 
     run(tiny_model_dir, fn, warmup=False)
+
+
+def test_a_vocoder_step_that_fails_runs_its_other_chunks_apart(tiny_model_dir):
+    """A fault in a batch's vocoder step, after the step had moved its streams (the
+    excitation is made, the audio not yet), fails only the chunk that causes it: the
+    streams are put back, each chunk's step runs again alone from the mel its flow made
+    (the flow does not run again), and the others get the audio they get without the
+    fault. Without the streams put back, the retried steps would read each mel twice."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        look = stage.flow.pre_lookahead_len
+
+        def utterance(seed: int) -> tuple[list[FlowChunk], object]:
+            g = torch.Generator().manual_seed(seed)
+            new = voice.speech_tokens[torch.randperm(voice.num_tokens, generator=g)[:24]]
+            tokens = torch.cat([voice.speech_tokens, new])
+            start = voice.num_tokens
+
+            def chunk(end: int, out_start: int, final: bool) -> FlowChunk:
+                return FlowChunk(tokens=tokens[: start + end], prompt_feat=voice.speech_feat,
+                                 embedding=voice.embedding, num_prompt_tokens=start, out_start=start + out_start,
+                                 finalize=final)
+
+            return [chunk(10 + look, 0, False), chunk(24, 10, True)], stage.new_stream()
+
+        async def rounds(utterances, fault_in=None) -> list[list]:
+            out = []
+            for index in range(2):
+                jobs = [ChunkJob(flow=chunks[index], hift_stream=stream, speed=1.0, chunk_index=index,
+                                 is_cancelled=lambda: False) for chunks, stream in utterances]
+                if index == 1 and fault_in is not None:
+                    fault_in()
+                futures = [stage.submit(j) for j in jobs]  # no await between: one batch
+                out.append(await asyncio.gather(*futures, return_exceptions=True))
+            return out
+
+        clean = await rounds([utterance(s) for s in (1, 2, 3)])
+        faulty = [utterance(s) for s in (1, 2, 3)]
+        bad_stream = faulty[1][1]
+        steps: list[int] = []
+        flow_rows: list[int] = []
+        advance, decode = stage.hift._advance_audio, stage._decode
+
+        def failing_audio(streams, *args):
+            steps.append(len(streams))
+            if any(st is bad_stream for st in streams):
+                raise InjectedFault("a vocoder step with the bad stream")
+            return advance(streams, *args)
+
+        def counting(chunks, entries, keys):
+            flow_rows.append(len(chunks))
+            return decode(chunks, entries, keys)
+
+        def arm() -> None:
+            stage.hift._advance_audio = failing_audio
+            stage._decode = counting
+
+        try:
+            mixed = await rounds(faulty, arm)
+        finally:
+            del stage.hift._advance_audio, stage._decode
+        assert steps == [3, 1, 1, 1], steps  # the batch, then each chunk alone
+        assert sum(flow_rows) == 3, flow_rows  # each chunk's flow ran once
+        assert stage.stats.batches_retried_apart == 1 and engine.stats().stage_batches_retried_apart == 1
+        assert isinstance(mixed[1][1], InjectedFault), mixed[1][1]
+        for i in (0, 2):
+            assert_same_audio(mixed[0][i], clean[0][i])
+            assert_same_audio(mixed[1][i], clean[1][i])
+
+    run(tiny_model_dir, fn, warmup=False)
