@@ -123,6 +123,10 @@ MAX_SEGMENT_CHARS = 100_000
 # this, so a refusal never costs the server as much as the frame that caused it.
 MAX_ECHO_CHARS = 128
 _CONTEXT_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+# A `"context_id": "..."` pair in a frame too large to parse, so that its refusal names the
+# context whose text it held. Quotes inside a JSON string are escaped: an unescaped one
+# starts a key or a value, not a piece of text.
+_CONTEXT_ID_FIELD = re.compile(r'(?<!\\)"context_id"\s*:\s*"([A-Za-z0-9_.:\-]{1,64})"')
 
 
 @dataclass(frozen=True)
@@ -401,7 +405,9 @@ def parse_client_message(raw: str | bytes, limits: WsLimits) -> ClientMessage | 
     if len(raw) > limits.max_message_bytes or (
         len(raw) * 4 > limits.max_message_bytes and len(raw.encode("utf-8", "surrogatepass")) > limits.max_message_bytes
     ):
-        return ProtocolError("message_too_large", f"message over {limits.max_message_bytes} bytes")
+        found = _CONTEXT_ID_FIELD.search(raw)
+        return ProtocolError("message_too_large", f"message over {limits.max_message_bytes} bytes",
+                             found.group(1) if found else None)
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):

@@ -486,8 +486,8 @@ def test_client_splits_a_text_piece_over_the_frame_limit() -> None:
 
 def test_python_client_sends_a_piece_over_the_frame_limit_whole(server: Server) -> None:
     """A say() piece larger than `max_message_bytes` as the client sends it (the fixture's
-    4096; non-ASCII text is escaped on the wire): the server would drop such a frame with a
-    `message_too_large` that names no context. The client splits it instead, and the
+    4096; non-ASCII text is escaped on the wire): the server would refuse such a frame with
+    `message_too_large`, and its text would be lost. The client splits it instead, and the
     server takes all of it: no error before the `cancelled` that follows."""
     from gateway.client import GatewayClient
 

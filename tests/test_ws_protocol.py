@@ -90,6 +90,18 @@ def test_parse_errors_have_codes(obj: Any, expected: str) -> None:
     assert code(obj) == expected
 
 
+def test_a_frame_too_large_to_parse_is_refused_naming_its_context() -> None:
+    """The client learns which context's text was not taken, wherever the id sits in the
+    frame; a context id spelled inside the text is text, not the frame's id."""
+    tail = json.dumps({"type": "text", "text": "x" * 1200, "context_id": "turn-7"})
+    err = parse_client_message(tail, LIMITS)
+    assert isinstance(err, ProtocolError) and err.code == "message_too_large"
+    assert err.event()["context_id"] == "turn-7"
+    quoted = json.dumps({"type": "text", "text": 'say "context_id": "evil" ' * 60})
+    err = parse_client_message(quoted, LIMITS)
+    assert isinstance(err, ProtocolError) and err.code == "message_too_large" and err.context_id is None
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(raw=st.one_of(st.text(max_size=200), st.binary(max_size=50), st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=10),
