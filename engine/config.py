@@ -260,6 +260,11 @@ class EngineConfig:
     # round, a graph capture, a compile) has run this long. The longest legitimate piece is
     # a compile of a new shape: seconds to a minute. 0: no watchdog. Needs stage_process.
     stage_stall_timeout_s: float = 120.0
+    # vLLM's engine core alive but stuck (a GPU hang, a deadlock) answers nothing and raises
+    # nothing. The engine reports itself failed (the gateway then drains and exits for a
+    # restart) when LM streams have waited this long without any of them getting a token
+    # (`engine.lm_watch`): overload still makes tokens, a stuck LM none. 0: no watch.
+    lm_stall_timeout_s: float = 120.0
     # Under an NVIDIA MPS daemon: the percent of the GPU's SMs the stage's process(es) may
     # use, the rest left to vLLM's engine core. Unlimited, the stage's rounds fill the GPU
     # and vLLM's decode steps wait for SMs: 13-14.5 ms a token at 64 streams beside the
@@ -340,6 +345,8 @@ class EngineConfig:
                 raise ValueError("stage_mps_thread_percent needs the stage's own process (stage_process)")
         if not self.stage_stall_timeout_s >= 0:  # also refuses NaN
             raise ValueError(f"stage_stall_timeout_s must be >= 0 (0: no watchdog), not {self.stage_stall_timeout_s}")
+        if not self.lm_stall_timeout_s >= 0:
+            raise ValueError(f"lm_stall_timeout_s must be >= 0 (0: no watch), not {self.lm_stall_timeout_s}")
         if self.vllm_mps_priority is not None and self.vllm_mps_priority not in get_args(MPSPriority):
             raise ValueError(f"vllm_mps_priority must be one of {', '.join(get_args(MPSPriority))}, "
                              f"not {self.vllm_mps_priority!r}")

@@ -35,6 +35,7 @@ import torch
 from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
 from .chunking import ChunkSchedule, chunk_frames, grown_end, patient_target, window_start
+from .lm_watch import LMWatch
 from .config import EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
@@ -462,6 +463,10 @@ class Engine:
         self.ready = False
         self.lm_tokens = 0
         self.lm_streams = 0  # utterances whose LM is generating now
+        # Whether the LM still makes tokens for the streams waiting on it (`_watch_lm`).
+        self.lm_watch = LMWatch(config.lm_stall_timeout_s)
+        self._lm_stall: str | None = None
+        self._lm_watcher: asyncio.Task[None] | None = None
         self.first_chunks_pending = 0  # utterances whose awaited first chunk is not on the stage yet
         self.patient_chunks = 0  # chunks cut big, their audio not due soon (chunk_patience_s) ...
         self.patient_tokens = 0  # ... and their speech tokens
@@ -583,6 +588,8 @@ class Engine:
             raise
         engine.stage.started()
         engine.ready = True
+        if config.lm_stall_timeout_s > 0:
+            engine._lm_watcher = asyncio.create_task(engine._watch_lm(), name="lm-watch")
         engine.start_seconds = clock.laps
         log.info("engine ready in %.1f s (%s)", sum(clock.laps.values()),
                  ", ".join(f"{k} {v:.1f} s" for k, v in clock.laps.items()))
@@ -620,7 +627,29 @@ class Engine:
         if together > 1:
             await asyncio.gather(*(self.synthesize(text, voice, opts) for _ in range(together)))
 
+    async def _watch_lm(self) -> None:
+        """Report the LM failed (`failure`) once streams have waited on it for
+        `lm_stall_timeout_s` without a token (`LMWatch`): a vLLM engine core alive but stuck
+        raises nothing. A check that itself ran late (the process or its event loop stood
+        still, and with it the tokens' delivery) judges nothing and counts from then."""
+        watch = self.lm_watch
+        period = min(5.0, watch.timeout_s / 4)
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if now - last > 2 * period + 1.0:
+                watch.pause()
+            last = now
+            why = watch.stalled()
+            if why is not None:
+                log.error("%s: the engine can serve no more", why)
+                self._lm_stall = why
+                return
+
     async def close(self) -> None:
+        if self._lm_watcher is not None:
+            self._lm_watcher.cancel()
         for task in list(self._background):
             task.cancel()
         for s in list(self._sessions):
@@ -713,6 +742,8 @@ class Engine:
     @property
     def failure(self) -> str | None:
         """Why this engine can serve no more; None while it can."""
+        if self._lm_stall is not None:
+            return self._lm_stall
         for part in (getattr(self, "stage", None), getattr(self, "backend", None)):
             why = getattr(part, "failure", None)
             if why is not None:
@@ -1169,7 +1200,8 @@ class Session:
         request = BistreamRequest(utt.request_id, tuple(prompt_text), tuple(prompt_speech), self._sampling(opts), limits)
         feed = utt.feed
         try:
-            await self._speak(utt, lambda: eng.backend.generate_streaming(request, feed.arrivals()))  # type: ignore[attr-defined]
+            await self._speak(utt, lambda: eng.backend.generate_streaming(  # type: ignore[attr-defined]
+                request, eng.lm_watch.text(feed.arrivals())))
         except ValueError as exc:  # e.g. no <|endofprompt|> in the prompt
             raise EngineError("bad_options", str(exc)) from exc
         if feed.first_text_at is not None:
@@ -1211,8 +1243,10 @@ class Session:
         async def consume() -> None:
             silent_run = 0
             eng.lm_streams += 1
+            eng.lm_watch.opened()
             try:
                 async for tok in lm_stream():
+                    eng.lm_watch.token()
                     if utt.stats.first_token_at is None:
                         utt.stats.first_token_at = time.monotonic()
                     if len(utt.token_times) < RATE_TOKENS:
@@ -1237,6 +1271,7 @@ class Session:
                 if len(utt.token_times) < RATE_TOKENS:  # it ended before: learn from what it gave
                     _learn_lm_step(eng, utt)
                 eng.lm_streams -= 1
+                eng.lm_watch.closed()
                 utt.lm_done.set()
                 more.set()
 

@@ -221,6 +221,12 @@ class EngineSettings:
                        "for this many seconds (a GPU hang): its utterances end with an error instead of waiting "
                        "for ever (0 = no watchdog)"),
     )
+    lm_stall_timeout_s: float = field(
+        default=120.0,
+        metadata=_help("report the engine failed (the gateway drains and exits for a restart) when LM requests "
+                       "have waited this many seconds without any of them getting a token: vLLM's engine core "
+                       "alive but stuck (0 = no watch)"),
+    )
     stage_mps_thread_percent: int | None = field(
         default=None,
         metadata=_help("the flow+vocoder stage's process(es) under an NVIDIA MPS daemon: percent of the GPU's SMs "
