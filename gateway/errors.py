@@ -22,9 +22,11 @@ invalid_speed                400     ``speed`` outside 0.25..4
 instructions_too_long        400     speech ``instructions`` over 500 characters
 unsupported_format           400     unknown ``response_format`` / ``stream_format``
 unauthorized                 401     API keys configured and none / a wrong one sent
+tuning_off                   403     ``POST /debug/planner`` without ``--debug-tuning true``
 voice_not_found              404     unknown voice id
 voice_store_unavailable      503     the shared voice store (PostgreSQL) cannot be reached
 model_not_found              404     ``model`` is not one of the served aliases
+not_available                404     ``/debug/planner``: this engine has no first-chunk planner
 not_found                    404     no such route
 method_not_allowed           405     the route exists but not for this method
 voice_exists                 409     registering an id that is already taken
