@@ -146,6 +146,15 @@ def test_normalize_chinese_numbers_and_punctuation() -> None:
     assert normalize("面积是100m²。") == "面积是一百平方米。"
 
 
+def test_a_digit_touching_a_character_the_grammar_does_not_know_is_still_read() -> None:
+    """wetext's grammars assert on such text; the sentence must be spoken, not dropped."""
+    assert normalize("It costs 5€.") == "It costs five euro."
+    assert normalize("See §5.") == "See section five."
+    for text in ("사과 5개 주세요.", "3시에 만나요.", "りんごを3つください。", "Москва 2024г.", "Costs ₹500."):
+        out = normalize(text)
+        assert out and not any(ch.isdigit() for ch in out), (text, out)
+
+
 def test_normalize_skip_rule_and_detection() -> None:
     marked = f"{SYSTEM}{EOP}I have 3 cats"
     assert normalize(marked) == marked

@@ -21,6 +21,7 @@ server pay the cost at start-up.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import unicodedata
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from wetext import Normalizer
 
+log = logging.getLogger(__name__)
 Lang = Literal["zh", "en"]
 
 _CJK_RE = re.compile(r"[\u4e00-\u9fff]")
@@ -180,13 +182,32 @@ class TextNormalizer:
         if not text:
             return text
         chinese = contains_chinese(text) if lang is None else lang == "zh"
-        text = self._wetext(lang).normalize(text)
+        text = self._wetext_or_plain(text, lang)
         if chinese:
             return _zh_postprocess(text)
         return _spell_out_digits(text)
 
+    def _wetext_or_plain(self, text: str, lang: Lang | None) -> str:
+        """wetext's reading of the text. Its grammars assert on a digit touching a character
+        they do not know ("5€", "3시", "§5", "2024г": ~2/3 of symbol-digit pairs probed); a
+        space between the two lets them read it ("five euro"), and failing that the text
+        goes on as written (digits then spelled out by the caller), never an error that
+        would drop the sentence."""
+        normalizer = self._wetext(lang)
+        try:
+            return normalizer.normalize(text)
+        except Exception:
+            spaced = _DIGIT_TOUCHING_OTHER.sub(" ", text)
+            try:
+                return normalizer.normalize(spaced) if spaced != text else text
+            except Exception:
+                log.debug("text normalisation failed; kept as written: %r", text[:80])
+                return text
+
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Between a digit and a non-ASCII character, either way round (`_wetext_or_plain`).
+_DIGIT_TOUCHING_OTHER = re.compile(r"(?<=[0-9])(?=[^\x00-\x7f])|(?<=[^\x00-\x7f])(?=[0-9])")
 
 # The per-process shared normaliser. Constructing it is free; wetext is loaded on the
 # first `normalize` call, under the instance's lock.
