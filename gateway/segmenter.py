@@ -28,6 +28,7 @@ Design points:
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -43,6 +44,8 @@ _LATIN_CLAUSE = frozenset(",:")
 _CJK_CLAUSE = frozenset("，、：")
 # Closers that stay with the sentence they close.
 _CLOSERS = frozenset("\"')]}”’»」』】）》")
+# What ends a word besides whitespace (`_word_start`).
+_WORD_BREAKS = _CJK_SENTENCE | _CJK_CLAUSE | frozenset("」』】）》!?;…")
 # Where a boundary can start: a terminator, a clause mark or a newline.
 _MARK = re.compile("[" + re.escape("".join(sorted(_LATIN_SENTENCE | _CJK_SENTENCE | _LATIN_CLAUSE | _CJK_CLAUSE))) + "\n]")
 # "Mr." & co: a period after these words does not end a sentence. Lower-cased, no dot.
@@ -99,12 +102,19 @@ class _Boundary:
     sentence: bool  # False = clause mark
 
 
+def _word_start(buf: str, i: int) -> int:
+    """Where the word ending at ``buf[i]`` (exclusive) starts: after a whitespace, or after
+    a terminator other than a period, or a CJK mark or closer ("好。etc." and "!Mr." read
+    "etc" and "Mr"; a period belongs to the word: "e.g", "a.b/c")."""
+    start = i
+    while start > 0 and not buf[start - 1].isspace() and buf[start - 1] not in _WORD_BREAKS:
+        start -= 1
+    return start
+
+
 def _is_abbreviation(buf: str, dot: int) -> bool:
     """Whether the period at ``buf[dot]`` closes an abbreviation or an initial."""
-    start = dot
-    while start > 0 and not buf[start - 1].isspace():
-        start -= 1
-    word = buf[start:dot].lstrip("\"'([{“‘«")
+    word = buf[_word_start(buf, dot):dot].lstrip("\"'([{“‘«")
     if not word:
         return False
     if len(word) == 1 and word.isalpha():
@@ -134,26 +144,26 @@ def _eager_end(buf: str, i: int) -> bool:
         return False  # "3." may become "3.5", "1," "1,000"
     if any(c not in _EAGER_MARKS for c in marks) or marks == [".", "."]:
         return False
-    start = i
-    while start > 0 and not buf[start - 1].isspace():
-        start -= 1
-    if not _ADDRESS_CHARS.isdisjoint(buf[start:i]):
+    if not _ADDRESS_CHARS.isdisjoint(buf[_word_start(buf, i):i]):
         return False  # "https://a.b/c?" + "x=1"
     return not (marks == ["."] and _is_abbreviation(buf, i))
 
 
-def _scan(buf: str, final: bool, eager: bool = False) -> list[_Boundary]:
-    """All confirmed boundaries in ``buf``, in order.
+def _scan(buf: str, start: int, final: bool, eager: bool = False) -> tuple[list[_Boundary], int]:
+    """The boundaries in ``buf`` from ``start`` on, in order, and where the scan stopped:
+    at an undecided mark run (one that more text may still change), else ``len(buf)``.
 
-    With ``final`` the end of the buffer counts as "followed by whitespace", which is
-    how flush/end resolve a trailing "." (the caller cuts the remainder anyway). With
-    ``eager`` it does so for a mark run that `_eager_end` accepts.
+    Without ``final`` or ``eager`` a boundary found depends only on the text up to the
+    character after it, so it stays a boundary whatever is appended: `Segmenter` keeps
+    them and scans each appended piece once. With ``final`` the end of the buffer counts
+    as "followed by whitespace", which is how flush/end resolve a trailing "." (the caller
+    cuts the remainder anyway). With ``eager`` it does so for a mark run that `_eager_end`
+    accepts.
     """
     out: list[_Boundary] = []
     n = len(buf)
-    # The buffer is re-scanned on every append (one LLM token): the regex skips the
-    # ordinary characters in C, so only the marks cost Python steps.
-    m = _MARK.search(buf)
+    # The regex skips the ordinary characters in C, so only the marks cost Python steps.
+    m = _MARK.search(buf, start)
     while m is not None:
         i = m.start()
         ch = buf[i]
@@ -162,7 +172,7 @@ def _scan(buf: str, final: bool, eager: bool = False) -> list[_Boundary]:
             while j < n and buf[j] == "\n":
                 j += 1
             if j >= n and not final:
-                break  # more newlines may follow
+                return out, i  # more newlines may follow
             out.append(_Boundary(j, True))
             m = _MARK.search(buf, j)
             continue
@@ -175,17 +185,29 @@ def _scan(buf: str, final: bool, eager: bool = False) -> list[_Boundary]:
             cjk = cjk or buf[j] in _CJK_SENTENCE
             j += 1
         if j >= n and not final and not (eager and _eager_end(buf, i)):
-            break  # the run may still grow: undecided
+            return out, i  # the run may still grow: undecided
         nxt = buf[j] if j < n else " "
         if cjk or nxt.isspace():
             if not (ch == "." and j == i + 1 and _is_abbreviation(buf, i)):
                 out.append(_Boundary(j, sentence))
         m = _MARK.search(buf, j)
-    return out
+    return out, n
+
+
+def _content_end(buf: str, lead: int, pos: int) -> int:
+    """``pos`` moved back over the whitespace before it, not past ``lead``."""
+    while pos > lead and buf[pos - 1].isspace():
+        pos -= 1
+    return pos
 
 
 class Segmenter:
-    """Cuts one context's streamed text into segments. Not thread-safe; one per context."""
+    """Cuts one context's streamed text into segments. Not thread-safe; one per context.
+
+    Appended text is scanned once: the boundaries found are kept (`_scan`), at context
+    offsets, and a cut is looked up among them by bisection. Rescanning the whole buffer
+    for every cut made one 20,000-character message of short sentences take seconds of
+    the event loop (quadratic in its length)."""
 
     def __init__(self, config: SegmenterConfig | None = None) -> None:
         self.config = config or SegmenterConfig()
@@ -193,6 +215,14 @@ class Segmenter:
         self._offset = 0  # context offset of _buf[0]
         self._count = 0
         self._ended = False
+        # Boundaries that no later text can change, at context offsets, in order: all of
+        # them, and the sentence ends among them. `_first`/`_first_sentence` index the
+        # first not yet emitted; `_scanned` is where the next scan starts.
+        self._bounds: list[int] = []
+        self._is_sentence: list[bool] = []
+        self._sentences: list[int] = []
+        self._first = self._first_sentence = 0
+        self._scanned = 0
 
     @property
     def buffered(self) -> str:
@@ -241,46 +271,109 @@ class Segmenter:
         self._count += 1
         self._offset += pos
         self._buf = self._buf[pos:]
+        self._scanned = max(self._scanned, self._offset)
+        self._first = bisect.bisect_right(self._bounds, self._offset, self._first)
+        self._first_sentence = bisect.bisect_right(self._sentences, self._offset, self._first_sentence)
+        if self._first > 1024 and self._first * 2 > len(self._bounds):  # drop what was emitted
+            del self._bounds[: self._first], self._is_sentence[: self._first]
+            del self._sentences[: self._first_sentence]
+            self._first = self._first_sentence = 0
         return seg
+
+    def _keep_scanning(self) -> None:
+        """Scan what was appended since the last scan; keep the boundaries it confirms."""
+        base = self._offset
+        found, stop = _scan(self._buf, self._scanned - base, False)
+        for b in found:
+            self._bounds.append(base + b.pos)
+            self._is_sentence.append(b.sentence)
+            if b.sentence:
+                self._sentences.append(base + b.pos)
+        self._scanned = base + stop
 
     def _drain(self, final: bool) -> list[Segment]:
         cfg = self.config
         out: list[Segment] = []
         while self._buf:
-            bounds = _scan(self._buf, final, cfg.eager_ends)
-            first = self._count == 0
-            cut: _Boundary | None = None
-            for b in bounds:
-                if b.pos > cfg.max_chars:
-                    break
-                size = len(self._buf[: b.pos].strip())
-                if size == 0:
-                    continue
-                if first and (b.sentence or size >= cfg.first_min_chars):
-                    cut = b
-                    break
-                if not first and b.sentence and size >= cfg.min_chars:
-                    cut = b
-                    break
+            self._keep_scanning()
+            # The undecided run at the end, decided as the end of the text (final) or of
+            # an append (eager): not kept, the next append may decide it otherwise.
+            tail = _scan(self._buf, self._scanned - self._offset, final, cfg.eager_ends)[0] \
+                if final or cfg.eager_ends else []
+            cut = self._regular_cut(tail)
             if cut is not None:
-                out.append(self._emit(cut.pos, "sentence" if cut.sentence else "clause"))
+                out.append(self._emit(cut[0], "sentence" if cut[1] else "clause"))
                 continue
             if len(self._buf) > cfg.max_chars:
-                out.append(self._emit(self._forced_cut(bounds), "max"))
+                out.append(self._emit(self._forced_cut(tail), "max"))
                 continue
             break
         return out
 
-    def _forced_cut(self, bounds: list[_Boundary]) -> int:
+    def _lead(self) -> int:
+        """Index of the buffer's first non-whitespace character (its length if none)."""
+        lead, buf = 0, self._buf
+        while lead < len(buf) and buf[lead].isspace():
+            lead += 1
+        return lead
+
+    def _regular_cut(self, tail: list[_Boundary]) -> tuple[int, bool] | None:
+        """The earliest boundary (buffer position, sentence or not) within max_chars that
+        ends a segment: for the first one a sentence end, or any boundary once the
+        segment has first_min_chars; for later ones a sentence end once it has min_chars
+        (whitespace at either end not counted; nothing but whitespace never)."""
+        cfg, buf, base = self.config, self._buf, self._offset
+        lead = self._lead()
+        # (kept positions, the first not emitted, the size a segment ending there needs)
+        kinds = [(self._sentences, self._first_sentence, 1)]
+        if self._count == 0:
+            kinds.append((self._bounds, self._first, cfg.first_min_chars))
+        else:
+            kinds[0] = (self._sentences, self._first_sentence, cfg.min_chars)
+        best: tuple[int, bool] | None = None
+        for positions, first, size in kinds:
+            size = max(size, 1)
+            # A boundary's segment is at most pos - lead long: skip the ones shorter still.
+            k = bisect.bisect_left(positions, base + lead + size, first)
+            while k < len(positions) and positions[k] - base <= cfg.max_chars:
+                pos = positions[k] - base
+                if _content_end(buf, lead, pos) - lead >= size:
+                    sentence = positions is self._sentences or self._is_sentence[k]
+                    if best is None or pos < best[0]:
+                        best = (pos, sentence)
+                    break
+                k += 1
+        for b in tail:
+            if best is not None or b.pos > cfg.max_chars:
+                break
+            size = _content_end(buf, lead, b.pos) - lead
+            if size == 0:
+                continue
+            if self._count == 0 and (b.sentence or size >= cfg.first_min_chars):
+                best = (b.pos, b.sentence)
+            elif self._count > 0 and b.sentence and size >= cfg.min_chars:
+                best = (b.pos, b.sentence)
+        return best
+
+    def _forced_cut(self, tail: list[_Boundary]) -> int:
         """Where to cut a buffer longer than max_chars with no regular boundary."""
-        limit = self.config.max_chars
-        usable = [b for b in bounds if b.pos <= limit and self._buf[: b.pos].strip()]
+        limit, buf, base = self.config.max_chars, self._buf, self._offset
+        lead = self._lead()
+        usable = [b for b in tail if b.pos <= limit and _content_end(buf, lead, b.pos) > lead]
+        # Prefer the latest sentence end, then the latest clause mark.
+        sentences = [b for b in usable if b.sentence]
+        if sentences:
+            return sentences[-1].pos
+        k = bisect.bisect_right(self._sentences, base + limit, self._first_sentence)
+        if k > self._first_sentence and _content_end(buf, lead, self._sentences[k - 1] - base) > lead:
+            return self._sentences[k - 1] - base
         if usable:
-            # Prefer the latest sentence end, then the latest clause mark.
-            sentences = [b for b in usable if b.sentence]
-            return (sentences or usable)[-1].pos
+            return usable[-1].pos
+        k = bisect.bisect_right(self._bounds, base + limit, self._first)
+        if k > self._first and _content_end(buf, lead, self._bounds[k - 1] - base) > lead:
+            return self._bounds[k - 1] - base
         # Last whitespace that leaves something before it; the space starts the next one.
         for k in range(limit, 0, -1):
-            if self._buf[k].isspace() and self._buf[:k].strip():
+            if buf[k].isspace() and buf[:k].strip():
                 return k
         return limit

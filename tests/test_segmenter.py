@@ -153,6 +153,32 @@ def test_whitespace_only_tail_is_kept_by_end() -> None:
     assert not out[-1].speakable and out[0].speakable
 
 
+@pytest.mark.parametrize("pieces, cfg", [
+    (["- Item one.\n" * 1666], SegmenterConfig()),  # one long message: 1667 segments
+    (["Hi. "] * 5000, SegmenterConfig(first_min_chars=0, min_chars=100_000, max_chars=100_000)),  # no cut
+])
+def test_text_is_scanned_once_whatever_its_cuts(monkeypatch: pytest.MonkeyPatch, pieces: list[str],
+                                                 cfg: SegmenterConfig) -> None:
+    """Each character is scanned for boundaries about once, not once per cut or append:
+    rescanning the buffer for every cut made one 20,000-character message of short lines
+    take 3 s of the event loop, and 5,000 appends of a sentence that may not be cut 22 s."""
+    import gateway.segmenter as segmenter
+
+    scanned = []
+    scan = segmenter._scan
+
+    def counting(buf: str, start: int, *args: object) -> tuple:
+        scanned.append(len(buf) - start)
+        return scan(buf, start, *args)
+
+    monkeypatch.setattr(segmenter, "_scan", counting)
+    seg = Segmenter(cfg)
+    out = [s for p in pieces for s in seg.push(p)] + seg.end()
+    text = "".join(pieces)
+    assert "".join(texts(out)) == text
+    assert sum(scanned) <= 3 * len(text) + 64 * len(pieces), (sum(scanned), len(text))
+
+
 # ---- properties -----------------------------------------------------------------
 
 _ALPHABET = st.sampled_from(list("ab xy.,!?;:…\n3。，！？「」\"'") + ["Mr.", "3.14", "10:30", "e.g.", "http://a.b/c"])
