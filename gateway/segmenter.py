@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,9 +52,22 @@ _MARK = re.compile("[" + re.escape("".join(sorted(_LATIN_SENTENCE | _CJK_SENTENC
 # "Mr." & co: a period after these words does not end a sentence. Lower-cased, no dot.
 _ABBREVIATIONS = frozenset(
     "mr mrs ms dr prof sr jr st vs etc eg ie cf al fig figs approx dept est inc ltd co corp "
-    "mt ft no nos vol vols pp ca gen col lt sgt capt rev hon jan feb mar apr jun jul aug sep "
+    "mt ft vol vols pp ca gen col lt sgt capt rev hon jan feb mar apr jun jul aug sep "
     "sept oct nov dec".split()
 )
+
+
+# "No." and "Nos." abbreviate "number" only before one ("No. 5", "No. #3"); otherwise
+# "No." is a whole sentence ("No. I can't."), which the word after it decides.
+_NUMBER_ABBREVIATIONS = frozenset(("no", "nos"))
+# A dotted word is an abbreviation when each of its parts is a letter or two: "e.g", "U.S",
+# "a.m", "Ph.D"; not "2.0", "Node.js" or "example.com", which end sentences.
+_DOTTED_ABBREVIATION = re.compile(r"(?:[^\W\d_]{1,2}\.)+[^\W\d_]{1,2}")
+# Ideographs and kana: ASCII punctuation between two of them needs no space to end a
+# sentence or clause ("你好!我是小明"), as LLMs often write Chinese.
+_CJK_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+# Latin marks read as CJK ones between CJK characters.
+_LATIN_IN_CJK = frozenset(".!?;,")
 
 
 @dataclass(frozen=True)
@@ -112,16 +126,38 @@ def _word_start(buf: str, i: int) -> int:
     return start
 
 
+def _word(buf: str, dot: int) -> str:
+    """The word before the period at ``buf[dot]``, opening quotes and brackets left out."""
+    return buf[_word_start(buf, dot):dot].lstrip("\"'([{“‘«")
+
+
 def _is_abbreviation(buf: str, dot: int) -> bool:
-    """Whether the period at ``buf[dot]`` closes an abbreviation or an initial."""
-    word = buf[_word_start(buf, dot):dot].lstrip("\"'([{“‘«")
+    """Whether the period at ``buf[dot]`` closes an abbreviation or an initial ("No." as
+    one: the caller decides it by the word after it)."""
+    word = _word(buf, dot)
     if not word:
         return False
     if len(word) == 1 and word.isalpha():
-        return True  # "J. Smith", "a. first item" reads better unsplit
+        return word != "I"  # "J. Smith", "a. first item" read better unsplit; "So did I." ends
     if "." in word:
-        return True  # dotted forms: e.g / i.e / U.S / a.m
-    return word.lower() in _ABBREVIATIONS
+        return _DOTTED_ABBREVIATION.fullmatch(word) is not None
+    lower = word.lower()
+    return lower in _ABBREVIATIONS or lower in _NUMBER_ABBREVIATIONS
+
+
+def _is_list_marker(buf: str, dot: int, line_start: bool) -> bool:
+    """Whether the period at ``buf[dot]`` closes a numbered list's marker: 1-3 digits at the
+    start of a line ("\n2. Tap login."), read with its item rather than alone."""
+    start = _word_start(buf, dot)
+    if not (0 < dot - start <= 3 and buf[start:dot].isdigit()):
+        return False
+    while start > 0 and buf[start - 1] in " \t":
+        start -= 1
+    return buf[start - 1] == "\n" if start > 0 else line_start
+
+
+def _is_cjk(ch: str) -> bool:
+    return _CJK_CHAR.match(ch) is not None
 
 
 # Marks that may end a segment eagerly; ":" is left out ("http:" + "//...").
@@ -149,7 +185,8 @@ def _eager_end(buf: str, i: int) -> bool:
     return not (marks == ["."] and _is_abbreviation(buf, i))
 
 
-def _scan(buf: str, start: int, final: bool, eager: bool = False) -> tuple[list[_Boundary], int]:
+def _scan(buf: str, start: int, final: bool, eager: bool = False,
+          line_start: bool = False) -> tuple[list[_Boundary], int]:
     """The boundaries in ``buf`` from ``start`` on, in order, and where the scan stopped:
     at an undecided mark run (one that more text may still change), else ``len(buf)``.
 
@@ -158,7 +195,7 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False) -> tuple[list[
     them and scans each appended piece once. With ``final`` the end of the buffer counts
     as "followed by whitespace", which is how flush/end resolve a trailing "." (the caller
     cuts the remainder anyway). With ``eager`` it does so for a mark run that `_eager_end`
-    accepts.
+    accepts. ``line_start``: ``buf`` starts a line (the context's start).
     """
     out: list[_Boundary] = []
     n = len(buf)
@@ -187,8 +224,21 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False) -> tuple[list[
         if j >= n and not final and not (eager and _eager_end(buf, i)):
             return out, i  # the run may still grow: undecided
         nxt = buf[j] if j < n else " "
-        if cjk or nxt.isspace():
-            if not (ch == "." and j == i + 1 and _is_abbreviation(buf, i)):
+        if not cjk and ch in _LATIN_IN_CJK and j == i + 1 and j < n and i > 0 and _is_cjk(buf[i - 1]) and _is_cjk(nxt):
+            cjk = True
+        if ch == "．" and j == i + 1 and i > 0 and buf[i - 1].isdigit() and nxt.isdigit():
+            cjk = False  # a fullwidth decimal point: "３．１４"
+        elif cjk or nxt.isspace():
+            single_dot = ch == "." and j == i + 1 and not cjk
+            if single_dot and _word(buf, i).lower() in _NUMBER_ABBREVIATIONS:
+                k = j
+                while k < n and buf[k].isspace():
+                    k += 1
+                if k >= n and not final:
+                    return out, i  # "No." + " 5" or " I": the word after it decides
+                if k >= n or not (buf[k].isdigit() or buf[k] == "#"):
+                    out.append(_Boundary(j, sentence))
+            elif not (single_dot and (_is_abbreviation(buf, i) or _is_list_marker(buf, i, line_start))):
                 out.append(_Boundary(j, sentence))
         m = _MARK.search(buf, j)
     return out, n
@@ -223,6 +273,7 @@ class Segmenter:
         self._sentences: list[int] = []
         self._first = self._first_sentence = 0
         self._scanned = 0
+        self._line_start = True  # the buffer starts a line (the context, or after a newline)
 
     @property
     def buffered(self) -> str:
@@ -267,6 +318,8 @@ class Segmenter:
 
     def _emit(self, pos: int, reason: SegmentReason) -> Segment:
         text = self._buf[:pos]
+        if text:
+            self._line_start = text[-1] == "\n"
         seg = Segment(self._count, text, self._offset, self._offset + pos, reason)
         self._count += 1
         self._offset += pos
@@ -283,7 +336,7 @@ class Segmenter:
     def _keep_scanning(self) -> None:
         """Scan what was appended since the last scan; keep the boundaries it confirms."""
         base = self._offset
-        found, stop = _scan(self._buf, self._scanned - base, False)
+        found, stop = _scan(self._buf, self._scanned - base, False, False, self._line_start)
         for b in found:
             self._bounds.append(base + b.pos)
             self._is_sentence.append(b.sentence)
@@ -298,7 +351,7 @@ class Segmenter:
             self._keep_scanning()
             # The undecided run at the end, decided as the end of the text (final) or of
             # an append (eager): not kept, the next append may decide it otherwise.
-            tail = _scan(self._buf, self._scanned - self._offset, final, cfg.eager_ends)[0] \
+            tail = _scan(self._buf, self._scanned - self._offset, final, cfg.eager_ends, self._line_start)[0] \
                 if final or cfg.eager_ends else []
             cut = self._regular_cut(tail)
             if cut is not None:
@@ -376,4 +429,19 @@ class Segmenter:
         for k in range(limit, 0, -1):
             if buf[k].isspace() and buf[:k].strip():
                 return k
+        # Hard, but not inside a character as read: a combining mark, a joined emoji.
+        for k in range(limit, 0, -1):
+            if not _continues_cluster(buf, k):
+                return k
         return limit
+
+
+def _continues_cluster(buf: str, k: int) -> bool:
+    """Whether ``buf[k]`` belongs with the character before it (a combining mark, a
+    variation selector or skin tone, either side of a zero-width joiner)."""
+    ch = buf[k]
+    return (unicodedata.combining(ch) != 0 or ch == _ZWJ or buf[k - 1] == _ZWJ
+            or "\ufe00" <= ch <= "\ufe0f" or "\U0001f3fb" <= ch <= "\U0001f3ff")
+
+
+_ZWJ = "\u200d"

@@ -153,6 +153,37 @@ def test_whitespace_only_tail_is_kept_by_end() -> None:
     assert not out[-1].speakable and out[0].speakable
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_readings_an_llm_answer_needs(chunk: int) -> None:
+    """Whatever the appends: a fullwidth decimal, numbered lists, ASCII punctuation in
+    Chinese, "No." and "I." ending sentences, and dotted words that are not abbreviations."""
+    late = SegmenterConfig(first_min_chars=100)
+    cases = {
+        "价格是３．１４元。然后": ["价格是３．１４元。", "然后"],
+        "Steps:\n1. Open the app.\n2. Tap login.\n": ["Steps:\n", "1. Open the app.", "\n2. Tap login.", "\n"],
+        "1. First.\n  2. Second.": ["1. First.", "\n  2. Second."],
+        "你好!我是小明,很高兴认识你.今天天气不错": ["你好!", "我是小明,很高兴认识你.", "今天天气不错"],
+        "No. I can't do that.": ["No.", " I can't do that."],
+        "It is No. 5 on the list. Or No. #6.": ["It is No. 5 on the list.", " Or No. #6."],
+        "So did I. Then we left.": ["So did I.", " Then we left."],
+        "Update to version 2.0. Then restart.": ["Update to version 2.0.", " Then restart."],
+        "See e.g. the U.S. rules at 5 p.m. today. i.e. soon.": ["See e.g. the U.S. rules at 5 p.m. today.", " i.e. soon."],
+        "The answer is 42. Next.": ["The answer is 42.", " Next."],
+    }
+    for text, expected in cases.items():
+        assert texts(run(text, [chunk], late)) == expected, text
+
+
+def test_a_hard_cut_keeps_characters_whole() -> None:
+    cfg = SegmenterConfig(max_chars=20)
+    for text in ("x" + "e\u0301" * 15, "ab" + "\U0001f468\u200d\U0001f469\u200d\U0001f467" * 6):
+        segs = run(text, [len(text)], cfg)
+        assert "".join(texts(segs)) == text and len(segs) > 1
+        for seg in segs[1:]:
+            first = seg.text[0]
+            assert first not in ("\u0301", "\u200d") and seg.text[:1] != "\U0001f469", seg.text
+
+
 @pytest.mark.parametrize("pieces, cfg", [
     (["- Item one.\n" * 1666], SegmenterConfig()),  # one long message: 1667 segments
     (["Hi. "] * 5000, SegmenterConfig(first_min_chars=0, min_chars=100_000, max_chars=100_000)),  # no cut
