@@ -9,7 +9,8 @@ Tokenization is incremental but must give the same ids as tokenizing the whole t
 Qwen2's byte-level BPE never merges across a whitespace boundary (its pre-tokenizer
 splits there, the space going with the following word), so text is only tokenized up
 to the last whitespace seen: "Hello wor" commits "Hello" and keeps " wor" until more
-arrives. The official code tokenizes each generator item separately, which splits a
+arrives (`_commit_point`: newline runs stay whole, and after punctuation they wait for
+the word after them). The official code tokenizes each generator item separately, which splits a
 word that arrives in two pieces; holding back the open word avoids that. As in the
 official bistream path, streamed text is not normalized (normalization needs whole
 sentences).
@@ -20,6 +21,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+
+
+def _commit_point(buf: str) -> int:
+    """Where ``buf`` may be cut so that its two sides tokenize as the whole does: before
+    its last whitespace run (a run is one pre-token, its last space joining the next word:
+    "a\n\nb" reads "a" | "\n\n" | "b"), unless that run holds a newline after punctuation,
+    which takes it (".\n\n" is one pre-token): then before an earlier run. 0: nowhere."""
+    end = len(buf)
+    while True:
+        k = max(buf.rfind(c, 0, end) for c in _WHITESPACE)
+        if k < 0:
+            return 0
+        start = k
+        while start > 0 and buf[start - 1].isspace():
+            start -= 1
+        run = buf[start : k + 1]
+        if start > 0 and ("\n" in run or "\r" in run) and not buf[start - 1].isalnum():
+            end = start
+            continue
+        return start
+
+
+_WHITESPACE = (" ", "\n", "\t", "\r")
 
 
 class TextFeed:
@@ -37,7 +61,11 @@ class TextFeed:
     def closed(self) -> bool:
         return self._closed
 
-    def append(self, text: str) -> None:
+    def append(self, text: str, word_end: bool = False) -> None:
+        """Add text. ``word_end``: the producer knows the text ends a word (a whitespace
+        follows it, still to come), so all of it is committed now: the gateway's stream
+        mode hands out words up to the whitespace after them, and without this each word
+        waited for the next one (the LM a word behind the client)."""
         if self._closed:
             raise RuntimeError("text feed already closed")
         if not text:
@@ -45,7 +73,13 @@ class TextFeed:
         if self.first_text_at is None:
             self.first_text_at = time.monotonic()
         buf = self._pending + text
-        cut = max(buf.rfind(c) for c in (" ", "\n", "\t", "\r"))
+        if word_end and buf[-1].isalnum():
+            # A letter or digit run ends its pre-token whatever whitespace follows (a
+            # punctuation run would take following newlines: ".\n\n" is one).
+            self._pending = ""
+            self._commit(buf)
+            return
+        cut = _commit_point(buf)
         if cut <= 0 or not buf[:cut].strip():
             self._pending = buf  # no complete word yet (whitespace alone waits too)
             return

@@ -247,6 +247,9 @@ class _ContextRuntime:
     first_submit_at: float | None = None
     first_audio_seen: bool = False
     streaming: "_StreamSegment | None" = None  # stream mode: the utterance taking text
+    # Stream mode: a segment whose utterance could not open: its later words are dropped
+    # (one error per segment, never an utterance opened mid-segment without its start).
+    stream_failed: int | None = None
     count_audio: Callable[[float], None] | None = None  # seconds of audio sent (the metrics' counter)
 
     @property
@@ -593,6 +596,10 @@ class _Connection:
         rt = self.contexts.get(cmd.context_id)
         if rt is None or rt.cancelled:
             return
+        if rt.stream_failed == cmd.index:
+            if cmd.close:
+                rt.stream_failed = None
+            return
         cur = rt.streaming
         if cur is None or cur.index != cmd.index:
             if cur is not None:  # cannot happen with StreamCutter; never leave one open
@@ -601,6 +608,7 @@ class _Connection:
                 uid, feed = await rt.session.submit_stream(utterance_id=f"{rt.cid}-{cmd.index}")
             except Exception as exc:
                 rt.streaming = None
+                rt.stream_failed = None if cmd.close else cmd.index
                 self.send_event(ProtocolError("synthesis_failed", f"segment {cmd.index}: {exc}", rt.cid).event(), rt)
                 return
             cur = rt.streaming = _StreamSegment(cmd.index, cmd.start, feed)
@@ -609,7 +617,9 @@ class _Connection:
             rt.pending.append(("utt", uid, cur))
             rt.segments_submitted += 1
         cur.text += cmd.text
-        cur.feed.append(cmd.text)
+        # The cutter hands out text up to a whitespace (`StreamCutter`): a word that is
+        # complete, which the LM may read now rather than with the next word.
+        cur.feed.append(cmd.text, word_end=True)
         if cmd.close:
             cur.reason = cmd.reason
             cur.feed.close()

@@ -49,6 +49,43 @@ def test_incremental_tokenization_equals_whole_text(tiny_model_dir: Path) -> Non
         assert early == len(tok.encode(TEXT[: TEXT.rfind(" ")]))
 
 
+def test_incremental_tokenization_keeps_newline_runs_and_takes_complete_words_at_once(tiny_model_dir: Path) -> None:
+    """Appends cut anywhere, some marked as ending a word (`word_end`: what the gateway's
+    stream mode hands out, text up to a whitespace still to come): the ids are the whole
+    text's, newline runs after punctuation included, and a word marked complete is read
+    at once, not with the next one."""
+    tok = TextTokenizer.from_dir(tiny_model_dir / "CosyVoice-BlankEN")
+    # Qwen2's pre-tokens, as ids: the stand-in vocabulary is too small to merge "\n\n" or
+    # ".\n\n", so its ids would not show a pre-token cut in two.
+    pieces: dict[str, int] = {}
+
+    def pre_tokens(piece: str) -> list[int]:
+        return [pieces.setdefault(p, len(pieces)) for p, _ in tok._tok.pre_tokenizer.pre_tokenize_str(piece)]
+
+    text = "Steps:\n\n1. Open it.\n\nThen  tap, twice!\r\nDone ok.\n  Bye"
+    rng = random.Random(7)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 20)))
+        feed = TextFeed(pre_tokens)
+        got: list[int] = []
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            feed.append(text[a:b], word_end=b < len(text) and text[b].isspace() and rng.random() < 0.7)
+            while not feed._queue.empty():
+                got.append(feed._queue.get_nowait())  # type: ignore[arg-type]
+        feed.close()
+        while not feed._queue.empty():
+            tok_id = feed._queue.get_nowait()
+            if tok_id is not None:
+                got.append(tok_id)
+        assert got == pre_tokens(text), cuts
+
+    feed = TextFeed(tok.encode)
+    feed.append("Hello", word_end=True)  # " world" is still to come
+    assert feed.num_tokens == len(tok.encode("Hello"))
+    feed.append(" world")  # not known to be complete: waits for what follows
+    assert feed.num_tokens == len(tok.encode("Hello"))
+
+
 def _run(model_dir: Path, fn):
     async def main():
         # Chunks of fixed sizes (`helpers.engine_config`): the tests count chunks, and a streamed

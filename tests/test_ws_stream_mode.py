@@ -147,3 +147,40 @@ def test_websocket_stream_mode_cancel_while_waiting_for_text(server: Any) -> Non
     assert active == 0
     assert rec.of("cancelled", "w")[0]["active"] is True
     assert rec.of("done", "w2")[0]["audio_samples"] > 0
+
+
+def test_websocket_stream_mode_a_segment_that_cannot_open_fails_once(server: Any, monkeypatch: Any) -> None:  # noqa: F811
+    """A streamed utterance the engine refuses to open gets one `synthesis_failed`; its
+    later words are not offered again (eight errors before, and an utterance opened mid-
+    sentence when a retry worked), and the next segment speaks."""
+    from engine.engine import Session
+
+    opens: list[str] = []
+    submit_stream = Session.submit_stream
+
+    async def refusing(self: Session, *args: Any, utterance_id: str | None = None, **kw: Any) -> Any:
+        opens.append(str(utterance_id))
+        if utterance_id == "f-0":
+            raise RuntimeError("the LM refuses text-in streaming")
+        return await submit_stream(self, *args, utterance_id=utterance_id, **kw)
+
+    monkeypatch.setattr(Session, "submit_stream", refusing)
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with __import__("websockets").connect(server.url) as ws:
+            words = "One two three four five six seven eight. Then this one speaks.".split(" ")
+            for i, w in enumerate(words):
+                await send(ws, type="text", context_id="f", text=(w if i == 0 else " " + w),
+                           **({"text_mode": "stream"} if i == 0 else {}))
+            await send(ws, type="end", context_id="f")
+            await receive_until(ws, rec, has_done("f"))
+        return rec
+
+    rec = run(main())
+    errors = rec.of("error", "f")
+    assert [e["code"] for e in errors] == ["synthesis_failed"] and "segment 0" in errors[0]["message"]
+    assert opens == ["f-0", "f-1"], opens
+    segs = rec.of("segment_started", "f")
+    assert [s["segment_index"] for s in segs] == [1] and segs[0]["text"].strip().startswith("Then")
+    assert rec.of("done", "f")[0]["audio_samples"] > 0
