@@ -191,11 +191,11 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False,
     at an undecided mark run (one that more text may still change), else ``len(buf)``.
 
     Without ``final`` or ``eager`` a boundary found depends only on the text up to the
-    character after it, so it stays a boundary whatever is appended: `Segmenter` keeps
-    them and scans each appended piece once. With ``final`` the end of the buffer counts
+    character after it (for "No.", the word after it), so it stays a boundary whatever is
+    appended: `Segmenter` keeps them and scans each appended piece once. With ``final`` the end of the buffer counts
     as "followed by whitespace", which is how flush/end resolve a trailing "." (the caller
     cuts the remainder anyway). With ``eager`` it does so for a mark run that `_eager_end`
-    accepts. ``line_start``: ``buf`` starts a line (the context's start).
+    accepts. ``line_start``: ``buf`` starts a line (the context's, or one after a newline).
     """
     out: list[_Boundary] = []
     n = len(buf)
