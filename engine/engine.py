@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Literal
 
 import numpy as np
 import torch
@@ -436,6 +436,15 @@ def _one_stage_config(config: EngineConfig, index: int) -> EngineConfig:
     return replace(config, stage_devices=(), stage_profile_dir=profile)
 
 
+def _grammar(language: str | None) -> Literal["zh", "en"] | None:
+    """The normalisation grammar a language hint picks: Chinese ("zh", "yue", "cmn" ...) or
+    English ("en..."); None (detect from the text) for anything else."""
+    tag = (language or "").lower().replace("_", "-").split("-")[0]
+    if tag in ("zh", "yue", "cmn", "wuu"):
+        return "zh"
+    return "en" if tag == "en" else None
+
+
 class Engine:
     def __init__(
         self,
@@ -483,7 +492,7 @@ class Engine:
                                               min_hop_crowd=config.first_chunk_min_hop_crowd,
                                               idle_hop=config.idle_initial_hop)
         self._sessions: set[Session] = set()
-        self._prefix_cache: dict[str, tuple[int, ...]] = {}
+        self._prefix_cache: dict[tuple[str, str | None, str | None], tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
         self._background: set[asyncio.Task[int]] = set()
         self._ids = itertools.count()
@@ -849,22 +858,34 @@ class Engine:
         return ours
 
     # ----------------------------------------------------------------- prompts
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, language: str | None = None) -> list[int]:
+        """The text ids of one utterance's text, normalised (`language`: a BCP-47-ish hint;
+        "zh..." or "en..." picks that grammar, anything else detects it)."""
         if self.config.text_normalization:
             from .frontend.text import normalize
 
-            text = normalize(text)
+            text = normalize(text, _grammar(language))
         return self.tokenizer.encode(text)
 
     def lm_prefix(self, voice: VoicePrompt, opts: SessionOptions) -> tuple[list[int], list[int]]:
         """(prompt text ids, prompt speech tokens) for the LM, cached per voice and mode."""
-        # Keyed by the prompt text itself, so a re-registered voice never sees a stale prefix.
-        text = lm_prompt_text(opts.mode, voice.transcript, opts.instruction, self.model.config.version)
-        ids = self._prefix_cache.get(text)
+        # Keyed by the prompt's parts themselves, so a re-registered voice never sees a stale
+        # prefix.
+        key = (opts.mode, voice.transcript if opts.mode == "zero_shot" else None,
+               opts.instruction if opts.mode == "instruct" else None)
+        ids = self._prefix_cache.get(key)
         if ids is None:
+            transcript = voice.transcript
+            if self.model.config.version == "cosyvoice2" and opts.mode == "zero_shot" and self.config.text_normalization:
+                # CosyVoice2's transcript is normalised like the text (unsplit, as officially);
+                # CosyVoice3's carries <|endofprompt|>, which the official frontend leaves alone.
+                from .frontend.text import normalize
+
+                transcript = normalize(transcript, terminal=False)
+            text = lm_prompt_text(opts.mode, transcript, opts.instruction, self.model.config.version)
             if len(self._prefix_cache) >= PREFIX_CACHE_SIZE:
                 self._prefix_cache.pop(next(iter(self._prefix_cache)))
-            ids = self._prefix_cache[text] = tuple(self.tokenizer.encode(text))
+            ids = self._prefix_cache[key] = tuple(self.tokenizer.encode(text))
         speech = voice.speech_tokens.tolist() if opts.mode == "zero_shot" else []
         return list(ids), speech
 
@@ -1211,7 +1232,7 @@ class Session:
         if utt.feed is not None:
             return await self._synthesize_stream(utt)
         eng, opts, voice = self.engine, utt.options, self.voice
-        text_ids = await asyncio.to_thread(eng.text_ids, utt.text)
+        text_ids = await asyncio.to_thread(eng.text_ids, utt.text, opts.language)
         if not text_ids:
             raise EngineError("empty_text", "nothing to speak after normalisation")
         try:
@@ -1220,7 +1241,12 @@ class Session:
             raise EngineError("bad_options", str(exc)) from exc
         lm_cfg = eng.model.config.lm
         prompt = build_prompt(lm_cfg, prompt_text, text_ids, prompt_speech)
-        min_tokens, max_tokens = length_limits(lm_cfg, len(text_ids))
+        counted = len(text_ids)
+        if opts.mode == "cross_lingual" and eng.model.config.version == "cosyvoice3":
+            # The official cross-lingual call carries "You are a helpful assistant.
+            # <|endofprompt|>" in the text to speak, so its length limits count it.
+            counted += len(prompt_text)
+        min_tokens, max_tokens = length_limits(lm_cfg, counted)
         fixed = None
         ratio = opts.tokens_per_text_token if opts.tokens_per_text_token is not None else eng.config.tokens_per_text_token
         if ratio is not None:

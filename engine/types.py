@@ -50,6 +50,9 @@ class SessionOptions:
     tokens_per_text_token: float | None = None
     seed: int | None = None
     greedy: bool = False
+    # A language hint (BCP-47-ish: "en", "zh-CN"): which grammar normalises the text
+    # (`Engine.text_ids`); None detects it from the text.
+    language: str | None = None
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,9 @@ class Encoder(Protocol):
         ...
 
     def flush(self) -> list[bytes]:
-        """Drain internal state at the end of a stream (pads the last frame)."""
+        """Everything encoded so far, out: drains internal state (the resampler's filter,
+        a codec's lookahead) and pads the last frame. The encoder goes on after it: a flush
+        mid-stream keeps a codec's state, so a client's decoder runs on undisturbed."""
         ...
 
 
@@ -117,10 +119,14 @@ class _Resampler:
         )
 
     def __call__(self, pcm: np.ndarray, last: bool = False) -> np.ndarray:
+        """Resampled samples; `last` drains the filter and starts the stream over."""
         x = np.ascontiguousarray(pcm, dtype=np.float32).reshape(-1)
         if self._stream is None:
             return x
-        return np.asarray(self._stream.resample_chunk(x, last=last), dtype=np.float32).reshape(-1)
+        out = np.asarray(self._stream.resample_chunk(x, last=last), dtype=np.float32).reshape(-1)
+        if last:
+            self._stream.clear()
+        return out
 
 
 def float_to_s16(x: np.ndarray) -> np.ndarray:
@@ -257,11 +263,26 @@ class OpusEncoder(_FramedEncoder):
         self._enc = opuslib.Encoder(fmt.sample_rate, 1, opuslib.APPLICATION_AUDIO)
         self._enc.bitrate = bitrate
         self._enc.complexity = complexity
+        self._fed = False  # samples came since the last flush
 
     def _encode_frames(self, block: np.ndarray) -> list[bytes]:
         data = block.astype("<i2").tobytes()
         step = 2 * self._frame
         return [self._enc.encode(data[i : i + step], self._frame) for i in range(0, len(data), step)]
+
+    def encode(self, pcm: np.ndarray) -> list[bytes]:
+        self._fed = self._fed or pcm.size > 0
+        return super().encode(pcm)
+
+    def flush(self) -> list[bytes]:
+        # libopus codes each sample `lookahead` samples (6.5 ms) later: silence after the
+        # stream's end puts its last samples into a packet; padding to the frame alone
+        # lost them about one flush in three. Nothing fed since the last flush: nothing to put.
+        tail = self._resample(np.zeros(0, np.float32), last=True)
+        if self._fed:
+            tail = np.concatenate([tail, np.zeros(self._enc.lookahead, np.float32)])
+            self._fed = False
+        return self._frames(tail, pad=True)
 
 
 class OpusDecoder:

@@ -558,7 +558,8 @@ class _Connection:
         # has nothing to clean up.
         encoder = self._new_encoder(settings)
         options = dataclasses.replace(
-            self.base_options, mode=settings.effective_mode, instruction=settings.instruction, speed=settings.speed
+            self.base_options, mode=settings.effective_mode, instruction=settings.instruction, speed=settings.speed,
+            language=settings.language,
         )
         try:
             session = self.gw.engine.open_session(voice, options)
@@ -692,9 +693,10 @@ class _Connection:
         return make_encoder(settings.format.name, settings.format.sample_rate, self.gw.settings.audio)
 
     async def _drain_encoder(self, rt: _ContextRuntime) -> None:
-        """End of a flush/context: drain the encoder and start a fresh one."""
+        """End of a flush/context: everything encoded so far goes out. The encoder stays:
+        an Opus decoder on the client runs on (a fresh encoder's warm-up replaced the last
+        6.5 ms before every flush)."""
         await self._emit_frames(rt, await self.gw.encode_pool.flush(rt.encoder), None)
-        rt.encoder = self._new_encoder(rt.settings)
         rt.in_base, rt.out_base = rt.in_samples, rt.out_produced
 
     async def _settle(self, rt: _ContextRuntime) -> None:
@@ -704,6 +706,11 @@ class _Connection:
                 _, flush_id = rt.pending.popleft()
                 await self._drain_encoder(rt)
                 self.send_event({"type": "flushed", "context_id": rt.cid, "flush_id": flush_id}, rt)
+            if not rt.pending and not rt.ended and not rt.cancelled and rt.in_samples > rt.in_base:
+                # Nothing more to say until the client sends text: what the encoder holds
+                # (a resampler's filter delay, a partial frame: 30-90 ms) is the end of the
+                # last word, which must not wait for the next one.
+                await self._drain_encoder(rt)
             if rt.ended and not rt.pending and not rt.done and not rt.cancelled:
                 rt.done = True
                 await self._drain_encoder(rt)

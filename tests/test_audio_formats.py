@@ -123,7 +123,8 @@ def test_g711_codecs_against_known_values() -> None:
 def test_opus_packets_decode_to_continuous_sine(rate: int) -> None:
     x = sine(0.5, amp=0.3)
     frames = encode_all("opus", rate, random_chunks(x, seed=2))
-    assert len(frames) == int(np.ceil(0.5 * rate / (rate // 50)))  # 20 ms packets, last padded
+    lookahead = __import__("opuslib").Encoder(rate, 1, 2049).lookahead  # flushed out too
+    assert len(frames) == int(np.ceil((0.5 * rate + lookahead) / (rate // 50)))  # 20 ms packets, last padded
     assert all(0 < len(f) < 400 for f in frames)
     y = decode_frames(resolve_format("opus", rate), frames)
     assert len(y) == len(frames) * rate // 50
@@ -141,7 +142,7 @@ def test_opus_options_reach_the_codec() -> None:
     low = make_encoder("opus", 48000, EncoderOptions(opus_bitrate=8000, opus_complexity=0))
     high = make_encoder("opus", 48000, EncoderOptions(opus_bitrate=64000, opus_complexity=10))
     a, b = low.encode(x) + low.flush(), high.encode(x) + high.flush()
-    assert len(a) == len(b) == 20
+    assert len(a) == len(b) == 21  # 400 ms, then the codec's 6.5 ms lookahead in a padded packet
     assert sum(map(len, a)) * 3 < sum(map(len, b))  # the bitrate is applied
     for frames in (a, b):
         y = decode_frames(resolve_format("opus", 48000), frames)
@@ -182,3 +183,30 @@ def test_g711_matches_audioop_bit_exactly() -> None:
     codes = bytes(range(256))
     assert ulaw_decode(codes).tobytes() == audioop.ulaw2lin(codes, 2)
     assert alaw_decode(codes).tobytes() == audioop.alaw2lin(codes, 2)
+
+
+@pytest.mark.parametrize("rate", [48000, 24000])
+def test_opus_flush_puts_every_sample_into_a_packet_and_the_stream_runs_on(rate: int) -> None:
+    """libopus codes a sample `lookahead` samples late: a flush that only pads its frame
+    left the last 6.5 ms out of every packet, and a new encoder after a flush mid-context
+    put its warm-up where they belong. One decoder over A, flush, B, flush hears both
+    whole, their ends included."""
+    import opuslib
+
+    lookahead = opuslib.Encoder(rate, 1, opuslib.APPLICATION_AUDIO).lookahead
+    a, b = sine(0.3, freq=300.0, amp=0.3), sine(0.2, freq=500.0, amp=0.3)  # whole packets: nothing padded
+    enc = make_encoder("opus", rate)
+    first = [f for c in random_chunks(a, seed=4) for f in enc.encode(c)] + enc.flush()
+    second = [f for c in random_chunks(b, seed=5) for f in enc.encode(c)] + enc.flush()
+    y = decode_frames(resolve_format("opus", rate), first + second)[lookahead:]
+    n_a, n_b = len(a) * rate // SR, len(b) * rate // SR
+    start_b = len(first) * rate // 50
+
+    def rms(part: np.ndarray) -> float:
+        return float(np.sqrt(np.mean(part**2)))
+
+    last_ms = rate * 5 // 1000
+    assert rms(y[n_a - last_ms : n_a]) > 0.15  # A's last 5 ms (0.3 / sqrt(2) = 0.21)
+    assert len(y) >= start_b + n_b and rms(y[start_b + n_b - last_ms : start_b + n_b]) > 0.15  # B's last 5 ms
+    assert rms(y[start_b + last_ms : start_b + 2 * last_ms]) > 0.15  # B's start, no warm-up gap
+    assert rms(y[n_a + last_ms : start_b - last_ms]) < 0.02  # the flush's padding is silence

@@ -119,7 +119,16 @@ def test_tokenizer_files_are_deterministic(tmp_path: Path, model_dir: Path) -> N
     ],
 )
 def test_instruction_normalisation(raw: str) -> None:
-    assert normalize_instruction(raw) == "You are a helpful assistant. speak happily<|endofprompt|>"
+    assert normalize_instruction(raw) == "You are a helpful assistant. speak happily.<|endofprompt|>"
+
+
+def test_instruction_normalisation_ends_it_like_the_official_list_and_keeps_its_words() -> None:
+    """Every instruction of the official `instruct_list` ends with a mark; an instruction
+    that only starts like the system sentence keeps its words."""
+    assert normalize_instruction("请用广东话表达") == "You are a helpful assistant. 请用广东话表达。<|endofprompt|>"
+    assert normalize_instruction("Speak slowly?") == "You are a helpful assistant. Speak slowly?<|endofprompt|>"
+    assert (normalize_instruction("You are a helpful assistant who speaks slowly")
+            == "You are a helpful assistant. You are a helpful assistant who speaks slowly.<|endofprompt|>")
 
 
 def test_instruction_normalisation_keeps_official_list_entries() -> None:
@@ -136,11 +145,14 @@ def test_instruction_normalisation_keeps_official_list_entries() -> None:
 def test_normalize_english_numbers() -> None:
     out = normalize("I have 23 apples.")
     assert out == "I have twenty three apples."
+    assert normalize("Call 911 now") == "Call nine hundred and eleven now."
+    assert normalize('He said "stop"') == 'He said "stop".'  # as the official splitter does
     assert not any(ch.isdigit() for ch in normalize("It costs 1234 dollars on May 5."))
 
 
 def test_normalize_chinese_numbers_and_punctuation() -> None:
-    assert normalize("我有3个苹果") == "我有三个苹果"
+    assert normalize("我有3个苹果") == "我有三个苹果。"  # ended as the official splitter ends it
+    assert normalize("我有3个苹果", terminal=False) == "我有三个苹果"
     out = normalize("今天是2024年3月5日，气温25.5度（晴）,")
     assert out == "今天是二零二四年三月五日，气温二十五点五度晴。"
     assert normalize("面积是100m²。") == "面积是一百平方米。"
@@ -366,3 +378,11 @@ def test_build_lm_text_ids(tokenizer: TextTokenizer) -> None:
     assert not cl.use_prompt_speech
     # Same LM text as the official `inference_cross_lingual(SYSTEM + EOP + text)`.
     assert list(cl.prompt_ids + cl.text_ids) == tokenizer.encode(SYSTEM + EOP + text)
+
+
+def test_language_hint_picks_the_grammar() -> None:
+    from engine.engine import _grammar
+
+    assert [_grammar(t) for t in ("en", "en-US", "zh", "zh_CN", "yue-HK", "fr", None, "")] == \
+        ["en", "en", "zh", "zh", "zh", None, None, None]
+    assert normalize("2024", _grammar("en")) != normalize("2024", _grammar("zh"))

@@ -172,8 +172,11 @@ class TextNormalizer:
         self.normalize("今天是2024年3月5日。")
         self.normalize("It costs 25 dollars.")
 
-    def normalize(self, text: str, lang: Lang | None = None) -> str:
-        """Normalise one piece of text; `lang` forces the grammar (default: detect)."""
+    def normalize(self, text: str, lang: Lang | None = None, terminal: bool = True) -> str:
+        """Normalise one piece of text; `lang` forces the grammar (default: detect).
+        `terminal`: end it with a sentence mark ("。" or ".") when it ends otherwise, as the
+        official frontend's paragraph splitter does for text to speak (not for a prompt's
+        transcript, which it normalises unsplit)."""
         if is_markup(text) or not text:
             return text
         # Control characters (NUL, escapes, ...) are unspeakable and make wetext's FSTs
@@ -183,9 +186,10 @@ class TextNormalizer:
             return text
         chinese = contains_chinese(text) if lang is None else lang == "zh"
         text = self._wetext_or_plain(text, lang)
-        if chinese:
-            return _zh_postprocess(text)
-        return _spell_out_digits(text)
+        text = _zh_postprocess(text) if chinese else _spell_out_digits(text)
+        if terminal and text and text[-1] not in (_ZH_ENDS if chinese else _EN_ENDS):
+            text += "。" if chinese else "."
+        return text
 
     def _wetext_or_plain(self, text: str, lang: Lang | None) -> str:
         """wetext's reading of the text. Its grammars assert on a digit touching a character
@@ -194,18 +198,29 @@ class TextNormalizer:
         goes on as written (digits then spelled out by the caller), never an error that
         would drop the sentence."""
         normalizer = self._wetext(lang)
+
+        def read(text: str) -> str:
+            out = normalizer.normalize(text)
+            # Its English grammar writes '"' and '\\' escaped ('He said \\"stop\\".'); with no
+            # backslash in the input, every one in the output is such an escape.
+            return _ESCAPED.sub(r"\1", out) if "\\" in out and "\\" not in text else out
+
         try:
-            return normalizer.normalize(text)
+            return read(text)
         except Exception:
             spaced = _DIGIT_TOUCHING_OTHER.sub(" ", text)
             try:
-                return normalizer.normalize(spaced) if spaced != text else text
+                return read(spaced) if spaced != text else text
             except Exception:
                 log.debug("text normalisation failed; kept as written: %r", text[:80])
                 return text
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_ESCAPED = re.compile(r'\\(["\\])')
+# The marks a text to speak ends with (the official `split_paragraph`'s, without commas).
+_ZH_ENDS = frozenset("。？！；：、.?!;")
+_EN_ENDS = frozenset(".?!;:")
 # Between a digit and a non-ASCII character, either way round (`_wetext_or_plain`).
 _DIGIT_TOUCHING_OTHER = re.compile(r"(?<=[0-9])(?=[^\x00-\x7f])|(?<=[^\x00-\x7f])(?=[0-9])")
 
@@ -218,6 +233,6 @@ def default_normalizer() -> TextNormalizer:
     return _DEFAULT_NORMALIZER
 
 
-def normalize(text: str, lang: Lang | None = None) -> str:
+def normalize(text: str, lang: Lang | None = None, terminal: bool = True) -> str:
     """Normalise with the shared per-process `TextNormalizer`."""
-    return _DEFAULT_NORMALIZER.normalize(text, lang)
+    return _DEFAULT_NORMALIZER.normalize(text, lang, terminal)

@@ -87,7 +87,11 @@ SPECIALS_BY_VERSION: dict[str, tuple[str, ...]] = {
     "cosyvoice2": _CV2_SPECIALS,
 }
 
-_SYSTEM_PREFIX_RE = re.compile(r"^\s*you are a helpful assistant\s*[.。]?\s*", re.IGNORECASE)
+# The system sentence, when the instruction starts with it as a sentence of its own (not
+# "You are a helpful assistant who speaks slowly").
+_SYSTEM_PREFIX_RE = re.compile(r"^\s*you are a helpful assistant\s*(?:[.。]|$)\s*", re.IGNORECASE)
+# Every instruction of the official `instruct_list` ends with one of these.
+_INSTRUCTION_ENDS = frozenset("。.？?！!")
 
 
 def normalize_instruction(instruction: str) -> str:
@@ -97,13 +101,16 @@ def normalize_instruction(instruction: str) -> str:
     with a trailing `<|endofprompt|>`; returns exactly
     `"You are a helpful assistant. <instruction><|endofprompt|>"` (the spacing of the
     official `instruct_list`: one space after the system sentence, none before the
-    marker). Anything after an embedded `<|endofprompt|>` is not part of the
+    marker), the instruction ended with a "." (a "。" when it is Chinese) where it has
+    no final mark, as every instruction of that list has. Anything after an embedded `<|endofprompt|>` is not part of the
     instruction and is dropped.
     """
     body = instruction.split(ENDOFPROMPT, 1)[0]
     body = _SYSTEM_PREFIX_RE.sub("", body, count=1).strip()
     if not body:
         raise ValueError("empty instruction")
+    if body[-1] not in _INSTRUCTION_ENDS:
+        body += "。" if re.search("[\u4e00-\u9fff]", body) else "."
     return f"{SYSTEM_PROMPT} {body}{ENDOFPROMPT}"
 
 
