@@ -39,13 +39,13 @@ from typing import Callable, Sequence, TypeVar, get_args
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 from .config import StagePolicy
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
+from .mel_stretch import MelStretch
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
 from .models.dit import DiT
@@ -492,6 +492,8 @@ class AudioStage:
         # When each utterance's latest round ended (time.monotonic), by vocoder stream: its
         # queued chunk's deadline moves by it (`_refresh_deadlines`).
         self._done_at: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+        # Each utterance's speaking-rate state (`_stretch`), by vocoder stream.
+        self._stretches: weakref.WeakKeyDictionary[object, MelStretch] = weakref.WeakKeyDictionary()
         self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
         self.first_chunk_hold_share = first_chunk_hold_share  # engine.first_chunk_hold_share
         self.cut_for_deadlines = cut_for_deadlines  # engine.stage_deadline_cut: see deadline_cut
@@ -1132,9 +1134,19 @@ class AudioStage:
         self.stats.flow_bucket_padding_frames += bucket_padding
         # No operator call that changes nothing: at 64 chunks each one per row is 64 more
         # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).
-        mels = [_stretch(m if m.dtype == torch.float32 else m.float(), j.speed) for m, j in zip(decoded, batch)]
+        mels = [self._stretch(j, m if m.dtype == torch.float32 else m.float()) for m, j in zip(decoded, batch)]
         pcm, vocoder_frames = self._vocode(batch, mels, flow_work)
         return pcm, flow_work, vocoder_frames
+
+    def _stretch(self, job: ChunkJob, mel: torch.Tensor) -> torch.Tensor:
+        """The chunk's mel at its utterance's speaking rate (`MelStretch`, kept per vocoder
+        stream: one per utterance)."""
+        if job.speed == 1.0:
+            return mel
+        stretch = self._stretches.get(job.hift_stream)
+        if stretch is None:
+            stretch = self._stretches[job.hift_stream] = MelStretch(job.speed)
+        return stretch.push(mel, job.flow.finalize)
 
     def _vocode(self, batch: list[ChunkJob], mels: list[torch.Tensor],
                 flow_work: int = 0) -> tuple[list[np.ndarray], int]:
@@ -1187,10 +1199,3 @@ def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:
     host = torch.cat(flat).cpu().numpy()
     return np.split(host, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [host]
 
-
-def _stretch(mel: torch.Tensor, speed: float) -> torch.Tensor:
-    """Change speaking rate by resampling the mel in time ([n, 80] -> [round(n/speed), 80])."""
-    if speed == 1.0 or mel.shape[0] == 0:
-        return mel
-    n_out = max(1, int(round(mel.shape[0] / speed)))
-    return F.interpolate(mel.t().unsqueeze(0), size=n_out, mode="linear", align_corners=False)[0].t()

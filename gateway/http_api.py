@@ -625,9 +625,10 @@ def speech_pieces(text: str) -> list[str]:
 
 
 def _count_text_tokens(engine: Any, text: str) -> int:
-    """Text tokens the LM sees (for `usage`); character count if the engine cannot say."""
+    """Text tokens the LM sees (for `usage`): those of the pieces it is given, each
+    normalised apart (`speech_pieces`); character count if the engine cannot say."""
     try:
-        return len(engine.text_ids(text))
+        return sum(len(engine.text_ids(piece)) for piece in speech_pieces(text))
     except Exception:
         return len(text)
 
