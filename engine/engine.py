@@ -727,6 +727,11 @@ class Engine:
         return cacheable_frames(num_prompt_tokens, flow.token_mel_ratio, flow.pre_lookahead_len,
                                 flow.decoder.estimator.static_chunk_size)
 
+    @property
+    def features_id(self) -> str:
+        """What a voice's stored features depend on (`PromptFeaturizer.fingerprint`)."""
+        return self.featurizer.fingerprint
+
     def voice_from_arrays(self, voice_id: str, transcript: str, speech_tokens, speech_feat, embedding) -> VoicePrompt:
         return VoicePrompt(
             voice_id=voice_id,

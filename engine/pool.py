@@ -98,6 +98,10 @@ class EnginePool:
     def text_ids(self, text: str) -> list[int]:
         return self.engines[0].text_ids(text)
 
+    @property
+    def features_id(self) -> str:
+        return self.engines[0].features_id
+
     def voice_from_arrays(self, voice_id: str, transcript: str, speech_tokens: Any, speech_feat: Any,
                           embedding: Any) -> VoicePrompt:
         # Prompts are device-independent CPU tensors; any worker can build them.

@@ -104,7 +104,11 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
                 parts.append(_packed_mono(out))
         if not parts or rate <= 0:
             raise ApiError(400, "invalid_audio", "the file contains no audio samples")
-        samples = np.clip(np.concatenate(parts), -1.0, 1.0).astype(np.float32)
+        # Not clipped: the official frontend reads a float file's samples as they are,
+        # and a lossy decoder's overshoot past full scale is part of the signal.
+        samples = np.concatenate(parts).astype(np.float32)
+        if not np.isfinite(samples).all():
+            raise ApiError(400, "invalid_audio", "the audio has samples that are not finite numbers")
         return DecodedAudio(samples=samples, sample_rate=rate)
     finally:
         container.close()

@@ -48,7 +48,7 @@ import numpy as np
 
 from engine.types import VoicePrompt
 from gateway.errors import ApiError
-from gateway.voices import VoiceInfo, VoiceLimits, VoiceStore, _npz_bytes
+from gateway.voices import VoiceInfo, VoiceLimits, VoiceStore, _npz_bytes, features_of, npz_arrays
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,6 @@ def _info_from_row(row: tuple[Any, ...], rev: str) -> VoiceInfo:
     return VoiceInfo(dir_name=f"{meta['id']}.{rev}", **meta)
 
 
-def _arrays_from_npz(blob: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        return z["speech_tokens"], z["speech_feat"], z["embedding"]
 
 
 @dataclass(frozen=True)
@@ -332,8 +329,20 @@ class PgVoiceStore(VoiceStore):
         if blob is None and cached is not None:
             self._prompts.move_to_end(voice_id)
             return cached.prompt
-        arrays = await asyncio.to_thread(_arrays_from_npz, bytes(blob))
-        prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
+        arrays, made = await asyncio.to_thread(npz_arrays, io.BytesIO(bytes(blob)))
+        current = features_of(self.engine)
+        if current is not None and made != current:
+            # Made by another model or an older build: computed again from its audio, for
+            # this process (replicas mid-way through a model change would undo each
+            # other's stored features).
+            audio_bytes = await self.source_audio(voice_id)
+            if audio_bytes is None:
+                self._set_mirror(voice_id, None, None)
+                raise KeyError(voice_id)
+            prompt = await self._featurize(info, audio_bytes)
+            log.info("voice %r featurised again (%s)", voice_id, current)
+        else:
+            prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
         self._remember_prompt(voice_id, rev, prompt)
         return prompt
 
@@ -385,7 +394,7 @@ class PgVoiceStore(VoiceStore):
 
         audio = await asyncio.to_thread(self._decode_checked, audio_bytes)
         prompt = await self.engine.prepare_voice(voice_id, audio.samples, audio.sample_rate, transcript)
-        npz = await asyncio.to_thread(_npz_bytes, prompt)
+        npz = await asyncio.to_thread(_npz_bytes, prompt, features_of(self.engine))
         rev = uuid.uuid4().hex[:12]
         info = VoiceInfo(
             id=voice_id, name=name, transcript=transcript, created_at=time.time(),

@@ -5,7 +5,8 @@ Layout under ``data_dir``::
     voices.sqlite3                  metadata, one row per voice (WAL journal)
     voices/<id>.<rev>/source.<ext>  the uploaded bytes, untouched
     voices/<id>.<rev>/prompt.npz    speech_tokens [P] int64, speech_feat [2P, 80] f32,
-                                    embedding [192] f32 (plain arrays, no pickle)
+                                    embedding [192] f32, features: what made them
+                                    (plain arrays, no pickle)
     voices/.tmp-*                   registrations in progress
 
 Atomicity: a registration writes a temp dir, fsyncs it, renames it to its final
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.frontend.prompt import MAX_PROMPT_SECONDS, MIN_INPUT_SAMPLE_RATE
 from engine.types import VoicePrompt
 from gateway.audio_files import decode_audio
 from gateway.errors import ApiError
@@ -67,6 +69,13 @@ class VoiceLimits:
                 raise ValueError(f"voices.{name} must be > 0, not {getattr(self, name)}")
         if not self.max_seconds >= self.min_seconds:
             raise ValueError(f"voices.max_seconds ({self.max_seconds}) must be >= voices.min_seconds ({self.min_seconds})")
+        # What the featurizer takes (the official frontend's own bounds): past them every
+        # registration would fail after its upload.
+        if self.max_seconds > MAX_PROMPT_SECONDS:
+            raise ValueError(f"voices.max_seconds must be <= {MAX_PROMPT_SECONDS:g} (the speech tokenizer's limit), "
+                             f"not {self.max_seconds}")
+        if self.min_sample_rate < MIN_INPUT_SAMPLE_RATE:
+            raise ValueError(f"voices.min_sample_rate must be >= {MIN_INPUT_SAMPLE_RATE}, not {self.min_sample_rate}")
         try:
             re.compile(self.id_pattern)
         except re.error as exc:
@@ -171,17 +180,37 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _npz_bytes(prompt: VoicePrompt) -> bytes:
+def _npz_bytes(prompt: VoicePrompt, features: str | None = None) -> bytes:
+    """The prompt's arrays, and `features`: the engine's `features_id`, what made them."""
     import io
 
     buf = io.BytesIO()
+    extra = {} if features is None else {"features": np.array(features)}
     np.savez(
         buf,
         speech_tokens=prompt.speech_tokens.detach().cpu().numpy().astype(np.int64),
         speech_feat=prompt.speech_feat.detach().cpu().float().numpy(),
         embedding=prompt.embedding.detach().cpu().float().numpy(),
+        **extra,
     )
     return buf.getvalue()
+
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def npz_arrays(source: Any) -> tuple[Arrays, str | None]:
+    """The prompt's arrays from an npz (a path or a file object) and the `features` it was
+    made with (None: stored before that was kept)."""
+    with np.load(source, allow_pickle=False) as z:
+        made = str(z["features"]) if "features" in z.files else None
+        return (z["speech_tokens"], z["speech_feat"], z["embedding"]), made
+
+
+def features_of(engine: Any) -> str | None:
+    """How the engine makes a voice's features now; None when it cannot say."""
+    made = getattr(engine, "features_id", None)
+    return made if isinstance(made, str) else None
 
 
 _AUDIO_EXT = re.compile(r"^[a-z0-9]{1,5}$")
@@ -270,7 +299,12 @@ class VoiceStore:
             self._cache.move_to_end(voice_id)
             return prompt
         try:
-            arrays = await asyncio.to_thread(self._load_arrays, info)
+            arrays, made = await asyncio.to_thread(self._load_arrays, info)
+            current = features_of(self.engine)
+            if current is not None and made != current:
+                # Made by another model or an older build: computed again from its audio.
+                prompt = await self._featurize_again(info, current)
+                arrays = None
         except FileNotFoundError:
             # A delete or replace drops the id from the catalog before removing its files,
             # so a load that lost that race finds the catalog changed: ask it again.
@@ -279,13 +313,35 @@ class VoiceStore:
             return await self.get_prompt(voice_id)
         if self._infos.get(voice_id) is not info:  # deleted or replaced meanwhile
             return await self.get_prompt(voice_id)
-        prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
+        if arrays is not None:
+            prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
         self._remember(voice_id, prompt)
         return prompt
 
-    def _load_arrays(self, info: VoiceInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        with np.load(self._files / info.dir_name / "prompt.npz", allow_pickle=False) as z:
-            return z["speech_tokens"], z["speech_feat"], z["embedding"]
+    def _load_arrays(self, info: VoiceInfo) -> tuple[Arrays, str | None]:
+        return npz_arrays(self._files / info.dir_name / "prompt.npz")
+
+    async def _featurize_again(self, info: VoiceInfo, features: str) -> VoicePrompt:
+        """A stored voice's prompt computed from its uploaded audio by the engine as it is
+        now, and stored so (the npz replaced in place, atomically: its directory is this
+        revision's own)."""
+        folder = self._files / info.dir_name
+        audio_bytes = await asyncio.to_thread((folder / info.audio_file).read_bytes)
+        prompt = await self._featurize(info, audio_bytes)
+        await asyncio.to_thread(self._replace_npz, folder, _npz_bytes(prompt, features))
+        log.info("voice %r featurised again (%s)", info.id, features)
+        return prompt
+
+    async def _featurize(self, info: VoiceInfo, audio_bytes: bytes) -> VoicePrompt:
+        audio = await asyncio.to_thread(self._decode_checked, audio_bytes)
+        return await self.engine.prepare_voice(info.id, audio.samples, audio.sample_rate, info.transcript)
+
+    @staticmethod
+    def _replace_npz(folder: Path, npz: bytes) -> None:
+        tmp = folder / f".prompt-{uuid.uuid4().hex}.npz"
+        _write_synced(tmp, npz)
+        os.replace(tmp, folder / "prompt.npz")
+        _fsync_dir(folder)
 
     def _remember(self, voice_id: str, prompt: VoicePrompt) -> None:
         self._cache[voice_id] = prompt
@@ -370,7 +426,7 @@ class VoiceStore:
                 dir_name=f"{voice_id}.{uuid.uuid4().hex[:8]}", audio_file=f"source.{ext}",
             )
             old = self._infos.get(voice_id)
-            await asyncio.to_thread(self._persist, info, audio_bytes, _npz_bytes(prompt))
+            await asyncio.to_thread(self._persist, info, audio_bytes, _npz_bytes(prompt, features_of(self.engine)))
             self._infos[voice_id] = info
             self._remember(voice_id, prompt)
         if old is not None:

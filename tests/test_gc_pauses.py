@@ -58,7 +58,9 @@ def test_freeze_exempts_live_objects_until_unfrozen() -> None:
     kept = [[i] for i in range(1000)]  # container objects alive now
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() > len(kept)
+        # Frozen objects that die leave the count (another test's server thread may drop
+        # some meanwhile); none joins it without another freeze.
+        assert frozen >= gc.get_freeze_count() > len(kept)
         walked = {id(o) for o in gc.get_objects()}  # what a pass would walk
         assert not any(id(x) in walked for x in kept)
     finally:

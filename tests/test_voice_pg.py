@@ -186,6 +186,41 @@ def test_replacement_invalidates_cached_features(tiny_model_dir: Path, db_url: s
     run_with_engine(tiny_model_dir, db_url, scenario)
 
 
+def test_features_made_another_way_are_made_again_for_this_process(tiny_model_dir: Path, db_url: str) -> None:
+    """Features stored by another model or an older build are computed again from the
+    stored upload, in this process only: replicas of two models mid-way through a change
+    would otherwise undo each other's stored features."""
+    from gateway.voices import _npz_bytes
+
+    async def scenario(engine: Engine, url: str) -> None:
+        a = await PgVoiceStore(url, engine).open()
+        try:
+            await a.register("v", None, "A transcript.", tone_wav(3.5, 220.0))
+            made = await a.get_prompt("v")
+            async with a._conn() as conn:  # as a build that kept no record stored them
+                await conn.execute(f"UPDATE {TABLE} SET features = %s WHERE id = %s",
+                                   (_npz_bytes(made), "v"))
+        finally:
+            await a.close()
+        calls: list[str] = []
+        prepare = engine.prepare_voice
+
+        async def counting(voice_id: str, *args: Any) -> Any:
+            calls.append(voice_id)
+            return await prepare(voice_id, *args)
+
+        engine.prepare_voice = counting  # type: ignore[method-assign]
+        b = await PgVoiceStore(url, engine).open()
+        try:
+            assert same_prompt(await b.get_prompt("v"), made) and calls == ["v"]
+            assert same_prompt(await b.get_prompt("v"), made) and calls == ["v"]  # cached since
+        finally:
+            await b.close()
+            del engine.prepare_voice
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
 def test_racing_registrations_of_one_id_one_wins(tiny_model_dir: Path, db_url: str) -> None:
     async def scenario(engine: Engine, url: str) -> None:
         a, b = await two_stores(engine, url)

@@ -279,7 +279,7 @@ def test_a_prompt_load_that_loses_a_race_with_delete_is_an_unknown_voice(tmp_pat
         info = store.get("v")
         load = store._load_arrays
 
-        def deleted_meanwhile(i: VoiceInfo) -> Any:
+        def deleted_meanwhile(i: VoiceInfo) -> Any:  # -> the arrays and what made them
             store._infos.pop("v")  # what `delete` does first, then the files go
             shutil.rmtree(store._files / i.dir_name)
             return load(i)
@@ -326,6 +326,46 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
         assert store.get("narrator").dir_name != old_dir
         assert live_dirs(data) == [store.get("narrator").dir_name]
         assert (await store.get_prompt("narrator")).transcript == "A new line."
+        await store.close()
+
+    run(scenario())
+
+
+def test_features_made_another_way_are_made_again_from_the_audio(tmp_path: Path, run, engine) -> None:
+    """A voice whose stored features another model or an older build made (no record of
+    what made them, or another one) gets them computed again from its uploaded audio on
+    first use, stored so; a voice stored as the engine makes them now is loaded as is."""
+    from gateway.voices import _npz_bytes, npz_arrays
+
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine)
+        await store.register("v", None, "A transcript.", tone_wav(3.5))
+        first = await store.get_prompt("v")
+        await store.close()
+        npz = tmp_path / "voices" / store.get("v").dir_name / "prompt.npz"
+        assert npz_arrays(npz)[1] == engine.features_id
+        npz.write_bytes(_npz_bytes(first))  # as a build that kept no record stored it
+        before = engine.prepared
+        store = await open_store(tmp_path, engine)
+        again = await store.get_prompt("v")
+        assert engine.prepared == before + 1 and same_prompt(again, first)
+        assert npz_arrays(npz)[1] == engine.features_id  # stored as made now
+        await store.close()
+        store = await open_store(tmp_path, engine)
+        await store.get_prompt("v")
+        assert engine.prepared == before + 1  # loaded, not made again
+        await store.close()
+
+        class OtherModel:  # the same engine, as if another model's frontend were loaded
+            def __init__(self) -> None:
+                self.features_id = "another model"
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+        store = await open_store(tmp_path, OtherModel())
+        await store.get_prompt("v")
+        assert engine.prepared == before + 2 and npz_arrays(npz)[1] == "another model"
         await store.close()
 
     run(scenario())

@@ -51,6 +51,7 @@ class SpeechTokenizer:
     """`speech_tokenizer_v3.onnx`: whisper log-mel [128, T] -> 25 Hz speech tokens."""
 
     def __init__(self, path: Path | str, prefer_gpu: bool = True) -> None:
+        self.path = Path(path)
         self._session = _session(path, prefer_gpu)
         inputs = self._session.get_inputs()
         self._feat_name = inputs[0].name
@@ -71,6 +72,7 @@ class SpeakerEncoder:
 
     def __init__(self, path: Path | str, prefer_gpu: bool = False) -> None:
         # The official frontend runs CAM++ on CPU: it is small and runs once per voice.
+        self.path = Path(path)
         self._session = _session(path, prefer_gpu)
         self._input_name = self._session.get_inputs()[0].name
 

@@ -58,6 +58,12 @@ class PromptFeatures(NamedTuple):
     embedding: torch.Tensor  # [192] float32 CAM++ x-vector
 
 
+# Bumped when this code computes a voice's features differently, so that features stored
+# by an older build are computed again (`PromptFeaturizer.fingerprint`). 2: prompts are
+# resampled as the official frontend does (windowed sinc), not with soxr.
+FEATURES_REVISION = 2
+
+
 class PromptFeaturizer:
     """Prompt audio -> (speech tokens, prompt mel, speaker embedding). Stateless per call."""
 
@@ -65,6 +71,16 @@ class PromptFeaturizer:
         self.tokenizer = tokenizer
         self.speaker = speaker
         self.mel_cfg = mel_cfg
+
+    @property
+    def fingerprint(self) -> str:
+        """What the features depend on: this code's revision, the two networks' files and
+        the mel's settings. A voice stored with another fingerprint (another model, or an
+        older build) is featurised again from its audio (`gateway.voices`)."""
+        files = ",".join(f"{m.path.name}:{m.path.stat().st_size}" for m in (self.tokenizer, self.speaker))
+        cfg = self.mel_cfg
+        mel = f"{cfg.sampling_rate}/{cfg.n_fft}/{cfg.hop_size}/{cfg.win_size}/{cfg.num_mels}/{cfg.fmin}/{cfg.fmax}"
+        return f"r{FEATURES_REVISION};{files};mel {mel}"
 
     def featurize(self, wav: np.ndarray, sample_rate: int) -> PromptFeatures:
         """wav: mono float32 in [-1, 1] (a [C, N] array is averaged to mono)."""
