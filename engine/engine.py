@@ -35,10 +35,10 @@ import torch
 from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits
 from .chunking import ChunkSchedule, chunk_frames, grown_end, patient_target, window_start
-from .lm_watch import LMWatch
 from .config import EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
+from .lm_watch import LMWatch
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
 from .flow_graphs import GraphPolicy, prompt_shapes

@@ -333,7 +333,9 @@ class VoiceStore:
         return prompt
 
     async def _featurize(self, info: VoiceInfo, audio_bytes: bytes) -> VoicePrompt:
-        audio = await asyncio.to_thread(self._decode_checked, audio_bytes)
+        """A registered voice's prompt from its stored upload: checked when it was
+        registered, so not against today's limits (which may have changed since)."""
+        audio = await asyncio.to_thread(decode_audio, audio_bytes, MAX_PROMPT_SECONDS)
         return await self.engine.prepare_voice(info.id, audio.samples, audio.sample_rate, info.transcript)
 
     @staticmethod
