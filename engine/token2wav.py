@@ -45,9 +45,9 @@ from .config import StagePolicy
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
-from .mel_stretch import MelStretch
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
+from .mel_stretch import MelStretch
 from .models.dit import DiT
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator

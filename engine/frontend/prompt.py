@@ -30,6 +30,7 @@ frontend for CosyVoice2):
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -72,7 +73,7 @@ class PromptFeaturizer:
         self.speaker = speaker
         self.mel_cfg = mel_cfg
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """What the features depend on: this code's revision, the two networks' files and
         the mel's settings. A voice stored with another fingerprint (another model, or an
