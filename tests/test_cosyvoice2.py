@@ -372,6 +372,19 @@ def test_engine_uses_the_cv2_prompt_and_vocabulary(cv2_server: LiveServer) -> No
     assert text_ids[-1] == 151646 and speech == []
 
 
+def test_cv2_transcript_is_normalised_like_the_text(cv2_server: LiveServer) -> None:
+    """Officially CosyVoice2's zero-shot call normalises the prompt transcript (unsplit: no
+    sentence mark added); CosyVoice3's carries <|endofprompt|> and is left alone."""
+    from engine.types import SessionOptions
+
+    eng = cv2_server.gw.engine
+    voice = cv2_server.call(cv2_server.gw.voices.get_prompt("cv2voice"))
+    spoken = eng.voice_from_arrays("digits", "I have 3 cats", voice.speech_tokens, voice.speech_feat,
+                                   voice.embedding)
+    text_ids, _ = eng.lm_prefix(spoken, SessionOptions())
+    assert text_ids == eng.tokenizer.encode("I have three cats")
+
+
 def test_openai_speech_endpoint_with_cv2(cv2_server: LiveServer) -> None:
     srv = cv2_server
     text = "Good morning, how are you?"

@@ -552,3 +552,36 @@ def test_a_vocoder_step_that_fails_runs_its_other_chunks_apart(tiny_model_dir):
             assert_same_audio(mixed[1][i], clean[1][i])
 
     run(tiny_model_dir, fn, warmup=False)
+
+
+def test_cross_lingual_length_limits_count_the_system_prefix(tiny_model_dir):
+    """The official cross-lingual call carries "You are a helpful assistant.<|endofprompt|>"
+    in the text to speak, so its min/max speech tokens count those tokens; zero-shot's
+    prompt (the voice's transcript) is not counted."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        seen: dict[str, object] = {}
+        generate = engine.backend.generate
+
+        for mode in ("zero_shot", "cross_lingual"):
+            async def recording(request, mode=mode):
+                seen[mode] = request.sampling
+                return
+                yield  # an async generator that ends at once: the utterance has no tokens
+
+            engine.backend.generate = recording
+            try:
+                s = engine.open_session(voice, SessionOptions(mode=mode, seed=1))
+                await s.submit("A short sentence to speak.")
+                await s.finish()
+                await collect(s)
+            finally:
+                engine.backend.generate = generate
+        text = len(engine.text_ids("A short sentence to speak."))
+        prefix = len(engine.lm_prefix(voice, SessionOptions(mode="cross_lingual"))[0])
+        lm = engine.model.config.lm
+        assert seen["zero_shot"].max_tokens == int(text * lm.max_token_text_ratio)
+        assert seen["cross_lingual"].max_tokens == int((text + prefix) * lm.max_token_text_ratio)
+        assert seen["cross_lingual"].min_tokens == int((text + prefix) * lm.min_token_text_ratio)
+
+    run(tiny_model_dir, fn, warmup=False)
