@@ -349,6 +349,29 @@ def test_base64_transport(server: Server) -> None:
     assert rec.of("done", "j")[0]["audio_samples"] == total
 
 
+def test_language_picks_the_normalisation_grammar(server: Server) -> None:
+    """`language` reaches the engine: "2024" is read by the English grammar under "en" and
+    by the Chinese one under "zh" (bare digits read as Chinese when detected), and each
+    context's audio has the length its own reading gives (2 speech tokens a text token)."""
+    text = "Call 2024 now."
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            for cid, language in (("en", "en-US"), ("zh", "zh")):
+                await send(ws, type="text", context_id=cid, text=text, language=language, end=True)
+            await receive_until(ws, rec, has_done("en", "zh"))
+        return rec
+
+    rec = run(main())
+    engine = server.gw.engine
+    english, chinese = engine.text_ids(text, "en"), engine.text_ids(text, "zh")
+    assert english != chinese
+    for cid, ids in (("en", english), ("zh", chinese)):
+        assert rec.of("context_started", cid)[0]["language"] in ("en-US", "zh")
+        assert rec.of("done", cid)[0]["audio_samples"] == 2 * len(ids) * 960
+
+
 def test_malformed_and_oversized_messages_keep_socket_healthy(server: Server) -> None:
     async def main() -> Recording:
         rec = Recording()
