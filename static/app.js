@@ -16,6 +16,7 @@
   const $ = (id) => document.getElementById(id);
   const PCM_RATE = 24000;   // the engine's rate: no resampling on the server
   const OPUS_RATE = 48000;
+  const MAX_UPLOAD_BYTES = 20 * 1024 * 1024; // the server's default voices.max_upload_bytes
   const LEAD_S = 0.06;      // scheduling head-room so the first chunk is not clipped
 
   const state = {
@@ -66,7 +67,10 @@
     const keep = select.value;
     try {
       const resp = await fetch("/v1/voices", { headers: authHeaders() });
-      if (!resp.ok) throw new Error(resp.status === 401 ? "API key required" : `HTTP ${resp.status}`);
+      if (!resp.ok) {
+        const body = await resp.json().catch(() => ({}));
+        throw new Error(resp.status === 401 ? "API key required" : (body.error && body.error.message) || `HTTP ${resp.status}`);
+      }
       const body = await resp.json();
       select.replaceChildren(new Option("(server default)", ""));
       for (const v of body.data) {
@@ -75,6 +79,7 @@
       if ([...select.options].some((o) => o.value === keep)) select.value = keep;
     } catch (err) {
       setStatus("nv-status", `voices: ${err.message}`);
+      setConn("error", `voices: ${err.message}`); // beside the voice list, not in the folded form
     }
     changed();
   }
@@ -84,8 +89,10 @@
   let recorder = null;
   $("nv-record").addEventListener("click", async () => {
     if (recorder && recorder.state === "recording") { recorder.stop(); return; }
+    if (!navigator.mediaDevices) { setStatus("nv-status", "microphone: needs HTTPS (or localhost)"); return; }
+    let stream = null;
     try {
-      const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+      stream = await navigator.mediaDevices.getUserMedia({ audio: true });
       const parts = [];
       const started = performance.now();
       recorder = new MediaRecorder(stream);
@@ -102,13 +109,17 @@
         $("nv-preview").src = URL.createObjectURL(recorded);
         $("nv-preview").hidden = false;
         $("nv-record").textContent = "● Record";
+        $("nv-record").setAttribute("aria-label", "Record a clip");
         setStatus("nv-status", `recorded ${state.recordingSeconds.toFixed(1)} s (${(recorded.size / 1024).toFixed(0)} KiB)`);
         changed();
       };
       recorder.start(250); // a chunk every 250 ms: the elapsed time is shown while recording
       $("nv-record").textContent = "■ Stop recording";
-      setTimeout(() => recorder && recorder.state === "recording" && recorder.stop(), 12000);
+      $("nv-record").setAttribute("aria-label", "Stop recording");
+      const mine = recorder; // an older timer must not stop a later recording
+      setTimeout(() => mine.state === "recording" && mine.stop(), 12000);
     } catch (err) {
+      if (stream) stream.getTracks().forEach((t) => t.stop()); // the microphone goes off again
       setStatus("nv-status", `microphone: ${err.message}`);
     }
   });
@@ -122,10 +133,23 @@
     form.append("file", file, file.name || `recording.${ext}`);
     form.append("transcript", $("nv-text").value);
     if ($("nv-id").value.trim()) form.append("id", $("nv-id").value.trim());
+    if (file.size > MAX_UPLOAD_BYTES) {
+      setStatus("nv-status", `error: the file is ${(file.size / 1048576).toFixed(1)} MiB; at most 20 MiB`);
+      return;
+    }
     setStatus("nv-status", "uploading…");
-    const resp = await fetch("/v1/voices", { method: "POST", body: form, headers: authHeaders() });
-    const body = await resp.json().catch(() => ({}));
-    if (!resp.ok) {
+    $("nv-upload").disabled = true; // a second click would register the id twice (409)
+    let resp, body;
+    try {
+      resp = await fetch("/v1/voices", { method: "POST", body: form, headers: authHeaders() });
+      body = await resp.json().catch(() => ({}));
+    } catch (err) {
+      resp = null;
+      body = { error: { message: `upload failed (${err.message})` } };
+    } finally {
+      $("nv-upload").disabled = false;
+    }
+    if (!resp || !resp.ok) {
       state.uploadError = (body.error && body.error.message) || `HTTP ${resp.status}`;
       setStatus("nv-status", `error: ${state.uploadError}`);
       changed();
@@ -211,11 +235,17 @@
           onPcm(pcm, data.sampleRate);
           data.close();
         },
-        error: (e) => logEvent({ type: "decoder_error", message: String(e) }),
+        error: (e) => {
+          // WebCodecs closes a decoder on error: every later decode() would throw.
+          this.failed = true;
+          logEvent({ type: "decoder_error", message: String(e) });
+          $("state").textContent = "Opus decoder failed";
+        },
       });
       this.decoder.configure({ codec: "opus", sampleRate: OPUS_RATE, numberOfChannels: 1 });
     }
     push(packet) {
+      if (this.failed || this.decoder.state !== "configured") return;
       this.decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: this.ts, data: packet }));
       this.ts += 20000; // µs: one 20 ms packet
     }
@@ -239,9 +269,12 @@
   let contextCounter = 0;
 
   function closeSocket() {
-    if (ws) ws.close();
+    if (ws) ws.close(1000);
     ws = null;
     wsReady = null;
+    state.connected = false;
+    setConn("idle", "disconnected");
+    finishTurn();
   }
 
   function connect() {
@@ -263,11 +296,14 @@
       };
       sock.onclose = (e) => {
         const why = e.code === 1008 ? "unauthorized: set the API key" : `closed (${e.code}${e.reason ? " " + e.reason : ""})`;
+        reject(new Error(why));
+        if (ws !== sock) return; // a socket replaced on purpose: the new one carries on
+        const inTurn = state.speaking;
         setConn(e.code === 1000 ? "idle" : "error", why);
         state.connected = false;
-        if (ws === sock) { ws = null; wsReady = null; }
-        reject(new Error(why));
+        ws = null; wsReady = null;
         finishTurn();
+        if (inTurn) $("state").textContent = `connection lost: ${why}`;
         changed();
       };
       sock.onopen = () => { state.connected = true; setConn("open", "connected"); changed(); };
@@ -310,6 +346,12 @@
         if (ev.code === "unauthorized") setConn("error", "unauthorized: set the API key");
         // `final`: the server refused or ended this turn's context; no `done` will come.
         if (mine && ev.final) { finishTurn(); $("state").textContent = `failed: ${ev.code}`; }
+        else if (mine && state.speaking) {
+          $("state").textContent = `streaming (server: ${ev.code}: ${ev.message})`;
+          // A refused text piece may have carried `end`: then nothing would end the turn.
+          const refused = ["invalid_message", "text_too_long", "message_too_large"].includes(ev.code);
+          if (refused && state.tokensSent === state.tokensTotal) { stop(); $("state").textContent = `failed: ${ev.code}`; }
+        }
         break;
     }
     changed();
@@ -339,15 +381,24 @@
     // LLM-like pieces: a leading space stays with its word, long words are split.
     const pieces = [];
     for (const m of text.matchAll(/\s*[^\s]+|\s+$/g)) {
-      const word = m[0];
-      for (let i = 0; i < word.length; i += 6) pieces.push(word.slice(i, i + 6));
+      // By code point: a UTF-16 cut inside an emoji would send a lone surrogate, which
+      // the server refuses (the piece, and an `end` it carried, would be lost).
+      const word = [...m[0]];
+      for (let i = 0; i < word.length; i += 6) pieces.push(word.slice(i, i + 6).join(""));
     }
     return pieces;
   }
 
+  let starting = false;
   async function speak() {
     const text = $("text").value;
-    if (!text.trim()) return;
+    if (!text.trim() || starting) return;
+    starting = true;
+    $("speak").disabled = true; // a second click while this one awaits would open a second context
+    try { await startTurn(text); } finally { starting = false; if (!state.speaking) $("speak").disabled = false; }
+  }
+
+  async function startTurn(text) {
     if (state.speaking) await stop();
     const p = getPlayer();
     if (p.ctx.state === "suspended") await p.ctx.resume();
@@ -355,7 +406,11 @@
     try { sock = await connect(); } catch (err) { setConn("error", err.message); return; }
 
     const choice = $("format").value;
-    const useOpus = choice === "opus" || (choice === "auto" && (await opusSupported()));
+    const canOpus = choice !== "pcm" && (await opusSupported());
+    if (choice === "opus" && !canOpus) {
+      logEvent({ type: "notice", message: "this browser cannot decode Opus (WebCodecs needs HTTPS or localhost): PCM instead" });
+    }
+    const useOpus = canOpus && (choice === "opus" || choice === "auto");
     contextCounter += 1;
     const cid = `demo-${Date.now().toString(36)}-${contextCounter}`;
     Object.assign(state, {

@@ -314,6 +314,21 @@ def test_a_turn_the_server_refuses_frees_the_speak_button(gateway: LiveServer) -
     assert r["state"] == "failed: voice_not_found"
 
 
+def test_emoji_in_the_text_are_never_cut_in_half(gateway: LiveServer) -> None:
+    """The page cuts long words into LLM-sized pieces: cut by UTF-16 unit, an emoji gave two
+    lone surrogates, which the server refuses (the piece lost, with an `end` it carried)."""
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await use_key_and_voice(b, "alice")
+        await b.js("""(() => { document.getElementById('text').value = 'Smile \\u{1F600}\\u{1F600}\\u{1F600}\\u{1F600} now.';
+                       document.getElementById('rate').value = 200;
+                       document.getElementById('speak').click(); })()""")
+        await b.until("demo.state.done !== null || demo.state.errors.length > 0", timeout=120)
+        return await b.js("({done: demo.state.done, errors: demo.state.errors})")
+
+    r = browse(gateway, scenario)
+    assert r["errors"] == [] and r["done"] is not None and r["done"]["audio_samples"] > 0
+
+
 def test_record_a_voice_in_the_browser_register_it_and_speak_with_it(gateway: LiveServer) -> None:
     async def scenario(b: DevTools) -> dict[str, Any]:
         await use_key_and_voice(b, "alice")
