@@ -1240,6 +1240,7 @@ class Session:
         text_ids = await asyncio.to_thread(eng.text_ids, utt.text, opts.language)
         if not text_ids:
             raise EngineError("empty_text", "nothing to speak after normalisation")
+        utt.stats.num_text_tokens = len(text_ids)
         try:
             prompt_text, prompt_speech = eng.lm_prefix(voice, opts)
         except ValueError as exc:  # e.g. an empty instruction

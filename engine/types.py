@@ -82,6 +82,8 @@ class UtteranceStats:
     first_audio_at: float | None = None
     finished_at: float | None = None
     num_speech_tokens: int = 0
+    # The text tokens the LM read for it (normalised; 0 for text-in streaming).
+    num_text_tokens: int = 0
     num_samples: int = 0
     chunks: int = 0
     # The speech tokens the utterance was voiced from (after silence capping).

@@ -591,7 +591,9 @@ async def create_speech(request: Request) -> Response:
                 yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()}) \
                     if req.stream_format == "sse" else tail
             if req.stream_format == "sse":
-                input_tokens = await asyncio.to_thread(_count_text_tokens, engine, req.input)
+                # What the engine read for each piece; normalised again only if it cannot say.
+                input_tokens = (sum(s.num_text_tokens for s in stats if s is not None)
+                                or await asyncio.to_thread(_count_text_tokens, engine, req.input))
                 counted = sum(s.num_speech_tokens or 0 for s in stats if s is not None)
                 output_tokens = counted or round(samples * 25 / sample_rate)
                 yield _sse({
