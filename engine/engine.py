@@ -1385,7 +1385,10 @@ class Session:
                 busy_floor, sched.initial_hop = cfg.initial_hop, lowest
         while not utt.cancelled:
             lm_finished = lm_task.done()
-            spare = self._patience_left(utt, sched.offset) if may_wait else None
+            # A failed LM has not ended the utterance: no patient final chunk then. The
+            # schedule's chunks use the tokens made, and its error goes out after them.
+            lm_failed = lm_finished and (lm_task.cancelled() or lm_task.exception() is not None)
+            spare = self._patience_left(utt, sched.offset) if may_wait and not lm_failed else None
             if spare is None and sched.index == 0:
                 self._first_chunk_awaited(utt)
             patient = spare is not None and len(tokens) > sched.offset

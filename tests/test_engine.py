@@ -585,3 +585,34 @@ def test_cross_lingual_length_limits_count_the_system_prefix(tiny_model_dir):
         assert seen["cross_lingual"].min_tokens == int((text + prefix) * lm.min_token_text_ratio)
 
     run(tiny_model_dir, fn, warmup=False)
+
+
+def test_an_lm_failure_behind_patience_is_an_error_not_a_shorter_utterance(tiny_model_dir):
+    """With `chunk_patience_s` a session's second utterance, queued behind seconds of the
+    first's audio, waits for its LM's end to go as one chunk. An LM that raises after 40 of
+    its tokens has not ended: the utterance must end with the LM's error, not as a finished
+    40-token utterance."""
+    def tokens(n: int, fail_after: int | None = None):
+        async def generate(request):
+            for i in range(n):
+                if i == fail_after:
+                    raise RuntimeError("the LM died")
+                yield 100 + i % 50
+        return generate
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        scripts = iter([tokens(300), tokens(60, fail_after=40)])
+        engine.backend.generate = lambda request: next(scripts)(request)
+        s = engine.open_session(voice, SessionOptions(seed=0))
+        first, second = await s.submit("first"), await s.submit("second")
+        await s.finish()
+        events = await collect(s)
+        return {u: [e for e in events if e.utterance_id == u] for u in (first, second)}, engine.stats()
+
+    by_utterance, stats = run(tiny_model_dir, fn, warmup=False, chunk_patience_s=1.0)
+    first, second = by_utterance.values()
+    assert sum(e.pcm.size for e in first) == 300 * TOKEN_SAMPLES and first[-1].is_last
+    assert isinstance(second[-1], UtteranceError)
+    assert not any(isinstance(e, AudioChunk) and e.is_last for e in second)
+    assert sum(e.pcm.size for e in second if isinstance(e, AudioChunk)) < 40 * TOKEN_SAMPLES
