@@ -212,3 +212,22 @@ def test_async_scheduling_engine_is_refused(lm: CosyVoice3LM) -> None:
     with pytest.raises(RuntimeError, match="async_scheduling=False"):
         _collect(backend, _request(), [[200 + i] for i in range(10)])
     assert sim.chunks == 0
+
+
+def test_cosyvoice2_stream_equals_torch_reference() -> None:
+    """CosyVoice2 has three reserved rows (eos, an unused one, fill): the id the processor
+    draws on a desync must be the unused one, not fill, or every fill raised."""
+    from engine.backends.vllm_backend import bistream_spec, desync_id, eos_id
+    from engine.models.cv2_config import cv2_model_config
+    from engine.models.cv2_lm import Qwen2LM
+
+    lm = init_random_(Qwen2LM(cv2_model_config("tiny").lm), seed=0).eval()
+    vocab = unified_vocab(lm.cfg)
+    assert (eos_id(vocab), desync_id(vocab), bistream_spec(vocab).fill) == (6561, 6562, 6563)
+    req = BistreamRequest("r", (100, 101, 102), tuple(range(40, 63)), SamplingParams(greedy=True),
+                          LengthLimits(fixed_ratio=2.0))
+    arrivals = [[200 + i] for i in range(26)]
+    backend, sim = _backend(lm)  # type: ignore[arg-type]
+    got = _collect(backend, req, arrivals)
+    assert got == reference(lm, req, arrivals)[0] and len(got) >= 52  # type: ignore[arg-type]
+    assert sim.chunks >= 3 and backend.num_active() == 0

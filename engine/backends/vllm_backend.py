@@ -120,10 +120,20 @@ def bistream_spec(vocab: UnifiedVocab) -> BistreamSpec:
     return BistreamSpec(sos=sts, task_id=sts + 2, fill=sts + 3, speech_token_size=sts, text_offset=vocab.text_offset)
 
 
+def eos_id(vocab: UnifiedVocab) -> int:
+    """The id that ends an utterance: CosyVoice2's first reserved row; CosyVoice3's second
+    (its first is sos)."""
+    sts = vocab.speech_token_size
+    return sts if getattr(vocab, "extra_rows", 0) else sts + 1
+
+
 def desync_id(vocab: UnifiedVocab) -> int:
-    """A reserved id no model ever needs (the last stop row): the logits processor
-    draws it when a bistream chunk does not fit its context, and the client raises."""
-    return vocab.speech_vocab_size - 1
+    """A reserved row the model never needs (not eos, fill, sos or task_id; CosyVoice2 has
+    three reserved rows, the last of them fill): the logits processor draws it when a
+    bistream chunk does not fit its context, and the client raises."""
+    spec = bistream_spec(vocab)
+    used = {eos_id(vocab), spec.fill, spec.sos, spec.task_id}
+    return max(i for i in range(vocab.speech_token_size, vocab.speech_vocab_size) if i not in used)
 
 
 def bistream_chunk_kwargs(st: BistreamState, run: Run, sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -157,7 +167,7 @@ def bistream_chunk_kwargs(st: BistreamState, run: Run, sp: SamplingParams, vocab
         fixed = st.limits.fixed_ratio is not None
         min_tokens = high if fixed else min(low, high)
         ras = RASArgs(**common, min_tokens=min_tokens, mask_stops=fixed,
-                      force_at=high, force_id=vocab.speech_token_size + 1)  # eos at the length limit
+                      force_at=high, force_id=eos_id(vocab))  # eos at the length limit
         stops, ignore_eos = list(range(vocab.speech_token_size, vocab.speech_vocab_size)), False
     # vLLM 0.26 keeps the first chunk's torch.Generator for the whole request (a re-added
     # streaming row is not re-seeded), so only the first chunk's seed matters there;
