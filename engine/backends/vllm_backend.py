@@ -71,6 +71,9 @@ class VLLMEngineSettings:
     # ("below_normal": when both have kernels waiting, the GPU runs the audio stage's
     # first; None: MPS's default, normal). See `engine.mps`.
     mps_priority: MPSPriority | None = None
+    # AsyncEngineArgs fields set over the ones above (benchmarks: vLLM's profiler, or no
+    # logits processor to price it); empty in the product.
+    engine_args: tuple[tuple[str, Any], ...] = ()
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -197,7 +200,8 @@ class VLLMBackend:
                  max_num_seqs: int = 128, enforce_eager: bool = False, seed: int = 0,
                  dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False,
                  start_in_thread: bool = False, mps_thread_percent: int | None = None,
-                 mps_priority: MPSPriority | None = None) -> None:
+                 mps_priority: MPSPriority | None = None,
+                 engine_args: dict[str, Any] | None = None) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -208,7 +212,8 @@ class VLLMBackend:
                                            enforce_eager=enforce_eager, seed=seed, dtype=dtype,
                                            async_scheduling=async_scheduling, timing=timing,
                                            start_in_thread=start_in_thread,
-                                           mps_thread_percent=mps_thread_percent, mps_priority=mps_priority)
+                                           mps_thread_percent=mps_thread_percent, mps_priority=mps_priority,
+                                           engine_args=tuple((engine_args or {}).items()))
         self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
@@ -226,11 +231,15 @@ class VLLMBackend:
             return
         # FlashInfer's sampler is not in the GPU bundle; vLLM's torch sampler is used.
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        # vLLM forks its engine core unless CUDA is initialised already. A fork after torch
+        # ran CPU work on its OpenMP pool hangs the child in its first parallel region (seen
+        # on the H200 with the LM built on the CPU first), so always spawn.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
-        args = AsyncEngineArgs(
+        fields: dict[str, Any] = dict(
             model=str(self.export_dir),
             skip_tokenizer_init=True,
             dtype=s.dtype,
@@ -246,6 +255,7 @@ class VLLMBackend:
             # With `timing` our logger is the only one (vLLM's periodic log lines stay off).
             disable_log_stats=True,
         )
+        args = AsyncEngineArgs(**{**fields, **dict(s.engine_args)})
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
         build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
         with child_env(mps_client_env(s.mps_thread_percent, s.mps_priority)):
