@@ -12,6 +12,7 @@ from typing import Literal, get_args
 
 import torch
 
+from .chunking import GRID
 from .first_chunk import OpeningRate
 from .mps import MPSPriority
 
@@ -320,6 +321,11 @@ class EngineConfig:
         if self.stage_policy not in get_args(StagePolicy):
             raise ValueError(f"stage_policy must be one of {', '.join(get_args(StagePolicy))}, "
                              f"not {self.stage_policy!r}")
+        if self.max_hop < GRID or self.max_hop % GRID:
+            raise ValueError(f"max_hop must be a multiple of {GRID} tokens (chunks end on the flow's attention "
+                             f"blocks), at least {GRID}, not {self.max_hop}")
+        if self.max_gpu_batch < 1:
+            raise ValueError(f"max_gpu_batch must be >= 1, not {self.max_gpu_batch}")
         if self.lm_max_batch < 1:
             raise ValueError(f"lm_max_batch must be >= 1 (utterances beyond it wait for a slot), not {self.lm_max_batch}")
         if self.idle_initial_hop < 0 or self.first_chunk_min_hop < 0 or self.first_chunk_min_hop_crowd < 0:

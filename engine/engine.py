@@ -1438,8 +1438,10 @@ class Session:
                         cached = eng._cached_prompt_frames(P)
                         frames = self._chunk_frames(0, sched.initial_hop, cached, flow_cfg)
                         round_s = eng.stage.round_estimate(stream, frames, cached)
-                    eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * _lm_step(utt),
-                                                 round_s)
+                    step = _lm_step(utt)
+                    if math.isfinite(step):  # no rate yet before the LM's fourth token
+                        eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * step,
+                                                     round_s)
                 more.clear()
                 await more.wait()
                 continue

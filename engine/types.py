@@ -6,6 +6,7 @@ with `AudioChunk`s and `UtteranceEvent`s on that session's stream.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -53,6 +54,15 @@ class SessionOptions:
     # A language hint (BCP-47-ish: "en", "zh-CN"): which grammar normalises the text
     # (`Engine.text_ids`); None detects it from the text.
     language: str | None = None
+
+    def __post_init__(self) -> None:
+        # Refused here, not in a stage batch where one bad utterance failed its batch-mates.
+        if not (math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"speed must be a finite number > 0, not {self.speed}")
+        if self.initial_hop is not None and self.initial_hop < 0:
+            raise ValueError(f"initial_hop must be >= 0, not {self.initial_hop}")
+        if self.max_hop is not None and (self.max_hop < 25 or self.max_hop % 25):
+            raise ValueError(f"max_hop must be a multiple of 25 tokens, at least 25, not {self.max_hop}")
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,13 @@ def test_a_patient_chunk_stays_within_the_schedules_shapes(prompt, offset, extra
     else:
         assert end - offset <= max_hop and (prompt + end) % GRID == 0
         assert max_hop - (end - offset) < GRID  # the furthest boundary within max_hop
+
+
+def test_session_options_refuse_what_would_fail_a_batch_or_stall_a_schedule() -> None:
+    from engine.types import SessionOptions
+
+    for bad in ({"speed": 0.0}, {"speed": -1.0}, {"speed": float("nan")}, {"speed": float("inf")},
+                {"initial_hop": -1}, {"max_hop": 0}, {"max_hop": 60}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SessionOptions(**bad)
+    assert SessionOptions(speed=0.25, initial_hop=0, max_hop=25).max_hop == 25

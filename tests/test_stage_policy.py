@@ -355,7 +355,10 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
                             ("--engine.first-chunk-hold-share", "nan", "first_chunk_hold_share"),
                             ("--engine.chunk-patience-s", "-1", "chunk_patience_s"),
                             ("--engine.chunk-patience-s", "nan", "chunk_patience_s"),
-                            ("--engine.vllm-mps-priority", "high", "vllm_mps_priority")):
+                            ("--engine.vllm-mps-priority", "high", "vllm_mps_priority"),
+                            ("--engine.max-hop", "0", "max_hop"),  # zero-token chunks, forever
+                            ("--engine.max-hop", "60", "max_hop"),  # chunks off the attention blocks
+                            ("--engine.max-gpu-batch", "0", "max_gpu_batch")):  # a stage loop that never waits
         s, _ = load_settings([flag, bad], environ={})
         with pytest.raises(ValueError, match=name):
             engine_config(s, tmp_path)
