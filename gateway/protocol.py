@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
 from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
-from .segmenter import Segment, Segmenter, SegmenterConfig
+from .segmenter import Segment, SegmentReason, Segmenter, SegmenterConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,12 @@ class WsLimits:
     max_lag_s: float = field(default=10.0, metadata={"help": "close a socket (4001) whose oldest queued frame waited this long"})
     idle_timeout_s: float = field(default=300.0, metadata={"help": "close (4000) after this long without client messages or active contexts"})
     keepalive_interval_s: float = field(default=20.0, metadata={"help": "server keepalive event after this much silence (0 = off)"})
+    stream_idle_s: float = field(
+        default=10.0,
+        metadata={"help": "stream mode: end the open streamed utterance after this long without new text (its "
+                          "LM request holds a batch slot while it waits); the sentence's later words start the "
+                          "next one (0 = never)"},
+    )
     per_message_deflate: bool = field(
         default=False,
         metadata={"help": "accept permessage-deflate compression (off: audio does not compress, and deflating "
@@ -50,8 +56,9 @@ class WsLimits:
                      "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ws.{name} must be > 0, not {getattr(self, name)}")
-        if not self.keepalive_interval_s >= 0:
-            raise ValueError(f"ws.keepalive_interval_s must be >= 0 (0 = off), not {self.keepalive_interval_s}")
+        for name in ("keepalive_interval_s", "stream_idle_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"ws.{name} must be >= 0 (0 = off), not {getattr(self, name)}")
 
 
 # ---- close codes and error codes ------------------------------------------------------
@@ -572,6 +579,15 @@ class StreamCutter:
             self.fed += cut
         return out
 
+    def close_open(self, cid: str, reason: SegmentReason) -> list[StreamText]:
+        """End the open utterance where the text handed out ends (its client went quiet
+        mid-sentence); the rest of the sentence opens the next one when it comes."""
+        if not self.open:
+            return []
+        self.open = False
+        self.index += 1
+        return [StreamText(cid, self.index - 1, self.fed, "", close=True, reason=reason)]
+
 
 @dataclass
 class ContextState:
@@ -631,6 +647,14 @@ class ConnectionState:
                     out += self._end(cid)
             return out + [CloseAfterDrain()]
         return []  # keepalive
+
+    def stream_idle(self, context_id: str) -> list[Command]:
+        """The I/O layer reports that a stream-mode context's open utterance got no text
+        for `stream_idle_s`: end that utterance (its words so far are spoken)."""
+        ctx = self.contexts.get(context_id)
+        if ctx is None or ctx.ended or ctx.cutter is None:
+            return []
+        return list(ctx.cutter.close_open(context_id, "idle"))
 
     def context_finished(self, context_id: str) -> None:
         """The I/O layer reports that a context is over (done, cancelled or failed to start)."""

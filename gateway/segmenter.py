@@ -34,7 +34,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Literal
 
-SegmentReason = Literal["sentence", "clause", "max", "flush", "end", "stream"]  # stream: ws stream mode
+# stream, idle: ws stream mode (a streamed utterance still open; one ended by `stream_idle_s`)
+SegmentReason = Literal["sentence", "clause", "max", "flush", "end", "stream", "idle"]
 
 # Sentence terminators that need a following whitespace to count (Latin usage).
 _LATIN_SENTENCE = frozenset(".!?;…")

@@ -278,6 +278,7 @@ class _StreamSegment:
     feed: Any  # engine.text_stream.TextFeed
     text: str = ""
     reason: str = "stream"
+    text_at: float = field(default_factory=time.monotonic)  # when its last words came
 
     def snapshot(self) -> Segment:
         return Segment(self.index, self.text, self.start, self.start + len(self.text), self.reason)  # type: ignore[arg-type]
@@ -433,6 +434,8 @@ class _Connection:
             periods = [0.5, limits.max_lag_s / 4, limits.idle_timeout_s / 4]
             if limits.keepalive_interval_s > 0:
                 periods.append(limits.keepalive_interval_s / 2)
+            if limits.stream_idle_s > 0:
+                periods.append(limits.stream_idle_s / 4)
             if self.stats_interval_s > 0:
                 periods.append(self.stats_interval_s / 2)
             await asyncio.sleep(max(0.02, min(periods)))
@@ -441,6 +444,7 @@ class _Connection:
                 self._slow_consumer(f"lag {self.writer.lag():.1f}s")
                 return
             await self._end_failed_contexts()
+            await self._end_idle_streams(now)
             if not self.state.contexts and now - self.last_client_at > limits.idle_timeout_s:
                 self.request_close(CLOSE_IDLE, "idle timeout", drain=True)
                 return
@@ -455,6 +459,19 @@ class _Connection:
             if self.stats_interval_s > 0 and now - self.last_stats_at >= self.stats_interval_s:
                 self.last_stats_at = now
                 self.send_event(self._stats())
+
+    async def _end_idle_streams(self, now: float) -> None:
+        """Stream mode: an utterance whose client went quiet mid-sentence ends with the
+        words it has (`stream_idle_s`), so that its LM request does not hold a batch slot
+        for as long as the socket lives."""
+        idle_s = self.limits.stream_idle_s
+        if idle_s <= 0:
+            return
+        for rt in list(self.contexts.values()):
+            cur = rt.streaming
+            if cur is not None and not rt.cancelled and now - cur.text_at > idle_s:
+                for cmd in self.state.stream_idle(rt.cid):
+                    await self._execute(cmd)
 
     def _stats(self) -> dict[str, Any]:
         engine_stats: dict[str, Any] = {}
@@ -618,6 +635,7 @@ class _Connection:
             rt.pending.append(("utt", uid, cur))
             rt.segments_submitted += 1
         cur.text += cmd.text
+        cur.text_at = time.monotonic()
         # The cutter hands out text up to a whitespace (`StreamCutter`): a word that is
         # complete, which the LM may read now rather than with the next word.
         cur.feed.append(cmd.text, word_end=True)

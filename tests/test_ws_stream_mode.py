@@ -184,3 +184,45 @@ def test_websocket_stream_mode_a_segment_that_cannot_open_fails_once(server: Any
     segs = rec.of("segment_started", "f")
     assert [s["segment_index"] for s in segs] == [1] and segs[0]["text"].strip().startswith("Then")
     assert rec.of("done", "f")[0]["audio_samples"] > 0
+
+
+def test_stream_mode_idle_ends_the_open_utterance_and_the_sentence_goes_on() -> None:
+    st = _state()
+    _text(st, "Hello there my ", text_mode="stream")
+    assert st.stream_idle("c") == [StreamText("c", 0, 14, "", close=True, reason="idle")]
+    assert st.stream_idle("c") == []  # nothing open now
+    out = _streamed(_text(st, "friend. Bye "))
+    # The sentence's rest is the next utterance; no character is handed out twice.
+    assert out == [StreamText("c", 1, 14, " friend.", close=True, reason="sentence"), StreamText("c", 2, 22, " Bye")]
+    assert st.stream_idle("unknown") == []
+
+
+def test_websocket_stream_mode_a_quiet_client_does_not_hold_the_lm(server: Any, monkeypatch: Any) -> None:  # noqa: F811
+    """A client that stops mid-sentence: after `stream_idle_s` its open utterance ends
+    with the words it has, so its LM request ends instead of waiting for text for as long
+    as the socket lives; the sentence's later words open the next utterance."""
+    import asyncio
+    import dataclasses
+
+    limits = server.gw.settings.ws
+    monkeypatch.setattr(server.gw.settings, "ws", dataclasses.replace(limits, stream_idle_s=0.3))
+    backend = server.gw.engine.backend
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with __import__("websockets").connect(server.url) as ws:
+            await send(ws, type="text", context_id="q", text="The client stops in the middle of ", text_mode="stream")
+            await receive_until(ws, rec, lambda r: bool(r.of("segment_started", "q")))
+            assert backend.num_active() == 1  # speaking the words it has, then waiting for more
+            async with asyncio.timeout(30):  # the request ends once the idle close ended its text
+                while backend.num_active():
+                    await asyncio.sleep(0.02)
+            await send(ws, type="text", context_id="q", text="a sentence.", end=True)
+            await receive_until(ws, rec, has_done("q"))
+        return rec
+
+    rec = run(main())
+    segs = rec.of("segment_started", "q")
+    assert [s["segment_index"] for s in segs] == [0, 1]
+    assert segs[0]["text"] == "The client stops in the middle of" and segs[1]["text"] == " a sentence."
+    assert rec.of("done", "q")[0]["segments"] == 2 and not rec.of("error", "q")
