@@ -156,8 +156,15 @@ class GatewayClient:
     async def configure(self, **settings: Any) -> None:
         await self.send({"type": "config", **settings})
 
+    @property
+    def connected(self) -> bool:
+        """False once the socket closed (by either side): no context can start then."""
+        return not self._reader.done()
+
     def context(self, context_id: str) -> Context:
         """A handle for ``context_id`` (opened on the server by its first text)."""
+        if not self.connected:
+            raise ConnectionError("the gateway connection is closed")
         ctx = Context(self, context_id)
         self._contexts[context_id] = ctx
         return ctx
@@ -191,13 +198,16 @@ class GatewayClient:
                     self.session = ev
                     self._started.set()
                     continue
-                ctx = self._contexts.get(ev.get("context_id", ""))
+                cid = ev.get("context_id", "")
+                ctx = self._contexts.get(cid)
                 if ctx is None:
                     self.events.put_nowait(ev)
                 elif ev.get("type") == "audio":
                     ctx._deliver(base64.b64decode(ev["data"]))
                 else:
                     ctx._deliver(ev)
+                    if ctx.finished:  # its id may be opened again; a long-lived client keeps no handles
+                        del self._contexts[cid]
         except websockets.ConnectionClosed:
             pass
         finally:

@@ -33,6 +33,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -97,7 +98,19 @@ class CallEnded:
     reason: str  # "stop" (Twilio hung up) or "closed"
 
 
-BridgeEvent = SegmentPlayed | TurnError | CallEnded
+@dataclass(frozen=True)
+class GatewayLost:
+    """The gateway socket closed under the call (a deploy drained it, its engine failed,
+    the network broke): nothing more can be spoken on this bridge; `say` raises."""
+
+    code: int | None
+    reason: str
+
+
+BridgeEvent = SegmentPlayed | TurnError | CallEnded | GatewayLost
+
+# Under the gateway's idle timeout (300 s by default): a call may be silent for minutes.
+KEEPALIVE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -164,10 +177,14 @@ class TwilioBridge:
     or interrupted turn opens the next one (``turn-1``, ``turn-2``, ... unless named).
     """
 
-    def __init__(self, send_twilio: SendText, gateway: GatewayClient, *, owns_gateway: bool = False) -> None:
+    def __init__(self, send_twilio: SendText, gateway: GatewayClient, *, owns_gateway: bool = False,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self._send_twilio = send_twilio
         self.gateway = gateway
         self._owns_gateway = owns_gateway
+        # Context ids on the gateway socket: unique per bridge, so calls that share one
+        # client never take each other's turns ("turn-1" is every call's first turn).
+        self._context_prefix = f"{uuid.uuid4().hex[:8]}-"
         self.call: CallInfo | None = None
         self.events: asyncio.Queue[BridgeEvent] = asyncio.Queue()
         self._started = asyncio.Event()
@@ -180,6 +197,8 @@ class TwilioBridge:
         self._turn_count = 0
         self._marks: dict[str, tuple[_Turn, _Segment]] = {}
         self.closed = False
+        self._keepalive = asyncio.create_task(self._keep_alive(keepalive_s), name="twilio-keepalive")
+        gateway._reader.add_done_callback(self._gateway_closed)
 
     @classmethod
     async def connect(
@@ -263,6 +282,8 @@ class TwilioBridge:
         """
         if self.closed:
             raise RuntimeError("the call has ended")
+        if not self.gateway.connected:
+            raise ConnectionError("the gateway connection is closed")
         turn = self._turn
         open_now = turn is not None and not turn.ended and not turn.cleared
         if turn_id is not None and turn_id in self._contexts and not (open_now and turn_id == turn.turn_id):
@@ -271,9 +292,19 @@ class TwilioBridge:
             # gateway context, whose events the old turn's forwarder would never see.
             return turn_id
         if turn is None or turn.ended or turn.cleared or (turn_id is not None and turn_id != turn.turn_id):
+            if open_now:  # a new turn named while one is open: that one has no more text
+                await self.end_turn()
             turn = self._open_turn(turn_id)
-            # Pinned per turn, so a shared or differently configured client works too.
-            await turn.ctx.send_text(text, **overrides, **TURN_FORMAT)
+            try:
+                # Pinned per turn, so a shared or differently configured client works too.
+                await turn.ctx.send_text(text, **{**overrides, **TURN_FORMAT})
+            except BaseException:
+                # Never opened on the gateway: no audio will come, and the next turn must
+                # not wait behind this one (nor get this one's text without its overrides).
+                turn.ended = turn.finished = True
+                if turn.forwarder is not None:
+                    turn.forwarder.cancel()
+                raise
         else:
             await turn.ctx.send_text(text)
         return turn.turn_id
@@ -355,7 +386,7 @@ class TwilioBridge:
         self._turns = [t for t in self._turns if t.playing]
         self._turn_count += 1
         tid = turn_id or f"turn-{self._turn_count}"
-        turn = _Turn(tid, self.gateway.context(tid))
+        turn = _Turn(tid, self.gateway.context(self._context_prefix + tid))
         self._contexts[tid] = turn.ctx
         after = previous.forwarder if previous is not None else None
         turn.forwarder = asyncio.create_task(self._forward(turn, after), name=f"twilio-{tid}")
@@ -387,6 +418,11 @@ class TwilioBridge:
                 elif kind == "done":
                     turn.finished = True
                     await self._close_open_segment(turn, pad=True)
+                    last = turn.segments[-1] if turn.segments else None
+                    if last is not None and last.played and not turn.cleared:
+                        # Heard before the turn was known to end (a flush marked it): the
+                        # whole reply was heard, which only `last` says.
+                        self.events.put_nowait(SegmentPlayed(turn.turn_id, last.index, last.text, last.text_end, True))
                 elif kind == "cancelled":
                     turn.finished = True
                 elif kind == "error":
@@ -440,10 +476,27 @@ class TwilioBridge:
                 self._marks[name] = (turn, seg)
                 await self._send({"event": "mark", "streamSid": self.call.stream_sid if self.call else "", "mark": {"name": name}})
 
+    async def _keep_alive(self, period_s: float) -> None:
+        """The gateway closes a socket without active contexts after its idle timeout; a
+        call may be silent that long (hold, a slow tool)."""
+        if period_s <= 0:
+            return
+        while not self.closed and self.gateway.connected:
+            await asyncio.sleep(period_s)
+            with contextlib.suppress(Exception):
+                await self.gateway.send({"type": "keepalive"})
+
+    def _gateway_closed(self, _reader: asyncio.Task) -> None:
+        if self.closed:
+            return
+        ws = self.gateway.ws
+        self.events.put_nowait(GatewayLost(getattr(ws, "close_code", None), str(getattr(ws, "close_reason", "") or "")))
+
     async def _shutdown(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
+        self._keepalive.cancel()
         self._started.set()  # release forwarders waiting for `start`
         turns = [t for t in self._turns if not t.finished]
         for t in turns:

@@ -28,7 +28,7 @@ import websockets
 from gateway.app import create_app
 from gateway.audio import ulaw_decode, ulaw_encode
 from gateway.settings import EngineSettings, Settings
-from gateway.twilio import CallEnded, SegmentPlayed, TurnError, TwilioBridge
+from gateway.twilio import CallEnded, GatewayLost, SegmentPlayed, TurnError, TwilioBridge
 from helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -378,3 +378,76 @@ def test_flush_marks_the_text_spoken_so_far(gateway_url: str) -> None:
     assert tw.marks() == ["turn-1/0"]
     assert tw.sent[-1]["event"] == "mark" and sum(m["event"] == "media" for m in tw.sent) > 0
     assert isinstance(played, SegmentPlayed) and played.text == "Let me check that" and not played.last
+
+
+def test_two_calls_on_one_shared_gateway_client_keep_their_own_turns(gateway_url: str) -> None:
+    """Every call's first turn is "turn-1": on one shared client the gateway contexts must
+    still be apart, or one call got both callers' speech and the other none."""
+    from gateway.client import GatewayClient
+
+    async def main() -> tuple[TwilioSide, TwilioSide, int]:
+        client = await GatewayClient.connect(gateway_url, api_key=API_KEY)
+        sides = [TwilioSide(), TwilioSide()]
+        bridges = [TwilioBridge(side.send, client) for side in sides]
+        for bridge, text in zip(bridges, ("The first caller hears this.", "The second caller hears that one.")):
+            await bridge.handle_twilio(START)
+            await bridge.say(text)
+            await bridge.end_turn()
+        for side in sides:
+            await side.wait_for(lambda sent: any(m["event"] == "mark" for m in sent))
+        for bridge in bridges:
+            await bridge.wait_turn_sent(60)
+            await bridge.aclose()
+        left = len(client._contexts)
+        await client.aclose()
+        return sides[0], sides[1], left
+
+    first, second, left = asyncio.run(main())
+    assert first.marks() == ["turn-1/0"] and second.marks() == ["turn-1/0"]
+    media = [sum(m["event"] == "media" for m in side.sent) for side in (first, second)]
+    assert all(n > 0 for n in media) and media[0] != media[1]  # each its own sentence's audio
+    assert left == 0  # finished turns leave no handle on the shared client
+
+
+def test_a_lost_gateway_is_reported_and_say_refuses(gateway_url: str) -> None:
+    async def main() -> tuple[Any, Any]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        await bridge.gateway.ws.close()  # the network or a deploy ends the gateway socket
+        lost = await asyncio.wait_for(bridge.events.get(), 10)
+        with pytest.raises(ConnectionError):
+            await bridge.say("Nobody will hear this.")
+        speaking = bridge.speaking
+        await bridge.aclose()
+        return lost, speaking
+
+    lost, speaking = asyncio.run(main())
+    assert isinstance(lost, GatewayLost) and not speaking
+
+
+def test_a_new_turn_id_ends_the_open_turn_and_the_last_segment_is_reported_last(gateway_url: str) -> None:
+    """Naming a new turn while one is open ends that one, so the new one is not stuck
+    behind it; a turn whose last segment was heard before it ended (a flush marked it)
+    still reports `last`."""
+    async def main() -> tuple[TwilioSide, list[Any]]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        await bridge.say("Hi there. How", turn_id="a")
+        await bridge.say("Next reply, please wait", turn_id="b")
+        await bridge.flush()
+        await tw.wait_for(lambda sent: any(n.startswith("b/") for n in tw.marks()))
+        for name in tw.marks():
+            await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
+        await bridge.end_turn()
+        events: list[Any] = []
+        while not any(isinstance(e, SegmentPlayed) and e.turn_id == "b" and e.last for e in events):
+            events.append(await asyncio.wait_for(bridge.events.get(), 30))
+        await bridge.aclose()
+        return tw, events
+
+    tw, events = asyncio.run(main())
+    assert [n.split("/")[0] for n in tw.marks()][-1] == "b" and any(n.startswith("a/") for n in tw.marks())
+    played_b = [e for e in events if isinstance(e, SegmentPlayed) and e.turn_id == "b"]
+    assert [e.last for e in played_b] == [False, True] and played_b[0].text == played_b[1].text
