@@ -21,6 +21,7 @@ text tokens a request, so the prefix cache holds only what it holds in the gatew
 
 Variants, one per process (`--variant`):
   default  the product's engine settings
+  compiled the RAS processor's per-step function compiled (`engine.vllm_compile_sampling`)
   noseed   requests without a seed (vLLM's sampler then keeps no generator per request)
   nolp     no logits processor: prices the RAS processor (tokens are then any id, not speech)
   async    vLLM's async scheduling (the product keeps it off: text-in streaming needs it off)
@@ -46,7 +47,7 @@ from engine.backends.vllm_backend import VLLMBackend
 from engine.backends.vllm_export import export_from_module, speech_head_plugin_installed
 from engine.models.lm import build_prompt, unified_vocab
 
-VARIANTS = ("default", "noseed", "nolp", "async")
+VARIANTS = ("default", "compiled", "noseed", "nolp", "async")
 PROMPT_TEXT_TOKENS = 15
 TEXT_TOKENS = 30
 PROMPT_SPEECH_TOKENS = 106
@@ -166,7 +167,10 @@ async def spied(args: argparse.Namespace, phase: str, run_once: Any) -> dict[str
             "pyspy_rc": spy.returncode, "pyspy_log": spy_log}
 
 
-async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any) -> dict[str, Any]:
+async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any, res: dict[str, Any],
+              save: Any) -> None:
+    """Fills `res`, saved after each phase: a run cut short (vLLM's profiler can take
+    long to write its trace) keeps what it measured."""
     engine_args: dict[str, Any] = {}
     if args.variant == "nolp":
         engine_args["logits_processors"] = []
@@ -177,10 +181,11 @@ async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any) 
         engine_args["profiler_config"] = ProfilerConfig(profiler="torch", torch_profiler_dir=str(profile_dir),
                                                         torch_profiler_with_stack=False, ignore_frontend=True)
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem, max_num_seqs=args.max_num_seqs,
-                          async_scheduling=args.variant == "async", timing=True, engine_args=engine_args)
+                          async_scheduling=args.variant == "async", timing=True, engine_args=engine_args,
+                          compile_sampling=args.variant == "compiled")
     t = time.perf_counter()
     await backend.start()
-    res: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t, 1)}
+    res["engine_start_s"] = round(time.perf_counter() - t, 1)
     log(f"engine started in {res['engine_start_s']} s")
     seed = None if args.variant == "noseed" else 1234
     prompts = Prompts(cfg, args.seed)
@@ -200,22 +205,25 @@ async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any) 
             "decode_ms_per_token": round(1000 * d["lm_server_decode_seconds"] / max(1, d["lm_server_decode_tokens"]), 3),
             "first_token_ms": round(1000 * d["lm_server_first_token_seconds"] / max(1, d["lm_server_first_tokens"]), 3)}
     log(f"first chunks: {json.dumps(res['first_chunk'])}")
+    save()
     res["decode"] = await decode(backend, prompts, args.decode_tokens, seed, "decode")
     log(f"decode: {json.dumps(res['decode'])}")
+    save()
     if args.pyspy:
         res["pyspy_first_chunk"] = await spied(
             args, "first_chunk", lambda i: stream_times(backend, prompts.next(), args.chunk_tokens, seed, f"spy-c{i}"))
         res["pyspy_decode"] = await spied(
             args, "decode", lambda i: stream_times(backend, prompts.next(), args.decode_tokens, seed, f"spy-d{i}"))
         log(f"py-spy: {res['pyspy_first_chunk'].get('runs')} first chunks, {res['pyspy_decode'].get('runs')} decodes")
+        save()
     if args.profile:
         await backend._llm.start_profile()
         await first_chunks(backend, prompts, args.profile_requests, args.chunk_tokens, seed, "prof")
         await decode(backend, prompts, 100, seed, "prof-decode")
         await backend._llm.stop_profile()
         res["profile_dir"] = profile_dir.name
+        save()
     await backend.close()
-    return res
 
 
 def main() -> None:
@@ -254,14 +262,18 @@ def main() -> None:
     result: dict[str, Any] = {"variant": args.variant, "args": vars(args), "torch": torch.__version__,
                               "prompt_tokens": PROMPT_TEXT_TOKENS + TEXT_TOKENS + PROMPT_SPEECH_TOKENS + 2}
     path = Path(args.out) / f"lm_step_{args.variant}.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1))
+
     try:
-        result.update(asyncio.run(run(args, export_dir, cfg, vocab)))
+        asyncio.run(run(args, export_dir, cfg, vocab, result, save))
     except Exception:
         import traceback
 
         result["error"] = traceback.format_exc()
         log("failed:\n" + result["error"])
-    path.write_text(json.dumps(result, indent=1))
+    save()
     sys.exit(2 if "error" in result else 0)
 
 

@@ -304,6 +304,11 @@ class EngineConfig:
     # (round 16 of docs/benchmarks.md): no faster opening round, vLLM 1.6x slower, as under
     # MPS without it. None: normal.
     vllm_mps_priority: MPSPriority | None = None
+    # Run the RAS sampler's ~30 operators (`ras_logits.ras_log_probs`) compiled in vLLM's
+    # engine core: eager they were ~1 ms of host time in each 3.2-3.5 ms decode step at one
+    # stream (round 33 of docs/benchmarks.md; without the processor the first chunk's 11
+    # tokens came 10 ms sooner). Compiles at engine start. Not yet measured on the GPU.
+    vllm_compile_sampling: bool = False
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.
     # Costs vLLM's per-step statistics in the gateway process, hence off by default.

@@ -552,6 +552,7 @@ class Engine:
                 start_in_thread=config.overlap_start,
                 mps_thread_percent=config.vllm_mps_thread_percent,
                 mps_priority=config.vllm_mps_priority,
+                compile_sampling=config.vllm_compile_sampling,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")

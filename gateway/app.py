@@ -123,6 +123,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         vllm_async_scheduling=e.vllm_async_scheduling,
         vllm_mps_thread_percent=e.vllm_mps_thread_percent,
         vllm_mps_priority=e.vllm_mps_priority,  # type: ignore[arg-type]
+        vllm_compile_sampling=e.vllm_compile_sampling,
         lm_timing=e.lm_timing,
         tokens_per_text_token=ratio,
     )

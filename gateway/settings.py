@@ -265,6 +265,11 @@ class EngineSettings:
         metadata=_help("vLLM under an NVIDIA MPS daemon: its engine core's priority as an MPS client, normal or "
                        "below_normal (the flow/vocoder stage's kernels then go first; default: normal)"),
     )
+    vllm_compile_sampling: bool = field(
+        default=False,
+        metadata=_help("vLLM: run the RAS sampler compiled in its engine core (fewer operators a decode step; "
+                       "compiles at start)"),
+    )
     lm_timing: bool = field(
         default=False,
         metadata=_help("keep vLLM's own timings of its requests (queued, prefill, decode, time to first token) as "

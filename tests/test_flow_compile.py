@@ -166,7 +166,7 @@ def test_a_bf16_flow_keeps_exact_rotary_positions() -> None:
 def test_only_compile_errors_fall_back() -> None:
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from engine.models.dit import _is_compile_error
+    from engine.compile_errors import is_compile_error
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
         raise RuntimeError("no compiler here")
@@ -175,7 +175,7 @@ def test_only_compile_errors_fall_back() -> None:
         torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))
     except Exception as exc:  # noqa: BLE001 (whatever dynamo raises for a failing backend)
         compile_error = exc
-    assert _is_compile_error(compile_error) and isinstance(compile_error, BackendCompilerFailed)
+    assert is_compile_error(compile_error) and isinstance(compile_error, BackendCompilerFailed)
     # A runtime error of the call itself (e.g. out of memory) is not a reason to stop compiling.
-    assert not _is_compile_error(torch.OutOfMemoryError("CUDA out of memory"))
-    assert not _is_compile_error(RuntimeError("shape mismatch"))
+    assert not is_compile_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_compile_error(RuntimeError("shape mismatch"))

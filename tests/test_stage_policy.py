@@ -346,7 +346,9 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
                           "--engine.first-chunk-hold-share", "0.15"], environ={})
     cfg = engine_config(s, tmp_path)
     assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (20.0, 0.15, "below_normal")
-    assert cfg.chunk_patience_s == 1.0
+    assert cfg.chunk_patience_s == 1.0 and not cfg.vllm_compile_sampling
+    s, _ = load_settings(["--engine.vllm-compile-sampling", "true"], environ={})
+    assert engine_config(s, tmp_path).vllm_compile_sampling
     s, _ = load_settings(["--engine.chunk-patience-s", "1.5"], environ={})
     assert engine_config(s, tmp_path).chunk_patience_s == 1.5
     for flag, bad, name in (("--engine.first-chunk-hold-ms", "-1", "first_chunk_hold_ms"),

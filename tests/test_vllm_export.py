@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.backends.base import SamplingParams
-from engine.backends.ras_logits import RASArgs, RASBatchState, ras_probs
+from engine.backends.ras_logits import RASArgs, RASBatchState, ras_log_probs, ras_probs
 from engine.backends.vllm_backend import vllm_sampling_kwargs
 from engine.backends.vllm_export import (
     META_FILE,
@@ -404,3 +404,30 @@ def test_the_mps_client_settings_are_the_engine_cores_alone(monkeypatch: pytest.
         EngineConfig(model_dir=Path("."), vllm_mps_thread_percent=0)
     with pytest.raises(ValueError, match="vllm_mps_priority must be one of normal, below_normal"):
         EngineConfig(model_dir=Path("."), vllm_mps_priority="high")  # type: ignore[arg-type]
+
+
+def test_compiled_ras_gives_the_eager_logits_with_one_graph_for_every_batch() -> None:
+    """`engine.vllm_compile_sampling`: the per-step RAS function traced whole (fullgraph)
+    gives the eager logits; warmed for one row and two, it compiles nothing more for other
+    batch sizes (a compile in vLLM's step would stall every stream for seconds). The
+    `aot_eager` backend runs the traced graph without code generation (CPU); vLLM's engine
+    core uses inductor."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = RASBatchState(compile_backend="aot_eager")
+    compiled.warm(torch.device("cpu"), row_width=VOCAB.size)
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(5)
+    for n in (3, 5, 1):
+        rows = [(i, _params(min_tokens=10), None, torch.randint(0, 40, (30,), generator=g).tolist()) for i in range(n)]
+        logits = torch.randn(n, VOCAB.size, generator=g) * 3
+        logits[:, :40] += 4.0
+        got = {}
+        for name, state in (("eager", RASBatchState()), ("compiled", compiled)):
+            state.update(added=rows, removed=[], moved=[])
+            got[name] = state.apply(logits.clone())
+            state.update(added=[], removed=list(range(n)), moved=[])
+        assert torch.equal(got["eager"], got["compiled"]) and not torch.equal(got["eager"], logits)
+    assert compiled._log_probs is not ras_log_probs  # still compiled: nothing fell back
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200, after the bundle is staged (calls 1-2 of the usual workflow):
 #   run(command="bash bench/gpu/lm_step.sh", carry=[".gpu/b", ".whl"])
-# `bench.lm_step` once per variant (VARIANTS, default "default nolp noseed async"); the first
+# `bench.lm_step` once per variant (VARIANTS, default "default compiled nolp"); the first
 # variant also samples the engine core with py-spy and runs vLLM's torch profiler. Everything
 # lands in $OUT/lm_step.tgz; the per-variant lines, py-spy summaries and kernel table also
 # come back as files of their own.
@@ -10,7 +10,7 @@ set -uo pipefail
 W=/tmp/lm_step_out
 rm -rf $W && mkdir -p $W
 first=1
-for V in ${VARIANTS:-default nolp noseed async}; do
+for V in ${VARIANTS:-default compiled nolp}; do
   extra=""
   [ $first = 1 ] && extra="--pyspy /tmp/site_bin/py-spy --profile"
   timeout ${PER_VARIANT:-200} python3 -m bench.lm_step --variant $V --out $W $extra > $W/lm_step_$V.log 2>&1

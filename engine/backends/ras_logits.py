@@ -39,16 +39,24 @@ scheduling, outputs restarting without a re-add -- makes the row draw only
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from engine.compile_errors import is_compile_error
 from engine.device_copy import tensor_on
 
 EXTRA_KEY = "cosyvoice"
 _NEG_INF = float("-inf")
 log = logging.getLogger(__name__)
+# The compiler backend for `ras_log_probs` in vLLM's engine core ("inductor"), set in the
+# environment it starts with (`VLLMBackend`, `engine.vllm_compile_sampling`); unset: eager.
+COMPILE_ENV = "COSYVOICE_RAS_COMPILE"
+# The CosyVoice defaults the compiled function is warmed up for at engine start (others
+# compile on first use): top_p, top_k, win_size * tau_r, and the speech vocabulary's width.
+_WARM_ARGS = (0.8, 25, 10 * 0.1, 6761)
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,15 @@ def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor |
     return out.clamp_min_(0.0)
 
 
+def ras_log_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: float, top_k: int, thresholds: float,
+                  k_max: int) -> torch.Tensor:
+    """log of `ras_probs` with one set of parameters for every row: the decode step's usual
+    batch, and the function `RASBatchState` compiles. Eager, its ~30 operators cost vLLM's
+    engine core ~1 ms of host time a step at one stream, a third of the step (round 33 of
+    docs/benchmarks.md); compiled they are a few fused kernels."""
+    return ras_probs(logits, windows, top_p, top_k, thresholds, k_max=k_max).log()
+
+
 def expected_fill_at(prompt_ids: Sequence[int], speech_token_size: int, period: int) -> int:
     """Where a streaming bistream chunk must draw fill, from its context alone.
 
@@ -190,9 +207,34 @@ class RASBatchState:
     removed, added, moved (an added row may take a removed row's index).
     """
 
-    def __init__(self, shortcuts: bool = True) -> None:
+    def __init__(self, shortcuts: bool = True, compile_backend: str | None = None) -> None:
         self.rows: dict[int, _Row] = {}
         self.shortcuts = shortcuts  # see `apply`
+        self._log_probs: Any = ras_log_probs
+        if compile_backend:
+            # Dynamic: one graph for every batch size; it compiles on its first call (`warm`).
+            self._log_probs = torch.compile(ras_log_probs, dynamic=True, fullgraph=True, backend=compile_backend)
+
+    def warm(self, device: torch.device, row_width: int | None = None) -> None:
+        """Compile ahead for the CosyVoice defaults, so that the first request does not
+        wait for the compiler: one row and two (a dynamic graph serves every count above
+        one), each a view of rows `row_width` wide as vLLM's logits are."""
+        top_p, top_k, thr, width = _WARM_ARGS
+        for rows in (1, 2):
+            logits = torch.randn(rows, max(width, row_width or width), device=device)[:, :width]
+            windows = torch.full((rows, 10), -1, dtype=torch.long, device=device)
+            self._run_log_probs(logits, windows, top_p, top_k, thr, top_k)
+
+    def _run_log_probs(self, rows: torch.Tensor, win: torch.Tensor, top_p: float, top_k: int, thr: float,
+                       k_max: int) -> torch.Tensor:
+        try:
+            return self._log_probs(rows, win, top_p, top_k, thr, k_max)
+        except Exception as exc:
+            if self._log_probs is ras_log_probs or not is_compile_error(exc):
+                raise
+            log.exception("torch.compile of the RAS sampler failed; it runs eagerly")
+            self._log_probs = ras_log_probs
+            return ras_log_probs(rows, win, top_p, top_k, thr, k_max)
 
     def update(self, added: Sequence[tuple[int, Any, Any, Sequence[int]]], removed: Sequence[int],
                moved: Sequence[tuple[int, int, bool]]) -> None:
@@ -295,8 +337,8 @@ class RASBatchState:
             thr = tensor_on([r.args.win_size * r.args.tau_r for r in sub], torch.float32, dev)
             top_k = tensor_on([r.args.top_k for r in sub], torch.long, dev)
         k_max = max(r.args.top_k for r in sub)
-        if self.shortcuts and len(positions) == n:
-            rows.copy_(ras_probs(rows, win, top_p, top_k, thr, k_max=k_max).log())
+        if self.shortcuts and len(positions) == n and not isinstance(top_p, torch.Tensor):
+            rows.copy_(self._run_log_probs(rows, win, top_p, top_k, thr, k_max))  # type: ignore[arg-type]
             return
         sel = tensor_on(positions, torch.long, dev)
         probs = ras_probs(rows.index_select(0, sel), win, top_p, top_k, thr, k_max=k_max)
@@ -320,7 +362,11 @@ if _VLLMLogitsProcessor is not None:
         """
 
         def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-            self.state = RASBatchState()
+            backend = os.environ.get(COMPILE_ENV) or None
+            self.state = RASBatchState(compile_backend=backend)
+            if backend and device.type == "cuda":
+                model = getattr(vllm_config, "model_config", None)
+                self.state.warm(device, model.get_vocab_size() if model is not None else None)
 
         def is_argmax_invariant(self) -> bool:
             return False

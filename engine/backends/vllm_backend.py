@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator
 
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
-from engine.backends.ras_logits import RASArgs
+from engine.backends.ras_logits import COMPILE_ENV, RASArgs
 from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run
 from engine.models.vocab import UnifiedVocab
 from engine.mps import MPSPriority, child_env, mps_client_env
@@ -74,6 +74,9 @@ class VLLMEngineSettings:
     # AsyncEngineArgs fields set over the ones above (benchmarks: vLLM's profiler, or no
     # logits processor to price it); empty in the product.
     engine_args: tuple[tuple[str, Any], ...] = ()
+    # The RAS logits processor's per-step function compiled in the engine core
+    # (`ras_logits.COMPILE_ENV`); False: eager.
+    compile_sampling: bool = False
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -201,7 +204,7 @@ class VLLMBackend:
                  dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False,
                  start_in_thread: bool = False, mps_thread_percent: int | None = None,
                  mps_priority: MPSPriority | None = None,
-                 engine_args: dict[str, Any] | None = None) -> None:
+                 engine_args: dict[str, Any] | None = None, compile_sampling: bool = False) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
@@ -213,7 +216,8 @@ class VLLMBackend:
                                            async_scheduling=async_scheduling, timing=timing,
                                            start_in_thread=start_in_thread,
                                            mps_thread_percent=mps_thread_percent, mps_priority=mps_priority,
-                                           engine_args=tuple((engine_args or {}).items()))
+                                           engine_args=tuple((engine_args or {}).items()),
+                                           compile_sampling=compile_sampling)
         self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
@@ -258,7 +262,10 @@ class VLLMBackend:
         args = AsyncEngineArgs(**{**fields, **dict(s.engine_args)})
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
         build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
-        with child_env(mps_client_env(s.mps_thread_percent, s.mps_priority)):
+        env = mps_client_env(s.mps_thread_percent, s.mps_priority)
+        if s.compile_sampling:
+            env[COMPILE_ENV] = "inductor"
+        with child_env(env):
             self._llm = await asyncio.to_thread(build) if s.start_in_thread else build()
 
     def _params(self, sp: SamplingParams) -> Any:

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compile_errors import is_compile_error
 from .config import FlowConfig
 
 log = logging.getLogger(__name__)
@@ -604,12 +605,6 @@ class DiTBlock(nn.Module):
         return x if kv is None else (x, *kv)
 
 
-def _is_compile_error(exc: BaseException) -> bool:
-    """Whether `exc` comes from torch.compile's machinery (dynamo, inductor, a backend)."""
-    return any(type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
-               for e in (exc, exc.__cause__) if e is not None)
-
-
 def _run_block(block: "DiTBlock", h: torch.Tensor, mod: torch.Tensor, mask: torch.Tensor | SplitMasks,
                pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
@@ -779,7 +774,7 @@ class DiT(nn.Module):
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
             except Exception as exc:
-                if not _is_compile_error(exc):
+                if not is_compile_error(exc):
                     raise  # e.g. out of memory: an error of this call, not of compiling
                 # No working compiler (no Triton, no C compiler, an unsupported op), on any
                 # of the compiled variants: the flow stays correct, only slower.
