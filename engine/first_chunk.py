@@ -241,7 +241,7 @@ def slack(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, 
     r0 = round_s(0, first)
     if r0 is None:
         return None
-    generated, done, played = 0, 0.0, first * TOKEN_S - holdback_s
+    generated, done, played = 0, 0.0, first * TOKEN_S - holdback_s * speed  # speed-1 seconds
     least = math.inf
     for offset, hop in chunks_ahead(schedule, first):
         generated += hop
@@ -334,7 +334,10 @@ class FirstChunkPlanner:
     # session of a burst got a first chunk of its own size (28-31 tokens on average) and
     # 53-63 first chunks missed the round they were planned for. EngineConfig.first_chunk_opening_rate.
     opening_rate: OpeningRate = "slower"
-    holdback_s: float = 0.0  # largest seen: audio a first chunk delivered short of its tokens
+    # Largest seen: output seconds a first chunk delivered short of its tokens' audio (the
+    # vocoder's held-back frames, 0.16 s whatever the speed; in speed-1 seconds it would
+    # be 0.16 x speed, and one fast session would shorten every later plan's audio).
+    holdback_s: float = 0.0
     # The LM rates learnt from utterances that were not their session's first, and from those
     # that were (`learn_lm_step`): apart, because a burst's opening utterances decode their
     # tokens past the first chunk while the stage runs the opening rounds, and later ones
@@ -371,7 +374,7 @@ class FirstChunkPlanner:
 
     def observe(self, tokens: int, samples: int, sample_rate: int, speed: float) -> None:
         """A first chunk of `tokens` speech tokens gave `samples` of audio."""
-        self.holdback_s = max(self.holdback_s, tokens * TOKEN_S - samples * speed / sample_rate)
+        self.holdback_s = max(self.holdback_s, tokens * TOKEN_S / speed - samples / sample_rate)
 
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""

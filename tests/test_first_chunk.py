@@ -789,3 +789,25 @@ def test_plan_cost_bench_plans_both_loads() -> None:
     assert burst["sessions"] == 64 and burst["first_hop"] > 6
     assert burst["round_predictions_per_plan"] > light["round_predictions_per_plan"] > 0
     assert light["ms_per_plan"] > 0 and burst["ms_per_plan"] > 0
+
+
+def test_the_vocoder_holdback_is_learnt_in_output_seconds_whatever_the_speed() -> None:
+    """The vocoder holds back 8 frames of stretched output: 0.16 s of audio at any speed.
+    Learnt in speed-1 seconds it was 0.16 x speed, the largest kept: one speed-4 session
+    made every later speed-1 plan count its first chunk 0.48 s shorter (first chunks of
+    23 tokens instead of 9)."""
+    sr, held = 24000, 0.16
+    planner = FirstChunkPlanner(limit=40)
+    for tokens, speed in ((10, 1.0), (40, 4.0), (20, 0.5)):
+        samples = round((tokens * 0.04 / speed - held) * sr)
+        planner.observe(tokens, samples, sr, speed)
+        assert planner.holdback_s == pytest.approx(held)
+    # The plan's audio is the chunk's audio at its speed, less the held frames.
+    schedule = ChunkSchedule(prompt_tokens=106, initial_hop=10, max_hop=100, lookahead=3)
+
+    def round_s(offset: int, hop: int) -> float:
+        return 0.0
+
+    for speed in (1.0, 2.0):
+        spare = slack(schedule, 10, 0.0, round_s, held, speed=speed, margin=0.0)
+        assert spare == pytest.approx(10 * 0.04 / speed - held)
