@@ -52,8 +52,9 @@ class SimLLM:
     """
 
     def __init__(self, lm: CosyVoice3LM, *, deliver_params: bool = True, async_leak: bool = False,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, max_model_len: int | None = None) -> None:
         self.lm = lm
+        self.max_model_len = max_model_len  # sched/utils.py `check_stop`: FINISHED_LENGTH_CAPPED
         self.vocab = unified_vocab(lm.cfg)
         self.deliver_params = deliver_params
         self.async_leak = async_leak
@@ -68,8 +69,8 @@ class SimLLM:
         return int(torch.argmax(proc.apply(logits)[0]))
 
     @staticmethod
-    def _out(toks: list[int], finished: bool = False) -> Any:
-        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks)], finished=finished)
+    def _out(toks: list[int], finished: bool = False, reason: str | None = None) -> Any:
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, finish_reason=reason)], finished=finished)
 
     async def generate(self, inputs: AsyncIterator[Any], base: Any, rid: str) -> AsyncIterator[Any]:
         proc = RASBatchState()
@@ -91,8 +92,10 @@ class SimLLM:
                 tok = self._sample(proc, context + outputs)
                 outputs.append(tok)
                 stop = len(outputs) >= params.min_tokens and tok in (params.stop_token_ids or ())
-                stop = stop or len(outputs) >= first.max_tokens
-                yield self._out([tok])
+                capped = self.max_model_len is not None and len(context) + len(outputs) >= self.max_model_len
+                stop = stop or len(outputs) >= first.max_tokens or capped
+                # A resumable request that stops pauses for more input: `finished` stays False.
+                yield self._out([tok], reason=("length" if capped else "stop") if stop else None)
                 if stop:
                     break
             nxt = await anext(it, None)
@@ -231,3 +234,12 @@ def test_cosyvoice2_stream_equals_torch_reference() -> None:
     got = _collect(backend, req, arrivals)
     assert got == reference(lm, req, arrivals)[0] and len(got) >= 52  # type: ignore[arg-type]
     assert sim.chunks >= 3 and backend.num_active() == 0
+
+
+def test_a_run_cut_by_max_model_len_raises_instead_of_hanging(lm: CosyVoice3LM) -> None:
+    """vLLM caps a request at max_model_len; a resumable one then pauses for input, and
+    without the run's fill token the client never sent any: the utterance hung for good."""
+    backend, sim = _backend(lm, max_model_len=70)
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        _collect(backend, _request(ratio=None), [[200 + i] for i in range(60)])  # type: ignore[arg-type]
+    assert backend.num_active() == 0

@@ -422,6 +422,13 @@ class VLLMBackend:
                         need_run.set()  # the run ended on fill: send the next chunk
                 if st.done or out.finished:
                     break
+                reason = getattr(out.outputs[0], "finish_reason", None)
+                if reason is not None and st.in_run:
+                    # vLLM stopped the run short of its fill token (its context reached
+                    # max_model_len): a resumable request then pauses for input that, with
+                    # no fill seen, would never be sent.
+                    raise RuntimeError(f"vLLM ended a text-in streaming run early ({reason}): the utterance's "
+                                       "context reached the LM's max_model_len")
         finally:
             pump_task.cancel()
             self._active.discard(rid)
