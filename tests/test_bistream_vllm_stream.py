@@ -60,6 +60,7 @@ class SimLLM:
         self.async_leak = async_leak
         self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
         self.chunks = 0
+        self.requests = 0
 
     @torch.inference_mode()
     def _sample(self, proc: RASBatchState, ids: list[int]) -> int:
@@ -73,6 +74,7 @@ class SimLLM:
         return SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, finish_reason=reason)], finished=finished)
 
     async def generate(self, inputs: AsyncIterator[Any], base: Any, rid: str) -> AsyncIterator[Any]:
+        self.requests += 1
         proc = RASBatchState()
         it = inputs.__aiter__()
         context: list[int] = []
@@ -243,3 +245,11 @@ def test_a_run_cut_by_max_model_len_raises_instead_of_hanging(lm: CosyVoice3LM) 
     with pytest.raises(RuntimeError, match="max_model_len"):
         _collect(backend, _request(ratio=None), [[200 + i] for i in range(60)])  # type: ignore[arg-type]
     assert backend.num_active() == 0
+
+
+def test_a_stream_without_text_starts_no_request(lm: CosyVoice3LM) -> None:
+    """No text at all: nothing to say, and no vLLM request (vLLM would have started one
+    from the base params, aborted only after its first output)."""
+    backend, sim = _backend(lm)
+    assert _collect(backend, _request(), []) == []
+    assert sim.chunks == 0 and sim.requests == 0 and backend.num_active() == 0

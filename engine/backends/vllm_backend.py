@@ -354,7 +354,6 @@ class VLLMBackend:
         st = request.new_state(bistream_spec(self.vocab))
         sts, bad = self.vocab.speech_token_size, desync_id(self.vocab)
         text_changed, need_run = asyncio.Event(), asyncio.Event()
-        need_run.set()
         failure: list[BaseException] = []
 
         async def pump() -> None:
@@ -369,26 +368,31 @@ class VLLMBackend:
                 failure.append(exc)
             text_changed.set()
 
-        async def inputs() -> AsyncIterator[Any]:
+        async def next_run() -> Run | None:
+            """The next run once its text is there; None: the utterance is over."""
             while True:
-                await need_run.wait()
-                need_run.clear()
-                while True:
-                    if failure:
-                        raise failure[0]
-                    if st.done:
-                        return
-                    run = st.next_run()
-                    if run is not None:
-                        break
-                    if st.done:
-                        return
-                    text_changed.clear()
-                    await text_changed.wait()
+                if failure:
+                    raise failure[0]
+                if st.done:
+                    return None
+                run = st.next_run()
+                if run is not None or st.done:
+                    return run
+                text_changed.clear()
+                await text_changed.wait()
+
+        async def inputs(run: Run) -> AsyncIterator[Any]:
+            while True:
                 kw = bistream_chunk_kwargs(st, run, request.sampling, self.vocab)
                 yield self._streaming_input(list(run.feed), self._chunk_params(kw))
                 if run.final:
                     return  # the end of this generator is vLLM's end-of-input signal
+                await need_run.wait()  # the run ended on fill
+                need_run.clear()
+                following = await next_run()
+                if following is None:
+                    return
+                run = following
 
         def check(tok: int) -> None:
             if tok == bad:
@@ -404,8 +408,16 @@ class VLLMBackend:
                 raise RuntimeError(f"vLLM sampled reserved id {tok} where the bistream rule forbids it")
 
         pump_task = asyncio.create_task(pump(), name=f"text-{rid}")
+        try:
+            first = await next_run()
+        except BaseException:
+            pump_task.cancel()
+            raise
+        if first is None:  # no text at all: no request (vLLM would start one from its base params)
+            pump_task.cancel()
+            return
         base = self._chunk_params(dict(max_tokens=max(1, st.limits.hard_max + 1), detokenize=False))
-        stream = self._llm.generate(inputs(), base, rid)
+        stream = self._llm.generate(inputs(first), base, rid)
         self._active.add(rid)
         try:
             async for out in stream:
