@@ -285,13 +285,15 @@ class TwilioBridge:
         if not self.gateway.connected:
             raise ConnectionError("the gateway connection is closed")
         turn = self._turn
-        open_now = turn is not None and not turn.ended and not turn.cleared
+        # A turn the gateway ended (a final error: an unknown voice, too many contexts) takes
+        # no more text: it would be synthesised for a forwarder that is gone.
+        open_now = turn is not None and not turn.ended and not turn.cleared and not turn.finished
         if turn_id is not None and turn_id in self._contexts and not (open_now and turn_id == turn.turn_id):
             # Text for a turn that was interrupted or ended (a piece in flight at a
             # barge-in): nobody wants it spoken, and its id must not open a second
             # gateway context, whose events the old turn's forwarder would never see.
             return turn_id
-        if turn is None or turn.ended or turn.cleared or (turn_id is not None and turn_id != turn.turn_id):
+        if not open_now or (turn_id is not None and turn_id != turn.turn_id):
             if open_now:  # a new turn named while one is open: that one has no more text
                 await self.end_turn()
             turn = self._open_turn(turn_id)
@@ -309,17 +311,28 @@ class TwilioBridge:
             await turn.ctx.send_text(text)
         return turn.turn_id
 
-    async def flush(self) -> None:
-        """Speak what is buffered now (e.g. the LLM paused mid-sentence)."""
-        if self._turn is not None and not self._turn.ended and not self._turn.cleared:
-            await self._turn.ctx.flush()
-
-    async def end_turn(self) -> None:
-        """No more text for this turn: the rest is spoken and the last mark sent."""
+    def _current(self, turn_id: str | None) -> _Turn | None:
+        """The open turn, if `turn_id` (when given) names it: a late call for a turn that was
+        interrupted must not act on the turn after it."""
         turn = self._turn
-        if turn is not None and not turn.ended and not turn.cleared:
+        if turn is None or turn.ended or turn.cleared or (turn_id is not None and turn_id != turn.turn_id):
+            return None
+        return turn
+
+    async def flush(self, turn_id: str | None = None) -> None:
+        """Speak what is buffered now (e.g. the LLM paused mid-sentence)."""
+        turn = self._current(turn_id)
+        if turn is not None and not turn.finished:
+            await turn.ctx.flush()
+
+    async def end_turn(self, turn_id: str | None = None) -> None:
+        """No more text for this turn (the open one, or only `turn_id` if that is still the
+        open one): the rest is spoken and the last mark sent."""
+        turn = self._current(turn_id)
+        if turn is not None:
             turn.ended = True
-            await turn.ctx.end()
+            if not turn.finished:
+                await turn.ctx.end()
 
     async def speak(self, pieces: Any, turn_id: str | None = None, **overrides: Any) -> str:
         """Convenience: stream an (async) iterable of text pieces as one turn and end it."""
@@ -332,7 +345,7 @@ class TwilioBridge:
                 tid = await self.say(piece, turn_id if tid is None else tid, **overrides)
         if tid is None:
             return ""
-        await self.end_turn()
+        await self.end_turn(tid)  # not a later turn's, if this one was interrupted meanwhile
         return tid
 
     async def barge_in(self) -> BargeInResult:

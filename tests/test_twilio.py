@@ -451,3 +451,42 @@ def test_a_new_turn_id_ends_the_open_turn_and_the_last_segment_is_reported_last(
     assert [n.split("/")[0] for n in tw.marks()][-1] == "b" and any(n.startswith("a/") for n in tw.marks())
     played_b = [e for e in events if isinstance(e, SegmentPlayed) and e.turn_id == "b"]
     assert [e.last for e in played_b] == [False, True] and played_b[0].text == played_b[1].text
+
+
+def test_a_late_end_of_an_interrupted_turn_does_not_end_the_next(gateway_url: str) -> None:
+    """An LLM loop not stopped before `barge_in` ends *its* turn when it finishes; the turn
+    after the barge-in goes on taking text (it lost its rest before)."""
+    async def main() -> list[str]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        first = await bridge.say("The first reply goes on and on.")
+        await bridge.barge_in()
+        second = await bridge.say("Okay, go ahead")
+        await bridge.end_turn(first)  # the interrupted turn's loop ends late
+        await bridge.say(" then. More words follow.")
+        await bridge.end_turn()
+        await bridge.wait_turn_sent(60)
+        texts = [e["text"] for e in bridge.gateway_events(second) if e.get("type") == "segment_started"]
+        await bridge.aclose()
+        return texts
+
+    assert "".join(asyncio.run(main())) == "Okay, go ahead then. More words follow."
+
+
+def test_text_after_a_refused_turn_opens_a_new_turn(gateway_url: str) -> None:
+    async def main() -> tuple[str, str, list[Any]]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        refused = await bridge.say("Hello", voice="nobody-registered-this")
+        error = await asyncio.wait_for(bridge.events.get(), 30)
+        spoken = await bridge.say(" there. This one is heard.")
+        await bridge.end_turn()
+        await bridge.wait_turn_sent(60)
+        await bridge.aclose()
+        return refused, spoken, [error, tw.marks()]
+
+    refused, spoken, (error, marks) = asyncio.run(main())
+    assert isinstance(error, TurnError) and error.turn_id == refused == "turn-1" and error.code == "voice_not_found"
+    assert spoken == "turn-2" and marks and all(m.startswith("turn-2/") for m in marks)
