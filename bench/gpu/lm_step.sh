@@ -2,7 +2,8 @@
 # On the H200, after the bundle is staged (calls 1-2 of the usual workflow):
 #   run(command="bash bench/gpu/lm_step.sh", carry=[".gpu/b", ".whl"])
 # `bench.lm_step` once per variant (VARIANTS, default "default compiled nolp"); the first
-# variant also samples the engine core with py-spy and runs vLLM's torch profiler. Everything
+# variant also samples the engine core with py-spy and runs vLLM's torch profiler (SPY=0: not;
+# ARGS: more bench.lm_step arguments for every variant). Everything
 # lands in $OUT/lm_step.tgz; the per-variant lines, py-spy summaries and kernel table also
 # come back as files of their own.
 set -uo pipefail
@@ -11,8 +12,8 @@ W=/tmp/lm_step_out
 rm -rf $W && mkdir -p $W
 first=1
 for V in ${VARIANTS:-default compiled nolp}; do
-  extra=""
-  [ $first = 1 ] && extra="--pyspy /tmp/site_bin/py-spy --profile"
+  extra="${ARGS:-}"
+  [ $first = 1 ] && [ "${SPY:-1}" = 1 ] && extra="$extra --pyspy /tmp/site_bin/py-spy --profile"
   timeout ${PER_VARIANT:-200} python3 -m bench.lm_step --variant $V --out $W $extra > $W/lm_step_$V.log 2>&1
   echo "$V rc=$? at $((SECONDS - T0)) s"
   grep "engine started\|first chunks:\|decode:\|py-spy:\|failed\|Error" $W/lm_step_$V.log | cut -c1-900
