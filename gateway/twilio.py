@@ -442,6 +442,12 @@ class TwilioBridge:
                     self.events.put_nowait(TurnError(turn.turn_id, str(item.get("code")), str(item.get("message"))))
         finally:
             turn.finished = True
+            if not turn.cleared and not self.closed:
+                # Ended without `done` (a final error, the gateway socket gone): what was
+                # sent still plays, so its last segment gets its mark too, and `speaking`
+                # stays true until Twilio says it was played.
+                with contextlib.suppress(Exception):
+                    await self._close_open_segment(turn, pad=True)
 
     async def _close_open_segment(self, turn: _Turn, pad: bool = False) -> None:
         """A flush or the end of the turn: everything sent so far belongs to the

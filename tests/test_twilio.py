@@ -410,20 +410,28 @@ def test_two_calls_on_one_shared_gateway_client_keep_their_own_turns(gateway_url
 
 
 def test_a_lost_gateway_is_reported_and_say_refuses(gateway_url: str) -> None:
-    async def main() -> tuple[Any, Any]:
+    """The audio already sent still plays: its segment gets a mark, and `speaking` stays
+    true until Twilio echoes it (a barge-in then still sends `clear`)."""
+    async def main() -> tuple[Any, list[bool], list[str]]:
         tw = TwilioSide()
         bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
         await bridge.handle_twilio(START)
+        await bridge.say("Hello there, caller. This sentence is cut off when the socket goes")
+        await tw.wait_for(lambda sent: any(m["event"] == "media" for m in sent))
         await bridge.gateway.ws.close()  # the network or a deploy ends the gateway socket
         lost = await asyncio.wait_for(bridge.events.get(), 10)
         with pytest.raises(ConnectionError):
             await bridge.say("Nobody will hear this.")
-        speaking = bridge.speaking
+        await bridge.wait_turn_sent(10)
+        speaking = [bridge.speaking]
+        for name in tw.marks():
+            await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
+        speaking.append(bridge.speaking)
         await bridge.aclose()
-        return lost, speaking
+        return lost, speaking, tw.marks()
 
-    lost, speaking = asyncio.run(main())
-    assert isinstance(lost, GatewayLost) and not speaking
+    lost, speaking, marks = asyncio.run(main())
+    assert isinstance(lost, GatewayLost) and marks and speaking == [True, False]
 
 
 def test_a_new_turn_id_ends_the_open_turn_and_the_last_segment_is_reported_last(gateway_url: str) -> None:
