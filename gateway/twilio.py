@@ -354,7 +354,10 @@ class TwilioBridge:
         if turn is None:
             return BargeInResult(None, "", "", 0)
         audible = [t for t in self._turns if t.playing]
-        was_playing = turn.playing
+        # What the caller was hearing: the oldest turn still audible (a newer one may be
+        # queued behind it on the line), else the latest.
+        heard_turn = audible[0] if audible else turn
+        was_playing = heard_turn.playing
         async with self._send_lock:
             for t in audible:
                 t.cleared = True
@@ -366,9 +369,9 @@ class TwilioBridge:
             if not t.finished:
                 with contextlib.suppress(Exception):
                     await t.ctx.cancel()
-        heard = "".join(s.text for s in turn.segments if s.played)
-        cut = next((s.text for s in turn.segments if not s.played), "") if was_playing else ""
-        return BargeInResult(turn.turn_id, heard, cut, turn.frames_sent)
+        heard = "".join(s.text for s in heard_turn.segments if s.played)
+        cut = next((s.text for s in heard_turn.segments if not s.played), "") if was_playing else ""
+        return BargeInResult(heard_turn.turn_id, heard, cut, heard_turn.frames_sent)
 
     def gateway_events(self, turn_id: str) -> list[dict[str, Any]]:
         """The gateway's events of a turn so far (segment_started, done, ...), for logs."""

@@ -498,3 +498,23 @@ def test_text_after_a_refused_turn_opens_a_new_turn(gateway_url: str) -> None:
     refused, spoken, (error, marks) = asyncio.run(main())
     assert isinstance(error, TurnError) and error.turn_id == refused == "turn-1" and error.code == "voice_not_found"
     assert spoken == "turn-2" and marks and all(m.startswith("turn-2/") for m in marks)
+
+
+def test_barge_in_reports_the_turn_the_caller_was_hearing(gateway_url: str) -> None:
+    """A second reply queued behind the first on the line: the caller was hearing the first."""
+    async def main() -> Any:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        await bridge.say("The answer is forty two.")
+        await bridge.end_turn()
+        await bridge.say("And here is a second reply.")
+        await bridge.end_turn()
+        await tw.wait_for(lambda sent: any(m["event"] == "media" for m in sent))
+        result = await bridge.barge_in()
+        await bridge.aclose()
+        return result
+
+    result = asyncio.run(main())
+    assert result.turn_id == "turn-1" and result.heard_text == "" and result.frames_sent > 0
+    assert result.interrupted_text == "The answer is forty two."
