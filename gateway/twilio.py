@@ -133,6 +133,7 @@ class _Segment:
     text_end: int
     start_sample: int  # audio_offset at 8 kHz: first sample of this segment
     end_sample: int | None = None  # known when the next segment starts or the turn ends
+    text_start: int = 0  # character offset into the turn's text
     marked: bool = False
     played: bool = False
 
@@ -155,6 +156,14 @@ class _Turn:
     cleared: bool = False  # barge-in: nothing more goes to Twilio
     ended: bool = False  # the agent called end_turn()
     forwarder: asyncio.Task | None = None
+    text: str = ""  # everything `say` sent in this turn
+    flush_ends: list[int] = field(default_factory=list)  # len(text) at each flush, by flush_id - 1
+
+    def settle_text(self, seg: "_Segment", end: int | None) -> None:
+        """The segment's whole text once its end is known: in stream mode the gateway's
+        `segment_started` carries only the text received when its audio began."""
+        if end is not None and seg.text_start <= end <= len(self.text):
+            seg.text, seg.text_end = self.text[seg.text_start : end], end
 
     def mark_name(self, seg: _Segment) -> str:
         return f"{self.turn_id}/{seg.index}"
@@ -300,6 +309,7 @@ class TwilioBridge:
             try:
                 # Pinned per turn, so a shared or differently configured client works too.
                 await turn.ctx.send_text(text, **{**overrides, **TURN_FORMAT})
+                turn.text += text
             except BaseException:
                 # Never opened on the gateway: no audio will come, and the next turn must
                 # not wait behind this one (nor get this one's text without its overrides).
@@ -309,6 +319,7 @@ class TwilioBridge:
                 raise
         else:
             await turn.ctx.send_text(text)
+            turn.text += text
         return turn.turn_id
 
     def _current(self, turn_id: str | None) -> _Turn | None:
@@ -323,6 +334,7 @@ class TwilioBridge:
         """Speak what is buffered now (e.g. the LLM paused mid-sentence)."""
         turn = self._current(turn_id)
         if turn is not None and not turn.finished:
+            turn.flush_ends.append(len(turn.text))
             await turn.ctx.flush()
 
     async def end_turn(self, turn_id: str | None = None) -> None:
@@ -423,17 +435,20 @@ class TwilioBridge:
                 kind = item.get("type")
                 if kind == "segment_started":
                     offset = int(item.get("audio_offset", turn.samples_sent))
+                    start = int(item.get("text_start", 0))
                     if turn.segments and turn.segments[-1].end_sample is None:
                         turn.segments[-1].end_sample = offset
-                    turn.segments.append(
-                        _Segment(int(item["segment_index"]), str(item.get("text", "")), int(item.get("text_end", 0)), offset)
-                    )
+                        turn.settle_text(turn.segments[-1], start)
+                    turn.segments.append(_Segment(int(item["segment_index"]), str(item.get("text", "")),
+                                                  int(item.get("text_end", 0)), offset, text_start=start))
                     await self._marks_due(turn)
                 elif kind == "flushed":
-                    await self._close_open_segment(turn)
+                    k = int(item.get("flush_id", 0))
+                    await self._close_open_segment(turn, text_end=turn.flush_ends[k - 1]
+                                                   if 0 < k <= len(turn.flush_ends) else None)
                 elif kind == "done":
                     turn.finished = True
-                    await self._close_open_segment(turn, pad=True)
+                    await self._close_open_segment(turn, pad=True, text_end=len(turn.text))
                     last = turn.segments[-1] if turn.segments else None
                     if last is not None and last.played and not turn.cleared:
                         # Heard before the turn was known to end (a flush marked it): the
@@ -452,14 +467,16 @@ class TwilioBridge:
                 with contextlib.suppress(Exception):
                     await self._close_open_segment(turn, pad=True)
 
-    async def _close_open_segment(self, turn: _Turn, pad: bool = False) -> None:
+    async def _close_open_segment(self, turn: _Turn, pad: bool = False, text_end: int | None = None) -> None:
         """A flush or the end of the turn: everything sent so far belongs to the
-        segments before it, so their marks go out after the last (padded) frame."""
+        segments before it, so their marks go out after the last (padded) frame.
+        `text_end`: where the turn's text stood at that flush (or its end)."""
         if pad and turn.remainder:
             await self._media(turn, b"", final=True)
         for seg in turn.segments:
             if seg.end_sample is None:
                 seg.end_sample = turn.samples_sent
+                turn.settle_text(seg, text_end)
         await self._marks_due(turn)
 
     async def _media(self, turn: _Turn, payload: bytes, final: bool = False) -> None:

@@ -518,3 +518,38 @@ def test_barge_in_reports_the_turn_the_caller_was_hearing(gateway_url: str) -> N
     result = asyncio.run(main())
     assert result.turn_id == "turn-1" and result.heard_text == "" and result.frames_sent > 0
     assert result.interrupted_text == "The answer is forty two."
+
+
+def test_stream_mode_segments_report_their_whole_text(gateway_url: str) -> None:
+    """In `text_mode: "stream"` a `segment_started` carries only the text received when its
+    audio began; what the caller heard (`SegmentPlayed.text`) must still be all of it. The
+    sentence's last words are sent only after its first audio went to Twilio."""
+    head = " ".join(f"word{i}" for i in range(60))
+    text = head + " and the last words come after the first audio. Then more"
+
+    async def main() -> tuple[list[Any], str]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY, text_mode="stream",
+                                            segmentation={"max_chars": 1000, "first_min_chars": 1000})
+        await bridge.handle_twilio(START)
+        for piece in words(head + " "):
+            await bridge.say(piece)
+        await tw.wait_for(lambda sent: any(m["event"] == "media" for m in sent))
+        for piece in words(text[len(head) + 1:]):
+            await bridge.say(piece)
+        await bridge.end_turn()
+        await bridge.wait_turn_sent(120)
+        started = next(e["text"] for e in bridge.gateway_events("turn-1") if e.get("type") == "segment_started")
+        for name in tw.marks():
+            await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
+        played = []
+        while not bridge.events.empty():
+            played.append(bridge.events.get_nowait())
+        await bridge.aclose()
+        return played, started
+
+    events, started = asyncio.run(main())
+    played = [e for e in events if isinstance(e, SegmentPlayed)]
+    assert len(started) < len(head) + 10  # the first segment's audio began before its text was all there
+    assert played and played[-1].last
+    assert "".join(e.text for e in played) == text and played[-1].text_end == len(text)
