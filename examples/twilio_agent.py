@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.twilio import SegmentPlayed, TurnError, TwilioBridge
+from gateway.twilio import GatewayLost, SegmentPlayed, TurnError, TwilioBridge
 
 log = logging.getLogger("twilio_agent")
 
@@ -112,7 +112,15 @@ class CallAgent:
         self.talking: asyncio.Task | None = None
         self.interrupted_text = ""
 
-    def start_talking(self, tokens: AsyncIterator[str]) -> None:
+    async def start_talking(self, tokens: AsyncIterator[str]) -> None:
+        if self.talking is not None and not self.talking.done():
+            # The caller spoke again before the last reply's first words: that reply is
+            # stale. Cancelled, and its turn with it if it had opened one (else both
+            # replies would stream into that turn).
+            self.talking.cancel()
+            with contextlib.suppress(BaseException):
+                await self.talking
+            await self.bridge.barge_in()
         self.talking = asyncio.create_task(self.bridge.speak(tokens))
 
     async def stop_talking(self) -> None:
@@ -129,13 +137,13 @@ class CallAgent:
         msg = await self.bridge.handle_twilio(raw)
         if msg.event == "start":
             log.info("call %s started (stream %s)", self.bridge.call.call_sid, self.bridge.call.stream_sid)
-            self.start_talking(llm_tokens(self.cfg.greeting, self.cfg.tokens_per_second))
+            await self.start_talking(llm_tokens(self.cfg.greeting, self.cfg.tokens_per_second))
         elif msg.event == "media":
             change = self.vad.update(msg.pcm16())
             if change == "start" and self.bridge.speaking:
                 await self.stop_talking()
             elif change == "end":
-                self.start_talking(reply_tokens(self.cfg, self.vad.speech_seconds, self.interrupted_text))
+                await self.start_talking(reply_tokens(self.cfg, self.vad.speech_seconds, self.interrupted_text))
                 self.interrupted_text = ""
         elif msg.event == "stop":
             return False
@@ -148,6 +156,9 @@ class CallAgent:
                 log.info("played %s #%d%s: %r", ev.turn_id, ev.segment_index, " (end of turn)" if ev.last else "", ev.text)
             elif isinstance(ev, TurnError):
                 log.warning("turn %s: %s %s", ev.turn_id, ev.code, ev.message)
+            elif isinstance(ev, GatewayLost):
+                log.error("gateway socket closed (%s %s): this call can say no more", ev.code, ev.reason)
+                return
             else:
                 return
 
