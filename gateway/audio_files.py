@@ -62,6 +62,12 @@ class DecodedAudio:
         return self.samples.shape[0] / float(self.sample_rate)
 
 
+# The containers an upload may be (FFmpeg demuxer names). Without a list FFmpeg guesses
+# the demuxer from the bytes, and some of its demuxers open other files: an upload of
+# "ffconcat version 1.0\nfile /etc/..." made the server read a file of its own disk.
+UPLOAD_CONTAINERS = "wav,w64,mp3,flac,ogg,mov,mp4,m4a,matroska,webm,aac,aiff,caf"
+
+
 def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
     """Decode the first audio stream of `data` to float32 mono.
 
@@ -71,7 +77,7 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
     if not data:
         raise ApiError(400, "invalid_audio", "the audio file is empty")
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        container = av.open(io.BytesIO(data), mode="r", options={"format_whitelist": UPLOAD_CONTAINERS})
     except (av.error.FFmpegError, ValueError, OSError) as exc:
         raise ApiError(400, "invalid_audio", f"not a decodable audio file ({exc.__class__.__name__})") from exc
     try:

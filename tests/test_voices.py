@@ -369,3 +369,16 @@ def test_features_made_another_way_are_made_again_from_the_audio(tmp_path: Path,
         await store.close()
 
     run(scenario())
+
+
+def test_an_upload_cannot_make_ffmpeg_read_a_file_of_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FFmpeg guesses a container from its bytes; its concat demuxer then opens the files
+    the upload names (relative to the server's working directory). Only audio containers
+    are read."""
+    secret = tmp_path / "server-side.wav"
+    secret.write_bytes(wav_bytes(tone(1.0), SR))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ApiError) as err:
+        decode_audio(b"ffconcat version 1.0\nfile server-side.wav\n")
+    assert err.value.status == 400 and err.value.code == "invalid_audio"
+    assert decode_audio(secret.read_bytes()).duration_s == pytest.approx(1.0, abs=0.01)  # a real WAV still is
