@@ -200,7 +200,6 @@ def main(argv: list[str] | None = None) -> None:
         port=settings.port,
         log_config=None,
         timeout_graceful_shutdown=settings.shutdown_timeout,
-        limit_concurrency=settings.max_sessions + 64,
         **transport_options(settings),  # type: ignore[arg-type]
     )
     server = DrainingServer(config, app, settings.shutdown_timeout, settings.exit_on_engine_failure)

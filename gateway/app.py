@@ -136,8 +136,13 @@ def transport_options(settings: Settings) -> dict[str, object]:
     # only frames over twice the limit (at least the limit + 64 KiB) are refused by the
     # transport, with close code 1009. Each socket buffers at most one such frame.
     limit = settings.ws.max_message_bytes
+    # uvicorn counts every open connection, idle ones too, and past its limit answers
+    # everything with a bare 503 before any route runs: it was max_sessions + 64, so ~576
+    # silent sockets locked out every client and the liveness probe. Sessions past
+    # max_sessions are the app's to refuse (`too_many_sessions`).
     return {"ws_max_size": max(2 * limit, limit + (64 << 10)),
-            "ws_per_message_deflate": settings.ws.per_message_deflate}
+            "ws_per_message_deflate": settings.ws.per_message_deflate,
+            "limit_concurrency": max(settings.max_connections, settings.max_sessions + 64)}
 
 
 def _unfreeze(metrics: Metrics) -> None:

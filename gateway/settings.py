@@ -310,6 +310,12 @@ class Settings:
     )
     max_input_chars: int = field(default=4096, metadata=_help("longest /v1/audio/speech input"))
     max_sessions: int = field(default=512, metadata=_help("concurrent WebSocket connections + HTTP syntheses"))
+    max_connections: int = field(
+        default=4096,
+        metadata=_help("open TCP connections (WebSockets, keep-alive HTTP, sockets that never sent a byte) beyond "
+                       "which uvicorn answers every request, /health included, with a plain-text 503; at least "
+                       "max_sessions + 64 (the app refuses sessions past max_sessions with its own JSON errors)"),
+    )
     shutdown_timeout: float = field(default=30.0, metadata=_help("seconds SIGTERM waits for running sessions"))
     exit_on_engine_failure: bool = field(
         default=True,
@@ -340,7 +346,7 @@ class Settings:
         # opposite of the ask.
         if not 0.01 <= self.gil_switch_interval_ms <= 1000:
             raise ValueError("gil_switch_interval_ms must be within [0.01, 1000]")
-        for name in ("max_sessions", "max_input_chars"):
+        for name in ("max_sessions", "max_input_chars", "max_connections"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:

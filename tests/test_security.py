@@ -321,3 +321,17 @@ def test_voice_prompt_files_are_plain_arrays(server: LiveServer) -> None:
         resp = c.post("/v1/audio/speech", headers=AUTH, json={"voice": "default", "input": "Still fine.",
                                                                "response_format": "pcm", **FAST})
         assert resp.status_code == 200 and len(resp.content) > 0
+
+
+def test_idle_connections_leave_room_far_beyond_the_sessions() -> None:
+    """uvicorn answers every request with a bare 503 once its connection limit is reached,
+    /health included, and it counts sockets that never sent a byte: the limit was
+    max_sessions + 64, so ~576 silent sockets locked every client out."""
+    from gateway.settings import load_settings
+
+    settings, _ = load_settings([], environ={})
+    assert transport_options(settings)["limit_concurrency"] == 4096 == settings.max_connections
+    settings, _ = load_settings(["--max-sessions", "8000", "--max-connections", "100"], environ={})
+    assert transport_options(settings)["limit_concurrency"] == 8064  # never below the sessions it serves
+    with pytest.raises(ValueError, match="max_connections"):
+        load_settings(["--max-connections", "0"], environ={})
