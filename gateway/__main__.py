@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -152,9 +153,24 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+# A browser cannot set headers on a WebSocket, so the demo page passes its API key in the
+# URL (`?token=`, `gateway.auth`), and uvicorn logs every accepted socket with its URL.
+_SECRET_IN_URL = re.compile(r"([?&](?:token|api_key)=)[^&\s\"']+")
+
+
+class _RedactSecrets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = _SECRET_IN_URL.sub(r"\1***", message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
 def setup_logging(level: str, as_json: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if as_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_RedactSecrets())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

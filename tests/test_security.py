@@ -335,3 +335,23 @@ def test_idle_connections_leave_room_far_beyond_the_sessions() -> None:
     assert transport_options(settings)["limit_concurrency"] == 8064  # never below the sessions it serves
     with pytest.raises(ValueError, match="max_connections"):
         load_settings(["--max-connections", "0"], environ={})
+
+
+def test_the_api_key_in_a_websocket_url_is_not_logged(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo page passes its key as `?token=` (a browser sets no WebSocket headers), and
+    uvicorn logs every accepted socket with its URL."""
+    import logging
+
+    from gateway.__main__ import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        for as_json in (False, True):
+            setup_logging("info", as_json)
+            logging.getLogger("uvicorn.error").info('%s - "WebSocket %s" [accepted]', "127.0.0.1:50680",
+                                                   "/v1/tts/stream?voice=a&token=sk-secret-key&x=1")
+    finally:
+        root.handlers[:], root.level = handlers, level
+    err = capsys.readouterr().err
+    assert "sk-secret-key" not in err and err.count("token=***&x=1") == 2 and "voice=a" in err
