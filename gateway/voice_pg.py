@@ -309,6 +309,8 @@ class PgVoiceStore(VoiceStore):
     # -- synthesis path ---------------------------------------------------------------------
     async def get_prompt(self, voice_id: str) -> VoicePrompt:
         """The voice's prompt, checked against the database; KeyError when it is gone."""
+        if "\x00" in voice_id:  # no such id can be stored (PostgreSQL text has no NUL): a DataError, a 500
+            raise KeyError(voice_id)
         cached = self._prompts.get(voice_id)
         known_rev = cached.rev if cached is not None else ""
         async with self._conn() as conn:
@@ -429,6 +431,8 @@ class PgVoiceStore(VoiceStore):
 
     async def delete(self, voice_id: str) -> bool:
         """Remove a voice everywhere; False when no replica knew it."""
+        if "\x00" in voice_id:  # as in `get_prompt`
+            return False
         async with self._conn() as conn, conn.transaction():
             cur = await conn.execute(f"DELETE FROM {TABLE} WHERE id = %s RETURNING id", (voice_id,))
             gone = await cur.fetchone() is not None

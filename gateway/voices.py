@@ -353,7 +353,8 @@ class VoiceStore:
 
     # -- validation ----------------------------------------------------------------------
     def validate_id(self, voice_id: str) -> None:
-        if not isinstance(voice_id, str) or not self._id_re.match(voice_id):
+        # fullmatch: `$` also matches before a final newline ("abc\n" passed).
+        if not isinstance(voice_id, str) or not self._id_re.fullmatch(voice_id):
             raise ApiError(400, "invalid_voice_id",
                            "voice id must be 1-64 characters of letters, digits, '_' or '-'")
 
@@ -365,6 +366,8 @@ class VoiceStore:
                            f"transcript is longer than {self.limits.max_transcript_chars} characters")
         if len(name) > self.limits.max_name_chars:
             raise ApiError(400, "invalid_request", f"name is longer than {self.limits.max_name_chars} characters")
+        if "\x00" in transcript or "\x00" in name:  # PostgreSQL text cannot hold it: a 500 after featurising
+            raise ApiError(400, "invalid_request", "the name and transcript must not contain NUL characters")
 
     def _check_room(self, voice_id: str, registered: int, exists: bool) -> None:
         """A new voice must fit under `max_voices` (replacing one takes no room)."""

@@ -104,6 +104,10 @@ def test_register_on_one_use_on_other_delete_propagates(tiny_model_dir: Path, db
             with pytest.raises(KeyError):
                 await a.get_prompt("alice")
             assert await a.delete("alice") is False  # already gone everywhere
+            # An id PostgreSQL cannot hold (a NUL) is an unknown voice, not a DataError (a 500).
+            with pytest.raises(KeyError):
+                await a.get_prompt("x\x00y")
+            assert await a.delete("x\x00y") is False
             assert await b.wait_for_mirror(lambda s: "alice" not in s, WAIT)
             assert a.list() == [] and b.list() == []
         finally:

@@ -126,6 +126,8 @@ def test_generated_id_and_delete(tmp_path: Path, run, engine) -> None:
     [
         ("bad id!", tone_wav(4.0), "hi", "invalid_voice_id", 400),
         ("x" * 65, tone_wav(4.0), "hi", "invalid_voice_id", 400),
+        ("abc\n", tone_wav(4.0), "hi", "invalid_voice_id", 400),
+        ("a\x00b", tone_wav(4.0), "hi", "invalid_voice_id", 400),
         ("ok", b"definitely not audio" * 50, "hi", "invalid_audio", 400),
         ("ok", b"", "hi", "invalid_audio", 400),
         ("ok", tone_wav(2.0), "hi", "audio_too_short", 400),
@@ -133,6 +135,7 @@ def test_generated_id_and_delete(tmp_path: Path, run, engine) -> None:
         ("ok", wav_bytes(tone(4.0, 8000), 8000), "hi", "sample_rate_too_low", 400),
         ("ok", wav_bytes(np.zeros(4 * SR, np.float32), SR), "hi", "invalid_audio", 400),
         ("ok", tone_wav(4.0), "   ", "missing_transcript", 400),
+        ("ok", tone_wav(4.0), "hi\x00there", "invalid_request", 400),
     ],
 )
 def test_register_rejects_bad_input(tmp_path: Path, run, engine, voice_id, audio, transcript, code, status) -> None:
