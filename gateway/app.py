@@ -57,6 +57,7 @@ class GatewayState:
     # Set with `draining` when the engine failed and the gateway exits for a restart
     # (Settings.exit_on_engine_failure): connections then close with 1012, not 1001.
     engine_failure: str | None = None
+    registrations: int = 0  # `POST /v1/voices` in progress (voices.max_concurrent_registrations)
 
 
 def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:

@@ -262,8 +262,20 @@ def _opt_str(value: Any, field: str) -> str | None:
 @_endpoint("/v1/voices")
 async def create_voice(request: Request) -> Response:
     """Register a voice from multipart (file + transcript) or JSON (base64 audio)."""
-    store = _gw(request).voices
+    gw = _gw(request)
     limits = _limits(request)
+    if gw.registrations >= limits.max_concurrent_registrations:  # before any of the body is read
+        raise ApiError(429, "too_many_registrations",
+                       f"{gw.registrations} voice registrations are in progress, the most this gateway runs at "
+                       "once (voices.max_concurrent_registrations); try again shortly")
+    gw.registrations += 1
+    try:
+        return await _create_voice(request, gw.voices, limits)
+    finally:
+        gw.registrations -= 1
+
+
+async def _create_voice(request: Request, store: Any, limits: VoiceLimits) -> Response:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     overhead = 64 * 1024  # multipart boundaries and text fields
     if ctype == "multipart/form-data":

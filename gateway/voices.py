@@ -61,10 +61,14 @@ class VoiceLimits:
     # Registered voices at most (each keeps its files and a row; a replica caches prompts of
     # the ones in use): a registration of a new id beyond it is refused, 409 too_many_voices.
     max_voices: int = 10000
+    # Registrations in progress at once; more are refused, 429 too_many_registrations.
+    # Each holds its upload (a 20 MiB JSON body peaks at ~140 MB in the handler) and
+    # threads of the default pool that synthesis shares (decoding, featurising).
+    max_concurrent_registrations: int = 4
 
     def __post_init__(self) -> None:
         for name in ("min_seconds", "min_sample_rate", "max_upload_bytes", "max_transcript_chars", "max_name_chars",
-                     "max_voices"):
+                     "max_voices", "max_concurrent_registrations"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"voices.{name} must be > 0, not {getattr(self, name)}")
         if not self.max_seconds >= self.min_seconds:

@@ -524,3 +524,35 @@ def test_voice_survives_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert c.post("/v1/audio/speech", headers=AUTH, json=speech).content == pcm_before
         tokens = len(srv.gw.engine.text_ids("Still here."))
         assert len(pcm_before) == 2 * tokens * 2 * SAMPLES_PER_TOKEN  # s16, 2 tokens per text token
+
+
+def test_registrations_in_progress_are_bounded(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each registration holds its upload and threads synthesis shares: past
+    `voices.max_concurrent_registrations` one is refused before its body is read."""
+    gw = server.gw
+    monkeypatch.setattr(gw, "settings", dataclasses.replace(
+        gw.settings, voices=dataclasses.replace(gw.settings.voices, max_concurrent_registrations=1)))
+
+    async def main() -> tuple[int, dict[str, Any], int, int]:
+        release = asyncio.Event()
+
+        async def slow_body() -> Any:
+            yield b'{"transcript": "Hello there.", "audio": "'
+            await release.wait()
+            yield b'AAAA"}'
+
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/voices", content=slow_body(),
+                                                    headers={"content-type": "application/json"}))
+            async with asyncio.timeout(30):  # until the server holds the first one
+                while gw.registrations == 0:
+                    await asyncio.sleep(0.01)
+            refused = await client.post("/v1/voices", json={"transcript": "Hi.", "audio": "AAAA"})
+            release.set()
+            done = await first
+            after = await client.post("/v1/voices", json={"transcript": "Hi.", "audio": "AAAA"})
+        return refused.status_code, refused.json(), done.status_code, after.status_code
+
+    status, body, first_status, after_status = asyncio.run(main())
+    assert status == 429 and body["error"]["code"] == "too_many_registrations"
+    assert first_status == 400 and after_status == 400 and gw.registrations == 0  # not audio, but let in
