@@ -62,6 +62,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -410,6 +411,17 @@ class RemoteStage:
                          f"(engine.stage_stall_timeout_s {self._stall_timeout_s:g})")
         log.error("%s", self._stalled)
         self._process.kill()
+        # A process stuck in the GPU driver may not die for a long time, and its pipe stays
+        # open until it does: shut the pipe down now, so the reader sees its end and a send
+        # blocked on a full pipe returns, and fail the stage's work at once.
+        with contextlib.suppress(OSError, ValueError):
+            sock = socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()  # the duplicate only; the connection keeps its own descriptor
+        with contextlib.suppress(RuntimeError):  # a loop already closed: nothing waits
+            self._loop.call_soon_threadsafe(self._on_exit, "")
 
     def _on_exit(self, reason: str) -> None:
         if self._closed or self._error is not None:

@@ -309,3 +309,33 @@ def test_a_chunk_the_stage_process_cannot_take_fails_alone(tiny_model_dir):
         assert events and all(isinstance(e, AudioChunk) for e in events), events
 
     run(tiny_model_dir, fn, warmup=False, stage_process=True)
+
+
+def test_a_stalled_stage_process_that_does_not_die_fails_its_work_at_once(tiny_model_dir):
+    """A process stuck in the GPU driver may not die of SIGKILL for a long time, and its
+    pipe stays open until it does: the watchdog's verdict alone must fail the waiting
+    utterance and mark the engine failed (before, both waited for the process's exit, and
+    the engine stayed ready)."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        process = stage._process
+        kills: list[int] = []
+        stage._process = type("Unkillable", (), {"pid": process.pid, "exitcode": None,
+                                                 "kill": lambda self: kills.append(1)})()
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            session = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=5))
+            await session.submit("Nobody answers for this audio.")
+            await session.finish()
+            events = await asyncio.wait_for(collect(session), 60)
+            assert kills and process.is_alive()  # the kill "did not take": the process lives on
+            assert events and isinstance(events[-1], UtteranceError), events
+            assert "stalled (" in events[-1].message, events[-1].message
+            assert not engine.ready and "stalled" in (engine.failure or "")
+        finally:
+            stage._process = process
+            process.kill()
+            await asyncio.to_thread(process.join, 30)
+
+    run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=2.0)
