@@ -697,7 +697,6 @@ class Engine:
             await self.stage.warm_context(prompt)
         if P in self._warmed_prompts or not hasattr(self.stage, "warm_graphs"):
             return 0
-        self._warmed_prompts.add(P)
         cfg, look = self.config, self.model.config.flow.pre_lookahead_len
         cached, policy = self._cached_prompt_frames(P), graph_policy(cfg)
         # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
@@ -713,7 +712,9 @@ class Engine:
             # A prefix too wide for the prefix graphs: small batches take the plain graphs
             # (AudioStage._cache_pays), larger ones run eagerly from the cache.
             shapes = [(rows, frames) for rows, frames in shapes if rows <= policy.prefix_max_rows]
-        return await self.stage.warm_graphs(shapes)
+        captured = await self.stage.warm_graphs(shapes)
+        self._warmed_prompts.add(P)  # only once captured: a failed capture is tried again with the next voice
+        return captured
 
     def alone(self) -> bool:
         """Whether at most one utterance is decoding and at most one is on the stages: the

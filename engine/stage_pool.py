@@ -128,17 +128,22 @@ class StagePool:
                 total[key] = total.get(key, 0) + n
         return total
 
+    def _serving(self) -> list[AudioStage | RemoteStage]:
+        """The stages that can still serve: a dead one (its process exited) takes no work, and
+        warming it would fail a voice's registration on the stages that can."""
+        return [s for s in self.stages if getattr(s, "failure", None) is None]
+
     async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
-        """Capture the flow graphs for these batch shapes on every stage."""
-        return sum([await s.warm_graphs(shapes) for s in self.stages])
+        """Capture the flow graphs for these batch shapes on every stage that serves."""
+        return sum([await s.warm_graphs(shapes) for s in self._serving()])
 
     async def warm_prompt(self, chunk: object) -> bool:
-        """Build the voice's flow prompt cache entry on every stage."""
-        return all([await s.warm_prompt(chunk) for s in self.stages])
+        """Build the voice's flow prompt cache entry on every stage that serves."""
+        return all([await s.warm_prompt(chunk) for s in self._serving()])
 
     async def warm_context(self, prompt: object) -> bool:
-        """Compile the flow's context-cache calls on every stage (see AudioStage.warm_context)."""
-        return all([await s.warm_context(prompt) for s in self.stages])
+        """Compile the flow's context-cache calls on every stage that serves (see AudioStage.warm_context)."""
+        return all([await s.warm_context(prompt) for s in self._serving()])
 
     async def start(self) -> None:
         for s in self.stages:

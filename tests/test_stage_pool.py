@@ -96,3 +96,26 @@ def test_registering_a_voice_builds_its_prompt_cache_on_every_stage(tiny_model_d
 
     sizes = run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"), flow_prompt_cache=True)
     assert len(sizes) == 2 and all(n > 0 for n in sizes), sizes
+
+
+def test_a_dead_stage_does_not_fail_a_voice_registration_on_the_others(tiny_model_dir):
+    """The engine stays ready with one stage of two dead; registering a voice warms the
+    stage that serves and leaves the dead one alone (before, it raised the dead stage's
+    error for every registration)."""
+    async def fn(engine):
+        pool = engine.stage
+        dead = pool.stages[1]
+
+        async def refuses(*args, **kwargs):
+            raise RuntimeError("audio stage process exited (exit code -9)")
+
+        dead.failure = "audio stage process exited (exit code -9)"
+        dead.warm_prompt = dead.warm_graphs = dead.warm_context = refuses
+        try:
+            await default_voice(engine)
+            return engine.ready, pool.stages[0].prompt_cache.nbytes
+        finally:
+            del dead.failure, dead.warm_prompt, dead.warm_graphs, dead.warm_context
+
+    ready, cached = run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"), flow_prompt_cache=True)
+    assert ready and cached > 0
