@@ -504,9 +504,11 @@ def _cancel(job: ChunkJob) -> None:
 def stage_main(conn: Connection, config: EngineConfig, device: str) -> None:
     """The child's entry point: load the flow and the vocoder, build the stage the engine
     would build in-process, serve the pipe until "close" or EOF."""
-    # Ctrl-C in a terminal reaches the whole process group: the engine decides when the
-    # stage closes (it sends "close", or its end of the pipe closes when it dies).
+    # Ctrl-C in a terminal, and a supervisor's SIGTERM to the whole group (systemd's
+    # default), reach this process too: the engine decides when the stage closes (it sends
+    # "close" once its sessions drained, or its end of the pipe closes when it dies).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from .engine import build_stage
         from .models.loader import load_model

@@ -339,3 +339,14 @@ def test_a_stalled_stage_process_that_does_not_die_fails_its_work_at_once(tiny_m
             await asyncio.to_thread(process.join, 30)
 
     run(tiny_model_dir, fn, warmup=False, stage_process=True, stage_stall_timeout_s=2.0)
+
+
+def test_the_stage_process_leaves_interrupts_and_terminations_to_the_engine(tiny_model_dir):
+    """A SIGTERM to the whole process group (systemd's default stop) killed the stage at once
+    while the gateway drained its sessions; the engine closes the stage after the drain."""
+    async def fn(engine):
+        status = open(f"/proc/{engine.stage._process.pid}/status").read()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+
+    ignored = run(tiny_model_dir, fn, warmup=False, stage_process=True)
+    assert ignored & (1 << (signal.SIGINT - 1)) and ignored & (1 << (signal.SIGTERM - 1))
