@@ -80,7 +80,7 @@ from .first_chunk import RoundTimes
 from .flow_graphs import GraphPolicy
 from .heap import freeze_startup_objects
 from .models.flow import FlowChunk
-from .mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, child_env, mps_client_env
+from .mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, mps_client_env
 from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, cuda_memory, estimate_round
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,12 @@ class RemoteStage:
         """Start the stage's process and wait until its stage is built and started."""
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=stage_main, args=(theirs, config, str(device)), name="audio-stage")
-        with child_env(mps_client_env(config.stage_mps_thread_percent)):
-            process.start()
+        # The MPS settings go as an argument, set in the child before its CUDA context: set in
+        # this process's environment around the start, they raced vLLM's own (set around its
+        # engine core's start, `overlap_start`), and stages started then took vLLM's.
+        process = ctx.Process(target=stage_main, name="audio-stage",
+                              args=(theirs, config, str(device), mps_client_env(config.stage_mps_thread_percent)))
+        process.start()
         theirs.close()  # the child's end: with it closed here, the child's exit reads as EOF
         try:
             first = await asyncio.wait_for(asyncio.to_thread(_recv_first, ours), START_TIMEOUT_S)
@@ -501,9 +504,13 @@ def _cancel(job: ChunkJob) -> None:
 
 
 # --------------------------------------------------------------------- the stage's process
-def stage_main(conn: Connection, config: EngineConfig, device: str) -> None:
+def stage_main(conn: Connection, config: EngineConfig, device: str, mps_env: dict[str, str] | None = None) -> None:
     """The child's entry point: load the flow and the vocoder, build the stage the engine
-    would build in-process, serve the pipe until "close" or EOF."""
+    would build in-process, serve the pipe until "close" or EOF. `mps_env`: this process's
+    MPS client settings, whatever the parent's environment held when it was spawned."""
+    for name in (MPS_PERCENT_ENV, MPS_PRIORITY_ENV):
+        os.environ.pop(name, None)
+    os.environ.update(mps_env or {})
     # Ctrl-C in a terminal, and a supervisor's SIGTERM to the whole group (systemd's
     # default), reach this process too: the engine decides when the stage closes (it sends
     # "close" once its sessions drained, or its end of the pipe closes when it dies).

@@ -17,7 +17,7 @@ from bench.ws_load import main as ws_load_main
 from engine.config import EngineConfig
 from engine.engine import graph_policy, spawn_stages
 from engine.models.flow import FlowChunk
-from engine.mps import MPS_PERCENT_ENV
+from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV
 from engine.stage_pool import StagePool
 from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
 from engine.token2wav import ChunkJob, DeviceWorker
@@ -50,10 +50,12 @@ def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model
         assert_same_audio(a, b)
 
 
-def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir):
+def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir, monkeypatch):
     """`stage_devices` with `stage_process`: a `StagePool` of two stages, each in its own
     process; the utterances are shared out and sound as on one stage in-process. Each
-    process is an MPS client with the stage's SM share; this one's environment is as it was."""
+    process is an MPS client with the stage's SM share and nothing else, even when this
+    process's environment holds other MPS settings as they spawn (vLLM's, set around its
+    engine core's start); this one's environment is as it was."""
     async def pooled(engine):
         pool = engine.stage
         assert isinstance(pool, StagePool) and all(isinstance(s, RemoteStage) for s in pool.stages)
@@ -66,6 +68,8 @@ def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir):
         return pcm, per_stage, engine.stats().chunks, processes
 
     single = run(tiny_model_dir, _speak_four, warmup=False)
+    monkeypatch.setenv(MPS_PERCENT_ENV, "30")
+    monkeypatch.setenv(MPS_PRIORITY_ENV, "1")
     before = os.environ.get(MPS_PERCENT_ENV)
     pcm, per_stage, total, processes = run(tiny_model_dir, pooled, warmup=False, stage_process=True,
                                            stage_devices=("cpu", "cpu"), stage_mps_thread_percent=70)
