@@ -150,5 +150,13 @@ class StagePool:
             await s.start()
 
     async def close(self) -> None:
+        """Close every stage, also when one's close fails: a stage left open keeps its
+        process, which the interpreter's exit would then wait for."""
+        errors: list[BaseException] = []
         for s in self.stages:
-            await s.close()
+            try:
+                await s.close()
+            except BaseException as exc:  # a cancel too: the other stages still close
+                errors.append(exc)
+        if errors:
+            raise errors[0]

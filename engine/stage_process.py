@@ -186,7 +186,9 @@ class RemoteStage:
         try:
             first = await asyncio.wait_for(asyncio.to_thread(_recv_first, ours), START_TIMEOUT_S)
         except BaseException as exc:
-            _stop(process, ours)
+            # Off the event loop: `_stop` may wait up to a minute for a child stuck in the
+            # driver, and other stages' starts and the shutdown run on the loop meanwhile.
+            await asyncio.shield(asyncio.to_thread(_stop, process, ours))
             if isinstance(exc, (EOFError, OSError)):
                 raise StageProcessError(f"audio stage process exited while starting (exit code "
                                         f"{process.exitcode})") from None
@@ -285,7 +287,9 @@ class RemoteStage:
     # ----------------------------------------------------------------- the pipe
     def _check_open(self) -> None:
         if self._error is not None:
-            raise self._error
+            # A new exception each time: one raised again and again grows its traceback by
+            # each raise's frames, and keeps their locals (utterances' streams) alive.
+            raise StageProcessError(str(self._error))
         if self._closed:
             raise StageProcessError("audio stage is closed")
 
@@ -441,11 +445,11 @@ class RemoteStage:
     def _fail_all(self, error: StageProcessError) -> None:
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
-            _fail(job, error)
+            _fail(job, StageProcessError(str(error)))
         calls, self._calls = self._calls, {}
         for future in calls.values():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(StageProcessError(str(error)))
 
 
 def _pump(conn: Connection, loop: asyncio.AbstractEventLoop, handle: Callable[[list[tuple[Any, ...]]], None],

@@ -119,3 +119,21 @@ def test_a_dead_stage_does_not_fail_a_voice_registration_on_the_others(tiny_mode
 
     ready, cached = run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"), flow_prompt_cache=True)
     assert ready and cached > 0
+
+
+def test_a_stage_whose_close_fails_does_not_leave_the_others_open(tiny_model_dir):
+    async def fn(engine):
+        pool = engine.stage
+        first_close = pool.stages[0].close
+
+        async def fails():
+            await first_close()
+            raise RuntimeError("the stage's close failed")
+
+        pool.stages[0].close = fails
+        with pytest.raises(RuntimeError, match="close failed"):
+            await pool.close()
+        del pool.stages[0].close  # the engine's own close, after this
+        return [s._closed for s in pool.stages]
+
+    assert run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu")) == [True, True]

@@ -354,3 +354,24 @@ def test_the_stage_process_leaves_interrupts_and_terminations_to_the_engine(tiny
 
     ignored = run(tiny_model_dir, fn, warmup=False, stage_process=True)
     assert ignored & (1 << (signal.SIGINT - 1)) and ignored & (1 << (signal.SIGTERM - 1))
+
+
+def test_a_dead_stage_raises_a_new_error_each_time(tiny_model_dir):
+    """Raised again and again, one exception's traceback grew by each raise's frames and
+    kept their locals alive for as long as the dead stage was asked."""
+    async def fn(engine):
+        stage = engine.stage
+        stage._process.kill()
+        await asyncio.to_thread(stage._process.join, 30)
+        async with asyncio.timeout(30):
+            while stage.failure is None:  # the reader thread reports the exit
+                await asyncio.sleep(0.01)
+        errors = []
+        for _ in range(3):
+            with pytest.raises(StageProcessError) as err:
+                stage._check_open()  # what every submit and call does first
+            errors.append(err.value)
+        return errors
+
+    errors = run(tiny_model_dir, fn, warmup=False, stage_process=True)
+    assert len({id(e) for e in errors}) == 3 and all("exited" in str(e) for e in errors)
