@@ -162,12 +162,17 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     """Readiness: the model is loaded and warmed (load balancers route on this)."""
     gw = _gw(request)
+    _require_ready(gw)
+    return JSONResponse({"status": "ready", "model": gw.engine.model_name})
+
+
+def _require_ready(gw: Any) -> None:
+    """503 `not_ready` with the real reason (a failed engine, a drain, the model's load)."""
     engine = gw.engine
     if engine is None or not getattr(engine, "ready", False):
         failure = getattr(engine, "failure", None)
         why = failure or ("draining for shutdown" if getattr(gw, "draining", False) else "model is loading")
         raise ApiError(503, "not_ready", why)
-    return JSONResponse({"status": "ready", "model": engine.model_name})
 
 
 @_endpoint("/metrics")
@@ -512,9 +517,8 @@ async def create_speech(request: Request) -> Response:
     max_chars = int(_setting(request, "max_input_chars", 4096))
     body = await _json_body(request, speech_body_limit(max_chars))
     req = parse_speech_request(body, model_aliases(request), max_chars)
+    _require_ready(gw)
     engine = gw.engine
-    if engine is None or not getattr(engine, "ready", False):
-        raise ApiError(503, "not_ready", "model is loading")
     prompt = await resolve_voice(request, req.voice)
     encoder = make_encoder(req.response_format, engine.sample_rate)
 

@@ -74,8 +74,11 @@ def test_health_open_everything_else_needs_key(server) -> None:
         try:
             assert err(c.get("/ready", headers=AUTH)) == (503, "not_ready")
             assert c.get("/health").status_code == 200  # liveness is not readiness
+            srv.gw.draining = True  # speech says why it refuses, as /ready does
+            speech = c.post("/v1/audio/speech", headers=AUTH, json={"model": "tts-1", "input": "Hi.", "voice": "default"})
+            assert err(speech) == (503, "not_ready") and "draining" in speech.json()["error"]["message"]
         finally:
-            srv.gw.engine.ready = True
+            srv.gw.engine.ready, srv.gw.draining = True, False
 
 
 def test_auth_websocket_query_token() -> None:
