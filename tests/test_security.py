@@ -345,13 +345,21 @@ def test_the_api_key_in_a_websocket_url_is_not_logged(capsys: pytest.CaptureFixt
     from gateway.__main__ import setup_logging
 
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    uvicorn_logs = [logging.getLogger("uvicorn"), logging.getLogger("uvicorn.error")]
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (root, *uvicorn_logs)]
+    # As `python -m gateway` has them (uvicorn's log_config=None: its records reach the root
+    # handler); a test server started earlier with uvicorn's own logging config has not.
+    for lg in uvicorn_logs:
+        lg.handlers[:], lg.propagate = [], True
+        lg.setLevel(logging.INFO)
     try:
         for as_json in (False, True):
             setup_logging("info", as_json)
-            logging.getLogger("uvicorn.error").info('%s - "WebSocket %s" [accepted]', "127.0.0.1:50680",
-                                                   "/v1/tts/stream?voice=a&token=sk-secret-key&x=1")
+            uvicorn_logs[1].info('%s - "WebSocket %s" [accepted]', "127.0.0.1:50680",
+                                 "/v1/tts/stream?voice=a&token=sk-secret-key&x=1")
     finally:
-        root.handlers[:], root.level = handlers, level
+        for lg, handlers, level, propagate in saved:
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)
     err = capsys.readouterr().err
     assert "sk-secret-key" not in err and err.count("token=***&x=1") == 2 and "voice=a" in err
