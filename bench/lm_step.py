@@ -24,6 +24,8 @@ Variants, one per process (`--variant`):
   compiled the RAS processor's per-step function compiled (`engine.vllm_compile_sampling`)
   noseed   requests without a seed (vLLM's sampler then keeps no generator per request)
   nolp     no logits processor: prices the RAS processor (tokens are then any id, not speech)
+  vllmmin  vLLM's own min-tokens processor engaged as well (the product before round 34:
+           min_tokens passed to vLLM too, repeating our processor's stop mask)
   async    vLLM's async scheduling (the product keeps it off: text-in streaming needs it off)
 """
 
@@ -47,7 +49,7 @@ from engine.backends.vllm_backend import VLLMBackend
 from engine.backends.vllm_export import export_from_module, speech_head_plugin_installed
 from engine.models.lm import build_prompt, unified_vocab
 
-VARIANTS = ("default", "compiled", "noseed", "nolp", "async")
+VARIANTS = ("default", "compiled", "noseed", "nolp", "async", "vllmmin")
 PROMPT_TEXT_TOKENS = 15
 TEXT_TOKENS = 30
 PROMPT_SPEECH_TOKENS = 106
@@ -188,6 +190,15 @@ async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any, 
     res["engine_start_s"] = round(time.perf_counter() - t, 1)
     log(f"engine started in {res['engine_start_s']} s")
     seed = None if args.variant == "noseed" else 1234
+    if args.variant == "vllmmin":
+        product_params = backend._params
+
+        def with_vllm_min(sp: SamplingParams) -> Any:
+            params = product_params(sp)
+            params.min_tokens = params.max_tokens  # every request here is fixed-length
+            return params
+
+        backend._params = with_vllm_min  # type: ignore[method-assign]
     prompts = Prompts(cfg, args.seed)
     await first_chunks(backend, prompts, 8, args.chunk_tokens, seed, "warm")
     await decode(backend, prompts, 64, seed, "warm-decode")

@@ -360,7 +360,9 @@ def test_sampling_kwargs_mapping() -> None:
     ras = vllm_sampling_kwargs(SamplingParams(min_tokens=4, max_tokens=100, seed=3), VOCAB)
     assert ras["temperature"] == 1.0 and ras["top_p"] == 1.0 and ras["top_k"] == 0
     assert ras["stop_token_ids"] == list(range(6561, 6761)) and not ras["ignore_eos"]
-    assert (ras["min_tokens"], ras["max_tokens"], ras["seed"]) == (4, 100, 3)
+    # the stop ids are masked by our processor until min_tokens; vLLM's own
+    # min-tokens processor stays idle
+    assert (ras["min_tokens"], ras["max_tokens"], ras["seed"]) == (0, 100, 3)
     a = RASArgs.from_extra(ras["extra_args"])
     assert a is not None and not a.greedy and a.top_k == 25 and a.top_p == 0.8 and a.min_tokens == 4
 
@@ -368,7 +370,7 @@ def test_sampling_kwargs_mapping() -> None:
     assert greedy["temperature"] == 0.0 and RASArgs.from_extra(greedy["extra_args"]).greedy
 
     fixed = vllm_sampling_kwargs(SamplingParams(fixed_length=37, max_tokens=5), VOCAB)
-    assert fixed["min_tokens"] == fixed["max_tokens"] == 37
+    assert fixed["max_tokens"] == 37 and fixed["min_tokens"] == 0
     assert fixed["ignore_eos"] and fixed["stop_token_ids"] is None
     assert RASArgs.from_extra(fixed["extra_args"]).mask_stops
 

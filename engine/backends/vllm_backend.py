@@ -106,7 +106,10 @@ def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, A
         top_k=0,
         seed=sp.seed,
         max_tokens=max_tokens,
-        min_tokens=min_tokens,
+        # Our processor masks every stop id before min_tokens (`RASArgs.min_tokens`), so
+        # vLLM's own min-tokens processor would only repeat that mask, at ~3% of a
+        # decode step's host time (round 33 of docs/benchmarks.md): it stays idle.
+        min_tokens=0,
         # Fixed-length requests never stop early: no stop ids, eos ignored, and the
         # processor masks every stop id. Otherwise any reserved id ends the stream.
         stop_token_ids=None if fixed else stop_ids,
