@@ -188,6 +188,7 @@ def create_app(settings: Settings) -> Starlette:
     routes = [
         *http_api.routes,
         WebSocketRoute("/v1/tts/stream", ws.tts_websocket),
+        *http_api.method_fallbacks(http_api.routes),
     ]
     if STATIC_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))

@@ -29,7 +29,9 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from engine.types import AudioChunk, SessionOptions, UtteranceError, VoicePrompt
 from gateway.audio_files import (
@@ -665,3 +667,25 @@ routes: list[Route] = [
     Route("/v1/voices/{voice_id}", get_voice, methods=["GET"]),
     Route("/v1/voices/{voice_id}", delete_voice, methods=["DELETE"]),
 ]
+
+
+class _MethodNotAllowed:
+    """ASGI endpoint for a known path asked with a method it does not serve."""
+
+    def __init__(self, allowed: list[str]) -> None:
+        self.allow = ", ".join(allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise HTTPException(405, f"{scope.get('method')} is not allowed here; allowed: {self.allow}",
+                            headers={"Allow": self.allow})
+
+
+def method_fallbacks(api_routes: list[Route]) -> list[Route]:
+    """A route for each path of `api_routes` taking any method, to go after them: 405 and
+    `Allow` for a method the path does not serve. Starlette's router answers that itself
+    only when no later route matches the path fully, and the demo page's static mount at
+    `/` matches every path (a `GET /v1/audio/speech` was a 404)."""
+    allowed: dict[str, set[str]] = {}
+    for route in api_routes:
+        allowed.setdefault(route.path, set()).update(route.methods or ())
+    return [Route(path, _MethodNotAllowed(sorted(methods))) for path, methods in allowed.items()]

@@ -81,6 +81,18 @@ def test_health_open_everything_else_needs_key(server) -> None:
             srv.gw.engine.ready, srv.gw.draining = True, False
 
 
+def test_a_known_path_asked_with_another_method_is_a_405(server) -> None:
+    """Not the demo page's static mount's 404: the path exists, the method does not."""
+    with server.client() as c:
+        for method, path, allow in [("GET", "/v1/audio/speech", "POST"), ("PUT", "/v1/voices", "GET, HEAD, POST"),
+                                    ("POST", "/v1/voices/x", "DELETE, GET, HEAD"), ("DELETE", "/health", "GET, HEAD")]:
+            resp = c.request(method, path, headers=AUTH)
+            assert err(resp) == (405, "method_not_allowed"), (method, path)
+            assert resp.headers["allow"] == allow
+        assert err(c.get("/v1/nothing", headers=AUTH)) == (404, "not_found")
+        assert c.get("/", headers=AUTH).status_code == 200  # the page itself
+
+
 def test_auth_websocket_query_token() -> None:
     auth = Auth((API_KEY,))
     ws = SimpleNamespace(headers={}, query_params={"token": API_KEY})
