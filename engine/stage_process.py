@@ -564,6 +564,7 @@ class _StageServer:
         self.streams: dict[int, object] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self.cancelled: set[int] = set()
+        self.live: set[int] = set()  # submitted, not yet done
         self.started: list[tuple[int, float, int]] = []
         self.done: list[tuple[int, np.ndarray]] = []
         self.failed: list[tuple[int, str]] = []
@@ -606,11 +607,14 @@ class _StageServer:
                        functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent,
                        deadline_from=deadline_from)
         self.stage.submit(job)
+        self.live.add(jid)
         job.started.add_done_callback(functools.partial(self._started, jid))
         job.future.add_done_callback(functools.partial(self._done, jid))
 
     def on_cancel(self, jids: list[int]) -> None:
-        self.cancelled.update(jids)
+        # A chunk that finished here while its cancel was on the way has no job left to
+        # check the id, so the id would stay in the set for good.
+        self.cancelled.update(j for j in jids if j in self.live)
         self.stage.drop_cancelled()
 
     def on_expect(self, sid: int, due: float, round_s: float | None) -> None:
@@ -655,6 +659,7 @@ class _StageServer:
 
     def _done(self, jid: int, future: asyncio.Future[np.ndarray]) -> None:
         self.cancelled.discard(jid)
+        self.live.discard(jid)
         if future.cancelled():
             return  # cancelled by the engine, which no longer waits for it
         exc = future.exception()

@@ -19,7 +19,7 @@ from engine.engine import graph_policy, spawn_stages
 from engine.models.flow import FlowChunk
 from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV
 from engine.stage_pool import StagePool
-from engine.stage_process import RemoteStage, RemoteStream, StageProcessError
+from engine.stage_process import RemoteStage, RemoteStream, StageProcessError, _StageServer
 from engine.token2wav import ChunkJob, DeviceWorker
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 from helpers import assert_same_audio
@@ -375,3 +375,28 @@ def test_a_dead_stage_raises_a_new_error_each_time(tiny_model_dir):
 
     errors = run(tiny_model_dir, fn, warmup=False, stage_process=True)
     assert len({id(e) for e in errors}) == 3 and all("exited" in str(e) for e in errors)
+
+
+def test_a_cancel_for_a_chunk_already_done_leaves_nothing_behind():
+    """The engine may cancel a chunk the stage's process has just finished: that id has no
+    job left to check it, so keeping it would grow the process's set for good."""
+    class Stage:
+        rounds = None
+        drops = 0
+
+        def drop_cancelled(self) -> int:
+            self.drops += 1
+            return 0
+
+    async def fn() -> None:
+        stage = Stage()
+        server = _StageServer(conn=None, stage=stage)  # type: ignore[arg-type]
+        server.live.add(7)  # submitted, not yet done
+        server.on_cancel([5, 7])
+        assert server.cancelled == {7} and stage.drops == 1
+        done: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        done.cancel()
+        server._done(7, done)
+        assert not server.cancelled and not server.live
+
+    asyncio.run(fn())
