@@ -103,8 +103,16 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}) or None)
 
 
+class ReportedError(RuntimeError):
+    """Raised on purpose out of a response already under way, to break its transfer,
+    after the failure was counted and logged where it happened: not an unhandled error."""
+
+
 async def unhandled_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Last resort (register under ``Exception``): log the traceback, answer 500 JSON."""
+    if isinstance(exc, ReportedError):
+        # Starlette calls this even once the response has started (nothing of it is sent).
+        return error_response(500, "internal_error", "internal server error")
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     _count_error(request, "internal_error")
     return error_response(500, "internal_error", "internal server error")

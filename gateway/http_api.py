@@ -42,7 +42,7 @@ from gateway.audio_files import (
     make_encoder,
     read_body_bounded,
 )
-from gateway.errors import ApiError, error_response, unhandled_error_handler
+from gateway.errors import ApiError, ReportedError, error_response, unhandled_error_handler
 from gateway.protocol import MAX_INSTRUCTION_CHARS, SPEED_RANGE
 from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
@@ -488,7 +488,7 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-class SpeechStreamFailed(RuntimeError):
+class SpeechStreamFailed(ReportedError):
     """Synthesis failed after an audio response had started: raised out of the body so
     the server drops the connection instead of ending the transfer cleanly."""
 

@@ -145,12 +145,18 @@ def test_engine_fault_mid_http_audio_stream_breaks_the_transfer(server: LiveServ
     body = {"voice": "faulty", "input": TEXT, "response_format": "pcm", **FAST}
     received = bytearray()
     with StageFault(srv.gw.engine, prompt, from_chunk=1, where="compute"), srv.client() as c:
+        before = scrape(c)
         with c.stream("POST", "/v1/audio/speech", headers=AUTH, json=body) as resp:
             assert resp.status_code == 200  # the first chunk was fine: headers are out
             with pytest.raises(httpx.RemoteProtocolError):
                 for data in resp.iter_bytes():
                     received += data
+        after = scrape(c)
     assert 0 < len(received) < 2 * _expected_samples(srv, TEXT)
+    # one failure, counted once: not also an unhandled internal error
+    errors = 'cosyvoice_errors_total{code="%s"}'
+    assert after[errors % "synthesis_failed"] - before.get(errors % "synthesis_failed", 0) == 1
+    assert after.get(errors % "internal_error", 0) == before.get(errors % "internal_error", 0)
     with srv.client() as c:
         eventually(lambda: leftovers(c) == {}, timeout=30)
 
