@@ -132,13 +132,8 @@ class EnginePool:
 
     # -- stats and shutdown ----------------------------------------------------------
     def stats(self) -> EngineStats:
-        """The workers' counters added up (batch-size extremes are the largest)."""
-        per = [e.stats() for e in self.engines]
-        total: dict[str, Any] = {}
-        for f in dataclasses.fields(EngineStats):
-            values = [getattr(s, f.name) for s in per]
-            total[f.name] = max(values) if f.name in ("last_batch_size", "max_batch_size") else sum(values)
-        return EngineStats(**total)
+        """The workers' stats as one engine's (`combined_stats`)."""
+        return combined_stats([e.stats() for e in self.engines])
 
     def worker_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
@@ -155,6 +150,24 @@ class EnginePool:
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+
+
+def _is_extreme(name: str) -> bool:
+    """An EngineStats field that is a latest or largest value, not a count or an occupancy:
+    batch-size extremes, the planner's latest inputs, the vocoder holdback it learnt, and
+    the start's step times (the workers start side by side)."""
+    return (name in ("last_batch_size", "max_batch_size", "first_chunk_holdback_seconds")
+            or "_plan_" in name or (name.startswith("start_") and name.endswith("_seconds")))
+
+
+def combined_stats(per: Sequence[EngineStats]) -> EngineStats:
+    """The workers' counters and occupancies added up; for a latest or largest value the
+    largest of the workers' (a sum of N workers' latest plans read N times too high)."""
+    total: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in per]
+        total[f.name] = max(values) if _is_extreme(f.name) else sum(values)
+    return EngineStats(**total)
 
 
 async def create_engine(base: EngineConfig, devices: Sequence[str] = ()) -> Engine | EnginePool:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import EngineError
-from engine.pool import EnginePool, create_engine, pool_configs
+from engine.engine import EngineError, EngineStats
+from engine.pool import EnginePool, combined_stats, create_engine, pool_configs
 from engine.types import AudioChunk, SessionOptions
 
 OPTS = SessionOptions(tokens_per_text_token=2.0, seed=3)
@@ -134,3 +134,18 @@ def test_gateway_serves_through_a_pool(tiny_model_dir: Path, tmp_path: Path) -> 
         r = client.post("/debug/planner", json={"min_hop": 8})
         assert r.status_code == 200 and [w["min_hop"] for w in r.json()["workers"]] == [8, 8]
         assert [e.first_chunks.min_hop for e in gw.engine.engines] == [8, 8]
+
+
+def test_pooled_stats_add_counts_but_not_latest_values() -> None:
+    """Two workers' counters add up; a latest plan, a learnt holdback or a start time is the
+    largest of the workers', not their sum (a gauge N workers high)."""
+    required = dict(active_sessions=0, active_utterances=0, lm_active=0, flow_queue=0, last_batch_size=0, batches=0,
+                    dropped_chunks=0, stage_busy_seconds=0.0)
+    a = EngineStats(**required, chunks=3, lm_tokens=10, first_chunk_holdback_seconds=0.08, first_chunk_plan_round_seconds=0.03,
+                    opening_chunk_plan_lm_step_seconds=0.002, start_lm_seconds=90.0, max_batch_size=4)
+    b = dataclasses.replace(a, chunks=5, lm_tokens=1, first_chunk_plan_round_seconds=0.05, start_lm_seconds=80.0,
+                            max_batch_size=9)
+    st = combined_stats([a, b])
+    assert (st.chunks, st.lm_tokens) == (8, 11)
+    assert st.first_chunk_holdback_seconds == 0.08 and st.first_chunk_plan_round_seconds == 0.05
+    assert st.opening_chunk_plan_lm_step_seconds == 0.002 and st.start_lm_seconds == 90.0 and st.max_batch_size == 9
