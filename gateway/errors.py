@@ -103,6 +103,14 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}) or None)
 
 
+def not_ready_reason(gw: Any) -> str:
+    """Why the gateway refuses new speech while its engine is not ready: a failed engine,
+    a drain for shutdown, or the model's load."""
+    engine = getattr(gw, "engine", None)
+    failure = getattr(engine, "failure", None)
+    return failure or ("draining for shutdown" if getattr(gw, "draining", False) else "model is loading")
+
+
 class ReportedError(RuntimeError):
     """Raised on purpose out of a response already under way, to break its transfer,
     after the failure was counted and logged where it happened: not an unhandled error."""

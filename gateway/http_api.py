@@ -42,7 +42,7 @@ from gateway.audio_files import (
     make_encoder,
     read_body_bounded,
 )
-from gateway.errors import ApiError, ReportedError, error_response, unhandled_error_handler
+from gateway.errors import ApiError, ReportedError, error_response, not_ready_reason, unhandled_error_handler
 from gateway.protocol import MAX_INSTRUCTION_CHARS, SPEED_RANGE
 from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
@@ -170,11 +170,8 @@ async def ready(request: Request) -> Response:
 
 def _require_ready(gw: Any) -> None:
     """503 `not_ready` with the real reason (a failed engine, a drain, the model's load)."""
-    engine = gw.engine
-    if engine is None or not getattr(engine, "ready", False):
-        failure = getattr(engine, "failure", None)
-        why = failure or ("draining for shutdown" if getattr(gw, "draining", False) else "model is loading")
-        raise ApiError(503, "not_ready", why)
+    if gw.engine is None or not getattr(gw.engine, "ready", False):
+        raise ApiError(503, "not_ready", not_ready_reason(gw))
 
 
 @_endpoint("/metrics")

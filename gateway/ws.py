@@ -32,7 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 
 from .audio import ENGINE_RATE, Encoder, make_encoder
-from .errors import ApiError
+from .errors import ApiError, not_ready_reason
 from .protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_IDLE,
@@ -581,8 +581,9 @@ class _Connection:
         try:
             session = self.gw.engine.open_session(voice, options)
         except Exception as exc:
-            code = "not_ready" if getattr(exc, "code", None) == "not_ready" else "internal_error"
-            return ProtocolError(code, str(exc), cid)
+            if getattr(exc, "code", None) == "not_ready":  # the gateway knows why (a drain, too)
+                return ProtocolError("not_ready", not_ready_reason(self.gw), cid)
+            return ProtocolError("internal_error", str(exc), cid)
         try:
             raw_id = cid.encode("utf-8")
             return _ContextRuntime(cid, settings, session, encoder, bytes([len(raw_id)]) + raw_id,
@@ -864,7 +865,7 @@ async def tts_websocket(websocket: WebSocket) -> None:
         return
     if not getattr(gw.engine, "ready", True):
         gw.metrics.error("not_ready")
-        await _refuse(websocket, ProtocolError("not_ready", "engine is still loading"), CLOSE_TRY_LATER, "not ready")
+        await _refuse(websocket, ProtocolError("not_ready", not_ready_reason(gw)), CLOSE_TRY_LATER, "not ready")
         return
     # uvicorn's limit_concurrency does not count WebSocket upgrades: enforced here.
     refusal = gw.metrics.session_refusal(getattr(gw.settings, "max_sessions", None))

@@ -290,6 +290,7 @@ def test_sigterm_drains_in_flight_context_then_exits_0(tiny_model_dir: Path, tmp
         except Exception as exc:
             raise AssertionError("server log:\n" + "\n".join(gw.log[-25:])) from exc
         assert refused.events[0]["code"] == "not_ready" and refused.ws.close_code == CLOSE_TRY_LATER
+        assert "draining" in refused.events[0]["message"]  # not "still loading"
         assert rec.ws.close_code == CLOSE_GOING_AWAY
         (done,) = rec.of("done", "t")
         assert not rec.of("error") and done["audio_samples"] * 2 == len(rec.audio["t"]) > 0
@@ -337,6 +338,7 @@ def test_a_stalled_stage_process_ends_its_contexts_and_the_gateway_restarts(
                         refused = WsRecorder(late)
                         await refused.recv_one()
                         assert refused.events[0]["code"] == "not_ready"
+                        assert "stalled" in refused.events[0]["message"]
                 return rec
 
         try:
