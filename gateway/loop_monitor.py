@@ -37,9 +37,11 @@ class LoopLagMonitor:
         loop = asyncio.get_running_loop()
         cpu = time.thread_time()
         while True:
-            due = loop.time() + self.interval
+            # perf_counter, not loop.time(): uvloop's clock counts whole milliseconds, which
+            # would leave the histogram's 1-2 ms buckets rounding noise.
+            due = time.perf_counter() + self.interval
             await asyncio.sleep(self.interval)
-            self._observe(max(0.0, loop.time() - due))
+            self._observe(max(0.0, time.perf_counter() - due))
             if self._add_cpu is not None:
                 now = time.thread_time()
                 self._add_cpu(now - cpu)

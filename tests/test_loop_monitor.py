@@ -41,6 +41,33 @@ def test_a_busy_loop_shows_up_as_lag_and_cpu() -> None:
         LoopLagMonitor(lambda _: None, interval=0)
 
 
+def test_lag_is_measured_finer_than_the_loops_clock() -> None:
+    """uvloop's `loop.time()` counts whole milliseconds; the lag must not inherit that
+    (sub-millisecond lags would all read 0 or 1 ms)."""
+    class MillisecondLoop(asyncio.SelectorEventLoop):
+        def time(self) -> float:
+            return int(time.monotonic() * 1000) / 1000
+
+    async def main() -> list[float]:
+        samples: list[float] = []
+        mon = LoopLagMonitor(samples.append, interval=0.005)
+        mon.start()
+        while len(samples) < 8:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.0025:  # keep the loop ~2.5 ms from the monitor
+                pass
+            await asyncio.sleep(0)
+        await mon.stop()
+        return samples
+
+    loop = MillisecondLoop()
+    try:
+        samples = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert any(abs(s * 1000 - round(s * 1000)) > 1e-6 for s in samples), samples
+
+
 def test_lag_histogram_is_rendered() -> None:
     m = Metrics()
     assert "event_loop_lag" not in m.render()
