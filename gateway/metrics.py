@@ -45,7 +45,6 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
 )
 
 FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -129,7 +128,6 @@ class Metrics:
         self._sessions_opened = 0
         self._sessions_active = 0
         self._first_audio = Histogram(FIRST_AUDIO_BUCKETS)
-        self._batch_sizes = Histogram(BATCH_BUCKETS)
         self._loop_lag = Histogram(LOOP_LAG_BUCKETS)
         self._loop_cpu = 0.0
         self._errors: dict[str, int] = {}
@@ -173,10 +171,6 @@ class Metrics:
     def observe_first_audio(self, seconds: float) -> None:
         with self._lock:
             self._first_audio.observe(seconds)
-
-    def observe_batch_size(self, size: int) -> None:
-        with self._lock:
-            self._batch_sizes.observe(size)
 
     def observe_loop_lag(self, seconds: float) -> None:
         with self._lock:
@@ -256,9 +250,6 @@ class Metrics:
             if rss is not None:
                 head(f"{p}_process_resident_memory_bytes", "gauge", "Resident memory of the gateway process.")
                 lines.append(f"{p}_process_resident_memory_bytes {rss}")
-            if self._batch_sizes.n:
-                head(f"{p}_batch_size", "histogram", "Batch sizes of GPU steps, as reported to the gateway.")
-                lines.extend(self._batch_sizes.lines(f"{p}_batch_size"))
 
         if engine_stats is not None:
             lines.extend(_engine_lines(engine_stats))
