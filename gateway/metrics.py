@@ -44,7 +44,10 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "lm_server_decode_tokens", "lm_server_first_tokens", "lm_server_first_token_seconds"}
 )
 
-FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# Edges at the first-audio targets of issue #12 (60, 250 and 500 ms), so a quantile
+# estimate there is not an interpolation across a wide bucket.
+FIRST_AUDIO_BUCKETS: tuple[float, ...] = (0.025, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5,
+                                          2.0, 3.0, 5.0, 10.0)
 LOOP_LAG_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
