@@ -292,6 +292,9 @@ class EngineStats:
     # own process is not included.
     cuda_memory_allocated_bytes: int = 0
     cuda_max_memory_allocated_bytes: int = 0
+    # Audio stages whose process died or stalled. With several stages the engine serves on
+    # the others (still ready), at that much less capacity.
+    stages_failed: int = 0
 
 
 @dataclass
@@ -854,6 +857,7 @@ class Engine:
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},
             **self._cuda_memory(),
+            stages_failed=sum(getattr(s, "failure", None) is not None for s in getattr(self.stage, "stages", [self.stage])),
         )
 
     def _cuda_memory(self) -> dict[str, int]:

@@ -440,6 +440,11 @@ class RemoteStage:
             text = f"audio stage process exited (exit code {code})" + (f": {reason}" if reason else "")
             log.error("%s", text)
         self._error = StageProcessError(text)
+        # The dead process's last report stays for its counters (they must not go back),
+        # but what it held now (queue, caches, CUDA memory) it holds no more.
+        self.stats = dataclasses.replace(self.stats, queued=0, last_batch_size=0, prompt_cache_bytes=0,
+                                         context_bytes=0)
+        self.cuda_memory = {k: (0 if k == "cuda_memory_allocated_bytes" else n) for k, n in self.cuda_memory.items()}
         self._fail_all(self._error)
 
     def _fail_all(self, error: StageProcessError) -> None:

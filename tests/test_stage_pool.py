@@ -81,8 +81,10 @@ def test_a_failed_stage_takes_no_new_streams_and_all_failed_fail_the_engine(tiny
         placed = [pool.new_stream() for _ in range(3)]
         assert [s.stage_index for s in placed] == [0, 0, 0]
         assert pool.failure is None and engine.ready  # one stage still serves
+        assert engine.stats().stages_failed == 1  # ... and /metrics says at what capacity
         pool.stages[0].failure = "audio stage process exited (exit code -11)"
         assert not engine.ready and "exit code -9" in pool.failure and "exit code -11" in engine.failure
+        assert engine.stats().stages_failed == 2
         del pool.stages[0].failure, pool.stages[1].failure  # the engine's close needs them working
         assert engine.ready
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -135,6 +136,10 @@ def test_a_stage_process_that_stops_answering_is_killed_and_its_utterances_fail(
         assert stage.failure is None and stage._process.is_alive()
         assert stage._heard > heard and stage._busy is None  # heartbeats came, from an idle worker
         os.kill(stage._process.pid, signal.SIGSTOP)
+        assert engine.stats().stages_failed == 0
+        # its last report, as a busy GPU stage would have sent it
+        stage.stats = dataclasses.replace(stage.stats, queued=3, context_bytes=1 << 20, prompt_cache_bytes=1 << 20)
+        stage.cuda_memory = {"cuda_memory_allocated_bytes": 1 << 30, "cuda_max_memory_allocated_bytes": 2 << 30}
         session = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=5))
         await session.submit("Nobody answers for this audio.")
         await session.finish()
@@ -142,6 +147,10 @@ def test_a_stage_process_that_stops_answering_is_killed_and_its_utterances_fail(
         assert events and isinstance(events[-1], UtteranceError), events
         assert "stalled (no word from it for" in events[-1].message, events[-1].message
         assert not engine.ready and "stage_stall_timeout_s 2" in (engine.failure or "")
+        # what the dead process held it holds no more; the count of failed stages says so
+        st = engine.stats()
+        assert (st.flow_queue, st.context_bytes, st.prompt_cache_bytes, st.stages_failed) == (0, 0, 0, 1)
+        assert stage.cuda_memory == {"cuda_memory_allocated_bytes": 0, "cuda_max_memory_allocated_bytes": 2 << 30}
         await asyncio.to_thread(stage._process.join, 30)
         assert stage._process.exitcode == -signal.SIGKILL
 
