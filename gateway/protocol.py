@@ -691,12 +691,17 @@ class ConnectionState:
         if ctx.ended:
             return [Send(ProtocolError("context_ended", "context already ended", ctx.context_id).event())]
         if ctx.text_chars + len(msg.text) > self.limits.max_text_chars:
-            return out + [Send(ProtocolError("text_too_long", f"context text over {self.limits.max_text_chars} characters", ctx.context_id).event())]
-        ctx.text_chars += len(msg.text)
-        if ctx.cutter is not None:
-            ctx.text += msg.text
-        segs = ctx.segmenter.push(msg.text) if msg.text else []
-        out += ctx.speak(segs)
+            # The text is refused, but the message's end or flush still applies: dropping it
+            # would leave the text before it unspoken and the client waiting for `done`.
+            out.append(Send(ProtocolError(
+                "text_too_long", f"context text over {self.limits.max_text_chars} characters: this message's "
+                "text was not taken", ctx.context_id).event()))
+        else:
+            ctx.text_chars += len(msg.text)
+            if ctx.cutter is not None:
+                ctx.text += msg.text
+            segs = ctx.segmenter.push(msg.text) if msg.text else []
+            out += ctx.speak(segs)
         if msg.end:
             out += self._end(ctx.context_id)
         elif msg.flush:

@@ -163,6 +163,13 @@ def test_limits_on_contexts_and_text() -> None:
     assert run(s, {"type": "text", "context_id": "a", "text": "x" * 40}) == []
     err = run(s, {"type": "text", "context_id": "a", "text": "x" * 11})
     assert err[0].event["code"] == "text_too_long" and s.contexts["a"].text_chars == 40
+    # the refused message's end still ends the context: the text before it is spoken
+    cmds = run(s, {"type": "text", "context_id": "a", "text": "x" * 11, "end": True})
+    assert cmds[0].event["code"] == "text_too_long" and isinstance(cmds[-1], EndContext)
+    assert [seg.text for c in cmds if isinstance(c, Speak) for seg in c.segments] == ["x" * 40]
+    assert s.contexts["a"].ended
+    cmds = run(s, {"type": "text", "context_id": "b", "text": "y" * 41, "flush": True})
+    assert cmds[-1] == FlushMark("b", 1)
 
 
 def test_cancel_and_close() -> None:
