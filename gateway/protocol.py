@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
 from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
-from .segmenter import Segment, SegmentReason, Segmenter, SegmenterConfig
+from .segmenter import Segment, SegmentReason, Segmenter, SegmenterConfig, _is_cjk
 
 
 @dataclass(frozen=True)
@@ -539,12 +539,24 @@ Command = Union[
 ]
 
 
+def _word_end(text: str) -> int:
+    """Where the complete words of `text` end (<= 0: none yet): at its last whitespace, or
+    after its last CJK character, which is a word of its own for this purpose: Chinese
+    and Japanese put no spaces between words, and waiting for a mark would hold a whole
+    sentence back from the LM."""
+    space = max(text.rfind(c) for c in (" ", "\n", "\t", "\r"))
+    for i in range(len(text) - 1, space, -1):
+        if _is_cjk(text[i]):
+            return i + 1
+    return space
+
+
 @dataclass
 class StreamCutter:
     """Stream mode: which characters go to which streamed utterance (pure).
 
-    Text is handed out as soon as a word is complete (up to the last whitespace), so
-    the LM reads it at once. The segmenter's segments still end utterances; since a
+    Text is handed out as soon as a word is complete (`_word_end`), so the LM reads it
+    at once. The segmenter's segments still end utterances; since a
     forced cut (an over-long sentence cut back at a clause mark) may fall before text
     already handed out, an utterance ends at the later of the two -- always on a word
     boundary -- and text the previous utterance already took is not given out twice.
@@ -572,7 +584,7 @@ class StreamCutter:
                 self.open = False
             self.fed = len(text)
             return out
-        cut = max(rest.rfind(c) for c in (" ", "\n", "\t", "\r"))
+        cut = _word_end(rest)
         if cut > 0 and any(ch.isalnum() for ch in rest[:cut]):
             out.append(StreamText(cid, self.index, self.fed, rest[:cut]))
             self.open = True

@@ -60,6 +60,27 @@ def test_stream_mode_feeds_words_before_the_sentence_ends() -> None:
     assert [p.start for p in pieces] == [sum(len(q.text) for q in pieces[:i]) for i in range(len(pieces))]
 
 
+def test_stream_mode_feeds_chinese_as_it_comes() -> None:
+    """No spaces between Chinese words: each piece goes to the LM when it arrives, not
+    the whole sentence at its mark."""
+    st = _state()
+    pieces = ["今天", "天气", "很好", "，我们", "去公园", "散步吧", "。"]
+    sent: list[StreamText] = []
+    first = _streamed(_text(st, pieces[0], text_mode="stream"))
+    assert first == [StreamText("c", 0, 0, "今天")]
+    sent += first
+    for piece in pieces[1:]:
+        got = _streamed(_text(st, piece))
+        assert got, piece  # every piece moves the stream on
+        sent += got
+    sent += _streamed(_text(st, "", end=True))
+    assert "".join(p.text for p in sent) == "".join(pieces)
+    assert [p.start for p in sent] == [sum(len(q.text) for q in sent[:i]) for i in range(len(sent))]
+    # a Latin word after Chinese still waits for its end
+    st = _state()
+    assert _streamed(_text(st, "好的 GP", text_mode="stream")) == [StreamText("c", 0, 0, "好的")]
+
+
 def test_stream_mode_flush_closes_the_open_utterance() -> None:
     st = _state()
     _text(st, "no punctuation ", text_mode="stream")
