@@ -251,6 +251,10 @@ class _ContextRuntime:
     # (one error per segment, never an utterance opened mid-segment without its start).
     stream_failed: int | None = None
     count_audio: Callable[[float], None] | None = None  # seconds of audio sent (the metrics' counter)
+    # Seconds from the first segment's submission to its first audio frame leaving (the
+    # metrics' first-audio histogram): timed at the send, after encoding and the queue,
+    # as the HTTP route times its first bytes.
+    first_audio: Callable[[float], None] | None = None
 
     @property
     def rate(self) -> int:
@@ -261,6 +265,10 @@ class _ContextRuntime:
         return self.out_base + round((self.in_samples - self.in_base) * self.rate / ENGINE_RATE)
 
     def on_sent(self, item: _Item) -> None:
+        if item.samples and not self.first_audio_seen and self.first_submit_at is not None:
+            self.first_audio_seen = True
+            if self.first_audio is not None:
+                self.first_audio(time.monotonic() - self.first_submit_at)
         self.sent_samples += item.samples
         if item.samples and self.count_audio is not None:
             self.count_audio(item.samples / self.rate)
@@ -587,7 +595,8 @@ class _Connection:
         try:
             raw_id = cid.encode("utf-8")
             return _ContextRuntime(cid, settings, session, encoder, bytes([len(raw_id)]) + raw_id,
-                                   count_audio=self.gw.metrics.add_audio_seconds)
+                                   count_audio=self.gw.metrics.add_audio_seconds,
+                                   first_audio=self.gw.metrics.observe_first_audio)
         except BaseException:
             with contextlib.suppress(Exception):
                 await session.abort()
@@ -835,9 +844,6 @@ class _Connection:
                 seg,
             )
         pcm = ev.pcm
-        if pcm.size and not rt.first_audio_seen and rt.first_submit_at is not None:
-            rt.first_audio_seen = True
-            self.gw.metrics.observe_first_audio(time.monotonic() - rt.first_submit_at)
         frames = await self.gw.encode_pool.encode(rt.encoder, pcm)
         rt.in_samples += int(pcm.size)
         await self._emit_frames(rt, frames, seg)

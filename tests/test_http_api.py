@@ -12,6 +12,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -458,11 +459,33 @@ def test_audio_seconds_count_websocket_audio_too(server) -> None:
             await rec.send(type="text", context_id="m", voice="wsmeter", text="Count this audio.", end=True)
             return await rec.until(lambda r: r.finished("m"), 60)
 
+    with srv.client() as c:
+        firsts = scrape(c).get("cosyvoice_first_audio_seconds_count", 0.0)
     (done,) = asyncio.run(speak()).of("done", "m")
     with srv.client() as c:
-        after = scrape(c)["cosyvoice_audio_seconds_total"]
+        metrics = scrape(c)
+    after = metrics["cosyvoice_audio_seconds_total"]
     assert done["duration_ms"] > 0
     assert after - before == pytest.approx(done["duration_ms"] / 1000, abs=0.03)
+    assert metrics["cosyvoice_first_audio_seconds_count"] == firsts + 1  # one context, one first audio
+
+
+def test_websocket_first_audio_is_timed_when_its_frame_is_sent() -> None:
+    """As the HTTP route's: after encoding and the socket's queue, at the first frame that
+    carries audio (not at the engine's PCM, nor at an event)."""
+    from gateway.protocol import ContextSettings
+    from gateway.ws import _ContextRuntime, _Item
+
+    seen: list[float] = []
+    rt = _ContextRuntime("c", ContextSettings(voice="v"), session=None, encoder=None, header=b"",  # type: ignore[arg-type]
+                         first_audio=seen.append)
+    rt.on_sent(_Item("{}", rt, 2))  # an event before any submission
+    rt.first_submit_at = time.monotonic()
+    rt.on_sent(_Item("{}", rt, 2))  # segment_started: no audio
+    assert seen == []
+    rt.on_sent(_Item(b"x" * 960, rt, 960, samples=480))
+    rt.on_sent(_Item(b"x" * 960, rt, 960, samples=480))
+    assert len(seen) == 1 and seen[0] >= 0
 
 
 def test_debug_planner_tuning_needs_the_setting(server) -> None:
