@@ -22,7 +22,7 @@ from engine.frontend import features
 from engine.frontend.assets_writer import write_frontend_assets, write_tokenizer_files
 from engine.frontend.onnx_models import SPEECH_TOKEN_SIZE, SpeakerEncoder, SpeechTokenizer
 from engine.frontend.prompt import PromptFeaturizer, build_lm_text, lm_prompt_text
-from engine.frontend.text import contains_chinese, normalize, spell_number
+from engine.frontend.text import contains_chinese, normalize, spell_number, strip_markdown, ungroup_thousands
 from engine.frontend.tokenizer import COSYVOICE3_SPECIALS, TextTokenizer, normalize_instruction
 from engine.models.config import MelConfig
 
@@ -183,6 +183,100 @@ def test_spell_number_matches_inflect_style() -> None:
     assert spell_number("2024") == "two thousand and twenty-four"
     assert spell_number("1234") == "one thousand, two hundred and thirty-four"
     assert spell_number("1000000") == "one million"
+
+
+def test_grouped_and_four_digit_numbers_read_as_the_right_number_in_english() -> None:
+    """wetext's English grammar reads a cardinal from 1000 to 1999 without its "one"
+    ("1,234" -> "thousand two hundred ...") and a bare 1000-1009 as a broken year ("ten
+    hundred", "ten zero one"); its year reading of other four-digit numbers stays."""
+    assert normalize("1,000 people came.") == "one thousand people came."
+    assert normalize("1,234") == "one thousand two hundred and thirty four."
+    assert normalize("about 1000 people") == "about one thousand people."
+    assert normalize("$1,000.50") == "one thousand point five dollars."
+    assert normalize("1001 nights") == "one thousand and one nights."
+    assert normalize("(1000)") == "(one thousand)."
+    assert normalize("It fell to -1,500") == "It fell to negative one thousand five hundred."
+    assert normalize("1, 1,000") == "one, one thousand."
+    assert normalize("2,345 and 1,000,000") == "two thousand three hundred and forty five and one million."
+    # unchanged: years, decimals, and the words the text itself writes
+    assert normalize("in 1999") == "in nineteen ninety nine."
+    assert normalize("pi is 3.14") == "pi is three point one four."
+    assert normalize("a thousand and 2000") == "a thousand and two thousand."
+
+
+def test_thousands_separators_are_dropped_for_the_chinese_grammar() -> None:
+    assert normalize("价格是$1,000") == "价格是一千美元。"
+    assert normalize("有1,234,567人") == "有一百二十三万四千五百六十七人。"
+    # only real groupings
+    assert (ungroup_thousands("1,234,567 and 1,000.5 and 1,23 and 12,345,6")
+            == "1234567 and 1000.5 and 1,23 and 12,345,6")
+
+
+def test_a_hyphen_after_a_letter_is_not_a_minus_sign() -> None:
+    assert normalize("GPT-4很强") == "GPT四很强。"
+    assert normalize("温度是-4度") == "温度是负四度。"  # a real minus stays one
+    assert normalize("GPT-4 is strong") == "GPT-four is strong."
+
+
+def test_detected_non_chinese_text_is_read_by_the_english_grammar() -> None:
+    """wetext's own detection ("auto") sends digit-only text to its Chinese grammar; text
+    without a CJK ideograph is decided English and read so."""
+    assert normalize("42") == "forty two."
+    assert normalize("1999") == "nineteen ninety nine."
+    assert normalize("42", "zh") == "四十二。"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Hello there,", "Hello there."),
+        ("Hello、", "Hello."),
+        ("The end…", "The end…"),
+        ('He said "stop."', 'He said "stop."'),
+        ('He said "stop,"', 'He said "stop."'),
+        ("(see above.)", "(see above.)"),
+        ("他说：“好。”", "他说：“好。”"),
+        ("他说：“好，”", "他说：“好。”"),
+        ("你好……", "你好……"),
+        ("Wait;", "Wait;"),  # an official end mark
+    ],
+)
+def test_no_doubled_sentence_end(text: str, expected: str) -> None:
+    assert normalize(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("**Note:** be careful.", "Note: be careful."),
+        ("**Note:", "Note:"),  # segments cut inside a bold span
+        ("** be careful.", "be careful."),
+        ("### Summary", "Summary."),
+        ("* First item", "First item."),
+        ("- Second item", "Second item."),
+        ("_italic_ and *emphasis*", "italic and emphasis."),
+        ("| a | b |", "a, b."),
+        ("See [the docs](http://x.com/a_b) now.", "See the docs now."),
+        ("Run `pip install` first.", "Run pip install first."),
+        ("> quoted text", "quoted text."),
+        ("~~old~~ new", "old new."),
+        ("**注意：**小心", "注意：小心。"),
+        # not markdown: read as before
+        ("2 * 3", "two times three."),
+        ("2*3*4 and my_var_name", "two times three times four and my underscore var underscore name."),
+        ("C# is #1", "C# is #one."),
+    ],
+)
+def test_markdown_is_not_read_aloud(text: str, expected: str) -> None:
+    assert normalize(text) == expected
+
+
+def test_strip_markdown_keeps_what_is_not_markdown() -> None:
+    for text in ("2 * 3 * 4", "2*3*4", "a ** b", "2**3", "C# is #1", "snake_case_name", "x_1 + y_2"):
+        assert strip_markdown(text) == text
+    assert strip_markdown("__init__ and ***both***") == "init and both"
+    assert strip_markdown("|---|:---:|") == ""
+    assert strip_markdown("line one\n## Two\n* three\n---\n| x | **y** |") == "line one\nTwo\nthree\n\nx, y"
 
 
 # --- filterbanks -------------------------------------------------------------------------

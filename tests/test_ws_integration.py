@@ -351,7 +351,7 @@ def test_base64_transport(server: Server) -> None:
 
 def test_language_picks_the_normalisation_grammar(server: Server) -> None:
     """`language` reaches the engine: "2024" is read by the English grammar under "en" and
-    by the Chinese one under "zh" (bare digits read as Chinese when detected), and each
+    by the Chinese one under "zh" (detected: Chinese only for text with Chinese characters), and each
     context's audio has the length its own reading gives (2 speech tokens a text token)."""
     text = "Call 2024 now."
 

@@ -13,6 +13,16 @@ Rules (official `CosyVoiceFrontEnd.text_normalize`, wetext path):
   `inflect.number_to_words`, not a dependency here; `spell_number` below follows
   its default wording: "one thousand, two hundred and thirty-four").
 
+Where this departs from the official frontend, to fix what it reads wrongly:
+* markdown (LLM output) is stripped first (`strip_markdown`);
+* text detected as not Chinese goes to wetext's English grammar; the official builds
+  wetext with lang "auto", whose own detection sends digit-only text ("42") to Chinese;
+* Chinese: thousands separators are dropped ("$1,000" was "一美元,零零零") and a hyphen
+  between a letter and a digit is a space ("GPT-4" was "GPT负四");
+* English: wetext's readings of 1000-1999 are repaired (`repair_english_thousands`);
+* the sentence mark is not added after one that closing quotes hide, after `…`, nor
+  after a trailing comma, which it replaces (`end_sentence`).
+
 The first call costs ~3 s on this machine (importing wetext/kaldifst and reading its
 pre-compiled FSTs), later calls 1-25 ms per sentence; so the normaliser objects are
 created lazily once per process, shared, guarded by a lock, and `warmup()` lets a
@@ -36,6 +46,19 @@ Lang = Literal["zh", "en"]
 _CJK_RE = re.compile(r"[\u4e00-\u9fff]")
 _TRAILING_COMMAS_RE = re.compile(r"[，,、]+$")
 _DIGITS_RE = re.compile(r"\d+")
+# A thousands grouping: 1-3 digits, then groups of exactly three, not part of a longer
+# run of digits and commas ("1,23" and "12,345,6" are none).
+_THOUSANDS_GROUPING = re.compile(r"(?<!\d)(?<!\d[.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
+_LETTER_HYPHEN_DIGIT = re.compile(r"(?<=[A-Za-z])-(?=\d)")
+
+# Markdown (`strip_markdown`). Line-start rules run on text that still has its newlines.
+_MD_RULE = re.compile(r"^[ \t]*([-*_])(?:[ \t]*\1){2,}[ \t]*$", re.M)
+_MD_TABLE_SEPARATOR = re.compile(r"^[ \t]*\|(?:[ \t]*:?-+:?[ \t]*\|)+[ \t]*$", re.M)
+_MD_TABLE_ROW = re.compile(r"^[ \t]*\|(.*)\|[ \t]*$", re.M)
+_MD_LINE_MARK = re.compile(r"^[ \t]*(?:#{1,6}|>+|[-*+])[ \t]+", re.M)
+_MD_LINK = re.compile(r"!?\[([^\]\n]+)\]\([^)\n]*\)")
+_MD_DOUBLE_MARK = re.compile(r"\*{2,3}|_{2,3}|~~")
+_MD_EMPHASIS = re.compile(r"(?<![\w*])([*_])(?=[^\s*_])(.+?)(?<=[^\s*_])\1(?![\w*])")
 
 
 def contains_chinese(text: str) -> bool:
@@ -69,6 +92,20 @@ def drop_cjk_blanks(text: str) -> str:
     return "".join(out)
 
 
+def ungroup_thousands(text: str) -> str:
+    """Drop the commas of real thousands groupings ("1,234,567" -> "1234567"), which the
+    Chinese grammar reads as a list ("$1,000" -> "一美元,零零零"). A comma not followed by
+    exactly three digits ("1,23", "12,345,6") is left alone: it is not a grouping."""
+    return _THOUSANDS_GROUPING.sub(lambda m: m.group(0).replace(",", ""), text)
+
+
+def _zh_preprocess(text: str) -> str:
+    text = ungroup_thousands(text)
+    # The grammar reads "-4" as negative even right after a word ("GPT-4" -> "GPT负四");
+    # a space keeps the digits a number and is dropped again by `drop_cjk_blanks`.
+    return _LETTER_HYPHEN_DIGIT.sub(" ", text)
+
+
 def _zh_postprocess(text: str) -> str:
     text = text.replace("\n", "")
     text = drop_cjk_blanks(text)
@@ -89,6 +126,11 @@ _ONES = (
 ).split()
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 _SCALES = ("", "thousand", "million", "billion", "trillion", "quadrillion")
+# wetext's English readings that `repair_english_thousands` fixes.
+_TEN_HUNDRED = re.compile(r"\bten (?:hundred|zero (one|two|three|four|five|six|seven|eight|nine))\b")
+_THOUSAND_WORD = re.compile(r"\bthousand\b")
+_WORD_BEFORE = re.compile(r"([a-z]+) +$")
+_NUMBER_WORDS = frozenset([*_ONES, *_TENS[2:], "hundred"])
 
 
 def _below_thousand(n: int) -> str:
@@ -142,6 +184,94 @@ def _spell_out_digits(text: str) -> str:
     return _DIGITS_RE.sub(lambda m: spell_number(m.group(0)), text)
 
 
+def repair_english_thousands(read: str, source: str) -> str:
+    """Fix wetext's English readings of 1000-1999 in `read` (wetext's output for `source`).
+
+    Its cardinal drops the leading "one" ("1,234" -> "thousand two hundred and thirty
+    four", "$1000" -> "thousand dollars") and its year reading of a bare 1000-1009 says
+    "ten hundred" / "ten zero one". Other four-digit years ("nineteen ninety nine",
+    "twelve fifty") are sensible and kept. Each repair is skipped when the source text
+    itself has what it looks for ("a thousand", "ten hundred"), so written words are
+    never changed.
+    """
+    lowered = source.lower()
+    if not _TEN_HUNDRED.search(lowered):
+        read = _TEN_HUNDRED.sub(
+            lambda m: "one thousand" + (f" and {m.group(1)}" if m.group(1) else ""), read
+        )
+    if not _THOUSAND_WORD.search(lowered):
+
+        def add_one(m: re.Match[str]) -> str:
+            # Only a number word right before (spaces between, no punctuation) says how
+            # many thousands: "(one thousand" has it, "one, thousand" has not.
+            before = _WORD_BEFORE.search(read, 0, m.start())
+            return m.group(0) if before and before.group(1) in _NUMBER_WORDS else "one thousand"
+
+        read = _THOUSAND_WORD.sub(add_one, read)
+    return read
+
+
+# --- markdown -------------------------------------------------------------------------
+
+
+def strip_markdown(text: str) -> str:
+    """Remove the markdown an LLM writes, so that it is not read aloud ("asterisk asterisk").
+
+    Strips, conservatively:
+    * at a line start: heading marks (`#` to `######` then a space), blockquote marks
+      (`>` then a space), list bullets (`*`, `-` or `+` then a space), horizontal rules
+      (three or more `-`, `*` or `_` alone on the line);
+    * table rows (a line starting and ending with `|`): cells joined by ", ", and the
+      `|---|:--:|` separator row removed;
+    * links and images `[text](url)` / `![text](url)` -> text;
+    * all backticks (inline code, code fences; never spoken);
+    * `**`, `__`, `~~` (bold, strikethrough) unless between two letters/digits or two
+      spaces (`2**3`, `a ** b` stay), so a marker left alone by a segment cut goes too;
+    * `*text*` / `_text_` emphasis when the marks hug the text and no letter/digit
+      touches them outside.
+    Kept: `2 * 3`, `2*3*4`, `snake_case`, `C#`, `#1`, a lone `*` or `_`.
+    """
+    text = _MD_RULE.sub("", text)
+    text = _MD_TABLE_SEPARATOR.sub("", text)
+    text = _MD_TABLE_ROW.sub(_table_cells, text)
+    text = _MD_LINE_MARK.sub("", text)
+    text = _MD_LINK.sub(r"\1", text)
+    text = text.replace("`", "")
+    text = _MD_DOUBLE_MARK.sub(_drop_double_mark, text)
+    return _MD_EMPHASIS.sub(r"\2", text)
+
+
+def _drop_double_mark(m: re.Match[str]) -> str:
+    before = m.string[m.start() - 1 : m.start()]
+    after = m.string[m.end() : m.end() + 1]
+    # "2**3" (a power) and "a ** b" are no markdown; a marker has text on one side only.
+    between_words = before.isalnum() and after.isalnum()
+    between_spaces = before.isspace() and after.isspace()
+    return m.group(0) if between_words or between_spaces else ""
+
+
+def _table_cells(m: re.Match[str]) -> str:
+    cells = (cell.strip() for cell in m.group(1).split("|"))
+    return ", ".join(cell for cell in cells if cell)
+
+
+# --- the sentence mark ----------------------------------------------------------------
+
+
+def end_sentence(text: str, chinese: bool) -> str:
+    """End `text` with a sentence mark as the official paragraph splitter does ("。" or
+    "."), but not a second one: a mark inside closing quotes/brackets counts ('"stop."'),
+    `…` counts, and a trailing comma is replaced rather than followed."""
+    ends, mark = (_ZH_ENDS, "。") if chinese else (_EN_ENDS, ".")
+    body = text.rstrip(_CLOSERS)
+    if body and body[-1] in ends:
+        return text
+    unpunctuated = body.rstrip(_COMMAS)
+    if unpunctuated and unpunctuated != body:
+        return unpunctuated + mark + text[len(body):]
+    return text + mark
+
+
 # --- the normaliser -------------------------------------------------------------------
 
 
@@ -152,20 +282,18 @@ class TextNormalizer:
         self._lock = threading.Lock()
         self._zh: Normalizer | None = None
         self._en: Normalizer | None = None
-        self._auto: Normalizer | None = None
 
-    def _wetext(self, lang: Lang | None) -> "Normalizer":
+    def _wetext(self, lang: Lang) -> "Normalizer":
         # Lazy: importing wetext and reading FSTs is only paid by processes that use it.
         with self._lock:
-            if self._auto is None:
+            if self._zh is None or self._en is None:
                 from wetext import Normalizer  # noqa: F811 (runtime import)
 
-                # The official frontend builds both with lang auto; wetext's own
-                # detection then sends pure-digit text to the Chinese grammar.
-                self._auto = Normalizer(remove_erhua=False)
+                # Not wetext's lang "auto" (the official's): its detection sends digit-only
+                # text ("42") to the Chinese grammar; `normalize` picks the grammar itself.
                 self._zh = Normalizer(lang="zh", remove_erhua=False)
                 self._en = Normalizer(lang="en")
-            return {None: self._auto, "zh": self._zh, "en": self._en}[lang]
+            return self._zh if lang == "zh" else self._en
 
     def warmup(self) -> None:
         """Pay the one-off cost (import, FST loading: ~3 s here) before serving."""
@@ -179,19 +307,24 @@ class TextNormalizer:
         transcript, which it normalises unsplit)."""
         if is_markup(text) or not text:
             return text
+        # Before the control characters go: its line-start rules need the line breaks.
+        text = strip_markdown(text)
         # Control characters (NUL, escapes, ...) are unspeakable and make wetext's FSTs
         # assert; line breaks and tabs become spaces.
         text = _CONTROL.sub(lambda m: " " if m.group() in "\n\r\t" else "", text).strip()
         if not text:
             return text
         chinese = contains_chinese(text) if lang is None else lang == "zh"
-        text = self._wetext_or_plain(text, lang)
-        text = _zh_postprocess(text) if chinese else _spell_out_digits(text)
-        if terminal and text and text[-1] not in (_ZH_ENDS if chinese else _EN_ENDS):
-            text += "。" if chinese else "."
+        if chinese:
+            text = _zh_postprocess(self._wetext_or_plain(_zh_preprocess(text), "zh"))
+        else:
+            read = self._wetext_or_plain(text, "en")
+            text = _spell_out_digits(repair_english_thousands(read, text))
+        if terminal and text:
+            text = end_sentence(text, chinese)
         return text
 
-    def _wetext_or_plain(self, text: str, lang: Lang | None) -> str:
+    def _wetext_or_plain(self, text: str, lang: Lang) -> str:
         """wetext's reading of the text. Its grammars assert on a digit touching a character
         they do not know ("5€", "3시", "§5", "2024г": ~2/3 of symbol-digit pairs probed); a
         space between the two lets them read it ("five euro"), and failing that the text
@@ -218,9 +351,13 @@ class TextNormalizer:
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _ESCAPED = re.compile(r'\\(["\\])')
-# The marks a text to speak ends with (the official `split_paragraph`'s, without commas).
-_ZH_ENDS = frozenset("。？！；：、.?!;")
-_EN_ENDS = frozenset(".?!;:")
+# The marks a text to speak ends with (the official `split_paragraph`'s, without commas;
+# plus `…`, after which another mark would be read as a second pause).
+_ZH_ENDS = frozenset("。？！；：、.?!;…")
+_EN_ENDS = frozenset(".?!;:…")
+# What `end_sentence` looks past (a mark inside them ends the sentence) and replaces.
+_CLOSERS = "\"')]}”’»」』】）》"
+_COMMAS = ",，、"
 # Between a digit and a non-ASCII character, either way round (`_wetext_or_plain`).
 _DIGIT_TOUCHING_OTHER = re.compile(r"(?<=[0-9])(?=[^\x00-\x7f])|(?<=[^\x00-\x7f])(?=[0-9])")
 
