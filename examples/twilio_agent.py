@@ -5,6 +5,8 @@
     # 2. this agent (Twilio must reach it: a public https URL, e.g. through a tunnel)
     python examples/twilio_agent.py --gateway ws://127.0.0.1:8080/v1/tts/stream --port 5050
     # 3. Twilio console: the phone number's "A call comes in" webhook -> https://<public>/twiml
+    # In production add --twilio-auth-token (or TWILIO_AUTH_TOKEN) and --public-url https://<public>:
+    # requests without Twilio's signature are then refused (403).
 
 The agent greets the caller, stops talking as soon as the caller speaks (barge-in:
 the gateway stops synthesising and Twilio's buffer is cleared), and answers when the
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -29,10 +32,11 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.datastructures import URL
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.twilio import GatewayLost, SegmentPlayed, TurnError, TwilioBridge
+from gateway.twilio import GatewayLost, SegmentPlayed, TurnError, TwilioBridge, is_from_twilio
 
 log = logging.getLogger("twilio_agent")
 
@@ -49,6 +53,12 @@ class AgentConfig:
     speech_dbfs: float = -35.0  # inbound level counted as the caller speaking
     speech_frames: int = 3  # 60 ms of speech starts a caller turn (and a barge-in)
     silence_frames: int = 25  # 500 ms of silence ends it
+    # With the account's auth token, /twiml and /media take only requests Twilio signed
+    # (`X-Twilio-Signature`). Twilio signs the URL it called, which behind a tunnel or a
+    # TLS-terminating proxy is not the one this server sees: `public_url` is that base
+    # ("https://agent.example.com"; /media's is its wss:// form).
+    twilio_auth_token: str | None = None
+    public_url: str | None = None
 
 
 class EnergyVad:
@@ -163,11 +173,33 @@ class CallAgent:
                 return
 
 
+def _signed_url(cfg: AgentConfig, seen: URL, websocket: bool) -> str:
+    """The URL Twilio called, as it signed it: `cfg.public_url`'s scheme and host (wss/ws
+    for the WebSocket) with the path and query this server saw."""
+    if cfg.public_url is None:
+        return str(seen)
+    base = cfg.public_url.rstrip("/")
+    if websocket:
+        base = re.sub(r"^http", "ws", base)
+    return base + seen.path + (f"?{seen.query}" if seen.query else "")
+
+
 def create_agent_app(cfg: AgentConfig) -> Starlette:
     async def twiml(request: Request) -> Response:
         # Twilio asks what to do with the call: stream it (both ways) to /media.
-        host = request.headers.get("host", "localhost")
-        scheme = "wss" if request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https" else "ws"
+        if cfg.twilio_auth_token is not None:
+            form = await request.form() if request.method == "POST" else None
+            params = [(k, v) for k, v in form.multi_items() if isinstance(v, str)] if form is not None else []
+            url = _signed_url(cfg, request.url, websocket=False)
+            if not is_from_twilio(cfg.twilio_auth_token, url, request.headers.get("x-twilio-signature"), params):
+                log.warning("refused /twiml without a valid Twilio signature (from %s)", request.client)
+                return Response("not signed by Twilio", status_code=403)
+        if cfg.public_url is not None:
+            host = URL(cfg.public_url).netloc
+            scheme = "wss" if cfg.public_url.startswith("https") else "ws"
+        else:
+            host = request.headers.get("host", "localhost")
+            scheme = "wss" if request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https" else "ws"
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>'
             f'<Response><Connect><Stream url="{scheme}://{host}/media"/></Connect></Response>'
@@ -175,6 +207,12 @@ def create_agent_app(cfg: AgentConfig) -> Starlette:
         return Response(body, media_type="application/xml")
 
     async def media(websocket: WebSocket) -> None:
+        if cfg.twilio_auth_token is not None:
+            url = _signed_url(cfg, websocket.url, websocket=True)
+            if not is_from_twilio(cfg.twilio_auth_token, url, websocket.headers.get("x-twilio-signature")):
+                log.warning("refused /media without a valid Twilio signature (from %s)", websocket.client)
+                await websocket.close(code=1008)  # before the accept: an HTTP 403
+                return
         await websocket.accept()
         settings = {"voice": cfg.voice} if cfg.voice else {}
         bridge = await TwilioBridge.connect(websocket.send_text, cfg.gateway_url, cfg.api_key, **settings)
@@ -202,11 +240,19 @@ def main() -> None:
     p.add_argument("--voice", default=None, help="registered voice id (default: the gateway's default voice)")
     p.add_argument("--greeting", default=GREETING)
     p.add_argument("--tokens-per-second", type=float, default=AgentConfig.tokens_per_second)
+    p.add_argument("--twilio-auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"),
+                   help="the Twilio account's auth token: only requests Twilio signed are taken "
+                        "(default: $TWILIO_AUTH_TOKEN; unset: no check, for local trials only)")
+    p.add_argument("--public-url", default=None, help="the base URL Twilio calls (https://...), when this "
+                   "server sees another one (a tunnel, a TLS proxy): the URL Twilio signs")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=5050)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = AgentConfig(a.gateway, a.api_key, a.voice, a.greeting, a.tokens_per_second)
+    cfg = AgentConfig(a.gateway, a.api_key, a.voice, a.greeting, a.tokens_per_second,
+                      twilio_auth_token=a.twilio_auth_token or None, public_url=a.public_url)
+    if cfg.twilio_auth_token is None:
+        log.warning("no --twilio-auth-token: anyone who finds this server's URL can use it as Twilio")
     uvicorn.run(create_agent_app(cfg), host=a.host, port=a.port, log_level="info")
 
 

@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
+import hmac
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import numpy as np
 
@@ -49,6 +51,25 @@ ULAW_SILENCE = 0xFF  # μ-law code of a zero sample
 TURN_FORMAT: dict[str, Any] = {"format": "ulaw_8000", "sample_rate": 8000, "audio": "binary"}
 
 SendText = Callable[[str], Awaitable[None]]
+
+
+# ---- is it Twilio? -----------------------------------------------------------------------
+
+
+def twilio_signature(auth_token: str, url: str, params: Iterable[tuple[str, str]] = ()) -> str:
+    """The `X-Twilio-Signature` Twilio sends with a request to `url` (exactly as Twilio
+    called it: scheme, host, path and query) with these form parameters (a POST's; none
+    for a GET or a Media Streams WebSocket): base64 of HMAC-SHA1, keyed with the account's
+    auth token, of the URL followed by each parameter's name and value in sorted order."""
+    data = url + "".join(name + value for name, value in sorted(set(params)))
+    return base64.b64encode(hmac.new(auth_token.encode(), data.encode(), hashlib.sha1).digest()).decode()
+
+
+def is_from_twilio(auth_token: str, url: str, signature: str | None, params: Iterable[tuple[str, str]] = ()) -> bool:
+    """Whether `signature` (the request's `X-Twilio-Signature`, None when absent) is Twilio's
+    for this request: anyone who finds an agent's URL could otherwise start calls' worth
+    of synthesis on it, or feed it audio as a caller."""
+    return signature is not None and hmac.compare_digest(twilio_signature(auth_token, url, params), signature)
 
 
 # ---- what the agent receives ----------------------------------------------------------

@@ -28,7 +28,7 @@ import websockets
 from gateway.app import create_app
 from gateway.audio import ulaw_decode, ulaw_encode
 from gateway.settings import EngineSettings, Settings
-from gateway.twilio import CallEnded, GatewayLost, SegmentPlayed, TurnError, TwilioBridge
+from gateway.twilio import CallEnded, GatewayLost, SegmentPlayed, TurnError, TwilioBridge, is_from_twilio, twilio_signature
 from helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,6 +304,51 @@ def test_example_agent_over_a_twilio_socket(gateway_url: str) -> None:
     after = [m["mark"]["name"] for m in got[clear + 1 :] if m["event"] == "mark"]
     assert after and all(n.startswith("turn-2/") for n in after)
     assert "media" in events[clear + 1 :]
+
+
+def test_twilio_signature_is_twilios_published_example() -> None:
+    """Twilio's documented request-validation example: auth token, URL, form parameters
+    and the signature Twilio sends for them."""
+    url = "https://mycompany.com/myapp.php?foo=1&bar=2"
+    params = {"CallSid": "CA1234567890ABCDE", "Caller": "+14158675309", "Digits": "1234", "From": "+14158675309",
+              "To": "+18005551212"}
+    assert twilio_signature("12345", url, params.items()) == "RSOYDt4T1cUTdK1PDd93/VVr8B8="
+    assert is_from_twilio("12345", url, "RSOYDt4T1cUTdK1PDd93/VVr8B8=", reversed(list(params.items())))
+    assert not is_from_twilio("12345", url, "RSOYDt4T1cUTdK1PDd93/VVr8B8=", {**params, "Digits": "9999"}.items())
+    assert not is_from_twilio("54321", url, "RSOYDt4T1cUTdK1PDd93/VVr8B8=", params.items())
+    assert not is_from_twilio("12345", url, None, params.items())
+
+
+def test_example_agent_takes_only_requests_twilio_signed(gateway_url: str) -> None:
+    """With the account's auth token the agent refuses /twiml and /media without Twilio's
+    signature of the public URL (the one Twilio calls, not the one the agent sees)."""
+    ex = load_example()
+    token, public = "the-auth-token", "https://agent.example"
+    cfg = ex.AgentConfig(gateway_url=gateway_url, api_key=API_KEY, greeting=TEXT, tokens_per_second=0.0,
+                         twilio_auth_token=token, public_url=public)
+    form = {"CallSid": "CA0000", "From": "+15550001111"}
+    with LiveServer(ex.create_agent_app(cfg)) as agent:
+        assert httpx.post(f"{agent.url}/twiml", data=form, timeout=10).status_code == 403
+        forged = twilio_signature("another-token", f"{public}/twiml", form.items())
+        assert httpx.post(f"{agent.url}/twiml", data=form, headers={"x-twilio-signature": forged},
+                          timeout=10).status_code == 403
+        signed = twilio_signature(token, f"{public}/twiml", form.items())
+        twiml = httpx.post(f"{agent.url}/twiml", data=form, headers={"x-twilio-signature": signed}, timeout=10)
+        assert twiml.status_code == 200 and '<Stream url="wss://agent.example/media"/>' in twiml.text
+
+        async def media() -> None:
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                async with websockets.connect(f"ws://127.0.0.1:{agent.port}/media"):
+                    pass
+            assert refused.value.response.status_code == 403
+            headers = {"x-twilio-signature": twilio_signature(token, "wss://agent.example/media")}
+            async with websockets.connect(f"ws://127.0.0.1:{agent.port}/media", additional_headers=headers) as ws:
+                await ws.send(json.dumps(CONNECTED))
+                await ws.send(json.dumps({"event": "stop", "streamSid": STREAM_SID, "stop": {"callSid": "CA0000"}}))
+                with pytest.raises(websockets.ConnectionClosed):
+                    await asyncio.wait_for(ws.recv(), 30)
+
+        asyncio.run(media())
 
 
 def test_a_refused_turn_does_not_silence_the_next_and_garbled_frames_are_ignored(gateway_url: str) -> None:
