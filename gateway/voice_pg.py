@@ -118,6 +118,20 @@ class PgOptions:
     acquire_timeout_s: float = 10.0
     # Longest pause between attempts to re-establish the LISTEN connection.
     max_listen_backoff_s: float = 5.0
+    # After this long without a notification the LISTEN connection is checked with a
+    # query (answered within connect_timeout_s, or it is replaced and the listing
+    # reloaded): a connection a NAT or firewall dropped silently delivers nothing, and
+    # no error either, so the replica's listing would go stale for good.
+    listen_check_s: float = 60.0
+    # TCP keepalives on every connection (libpq's settings): probes after this many idle
+    # seconds keep NAT mappings alive and find a dead peer in about twice as long again.
+    keepalive_idle_s: int = 30
+
+
+def _keepalives(opts: PgOptions) -> dict[str, int]:
+    """libpq connection parameters for TCP keepalives."""
+    return {"keepalives": 1, "keepalives_idle": opts.keepalive_idle_s,
+            "keepalives_interval": max(1, opts.keepalive_idle_s // 3), "keepalives_count": 3}
 
 
 def _info_from_row(row: tuple[Any, ...], rev: str) -> VoiceInfo:
@@ -165,7 +179,8 @@ class PgVoiceStore(VoiceStore):
         opts = self.options
         self._pool = AsyncConnectionPool(
             self.url, min_size=opts.min_connections, max_size=opts.max_connections, open=False,
-            timeout=opts.acquire_timeout_s, kwargs={"autocommit": True, "connect_timeout": int(opts.connect_timeout_s)},
+            timeout=opts.acquire_timeout_s,
+            kwargs={"autocommit": True, "connect_timeout": int(opts.connect_timeout_s), **_keepalives(opts)},
             # A replica outlives database restarts: a dead connection is replaced at checkout.
             check=AsyncConnectionPool.check_connection, name="voices",
         )
@@ -286,8 +301,9 @@ class PgVoiceStore(VoiceStore):
         first = True
         while True:
             try:
+                opts = self.options
                 conn = await psycopg.AsyncConnection.connect(
-                    self.url, autocommit=True, connect_timeout=int(self.options.connect_timeout_s))
+                    self.url, autocommit=True, connect_timeout=int(opts.connect_timeout_s), **_keepalives(opts))
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
                     if first:
@@ -297,8 +313,12 @@ class PgVoiceStore(VoiceStore):
                         # Notifications sent while we were disconnected are gone.
                         await self._reload_all()
                     backoff = 0.1
-                    async for note in conn.notifies():
-                        await self._refresh_one(note.payload)
+                    while True:
+                        async for note in conn.notifies(timeout=opts.listen_check_s):
+                            await self._refresh_one(note.payload)
+                        # Quiet for a while: is anyone still there? (A timeout raises, and
+                        # the connection is replaced.)
+                        await asyncio.wait_for(conn.execute("SELECT 1"), opts.connect_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection lost, database restarting, ...

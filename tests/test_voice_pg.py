@@ -10,6 +10,7 @@ mirror) is awaited with a bounded wait on the store's change condition.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -286,6 +287,71 @@ def test_restart_and_lost_connections(tiny_model_dir: Path, db_url: str) -> None
         finally:
             await a.close()
             await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+class _FreezingProxy:
+    """A TCP proxy in front of PostgreSQL that can go silent on the connections that sent
+    LISTEN: no error, no close, nothing forwarded any more either way. That is what a NAT
+    or firewall that forgot an idle connection does to it. Later connections pass."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listeners: list[asyncio.Event] = []  # one "frozen" flag per LISTEN connection
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    def freeze_listeners(self) -> None:
+        for frozen in self.listeners:
+            frozen.set()
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        frozen = asyncio.Event()
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, from_client: bool) -> None:
+            with contextlib.suppress(Exception):
+                while data := await r.read(65536):
+                    if from_client and b"LISTEN" in data and frozen not in self.listeners:
+                        self.listeners.append(frozen)
+                    if frozen.is_set():
+                        await asyncio.Event().wait()  # silent for good
+                    w.write(data)
+                    await w.drain()
+            w.close()
+
+        await asyncio.gather(pipe(cr, sw, True), pipe(sr, cw, False))
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def test_a_silently_dropped_listen_connection_is_found_and_replaced(tiny_model_dir: Path, db_url: str) -> None:
+    """The LISTEN connection goes silent without an error (a NAT that forgot it): after
+    `listen_check_s` without a notification its check query gets no answer, and a new
+    connection and a reload bring the listing back (before, it went stale for good)."""
+    async def scenario(engine: Engine, url: str) -> None:
+        target = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+        proxy = _FreezingProxy(target)
+        port = await proxy.start()
+        proxied = url.replace(f":{target}/", f":{port}/")
+        a = await PgVoiceStore(proxied, engine, options=PgOptions(listen_check_s=0.3, connect_timeout_s=1.0)).open()
+        b = await PgVoiceStore(url, engine).open()
+        try:
+            assert len(proxy.listeners) == 1
+            proxy.freeze_listeners()
+            await b.register("fay", None, "Fay speaks now.", tone_wav(3.0, 260.0))
+            assert await a.wait_for_mirror(lambda s: s.get("fay") is not None, WAIT)
+            assert len(proxy.listeners) == 2  # it listens on a new connection
+        finally:
+            await a.close()
+            await b.close()
+            await proxy.close()
 
     run_with_engine(tiny_model_dir, db_url, scenario)
 
