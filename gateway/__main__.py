@@ -11,19 +11,23 @@ import re
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import uvicorn
 import yaml
 
 from engine.models.loader import ModelDirError
 
-from .settings import load_settings, settings_to_dict
+from .settings import Settings, load_settings, settings_to_dict
 
 log = logging.getLogger("gateway")
 
 EXIT_ENGINE_FAILED = 3  # the engine failed for good (DrainingServer); 1: the server never started
 EXIT_GRACE_S = 60.0  # after the drain, for uvicorn's shutdown and the engine's close
+# After the drain (up to shutdown_timeout), how long uvicorn still waits for open
+# connections before it cancels their tasks. Not shutdown_timeout again: the drain has
+# waited already, and twice that outlasts an orchestrator's stop grace (compose's 40 s).
+AFTER_DRAIN_GRACE_S = 5.0
 
 
 def _exit_now(status: int) -> None:
@@ -176,6 +180,19 @@ def setup_logging(level: str, as_json: bool) -> None:
     root.setLevel(level.upper())
 
 
+def server_config(app: Any, settings: Settings) -> uvicorn.Config:
+    from .app import transport_options
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=min(settings.shutdown_timeout, AFTER_DRAIN_GRACE_S),
+        **transport_options(settings),  # type: ignore[arg-type]
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         settings, args = load_settings(argv)
@@ -193,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.hub import resolve_model
 
-    from .app import create_app, engine_config, transport_options
+    from .app import create_app, engine_config
 
     try:  # the engine's values, checked before a download and a model load
         engine_config(settings, Path(settings.model))
@@ -210,15 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = replace(settings, model=str(model_dir))
 
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=settings.shutdown_timeout,
-        **transport_options(settings),  # type: ignore[arg-type]
-    )
-    server = DrainingServer(config, app, settings.shutdown_timeout, settings.exit_on_engine_failure)
+    server = DrainingServer(server_config(app, settings), app, settings.shutdown_timeout,
+                            settings.exit_on_engine_failure)
     server.run()
     if not server.started:
         raise SystemExit(1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -22,10 +23,14 @@ import yaml
 from engine.config_values import convert_value
 from gateway.audio import EncoderOptions
 from gateway.protocol import WsLimits
+from gateway.voice_pg import is_postgres_url, redact_url
 from gateway.voices import VoiceLimits
 
 ENV_PREFIX = "COSYVOICE_GW_"
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+LM_BACKENDS = ("auto", "torch", "vllm")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -285,6 +290,22 @@ class EngineSettings:
         metadata=_help("fix speech length: speech tokens per text token (benchmarks; random models default to 3)"),
     )
 
+    def __post_init__(self) -> None:
+        # Checked here, before a download and a model load: found later, the same mistakes
+        # cost the whole start and exit as an engine failure would.
+        if self.lm_backend not in LM_BACKENDS:
+            raise ValueError(f"engine.lm_backend must be one of {', '.join(LM_BACKENDS)}, not {self.lm_backend!r}")
+        for name, devices in (("engine.device", (self.device,)), ("engine.devices", self.devices),
+                              ("engine.stage_devices", self.stage_devices)):
+            for device in devices:
+                if not _DEVICE.fullmatch(device) or (name != "engine.device" and device == "auto"):
+                    raise ValueError(f"{name}: {device!r} is not a device (auto, cpu, cuda, cuda:N)")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError("engine.vllm_gpu_memory_utilization must be within (0, 1], "
+                             f"not {self.vllm_gpu_memory_utilization}")
+        if self.tokens_per_text_token is not None and not 0 < self.tokens_per_text_token <= 50:
+            raise ValueError(f"engine.tokens_per_text_token must be within (0, 50], not {self.tokens_per_text_token}")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -351,6 +372,12 @@ class Settings:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, not {self.shutdown_timeout}")
+        if not 0 <= self.port <= 65535:  # 0: any free port
+            raise ValueError(f"port must be within [0, 65535], not {self.port}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        if self.voice_store != "sqlite" and not is_postgres_url(self.voice_store):
+            raise ValueError(f"voice_store must be 'sqlite' or a postgresql:// URL, not {redact_url(self.voice_store)!r}")
 
 
 # ---------------------------------------------------------------- loading
@@ -407,6 +434,16 @@ def apply_mapping(settings: Settings, data: Mapping[str, Any], where: str) -> Se
     return walk(settings, data, ())
 
 
+# Kubernetes gives every pod variables for each Service of its namespace: a Service
+# named `cosyvoice-gw` yields COSYVOICE_GW_SERVICE_HOST, COSYVOICE_GW_SERVICE_PORT...,
+# COSYVOICE_GW_PORT=tcp://10.0.0.1:8080 and COSYVOICE_GW_PORT_8080_TCP...: not settings.
+_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_(HOST|PORT)\w*|PORT_\d+_(TCP|UDP|SCTP)\w*)")
+
+
+def _service_link(key: str, value: str) -> bool:
+    return bool(_SERVICE_LINK.fullmatch(key)) or (key == ENV_PREFIX + "PORT" and "://" in value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cosyvoice-gateway",
@@ -441,6 +478,7 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
         settings = apply_mapping(settings, data, str(cfg_path))
     leaves = _leaves(Settings)
     known_env = {_env(path) for path, _ in leaves}
+    environ = {k: v for k, v in environ.items() if not _service_link(k, v)}
     for key in environ:
         if key.startswith(ENV_PREFIX) and key not in known_env:
             raise ValueError(f"unknown environment variable {key}")

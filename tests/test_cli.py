@@ -55,7 +55,8 @@ def test_gateway_refuses_nonsense_limits_before_loading_anything(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_GW_")}
     for flag, value, name in (("--max-sessions", "0", "max_sessions"), ("--ws.max-pending-bytes", "0", "max_pending_bytes"),
                               ("--ws.max-lag-s", "-1", "max_lag_s"), ("--voices.max-upload-bytes", "0", "max_upload_bytes"),
-                              ("--engine.lm-max-batch", "0", "lm_max_batch")):
+                              ("--engine.lm-max-batch", "0", "lm_max_batch"), ("--port", "70000", "port"),
+                              ("--engine.lm-backend", "vLLM", "lm_backend"), ("--log-level", "verbose", "log_level")):
         r = subprocess.run(
             [sys.executable, "-m", "gateway", "--data-dir", str(tmp_path), "--config", os.devnull,
              "--model", str(tmp_path / "nope"), flag, value],

@@ -73,3 +73,60 @@ def test_docker_compose_is_a_gpu_service_with_volume_and_health():
     s, _ = load_settings([], environ={k: str(v) for k, v in svc["environment"].items() if "${" not in str(v)})
     assert s.port == 8080
     assert (ROOT / svc.get("build", ".") / "Dockerfile").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "port must be within"),
+    (["--port", "-1"], "port must be within"),
+    (["--log-level", "verbose"], "log_level must be one of"),
+    (["--voice-store", "mysql://u:secret@h/db"], "voice_store must be 'sqlite' or a postgresql"),
+    (["--engine.lm-backend", "vLLM"], "engine.lm_backend must be one of"),
+    (["--engine.device", "gpu"], "engine.device: 'gpu' is not a device"),
+    (["--engine.stage-devices", "cuda:0,cuda1"], "engine.stage_devices: 'cuda1' is not a device"),
+    (["--engine.vllm-gpu-memory-utilization", "35"], "vllm_gpu_memory_utilization must be within"),
+    (["--engine.tokens-per-text-token", "0"], "tokens_per_text_token must be within"),
+    (["--port", "8080.5"], "expected int"),
+])
+def test_bad_values_are_refused_before_the_model_loads(argv, message):
+    """Refused by the settings themselves (exit 2 in `gateway.__main__`, before a download
+    and a model load), not after a start that then fails like an engine would."""
+    with pytest.raises(ValueError, match=message) as exc:
+        load_settings(argv, environ={})
+    assert "secret" not in str(exc.value)
+
+
+def test_yaml_values_are_converted_strictly(tmp_path):
+    cfg = tmp_path / "gw.yaml"
+    for text, message in [("host:\n", "host: a value is needed"), ("data_dir:\n", "data_dir: a value is needed"),
+                          ("port: 8080.9\n", "expected int"), ("port: true\n", "expected int"),
+                          ("data_dir: [1]\n", "expected a path")]:
+        cfg.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_settings(["--config", str(cfg)], environ={})
+    cfg.write_text("port: 8081.0\napi_keys: 123\nengine: {stage_devices: cuda:1, tokens_per_text_token: null}\n")
+    s, _ = load_settings(["--config", str(cfg)], environ={})
+    assert s.port == 8081 and s.api_keys == ("123",) and s.engine.stage_devices == ("cuda:1",)
+    assert s.engine.tokens_per_text_token is None
+
+
+def test_kubernetes_service_links_are_not_settings():
+    """A Service named cosyvoice-gw gives its pods COSYVOICE_GW_SERVICE_HOST, a
+    COSYVOICE_GW_PORT of tcp://..., and more: ignored, not 'unknown' or a bad port."""
+    links = {"COSYVOICE_GW_SERVICE_HOST": "10.96.0.10", "COSYVOICE_GW_SERVICE_PORT": "8080",
+             "COSYVOICE_GW_SERVICE_PORT_HTTP": "8080", "COSYVOICE_GW_PORT": "tcp://10.96.0.10:8080",
+             "COSYVOICE_GW_PORT_8080_TCP": "tcp://10.96.0.10:8080", "COSYVOICE_GW_PORT_8080_TCP_ADDR": "10.96.0.10"}
+    assert load_settings([], environ=links)[0].port == 8080
+    assert load_settings([], environ={**links, "COSYVOICE_GW_PORT": "9000"})[0].port == 9000
+
+
+def test_uvicorn_waits_briefly_after_the_drain_not_a_second_shutdown_timeout():
+    """The drain already waited up to shutdown_timeout; uvicorn's own wait for open
+    connections after it is short, so a stop fits an orchestrator's grace (compose: 40 s)."""
+    from gateway.__main__ import AFTER_DRAIN_GRACE_S, server_config
+
+    for timeout, expected in ((30.0, AFTER_DRAIN_GRACE_S), (2.0, 2.0)):
+        settings = Settings(shutdown_timeout=timeout)
+        assert server_config(None, settings).timeout_graceful_shutdown == expected
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    grace = compose["services"]["gateway"]["stop_grace_period"]
+    assert float(grace.rstrip("s")) > Settings().shutdown_timeout + AFTER_DRAIN_GRACE_S
