@@ -6,14 +6,15 @@ VENV   ?= .venv
 MODEL  ?= FunAudioLLM/Fun-CosyVoice3-0.5B-2512
 ARGS   ?=
 # torch: the CPU build 2.13.0 (on this workplace's disk; CI stays fast). On a GPU host
-# set TORCH_SPEC="torch==2.11.0" (or keep the image's torch: TORCH_SPEC=) before `make`.
+# set TORCH_SPEC="torch==2.11.0", or keep the environment's own torch with TORCH_SPEC=
+# (the venv then sees the environment's packages), before `make`.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: serve test install system-deps test-deps apt-missing clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(MAKE) --no-print-directory system-deps
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(if $(TORCH_SPEC),,--system-site-packages) $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ]; then $(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"; fi
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
