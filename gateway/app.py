@@ -170,6 +170,13 @@ def create_app(settings: Settings) -> Starlette:
             stack.push_async_callback(voices.close)
             if Path(settings.assets_dir).is_dir():
                 await voices.register_assets(Path(settings.assets_dir))
+            if voices.get(settings.default_voice) is None:
+                # Relative paths (the assets dir) resolve against the working directory: a
+                # server started elsewhere than the checkout has none of its voices.
+                log.warning("the default voice %r is not registered (assets dir %s: %s): requests that name "
+                            "no voice will get 404 voice_not_found", settings.default_voice,
+                            Path(settings.assets_dir).resolve(),
+                            "found" if Path(settings.assets_dir).is_dir() else "not found")
             encode_pool = EncodePool(settings.audio.encode_threads)
             stack.callback(encode_pool.close)
             metrics = Metrics()
@@ -192,6 +199,8 @@ def create_app(settings: Settings) -> Starlette:
     ]
     if STATIC_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
+    else:
+        log.warning("no demo page: %s not found (an install without the source tree)", STATIC_DIR)
     middleware = []
     if settings.cors_origins:
         middleware.append(

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,6 +93,16 @@ def test_a_known_path_asked_with_another_method_is_a_405(server) -> None:
             assert resp.headers["allow"] == allow
         assert err(c.get("/v1/nothing", headers=AUTH)) == (404, "not_found")
         assert c.get("/", headers=AUTH).status_code == 200  # the page itself
+
+
+def test_a_start_without_the_default_voice_says_so(tiny_model_dir: Path, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A server started outside the checkout finds no assets dir (a relative path): the
+    default voice is then missing, which the start says instead of every request's 404."""
+    with caplog.at_level(logging.WARNING, logger="gateway.app"), live_gateway(tiny_model_dir, tmp_path):
+        pass
+    (line,) = [r.getMessage() for r in caplog.records if "default voice" in r.getMessage()]
+    assert "'default' is not registered" in line and "no-assets: not found" in line
 
 
 def test_auth_websocket_query_token() -> None:
