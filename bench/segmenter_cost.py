@@ -2,7 +2,7 @@
 
 The WebSocket reader runs `gateway.segmenter.Segmenter.push` inline for every text
 message, so its time is time every socket on that loop waits. Prints, per input, the
-seconds it took and the segments it made:
+time it took, the longest one message took, and the segments it made:
 
     python -m bench.segmenter_cost                          # this tree's segmenter
     python -m bench.segmenter_cost --module old_segmenter.py  # another copy, for an A/B
@@ -37,14 +37,22 @@ def cases() -> list[tuple[str, list[str], dict[str, int]]]:
     """(name, the context's text messages, segmentation settings): LLM-sized token
     messages, and a whole 20,000-character context (the default `max_text_chars`) in one
     message, of short lines or short sentences, and sent sentence by sentence with cuts
-    only allowed at 100,000 characters (a client's `min_chars`/`max_chars`)."""
+    only allowed at 100,000 characters (a client's `min_chars`/`max_chars`). Then what
+    a client can send to make each message cost more than the last: a run of marks,
+    newlines or spaces one character a message that nothing may cut, and blank lines
+    after a word with `min_chars` too high for them to end a segment."""
     words = ("Hello there, this is a sentence. " * 600).split()
+    no_cut = {"first_min_chars": 0, "min_chars": 100_000, "max_chars": 100_000}
     return [
         ("LLM tokens, 20k chars", [w + " " for w in words], {}),
         ("one message, 1666 lines", ["- Item one.\n" * 1666], {}),
         ("one message, 5000 sentences", ["Hi. " * 5000], {}),
-        ("5000 messages, no cut allowed", ["Hi. "] * 5000,
-         {"first_min_chars": 0, "min_chars": 100_000, "max_chars": 100_000}),
+        ("5000 messages, no cut allowed", ["Hi. "] * 5000, no_cut),
+        ("20000 messages of '.', no cut", ["."] * 20_000, no_cut),
+        ("20000 messages of '\\n', no cut", ["\n"] * 20_000, no_cut),
+        ("20000 messages of ' ', no cut", [" "] * 20_000, no_cut),
+        ("1500 messages of '\\n ', min_chars", ["Hi. x"] + ["\n "] * 1500,
+         {"first_min_chars": 0, "min_chars": 1000, "max_chars": 100_000}),
     ]
 
 
@@ -55,13 +63,20 @@ def main() -> None:
     args = parser.parse_args()
     seg = load(args.module)
     for name, messages, settings in cases():
-        best, count = float("inf"), 0
+        best, worst, count = float("inf"), float("inf"), 0
         for _ in range(args.repeat):
             s = seg.Segmenter(seg.SegmenterConfig(**settings))
+            longest = 0.0
             t0 = time.perf_counter()
-            count = sum(len(s.push(m)) for m in messages) + len(s.end())
+            count = 0
+            for m in messages:
+                t1 = time.perf_counter()
+                count += len(s.push(m))
+                longest = max(longest, time.perf_counter() - t1)
+            count += len(s.end())
             best = min(best, time.perf_counter() - t0)
-        print(f"{name:32s} {best * 1000:10.1f} ms  {count:5d} segments")
+            worst = min(worst, longest)
+        print(f"{name:34s} {best * 1000:10.1f} ms  longest message {worst * 1000:8.2f} ms  {count:5d} segments")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 # stream, idle: ws stream mode (a streamed utterance still open; one ended by `stream_idle_s`)
@@ -117,14 +117,50 @@ class _Boundary:
     sentence: bool  # False = clause mark
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """What `_scan` has read of the undecided item it stopped at (a run of marks or newlines
+    at the end of the text, or "No." and the whitespace after it), relative to the item's
+    start, so that the next scan goes on from there. Re-reading a run that grows an append
+    at a time from its start on every append made 20,000 appends of "." take 40 s of the
+    event loop. Only facts about the item's own characters are kept: the text before it
+    may be emitted in between, so whatever depends on that is worked out again."""
+
+    run_end: int  # the run read so far is buf[start:start + run_end]
+    sentence: bool = False  # it holds a sentence terminator
+    cjk: bool = False  # it holds a CJK terminator, or starts with a CJK mark
+    marks: int = 0  # its characters other than closers: how many,
+    dots: bool = True  # whether all of them are ".",
+    eager: bool = True  # and whether all of them are in _EAGER_MARKS
+    spaces_end: int = 0  # after "No.": buf[start + run_end:start + spaces_end] is whitespace
+
+
+# The last word break (see `_word_start`) of a searched slice, and what follows it. `\s` is
+# exactly `str.isspace` for str patterns.
+_BREAK_CHARS = "\\s" + re.escape("".join(sorted(_WORD_BREAKS)))
+_LAST_WORD_BREAK = re.compile(f"[{_BREAK_CHARS}][^{_BREAK_CHARS}]*\\Z")
+
+
 def _word_start(buf: str, i: int) -> int:
     """Where the word ending at ``buf[i]`` (exclusive) starts: after a whitespace, or after
     a terminator other than a period, or a CJK mark or closer ("好。etc." and "!Mr." read
     "etc" and "Mr"; a period belongs to the word: "e.g", "a.b/c")."""
-    start = i
-    while start > 0 and not buf[start - 1].isspace() and buf[start - 1] not in _WORD_BREAKS:
+    start, stop = i, (i - 16 if i > 16 else 0)
+    while start > stop and not buf[start - 1].isspace() and buf[start - 1] not in _WORD_BREAKS:
         start -= 1
-    return start
+    if start > stop or start == 0:
+        return start
+    # A longer word is searched backwards by the regex engine in growing windows: the eager
+    # check asks this on every append, and a word that grows an append at a time
+    # ("a.a.a." ...) made walking it quadratic in Python steps.
+    width = 64
+    while start > 0:
+        lo = max(i - width, 0)
+        m = _LAST_WORD_BREAK.search(buf, lo, i)
+        if m is not None:
+            return m.start() + 1
+        start, width = lo, width * 4
+    return 0
 
 
 def _word(buf: str, dot: int) -> str:
@@ -170,26 +206,41 @@ _CJK_NOT_DECIMAL = (_CJK_SENTENCE | _CJK_CLAUSE) - {"．"}
 _ADDRESS_CHARS = frozenset("/@:\\_=&#%")
 
 
-def _eager_end(buf: str, i: int) -> bool:
-    """Whether the mark run ``buf[i:]`` (closing the buffer) is a boundary as long as a
-    whitespace would follow: the one case the next character could still veto is left
-    to it (digits, abbreviations, addresses, a ".." that may grow to "...")."""
-    marks = [c for c in buf[i:] if c not in _CLOSERS]
+def _eager_end(buf: str, i: int, run: _Pending) -> bool:
+    """Whether the mark run ``buf[i:]`` (closing the buffer; ``run`` sums it up) is a
+    boundary as long as a whitespace would follow: the one case the next character could
+    still veto is left to it (digits, abbreviations, addresses, a ".." that may grow to "...")."""
     if buf[i] in _CJK_NOT_DECIMAL:
         return i > 0  # no decimal point or address part: "共3。" ends there
     if i == 0 or not (buf[i - 1].isalpha() or buf[i - 1] in _CLOSERS):
         return False  # "3." may become "3.5", "1," "1,000"
-    if any(c not in _EAGER_MARKS for c in marks) or marks == [".", "."]:
+    if not run.eager or (run.dots and run.marks == 2):
         return False
     if not _ADDRESS_CHARS.isdisjoint(buf[_word_start(buf, i):i]):
         return False  # "https://a.b/c?" + "x=1"
-    return not (marks == ["."] and _is_abbreviation(buf, i))
+    return not (run.dots and run.marks == 1 and _is_abbreviation(buf, i))
 
 
-def _scan(buf: str, start: int, final: bool, eager: bool = False,
-          line_start: bool = False) -> tuple[list[_Boundary], int]:
-    """The boundaries in ``buf`` from ``start`` on, in order, and where the scan stopped:
-    at an undecided mark run (one that more text may still change), else ``len(buf)``.
+def _summed_up(buf: str, i: int, j: int, sentence: bool, cjk: bool, known: _Pending | None) -> _Pending:
+    """The mark run ``buf[i:j]`` summed up for `_eager_end`, going on from ``known`` (what
+    was summed up of its start before) so that no character is looked at twice."""
+    if known is not None and known.run_end == j - i:
+        return known  # nothing new: making a new one would cost more than the rest of the scan
+    marks, dots, eager = (known.marks, known.dots, known.eager) if known is not None else (0, True, True)
+    for c in buf[i + (known.run_end if known is not None else 0):j]:
+        if c not in _CLOSERS:
+            marks += 1
+            dots = dots and c == "."
+            eager = eager and c in _EAGER_MARKS
+    return _Pending(j - i, sentence, cjk, marks, dots, eager)
+
+
+def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bool = False,
+          pending: _Pending | None = None) -> tuple[list[_Boundary], int, _Pending | None]:
+    """The boundaries in ``buf`` from ``start`` on, in order, where the scan stopped: at an
+    undecided mark run (one that more text may still change), else ``len(buf)``, and what
+    it read of that run (``None`` if it stopped at the end). Passing that back as
+    ``pending``, with ``start`` where the scan stopped, goes on reading where it left off.
 
     Without ``final`` or ``eager`` a boundary found depends only on the text up to the
     character after it (for "No.", the word after it), so it stays a boundary whatever is
@@ -205,44 +256,58 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False,
     while m is not None:
         i = m.start()
         ch = buf[i]
+        known = pending if i == start else None  # what an earlier scan read of this item
         if ch == "\n":
-            j = i + 1
+            j = i + (known.run_end if known is not None else 1)
             while j < n and buf[j] == "\n":
                 j += 1
             if j >= n and not final:
-                return out, i  # more newlines may follow
+                # More newlines may follow.
+                return out, i, known if known is not None and known.run_end == j - i else _Pending(j - i)
             out.append(_Boundary(j, True))
             m = _MARK.search(buf, j)
             continue
         # Extend over a run of terminators and closing quotes: "?!", "...", "。」".
-        cjk = ch in _CJK_SENTENCE or ch in _CJK_CLAUSE
-        j = i + 1
-        sentence = ch in _LATIN_SENTENCE or ch in _CJK_SENTENCE
+        if known is not None:
+            j, sentence, cjk = i + known.run_end, known.sentence, known.cjk
+        else:
+            j = i + 1
+            sentence = ch in _LATIN_SENTENCE or ch in _CJK_SENTENCE
+            cjk = ch in _CJK_SENTENCE or ch in _CJK_CLAUSE
         while j < n and (buf[j] in _LATIN_SENTENCE or buf[j] in _CJK_SENTENCE or buf[j] in _CLOSERS):
             sentence = sentence or buf[j] in _LATIN_SENTENCE or buf[j] in _CJK_SENTENCE
             cjk = cjk or buf[j] in _CJK_SENTENCE
             j += 1
-        if j >= n and not final and not (eager and _eager_end(buf, i)):
-            return out, i  # the run may still grow: undecided
+        if j >= n and not final:
+            run = _summed_up(buf, i, j, sentence, cjk, known)
+            if not (eager and _eager_end(buf, i, run)):
+                return out, i, run  # the run may still grow: undecided
         nxt = buf[j] if j < n else " "
-        if not cjk and ch in _LATIN_IN_CJK and j == i + 1 and j < n and i > 0 and _is_cjk(buf[i - 1]) and _is_cjk(nxt):
+        # Latin marks between CJK characters read as CJK ones, a run of them too ("吗?!我").
+        if (not cjk and j < n and i > 0 and _is_cjk(nxt) and _is_cjk(buf[i - 1])
+                and all(c in _LATIN_IN_CJK for c in buf[i:j])):
             cjk = True
         if ch == "．" and j == i + 1 and i > 0 and buf[i - 1].isdigit() and nxt.isdigit():
             cjk = False  # a fullwidth decimal point: "３．１４"
         elif cjk or nxt.isspace():
             single_dot = ch == "." and j == i + 1 and not cjk
             if single_dot and _word(buf, i).lower() in _NUMBER_ABBREVIATIONS:
-                k = j
+                k = max(j, i + known.spaces_end) if known is not None else j
                 while k < n and buf[k].isspace():
                     k += 1
-                if k >= n and not final:
-                    return out, i  # "No." + " 5" or " I": the word after it decides
+                if k >= n and not final:  # "No." + " 5" or " I": the word after it decides
+                    run = _summed_up(buf, i, j, sentence, cjk, known)
+                    return out, i, run if run.spaces_end == k - i else replace(run, spaces_end=k - i)
                 if k >= n or not (buf[k].isdigit() or buf[k] == "#"):
                     out.append(_Boundary(j, sentence))
             elif not (single_dot and (_is_abbreviation(buf, i) or _is_list_marker(buf, i, line_start))):
                 out.append(_Boundary(j, sentence))
         m = _MARK.search(buf, j)
-    return out, n
+    return out, n, None
+
+
+# The first non-whitespace character (`Segmenter._next_content`).
+_CONTENT = re.compile(r"\S")
 
 
 def _content_end(buf: str, lead: int, pos: int) -> int:
@@ -258,7 +323,8 @@ class Segmenter:
     Appended text is scanned once: the boundaries found are kept (`_scan`), at context
     offsets, and a cut is looked up among them by bisection. Rescanning the whole buffer
     for every cut made one 20,000-character message of short sentences take seconds of
-    the event loop (quadratic in its length)."""
+    the event loop (quadratic in its length). For the same reason the undecided run at the
+    end (`_Pending`) and whitespace (`_next_content`) are not read again on every append."""
 
     def __init__(self, config: SegmenterConfig | None = None) -> None:
         self.config = config or SegmenterConfig()
@@ -274,6 +340,10 @@ class Segmenter:
         self._sentences: list[int] = []
         self._first = self._first_sentence = 0
         self._scanned = 0
+        self._pending: _Pending | None = None  # what was read of the undecided item at _scanned
+        # Context offset -> how far the whitespace from there reaches, as far as looked at
+        # (`_next_content`); cleared at every cut.
+        self._spaces: dict[int, int] = {}
         self._line_start = True  # the buffer starts a line (the context, or after a newline)
 
     @property
@@ -325,7 +395,9 @@ class Segmenter:
         self._count += 1
         self._offset += pos
         self._buf = self._buf[pos:]
-        self._scanned = max(self._scanned, self._offset)
+        if self._offset > self._scanned:  # the undecided item went with this segment
+            self._scanned, self._pending = self._offset, None
+        self._spaces.clear()
         self._first = bisect.bisect_right(self._bounds, self._offset, self._first)
         self._first_sentence = bisect.bisect_right(self._sentences, self._offset, self._first_sentence)
         if self._first > 1024 and self._first * 2 > len(self._bounds):  # drop what was emitted
@@ -337,7 +409,8 @@ class Segmenter:
     def _keep_scanning(self) -> None:
         """Scan what was appended since the last scan; keep the boundaries it confirms."""
         base = self._offset
-        found, stop = _scan(self._buf, self._scanned - base, False, False, self._line_start)
+        found, stop, self._pending = _scan(self._buf, self._scanned - base, False, False, self._line_start,
+                                           self._pending)
         for b in found:
             self._bounds.append(base + b.pos)
             self._is_sentence.append(b.sentence)
@@ -352,8 +425,8 @@ class Segmenter:
             self._keep_scanning()
             # The undecided run at the end, decided as the end of the text (final) or of
             # an append (eager): not kept, the next append may decide it otherwise.
-            tail = _scan(self._buf, self._scanned - self._offset, final, cfg.eager_ends, self._line_start)[0] \
-                if final or cfg.eager_ends else []
+            tail = _scan(self._buf, self._scanned - self._offset, final, cfg.eager_ends, self._line_start,
+                         self._pending)[0] if final or cfg.eager_ends else []
             cut = self._regular_cut(tail)
             if cut is not None:
                 out.append(self._emit(cut[0], "sentence" if cut[1] else "clause"))
@@ -366,10 +439,23 @@ class Segmenter:
 
     def _lead(self) -> int:
         """Index of the buffer's first non-whitespace character (its length if none)."""
-        lead, buf = 0, self._buf
-        while lead < len(buf) and buf[lead].isspace():
-            lead += 1
-        return lead
+        buf = self._buf
+        if buf[:1].isspace() and not buf[1:2].isspace():  # a segment's usual start: one space
+            return 1
+        return self._next_content(0)
+
+    def _next_content(self, i: int) -> int:
+        """Index of the buffer's first non-whitespace character at or after ``i`` (its
+        length if none). The search goes on where the last one from ``i`` ended: walking a
+        buffer of whitespace that grows an append at a time from its start on every append
+        was quadratic (20,000 appends of a space: 10 s)."""
+        buf, base = self._buf, self._offset
+        if i >= len(buf) or not buf[i].isspace():
+            return min(i, len(buf))
+        m = _CONTENT.search(buf, max(self._spaces.get(base + i, 0) - base, i))
+        end = m.start() if m is not None else len(buf)
+        self._spaces[base + i] = base + end
+        return end
 
     def _regular_cut(self, tail: list[_Boundary]) -> tuple[int, bool] | None:
         """The earliest boundary (buffer position, sentence or not) within max_chars that
@@ -386,17 +472,19 @@ class Segmenter:
             kinds[0] = (self._sentences, self._first_sentence, cfg.min_chars)
         best: tuple[int, bool] | None = None
         for positions, first, size in kinds:
+            if first == len(positions):
+                continue  # none kept
             size = max(size, 1)
-            # A boundary's segment is at most pos - lead long: skip the ones shorter still.
-            k = bisect.bisect_left(positions, base + lead + size, first)
-            while k < len(positions) and positions[k] - base <= cfg.max_chars:
+            # A segment ending at pos is long enough, whitespace at its end not counted, if and
+            # only if a non-whitespace character lies in [lead + size - 1, pos): the first
+            # boundary after the first one there is the cut. Trying the boundaries one by one
+            # tried every one in a run of whitespace (" \n \n ...") on every append.
+            k = bisect.bisect_right(positions, base + self._next_content(lead + size - 1), first)
+            if k < len(positions) and positions[k] - base <= cfg.max_chars:
                 pos = positions[k] - base
-                if _content_end(buf, lead, pos) - lead >= size:
-                    sentence = positions is self._sentences or self._is_sentence[k]
-                    if best is None or pos < best[0]:
-                        best = (pos, sentence)
-                    break
-                k += 1
+                sentence = positions is self._sentences or self._is_sentence[k]
+                if best is None or pos < best[0]:
+                    best = (pos, sentence)
         for b in tail:
             if best is not None or b.pos > cfg.max_chars:
                 break
@@ -413,22 +501,23 @@ class Segmenter:
         """Where to cut a buffer longer than max_chars with no regular boundary."""
         limit, buf, base = self.config.max_chars, self._buf, self._offset
         lead = self._lead()
-        usable = [b for b in tail if b.pos <= limit and _content_end(buf, lead, b.pos) > lead]
+        # A segment ending at pos has more than whitespace if and only if pos > lead.
+        usable = [b for b in tail if lead < b.pos <= limit]
         # Prefer the latest sentence end, then the latest clause mark.
         sentences = [b for b in usable if b.sentence]
         if sentences:
             return sentences[-1].pos
         k = bisect.bisect_right(self._sentences, base + limit, self._first_sentence)
-        if k > self._first_sentence and _content_end(buf, lead, self._sentences[k - 1] - base) > lead:
+        if k > self._first_sentence and self._sentences[k - 1] - base > lead:
             return self._sentences[k - 1] - base
         if usable:
             return usable[-1].pos
         k = bisect.bisect_right(self._bounds, base + limit, self._first)
-        if k > self._first and _content_end(buf, lead, self._bounds[k - 1] - base) > lead:
+        if k > self._first and self._bounds[k - 1] - base > lead:
             return self._bounds[k - 1] - base
         # Last whitespace that leaves something before it; the space starts the next one.
-        for k in range(limit, 0, -1):
-            if buf[k].isspace() and buf[:k].strip():
+        for k in range(limit, lead, -1):
+            if buf[k].isspace():
                 return k
         # Hard, but not inside a character as read: a combining mark, a joined emoji.
         for k in range(limit, 0, -1):
@@ -438,11 +527,43 @@ class Segmenter:
 
 
 def _continues_cluster(buf: str, k: int) -> bool:
-    """Whether ``buf[k]`` belongs with the character before it (a combining mark, a
-    variation selector or skin tone, either side of a zero-width joiner)."""
-    ch = buf[k]
-    return (unicodedata.combining(ch) != 0 or ch == _ZWJ or buf[k - 1] == _ZWJ
-            or "\ufe00" <= ch <= "\ufe0f" or "\U0001f3fb" <= ch <= "\U0001f3ff")
+    """Whether ``buf[k]`` belongs with the character before it, as one character read (the
+    grapheme cluster rules of UAX #29 that matter here): a mark (combining or spacing), a
+    variation selector, skin tone or tag, either side of a zero-width joiner, the second
+    regional indicator of a flag, a Hangul jamo that joins the one before it."""
+    ch, prev = buf[k], buf[k - 1]
+    if (unicodedata.category(ch)[0] == "M" or ch == _ZWJ or prev == _ZWJ or "\ufe00" <= ch <= "\ufe0f"
+            or "\U0001f3fb" <= ch <= "\U0001f3ff" or "\U000e0020" <= ch <= "\U000e007f"):
+        return True
+    if _is_regional_indicator(ch) and _is_regional_indicator(prev):
+        # Indicators pair up from the first of a run: "🇺🇸🇫🇷" is two flags, not 🇸🇫 inside.
+        first = k - 1
+        while first > 0 and _is_regional_indicator(buf[first - 1]):
+            first -= 1
+        return (k - first) % 2 == 1
+    before, after = _jamo(prev), _jamo(ch)
+    return ((before == "L" and after in ("L", "V", "LV", "LVT"))
+            or (before in ("LV", "V") and after in ("V", "T"))
+            or (before in ("LVT", "T") and after == "T"))
 
 
 _ZWJ = "\u200d"
+
+
+def _is_regional_indicator(ch: str) -> bool:
+    return "\U0001f1e6" <= ch <= "\U0001f1ff"
+
+
+def _jamo(ch: str) -> str:
+    """The Hangul syllable type of ``ch``: a leading consonant, vowel or trailing consonant
+    jamo ("L", "V", "T"), a precomposed syllable without or with a trailing consonant
+    ("LV", "LVT"), or "" for anything else."""
+    if "\u1100" <= ch <= "\u115f" or "\ua960" <= ch <= "\ua97c":
+        return "L"
+    if "\u1160" <= ch <= "\u11a7" or "\ud7b0" <= ch <= "\ud7c6":
+        return "V"
+    if "\u11a8" <= ch <= "\u11ff" or "\ud7cb" <= ch <= "\ud7fb":
+        return "T"
+    if "\uac00" <= ch <= "\ud7a3":
+        return "LV" if (ord(ch) - 0xAC00) % 28 == 0 else "LVT"
+    return ""

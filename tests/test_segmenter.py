@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from types import FrameType
 
 import pytest
 from hypothesis import given, settings
@@ -174,6 +176,34 @@ def test_readings_an_llm_answer_needs(chunk: int) -> None:
         assert texts(run(text, [chunk], late)) == expected, text
 
 
+# With eager ends, an append that ends inside "?!" ends the segment there (the rule's price).
+@pytest.mark.parametrize("chunk, eager", [(1, False), (2, False), (1000, False), (1000, True)])
+def test_a_run_of_latin_marks_between_cjk_characters_ends_a_sentence(chunk: int, eager: bool) -> None:
+    """As one such mark does ("你好!我是"): LLMs write "?!" and "!!" in Chinese too."""
+    cfg = SegmenterConfig(first_min_chars=100, eager_ends=eager)
+    assert texts(run("真的吗?!我不信。你呢", [chunk], cfg)) == ["真的吗?!", "我不信。", "你呢"]
+    assert texts(run("太好了!!我们走吧。", [chunk], cfg)) == ["太好了!!", "我们走吧。"]
+    assert texts(run("等等...好吧", [chunk], cfg)) == ["等等...", "好吧"]
+    # Only between CJK characters.
+    assert texts(run("真的吗?!OK。", [chunk], cfg)) == ["真的吗?!OK。"]
+
+
+@pytest.mark.parametrize("text, first", [
+    ("aaaaaaa\U0001f1fa\U0001f1f8bbbbbbbb", "aaaaaaa"),  # a flag is a pair of regional indicators
+    ("aa" + "\U0001f1fa\U0001f1f8\U0001f1eb\U0001f1f7" * 4,
+     "aa\U0001f1fa\U0001f1f8\U0001f1eb\U0001f1f7\U0001f1fa\U0001f1f8"),  # a run of them, cut between two
+    ("a" + "\U0001f1fa\U0001f1f8" * 8, "a\U0001f1fa\U0001f1f8\U0001f1fa\U0001f1f8\U0001f1fa\U0001f1f8"),
+    ("aaaaaaa\u1100\u1161bbbbbbbb", "aaaaaaa"),  # conjoining jamo: L V
+    ("aaaaaa\u1100\u1161\u11a8bbbbbbbb", "aaaaaa"),  # L V T
+    ("aaaaaaa\uac00\u11a8bbbbbbbb", "aaaaaaa"),  # a precomposed syllable and a trailing consonant
+    ("aaaaaaa\u0915\u093fbbbbbbbb", "aaaaaaa"),  # a spacing vowel sign (combining class 0)
+])
+def test_a_hard_cut_keeps_flags_and_hangul_syllables_whole(text: str, first: str) -> None:
+    segs = run(text, [len(text)], SegmenterConfig(first_min_chars=8, max_chars=8))
+    assert "".join(texts(segs)) == text
+    assert segs[0].text == first and segs[0].reason == "max"
+
+
 def test_a_hard_cut_keeps_characters_whole() -> None:
     cfg = SegmenterConfig(max_chars=20)
     for text in ("x" + "e\u0301" * 15, "ab" + "\U0001f468\u200d\U0001f469\u200d\U0001f467" * 6):
@@ -184,22 +214,34 @@ def test_a_hard_cut_keeps_characters_whole() -> None:
             assert first not in ("\u0301", "\u200d") and seg.text[:1] != "\U0001f469", seg.text
 
 
+_NO_CUT = SegmenterConfig(first_min_chars=0, min_chars=100_000, max_chars=100_000)
+
+
 @pytest.mark.parametrize("pieces, cfg", [
     (["- Item one.\n" * 1666], SegmenterConfig()),  # one long message: 1667 segments
-    (["Hi. "] * 5000, SegmenterConfig(first_min_chars=0, min_chars=100_000, max_chars=100_000)),  # no cut
+    (["Hi. "] * 5000, _NO_CUT),  # no cut
+    (["."] * 5000, _NO_CUT),  # an undecided run of marks, growing an append at a time
+    (["\n"] * 5000, _NO_CUT),
+    (["Hi. " * 2000 + "." * 2000], SegmenterConfig(first_min_chars=0)),  # 2000 cuts before a run
+    (["Go. No."] + [" "] * 5000, SegmenterConfig(first_min_chars=0, max_chars=100_000)),  # "No." waits
 ])
 def test_text_is_scanned_once_whatever_its_cuts(monkeypatch: pytest.MonkeyPatch, pieces: list[str],
                                                  cfg: SegmenterConfig) -> None:
     """Each character is scanned for boundaries about once, not once per cut or append:
     rescanning the buffer for every cut made one 20,000-character message of short lines
-    take 3 s of the event loop, and 5,000 appends of a sentence that may not be cut 22 s."""
+    take 3 s of the event loop, 5,000 appends of a sentence that may not be cut 22 s, and
+    20,000 appends of "." (each one re-reading the undecided run of them) 40 s."""
     import gateway.segmenter as segmenter
 
     scanned = []
     scan = segmenter._scan
 
-    def counting(buf: str, start: int, *args: object) -> tuple:
-        scanned.append(len(buf) - start)
+    def counting(buf: str, start: int, final: bool, eager: bool = False, line_start: bool = False,
+                 pending: segmenter._Pending | None = None) -> tuple:
+        # What the scan has not read before: from where it stopped on, less what it read there.
+        read = max(pending.run_end, pending.spaces_end) if pending is not None else 0
+        scanned.append(len(buf) - start - read)
+        args = (final, eager, line_start) if pending is None else (final, eager, line_start, pending)
         return scan(buf, start, *args)
 
     monkeypatch.setattr(segmenter, "_scan", counting)
@@ -210,9 +252,68 @@ def test_text_is_scanned_once_whatever_its_cuts(monkeypatch: pytest.MonkeyPatch,
     assert sum(scanned) <= 3 * len(text) + 64 * len(pieces), (sum(scanned), len(text))
 
 
+class _TooMuchWork(Exception):
+    pass
+
+
+def _steps(pieces: list[str], cfg: SegmenterConfig, limit: int) -> int:
+    """How many lines of gateway/segmenter.py run to push ``pieces`` and end: a measure of
+    its work that, unlike a time, is the same on every machine. Over ``limit``: raises."""
+    import gateway.segmenter as segmenter
+
+    steps = 0
+
+    def line(frame: FrameType, event: str, arg: object) -> object:
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps > limit:
+                raise _TooMuchWork
+        return line
+
+    def call(frame: FrameType, event: str, arg: object) -> object:
+        return line if frame.f_code.co_filename == segmenter.__file__ else None
+
+    seg = Segmenter(cfg)
+    before = sys.gettrace()
+    sys.settrace(call)
+    try:
+        for piece in pieces:
+            seg.push(piece)
+        seg.end()
+    finally:
+        sys.settrace(before)
+    return steps
+
+
+@pytest.mark.parametrize("prefix, piece, cfg", [
+    ("", ".", _NO_CUT),  # an undecided run of marks
+    ("", "?!", _NO_CUT),
+    ("", "。", _NO_CUT),
+    ("", "\n", _NO_CUT),  # of newlines
+    ("", " ", _NO_CUT),  # a buffer of nothing but whitespace
+    ("Go. No.", " ", SegmenterConfig(first_min_chars=0, max_chars=100_000)),  # "No." and what follows
+    ("Go. x", "\n ", SegmenterConfig(first_min_chars=0, min_chars=200, max_chars=100_000)),  # too short to cut
+    ("", "a.", _NO_CUT),  # a word that grows: "a.a.a." (its regex work is not counted)
+])
+def test_the_work_an_append_takes_does_not_grow_with_the_buffer(prefix: str, piece: str,
+                                                                   cfg: SegmenterConfig) -> None:
+    """Twice the appends, about twice the work. Reading an undecided run (or the whitespace
+    before the content, or the boundaries in a run of whitespace) again on every append
+    made 20,000 appends of "." take 40 s of the shared event loop, and 1,500 of "\n " 35 s."""
+    n = 400
+    once = _steps([prefix] + [piece] * n, cfg, limit=1_000_000)
+    try:
+        twice = _steps([prefix] + [piece] * (2 * n), cfg, limit=3 * once)
+    except _TooMuchWork:
+        pytest.fail(f"{2 * n} appends of {piece!r} took over 3x the work of {n}")
+    assert twice <= 2.5 * once, (once, twice)
+
+
 # ---- properties -----------------------------------------------------------------
 
-_ALPHABET = st.sampled_from(list("ab xy.,!?;:…\n3。，！？「」\"'") + ["Mr.", "3.14", "10:30", "e.g.", "http://a.b/c"])
+_ALPHABET = st.sampled_from(list("ab xy.,!?;:…\n3。，！？「」\"'") + ["Mr.", "3.14", "10:30", "e.g.", "http://a.b/c"]
+                            + ["No.", "好", "\U0001f1fa\U0001f1f8", "\u1100\u1161\u11a8", "e\u0301"])
 _TEXT = st.lists(_ALPHABET, max_size=120).map("".join)
 _CFG = st.builds(
     SegmenterConfig,
@@ -231,7 +332,7 @@ def test_property_lossless_and_chunking_invariant(text: str, chunks: list[int], 
     assert "".join(texts(segs)) == text
     pos = 0
     for i, s in enumerate(segs):
-        assert s.index == i and s.start == pos and s.end == pos + len(s.text)
+        assert s.text and s.index == i and s.start == pos and s.end == pos + len(s.text)
         assert text[s.start : s.end] == s.text
         assert len(s.text) <= cfg.max_chars
         pos = s.end
