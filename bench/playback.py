@@ -11,6 +11,11 @@ is due before that segment's text was complete (the LLM had not written it yet),
 player idles until the text was complete (`ready_at`) without counting an underrun;
 only the time after that is an underrun.
 
+A session that ends without all its audio (it timed out, errored or lost its
+connection) stalls from the moment its playhead ran out to the moment it ended: that is
+one more underrun (`end`), though no chunk arrived to reveal it. Silence before its
+first chunk is not an underrun but first-audio latency (see `bench.ws_load.analyse`).
+
 Everything here is deterministic arithmetic on (time, samples) lists, so it can be
 tested with exact numbers.
 """
@@ -56,8 +61,14 @@ class Playback:
     segment_leads_s: tuple[float, ...] = ()
 
 
-def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s: float = 0.0) -> Playback:
-    """Play `arrivals` (in arrival order) on a virtual clock; see the module doc."""
+def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s: float = 0.0,
+                      end: float | None = None, end_ready: float | None = None) -> Playback:
+    """Play `arrivals` (in arrival order) on a virtual clock; see the module doc.
+
+    `end`: the session ended then with audio still owed (timed out, failed). When the
+    playhead ran out before `end`, the silence up to `end` is one more underrun; the part
+    of it before `end_ready` (when the text the missing audio needs had been sent, as far
+    as the caller knows) is text wait instead, as for a segment's first chunk."""
     if sample_rate <= 0:
         raise ValueError("sample_rate must be positive")
     if not arrivals:
@@ -93,6 +104,18 @@ def simulate_playback(arrivals: Sequence[Arrival], sample_rate: int, prebuffer_s
             position = due
         position += chunk.samples / sample_rate
         total += chunk.samples
+    if end is not None:
+        # No chunk arrives to reveal this stall: the session's end does.
+        due = position
+        if end_ready is not None and end_ready > due:
+            waited += min(end_ready, end) - due
+            due = end_ready
+        if end > due:
+            underruns += 1
+            stalled += end - due
+            stall_positions.append((total - segment_start) / sample_rate)
+            stall_segments.append(segment if segment is not None else -1)
+            stall_times.append(due - play_start)
     return Playback(underruns, stalled, waited, gaps, total / sample_rate, play_start, position,
                     tuple(stall_positions), tuple(stall_segments), tuple(stall_times), tuple(leads))
 
@@ -112,6 +135,36 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def percentile_above(values: Iterable[float], above: int, q: float) -> float | None:
+    """The q-th percentile of `values` together with `above` more values known only to
+    exceed every one of them (sessions that never finished: their ratio has no bound),
+    interpolated as `percentile`; None when it depends on one of those unknown values."""
+    xs = sorted(float(v) for v in values)
+    count = len(xs) + max(0, above)
+    if count == 0:
+        return None
+    if not 0.0 <= q <= 100.0:
+        raise ValueError("q must be within [0, 100]")
+    pos = (count - 1) * q / 100.0
+    lo = math.floor(pos)
+    frac = pos - lo
+    if lo >= len(xs) or (frac > 0 and lo + 1 >= len(xs)):
+        return None
+    return xs[lo] if frac == 0 else xs[lo] + (xs[lo + 1] - xs[lo]) * frac
+
+
+def covered_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals (an empty or reversed one
+    covers nothing): overlapping ones are counted once."""
+    total, reach = 0.0, -math.inf
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if b <= reach:
+            continue
+        total += b - max(a, reach)
+        reach = b
+    return total
 
 
 def summary_ms(values_s: Iterable[float], qs: tuple[float, ...] = (50, 95, 99)) -> dict[str, float | None]:
@@ -151,3 +204,10 @@ def text_ready_time(text_end: int, sends: Sequence[tuple[float, int]],
         if n == text_end and t >= last_byte:
             return t
     return last_byte
+
+
+def text_first_byte_time(text_start: int, sends: Sequence[tuple[float, int]]) -> float | None:
+    """When the first character of a segment starting at character `text_start` was sent
+    (`sends` as for `text_ready_time`); None when it never was. In stream mode the model
+    reads a segment while it arrives, so this, not its end, is where its wait begins."""
+    return next((t for t, n in sends if n > text_start), None)

@@ -6,11 +6,17 @@
 
 `--launch` starts `python -m gateway` itself (every option this tool does not know is
 passed to the gateway), so it knows the server's PID and can start the *baseline*: the
-same code with `--engine.max-gpu-batch 1 --engine.flow-left-context -1
---engine.flow-cuda-graphs false --engine.flow-prompt-cache false --engine.chunk-patience-s 0`
-(and no context cache), i.e. like the seed project (each chunk its own flow/vocoder call, no
-batching across sessions, every chunk cut on the fixed schedule, and the flow re-reads the
-whole prefix, prompt included, every chunk). `--url` measures a running gateway.
+same code made like the seed project (`BASELINE_FLAGS`): each chunk its own flow/vocoder
+call, no batching across sessions (`--engine.max-gpu-batch 1`); the flow re-reads the whole
+prefix, prompt included, every chunk (`--engine.flow-left-context -1
+--engine.flow-prompt-cache false`, no context cache, no flow CUDA graphs); and a fixed chunk
+schedule: the first chunk is always `initial_hop` tokens (the load-aware first-chunk planner
+off: `--engine.initial-hop-max 0`, so neither the idle nor the min hop below it), no chunk
+waits to be cut big (`--engine.chunk-patience-s 0`), no stage round waits for expected first
+chunks (`--engine.first-chunk-hold-ms 0 --engine.first-chunk-hold-share 0`) or is cut for
+deadlines (`--engine.stage-deadline-cut false`). The stage still takes first chunks heard
+after silence before other queued chunks (`--engine.stage-policy` has no plain FIFO); with
+one chunk per round that only orders the queue. `--url` measures a running gateway.
 
 Per level, N sessions connect (idle), then start together (or spread over `--ramp`
 seconds; one ramp per level, `--ramp 16,16,0,0`, runs both kinds on one gateway). Each opens one context with a registered 3-5 s voice, streams the paragraph
@@ -22,16 +28,27 @@ others are served (`registration`: how long the request took, what it answered).
 of them in a burst, or over a ramp shorter than a session's audio).
 
 Reported per level (see `level_report`): first-audio latency from the moment a
-segment's text was complete (its last character sent, or the flush that closed it) to
-its first audio byte -- for each context's first segment (`first_audio_ms`, the
-headline) and for every segment (`segment_first_audio_ms`; later segments also wait
-for the earlier ones' audio, since a context's audio is delivered in order), and how long
+segment's text was complete (its last character sent, or the flush that closed it; with
+`--text-mode stream`, where the model reads a segment while it arrives, from its FIRST
+character sent) to its first audio byte -- for each context's first segment
+(`first_audio_ms`, the headline) and for every segment (`segment_first_audio_ms`; later
+segments also wait for the earlier ones' audio, since a context's audio is delivered in
+order). A session that ended (timed out, failed) before its first audio counts in them
+at the time it had waited, a lower bound, and in `first_audio_censored`; one that ended
+with audio still owed counts the silence from its playhead running out to its end as an
+underrun. Also how long
 before the playhead reached it each later segment's first audio came (`segment_lead_ms`:
 a segment made behind seconds of earlier audio has a long latency but a lead) --
-chunk gaps, underruns and where in their segment's audio they began (`underrun_at_audio_ms`), RTF,
-completed sessions and errors, GPU utilisation (pynvml),
-achieved model FLOP/s against the measured bf16 peak (`bench.flops`), GPU memory and
-gateway RSS per session (from `/metrics`), and the server's breakdown of every
+chunk gaps, underruns and where in their segment's audio they began (`underrun_at_audio_ms`), RTF
+(`RTF_DEFINITION`: the time the TTS had text to speak and audio still to send, per second
+of audio, so the simulated LLM's pacing is left out; the old first-text-to-last-audio
+ratio is `rtf_wall_incl_text_pacing`), completed sessions and errors, GPU utilisation
+(pynvml) and achieved model FLOP/s against the measured bf16 peak (`bench.flops`) over the
+whole level (`wall_s`: its start to its last session's end, timeouts included;
+`last_audio_s`: to its last audio), GPU memory and RSS (the gateway process from
+`/metrics`, `rss`; with `--launch`, also it and its child processes -- the stage
+process, vLLM's engine core -- from /proc, `rss_tree`) per started and per peak-active
+session, and the server's breakdown of every
 utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech token,
 -> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
@@ -78,7 +95,17 @@ import httpx
 import numpy as np
 
 from bench.launch import LaunchedGateway, rss_bytes
-from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
+from bench.playback import (
+    Arrival,
+    covered_s,
+    percentile,
+    percentile_above,
+    ratio,
+    simulate_playback,
+    summary_ms,
+    text_first_byte_time,
+    text_ready_time,
+)
 from bench.svg_plot import Chart, Series, render_svg
 from gateway.audio import AudioFormat, resolve_format
 
@@ -88,15 +115,48 @@ SPEECH_TOKENS_PER_SECOND = 25.0
 SPOKEN_CHARS_PER_SECOND = 14.0
 PROMPT_SECONDS = 4.25  # the first sentence of assets/default.wav (a 3-5 s prompt)
 PROMPT_TRANSCRIPT = "Hello, this is the default voice of the CosyVoice gateway."
-BASELINE_FLAGS = ("--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1", "--engine.flow-cuda-graphs", "false",
-                  "--engine.flow-prompt-cache", "false", "--engine.flow-context-cache-mib", "0",
-                  "--engine.chunk-patience-s", "0")
+BASELINE_FLAGS = (
+    # Per-request flow/vocoder (no batching across sessions), whole-prefix recompute.
+    "--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1", "--engine.flow-cuda-graphs", "false",
+    "--engine.flow-prompt-cache", "false", "--engine.flow-context-cache-mib", "0",
+    # A fixed chunk schedule. The first-chunk planner runs only while
+    # 0 < initial_hop < initial_hop_max: 0 turns it off whatever initial_hop the run sets,
+    # and with it the idle and min hops (planner-only; set to 0 as well so that they stay
+    # off should that rule change). No chunk cut big for not being awaited, no round held
+    # for expected first chunks or cut for deadlines.
+    "--engine.chunk-patience-s", "0", "--engine.initial-hop-max", "0", "--engine.idle-initial-hop", "0",
+    "--engine.first-chunk-min-hop", "0", "--engine.first-chunk-hold-ms", "0", "--engine.first-chunk-hold-share", "0",
+    "--engine.stage-deadline-cut", "false",
+)
 DEFAULT_TEXT = (
     "Thanks for calling, I have found your order. It shipped this morning and should arrive "
     "on Tuesday between nine and eleven. Would you like me to send the tracking link by text "
     "message, or is there anything else I can help you with today?"
 )
 VOICE_ID = "bench-voice"
+# What the latencies, RTF and wall time measure (written into each report's settings).
+FIRST_AUDIO_DEFINITIONS = {
+    "segment": "segment text complete (last character sent, or the flush that closed it) "
+               "-> first audio byte of that segment",
+    "stream": "segment's FIRST text character sent (stream mode: the model reads a segment while it arrives, "
+              "and segment_started.text_end is only the text received so far) -> first audio byte of that segment",
+}
+CENSORING_DEFINITION = (
+    "a session that ended (timeout, error, closed connection) before a segment's first audio counts in "
+    "first_audio_ms / segment_first_audio_ms at the time it had waited, from that segment's start point (when "
+    "unknown: the last text sent before it ended) to its end: a lower bound; first_audio_censored and "
+    "segment_first_audio_censored count them. One that ended with audio still owed counts the silence from its "
+    "playhead running out (or its last text, if later) to its end as one more underrun. Sessions that failed to "
+    "connect are in errors and completed only.")
+RTF_DEFINITION = (
+    "per completed session: time during which some segment's text was complete (stream mode: its last "
+    "character, i.e. the next segment's first, or the final flush) and its last audio had not arrived (the "
+    "union of those intervals), divided by the session's audio seconds; rtf is the median, a session that did "
+    "not complete ranks above every measured one (rtf_censored; rtf_max is null with any). "
+    "rtf_wall_incl_text_pacing: (last audio - first text sent) / audio seconds, which includes the simulated "
+    "LLM's text pacing (rtf's definition in reports made before this field existed)")
+WALL_DEFINITION = ("wall_s: the level's start to the end of its last session (timeouts included; the window of "
+                   "the GPU sampler, FLOP/s and stage shares); last_audio_s: the level's start to its last audio")
 # A registration captures the voice's flow graphs when its prompt width is new (~1 min on
 # the H200): the client waits this long for one.
 REGISTRATION_TIMEOUT_S = 600.0
@@ -120,6 +180,10 @@ M_LAG = "cosyvoice_event_loop_lag_seconds"
 M_LOOP_CPU = "cosyvoice_event_loop_cpu_seconds_total"
 M_LOOP_INFO = 'cosyvoice_event_loop_info{loop="'
 SERVER_WINDOW = "bench:idle_to_after_seconds"  # not a gateway series: the bench's own clock
+# Nor these: the launched gateway's process and its descendants (the stage process, vLLM's
+# engine core) from /proc, their summed RSS and how many there were.
+TREE_RSS = "bench:process_tree_rss_bytes"
+TREE_PROCS = "bench:process_tree_processes"
 # Where each utterance's first chunk spends its time (engine counters of summed seconds).
 FIRST_CHUNK_PHASES = {
     "lm_first_token": "cosyvoice_engine_first_chunk_lm_first_token_seconds_total",
@@ -240,9 +304,10 @@ async def register_meanwhile(client: httpx.AsyncClient, t0: float, after_s: floa
 @dataclass
 class SegmentSeen:
     index: int
-    text_end: int
+    text_end: int  # stream mode: the text received when its audio began, not its end
     started_at: float
     first_audio_at: float | None = None
+    text_start: int = 0  # exact in both modes
 
 
 @dataclass
@@ -256,6 +321,10 @@ class SessionRecord:
     errors: list[str] = field(default_factory=list)
     done_at: float | None = None
     completed: bool = False
+    started_at: float | None = None  # when it began sending
+    # When the client stopped waiting: `done`, its timeout, an error or a closed connection.
+    # A session that failed is measured up to here, not only up to its last audio.
+    ended_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -275,6 +344,13 @@ class SessionResult:
     underrun_since_start_s: tuple[float, ...] = ()  # when each began, after playback started
     playing: tuple[float, float] | None = None  # its playback's start and end (client clock)
     segment_leads_s: tuple[float, ...] = ()  # later segments' first audio before the playhead got there
+    # first_audio_s is only the time waited until the session ended without its first audio
+    # (a lower bound; None where not even that is known).
+    first_audio_censored: bool = False
+    segment_first_audio_censored: int = 0  # as many of segment_first_audio_s are such lower bounds
+    # Seconds during which some segment's text was complete and its last audio had not come
+    # (`tts_busy_s`): the RTF's numerator, without the time the text took to arrive.
+    tts_s: float | None = None
 
 
 def playing_at_once(results: Sequence[SessionResult]) -> int:
@@ -289,29 +365,106 @@ def playing_at_once(results: Sequence[SessionResult]) -> int:
     return most
 
 
-def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0) -> SessionResult:
-    """Latencies and playback of one session from its record (pure)."""
-    ready = [text_ready_time(s.text_end, rec.sends, rec.flushes) for s in rec.segments]
-    lat = [s.first_audio_at - r for s, r in zip(rec.segments, ready)
-           if s.first_audio_at is not None and r is not None]
-    first = None
-    if rec.segments and rec.segments[0].first_audio_at is not None and ready[0] is not None:
-        first = rec.segments[0].first_audio_at - ready[0]
+def segment_start_points(rec: SessionRecord, text_mode: str = "segment") -> list[float | None]:
+    """Per segment seen, when its first-audio wait begins: its text complete (segment
+    mode), or its first character sent (stream mode, where `text_end` is only the text
+    received when its audio began, an arbitrary piece of it)."""
+    if text_mode == "stream":
+        return [text_first_byte_time(s.text_start, rec.sends) for s in rec.segments]
+    return [text_ready_time(s.text_end, rec.sends, rec.flushes) for s in rec.segments]
+
+
+def segment_complete_times(rec: SessionRecord, text_mode: str = "segment") -> list[float | None]:
+    """Per segment seen, when its whole text had been sent. In stream mode a segment ends
+    where the next one starts (`text_start` is exact), the last one at the text sent."""
+    if text_mode != "stream":
+        return [text_ready_time(s.text_end, rec.sends, rec.flushes) for s in rec.segments]
+    sent = rec.sends[-1][1] if rec.sends else 0
+    ends = [nxt.text_start for nxt in rec.segments[1:]] + [sent]
+    return [text_ready_time(e, rec.sends, rec.flushes) for e in ends]
+
+
+def tts_busy_s(rec: SessionRecord, text_mode: str = "segment") -> float | None:
+    """Seconds during which some segment's text was complete and its last audio had not
+    arrived: the union of [text complete, last audio] over the segments, so that a
+    context's segments queued behind one another count once, and the time the simulated
+    LLM took to write the text counts not at all. None without audio."""
+    last: dict[int, float] = {}
+    for t, _, pos in rec.audio:
+        if pos >= 0:
+            last[pos] = t
+    if not last:
+        return None
+    complete = segment_complete_times(rec, text_mode)
+    return covered_s((complete[pos], t) for pos, t in last.items() if complete[pos] is not None)
+
+
+def _censored_wait(rec: SessionRecord, start: float | None, text_mode: str) -> float | None:
+    """How long a session that ended without a segment's first audio had waited for it:
+    from `start` (its start point, when known) to its end. Without one (the segment was
+    never announced), from a point the start cannot have been later than, so that the wait
+    stays a lower bound: the first character sent in stream mode, else the last text sent
+    before the end (the flush, once sent, closed the first segment)."""
+    if rec.ended_at is None:
+        return None
+    if start is None:
+        if text_mode == "stream":
+            start = rec.sends[0][0] if rec.sends else rec.started_at
+        else:
+            sent = [t for t, _ in [*rec.sends, *rec.flushes] if t <= rec.ended_at]
+            start = max(sent) if sent else rec.started_at
+    return None if start is None else max(0.0, rec.ended_at - start)
+
+
+def analyse(rec: SessionRecord, sample_rate: int = SAMPLE_RATE, prebuffer_s: float = 0.0,
+            text_mode: str = "segment") -> SessionResult:
+    """Latencies and playback of one session from its record (pure). A session that did
+    not complete is measured up to its end (`ended_at`): a first audio it never got
+    counts at the time waited (censored), and audio it was still owed stalls playback."""
+    starts = segment_start_points(rec, text_mode)
+    lat: list[float] = []
+    censored_segments = 0
+    for s, r in zip(rec.segments, starts):
+        if s.first_audio_at is not None and r is not None:
+            lat.append(s.first_audio_at - r)
+        elif s.first_audio_at is None and not rec.completed:
+            wait = _censored_wait(rec, r, text_mode)
+            censored_segments += 1
+            if wait is not None:
+                lat.append(wait)
+    first, first_censored = None, False
+    if rec.segments and rec.segments[0].first_audio_at is not None and starts[0] is not None:
+        first = rec.segments[0].first_audio_at - starts[0]
+    elif not rec.completed:
+        first_censored = True
+        first = _censored_wait(rec, starts[0] if rec.segments else None, text_mode)
+        if not rec.segments:  # never announced: the segment list above did not count it
+            censored_segments += 1
+            if first is not None:
+                lat.append(first)
     arrivals: list[Arrival] = []
     seen: set[int] = set()
     for t, samples, pos in rec.audio:
         ready_at = None
         if pos >= 0 and pos not in seen:
             seen.add(pos)
-            ready_at = ready[pos]
+            ready_at = starts[pos]
         arrivals.append(Arrival(t, samples, ready_at, pos))
-    pb = simulate_playback(arrivals, sample_rate, prebuffer_s)
+    # Audio still owed when the session ended: the silence after the playhead ran out is an
+    # underrun, after the last text it had sent (before that, the text may not have been
+    # there yet). Silence before any audio is the censored first audio above instead.
+    end = end_ready = None
+    if not rec.completed and rec.audio and rec.ended_at is not None:
+        end = rec.ended_at
+        sent = [t for t, _ in [*rec.sends, *rec.flushes] if t <= end]
+        end_ready = max(sent) if sent else None
+    pb = simulate_playback(arrivals, sample_rate, prebuffer_s, end, end_ready)
     gen = rec.audio[-1][0] - rec.sends[0][0] if rec.audio and rec.sends else None
     return SessionResult(rec.completed, tuple(rec.errors), first, tuple(lat), pb.gaps_s, pb.underruns,
                          pb.underrun_s, pb.text_wait_s, pb.audio_s, gen, pb.underrun_at_s, pb.underrun_segment,
                          pb.underrun_since_start_s,
                          (pb.play_start, pb.play_end) if pb.play_start is not None and pb.play_end is not None
-                         else None, pb.segment_leads_s)
+                         else None, pb.segment_leads_s, first_censored, censored_segments, tts_busy_s(rec, text_mode))
 
 
 class WsSession:
@@ -340,7 +493,7 @@ class WsSession:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
             sent = 0
             messages = ["".join(pieces)] if rate <= 0 else list(pieces)
-            t0 = time.perf_counter()
+            t0 = rec.started_at = time.perf_counter()
             for k, piece in enumerate(messages):
                 if rate > 0:
                     await asyncio.sleep(max(0.0, t0 + k / rate - time.perf_counter()))
@@ -355,6 +508,8 @@ class WsSession:
         except Exception as exc:  # a failed session is a result, not a crash of the bench
             rec.errors.append(f"client:{type(exc).__name__}")
         finally:
+            # Its end: `done`, or the moment the client gave up (a timeout, an error).
+            rec.ended_at = rec.done_at if rec.completed and rec.done_at is not None else time.perf_counter()
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
@@ -379,7 +534,8 @@ class WsSession:
                 ev = json.loads(msg)
                 kind = ev.get("type")
                 if kind == "segment_started":
-                    rec.segments.append(SegmentSeen(int(ev["segment_index"]), int(ev["text_end"]), now))
+                    rec.segments.append(SegmentSeen(int(ev["segment_index"]), int(ev["text_end"]), now,
+                                                    text_start=int(ev.get("text_start", 0))))
                 elif kind == "error":
                     rec.errors.append(str(ev.get("code")))
                 elif kind == "done":
@@ -534,6 +690,71 @@ class BenchContext:
     level_ramps: tuple[float, ...] = ()
 
 
+def _proc_rss(pid: int, proc: Path) -> int | None:
+    """VmRSS of one process in bytes (None: gone, or a zombie without memory)."""
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _children(pid: int, proc: Path) -> list[int]:
+    """Child processes of `pid`: from /proc/PID/task/TID/children (any thread may have
+    started one: vLLM's engine core, the stage process), or, on a kernel without those
+    files, by the parent field of every /proc/PID/stat."""
+    tasks = proc / str(pid) / "task"
+    try:
+        threads = list(tasks.iterdir())
+    except OSError:
+        return []
+    if threads and (threads[0] / "children").exists():
+        kids: list[int] = []
+        for task in threads:
+            with contextlib.suppress(OSError, ValueError):
+                kids += [int(k) for k in (task / "children").read_text().split()]
+        return kids
+    kids = []
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:  # after "(comm) state"
+                    kids.append(int(entry.name))
+    return kids
+
+
+def process_tree_rss(pid: int, proc: Path = Path("/proc")) -> tuple[int, int] | None:
+    """Summed RSS (bytes) of `pid` and every process below it, and how many there were;
+    None when `pid` cannot be read. The gateway's own RSS leaves out the stage process (on
+    by default on CUDA) and vLLM's engine core, where most per-session memory may live.
+    Pages shared between them (libraries) count once per process: an upper bound."""
+    own = _proc_rss(pid, proc)
+    if own is None:
+        return None
+    total, count, todo, seen = own, 1, _children(pid, proc), {pid}
+    while todo:
+        child = todo.pop()
+        if child in seen:
+            continue
+        seen.add(child)
+        rss = _proc_rss(child, proc)
+        if rss is not None:
+            total, count = total + rss, count + 1
+        todo += _children(child, proc)
+    return total, count
+
+
+def _add_tree_rss(m: dict[str, float], pid: int | None) -> dict[str, float]:
+    """`m` with the process tree's RSS and size under TREE_RSS / TREE_PROCS (when known)."""
+    tree = process_tree_rss(pid) if pid is not None else None
+    if tree is not None:
+        m[TREE_RSS], m[TREE_PROCS] = float(tree[0]), float(tree[1])
+    return m
+
+
 async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: dict[str, float],
                         pid: int | None) -> None:
     """Track the peak of gauges during a level (RSS, CUDA memory) until `stop`."""
@@ -544,7 +765,9 @@ async def _poll_metrics(client: httpx.AsyncClient, stop: asyncio.Event, peaks: d
                 rss = rss_bytes(pid)
                 if rss is not None:
                     m[M_RSS] = float(rss)
-            for key in (M_RSS, M_CUDA, M_ACTIVE):
+            if pid is not None:  # /proc reads off the loop that timestamps the sessions' frames
+                m = await asyncio.to_thread(_add_tree_rss, m, pid)
+            for key in (M_RSS, M_CUDA, M_ACTIVE, TREE_RSS, TREE_PROCS):
                 if key in m:
                     peaks[key] = max(peaks.get(key, 0.0), m[key])
         with contextlib.suppress(asyncio.TimeoutError):
@@ -664,6 +887,16 @@ def shard_plans(target: Target, n: int, ctx: BenchContext, ramp: float | None = 
                       ctx.rate, ctx.ramp if ramp is None else ramp, settings, ctx.timeout) for j in range(k)]
 
 
+def level_window(records: Sequence[SessionRecord], t0: float, now: float) -> tuple[float, float | None]:
+    """(wall, last audio) of a level that started at `t0`, in seconds after it. The level
+    ends with its last session however it ended (`ended_at`; `now` without any): one that
+    timed out kept the GPU sampler and the server's counters running until then, so the
+    rates over the level divide by this, not by the time to the last audio received."""
+    ends = [r.ended_at for r in records if r.ended_at is not None]
+    audio_ends = [r.audio[-1][0] for r in records if r.audio]
+    return (max(ends) if ends else now) - t0, (max(audio_ends) - t0 if audio_ends else None)
+
+
 async def run_level(target: Target, n: int, ctx: BenchContext, ramp: float | None = None) -> dict[str, Any]:
     plans = shard_plans(target, n, ctx, ramp)
     clients: ClientShard | ShardProcesses = ClientShard(plans[0]) if len(plans) == 1 else ShardProcesses(plans)
@@ -673,11 +906,13 @@ async def run_level(target: Target, n: int, ctx: BenchContext, ramp: float | Non
         before = await scrape(client)
         if target.pid is not None and M_RSS not in before:
             before[M_RSS] = float(rss_bytes(target.pid) or 0)
+        _add_tree_rss(before, target.pid)
         connect_errors = await clients.connect()
         idle = await scrape(client)
         t_idle = time.perf_counter()
         if target.pid is not None and M_RSS not in idle:
             idle[M_RSS] = float(rss_bytes(target.pid) or 0)
+        _add_tree_rss(idle, target.pid)
         peaks: dict[str, float] = {}
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_metrics(client, stop, peaks, target.pid))
@@ -689,21 +924,21 @@ async def run_level(target: Target, n: int, ctx: BenchContext, ramp: float | Non
                 registering = asyncio.create_task(register_meanwhile(
                     registrar, t0, ctx.register_at, f"bench-registered-{n}-{os.getpid()}-{time.time_ns()}"))
             records, client_cpu = await clients.run(t0)
-            ends = [r.audio[-1][0] for r in records if r.audio]
-            wall = (max(ends) if ends else time.perf_counter()) - t0
+            wall, last_audio = level_window(records, t0, time.perf_counter())
         stop.set()
         await poller
         registration = await registering if registering is not None else None
         after = await scrape(client)
+        _add_tree_rss(after, target.pid)
         planner = await planner_state(client)
         # The gateway loop's figures cover idle scrape -> after scrape (handshakes excluded).
         after[SERVER_WINDOW] = time.perf_counter() - t_idle
-        for key in (M_RSS, M_CUDA):  # a level shorter than one poll still has a peak
+        for key in (M_RSS, M_CUDA, TREE_RSS, TREE_PROCS):  # a level shorter than one poll still has a peak
             if key in after:
                 peaks[key] = max(peaks.get(key, 0.0), after[key])
         await clients.close()
-    results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s) for r in records]
-    report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx)
+    results = [analyse(r, ctx.fmt.sample_rate, ctx.prebuffer_s, ctx.text_mode) for r in records]
+    report = level_report(n, results, connect_errors, wall, before, idle, peaks, after, ctx, last_audio)
     report["server"]["planner"] = planner
     if registration is not None:
         report["registration"] = registration
@@ -810,15 +1045,37 @@ def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str,
             "requests": int(requests)}
 
 
+def memory_per_session(before: dict[str, float], idle: dict[str, float], peaks: dict[str, float], key: str,
+                       started: int, peak_active: float | None) -> dict[str, Any]:
+    """Series `key` (bytes) before the level, with its sessions connected (idle) and at its
+    peak while they ran, in MiB; the growth per session named by what it divides by: the
+    sessions the level started (all of them, under a ramp too) and the most the engine
+    had active at once (its gauge's peak)."""
+    rss0, rss_idle, rss_peak = before.get(key), idle.get(key), peaks.get(key)
+    grown = rss_peak - rss0 if rss_peak is not None and rss0 is not None else None
+    return {
+        "before_mb": _mb(rss0), "idle_mb": _mb(rss_idle), "active_peak_mb": _mb(rss_peak),
+        "per_idle_session_mb": _mb((rss_idle - rss0) / started) if rss_idle is not None and rss0 is not None else None,
+        "per_started_session_mb": _mb(grown / started) if grown is not None else None,
+        "per_peak_active_session_mb": _mb(grown / peak_active) if grown is not None and peak_active else None,
+        "peak_active_sessions": peak_active,
+    }
+
+
 def level_report(n: int, results: Sequence[SessionResult], connect_errors: Sequence[str], wall: float,
                  before: dict[str, float], idle: dict[str, float], peaks: dict[str, float],
-                 after: dict[str, float], ctx: BenchContext) -> dict[str, Any]:
+                 after: dict[str, float], ctx: BenchContext, last_audio_s: float | None = None) -> dict[str, Any]:
     codes: dict[str, int] = {}
     for code in [e for r in results for e in r.errors] + list(connect_errors):
         codes[code] = codes.get(code, 0) + 1
     audio = sum(r.audio_s for r in results)
     leads = [x for r in results for x in r.segment_leads_s]
-    rtfs = [r.generation_s / r.audio_s for r in results if r.generation_s is not None and r.audio_s > 0]
+    # RTF without the text's pacing, over completed sessions; one that did not complete has
+    # no bound and ranks above them all (`RTF_DEFINITION`), so failures cannot make it look good.
+    rtfs = [r.tts_s / r.audio_s for r in results if r.completed and r.tts_s is not None and r.audio_s > 0]
+    rtf_censored = sum(1 for r in results if not r.completed)
+    # The old figure: first text sent -> last audio, text pacing included.
+    wall_rtfs = [r.generation_s / r.audio_s for r in results if r.generation_s is not None and r.audio_s > 0]
     lm_tokens = int(_delta(after, before, M_LM))
     flow_frames = int(_delta(after, before, M_FLOW))
     voc_frames = int(_delta(after, before, M_VOC))
@@ -833,11 +1090,13 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
                  "fraction_of_peak": ratio(achieved, ctx.peak_flops),
                  "counted_from": {"lm_tokens": lm_tokens, "flow_frames": flow_frames, "flow_rows": chunks,
                                   "vocoder_frames": voc_frames}}
-    rss0 = before.get(M_RSS)
-    rss_idle = idle.get(M_RSS)
-    rss_peak = peaks.get(M_RSS)
+    tree_rss = None  # only for a gateway this bench launched (its PID known)
+    if TREE_PROCS in peaks:
+        tree_rss = memory_per_session(before, idle, peaks, TREE_RSS, n, peaks.get(M_ACTIVE)) \
+            | {"processes": int(peaks[TREE_PROCS])}
     cuda_peak = peaks.get(M_CUDA)
     gpu_mem: dict[str, Any] = {
+        # Divided by the sessions started (all n, under a ramp too).
         "torch_allocated_per_session_mb": _mb((cuda_peak - before.get(M_CUDA, 0.0)) / n)
         if cuda_peak is not None and M_CUDA in before and before.get(M_CUDA, 0) > 0 else None,
         "lm_kv_estimate_per_session_mb": _mb(ctx.flops.kv_bytes_per_token * ctx.kv_tokens_per_session)
@@ -848,8 +1107,11 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "completed": sum(1 for r in results if r.completed),
         "errors": sum(codes.values()),
         "error_codes": codes,
+        # Censored sessions (ended before their first audio) count at the time they waited.
         "first_audio_ms": summary_ms([r.first_audio_s for r in results if r.first_audio_s is not None]),
+        "first_audio_censored": sum(1 for r in results if r.first_audio_censored),
         "segment_first_audio_ms": summary_ms([x for r in results for x in r.segment_first_audio_s]),
+        "segment_first_audio_censored": sum(r.segment_first_audio_censored for r in results),
         # Server side, mean per utterance (segment): text in -> first speech token -> first
         # chunk's tokens queued -> its stage batch starts -> its audio is back.
         "first_chunk_phases_ms": chunk_phases(after, before, "first_chunk"),
@@ -880,9 +1142,13 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "underruns_by_segment": {str(k): v for k, v in sorted(Counter(x for r in results for x in r.underrun_segment).items())},
         "text_wait_ms": round(sum(r.text_wait_s for r in results) * 1e3, 3),
         "audio_s": round(audio, 3),
-        "wall_s": round(wall, 3),
-        "rtf": percentile(rtfs, 50),
-        "rtf_max": max(rtfs) if rtfs else None,
+        "wall_s": round(wall, 3),  # the level's start -> its last session's end (`WALL_DEFINITION`)
+        "last_audio_s": round(last_audio_s, 3) if last_audio_s is not None else None,
+        "rtf": percentile_above(rtfs, rtf_censored, 50),
+        "rtf_max": max(rtfs) if rtfs and not rtf_censored else None,
+        "rtf_censored": rtf_censored,
+        "rtf_wall_incl_text_pacing": percentile(wall_rtfs, 50),
+        "rtf_wall_incl_text_pacing_max": max(wall_rtfs) if wall_rtfs else None,
         "rtf_aggregate": wall / audio if audio else None,
         "server": {
             "lm_tokens": lm_tokens, "flow_frames": flow_frames, "vocoder_frames": voc_frames,
@@ -948,11 +1214,10 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "gpu": ctx.gpu.report() if ctx.gpu is not None else "n/a",
         "flops": flops,
         "gpu_memory": gpu_mem,
-        "rss": {
-            "before_mb": _mb(rss0), "idle_mb": _mb(rss_idle), "active_peak_mb": _mb(rss_peak),
-            "per_idle_session_mb": _mb((rss_idle - rss0) / n) if rss_idle is not None and rss0 is not None else None,
-            "per_active_session_mb": _mb((rss_peak - rss0) / n) if rss_peak is not None and rss0 is not None else None,
-        },
+        # The gateway process alone (its /metrics), and with --launch it and its descendants
+        # (/proc: the stage process, vLLM's engine core; `processes`: how many at the peak).
+        "rss": memory_per_session(before, idle, peaks, M_RSS, n, peaks.get(M_ACTIVE)),
+        "rss_tree": tree_rss,
     }
 
 
@@ -1026,23 +1291,56 @@ def repeats(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# What `compare` sets side by side: per level, a figure of the level report.
+COMPARED: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "first_audio_p50": lambda lv: lv["first_audio_ms"]["p50"],
+    "first_audio_p95": lambda lv: lv["first_audio_ms"]["p95"],
+    "segment_first_audio_p50": lambda lv: lv["segment_first_audio_ms"]["p50"],
+    "rtf": lambda lv: lv["rtf"],
+    "rtf_aggregate": lambda lv: lv["rtf_aggregate"],
+}
+
+
+def level_group(lv: dict[str, Any]) -> tuple[float | None, str]:
+    """What besides its session count sets a level apart: its own ramp (`--ramp 16,0`;
+    None: the run's one ramp) and its planner knobs (`--planner-knobs`; JSON, "null": none)."""
+    return lv.get("ramp_s"), json.dumps(lv.get("planner_knobs"), sort_keys=True)
+
+
+def _median_of(runs: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> float | None:
+    known = [v for v in (get(lv) for lv in runs) if v is not None]
+    return statistics.median(known) if known else None
+
+
 def compare(product: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """product / baseline at every level both ran (below 1 = the product is better for
-    latencies and RTF), and the largest underrun-free level of each (above 1 = better)."""
-    base = {lv["sessions"]: lv for lv in baseline}
+    """product / baseline of the medians over repeated runs at every (session count, ramp)
+    both ran, one row per product planner-knob setting (below 1 = the product is better
+    for latencies and RTF; a ratio is null unless every run of both completed every
+    session: a level whose sessions timed out has no latency to compare), and the largest
+    underrun-free level of each (above 1 = better)."""
+    def grouped(levels: Sequence[dict[str, Any]], knobs: bool) -> dict[tuple[int, float, str], list[dict[str, Any]]]:
+        by: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
+        for lv in levels:
+            ramp, setting = level_group(lv)
+            by.setdefault((lv["sessions"], -1.0 if ramp is None else ramp, setting if knobs else "null"), []).append(lv)
+        return by
+
+    base = grouped(baseline, False)  # the baseline takes no planner knobs: one row per product setting
     shared = []
-    for lv in product:
-        b = base.get(lv["sessions"])
+    for (n, ramp, setting), runs in sorted(grouped(product, True).items()):
+        b = base.get((n, ramp, "null"))
         if b is None:
             continue
-        shared.append({
-            "sessions": lv["sessions"],
-            "first_audio_p50": ratio(lv["first_audio_ms"]["p50"], b["first_audio_ms"]["p50"]),
-            "first_audio_p95": ratio(lv["first_audio_ms"]["p95"], b["first_audio_ms"]["p95"]),
-            "segment_first_audio_p50": ratio(lv["segment_first_audio_ms"]["p50"], b["segment_first_audio_ms"]["p50"]),
-            "rtf": ratio(lv["rtf"], b["rtf"]),
-            "rtf_aggregate": ratio(lv["rtf_aggregate"], b["rtf_aggregate"]),
-        })
+        complete = all(lv["completed"] == lv["sessions"] for lv in (*runs, *b))
+        row: dict[str, Any] = {"sessions": n}
+        if "ramp_s" in runs[0]:
+            row["ramp_s"] = ramp
+        if "planner_knobs" in runs[0]:
+            row["planner_knobs"] = runs[0]["planner_knobs"]
+        row |= {"runs": {"product": len(runs), "baseline": len(b)}, "all_completed": complete}
+        for name, get in COMPARED.items():
+            row[name] = ratio(_median_of(runs, get), _median_of(b, get)) if complete else None
+        shared.append(row)
     p_clean, b_clean = largest_clean_level(product), largest_clean_level(baseline)
     p_target, b_target = (largest_clean_level(product, TARGET_P95_MS), largest_clean_level(baseline, TARGET_P95_MS))
     return {"levels": shared,
@@ -1051,24 +1349,41 @@ def compare(product: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]
                                              "ratio": ratio(p_target, b_target)}}
 
 
+def _group_label(ramp: float | None, setting: str) -> str:
+    parts = [] if ramp is None else [f"over {ramp:g} s" if ramp else "at once"]
+    if setting != "null":
+        parts.append(setting)
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def plot(report: dict[str, Any]) -> str:
+    """First-audio p50/p95 against sessions: a line per mode and level group (ramp,
+    planner knobs), through its session counts in order, at the median of repeated runs."""
     series = []
-    styles = {"product": "#1f77b4", "baseline": "#d62728"}
+    palettes = {"product": ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#7f7f7f"),
+                "baseline": ("#d62728", "#ff7f0e", "#e377c2", "#bcbd22")}
     for mode in ("product", "baseline"):
-        levels = report["results"].get(mode) or []
-        for q, dashed in (("p50", False), ("p95", True)):
-            pts = tuple((float(lv["sessions"]), lv["first_audio_ms"][q]) for lv in levels
-                        if lv["first_audio_ms"][q] is not None)
-            if pts:
-                series.append(Series(f"{mode} {q}", pts, styles[mode], dashed))
+        groups: dict[tuple[float | None, str], list[dict[str, Any]]] = {}
+        for lv in report["results"].get(mode) or []:
+            groups.setdefault(level_group(lv), []).append(lv)
+        for k, ((ramp, setting), levels) in enumerate(groups.items()):
+            colour = palettes[mode][k % len(palettes[mode])]
+            for q, dashed in (("p50", False), ("p95", True)):
+                by_n: dict[int, list[float]] = {}
+                for lv in levels:
+                    if lv["first_audio_ms"][q] is not None:
+                        by_n.setdefault(lv["sessions"], []).append(lv["first_audio_ms"][q])
+                pts = tuple((float(n), statistics.median(v)) for n, v in sorted(by_n.items()))
+                if pts:
+                    series.append(Series(f"{mode} {q}{_group_label(ramp, setting)}", pts, colour, dashed))
     return render_svg(Chart("First-audio latency vs concurrent sessions", "concurrent sessions",
                             "first audio (ms)", tuple(series)))
 
 
 def table(report: dict[str, Any]) -> str:
-    head = (f"{'mode':9s} {'sess':>5s} {'done':>5s} {'err':>4s} {'fa p50':>8s} {'fa p95':>8s} {'fa p99':>8s} "
-            f"{'seg p95':>8s} {'gap p99':>8s} {'underrun':>9s} {'u.sess':>6s} {'RTF':>6s} {'batch':>6s} "
-            f"{'GPU%':>5s} {'%peak':>6s} {'RSS/act':>8s}")
+    head = (f"{'mode':9s} {'sess':>5s} {'done':>5s} {'err':>4s} {'cens':>4s} {'fa p50':>8s} {'fa p95':>8s} "
+            f"{'fa p99':>8s} {'seg p95':>8s} {'gap p99':>8s} {'underrun':>9s} {'u.sess':>6s} {'RTF':>6s} {'batch':>6s} "
+            f"{'GPU%':>5s} {'%peak':>6s} {'RSS/pk':>8s}")
     lines = [head, "-" * len(head)]
 
     def f(v: Any, fmt: str = ".0f") -> str:
@@ -1078,14 +1393,17 @@ def table(report: dict[str, Any]) -> str:
         for lv in report["results"].get(mode) or []:
             gpu = lv["gpu"]["util_mean_pct"] if isinstance(lv["gpu"], dict) else None
             frac = lv["flops"].get("fraction_of_peak") if isinstance(lv["flops"], dict) else None
+            # RSS growth per peak-active session, of the whole process tree where known.
+            memory = lv.get("rss_tree") or lv["rss"]
             lines.append(
                 f"{mode:9s} {lv['sessions']:5d} {lv['completed']:5d} {lv['errors']:4d} "
+                f"{lv.get('first_audio_censored', 0):4d} "
                 f"{f(lv['first_audio_ms']['p50']):>8s} {f(lv['first_audio_ms']['p95']):>8s} "
                 f"{f(lv['first_audio_ms']['p99']):>8s} {f(lv['segment_first_audio_ms']['p95']):>8s} "
                 f"{f(lv['chunk_gap_ms']['p99']):>8s} {lv['underruns']:4d}/{lv['underrun_ms'] / 1e3:4.1f}s "
                 f"{lv['sessions_with_underrun']:6d} {f(lv['rtf'], '.3f'):>6s} "
                 f"{f(lv['server']['mean_flow_batch'], '.1f'):>6s} {f(gpu):>5s} "
-                f"{f(None if frac is None else 100 * frac, '.2f'):>6s} {f(lv['rss']['per_active_session_mb'], '.1f'):>8s}")
+                f"{f(None if frac is None else 100 * frac, '.2f'):>6s} {f(memory['per_peak_active_session_mb'], '.1f'):>8s}")
     for mode, rows in (report.get("repeats") or {}).items():
         for r in rows:
             knobs = f" with {json.dumps(r['planner_knobs'])}" if "planner_knobs" in r else ""
@@ -1099,9 +1417,16 @@ def table(report: dict[str, Any]) -> str:
     cmp = report.get("comparison")
     if cmp:
         for row in cmp["levels"]:
-            lines.append(f"ratio product/baseline @ {row['sessions']} sessions: first-audio p50 "
-                         f"{f(row['first_audio_p50'], '.3f')}, p95 {f(row['first_audio_p95'], '.3f')}, "
-                         f"RTF {f(row['rtf'], '.3f')}")
+            where = _group_label(row.get("ramp_s"), json.dumps(row.get("planner_knobs"), sort_keys=True))
+            runs = row.get("runs", {})
+            medians = f", medians of {runs['product']}/{runs['baseline']} runs" if max(runs.values(), default=1) > 1 else ""
+            if row.get("all_completed", True):
+                lines.append(f"ratio product/baseline @ {row['sessions']} sessions{where}{medians}: first-audio p50 "
+                             f"{f(row['first_audio_p50'], '.3f')}, p95 {f(row['first_audio_p95'], '.3f')}, "
+                             f"RTF {f(row['rtf'], '.3f')}")
+            else:
+                lines.append(f"ratio product/baseline @ {row['sessions']} sessions{where}: none, "
+                             "not every session of both completed")
         c = cmp["largest_level_without_underrun"]
         lines.append(f"largest level without underrun: product {c['product']}, baseline {c['baseline']}")
         t = cmp["largest_level_meeting_target"]
@@ -1203,13 +1528,14 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
         fa = lv["first_audio_ms"]
         print(f"[{target.name}] sessions={n} completed={lv['completed']} errors={lv['errors']} "
               f"playing at once={lv['sessions_playing_at_once']} "
-              f"first-audio p50={fa['p50']} p95={fa['p95']} ms underruns={lv['underruns']} "
+              f"first-audio p50={fa['p50']} p95={fa['p95']} ms (censored {lv['first_audio_censored']}) "
+              f"underruns={lv['underruns']} "
               f"(at audio ms p10/p50/p90 {[lv['underrun_at_audio_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
               f"after start ms {[lv['underrun_since_start_ms'][q] for q in ('p10', 'p50', 'p90')]}, "
               f"by segment {lv['underruns_by_segment']}) "
               f"later segments' lead ms min/p5/p50 "
               f"{[lv['segment_lead_ms'][q] for q in ('min', 'p5', 'p50')]} "
-              f"rtf={lv['rtf']} "
+              f"rtf={lv['rtf']} (censored {lv['rtf_censored']}; with text pacing {lv['rtf_wall_incl_text_pacing']}) "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
               f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
@@ -1365,8 +1691,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "voice": {"id": VOICE_ID, "prompt_seconds": PROMPT_SECONDS, "transcript": PROMPT_TRANSCRIPT},
             "prebuffer_ms": args.prebuffer_ms, "format": args.format, "sample_rate": ctx.fmt.sample_rate,
             "client_procs": ctx.client_procs,
-            "first_audio_definition": "segment text complete (last character sent, or the flush that closed it) "
-                                      "-> first audio byte of that segment",
+            "first_audio_definition": FIRST_AUDIO_DEFINITIONS[args.text_mode],
+            "censoring_definition": CENSORING_DEFINITION,
+            "rtf_definition": RTF_DEFINITION,
+            "wall_definition": WALL_DEFINITION,
         },
         "model_flops": "n/a",
         "peak_flops_per_s": peak if peak is not None else "n/a",

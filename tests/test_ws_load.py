@@ -5,6 +5,7 @@ launches the gateway (tiny random-weight model, CPU) for the product and the bas
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import types
@@ -17,6 +18,7 @@ import pytest
 from bench.playback import Arrival, percentile, ratio, simulate_playback, summary_ms, text_ready_time
 from bench.svg_plot import Chart, Series, render_svg
 from bench.ws_load import (
+    BASELINE_FLAGS,
     M_GROWN_CHUNKS,
     M_GROWN_TOKENS,
     GpuSampler,
@@ -277,6 +279,273 @@ def test_server_breakdowns_from_counter_deltas() -> None:
     assert second_chunk_ms(before, before) is None
 
 
+# ---- sessions that fail, stream mode, RTF, the baseline, comparisons, memory ------------
+
+
+def _ctx(text_mode: str = "segment") -> "BenchContext":
+    from bench.ws_load import BenchContext
+
+    return BenchContext([], 30.0, 0.0, "v", text_mode, 90.0, 0.0)
+
+
+def test_a_session_that_ends_with_audio_owed_counts_its_last_stall() -> None:
+    """A stall that no chunk ends is still heard: the session's end closes it."""
+    arrivals = [Arrival(0.0, 500, ready_at=0.0, segment=0)]
+    pb = simulate_playback(arrivals, SR, end=10.0)  # 0.5 s played, then nothing until 10.0
+    assert pb.underruns == 1 and pb.underrun_s == pytest.approx(9.5)
+    assert pb.underrun_at_s == pytest.approx((0.5,)) and pb.underrun_segment == (0,)
+    assert pb.underrun_since_start_s == pytest.approx((0.5,))
+    # Text still arriving until 2.0: the silence before it is the text's wait, not the TTS's.
+    pb = simulate_playback(arrivals, SR, end=10.0, end_ready=2.0)
+    assert pb.text_wait_s == pytest.approx(1.5) and pb.underrun_s == pytest.approx(8.0)
+    assert simulate_playback(arrivals, SR, end=0.5).underruns == 0  # it ended as the audio did
+
+
+def test_a_timed_out_session_is_measured_to_its_end() -> None:
+    """One chunk of 0.32 s, then the stage stops and the client gives up at 90.6 s: the
+    stall from 0.92 to 90.6 is an underrun (it was not counted: no chunk came after it)."""
+    rec = SessionRecord(sends=[(0.0, 10), (0.5, 20)], flushes=[(0.5, 20)],
+                        segments=[SegmentSeen(0, 20, 0.6, 0.6)], audio=[(0.6, 320, 0)],
+                        errors=["client:TimeoutError"], ended_at=90.6)
+    res = analyse(rec, sample_rate=SR)
+    assert res.first_audio_s == pytest.approx(0.1) and not res.first_audio_censored
+    assert res.underruns == 1 and res.underrun_s == pytest.approx(90.6 - 0.92)
+    # The same timeline, completed (all its audio came): nothing after its last sample.
+    rec.completed, rec.errors = True, []
+    assert analyse(rec, sample_rate=SR).underruns == 0
+
+
+def test_sessions_without_first_audio_count_at_their_wait() -> None:
+    """Eight sessions with 100 ms first audio and two that ended without any: the
+    percentiles take the two at the time they waited (a lower bound) and say so."""
+    from bench.ws_load import level_report
+
+    def ok() -> SessionRecord:
+        return SessionRecord(sends=[(0.0, 10), (0.5, 20)], flushes=[(0.5, 20)],
+                             segments=[SegmentSeen(0, 20, 0.6, 0.6)], audio=[(0.6, 2000, 0)], completed=True,
+                             ended_at=2.7)
+
+    # Announced (its start point known: the flush at 0.5), no audio before the end at 30.5.
+    announced = SessionRecord(sends=[(0.0, 10), (0.5, 20)], flushes=[(0.5, 20)],
+                              segments=[SegmentSeen(0, 20, 30.0)], errors=["connection_closed"], ended_at=30.5)
+    # Never announced: waited at least since its flush closed the first segment.
+    silent = SessionRecord(sends=[(0.0, 10), (0.5, 20)], flushes=[(0.5, 20)],
+                           errors=["client:TimeoutError"], ended_at=90.5)
+    results = [analyse(r, sample_rate=SR) for r in [ok() for _ in range(8)] + [announced, silent]]
+    assert [r.first_audio_censored for r in results[-2:]] == [True, True]
+    assert [r.first_audio_s for r in results[-2:]] == pytest.approx([30.0, 90.0])
+    lv = level_report(10, results, [], 90.5, {}, {}, {}, {}, _ctx())
+    assert lv["first_audio_censored"] == 2 and lv["segment_first_audio_censored"] == 2
+    fa = lv["first_audio_ms"]
+    assert fa["n"] == 10 and fa["p50"] == pytest.approx(100.0) and fa["max"] == pytest.approx(90000.0)
+    assert fa["p95"] > 30000.0  # not 100 ms: the failed sessions are in it
+    assert lv["segment_first_audio_ms"]["n"] == 10
+    assert not issue_target(10).met(lv)
+    # A completed session without audio (nothing speakable) is not a censored one.
+    quiet = analyse(SessionRecord(sends=[(0.0, 3)], flushes=[(0.0, 3)], completed=True, ended_at=0.2), sample_rate=SR)
+    assert quiet.first_audio_s is None and not quiet.first_audio_censored
+
+
+def test_the_level_lasts_until_its_last_session_ends() -> None:
+    """`wall_s` runs to the end of the last session (a timeout included), as the GPU
+    sampler and the server's counters do; `last_audio_s` to the last audio."""
+    from bench.ws_load import level_window
+
+    done = SessionRecord(audio=[(2.9, 100, 0)], completed=True, done_at=3.0, ended_at=3.0)
+    timed_out = SessionRecord(audio=[(1.0, 100, 0)], ended_at=90.0)
+    assert level_window([done, timed_out], 0.5, 95.0) == pytest.approx((89.5, 2.4))
+    assert level_window([SessionRecord()], 0.5, 95.0) == (94.5, None)  # no end known: when it returned
+
+
+def test_stream_mode_measures_from_the_segments_first_character() -> None:
+    """In stream mode `segment_started.text_end` is the text received when the audio
+    began, so the latency starts at the segment's first character (`text_start`)."""
+    from bench.playback import text_first_byte_time
+    from bench.ws_load import FIRST_AUDIO_DEFINITIONS, tts_busy_s
+
+    sends = [(0.0, 6), (0.1, 12), (0.2, 20), (0.3, 31)]
+    assert text_first_byte_time(0, sends) == 0.0 and text_first_byte_time(20, sends) == 0.3
+    assert text_first_byte_time(31, sends) is None
+    rec = SessionRecord(sends=sends, flushes=[(0.35, 31)],
+                        segments=[SegmentSeen(0, 12, 0.5, 0.5, text_start=0), SegmentSeen(1, 25, 1.2, 1.2, text_start=20)],
+                        audio=[(0.5, 300, 0), (0.9, 300, 0), (1.2, 600, 1), (1.5, 100, 1)], completed=True, ended_at=1.6)
+    stream = analyse(rec, sample_rate=SR, text_mode="stream")
+    assert stream.first_audio_s == pytest.approx(0.5)  # from 0.0, its first character
+    assert stream.segment_first_audio_s == pytest.approx((0.5, 0.9))  # segment 1 from 0.3
+    assert analyse(rec, sample_rate=SR).first_audio_s == pytest.approx(0.4)  # segment mode: from its text_end
+    # Segment 0's text was complete where segment 1 starts (0.2), segment 1's at the flush
+    # (0.35): busy from 0.2 to 0.9 and from 0.35 to 1.5, one interval.
+    assert tts_busy_s(rec, "stream") == pytest.approx(1.3)
+    assert FIRST_AUDIO_DEFINITIONS["stream"] != FIRST_AUDIO_DEFINITIONS["segment"]
+    assert "FIRST text character" in FIRST_AUDIO_DEFINITIONS["stream"]
+
+
+def test_rtf_leaves_out_the_texts_pacing() -> None:
+    """A TTS that answers every segment the moment its text is complete has RTF 0, however
+    slowly the LLM writes; segments queued behind each other count their time once."""
+    from bench.ws_load import level_report
+
+    # Text over 2 s; each segment's 1 s of audio the instant its text was complete.
+    paced = SessionRecord(sends=[(0.0, 10), (1.0, 20), (2.0, 30)], flushes=[(2.0, 30)],
+                          segments=[SegmentSeen(0, 10, 0.0, 0.0), SegmentSeen(1, 20, 1.0, 1.0), SegmentSeen(2, 30, 2.0, 2.0)],
+                          audio=[(0.0, 1000, 0), (1.0, 1000, 1), (2.0, 1000, 2)], completed=True, ended_at=2.0)
+    res = analyse(paced, sample_rate=SR)
+    assert res.tts_s == pytest.approx(0.0) and res.generation_s == pytest.approx(2.0)
+    # All text at once, three 2-s segments made one after another in 3 s: 3 s busy, not 1 + 2 + 3.
+    burst = SessionRecord(sends=[(0.0, 30)], flushes=[(0.0, 30)],
+                          segments=[SegmentSeen(0, 10, 1.0, 1.0), SegmentSeen(1, 20, 2.0, 2.0), SegmentSeen(2, 30, 3.0, 3.0)],
+                          audio=[(1.0, 2000, 0), (2.0, 2000, 1), (3.0, 2000, 2)], completed=True, ended_at=3.0)
+    assert analyse(burst, sample_rate=SR).tts_s == pytest.approx(3.0)
+
+    def done(rtf: float) -> SessionResult:
+        return SessionResult(True, (), 0.1, (), (), 0, 0.0, 0.0, 10.0, 2 * rtf * 10.0, tts_s=rtf * 10.0)
+
+    failed = SessionResult(False, ("client:TimeoutError",), 0.1, (), (), 0, 0.0, 0.0, 1.0, 0.5, tts_s=0.5)
+    lv = level_report(4, [done(0.2), done(0.4), done(0.6), failed], [], 10.0, {}, {}, {}, {}, _ctx())
+    # The failed session ranks above every measured one: the median of 0.2, 0.4, 0.6, (more).
+    assert lv["rtf"] == pytest.approx(0.5) and lv["rtf_censored"] == 1 and lv["rtf_max"] is None
+    # The old figure, as it was: every session with audio, the failed one's 0.5 s a second of audio too.
+    assert lv["rtf_wall_incl_text_pacing"] == pytest.approx(0.65) and lv["rtf_wall_incl_text_pacing_max"] == 1.2
+    clean = level_report(3, [done(0.2), done(0.4), done(0.6)], [], 10.0, {}, {}, {}, {}, _ctx())
+    assert clean["rtf"] == pytest.approx(0.4) and clean["rtf_max"] == pytest.approx(0.6) and clean["rtf_censored"] == 0
+
+
+def test_percentile_with_values_above_every_measured_one() -> None:
+    from bench.playback import covered_s, percentile_above
+
+    assert percentile_above([0.2, 0.4, 0.6], 0, 50) == percentile([0.2, 0.4, 0.6], 50)
+    assert percentile_above([0.2, 0.4, 0.6], 1, 50) == pytest.approx(0.5)
+    assert percentile_above([0.2, 0.4, 0.6], 2, 50) == pytest.approx(0.6)
+    assert percentile_above([0.2, 0.4, 0.6], 3, 50) is None  # it falls on an unknown one
+    assert percentile_above([], 0, 50) is None and percentile_above([], 2, 50) is None
+    assert covered_s([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6), (5.0, 4.0)]) == pytest.approx(3.0)
+
+
+def test_baseline_flags_give_a_fixed_chunk_schedule(tmp_path: Path) -> None:
+    """The baseline's flags, after whatever the run passes, turn the load-aware first-chunk
+    planner (and its idle and min hops, the hold, the deadline cut) off: the engine sizes
+    a first chunk only while 0 < initial_hop < initial_hop_max (`engine.engine`)."""
+    from bench.ws_load import BASELINE_FLAGS
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    for run_flags in ([], ["--engine.initial-hop", "15", "--engine.initial-hop-max", "60"]):
+        settings, _ = load_settings(["--config", str(empty), *run_flags, *BASELINE_FLAGS], environ={})
+        cfg = engine_config(settings, tmp_path)
+        assert not 0 < cfg.initial_hop < cfg.initial_hop_max, (cfg.initial_hop, cfg.initial_hop_max)
+        assert (cfg.idle_initial_hop, cfg.first_chunk_min_hop, cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share,
+                cfg.chunk_patience_s) == (0, 0, 0, 0, 0)
+        assert not cfg.stage_deadline_cut and cfg.max_gpu_batch == 1 and cfg.flow_left_context == -1
+        assert not cfg.flow_prompt_cache and not cfg.flow_cuda_graphs and cfg.flow_context_cache_bytes == 0
+
+
+def test_compare_takes_medians_per_level_group_and_no_ratio_for_failed_levels() -> None:
+    product = [_level(1, 90, 90, 0.18), _level(1, 95, 95, 0.18), _level(32, 900, 960, 0.76)]
+    baseline = [_level(1, 300, 300, 0.30), _level(1, 150, 150, 0.20), _level(1, 200, 200, 0.25),
+                _level(32, 5729, 10824, 18.2, completed=0)]  # no baseline session finished
+    one, many = compare(product, baseline)["levels"]
+    assert one["runs"] == {"product": 2, "baseline": 3} and one["all_completed"] is True
+    assert one["first_audio_p50"] == pytest.approx(92.5 / 200) and one["rtf"] == pytest.approx(0.18 / 0.25)
+    assert many["sessions"] == 32 and many["all_completed"] is False
+    assert all(many[k] is None for k in ("first_audio_p50", "first_audio_p95", "segment_first_audio_p50", "rtf",
+                                         "rtf_aggregate"))
+    text = table({"results": {"product": [], "baseline": []}, "comparison": compare(product, baseline)})
+    assert "ratio product/baseline @ 32 sessions: none, not every session of both completed" in text
+    assert "ratio product/baseline @ 1 sessions, medians of 2/3 runs: first-audio p50 0.463" in text
+    # Planner settings of the product each get a row against the one baseline level.
+    knobbed = [_level(4, 100, 100, 0.2) | {"planner_knobs": {"min_hop": 0}},
+               _level(4, 50, 50, 0.2) | {"planner_knobs": {"min_hop": 8}}]
+    rows = compare(knobbed, [_level(4, 200, 200, 0.4)])["levels"]
+    assert [(r["planner_knobs"], r["first_audio_p50"]) for r in rows] == [({"min_hop": 0}, 0.5), ({"min_hop": 8}, 0.25)]
+
+
+def test_plot_draws_a_sorted_line_per_level_group() -> None:
+    """Levels run in any order, repeated, with per-level ramps: one line per ramp (and
+    planner setting), through the session counts in order, at the runs' median."""
+    from bench.ws_load import plot
+
+    over = {"ramp_s": 16.0}
+    product = [_level(8, 300, 400, 0.3) | over, _level(1, 60, 70, 0.1) | over, _level(4, 100, 150, 0.2) | over,
+               _level(8, 200, 300, 0.3) | {"ramp_s": 0.0}, _level(1, 70, 80, 0.1) | {"ramp_s": 0.0},
+               _level(8, 500, 600, 0.3) | over]
+    baseline = [_level(4, 400, 500, 0.4), _level(1, 100, 120, 0.2)]
+    root = ET.fromstring(plot({"results": {"product": product, "baseline": baseline}}))
+    lines = [[tuple(float(v) for v in p.split(",")) for p in pl.get("points").split()]
+             for pl in root.findall(f"{SVG}polyline")]
+    assert sorted(len(pts) for pts in lines) == [2, 2, 2, 2, 3, 3]  # 16 s, at once, baseline x p50, p95
+    for pts in lines:
+        xs = [x for x, _ in pts]
+        assert xs == sorted(xs) and len(set(xs)) == len(xs)
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "product p50 (over 16 s)" in texts and "product p95 (at once)" in texts and "baseline p50" in texts
+
+
+def test_process_tree_rss_walks_the_gateways_children(tmp_path: Path) -> None:
+    """The gateway's RSS and that of every process below it (the stage process, vLLM's
+    engine core), from a /proc laid out by hand; then from this process's real one."""
+    import subprocess
+
+    from bench.launch import rss_bytes
+    from bench.ws_load import _children, process_tree_rss
+
+    proc = tmp_path / "proc"
+
+    def process(pid: int, kb: int | None, children: str | None, ppid: int = 1) -> None:
+        (proc / str(pid) / "task" / str(pid)).mkdir(parents=True)
+        rss = "" if kb is None else f"VmRSS:\t{kb} kB\n"
+        (proc / str(pid) / "status").write_text("Name:\tx\n" + rss)
+        (proc / str(pid) / "stat").write_text(f"{pid} (py (x)) S {ppid} 1 1\n")
+        if children is not None:
+            (proc / str(pid) / "task" / str(pid) / "children").write_text(children)
+
+    process(100, 1000, "200 300 ")
+    (proc / "100" / "task" / "101").mkdir()
+    (proc / "100" / "task" / "101" / "children").write_text("400")  # started by another thread
+    process(200, 2000, "500")
+    process(300, None, "")  # a zombie: no memory
+    process(400, 300, "")
+    process(500, 500, "")
+    assert process_tree_rss(100, proc) == ((1000 + 2000 + 300 + 500) * 1024, 4)
+    assert process_tree_rss(999, proc) is None
+    # A kernel without the children files: the parent field of each stat.
+    flat = tmp_path / "flat"
+    proc = flat
+    process(100, 1000, None)
+    process(200, 2000, None, ppid=100)
+    process(300, 4000, None, ppid=7)
+    assert process_tree_rss(100, flat) == (3000 * 1024, 2)
+    # This process and a child of it, for real.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert child.pid in _children(os.getpid(), Path("/proc"))
+        total, count = process_tree_rss(os.getpid())
+        assert count >= 2 and total > (rss_bytes(child.pid) or 0)
+    finally:
+        child.communicate(b"")
+
+
+def test_memory_per_session_names_what_it_divides_by() -> None:
+    """Sixteen sessions over a ramp with at most four active at once: per started session
+    and per peak-active session differ by four; the tree (gateway and its children)
+    counts the stage process's growth too."""
+    from bench.ws_load import M_ACTIVE, M_RSS, TREE_PROCS, TREE_RSS, level_report
+
+    mib = 2**20
+    before = {M_RSS: 100 * mib, TREE_RSS: 300 * mib, TREE_PROCS: 3}
+    idle = {M_RSS: 101.6 * mib, TREE_RSS: 301.6 * mib, TREE_PROCS: 3}
+    peaks = {M_RSS: 110 * mib, TREE_RSS: 340 * mib, TREE_PROCS: 3, M_ACTIVE: 4}
+    lv = level_report(16, [], [], 10.0, before, idle, peaks, {}, _ctx())
+    assert lv["rss"] == {"before_mb": 100.0, "idle_mb": 101.6, "active_peak_mb": 110.0, "per_idle_session_mb": 0.1,
+                         "per_started_session_mb": 0.62, "per_peak_active_session_mb": 2.5, "peak_active_sessions": 4}
+    tree = lv["rss_tree"]
+    assert tree["per_started_session_mb"] == 2.5 and tree["per_peak_active_session_mb"] == 10.0
+    assert tree["processes"] == 3 and tree["active_peak_mb"] == 340.0
+    # A gateway measured by --url: no process tree.
+    assert level_report(16, [], [], 10.0, {M_RSS: 1.0}, {}, {}, {}, _ctx())["rss_tree"] is None
+
+
 # ---- text and speech length -------------------------------------------------------------
 
 
@@ -349,6 +618,8 @@ def test_svg_is_valid_deterministic_and_escaped() -> None:
 
 
 def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from bench.ws_load import FIRST_AUDIO_DEFINITIONS
+
     out, svg = tmp_path / "load.json", tmp_path / "load.svg"
     report = main([
         "--launch", "--model", str(tiny_model_dir), "--workdir", str(tmp_path / "gw"),
@@ -364,9 +635,9 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     st = data["settings"]
     assert st["tokens_per_text_token"] > 0 and st["text"].startswith("Hello there")
     assert st["format"] == "opus" and st["sample_rate"] == 48000
-    assert st["baseline_flags"] == ["--engine.max-gpu-batch", "1", "--engine.flow-left-context", "-1",
-                                    "--engine.flow-cuda-graphs", "false", "--engine.flow-prompt-cache", "false",
-                                    "--engine.flow-context-cache-mib", "0", "--engine.chunk-patience-s", "0"]
+    assert st["baseline_flags"] == list(BASELINE_FLAGS) and "--engine.initial-hop-max" in st["baseline_flags"]
+    assert st["first_audio_definition"] == FIRST_AUDIO_DEFINITIONS["segment"]
+    assert all(st[k] for k in ("censoring_definition", "rtf_definition", "wall_definition"))
     assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
     for start in st["start_s"].values():  # the engine's start by step, and the voice's registration
         assert set(start) == {"voice_s", "load", "lm", "stage", "voice", "warmup"} and start["load"] > 0, start
@@ -392,6 +663,11 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert sc["chunks"] == 2 and sc["stage"] > 0 and sc["ready_wait"] >= 0 and 0 <= sc["late"] <= 2, sc
         assert lv["segment_first_audio_ms"]["n"] >= 2  # two sentences per session
         assert lv["audio_s"] > 0 and lv["rtf"] > 0
+        # Nothing failed: nothing censored. Text in one message: the time to the last audio,
+        # less the moment before the first segment was complete, is all TTS time.
+        assert lv["first_audio_censored"] == lv["segment_first_audio_censored"] == lv["rtf_censored"] == 0
+        assert 0 < lv["rtf"] <= lv["rtf_wall_incl_text_pacing"] and lv["rtf_max"] >= lv["rtf"]
+        assert lv["wall_s"] >= lv["last_audio_s"] > 0
         assert lv["underrun_at_audio_ms"]["n"] == lv["underruns"]  # one position per underrun
         assert lv["underrun_since_start_ms"]["n"] == sum(lv["underruns_by_segment"].values()) == lv["underruns"]
         server = lv["server"]
@@ -416,7 +692,10 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         # the LM's measured rate (a round only once a batch was measured: no warm-up here).
         plan = server["opening_chunk_plan_ms"]
         assert set(plan) == {"lm_step", "lm_step_own", "round", "second_round"} and plan["round"] >= 0
-        assert 0 < plan["lm_step_own"] <= plan["lm_step"]  # its own rate, or slower as learnt
+        if mode == "product":
+            assert 0 < plan["lm_step_own"] <= plan["lm_step"]  # its own rate, or slower as learnt
+        else:  # the baseline's schedule is fixed: the planner never sized a first chunk
+            assert plan == {"lm_step": 0.0, "lm_step_own": 0.0, "round": 0.0, "second_round": 0.0}, plan
         loop = server["event_loop"]  # sampled every 50 ms; a CPU level lasts seconds
         assert loop["loop"] in ("uvloop", "asyncio")
         assert loop["samples"] >= 1 and loop["mean_ms"] >= 0 and 0 <= loop["share_over_100ms"] <= loop["share_over_20ms"] <= 1
@@ -430,11 +709,15 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
         assert server["gc"]["frozen_objects"] > 10_000 and set(server["gc"]) >= {"gen0", "gen1", "gen2"}
         assert lv["flops"]["total"] > 0 and lv["flops"]["achieved_flops_per_s"] > 0
         assert lv["rss"]["before_mb"] > 0 and lv["rss"]["active_peak_mb"] >= lv["rss"]["before_mb"]
+        # The launched gateway and its child processes, from /proc.
+        tree = lv["rss_tree"]
+        assert tree["processes"] >= 1 and tree["active_peak_mb"] >= tree["before_mb"] > 0, tree
+        assert set(tree) >= {"per_started_session_mb", "per_peak_active_session_mb", "peak_active_sessions"}
         assert lv["gpu"] == "n/a"
     # The baseline never batches flow/vocoder chunks across sessions.
     assert data["results"]["baseline"][0]["server"]["mean_flow_batch"] == 1.0
     (row,) = data["comparison"]["levels"]
-    assert row["sessions"] == 2
+    assert row["sessions"] == 2 and row["all_completed"] and row["runs"] == {"product": 1, "baseline": 1}
     for key in ("first_audio_p50", "first_audio_p95", "rtf"):
         assert row[key] is not None and row[key] > 0
     assert "largest_level_without_underrun" in data["comparison"]
