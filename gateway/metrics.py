@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import math
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,8 +144,6 @@ class Metrics:
         # (96 ns each; the H200 gateway froze 741,000), and the load benchmark scrapes 4
         # times a second (round 29 of docs/benchmarks.md).
         self.frozen_objects = 0
-        # (monotonic time, lm_tokens) at the previous scrape, for the tokens/s gauge.
-        self._last_lm: tuple[float, int] | None = None
 
     # -- gateway events --------------------------------------------------------------
     def session_opened(self) -> None:
@@ -260,19 +257,11 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
     def _derived_lines(self, stats: Any) -> list[str]:
-        """LM tokens/s since the previous scrape and the mean GPU batch size."""
+        """The mean GPU batch size. (The LM's rate is `rate(cosyvoice_engine_lm_tokens_total[1m])`:
+        a gauge of tokens since the previous scrape gave each of several scrapers, a
+        Prometheus pair or a benchmark, a window cut short by the others.)"""
         p = PREFIX
         lines: list[str] = []
-        tokens = getattr(stats, "lm_tokens", None)
-        if isinstance(tokens, int):
-            now = time.monotonic()
-            with self._lock:
-                last, self._last_lm = self._last_lm, (now, tokens)
-            rate = 0.0
-            if last is not None and now > last[0] and tokens >= last[1]:
-                rate = (tokens - last[1]) / (now - last[0])
-            lines += [f"# HELP {p}_lm_tokens_per_second Speech tokens per second sampled by the LM since the previous scrape.",
-                      f"# TYPE {p}_lm_tokens_per_second gauge", f"{p}_lm_tokens_per_second {_fmt(rate)}"]
         batches, chunks = getattr(stats, "batches", None), getattr(stats, "chunks", None)
         if isinstance(batches, int) and isinstance(chunks, int):
             mean = chunks / batches if batches else 0.0
