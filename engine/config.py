@@ -304,7 +304,7 @@ class EngineConfig:
     # (round 16 of docs/benchmarks.md): no faster opening round, vLLM 1.6x slower, as under
     # MPS without it. None: normal.
     vllm_mps_priority: MPSPriority | None = None
-    # Run the RAS sampler's ~30 operators (`ras_logits.ras_log_probs`) compiled in vLLM's
+    # Run the RAS sampler's ~20 operators (`ras_logits.ras_log_probs`) compiled in vLLM's
     # engine core: eager they were ~1 ms of host time in each 3.2-3.5 ms decode step at one
     # stream (round 33 of docs/benchmarks.md; without the processor the first chunk's 11
     # tokens came 10 ms sooner). Compiles at engine start. Not yet measured on the GPU.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from bench import dispatch_count
 
 
@@ -28,3 +30,20 @@ def test_counts_the_vocoder_step_and_the_logits_processor(tmp_path) -> None:  # 
     # remembered digests, the outputs from one split; ~22 a chunk before round 17).
     f8, f16 = report["flow"][8]["dispatches"], report["flow"][16]["dispatches"]
     assert 0 < f8 < f16 and f16 - f8 <= 8 * 6
+
+
+def test_the_ras_step_keeps_its_operator_count() -> None:
+    """Each operator of the RAS processor costs vLLM's engine core ~30-50 us a decode step
+    at one stream (round 33 of docs/benchmarks.md): the step with the speech-only head,
+    one row past min_tokens, took 42 dispatches before round 34 and 29 since."""
+    from types import SimpleNamespace
+
+    from engine.backends.ras_logits import RASArgs, RASBatchState
+
+    state = RASBatchState()
+    args = RASArgs(speech_token_size=6561, speech_vocab_size=6761, min_tokens=5)
+    g = torch.Generator().manual_seed(0)
+    state.update(added=[(0, SimpleNamespace(extra_args=args.to_extra()), None,
+                         torch.randint(0, 6561, (100,), generator=g).tolist())], removed=[], moved=[])
+    logits = torch.randn(1, 6761, generator=g)
+    assert dispatch_count.count(lambda: state.apply(logits), 5)["dispatches"] <= 30

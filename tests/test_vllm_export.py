@@ -249,6 +249,23 @@ def test_ras_probs_equal_official_distribution(seed: int) -> None:
     assert not torch.allclose(got, no_window)
 
 
+def test_ras_probs_edge_cases_stay_a_distribution() -> None:
+    """The scalar path (the decode step's usual batch) at its edges: an id holding all the
+    mass that is repeated is kept (resampling without it is undefined); with top_p 1 the
+    masked ids (probability 0) that round into the nucleus take nothing."""
+    logits = torch.full((1, 50), -1e4)
+    logits[0, 7] = 100.0  # p = 1.0 exactly in float32
+    out = ras_probs(logits, torch.tensor([[7] * 10]), 0.8, 25, 1.0, k_max=25)
+    assert torch.equal(out[0], torch.nn.functional.one_hot(torch.tensor(7), 50).float())
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(60, generator=g) * 2
+    scores[30:] = float("-inf")  # masked: fewer live ids than top_k
+    window = scores[:30].topk(3).indices[torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])]
+    got = ras_probs(scores[None], window[None], 1.0, 40, 1.0, k_max=40)[0]
+    want = official_ras_distribution(scores, window.tolist(), 1.0, 40, 10, 0.1)
+    assert torch.allclose(got.double(), want, atol=1e-6) and (got[30:] == 0).all()
+
+
 def test_ras_probs_without_repeats_is_plain_nucleus() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
     got = ras_probs(logits, torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]))

@@ -119,7 +119,9 @@ def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor |
     def per_row(v: torch.Tensor | float) -> torch.Tensor | float:
         return v[:, None] if isinstance(v, torch.Tensor) else v
 
-    p = logits.float().softmax(dim=-1)
+    # Each operator below costs vLLM's engine core ~30-50 us of host time a decode step
+    # (round 33 of docs/benchmarks.md), so none is spent on what cannot change the result.
+    p = (logits if logits.dtype == torch.float32 else logits.float()).softmax(dim=-1)
     if k_max is None:
         k_max = int(top_k.max()) if isinstance(top_k, torch.Tensor) else int(top_k)
     k = min(int(k_max), p.shape[-1])
@@ -130,32 +132,36 @@ def ras_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: torch.Tensor |
     in_nucleus = cum_before < per_row(top_p)
     if isinstance(top_k, torch.Tensor):  # one number for all rows: topk(k) is the limit already
         in_nucleus &= torch.arange(k, device=p.device)[None, :] < top_k[:, None]
-    # An id with probability 0 (masked) can never enter the nucleus.
-    in_nucleus &= top_val > 0
+    # An id of probability 0 (masked) that stands in the nucleus (rounding, top_p 1) adds
+    # nothing: its q and its weight below are 0.
     q_top = torch.where(in_nucleus, top_val, 0.0)
-    q_top = q_top / q_top.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    total = q_top.sum(dim=-1, keepdim=True)
+    if not (isinstance(top_p, float) and top_p > 0):  # else the likeliest id is in: total > 0
+        total = total.clamp_min(torch.finfo(torch.float32).tiny)
+    q_top = q_top / total
 
-    counts = (windows[:, None, :] == top_idx[:, :, None]).sum(dim=-1).float()  # [B, K]
+    counts = (windows[:, None, :] == top_idx[:, :, None]).sum(dim=-1)  # [B, K]
     one_minus = 1.0 - top_val
     # If x holds all the mass, resampling without x is undefined (the official code
-    # would hit an all -inf softmax); keep x then.
+    # would hit an all -inf softmax); keep x then. (Where it holds it, the division below
+    # is not taken.)
     repeated = in_nucleus & (counts >= per_row(thresholds)) & (one_minus > 1e-6)
-    weight = torch.where(repeated, q_top / one_minus.clamp_min(1e-6), 0.0)
+    weight = torch.where(repeated, q_top / one_minus, 0.0)
     c = weight.sum(dim=-1, keepdim=True)  # [B, 1]
 
     out = p * c  # resample branch, spread over every id ...
-    # ... except that a repeated x never resamples itself, and a kept x adds q(x).
-    correction = torch.where(repeated, -top_val * weight, q_top)
-    out.scatter_add_(1, top_idx, correction)
+    # ... except that a repeated x never resamples itself (-p(x) w(x)), and a kept x adds
+    # q(x): both are q(x) - w(x), as w(x) = q(x) / (1 - p(x)) is 0 for a kept x.
+    out.scatter_add_(1, top_idx, q_top - weight)
     return out.clamp_min_(0.0)
 
 
 def ras_log_probs(logits: torch.Tensor, windows: torch.Tensor, top_p: float, top_k: int, thresholds: float,
                   k_max: int) -> torch.Tensor:
     """log of `ras_probs` with one set of parameters for every row: the decode step's usual
-    batch, and the function `RASBatchState` compiles. Eager, its ~30 operators cost vLLM's
-    engine core ~1 ms of host time a step at one stream, a third of the step (round 33 of
-    docs/benchmarks.md); compiled they are a few fused kernels."""
+    batch, and the function `RASBatchState` compiles. Eager, its operators (~30 in round 33,
+    ~20 since round 34) cost vLLM's engine core ~30-50 us of host time each at one stream
+    (docs/benchmarks.md); compiled they are a few fused kernels."""
     return ras_probs(logits, windows, top_p, top_k, thresholds, k_max=k_max).log()
 
 
@@ -226,15 +232,21 @@ class RASBatchState:
             self._run_log_probs(logits, windows, top_p, top_k, thr, top_k)
 
     def _run_log_probs(self, rows: torch.Tensor, win: torch.Tensor, top_p: float, top_k: int, thr: float,
-                       k_max: int) -> torch.Tensor:
+                       k_max: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`ras_log_probs` of `rows`, compiled or not; written into `out` when given (eager:
+        the log itself writes it, one copy fewer)."""
+        if self._log_probs is ras_log_probs:
+            probs = ras_probs(rows, win, top_p, top_k, thr, k_max=k_max)
+            return torch.log(probs, out=out) if out is not None else probs.log_()
         try:
-            return self._log_probs(rows, win, top_p, top_k, thr, k_max)
+            result = self._log_probs(rows, win, top_p, top_k, thr, k_max)
         except Exception as exc:
-            if self._log_probs is ras_log_probs or not is_compile_error(exc):
+            if not is_compile_error(exc):
                 raise
             log.exception("torch.compile of the RAS sampler failed; it runs eagerly")
             self._log_probs = ras_log_probs
-            return ras_log_probs(rows, win, top_p, top_k, thr, k_max)
+            return self._run_log_probs(rows, win, top_p, top_k, thr, k_max, out)
+        return out.copy_(result) if out is not None else result
 
     def update(self, added: Sequence[tuple[int, Any, Any, Sequence[int]]], removed: Sequence[int],
                moved: Sequence[tuple[int, int, bool]]) -> None:
@@ -275,7 +287,9 @@ class RASBatchState:
         dense = self.shortcuts and items[-1][0] == n - 1  # the CosyVoice rows are rows 0..n-1
         idx = None if dense else tensor_on([i for i, _ in items], torch.long, dev)
         view = logits[:n, :speech_vocab]  # slice first: 6761 of 158697 columns
-        rows = view.float() if dense else logits[:, :speech_vocab].index_select(0, idx).float()
+        rows = view if dense else logits[:, :speech_vocab].index_select(0, idx)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
 
         stops = [r.args.mask_stops or len(r.output_ids) < r.args.min_tokens for _, r in items]
         keep = [(n_, r.args.keep_id) for n_, (_, r) in enumerate(items) if r.args.keep_id >= 0]
@@ -307,13 +321,16 @@ class RASBatchState:
                 rows[n_] = _NEG_INF
                 rows[n_, r.args.force_id] = 0.0
 
+        text_columns = logits.shape[1] > speech_vocab  # none with the speech-only head
         if dense:
             if rows.data_ptr() != view.data_ptr():  # logits not float32: `rows` is a copy
                 view.copy_(rows)
-            logits[:n, speech_vocab:] = _NEG_INF
+            if text_columns:
+                logits[:n, speech_vocab:] = _NEG_INF
         else:
             logits[idx, :speech_vocab] = rows.to(logits.dtype)
-            logits[idx, speech_vocab:] = _NEG_INF
+            if text_columns:
+                logits[idx, speech_vocab:] = _NEG_INF
         return logits
 
     def _ras(self, rows: torch.Tensor, sub: list[_Row], positions: list[int], n: int, dev: torch.device) -> None:
@@ -338,7 +355,7 @@ class RASBatchState:
             top_k = tensor_on([r.args.top_k for r in sub], torch.long, dev)
         k_max = max(r.args.top_k for r in sub)
         if self.shortcuts and len(positions) == n and not isinstance(top_p, torch.Tensor):
-            rows.copy_(self._run_log_probs(rows, win, top_p, top_k, thr, k_max))  # type: ignore[arg-type]
+            self._run_log_probs(rows, win, top_p, top_k, thr, k_max, out=rows)  # type: ignore[arg-type]
             return
         sel = tensor_on(positions, torch.long, dev)
         probs = ras_probs(rows.index_select(0, sel), win, top_p, top_k, thr, k_max=k_max)
