@@ -12,8 +12,9 @@ random weights, `TorchDispatchMode`, views included):
 * `vocoder`: one `CausalHiFTGenerator.stream_step` of 50 new mel frames per stream, in the
   third step of each stream (history and context in place), weight norm folded as the
   loader does;
-* `ras`: one `RASBatchState.apply` on vLLM-shaped logits (unified vocabulary) with every
-  row a RAS request 100 tokens in;
+* `ras`: one `RASBatchState.apply` on vLLM-shaped logits (`--ras-head`: the unified
+  vocabulary's width, or the speech-only head's, the product's where the plugin is
+  installed) with every row a RAS request 100 tokens in (the logits' clone counts one);
 * `flow` (`--flow-batches`): one one-voice batch of first chunks (18 new tokens + 3
   lookahead, a 60-token prompt) through the prompt cache and the CUDA-graph runner's
   static buffers, with the solve itself left out (on the GPU it is one graph replay):
@@ -39,6 +40,7 @@ from engine.models import hift as hift_mod
 from engine.models.config import ModelConfig
 
 UNIFIED_VOCAB = 158697  # the exported LM's vocabulary width (speech + text ids)
+SPEECH_HEAD = 6761  # the speech-only head's: speech ids and the reserved ones
 
 
 class _Counter(TorchDispatchMode):
@@ -73,7 +75,7 @@ def vocoder(batch: int, cfg: ModelConfig, top: int) -> dict[str, Any]:
     return count(step, top)
 
 
-def ras(batch: int, top: int) -> dict[str, Any]:
+def ras(batch: int, top: int, width: int = UNIFIED_VOCAB) -> dict[str, Any]:
     class Params:
         def __init__(self, args: RASArgs) -> None:
             self.extra_args = args.to_extra()
@@ -83,7 +85,7 @@ def ras(batch: int, top: int) -> dict[str, Any]:
     args = RASArgs(speech_token_size=6561, speech_vocab_size=6761, min_tokens=10)
     state.update([(i, Params(args), None, torch.randint(0, 6561, (100,), generator=g).tolist())
                   for i in range(batch)], [], [])
-    logits = torch.randn(batch, UNIFIED_VOCAB, generator=g)
+    logits = torch.randn(batch, width, generator=g)
     state.apply(logits.clone())
     return count(lambda: state.apply(logits.clone()), top)
 
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocoder-batches", default="1,8")
     p.add_argument("--ras-batches", default="1,64")
+    p.add_argument("--ras-head", choices=["unified", "speech"], default="unified",
+                   help="the logits' width: the unified vocabulary's or the speech-only head's (6761)")
     p.add_argument("--flow-batches", default="", help="one-voice flow batches to count (e.g. 1,8,64)")
     p.add_argument("--tiny", action="store_true", help="the tiny model (tests)")
     p.add_argument("--top", type=int, default=8)
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["vocoder"][b] = vocoder(b, cfg, args.top)
         print(f"vocoder stream_step, {b} stream(s): {report['vocoder'][b]['dispatches']} dispatches", flush=True)
     for b in (int(x) for x in args.ras_batches.split(",") if x):
-        report["ras"][b] = ras(b, args.top)
+        report["ras"][b] = ras(b, args.top, UNIFIED_VOCAB if args.ras_head == "unified" else SPEECH_HEAD)
         print(f"RAS logits processor, {b} row(s): {report['ras'][b]['dispatches']} dispatches", flush=True)
     for b in (int(x) for x in args.flow_batches.split(",") if x):
         report["flow"][b] = flow(b, cfg, args.top)
