@@ -67,6 +67,15 @@ from engine.backends.base import SamplingParams
 END_OF_PROMPT_ID = 151646
 
 
+class SpeechLimitReached(RuntimeError):
+    """A text-in streaming utterance reached its hard cap of speech tokens while its text
+    could still come: the rest of the text would go unspoken, so it is an error, not an end."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the utterance reached its limit of {limit} speech tokens while its text was still "
+                         "coming; the rest of its text was not spoken (send shorter segments)")
+
+
 @dataclass(frozen=True)
 class BistreamSpec:
     """Token ids (unified vocabulary) and block sizes of one LM."""
@@ -188,6 +197,7 @@ class BistreamState:
         self._run: Run | None = None
         self._run_samples = 0
         self._done = False
+        self.cut_short = False  # ended at `limits.hard_max` while text could still come
         self.history: list[int] = []  # every sampled token incl. fills (the RAS window)
         self.speech: list[int] = []  # the speech tokens emitted
         self.context: list[int] = []  # every id fed to the model, in order
@@ -341,6 +351,9 @@ class BistreamState:
     def _emit(self, token: int, limit: int) -> int:
         self.speech.append(token)
         if len(self.speech) >= limit:
+            # At the hard cap with text still to come (a streaming run) the utterance ends
+            # short of its text: the backends raise `SpeechLimitReached`, not a quiet end.
+            self.cut_short = self._run is not None and not self._run.final
             self._finish()
         else:
             self._feed([token])  # the driver feeds it back before the next sample

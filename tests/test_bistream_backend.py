@@ -12,7 +12,7 @@ import torch
 from bench.bistream_parity import uncached_reference
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.torch_backend import TorchLMBackend
-from engine.bistream import BistreamRequest, BistreamState, LengthLimits
+from engine.bistream import BistreamRequest, BistreamState, LengthLimits, SpeechLimitReached
 from engine.models.config import ModelConfig
 from engine.models.lm import END_OF_PROMPT_ID, CosyVoice3LM, init_random_, unified_vocab
 
@@ -176,3 +176,101 @@ def test_text_source_error_fails_only_its_stream(lm: CosyVoice3LM) -> None:
         return ok
 
     assert len(_run(main)) >= 6
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    """A bounded wait for the backend's loop to get somewhere (it runs on this event loop)."""
+    for _ in range(3000):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_text_source_failing_while_its_row_decodes_frees_the_row(lm: CosyVoice3LM) -> None:
+    """The source raises while a step is decoding its stream in the worker thread. Before,
+    the step then set the request's `finished` back from the stream's state, and the row
+    was held for good: with one row, nothing else ever ran."""
+    import threading
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        backend = TorchLMBackend(lm, unified_vocab(lm.cfg), max_batch=1)
+        in_step, go = asyncio.Event(), threading.Event()
+        advance = backend._advance_stream
+
+        def held(req, token):  # worker thread, inside a step
+            if req.request.request_id == "e" and not go.is_set():
+                loop.call_soon_threadsafe(in_step.set)
+                go.wait(30)
+            return advance(req, token)
+
+        backend._advance_stream = held  # type: ignore[method-assign]
+
+        async def failing() -> AsyncIterator[list[int]]:
+            for i in range(12):  # text for the first run
+                yield [200 + i]
+            await in_step.wait()  # a step is decoding this stream now
+            loop.call_soon(go.set)  # runs once this failure has been handled
+            raise RuntimeError("upstream LLM died")
+
+        with pytest.raises(RuntimeError, match="upstream LLM died"):
+            async for _ in backend.generate_streaming(_request("e"), failing()):
+                pass
+        plain = LMRequest("p", tuple([6561] + [6761 + 7 + i for i in range(5)] + [6563]),
+                          SamplingParams(greedy=True, fixed_length=5))
+        out = await asyncio.wait_for(_collect(backend.generate(plain)), 30)
+        await backend.close()
+        return out
+
+    assert len(_run(main)) == 5
+
+
+async def _collect(agen: AsyncIterator[int]) -> list[int]:
+    return [t async for t in agen]
+
+
+def test_a_stream_that_ends_while_waiting_for_a_row_is_never_admitted(lm: CosyVoice3LM) -> None:
+    """A stream whose text never came ended while a plain request held the only row; when
+    the row came free it was admitted anyway and counted active for good."""
+    async def main() -> None:
+        backend = TorchLMBackend(lm, unified_vocab(lm.cfg), max_batch=1)
+        plain = LMRequest("p", tuple([6561] + [6761 + 7 + i for i in range(5)] + [6563]),
+                          SamplingParams(greedy=True, fixed_length=20))
+        gen = backend.generate(plain)
+        await gen.__anext__()  # the plain request holds the only row
+
+        async def empty() -> AsyncIterator[list[int]]:
+            return
+            yield  # an async generator that yields nothing
+
+        assert [t async for t in backend.generate_streaming(_request("s"), empty())] == []
+        assert len(await _collect(gen)) == 19
+        await _until(lambda: backend.num_pending() == 0, "the queue to empty")
+        assert backend.num_active() == 0
+        await backend.close()
+
+    _run(main)
+
+
+def test_a_stream_cut_at_its_speech_limit_while_text_may_come_is_an_error(lm: CosyVoice3LM) -> None:
+    """At `hard_max` with its text still open the utterance cannot speak the rest: an error
+    after the tokens made, not a quiet end that drops the text."""
+    async def main() -> list[int]:
+        backend = TorchLMBackend(lm, unified_vocab(lm.cfg))
+        req = BistreamRequest("L", PROMPT_TEXT, PROMPT_SPEECH, SamplingParams(greedy=True),
+                              LengthLimits(fixed_ratio=3.0, hard_max=30))
+        got: list[int] = []
+
+        async def open_text() -> AsyncIterator[list[int]]:
+            for i in range(40):
+                yield [200 + i]
+            await asyncio.Event().wait()  # more may come: never closed
+
+        with pytest.raises(SpeechLimitReached, match="limit of 30 speech tokens"):
+            async for t in backend.generate_streaming(req, open_text()):
+                got.append(t)
+        await backend.close()
+        return got
+
+    assert len(_run(main)) == 30

@@ -26,7 +26,7 @@ import torch
 from engine.backends.base import SamplingParams
 from engine.backends.ras_logits import RASBatchState
 from engine.backends.vllm_backend import VLLMBackend
-from engine.bistream import BistreamRequest, LengthLimits
+from engine.bistream import BistreamRequest, LengthLimits, SpeechLimitReached
 from engine.models.config import ModelConfig
 from engine.models.lm import END_OF_PROMPT_ID, CosyVoice3LM, init_random_, unified_vocab
 from test_bistream_backend import reference
@@ -253,3 +253,25 @@ def test_a_stream_without_text_starts_no_request(lm: CosyVoice3LM) -> None:
     backend, sim = _backend(lm)
     assert _collect(backend, _request(), []) == []
     assert sim.chunks == 0 and sim.requests == 0 and backend.num_active() == 0
+
+
+def test_a_stream_cut_at_its_speech_limit_while_text_may_come_raises(lm: CosyVoice3LM) -> None:
+    """As on the torch backend: at `hard_max` with the text still open the rest of it would
+    go unspoken, so the stream raises after its tokens instead of ending quietly."""
+    req = BistreamRequest("r", (100, END_OF_PROMPT_ID, 102, 103), tuple(range(40, 63)), SamplingParams(greedy=True),
+                          LengthLimits(fixed_ratio=3.0, hard_max=20))
+    backend, _ = _backend(lm)
+    got: list[int] = []
+
+    async def main() -> None:
+        async def open_text() -> AsyncIterator[list[int]]:
+            for i in range(40):
+                yield [200 + i]
+            await asyncio.Event().wait()  # more may come: never closed
+
+        async for tok in backend.generate_streaming(req, open_text()):
+            got.append(tok)
+
+    with pytest.raises(SpeechLimitReached, match="limit of 20 speech tokens"):
+        asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert len(got) == 20 and backend.num_active() == 0

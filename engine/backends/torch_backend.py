@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from engine.backends.base import LMRequest, SamplingParams
-from engine.bistream import BistreamRequest, BistreamSpec, BistreamState
+from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, SpeechLimitReached
 from engine.models.lm import CosyVoice3LM
 from engine.models.qwen2 import KVCache
 from engine.models.sampling import greedy, ras_sample_batch, suppress_stop_ids_, window_tensor
@@ -199,7 +199,12 @@ class TorchLMBackend:
                 self._wake.set()
         except Exception as exc:  # a failing text source fails its utterance only
             if not (req.aborted or req.finished):
-                req.finished = True
+                # `aborted`, not `finished`: a step may be running in the worker thread,
+                # which sets `finished` from the stream's state after its token; a
+                # `finished` set here was overwritten, and the row held for good.
+                req.aborted = True
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(req)
                 req.queue.put_nowait(exc)
                 self._forget(req)
                 self._wake.set()
@@ -290,6 +295,8 @@ class TorchLMBackend:
             admit: list[_Request] = []
             while self._pending and len(self._rows) + len(admit) < self.max_batch:
                 req = self._pending.popleft()
+                if req.finished or req.aborted:
+                    continue  # ended while it waited for a row (e.g. its text never came)
                 self._active[req.request.request_id] = req
                 admit.append(req)
             try:
@@ -403,6 +410,8 @@ class TorchLMBackend:
         if emitted is not None:
             req.tokens.append(emitted)
         req.finished = st.done
+        if st.cut_short:
+            return _Event(req, token=emitted, error=SpeechLimitReached(st.limits.hard_max))
         return _Event(req, token=emitted, finished=st.done)
 
     def _sample(self, logits: Tensor, reqs: list[_Request]) -> list[int]:

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
 from engine.backends.ras_logits import COMPILE_ENV, RASArgs
-from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run
+from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run, SpeechLimitReached
 from engine.models.vocab import UnifiedVocab
 from engine.mps import MPSPriority, child_env, mps_client_env
 
@@ -433,6 +433,8 @@ class VLLMBackend:
                     emitted = st.on_token(int(tok))
                     if emitted is not None:
                         yield emitted
+                    if st.cut_short:
+                        raise SpeechLimitReached(st.limits.hard_max)
                     if not st.in_run and not st.done:
                         need_run.set()  # the run ended on fill: send the next chunk
                 if st.done or out.finished:
