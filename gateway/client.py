@@ -9,8 +9,14 @@
         async for item in ctx.stream():        # bytes (audio) or dict (events)
             ...
 
-One background task reads the socket and routes every frame to its context's queue,
+One background task reads the socket and routes every frame to its context's buffer,
 so several contexts can be consumed concurrently (e.g. one per agent turn).
+
+Every context ends with exactly one terminal event in its stream: `done`, `cancelled`,
+or an `error` with `"final": true` (refused or ended by the server, or code
+`connection_closed` when the socket closed first). `collect_audio()` raises
+`GatewayError` on an error event, so a lost connection is never mistaken for a
+complete turn.
 """
 
 from __future__ import annotations
@@ -19,18 +25,41 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
+from collections import deque
 from typing import Any, AsyncIterator
 
 import websockets
 
 _END = object()
 
+# The server's rule for context ids (gateway.protocol._CONTEXT_ID). Checked here because the
+# server answers a bad id with an error naming a shortened copy of it, which no handle would
+# ever receive: the caller would wait forever.
+_CONTEXT_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+
+# Unread bytes one context may hold before the reader stops reading the socket. Then the
+# server's own backpressure applies (its queue fills, synthesis waits, and a client that
+# stays stalled for `max_lag_s` is closed with 4001). Large, so that a real-time player
+# of a long turn (which always reads behind the engine) is not taken for a stalled one:
+# 32 MiB is ~11 minutes of 24 kHz pcm_s16le, ~70 minutes of ulaw_8000.
+DEFAULT_MAX_BUFFERED_BYTES = 32 << 20
+# Socket-level events (`keepalive`, `stats`, errors without a context) kept for `events`;
+# the oldest are dropped beyond this, so a client that never reads them does not grow.
+DEFAULT_MAX_EVENTS = 1000
+
+CONNECTION_CLOSED = "connection_closed"
+
 
 class GatewayError(RuntimeError):
-    def __init__(self, code: str, message: str) -> None:
+    """An error from the gateway (its `code` and `message`), or `connection_closed`
+    (`close_code` then says how the socket closed)."""
+
+    def __init__(self, code: str, message: str, close_code: int | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.close_code = close_code
 
 
 # A `text` message's flags that act after its text is appended: they go with its last part.
@@ -66,76 +95,241 @@ def text_messages(message: dict[str, Any], limit: int | None) -> list[dict[str, 
     return parts
 
 
-class Context:
-    """One turn on the socket: send text, then read its audio and events in order."""
+def _is_terminal(event: dict[str, Any]) -> bool:
+    kind = event.get("type")
+    return kind in ("done", "cancelled") or (kind == "error" and bool(event.get("final")))
 
-    def __init__(self, client: "GatewayClient", context_id: str) -> None:
+
+class Context:
+    """One turn on the socket: send text, then read its audio and events in order.
+
+    A handle is made by `GatewayClient.context()`. Once it is over for sending (after
+    `end()`, `cancel()`, or its terminal event), `send_text` and `flush` raise
+    `GatewayError`: on the server the id may already be free, and more text would open a
+    new context there with the socket's default settings.
+    """
+
+    def __init__(self, client: "GatewayClient", context_id: str,
+                 max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES) -> None:
         self.client = client
         self.context_id = context_id
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.events: list[dict[str, Any]] = []
-        self.finished = False
+        self.finished = False  # its terminal event was received: nothing more comes
+        self.error: dict[str, Any] | None = None  # the final error event, if it ended with one
+        self._terminal: dict[str, Any] | None = None
+        self._items: deque[tuple[Any, int]] = deque()  # (bytes | event | _END, cost in bytes)
+        self._buffered = 0
+        self._limit = max_buffered_bytes
+        self._stream_over = False
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        # Set once the server's frames for this id are this handle's: at once, or when the
+        # id's earlier handle is over (see GatewayClient.context).
+        self._live = asyncio.Event()
+        self._ended = False  # `end` sent
+        self._cancelled = False  # `cancel()` called
+        self._cancels_pending = 0  # `cancel` messages whose `cancelled` has not come back
+        self._sent = 0  # messages sent for this handle
+
+    @property
+    def cancelled(self) -> bool:
+        """True once `cancel()` was called (its audio is dropped from then on)."""
+        return self._cancelled
+
+    # -- sending ---------------------------------------------------------------------------
 
     async def send_text(self, text: str, **overrides: Any) -> None:
         """Append `text`; a piece too large for one frame (the server's `max_message_bytes`)
-        goes as several, since the server drops an oversized frame's text whole."""
+        goes as several, since the server drops an oversized frame's text whole.
+        `end=True` / `flush=True` act as `end()` / `flush()` after the text."""
+        self._check_open()
         message = {"type": "text", "context_id": self.context_id, "text": text, **overrides}
-        for part in text_messages(message, self.client.max_message_bytes):
-            await self.client.send(part)
+        parts = text_messages(message, self.client.max_message_bytes)
+        for part in parts:
+            if part.get("end"):
+                self._ended = True
+            await self._send(part)
 
     async def flush(self) -> None:
-        await self.client.send({"type": "flush", "context_id": self.context_id})
+        self._check_open()
+        await self._send({"type": "flush", "context_id": self.context_id})
 
     async def end(self) -> None:
-        await self.client.send({"type": "end", "context_id": self.context_id})
+        """No more text: the rest is spoken, then `done` ends the stream. Calling it again
+        does nothing."""
+        self._check_over()
+        if self._ended:
+            return
+        self._ended = True
+        await self._send({"type": "end", "context_id": self.context_id})
 
     async def cancel(self) -> None:
-        await self.client.send({"type": "cancel", "context_id": self.context_id})
+        """Barge-in: stop the context now. Audio not yet read from `stream()` is dropped, and
+        so is audio still on its way; the stream ends with `cancelled`. Does nothing once the
+        context is over (its id may belong to a newer handle on the server by then)."""
+        if self.finished or self._cancelled:
+            return
+        self._cancelled = True
+        self._drop_audio()
+        if not self._live.is_set():
+            # Still waiting for the id's earlier context to end: it never reached the server.
+            self.client._withdraw(self)
+            return
+        self._cancels_pending += 1
+        with contextlib.suppress(websockets.ConnectionClosed):  # a closed socket ends the handle anyway
+            await self.client.send({"type": "cancel", "context_id": self.context_id})
+
+    def _check_over(self) -> None:
+        """Raise if the context failed or was cancelled: nothing more may go for it."""
+        if self.error is not None:
+            raise GatewayError(str(self.error.get("code", "")), str(self.error.get("message", "")),
+                               self.error.get("close_code"))
+        if self._cancelled or (self._terminal is not None and self._terminal.get("type") == "cancelled"):
+            raise GatewayError("context_cancelled", f"context {self.context_id!r} was cancelled")
+
+    def _check_open(self) -> None:
+        """Raise unless more text may go for this context."""
+        self._check_over()
+        if self._ended or self.finished:
+            raise GatewayError("context_ended", f"context {self.context_id!r} was ended; use a new context")
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if not self._live.is_set():
+            # The id's earlier context is not over on the server yet: this message would join it.
+            await self._live.wait()
+            self._check_over()
+        self._sent += 1
+        try:
+            await self.client.send(message)
+        except websockets.ConnectionClosed as exc:
+            raise GatewayError(CONNECTION_CLOSED, "the gateway connection is closed",
+                               self.client.close_code) from exc
+
+    # -- receiving -------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[bytes | dict[str, Any]]:
-        """Audio payloads (bytes) and events (dicts) until done / cancelled / a final error
-        (the server refused or ended the context) / socket end."""
+        """Audio payloads (bytes) and events (dicts), ending after the terminal event: done,
+        cancelled, or a final error (refused or ended by the server, or `connection_closed`)."""
         while True:
-            item = await self._queue.get()
+            while not self._items:
+                if self._stream_over:
+                    return
+                self._readable.clear()
+                await self._readable.wait()
+            item, cost = self._items.popleft()
+            self._buffered -= cost
+            if self._limit is None or self._buffered < self._limit:
+                self._writable.set()
             if item is _END:
+                self._stream_over = True
                 return
             yield item
 
     async def collect_audio(self) -> bytes:
-        """Every audio byte of the context (after `end`); raises on an error event."""
+        """Every audio byte of the context (after `end`); raises GatewayError on an error event
+        (a refusal, a failed segment, or the connection closing before `done`)."""
         parts: list[bytes] = []
         async for item in self.stream():
             if isinstance(item, bytes):
                 parts.append(item)
             elif item.get("type") == "error":
-                raise GatewayError(item.get("code", ""), item.get("message", ""))
+                raise GatewayError(str(item.get("code", "")), str(item.get("message", "")), item.get("close_code"))
         return b"".join(parts)
 
-    def _deliver(self, item: Any) -> None:
-        if isinstance(item, dict):
+    def _append(self, item: Any, cost: int) -> None:
+        self._items.append((item, cost))
+        self._buffered += cost
+        self._readable.set()
+
+    async def _put(self, item: bytes | dict[str, Any], cost: int) -> None:
+        """Called by the reader: waits while the buffer is full, so that the socket is not
+        read (and the server holds back) until the consumer catches up."""
+        while (self._limit is not None and self._buffered >= self._limit
+               and not self._cancelled and not self.finished):
+            self._writable.clear()
+            await self._writable.wait()
+        if isinstance(item, bytes):
+            if self._cancelled or self.finished:
+                return  # audio of a cancelled context is not wanted
+        else:
             self.events.append(item)
-        self._queue.put_nowait(item)
-        if isinstance(item, dict) and (item.get("type") in ("done", "cancelled")
-                                       or (item.get("type") == "error" and item.get("final"))):
-            self.finished = True
-            self._queue.put_nowait(_END)
+        self._append(item, cost)
+
+    def _finish(self, terminal: dict[str, Any], deliver: bool = False) -> None:
+        """The terminal event was received (and queued, unless `deliver`): end the stream."""
+        if self.finished:
+            return
+        if deliver:
+            self.events.append(terminal)
+            self._append(terminal, 0)
+        self.finished = True
+        self._terminal = terminal
+        if terminal.get("type") == "error":
+            self.error = terminal
+        self._append(_END, 0)
+        self._live.set()  # a send waiting for its turn raises now
+        self._writable.set()
+
+    def _drop_audio(self) -> None:
+        kept = deque((item, cost) for item, cost in self._items if not isinstance(item, bytes))
+        self._items = kept
+        self._buffered = sum(cost for _, cost in kept)
+        self._writable.set()
 
 
 class GatewayClient:
-    def __init__(self, ws: Any) -> None:
+    """One socket to the gateway. Use `connect()`.
+
+    `events` holds the socket-level events (`keepalive`, `stats`, errors without a
+    context, events of ids without a handle), at most `max_events` (the oldest are
+    dropped, counted in `events_dropped`); once the socket closes, its last item is an
+    `error` event with code `connection_closed` and the `close_code`.
+    """
+
+    def __init__(self, ws: Any, *, max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
+                 max_events: int | None = DEFAULT_MAX_EVENTS) -> None:
         self.ws = ws
         self.session: dict[str, Any] = {}
-        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()  # events without a context
-        self._contexts: dict[str, Context] = {}
+        self.max_buffered_bytes = max_buffered_bytes
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=max_events or 0)
+        self.events_dropped = 0
+        # Per context id, the handles in the order the server serves them: the first is the
+        # one its frames belong to; the others wait for it to be over (an id reused while its
+        # earlier context is still ending).
+        self._contexts: dict[str, list[Context]] = {}
+        self._refusal: dict[str, Any] | None = None  # an error before session_started
+        self.reader_error: Exception | None = None  # why the reader stopped, if not the socket
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._started = asyncio.Event()
         self._reader = asyncio.create_task(self._read())
+        # A done callback rather than the reader's `finally`: registered first, it runs before
+        # any callback a user adds later (e.g. a bridge reporting the lost socket), and also
+        # when the reader was cancelled before it started.
+        self._reader.add_done_callback(self._closed)
 
     @classmethod
-    async def connect(cls, url: str, api_key: str | None = None, **kwargs: Any) -> "GatewayClient":
+    async def connect(cls, url: str, api_key: str | None = None, *, open_timeout_s: float = 30.0,
+                      max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
+                      max_events: int | None = DEFAULT_MAX_EVENTS, **kwargs: Any) -> "GatewayClient":
+        """Connect and wait for `session_started`. A gateway that refuses the session (bad
+        credentials: 1008 `unauthorized`; loading or full: 1013 `not_ready` /
+        `too_many_sessions`) raises GatewayError with its code; network failures raise
+        OSError / websockets exceptions as `websockets.connect` does."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         ws = await websockets.connect(url, additional_headers=headers, max_size=None, **kwargs)
-        client = cls(ws)
-        await asyncio.wait_for(client._started.wait(), timeout=30)
+        client = cls(ws, max_buffered_bytes=max_buffered_bytes, max_events=max_events)
+        try:
+            await asyncio.wait_for(client._started.wait(), timeout=open_timeout_s)
+        except BaseException:
+            await client.aclose()
+            raise
+        if not client.session:
+            await client.aclose()
+            refusal = client._refusal or {}
+            raise GatewayError(str(refusal.get("code", CONNECTION_CLOSED)),
+                               str(refusal.get("message", "the gateway closed the connection before the session started")),
+                               client.close_code)
         return client
 
     async def __aenter__(self) -> "GatewayClient":
@@ -150,6 +344,15 @@ class GatewayClient:
         limit = self.session.get("limits", {}).get("max_message_bytes")
         return limit if isinstance(limit, int) else None
 
+    @property
+    def close_code(self) -> int | None:
+        """The WebSocket close code once the socket closed (1006: dropped without one)."""
+        return self.ws.close_code
+
+    @property
+    def close_reason(self) -> str:
+        return str(getattr(self.ws, "close_reason", "") or "")
+
     async def send(self, message: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(message))
 
@@ -162,56 +365,174 @@ class GatewayClient:
         return not self._reader.done()
 
     def context(self, context_id: str) -> Context:
-        """A handle for ``context_id`` (opened on the server by its first text)."""
+        """A handle for ``context_id`` (opened on the server by its first text).
+
+        An id may be used again once its earlier handle was ended or cancelled (e.g.
+        ``await ctx.cancel(); ctx = gw.context("agent")``): the new handle's messages
+        then wait until the server has finished the old context (its `cancelled` or
+        `done`), so none of them can land in it. Raises ValueError for an id the server
+        would refuse, or one whose earlier handle is still open (neither ended nor
+        cancelled)."""
+        if not isinstance(context_id, str) or not _CONTEXT_ID.fullmatch(context_id):
+            raise ValueError(f"context id {context_id!r}: must be 1..64 characters of [A-Za-z0-9_.:-]")
         if not self.connected:
             raise ConnectionError("the gateway connection is closed")
-        ctx = Context(self, context_id)
-        self._contexts[context_id] = ctx
+        line = self._contexts.get(context_id, [])
+        if any(not h.finished and not h._ended and not h._cancelled for h in line):
+            raise ValueError(f"context {context_id!r} is still open: end() or cancel() it before using "
+                             f"its id again, or use a new id")
+        ctx = Context(self, context_id, self.max_buffered_bytes)
+        if not line:
+            ctx._live.set()
+        self._contexts.setdefault(context_id, []).append(ctx)
         return ctx
 
     async def open(self, context_id: str, **settings: Any) -> Context:
         ctx = self.context(context_id)
-        await self.send({"type": "open", "context_id": context_id, **settings})
+        await ctx._send({"type": "open", "context_id": context_id, **settings})
         return ctx
 
     async def cancel_all(self) -> None:
-        await self.send({"type": "cancel"})
+        """Cancel every context of this client, then any other on the socket."""
+        for line in list(self._contexts.values()):
+            for ctx in list(line):
+                await ctx.cancel()
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await self.send({"type": "cancel"})
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self.ws.close()
         self._reader.cancel()
-        with contextlib.suppress(BaseException):
-            await self._reader
+        # `wait`, not `await`: the reader's end is no error of ours, but our own
+        # cancellation (Ctrl-C) must still propagate.
+        await asyncio.wait({self._reader})
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _post_event(self, event: dict[str, Any]) -> None:
+        if self.events.full():
+            self.events.get_nowait()
+            self.events_dropped += 1
+        self.events.put_nowait(event)
+
+    def _withdraw(self, ctx: Context) -> None:
+        """A handle cancelled while waiting behind the id's earlier one: over at once."""
+        line = self._contexts.get(ctx.context_id, [])
+        if ctx in line:
+            line.remove(ctx)
+        ctx._finish({"type": "cancelled", "context_id": ctx.context_id, "active": False, "audio_samples": 0,
+                     "text_end": 0, "segments_started": 0}, deliver=True)
+
+    def _retire(self, context_id: str) -> None:
+        """Drop the finished handles at the head of the id's line (each only once no
+        `cancelled` it asked for is still to come); the next handle's messages may go now."""
+        line = self._contexts.get(context_id)
+        while line and line[0].finished and line[0]._cancels_pending == 0:
+            line.pop(0)
+            if line:
+                line[0]._live.set()
+        if not line:
+            self._contexts.pop(context_id, None)
+
+    async def _route(self, context_id: str, item: bytes | dict[str, Any], cost: int) -> None:
+        line = self._contexts.get(context_id)
+        if not line:
+            if isinstance(item, dict):
+                self._post_event(item)
+            return  # audio of a context without a handle has no reader
+        head = line[0]
+        if isinstance(item, bytes):
+            await head._put(item, cost)  # dropped there once cancelled or finished
+            return
+        if item.get("type") == "cancelled" and head._cancels_pending > 0:
+            head._cancels_pending -= 1
+            if head.finished:  # the answer to a cancel of a context that had ended meanwhile
+                self._retire(context_id)
+                return
+        elif head.finished:
+            return  # frames of a context its handle cleaned up (see below)
+        await head._put(item, cost)
+        if _is_terminal(item):
+            head._finish(item)
+            if item.get("type") == "error" and head._sent > 1 and head._cancels_pending == 0:
+                # Refused (or ended) while more of its messages were on the way: a later text
+                # may have opened a fresh context with the default settings. Cancel that one;
+                # a new handle for the id waits for the answer.
+                head._cancels_pending += 1
+                self._spawn(self._send_quietly({"type": "cancel", "context_id": context_id}))
+            self._retire(context_id)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_quietly(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await self.send(message)
 
     async def _read(self) -> None:
         try:
-            async for msg in self.ws:
-                if isinstance(msg, bytes):
-                    n = msg[0]
-                    ctx = self._contexts.get(msg[1 : 1 + n].decode("utf-8"))
-                    if ctx is not None:
-                        ctx._deliver(msg[1 + n :])
-                    continue
-                ev = json.loads(msg)
-                if ev.get("type") == "session_started":
-                    self.session = ev
-                    self._started.set()
-                    continue
-                cid = ev.get("context_id", "")
-                ctx = self._contexts.get(cid)
-                if ctx is None:
-                    self.events.put_nowait(ev)
-                elif ev.get("type") == "audio":
-                    ctx._deliver(base64.b64decode(ev["data"]))
-                else:
-                    ctx._deliver(ev)
-                    if ctx.finished:  # its id may be opened again; a long-lived client keeps no handles
-                        del self._contexts[cid]
+            await self._read_frames()
         except websockets.ConnectionClosed:
             pass
-        finally:
-            self._started.set()
-            for ctx in self._contexts.values():
-                if not ctx.finished:
-                    ctx._queue.put_nowait(_END)
+        except Exception as exc:
+            # A frame this client cannot handle: without its reader the socket is of no use,
+            # and a socket nobody reads would only hold the server back. Reported through
+            # the `connection_closed` events.
+            self.reader_error = exc
+            with contextlib.suppress(Exception):
+                await self.ws.close(1011, "client error")
+
+    async def _read_frames(self) -> None:
+        async for msg in self.ws:
+            if isinstance(msg, bytes):
+                if not msg:
+                    continue
+                n = msg[0]
+                await self._route(msg[1 : 1 + n].decode("utf-8", "replace"), msg[1 + n :], len(msg))
+                continue
+            try:
+                ev = json.loads(msg)
+            except ValueError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            if ev.get("type") == "session_started":
+                self.session = ev
+                self._started.set()
+                continue
+            if not self.session and ev.get("type") == "error" and self._refusal is None:
+                self._refusal = ev  # why the server is about to close (unauthorized, not_ready, ...)
+            cid = ev.get("context_id")
+            if not isinstance(cid, str) or not cid:
+                self._post_event(ev)
+            elif ev.get("type") == "audio":
+                data = base64.b64decode(ev.get("data", ""))
+                await self._route(cid, data, len(msg))
+            else:
+                await self._route(cid, ev, len(msg))
+
+    def _closed(self, _reader: asyncio.Task[None]) -> None:
+        """The socket is over: every context that did not finish ends with a final
+        `connection_closed` error, and so does `events`."""
+        code = self.ws.close_code
+        reason = self.close_reason
+        why = f"the gateway connection closed (code {code}{': ' + reason if reason else ''})"
+        if self.reader_error is not None:
+            why += f" after a frame the client could not read ({self.reader_error!r})"
+        for context_id, line in self._contexts.items():
+            for ctx in line:
+                if ctx.finished:
+                    continue
+                if ctx._cancelled:
+                    # Its `cancelled` did not come back in time, but a closed socket stops every
+                    # context: it ended as asked, which is no failure.
+                    ctx._finish({"type": "cancelled", "context_id": context_id, "close_code": code}, deliver=True)
+                else:
+                    ctx._finish({"type": "error", "code": CONNECTION_CLOSED, "message": f"{why} before the context finished",
+                                 "context_id": context_id, "final": True, "close_code": code}, deliver=True)
+        self._contexts.clear()
+        self._post_event({"type": "error", "code": CONNECTION_CLOSED, "message": why, "final": True, "close_code": code})
+        self._started.set()
