@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine.frontend.text import strip_stream_markdown
 from engine.types import AudioChunk, SessionOptions, UtteranceError
 
 from .audio import ENGINE_RATE, Encoder, make_encoder
@@ -646,9 +647,9 @@ class _Connection:
             rt.segments_submitted += 1
         cur.text += cmd.text
         cur.text_at = time.monotonic()
-        # The cutter hands out text up to a whitespace (`StreamCutter`): a word that is
-        # complete, which the LM may read now rather than with the next word.
-        cur.feed.append(cmd.text, word_end=True)
+        # The cutter hands out complete words (`StreamCutter`), which the LM may read now
+        # rather than with the next word; its copy without markdown marks.
+        cur.feed.append(strip_stream_markdown(cmd.text), word_end=True)
         if cmd.close:
             cur.reason = cmd.reason
             cur.feed.close()

@@ -247,3 +247,40 @@ def test_websocket_stream_mode_a_quiet_client_does_not_hold_the_lm(server: Any, 
     assert [s["segment_index"] for s in segs] == [0, 1]
     assert segs[0]["text"] == "The client stops in the middle of" and segs[1]["text"] == " a sentence."
     assert rec.of("done", "q")[0]["segments"] == 2 and not rec.of("error", "q")
+
+
+def test_stream_mode_markdown_marks_do_not_reach_the_lm(server: Any, monkeypatch: Any) -> None:  # noqa: F811
+    """Stream mode hands the LM the client's text unnormalised; an LLM's bold, code and
+    heading marks are left out of the LM's copy (not of the offsets the client sees)."""
+    from engine.frontend.text import strip_stream_markdown
+    from engine.text_stream import TextFeed
+
+    assert strip_stream_markdown("**Note:** use `pip`") == "Note: use pip"
+    assert strip_stream_markdown("## Title\n> quoted") == " Title\n quoted"
+    assert strip_stream_markdown("C# is #1 and 3 > 2") == "C# is #1 and 3 > 2"
+    assert strip_stream_markdown("plain text, 2 - 3") == "plain text, 2 - 3"
+    fed: list[str] = []
+    append = TextFeed.append
+
+    def spy(self: TextFeed, text: str, word_end: bool = False) -> None:
+        fed.append(text)
+        append(self, text, word_end)
+
+    monkeypatch.setattr(TextFeed, "append", spy)
+    pieces = ["**Bold", "** words", " and `code`", " here."]
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with __import__("websockets").connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            for i, piece in enumerate(pieces):
+                await send(ws, type="text", context_id="m", text=piece, end=i == len(pieces) - 1,
+                           **({"text_mode": "stream"} if i == 0 else {}))
+            await receive_until(ws, rec, has_done("m"))
+        return rec
+
+    rec = run(main())
+    assert rec.of("done", "m")[0]["audio_samples"] > 0
+    assert "".join(fed) == "Bold words and code here."
+    segs = rec.of("segment_started", "m")
+    assert segs and segs[0]["text"].startswith("**Bold")  # the client's own text and offsets

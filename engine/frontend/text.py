@@ -58,6 +58,7 @@ _MD_TABLE_ROW = re.compile(r"^[ \t]*\|(.*)\|[ \t]*$", re.M)
 _MD_LINE_MARK = re.compile(r"^[ \t]*(?:#{1,6}|>+|[-*+])[ \t]+", re.M)
 _MD_LINK = re.compile(r"!?\[([^\]\n]+)\]\([^)\n]*\)")
 _MD_DOUBLE_MARK = re.compile(r"\*{2,3}|_{2,3}|~~")
+_STREAM_LINE_MARK = re.compile(r"(?:(?<=\s)|^)#{1,6}(?=[ \t])|(?<=\n)>+(?=[ \t])")
 _MD_EMPHASIS = re.compile(r"(?<![\w*])([*_])(?=[^\s*_])(.+?)(?<=[^\s*_])\1(?![\w*])")
 
 
@@ -239,6 +240,19 @@ def strip_markdown(text: str) -> str:
     text = text.replace("`", "")
     text = _MD_DOUBLE_MARK.sub(_drop_double_mark, text)
     return _MD_EMPHASIS.sub(r"\2", text)
+
+
+def strip_stream_markdown(piece: str) -> str:
+    """The markdown marks `strip_markdown` would remove that can be told from a piece of
+    text alone, for text-in streaming (no normalisation there: the LM reads the client's
+    text as it comes, in pieces that may split a mark): every `*` and backtick, a run of
+    `#` that stands alone before a space (a heading), and a `>` that starts a line before a
+    space (a quote). Offsets
+    reported to the client are those of the text as sent; only the LM's copy changes."""
+    if not any(c in piece for c in "*`#>"):
+        return piece
+    piece = piece.replace("*", "").replace("`", "")
+    return _STREAM_LINE_MARK.sub("", piece)
 
 
 def _drop_double_mark(m: re.Match[str]) -> str:
