@@ -653,6 +653,9 @@ class Engine:
             now = time.monotonic()
             if now - last > 2 * period + 1.0:
                 watch.pause()
+            blocked = getattr(self.backend, "blocked_on_text", None)
+            if blocked is not None and blocked():
+                watch.pause()  # the queue waits on clients' text (every row holds a stream)
             last = now
             why = watch.stalled()
             if why is not None:

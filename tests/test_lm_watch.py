@@ -134,3 +134,40 @@ def test_an_engine_whose_lm_stops_making_tokens_reports_itself_failed(tiny_model
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_queue_behind_streams_waiting_for_their_text_is_not_a_stall(tiny_model_dir) -> None:
+    """Every LM row is held by a text-in stream waiting for its client's next words, and a
+    plain utterance queues behind them: it waits on the clients, not on the LM. Before,
+    the watch named a stall after `lm_stall_timeout_s` and the gateway restarted."""
+    async def main() -> None:
+        engine = await Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch",
+                                                  warmup=False, lm_stall_timeout_s=1.0, lm_max_batch=1,
+                                                  initial_hop_max=0, chunk_patience_s=0.0))
+        try:
+            voice = await default_voice(engine)
+            opts = SessionOptions(tokens_per_text_token=3.0, seed=1)
+            streaming = engine.open_session(voice, opts)
+            _, feed = await streaming.submit_stream()
+            feed.append("Hello there, this is a streamed sentence that goes on ", word_end=True)
+            drained = asyncio.ensure_future(collect(streaming))
+            plain = engine.open_session(voice, opts)
+            await plain.submit("A plain sentence.")
+            await plain.finish()
+            queued = asyncio.ensure_future(collect(plain))
+            deadline = time.monotonic() + 60
+            while not engine.backend.blocked_on_text() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert engine.backend.blocked_on_text()
+            end = time.monotonic() + 2.5  # 2.5 stall timeouts with no token anywhere
+            while time.monotonic() < end:
+                assert engine.failure is None, engine.failure
+                await asyncio.sleep(0.1)
+            feed.close()
+            await streaming.finish()
+            await asyncio.wait_for(asyncio.gather(drained, queued), 60)
+            assert engine.failure is None and engine.ready
+        finally:
+            await engine.close()
+
+    asyncio.run(main())

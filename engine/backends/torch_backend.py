@@ -226,6 +226,14 @@ class TorchLMBackend:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    def blocked_on_text(self) -> bool:
+        """Requests are queued while every row is held by a stream waiting for its next
+        text: they wait on the clients' text, not on the LM (`Engine._watch_lm`). A view
+        from the event loop while a step may run; a stale answer costs one check period."""
+        rows = list(self._rows)
+        return (bool(self._pending) and len(rows) >= self.max_batch
+                and all(r.stream is not None and not r.feed and not r.stream.in_run for r in rows))
+
     async def close(self) -> None:
         for req in list(self._known.values()):
             self._abort(req)
