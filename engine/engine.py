@@ -38,6 +38,7 @@ from .chunking import ChunkSchedule, chunk_frames, grown_end, patient_target, wi
 from .config import EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
+from .frontend.text import detect_grammar
 from .lm_watch import LMWatch
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
@@ -983,6 +984,7 @@ class _Utterance:
     task: asyncio.Task | None = None
     request_id: str = ""
     feed: TextFeed | None = None  # text-in streaming: the text arrives through this
+    language: str | None = None  # its normalisation's language hint (`Session._submit`)
     opening: bool = False  # its session's first utterance
     # What of it is still to be heard, for the deadlines of the session's later chunks
     # (`Session._audio_ahead`): its speech tokens so far (the LM consumer's list), and the
@@ -1014,6 +1016,9 @@ class Session:
         self._order: asyncio.Queue[_Utterance | None] = asyncio.Queue()
         self._events: asyncio.Queue[AudioChunk | UtteranceError | None] = asyncio.Queue(maxsize=256)
         self._prev_lm_done: asyncio.Event | None = None
+        # The grammar its last text with letters was read with: a segment without letters
+        # ("42", "1999") is read like the text around it, not by a guess of its own.
+        self._grammar: str | None = None
         # The listener's playback of this session's audio, as delivered in order: a later
         # utterance's first chunk is not urgent while earlier audio is still playing.
         self.playback = PlaybackClock(engine.sample_rate)
@@ -1050,6 +1055,11 @@ class Session:
         opts = options or self.options
         utt = _Utterance(uid, text, opts, asyncio.Queue(maxsize=64), UtteranceStats(submitted_at=time.monotonic()))
         utt.feed = feed
+        utt.language = opts.language
+        if feed is None and _grammar(opts.language) is None:
+            found = detect_grammar(text)
+            utt.language = found or self._grammar
+            self._grammar = found or self._grammar
         utt.opening = not self._stats
         utt.arrivals = [] if utt.opening else None
         utt.lm_done = asyncio.Event()
@@ -1246,7 +1256,7 @@ class Session:
         if utt.feed is not None:
             return await self._synthesize_stream(utt)
         eng, opts, voice = self.engine, utt.options, self.voice
-        text_ids = await asyncio.to_thread(eng.text_ids, utt.text, opts.language)
+        text_ids = await asyncio.to_thread(eng.text_ids, utt.text, utt.language)
         if not text_ids:
             raise EngineError("empty_text", "nothing to speak after normalisation")
         utt.stats.num_text_tokens = len(text_ids)

@@ -616,3 +616,27 @@ def test_an_lm_failure_behind_patience_is_an_error_not_a_shorter_utterance(tiny_
     assert isinstance(second[-1], UtteranceError)
     assert not any(isinstance(e, AudioChunk) and e.is_last for e in second)
     assert sum(e.pcm.size for e in second if isinstance(e, AudioChunk)) < 40 * TOKEN_SAMPLES
+
+
+def test_a_segment_without_letters_is_read_like_the_text_before_it(tiny_model_dir) -> None:
+    """No language hint: "42" alone could be read in either grammar; after Chinese text it
+    is read as Chinese, after English as English, and alone the normaliser decides."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        opts = SessionOptions(tokens_per_text_token=2.0, seed=1)
+        got = {}
+        for first in ("你好。", "Hello there.", None):
+            s = engine.open_session(voice, opts)
+            if first is not None:
+                await s.submit(first)
+            uid = await s.submit("42")
+            got[first] = s._utts[uid].language
+            await s.abort()
+        hinted = engine.open_session(voice, dataclasses.replace(opts, language="en"))
+        await hinted.submit("你好。")
+        uid = await hinted.submit("42")
+        assert hinted._utts[uid].language == "en"  # a hint always wins
+        await hinted.abort()
+        return got
+
+    assert run(tiny_model_dir, fn, warmup=False) == {"你好。": "zh", "Hello there.": "en", None: None}

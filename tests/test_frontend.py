@@ -22,7 +22,15 @@ from engine.frontend import features
 from engine.frontend.assets_writer import write_frontend_assets, write_tokenizer_files
 from engine.frontend.onnx_models import SPEECH_TOKEN_SIZE, SpeakerEncoder, SpeechTokenizer
 from engine.frontend.prompt import PromptFeaturizer, build_lm_text, lm_prompt_text
-from engine.frontend.text import contains_chinese, normalize, spell_number, strip_markdown, ungroup_thousands
+from engine.frontend.text import (
+    contains_chinese,
+    detect_grammar,
+    normalize,
+    spell_number,
+    strip_markdown,
+    strip_stream_markdown,
+    ungroup_thousands,
+)
 from engine.frontend.tokenizer import COSYVOICE3_SPECIALS, TextTokenizer, normalize_instruction
 from engine.models.config import MelConfig
 
@@ -508,3 +516,45 @@ def test_language_hint_picks_the_grammar() -> None:
     assert [_grammar(t) for t in ("en", "en-US", "zh", "zh_CN", "yue-HK", "fr", None, "")] == \
         ["en", "en", "zh", "zh", "zh", None, None, None]
     assert normalize("2024", _grammar("en")) != normalize("2024", _grammar("zh"))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # numbers and symbols that are no markdown stay
+        ("Press # to repeat, or press * to go back. Dial *67 first.",
+         "Press # to repeat, or press * to go back. Dial *67 first."),
+        ("So 2*3=6 and 5 * 3 = 15.", "So 2*3=6 and 5 * 3 = 15."),
+        ("C# is #1 and 3 > 2", "C# is #1 and 3 > 2"),
+        # emphasis, code and line marks go (a mark closing after punctuation too)
+        ("**Note:** use `pip`", "Note: use pip"),
+        ("**Bold", "Bold"),
+        ("x\n## Title\n> quoted", "x\n Title\n quoted"),
+        ("I don`t know", "I don't know"),
+    ],
+)
+def test_stream_markdown_leaves_numbers_and_symbols(text: str, expected: str) -> None:
+    assert strip_stream_markdown(text) == expected
+
+
+def test_what_looks_like_markdown_but_is_text_is_read() -> None:
+    """A segment starts mid-paragraph (the segmenter cuts sentences), so a mark before a
+    number is a number's sign; a single-letter variable keeps its minus; three-digit
+    groups are not merged unless money or "000" says they are one number."""
+    assert normalize("- 5 degrees by morning") == "- five degrees by morning."
+    assert normalize("+ 3 for the home team") == "plus three for the home team."
+    assert normalize("- Second item") == "Second item."
+    assert normalize("当x-1等于0时") == "当x负一等于零时。"
+    assert normalize("T-5分钟") == "T负五分钟。"
+    assert normalize("坐标是(100,200)。") == "坐标是(一百,两百)。"
+    assert ungroup_thousands("800,600 and $100,200 and 100,000 and 12,345") == "800,600 and $100200 and 100000 and 12345"
+    assert normalize("I don`t know.") == "I don't know."
+    assert normalize("See [docs](https://a.com/x_(y)) here.") == "See docs here."
+    assert normalize("这是**重要**的事情") == "这是重要的事情。"
+    assert normalize("Thanks :)") == "Thanks :)."
+
+
+def test_the_grammar_of_text_without_letters_is_left_to_the_caller() -> None:
+    assert detect_grammar("Hello") == "en" and detect_grammar("你好") == "zh"
+    assert detect_grammar("１２３") == "zh"  # fullwidth digits come with CJK text
+    assert detect_grammar("42") is None and detect_grammar("$5, 50%") is None

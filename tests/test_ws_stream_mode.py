@@ -256,7 +256,7 @@ def test_stream_mode_markdown_marks_do_not_reach_the_lm(server: Any, monkeypatch
     from engine.text_stream import TextFeed
 
     assert strip_stream_markdown("**Note:** use `pip`") == "Note: use pip"
-    assert strip_stream_markdown("## Title\n> quoted") == " Title\n quoted"
+    assert strip_stream_markdown("x\n## Title\n> quoted") == "x\n Title\n quoted"
     assert strip_stream_markdown("C# is #1 and 3 > 2") == "C# is #1 and 3 > 2"
     assert strip_stream_markdown("plain text, 2 - 3") == "plain text, 2 - 3"
     fed: list[str] = []

@@ -48,22 +48,42 @@ _TRAILING_COMMAS_RE = re.compile(r"[，,、]+$")
 _DIGITS_RE = re.compile(r"\d+")
 # A thousands grouping: 1-3 digits, then groups of exactly three, not part of a longer
 # run of digits and commas ("1,23" and "12,345,6" are none).
+_CURRENCY = "$¥€£￥"
+_FULLWIDTH_DIGIT = re.compile("[\uff10-\uff19]")
 _THOUSANDS_GROUPING = re.compile(r"(?<!\d)(?<!\d[.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
-_LETTER_HYPHEN_DIGIT = re.compile(r"(?<=[A-Za-z])-(?=\d)")
+# Two letters at least: "GPT-4", "COVID-19"; "x-1", "n-1" and "T-5" keep their minus.
+_LETTER_HYPHEN_DIGIT = re.compile(r"(?<=[A-Za-z]{2})-(?=\d)")
 
 # Markdown (`strip_markdown`). Line-start rules run on text that still has its newlines.
 _MD_RULE = re.compile(r"^[ \t]*([-*_])(?:[ \t]*\1){2,}[ \t]*$", re.M)
 _MD_TABLE_SEPARATOR = re.compile(r"^[ \t]*\|(?:[ \t]*:?-+:?[ \t]*\|)+[ \t]*$", re.M)
 _MD_TABLE_ROW = re.compile(r"^[ \t]*\|(.*)\|[ \t]*$", re.M)
-_MD_LINE_MARK = re.compile(r"^[ \t]*(?:#{1,6}|>+|[-*+])[ \t]+", re.M)
-_MD_LINK = re.compile(r"!?\[([^\]\n]+)\]\([^)\n]*\)")
+# Not before a digit: the segmenter hands each sentence on its own, so "^" also matches
+# mid-paragraph, where "- 5 degrees", "> 5 years" and "+ 3" are numbers, not marks.
+_MD_LINE_MARK = re.compile(r"^[ \t]*(?:#{1,6}|>+|[-*+])[ \t]+(?!\d)", re.M)
+_MD_LINK = re.compile(r"!?\[([^\]\n]+)\]\((?:[^()\n]|\([^()\n]*\))*\)")  # one level of (...) in the URL
 _MD_DOUBLE_MARK = re.compile(r"\*{2,3}|_{2,3}|~~")
-_STREAM_LINE_MARK = re.compile(r"(?:(?<=\s)|^)#{1,6}(?=[ \t])|(?<=\n)>+(?=[ \t])")
+_STREAM_LINE_MARK = re.compile(r"(?<=\n)[ \t]*(?:#{1,6}|>+)(?=[ \t]+\D)")
+# Emphasis-shaped stars: opening before a letter with no word before it ("**Bold"), or
+# closing after a letter or a mark with no word after it ("Bold**", "Note:**"); not
+# "2*3", "press * to", "*67" or "a*b".
+_STREAM_STARS = re.compile(r"(?<![\w*])\*+(?=[^\W\d_])|(?<=[^\s\d*])\*+(?!\w)")
+_BACKTICK_APOSTROPHE = re.compile(r"(?<=[^\W\d_])`(?=[^\W\d_])")
 _MD_EMPHASIS = re.compile(r"(?<![\w*])([*_])(?=[^\s*_])(.+?)(?<=[^\s*_])\1(?![\w*])")
 
 
 def contains_chinese(text: str) -> bool:
     return _CJK_RE.search(text) is not None
+
+
+def detect_grammar(text: str) -> Lang | None:
+    """The grammar `normalize` picks for `text` without a language hint: Chinese for text
+    with Chinese characters or fullwidth digits, English for other text with letters;
+    None for text with no letters (digits, symbols), which could be either: a caller that
+    knows the text around it (a session's earlier segments) can pass that one's instead."""
+    if contains_chinese(text) or _FULLWIDTH_DIGIT.search(text):
+        return "zh"
+    return "en" if any(c.isalpha() for c in text) else None
 
 
 def is_markup(text: str) -> bool:
@@ -96,8 +116,18 @@ def drop_cjk_blanks(text: str) -> str:
 def ungroup_thousands(text: str) -> str:
     """Drop the commas of real thousands groupings ("1,234,567" -> "1234567"), which the
     Chinese grammar reads as a list ("$1,000" -> "一美元,零零零"). A comma not followed by
-    exactly three digits ("1,23", "12,345,6") is left alone: it is not a grouping."""
-    return _THOUSANDS_GROUPING.sub(lambda m: m.group(0).replace(",", ""), text)
+    exactly three digits ("1,23", "12,345,6") is left alone: it is not a grouping. Nor is
+    one between numbers of three digits each ("(100,200)", "800,600像素": coordinates,
+    sizes, lists), unless money or a group of "000" says it is ("$100,200", "100,000")."""
+    def ungroup(m: re.Match[str]) -> str:
+        number = m.group(0)
+        groups = number.split(",")
+        money = m.start() > 0 and text[m.start() - 1] in _CURRENCY
+        if len(groups[0]) < 3 or money or "000" in groups[1:]:
+            return number.replace(",", "")
+        return number
+
+    return _THOUSANDS_GROUPING.sub(ungroup, text)
 
 
 def _zh_preprocess(text: str) -> str:
@@ -237,7 +267,7 @@ def strip_markdown(text: str) -> str:
     text = _MD_TABLE_ROW.sub(_table_cells, text)
     text = _MD_LINE_MARK.sub("", text)
     text = _MD_LINK.sub(r"\1", text)
-    text = text.replace("`", "")
+    text = _BACKTICK_APOSTROPHE.sub("'", text).replace("`", "")
     text = _MD_DOUBLE_MARK.sub(_drop_double_mark, text)
     return _MD_EMPHASIS.sub(r"\2", text)
 
@@ -245,13 +275,15 @@ def strip_markdown(text: str) -> str:
 def strip_stream_markdown(piece: str) -> str:
     """The markdown marks `strip_markdown` would remove that can be told from a piece of
     text alone, for text-in streaming (no normalisation there: the LM reads the client's
-    text as it comes, in pieces that may split a mark): every `*` and backtick, a run of
-    `#` that stands alone before a space (a heading), and a `>` that starts a line before a
-    space (a quote). Offsets
+    text as it comes, in pieces that may split a mark): stars glued to a word on one side
+    only (emphasis: not "press * to", "*67" or "2*3"), backticks (one between two letters
+    is an apostrophe), and a `#` run or `>` that starts a line before a space and a word
+    (a heading, a quote). Offsets
     reported to the client are those of the text as sent; only the LM's copy changes."""
     if not any(c in piece for c in "*`#>"):
         return piece
-    piece = piece.replace("*", "").replace("`", "")
+    piece = _STREAM_STARS.sub("", piece)
+    piece = _BACKTICK_APOSTROPHE.sub("'", piece).replace("`", "")
     return _STREAM_LINE_MARK.sub("", piece)
 
 
@@ -259,7 +291,8 @@ def _drop_double_mark(m: re.Match[str]) -> str:
     before = m.string[m.start() - 1 : m.start()]
     after = m.string[m.end() : m.end() + 1]
     # "2**3" (a power) and "a ** b" are no markdown; a marker has text on one side only.
-    between_words = before.isalnum() and after.isalnum()
+    # ASCII only: Chinese characters count as alphanumeric, and "**重要**的" is bold.
+    between_words = before.isascii() and before.isalnum() and after.isascii() and after.isalnum()
     between_spaces = before.isspace() and after.isspace()
     return m.group(0) if between_words or between_spaces else ""
 
@@ -278,7 +311,8 @@ def end_sentence(text: str, chinese: bool) -> str:
     `…` counts, and a trailing comma is replaced rather than followed."""
     ends, mark = (_ZH_ENDS, "。") if chinese else (_EN_ENDS, ".")
     body = text.rstrip(_CLOSERS)
-    if body and body[-1] in ends:
+    emoticon = body != text and body[-1:] in (":", ";")  # ":)" is a face, not "):" ended
+    if body and body[-1] in ends and not emoticon:
         return text
     unpunctuated = body.rstrip(_COMMAS)
     if unpunctuated and unpunctuated != body:
@@ -328,7 +362,7 @@ class TextNormalizer:
         text = _CONTROL.sub(lambda m: " " if m.group() in "\n\r\t" else "", text).strip()
         if not text:
             return text
-        chinese = contains_chinese(text) if lang is None else lang == "zh"
+        chinese = detect_grammar(text) == "zh" if lang is None else lang == "zh"
         if chinese:
             text = _zh_postprocess(self._wetext_or_plain(_zh_preprocess(text), "zh"))
         else:
