@@ -146,7 +146,11 @@ class Context:
         self._check_open()
         message = {"type": "text", "context_id": self.context_id, "text": text, **overrides}
         parts = text_messages(message, self.client.max_message_bytes)
-        for part in parts:
+        for i, part in enumerate(parts):
+            if i:
+                # A refusal or a cancel() may have come while the earlier parts went: the
+                # rest would open a context with the socket's defaults that nobody reads.
+                self._check_over()
             if part.get("end"):
                 self._ended = True
             await self._send(part)
@@ -245,8 +249,10 @@ class Context:
     async def _put(self, item: bytes | dict[str, Any], cost: int) -> None:
         """Called by the reader: waits while the buffer is full, so that the socket is not
         read (and the server holds back) until the consumer catches up."""
+        # Not when a later handle of the id waits for this context's end: its sender waits
+        # too, and a reader stopped here would never read that end.
         while (self._limit is not None and self._buffered >= self._limit
-               and not self._cancelled and not self.finished):
+               and not self._cancelled and not self.finished and not self.client._has_successor(self)):
             self._writable.clear()
             await self._writable.wait()
         if isinstance(item, bytes):
@@ -384,8 +390,15 @@ class GatewayClient:
         ctx = Context(self, context_id, self.max_buffered_bytes)
         if not line:
             ctx._live.set()
+        for earlier in line:
+            earlier._writable.set()  # a reader held on a full earlier handle reads on (`_put`)
         self._contexts.setdefault(context_id, []).append(ctx)
         return ctx
+
+    def _has_successor(self, ctx: Context) -> bool:
+        """Whether a later handle of `ctx`'s id waits for `ctx`'s context to end."""
+        line = self._contexts.get(ctx.context_id, [])
+        return ctx in line and line[-1] is not ctx
 
     async def open(self, context_id: str, **settings: Any) -> Context:
         ctx = self.context(context_id)

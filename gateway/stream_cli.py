@@ -51,9 +51,19 @@ def fake_tokens(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+$", text)
 
 
+class CannotWrite(Exception):
+    """The WAV file could not be written (the turn itself may have been spoken)."""
+
+
 def _write_wav(out: Path, af: AudioFormat, frames: list[bytes]) -> float:
     pcm = decode_frames(af, frames)
-    with wave.open(str(out), "wb") as w:
+    try:
+        # Opened here, not by `wave`: a `wave` writer that fails to open its file prints a
+        # second error from its destructor.
+        f = open(out, "wb")
+    except OSError as exc:
+        raise CannotWrite(f"cannot write {out}: {exc.strerror or exc}") from exc
+    with f, wave.open(f, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(af.sample_rate)
@@ -156,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     except TextTooLong as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except CannotWrite as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"interrupted: " + (f"wrote {args.out}: {got.audio_s:.2f}s of audio" if got.written
                                   else "no audio received"), file=sys.stderr)

@@ -309,6 +309,8 @@ class TwilioBridge:
         """Append text to the current turn (opening one if needed); returns its id.
 
         ``overrides`` (voice, speed, instruction, ...) apply when this opens a turn.
+        Raises ValueError for a `turn_id` the gateway cannot take as a context id (1..64
+        characters of ``[A-Za-z0-9_.:-]`` with the bridge's prefix).
         """
         if self.closed:
             raise RuntimeError("the call has ended")
@@ -317,7 +319,10 @@ class TwilioBridge:
         turn = self._turn
         # A turn the gateway ended (a final error: an unknown voice, too many contexts) takes
         # no more text: it would be synthesised for a forwarder that is gone.
-        open_now = turn is not None and not turn.ended and not turn.cleared and not turn.finished
+        # (`ctx.finished`: the client may know of a refusal before this turn's forwarder,
+        # which waits behind the previous turn's, has read it.)
+        open_now = (turn is not None and not turn.ended and not turn.cleared and not turn.finished
+                    and not turn.ctx.finished)
         if turn_id is not None and turn_id in self._contexts and not (open_now and turn_id == turn.turn_id):
             # Text for a turn that was interrupted or ended (a piece in flight at a
             # barge-in): nobody wants it spoken, and its id must not open a second
@@ -354,7 +359,7 @@ class TwilioBridge:
     async def flush(self, turn_id: str | None = None) -> None:
         """Speak what is buffered now (e.g. the LLM paused mid-sentence)."""
         turn = self._current(turn_id)
-        if turn is not None and not turn.finished:
+        if turn is not None and not turn.finished and not turn.ctx.finished:
             turn.flush_ends.append(len(turn.text))
             await turn.ctx.flush()
 
@@ -364,7 +369,7 @@ class TwilioBridge:
         turn = self._current(turn_id)
         if turn is not None:
             turn.ended = True
-            if not turn.finished:
+            if not turn.finished and not turn.ctx.finished:
                 await turn.ctx.end()
 
     async def speak(self, pieces: Any, turn_id: str | None = None, **overrides: Any) -> str:

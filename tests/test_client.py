@@ -371,6 +371,12 @@ def test_the_cli_reports_failures_in_one_line(srv: LiveServer, tmp_path: Path, c
             assert errors[name].startswith("error: ") and "Traceback" not in errors[name], (name, errors[name])
     assert "unauthorized" in errors["bad key"] and "mp3" in errors["bad format"]
     assert not (tmp_path / "o.wav").exists()
+    # The turn was spoken but its WAV cannot be written: said so, not "cannot connect".
+    status = cli_main(["--url", srv.ws_url, "--api-key", API_KEY, "--file", str(text), "--rate", "0",
+                       "--out", str(tmp_path / "no-such-dir" / "o.wav")])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert status == 1 and last.startswith("error: cannot write ") and "Traceback" not in err, err
 
 
 @contextlib.contextmanager
@@ -427,5 +433,51 @@ def test_context_ids_the_server_would_refuse_raise(srv: LiveServer) -> None:
             ctx = gw.context(ok)
             await ctx.send_text("Hi.", end=True)
             assert await asyncio.wait_for(ctx.collect_audio(), 30)
+
+    run(main())
+
+
+def test_a_long_text_stops_between_its_frames_once_refused(srv: LiveServer) -> None:
+    """A text over the frame limit goes as several frames; a refusal or a cancel() that
+    comes while they go stops the rest, which would open a context with the socket's
+    defaults that nobody reads (and that a reused id would then join)."""
+    async def main() -> None:
+        async with await GatewayClient.connect(srv.ws_url, api_key=API_KEY) as gw:
+            gw.session.setdefault("limits", {})["max_message_bytes"] = 200  # as if the server said so
+            ctx = gw.context("long")
+            sent: list[dict[str, Any]] = []
+            send = gw.send
+
+            async def refused_after_the_first(message: dict[str, Any]) -> None:
+                sent.append(message)
+                await send(message)
+                if len(sent) == 1:  # the gateway's refusal arrives now
+                    ctx.error = {"type": "error", "code": "voice_not_found", "message": "no such voice", "final": True}
+
+            gw.send = refused_after_the_first  # type: ignore[method-assign]
+            with pytest.raises(GatewayError, match="voice_not_found"):
+                await ctx.send_text("word " * 200, voice="nobody-has-this")
+            assert len(sent) == 1
+
+    run(main())
+
+
+def test_a_reused_id_does_not_wait_for_ever_behind_a_full_unread_turn(srv: LiveServer) -> None:
+    """`old.end(); new = gw.context(id); await new.send_text(...)`, old not read yet: the
+    reader must read on past old's full buffer to its `done`, or the send never goes."""
+    limit = 32 << 10
+
+    async def main() -> None:
+        async with await GatewayClient.connect(srv.ws_url, api_key=API_KEY, max_buffered_bytes=limit) as gw:
+            old = gw.context("agent")
+            await old.send_text(LONG, end=True)
+            await until(lambda: not old._writable.is_set())  # the reader waits for room in old
+            new = gw.context("agent")
+            await asyncio.wait_for(new.send_text("Next turn.", end=True), 30)
+            new_audio = await asyncio.wait_for(new.collect_audio(), 30)
+            old_audio = await asyncio.wait_for(old.collect_audio(), 30)
+            assert old.events[-1]["type"] == new.events[-1]["type"] == "done"
+            assert len(old_audio) == old.events[-1]["audio_samples"] * 2 > limit
+            assert len(new_audio) == new.events[-1]["audio_samples"] * 2 > 0
 
     run(main())

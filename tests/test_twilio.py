@@ -598,3 +598,40 @@ def test_stream_mode_segments_report_their_whole_text(gateway_url: str) -> None:
     assert len(started) < len(head) + 10  # the first segment's audio began before its text was all there
     assert played and played[-1].last
     assert "".join(e.text for e in played) == text and played[-1].text_end == len(text)
+
+
+def test_a_turn_refused_while_the_last_one_plays_takes_no_more_text_quietly(gateway_url: str) -> None:
+    """The client knows of turn 2's refusal before the bridge's forwarder (behind turn 1's,
+    still playing) has read it: `say`, `flush` and `end_turn` for turn 2 must not raise
+    the refusal at the agent (it comes as a TurnError), nor send text after it."""
+    long = "The quick brown fox jumps over the lazy dog near the quiet river bank today. " * 4
+
+    async def main() -> list[Any]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        await bridge.say(long)
+        await bridge.end_turn()  # turn 1 goes on being spoken
+        await bridge.say("Hello", voice="nobody-registered-this")  # turn 2: refused
+        ctx2 = bridge._turn.ctx
+        for _ in range(3000):  # the client's reader has the refusal
+            if ctx2.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert ctx2.finished and ctx2.error is not None and ctx2.error["code"] == "voice_not_found"
+        await bridge.say(" there.")  # opens a new turn instead
+        await bridge.flush()
+        await bridge.end_turn()
+        with pytest.raises(ValueError, match="context id"):
+            await bridge.say("x", turn_id="greeting 1")  # a space: no context id
+        await tw.wait_for(lambda sent: any(m["event"] == "mark" and "turn-3/" in m["mark"]["name"] for m in sent))
+        errors = []
+        while not bridge.events.empty():
+            ev = bridge.events.get_nowait()
+            if isinstance(ev, TurnError):
+                errors.append(ev)
+        await bridge.aclose()
+        return errors
+
+    errors = asyncio.run(main())
+    assert [e.code for e in errors] == ["voice_not_found"]
