@@ -47,8 +47,8 @@ ratio is `rtf_wall_incl_text_pacing`), completed sessions and errors, GPU utilis
 whole level (`wall_s`: its start to its last session's end, timeouts included;
 `last_audio_s`: to its last audio), GPU memory and RSS (the gateway process from
 `/metrics`, `rss`; with `--launch`, also it and its child processes -- the stage
-process, vLLM's engine core -- from /proc, `rss_tree`) per started and per peak-active
-session, and the server's breakdown of every
+process, vLLM's engine core -- from /proc, `rss_tree`, by proportional set size so shared
+pages count once) per started and per peak-active session, and the server's breakdown of every
 utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech token,
 -> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
@@ -691,9 +691,20 @@ class BenchContext:
 
 
 def _proc_rss(pid: int, proc: Path) -> int | None:
-    """VmRSS of one process in bytes (None: gone, or a zombie without memory)."""
+    """Memory of one process in bytes (None: gone, or a zombie without memory): its
+    proportional set size (`Pss` of /proc/PID/smaps_rollup: each shared page divided among
+    the processes that map it, so a tree's sum counts the libraries and CUDA mappings the
+    gateway, its stage process and vLLM's engine core share once), or VmRSS where the
+    kernel has no smaps_rollup (before 4.14) or will not show it."""
+    base = proc / str(pid)
     try:
-        for line in (proc / str(pid) / "status").read_text().splitlines():
+        for line in (base / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        for line in (base / "status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
@@ -727,10 +738,10 @@ def _children(pid: int, proc: Path) -> list[int]:
 
 
 def process_tree_rss(pid: int, proc: Path = Path("/proc")) -> tuple[int, int] | None:
-    """Summed RSS (bytes) of `pid` and every process below it, and how many there were;
-    None when `pid` cannot be read. The gateway's own RSS leaves out the stage process (on
-    by default on CUDA) and vLLM's engine core, where most per-session memory may live.
-    Pages shared between them (libraries) count once per process: an upper bound."""
+    """Summed memory (bytes, `_proc_rss`: PSS where the kernel shows it) of `pid` and every
+    process below it, and how many there were; None when `pid` cannot be read. The
+    gateway's own RSS leaves out the stage process (on by default on CUDA) and vLLM's engine
+    core, where most per-session memory may live."""
     own = _proc_rss(pid, proc)
     if own is None:
         return None
@@ -1095,10 +1106,14 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         tree_rss = memory_per_session(before, idle, peaks, TREE_RSS, n, peaks.get(M_ACTIVE)) \
             | {"processes": int(peaks[TREE_PROCS])}
     cuda_peak = peaks.get(M_CUDA)
+    cuda_grown = cuda_peak - before[M_CUDA] if cuda_peak is not None and before.get(M_CUDA, 0) > 0 else None
+    peak_active = peaks.get(M_ACTIVE)
     gpu_mem: dict[str, Any] = {
-        # Divided by the sessions started (all n, under a ramp too).
-        "torch_allocated_per_session_mb": _mb((cuda_peak - before.get(M_CUDA, 0.0)) / n)
-        if cuda_peak is not None and M_CUDA in before and before.get(M_CUDA, 0) > 0 else None,
+        # The growth at the level's peak over the sessions started (all n, under a ramp
+        # too), and over the most that were active at once (what held that memory).
+        "torch_allocated_per_session_mb": _mb(cuda_grown / n) if cuda_grown is not None else None,
+        "torch_allocated_per_peak_active_session_mb": _mb(cuda_grown / peak_active)
+        if cuda_grown is not None and peak_active else None,
         "lm_kv_estimate_per_session_mb": _mb(ctx.flops.kv_bytes_per_token * ctx.kv_tokens_per_session)
         if ctx.flops is not None and ctx.kv_tokens_per_session else None,
     }

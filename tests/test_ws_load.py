@@ -530,7 +530,7 @@ def test_memory_per_session_names_what_it_divides_by() -> None:
     """Sixteen sessions over a ramp with at most four active at once: per started session
     and per peak-active session differ by four; the tree (gateway and its children)
     counts the stage process's growth too."""
-    from bench.ws_load import M_ACTIVE, M_RSS, TREE_PROCS, TREE_RSS, level_report
+    from bench.ws_load import M_ACTIVE, M_CUDA, M_RSS, TREE_PROCS, TREE_RSS, level_report
 
     mib = 2**20
     before = {M_RSS: 100 * mib, TREE_RSS: 300 * mib, TREE_PROCS: 3}
@@ -544,6 +544,25 @@ def test_memory_per_session_names_what_it_divides_by() -> None:
     assert tree["processes"] == 3 and tree["active_peak_mb"] == 340.0
     # A gateway measured by --url: no process tree.
     assert level_report(16, [], [], 10.0, {M_RSS: 1.0}, {}, {}, {}, _ctx())["rss_tree"] is None
+    # CUDA memory grown by 64 MiB at the peak: per started session and per peak-active one.
+    gpu = level_report(16, [], [], 10.0, {M_CUDA: 1000 * mib}, {}, {M_CUDA: 1064 * mib, M_ACTIVE: 4}, {},
+                       _ctx())["gpu_memory"]
+    assert gpu["torch_allocated_per_session_mb"] == 4.0
+    assert gpu["torch_allocated_per_peak_active_session_mb"] == 16.0
+
+
+def test_process_tree_memory_counts_shared_pages_once(tmp_path: Path) -> None:
+    """Where the kernel shows smaps_rollup the tree sums proportional set sizes: two processes
+    mapping the same 900 kB library each show it whole in VmRSS but a half each in Pss."""
+    from bench.ws_load import process_tree_rss
+
+    proc = tmp_path / "proc"
+    for pid, children in ((100, "200"), (200, "")):
+        (proc / str(pid) / "task" / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "task" / str(pid) / "children").write_text(children)
+        (proc / str(pid) / "status").write_text("VmRSS:\t1000 kB\n")
+        (proc / str(pid) / "smaps_rollup").write_text("Rss:  1000 kB\nPss:  550 kB\nPss_Anon: 100 kB\n")
+    assert process_tree_rss(100, proc) == (1100 * 1024, 2)
 
 
 # ---- text and speech length -------------------------------------------------------------
