@@ -39,8 +39,9 @@ def cases() -> list[tuple[str, list[str], dict[str, int]]]:
     message, of short lines or short sentences, and sent sentence by sentence with cuts
     only allowed at 100,000 characters (a client's `min_chars`/`max_chars`). Then what
     a client can send to make each message cost more than the last: a run of marks,
-    newlines or spaces one character a message that nothing may cut, and blank lines
-    after a word with `min_chars` too high for them to end a segment."""
+    newlines or spaces one character a message that nothing may cut, blank lines
+    after a word with `min_chars` too high for them to end a segment, and one dotted word
+    ("a.a.a.") that grows a part a message."""
     words = ("Hello there, this is a sentence. " * 600).split()
     no_cut = {"first_min_chars": 0, "min_chars": 100_000, "max_chars": 100_000}
     return [
@@ -53,6 +54,7 @@ def cases() -> list[tuple[str, list[str], dict[str, int]]]:
         ("20000 messages of ' ', no cut", [" "] * 20_000, no_cut),
         ("1500 messages of '\\n ', min_chars", ["Hi. x"] + ["\n "] * 1500,
          {"first_min_chars": 0, "min_chars": 1000, "max_chars": 100_000}),
+        ("10000 messages of 'a.', no cut", ["a."] * 10_000, no_cut),
     ]
 
 

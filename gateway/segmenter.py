@@ -141,26 +141,29 @@ _BREAK_CHARS = "\\s" + re.escape("".join(sorted(_WORD_BREAKS)))
 _LAST_WORD_BREAK = re.compile(f"[{_BREAK_CHARS}][^{_BREAK_CHARS}]*\\Z")
 
 
+# How far back a word is looked at: the checks on a word before a mark (an abbreviation,
+# a list marker, an address's characters: a URL is seldom over 2,000 characters) need no
+# more, and a client growing one word an append at a time ("a.a.a." ...) must not make
+# every append read the whole of it again.
+_WORD_LOOKBACK = 2048
+# Longest word read as an abbreviation ("U.S.A", "e.g", "Ph.D"): far below the lookback,
+# so a word cut short by it is never one.
+_ABBREVIATION_MAX_CHARS = 32
+
+
 def _word_start(buf: str, i: int) -> int:
     """Where the word ending at ``buf[i]`` (exclusive) starts: after a whitespace, or after
     a terminator other than a period, or a CJK mark or closer ("好。etc." and "!Mr." read
-    "etc" and "Mr"; a period belongs to the word: "e.g", "a.b/c")."""
+    "etc" and "Mr"; a period belongs to the word: "e.g", "a.b/c"); at most `_WORD_LOOKBACK`
+    characters back."""
     start, stop = i, (i - 16 if i > 16 else 0)
     while start > stop and not buf[start - 1].isspace() and buf[start - 1] not in _WORD_BREAKS:
         start -= 1
     if start > stop or start == 0:
         return start
-    # A longer word is searched backwards by the regex engine in growing windows: the eager
-    # check asks this on every append, and a word that grows an append at a time
-    # ("a.a.a." ...) made walking it quadratic in Python steps.
-    width = 64
-    while start > 0:
-        lo = max(i - width, 0)
-        m = _LAST_WORD_BREAK.search(buf, lo, i)
-        if m is not None:
-            return m.start() + 1
-        start, width = lo, width * 4
-    return 0
+    lo = max(i - _WORD_LOOKBACK, 0)
+    m = _LAST_WORD_BREAK.search(buf, lo, i)
+    return lo if m is None else m.start() + 1
 
 
 def _word(buf: str, dot: int) -> str:
@@ -172,7 +175,7 @@ def _is_abbreviation(buf: str, dot: int) -> bool:
     """Whether the period at ``buf[dot]`` closes an abbreviation or an initial ("No." as
     one: the caller decides it by the word after it)."""
     word = _word(buf, dot)
-    if not word:
+    if not word or len(word) > _ABBREVIATION_MAX_CHARS:
         return False
     if len(word) == 1 and word.isalpha():
         return word != "I"  # "J. Smith", "a. first item" read better unsplit; "So did I." ends

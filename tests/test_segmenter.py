@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import replace
 from types import FrameType
@@ -308,6 +309,40 @@ def test_the_work_an_append_takes_does_not_grow_with_the_buffer(prefix: str, pie
     except _TooMuchWork:
         pytest.fail(f"{2 * n} appends of {piece!r} took over 3x the work of {n}")
     assert twice <= 2.5 * once, (once, twice)
+
+
+def test_the_checks_on_a_growing_word_read_a_bounded_piece_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dotted word that grows an append at a time ("a.a.a." ...) was matched whole by the
+    abbreviation regex and searched whole for its start on every append: 10,000 appends took
+    ~4 s of the shared loop, ~1 ms each at the end. The regexes now see at most the word's
+    last `_WORD_LOOKBACK` characters, and a word longer than any abbreviation is none."""
+    import gateway.segmenter as segmenter
+
+    read: list[int] = []
+
+    class Spy:
+        def __init__(self, pattern: re.Pattern[str]) -> None:
+            self.pattern = pattern
+
+        def fullmatch(self, text: str) -> re.Match[str] | None:
+            read.append(len(text))
+            return self.pattern.fullmatch(text)
+
+        def search(self, text: str, lo: int, hi: int) -> re.Match[str] | None:
+            read.append(hi - lo)
+            return self.pattern.search(text, lo, hi)
+
+    monkeypatch.setattr(segmenter, "_DOTTED_ABBREVIATION", Spy(segmenter._DOTTED_ABBREVIATION))
+    monkeypatch.setattr(segmenter, "_LAST_WORD_BREAK", Spy(segmenter._LAST_WORD_BREAK))
+    seg = Segmenter(_NO_CUT)
+    for _ in range(2000):
+        seg.push("a.")
+    assert read and max(read) <= segmenter._WORD_LOOKBACK
+    # Short dotted words are still abbreviations; one longer than any is not.
+    assert [s.text for s in run("See e.g. U.S.A. now. x", [99], SegmenterConfig(first_min_chars=0))] == \
+        ["See e.g. U.S.A. now.", " x"]
+    word = "a." * 20
+    assert [s.text for s in run(word + " x", [99], SegmenterConfig(first_min_chars=0))] == [word, " x"]
 
 
 # ---- properties -----------------------------------------------------------------
