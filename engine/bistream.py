@@ -68,12 +68,15 @@ END_OF_PROMPT_ID = 151646
 
 
 class SpeechLimitReached(RuntimeError):
-    """A text-in streaming utterance reached its hard cap of speech tokens while its text
-    could still come: the rest of the text would go unspoken, so it is an error, not an end."""
+    """An utterance reached a hard cap of speech tokens (the LM's context window) before its
+    text was spoken: while a text-in stream's text could still come, or, for a whole text,
+    below the model's own maximum for its length. The rest would go unspoken, so it is an
+    error, not an end (the engine's code `speech_too_long`)."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the utterance reached its limit of {limit} speech tokens while its text was still "
-                         "coming; the rest of its text was not spoken (send shorter segments)")
+    def __init__(self, limit: int, streaming: bool = True) -> None:
+        when = "while its text was still coming" if streaming else "before the model ended its speech"
+        super().__init__(f"the utterance reached its limit of {limit} speech tokens (the LM's context) {when}; "
+                         "the rest of its text was not spoken (send shorter segments)")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .backends.base import LMBackend, LMRequest, SamplingParams
-from .bistream import BistreamRequest, LengthLimits
+from .bistream import BistreamRequest, LengthLimits, SpeechLimitReached
 from .chunking import ChunkSchedule, chunk_frames, grown_end, patient_target, window_start
 from .config import EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
@@ -98,6 +98,19 @@ async def _next_handed(handed: asyncio.Queue[_Queued], producer: asyncio.Task) -
     if not producer.cancelled() and producer.exception() is not None:
         raise producer.exception()  # type: ignore[misc]
     return None
+
+
+async def _held_to(tokens: AsyncIterator[int], limit: int) -> AsyncIterator[int]:
+    """`tokens`, a stream whose length was capped at `limit` below the model's own maximum
+    (the LM's context window): reaching it cut the speech short of its text, which raises
+    `SpeechLimitReached` instead of ending the stream as if the speech were whole."""
+    count = 0
+    async with contextlib.aclosing(tokens):
+        async for tok in tokens:
+            count += 1
+            yield tok
+    if count >= limit:
+        raise SpeechLimitReached(limit, streaming=False)
 
 
 def chunk_due(now: float, runs_out: float, ahead_s: float, margin: float = DEADLINE_MARGIN_S) -> tuple[float, bool]:
@@ -498,6 +511,8 @@ class Engine:
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[tuple[str, str | None, str | None], tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
+        self._warming: set[int] = set()  # prompt lengths with a background warm-up in flight
+        self._started = False  # `create` finished: not ready since means draining or failed
         self._background: set[asyncio.Task[int]] = set()
         self._ids = itertools.count()
 
@@ -601,7 +616,7 @@ class Engine:
                     await backend.close()
             raise
         engine.stage.started()
-        engine.ready = True
+        engine.ready = engine._started = True
         if config.lm_stall_timeout_s > 0:
             engine._lm_watcher = asyncio.create_task(engine._watch_lm(), name="lm-watch")
         engine.start_seconds = clock.laps
@@ -775,17 +790,29 @@ class Engine:
 
     # ----------------------------------------------------------------- sessions
     def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> "Session":
-        if not self.ready and self.config.warmup and voice.voice_id != WARMUP_VOICE_ID:
-            raise EngineError("not_ready", "engine is still loading")
-        if voice.num_tokens not in self._warmed_prompts and self.ready:
+        if not self.ready and voice.voice_id != WARMUP_VOICE_ID:
+            # Loading, draining (SIGTERM), or failed: with warm-up on or off alike.
+            raise EngineError("not_ready", self.failure or ("engine is still loading" if not self._started
+                                                            else "engine is not serving (draining)"))
+        P = voice.num_tokens
+        if P not in self._warmed_prompts and P not in self._warming:
             # A voice from the store (featurised before this process started): warm its
-            # graphs in the background; until then new shapes are captured on first use.
+            # graphs in the background, once per prompt length however many sessions open
+            # meanwhile; until then new shapes are captured on first use.
+            self._warming.add(P)
             task = asyncio.get_running_loop().create_task(self.warm_voice(voice), name=f"warm-{voice.voice_id}")
             self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            task.add_done_callback(lambda t: self._warmed(t, P))
         s = Session(self, voice, options or SessionOptions(), f"s{next(self._ids)}")
         self._sessions.add(s)
         return s
+
+    def _warmed(self, task: asyncio.Task, prompt_tokens: int) -> None:
+        self._background.discard(task)
+        self._warming.discard(prompt_tokens)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("warming a voice's graphs failed; its shapes are captured on first use",
+                      exc_info=task.exception())
 
     def _session_ended(self, s: "Session") -> None:
         self._sessions.discard(s)
@@ -980,6 +1007,9 @@ class _Utterance:
     queue: asyncio.Queue  # AudioChunk | UtteranceError | None (end)
     stats: UtteranceStats
     cancelled: bool = False
+    # Failed: its chunks still queued on the stage are dropped like a cancelled one's
+    # (`ChunkJob.is_cancelled`), but its error is still delivered.
+    failed: bool = False
     lm_done: asyncio.Event = None  # type: ignore[assignment]
     task: asyncio.Task | None = None
     request_id: str = ""
@@ -1169,12 +1199,19 @@ class Session:
                 await prev_lm_done.wait()
             await self._synthesize(utt)
         except asyncio.CancelledError:
-            pass
+            task = asyncio.current_task()
+            if not utt.cancelled and task is not None and not task.cancelling():
+                # Not this utterance's cancel: a chunk's future cancelled under it (the stage
+                # closing), which must not end it as if it were whole.
+                await self._fail(utt, UtteranceError(utt.uid, "engine_closed", "the engine closed before the "
+                                                     "utterance was done"))
         except EngineError as exc:
-            await self._put(utt, UtteranceError(utt.uid, exc.code, str(exc)))
+            await self._fail(utt, UtteranceError(utt.uid, exc.code, str(exc)))
+        except SpeechLimitReached as exc:
+            await self._fail(utt, UtteranceError(utt.uid, "speech_too_long", str(exc)))
         except Exception as exc:  # one utterance fails; the session and engine go on
             log.exception("utterance %s failed", utt.uid)
-            await self._put(utt, UtteranceError(utt.uid, "engine_error", f"{type(exc).__name__}: {exc}"))
+            await self._fail(utt, UtteranceError(utt.uid, "engine_error", f"{type(exc).__name__}: {exc}"))
         finally:
             utt.lm_done.set()
             if utt.request_id:
@@ -1186,6 +1223,13 @@ class Session:
                 # unblock a deliverer waiting on this queue
                 with contextlib.suppress(asyncio.QueueFull):
                     utt.queue.put_nowait(None)
+
+    async def _fail(self, utt: _Utterance, error: UtteranceError) -> None:
+        """End `utt` with `error`: its chunks still queued on the stage (the chunker queues
+        the next one as the stage takes the one before) go now rather than run for nobody."""
+        utt.failed = True
+        self.engine.stage.drop_cancelled()
+        await self._put(utt, error)
 
     async def _put(self, utt: _Utterance, item: AudioChunk | UtteranceError) -> None:
         if not utt.cancelled:
@@ -1276,10 +1320,25 @@ class Session:
         ratio = opts.tokens_per_text_token if opts.tokens_per_text_token is not None else eng.config.tokens_per_text_token
         if ratio is not None:
             fixed = max(1, int(round(ratio * len(text_ids))))
+        # vLLM must fit the prompt and the speech into its context window, and stops a
+        # request quietly at its edge ("length"): a segment that cannot be spoken whole is
+        # refused, and one whose speech may run past the edge is cut there with an error,
+        # never as a complete utterance. The torch backend is held to the same bound.
+        room = eng.config.vllm_max_model_len - len(prompt)
+        need = fixed if fixed is not None else min_tokens
+        if need > room:
+            raise EngineError("text_too_long", f"its {len(text_ids)} text tokens need at least {need} speech tokens, "
+                              f"and {max(room, 0)} fit the LM's context of {eng.config.vllm_max_model_len} tokens "
+                              "beside the voice's prompt; send shorter segments")
+        capped = fixed is None and max_tokens > room
+        max_tokens = min(max_tokens, room)
         sampling = self._sampling(opts, min_tokens, max_tokens, fixed)
         utt.request_id = f"{self.session_id}-{utt.uid}"
         request = LMRequest(utt.request_id, tuple(prompt), sampling)
-        await self._speak(utt, lambda: eng.backend.generate(request))
+        if capped:
+            await self._speak(utt, lambda: _held_to(eng.backend.generate(request), max_tokens))
+        else:
+            await self._speak(utt, lambda: eng.backend.generate(request))
 
     async def _speak(self, utt: _Utterance, lm_stream) -> None:
         """Speech tokens from `lm_stream()` -> chunker -> audio stage, concurrently."""
@@ -1596,7 +1655,7 @@ class Session:
             hift_stream=stream,
             speed=speed,
             chunk_index=index,
-            is_cancelled=lambda: utt.cancelled,
+            is_cancelled=lambda: utt.cancelled or utt.failed,
         )
 
     def _window_start(self, offset: int) -> int:

@@ -494,6 +494,10 @@ class AudioStage:
         self._done_at: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
         # Each utterance's speaking-rate state (`_stretch`), by vocoder stream.
         self._stretches: weakref.WeakKeyDictionary[object, MelStretch] = weakref.WeakKeyDictionary()
+        # Vocoder streams one of whose chunks failed: their later chunks, queued as the stage
+        # took the failed one, are dropped at the next round, not run for an utterance that
+        # has ended on a stream that never got the chunk before them.
+        self._failed_streams: weakref.WeakSet[object] = weakref.WeakSet()
         self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
         self.first_chunk_hold_share = first_chunk_hold_share  # engine.first_chunk_hold_share
         self.cut_for_deadlines = cut_for_deadlines  # engine.stage_deadline_cut: see deadline_cut
@@ -606,10 +610,10 @@ class AudioStage:
         return await self.submit(job)
 
     def drop_cancelled(self) -> int:
-        """Remove queued chunks whose utterance was cancelled; returns how many."""
+        """Remove queued chunks whose utterance was cancelled or failed; returns how many."""
         keep, dropped = [], 0
         for job in self._pending:
-            if job.is_cancelled() or job.future.cancelled():
+            if job.is_cancelled() or job.future.cancelled() or job.hift_stream in self._failed_streams:
                 dropped += 1
                 _cancel(job)
             else:
@@ -826,7 +830,7 @@ class AudioStage:
         except FlowPhaseError as exc:
             if len(batch) == 1:
                 log.error("audio stage: a chunk's flow failed: %s", exc, exc_info=exc.__cause__)
-                _fail_jobs(batch, exc.__cause__ or exc)
+                self._fail_jobs(batch, exc.__cause__ or exc)
                 return
             # One bad chunk, or a batch too large for the device's memory, would otherwise
             # fail every utterance in it.
@@ -839,7 +843,7 @@ class AudioStage:
             self.stats.flow_frames += exc.flow_work  # its flow ran: the padding shares stay whole
             if len(batch) == 1:
                 log.error("audio stage: a chunk's vocoder step failed: %s", exc, exc_info=exc.__cause__)
-                _fail_jobs(batch, exc.__cause__ or exc)
+                self._fail_jobs(batch, exc.__cause__ or exc)
                 return
             # Its streams are as before the step, and the mels are made: only the vocoder
             # runs again, one chunk at a time.
@@ -850,7 +854,7 @@ class AudioStage:
             return
         except Exception as exc:  # fail this batch's chunks, keep serving others
             log.exception("audio stage batch failed")
-            _fail_jobs(batch, exc)
+            self._fail_jobs(batch, exc)
             return
         resumed = time.perf_counter()
         dt = resumed - t0
@@ -893,7 +897,7 @@ class AudioStage:
                     self._pool, self._timed_batch, self.stats.batches, [[job]])
             except Exception as exc:
                 log.error("audio stage: a chunk's flow failed on its own too: %s", exc, exc_info=exc)
-                _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, (FlowPhaseError, VocoderPhaseError)) else exc)
+                self._fail_jobs([job], exc.__cause__ or exc if isinstance(exc, (FlowPhaseError, VocoderPhaseError)) else exc)
                 continue
             st = self.stats  # the work, as a batch's (its padding shares stay consistent)
             st.chunks += 1
@@ -915,7 +919,7 @@ class AudioStage:
                 pcm, frames = await loop.run_in_executor(self._pool, self._vocode_alone, job, mel)
             except Exception as exc:
                 log.error("audio stage: a chunk's vocoder step failed on its own too: %s", exc, exc_info=exc)
-                _fail_jobs([job], exc.__cause__ or exc if isinstance(exc, VocoderPhaseError) else exc)
+                self._fail_jobs([job], exc.__cause__ or exc if isinstance(exc, VocoderPhaseError) else exc)
                 continue
             self.stats.chunks += 1
             self.stats.vocoder_frames += frames
@@ -1170,17 +1174,17 @@ class AudioStage:
             restore()
             raise VocoderPhaseError(f"{type(exc).__name__}: {exc}", mels, flow_work) from exc
 
+    def _fail_jobs(self, jobs: list[ChunkJob], exc: BaseException) -> None:
+        for job in jobs:
+            self._failed_streams.add(job.hift_stream)
+            if not job.future.done():
+                job.future.set_exception(exc)
+
     @torch.inference_mode()
     def _vocode_alone(self, job: ChunkJob, mel: torch.Tensor) -> tuple[np.ndarray, int]:
         """One chunk's vocoder step on its own (`_vocode_apart`)."""
         pcm, frames = self._vocode([job], [mel])
         return pcm[0], frames
-
-
-def _fail_jobs(jobs: list[ChunkJob], exc: BaseException) -> None:
-    for job in jobs:
-        if not job.future.done():
-            job.future.set_exception(exc)
 
 
 def _cancel(job: ChunkJob) -> None:

@@ -445,7 +445,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _utterance_error(ev: UtteranceError) -> ApiError:
-    if ev.code in ("empty_text",):
+    if ev.code in ("empty_text", "text_too_long"):
         return ApiError(400, "invalid_request", ev.message)
     return ApiError(500, "synthesis_failed", f"{ev.code}: {ev.message}")
 

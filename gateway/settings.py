@@ -255,7 +255,11 @@ class EngineSettings:
                        "(0 = none of these; default: max_gpu_batch on a GPU, 4 on the CPU)"),
     )
     vllm_gpu_memory_utilization: float = field(default=0.35, metadata=_help("vLLM: fraction of GPU memory for weights + KV cache"))
-    vllm_max_model_len: int = field(default=4096, metadata=_help("vLLM: longest prompt + generation in tokens"))
+    vllm_max_model_len: int = field(
+        default=4096,
+        metadata=_help("longest LM prompt + speech in tokens (vLLM's context window; the torch backend is held "
+                       "to it too): a segment whose speech cannot fit is refused (text_too_long)"),
+    )
     vllm_async_scheduling: bool = field(
         default=False,
         metadata=_help("vLLM: schedule one step ahead (faster decode; text_mode 'stream' contexts are then refused)"),

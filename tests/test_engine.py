@@ -640,3 +640,166 @@ def test_a_segment_without_letters_is_read_like_the_text_before_it(tiny_model_di
         return got
 
     assert run(tiny_model_dir, fn, warmup=False) == {"你好。": "zh", "Hello there.": "en", None: None}
+
+
+def test_a_segment_whose_speech_cannot_fit_the_lm_context_is_refused_or_cut_with_an_error(tiny_model_dir):
+    """vLLM stops a request quietly at its context window ("length"). A segment whose least
+    speech cannot fit beside the voice's prompt is refused (`text_too_long`, the LM never
+    asked); one whose most can run past the window gets the room left as its cap, and a
+    stream that reaches it ends with `speech_too_long`, not as a whole utterance. Below the
+    model's own maximum, or stopping before the cap, nothing changes."""
+    text = "A sentence of a few words to speak."
+    seen: list[object] = []
+
+    def scripted(count):
+        async def generate(request):
+            seen.append(request)
+            for i in range(count(request)):
+                yield 100 + i % 50
+        return generate
+
+    async def speak(engine, voice, model_len, count):
+        engine.config = dataclasses.replace(engine.config, vllm_max_model_len=model_len)
+        engine.backend.generate = scripted(count)
+        s = engine.open_session(voice, SessionOptions(seed=0))
+        await s.submit(text)
+        await s.finish()
+        return await collect(s)
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        lm = engine.model.config.lm
+        n_text = len(engine.text_ids(text))
+        least, most = int(n_text * lm.min_token_text_ratio), int(n_text * lm.max_token_text_ratio)
+        everything = await speak(engine, voice, 100_000, lambda r: r.sampling.max_tokens)
+        prompt = len(seen[-1].prompt)
+        asked = len(seen)
+        refused = await speak(engine, voice, prompt + least - 1, lambda r: 1)
+        assert len(seen) == asked  # never reached the LM
+        room = least + 5
+        cut = await speak(engine, voice, prompt + room, lambda r: r.sampling.max_tokens)
+        capped = seen[-1].sampling
+        stopped = await speak(engine, voice, prompt + room, lambda r: r.sampling.max_tokens - 1)
+        return everything, refused, cut, capped, stopped, room, most
+
+    everything, refused, cut, capped, stopped, room, most = run(tiny_model_dir, fn, warmup=False)
+    assert everything[-1].is_last and sum(e.pcm.size for e in everything) == most * TOKEN_SAMPLES
+    assert [(e.code, "context" in e.message) for e in refused] == [("text_too_long", True)]
+    assert capped.max_tokens == room and capped.fixed_length is None
+    assert isinstance(cut[-1], UtteranceError) and cut[-1].code == "speech_too_long"
+    assert not any(isinstance(e, AudioChunk) and e.is_last for e in cut)
+    assert stopped[-1].is_last and sum(e.pcm.size for e in stopped) == (room - 1) * TOKEN_SAMPLES
+
+
+def test_a_failed_chunk_takes_its_utterances_queued_chunk_with_it(tiny_model_dir):
+    """The chunker queues an utterance's next chunk as the stage takes the one before. When
+    that one fails, the next goes with it (dropped at the stage's next round), instead of a
+    flow and vocoder pass for an utterance that has ended, on a vocoder stream that never
+    got the chunk before it."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+        compute, submit = stage._compute, stage.submit
+        ran: list[list[int]] = []
+        queued = threading.Event()  # chunk 1 is on the stage: chunk 0 may fail now
+        second: list[ChunkJob] = []
+
+        def failing(batch):
+            ran.append([j.chunk_index for j in batch])
+            if any(j.chunk_index == 0 for j in batch):
+                queued.wait(60)
+                raise InjectedFault("the flow failed")
+            return compute(batch)
+
+        def spying(job):
+            future = submit(job)
+            if job.chunk_index == 1:
+                second.append(job)
+                queued.set()
+            return future
+
+        stage._compute, stage.submit = failing, spying
+        s = engine.open_session(voice, SessionOptions(seed=3, initial_hop=0, tokens_per_text_token=6.0))
+        await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.finish()
+        events = await collect(s)
+        await asyncio.wait({second[0].future})  # run or dropped
+        return events, ran, second[0], stage.stats.dropped
+
+    events, ran, second, dropped = run(tiny_model_dir, fn, warmup=False, flow_left_context=-1)
+    assert [type(e) for e in events] == [UtteranceError]
+    assert ran == [[0]] and second.future.cancelled() and dropped == 1
+
+
+def test_a_draining_or_failed_engine_refuses_sessions_with_warm_up_off_too(tiny_model_dir):
+    """The drain on SIGTERM turns `ready` off; an engine whose LM or stage failed is not
+    ready either. Sessions were refused only with warm-up on."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        await engine.open_session(voice).abort()  # ready: opens
+        engine.ready = False  # draining
+        with pytest.raises(EngineError) as draining:
+            engine.open_session(voice)
+        engine.ready = True
+        engine._lm_stall = "no LM token for 120 s"
+        with pytest.raises(EngineError) as failed:
+            engine.open_session(voice)
+        engine._lm_stall = None
+        return draining.value, failed.value
+
+    draining, failed = run(tiny_model_dir, fn, warmup=False)
+    assert draining.code == failed.code == "not_ready"
+    assert "draining" in str(draining) and "no LM token for 120 s" in str(failed)
+
+
+def test_a_stored_voice_is_warmed_once_however_many_sessions_open_meanwhile(tiny_model_dir, monkeypatch):
+    """A voice featurised before this process started is warmed in the background when a
+    session first opens with it; twenty sessions opened before that finished started twenty
+    warm-ups of the same prompt length."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stored = dataclasses.replace(voice, voice_id="stored", speech_tokens=voice.speech_tokens[:-1],
+                                     speech_feat=voice.speech_feat[:-2])
+        assert stored.num_tokens not in engine._warmed_prompts
+        release = asyncio.Event()
+        calls: list[str] = []
+
+        async def warm(v):
+            calls.append(v.voice_id)
+            await release.wait()
+            engine._warmed_prompts.add(v.num_tokens)
+            return 0
+
+        monkeypatch.setattr(engine, "warm_voice", warm)
+        sessions = [engine.open_session(stored) for _ in range(20)]
+        release.set()
+        await asyncio.gather(*list(engine._background))
+        sessions.append(engine.open_session(stored))  # warmed by then: no more
+        for s in sessions:
+            await s.abort()
+        return calls, engine._warming
+
+    calls, warming = run(tiny_model_dir, fn, warmup=False)
+    assert calls == ["stored"] and not warming
+
+
+def test_a_chunk_cancelled_under_its_utterance_ends_it_with_an_error(tiny_model_dir):
+    """A chunk's future cancelled by the stage (closing under it), not by the utterance's
+    own cancel, ended the utterance with neither its last chunk nor an error."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        submit = engine.stage.submit
+
+        def closing(job):
+            future = submit(job)
+            job.future.cancel()
+            return future
+
+        engine.stage.submit = closing
+        s = engine.open_session(voice, SessionOptions(seed=0))
+        await s.submit("Hello there.")
+        await s.finish()
+        return await collect(s)
+
+    events = run(tiny_model_dir, fn, warmup=False)
+    assert [(type(e), getattr(e, "code", None)) for e in events] == [(UtteranceError, "engine_closed")]
