@@ -251,6 +251,9 @@ class _ContextRuntime:
     # Stream mode: a segment whose utterance could not open: its later words are dropped
     # (one error per segment, never an utterance opened mid-segment without its start).
     stream_failed: int | None = None
+    # Stream mode: the next piece of text starts a line (the context's start, or after a
+    # newline), where a heading's or a quote's mark is markdown (`strip_stream_markdown`).
+    line_start: bool = True
     count_audio: Callable[[float], None] | None = None  # seconds of audio sent (the metrics' counter)
     # Seconds from the first segment's submission to its first audio frame leaving (the
     # metrics' first-audio histogram): timed at the send, after encoding and the queue,
@@ -625,6 +628,9 @@ class _Connection:
         rt = self.contexts.get(cmd.context_id)
         if rt is None or rt.cancelled:
             return
+        line_start = rt.line_start
+        if cmd.text:
+            rt.line_start = cmd.text.rstrip(" \t").endswith("\n")
         if rt.stream_failed == cmd.index:
             if cmd.close:
                 rt.stream_failed = None
@@ -649,7 +655,7 @@ class _Connection:
         cur.text_at = time.monotonic()
         # The cutter hands out complete words (`StreamCutter`), which the LM may read now
         # rather than with the next word; its copy without markdown marks.
-        cur.feed.append(strip_stream_markdown(cmd.text), word_end=True)
+        cur.feed.append(strip_stream_markdown(cmd.text, line_start), word_end=True)
         if cmd.close:
             cur.reason = cmd.reason
             cur.feed.close()

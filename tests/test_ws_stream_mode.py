@@ -259,6 +259,9 @@ def test_stream_mode_markdown_marks_do_not_reach_the_lm(server: Any, monkeypatch
     assert strip_stream_markdown("x\n## Title\n> quoted") == "x\n Title\n quoted"
     assert strip_stream_markdown("C# is #1 and 3 > 2") == "C# is #1 and 3 > 2"
     assert strip_stream_markdown("plain text, 2 - 3") == "plain text, 2 - 3"
+    assert strip_stream_markdown("## Title", line_start=True) == " Title"
+    assert strip_stream_markdown("## Title") == "## Title"  # mid-line: as written
+    assert strip_stream_markdown("> 2 marks", line_start=True) == "> 2 marks"  # no word after it
     fed: list[str] = []
     append = TextFeed.append
 
@@ -267,7 +270,9 @@ def test_stream_mode_markdown_marks_do_not_reach_the_lm(server: Any, monkeypatch
         append(self, text, word_end)
 
     monkeypatch.setattr(TextFeed, "append", spy)
-    pieces = ["**Bold", "** words", " and `code`", " here."]
+    # A heading as the context's first piece, and a quote on a line of its own: stream mode
+    # ends a segment at the newline, so the quote's mark starts the next piece.
+    pieces = ["# Heading", "\n", "**Bold", "** words", " and `code`", " here.", "\n", "> Quoted", " line."]
 
     async def main() -> Recording:
         rec = Recording()
@@ -281,6 +286,7 @@ def test_stream_mode_markdown_marks_do_not_reach_the_lm(server: Any, monkeypatch
 
     rec = run(main())
     assert rec.of("done", "m")[0]["audio_samples"] > 0
-    assert "".join(fed) == "Bold words and code here."
+    assert "".join(fed).split() == "Heading Bold words and code here. Quoted line.".split()
     segs = rec.of("segment_started", "m")
-    assert segs and segs[0]["text"].startswith("**Bold")  # the client's own text and offsets
+    assert segs and segs[0]["text"].startswith("# Heading")  # the client's own text and offsets
+    assert any(s["text"].lstrip().startswith("> Quoted") for s in segs)

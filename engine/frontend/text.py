@@ -272,18 +272,22 @@ def strip_markdown(text: str) -> str:
     return _MD_EMPHASIS.sub(r"\2", text)
 
 
-def strip_stream_markdown(piece: str) -> str:
+def strip_stream_markdown(piece: str, line_start: bool = False) -> str:
     """The markdown marks `strip_markdown` would remove that can be told from a piece of
     text alone, for text-in streaming (no normalisation there: the LM reads the client's
     text as it comes, in pieces that may split a mark): stars glued to a word on one side
     only (emphasis: not "press * to", "*67" or "2*3"), backticks (one between two letters
     is an apostrophe), and a `#` run or `>` that starts a line before a space and a word
-    (a heading, a quote). Offsets
-    reported to the client are those of the text as sent; only the LM's copy changes."""
+    (a heading, a quote). `line_start`: the piece starts a line (the text's first piece, or
+    one after a newline: stream mode ends a segment at a newline, so a heading comes as the
+    first piece of the next). Offsets reported to the client are those of the text as
+    sent; only the LM's copy changes."""
     if not any(c in piece for c in "*`#>"):
         return piece
     piece = _STREAM_STARS.sub("", piece)
     piece = _BACKTICK_APOSTROPHE.sub("'", piece).replace("`", "")
+    if line_start:
+        return _STREAM_LINE_MARK.sub("", "\n" + piece)[1:]
     return _STREAM_LINE_MARK.sub("", piece)
 
 
