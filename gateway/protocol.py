@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
 from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
-from .segmenter import Segment, SegmentReason, Segmenter, SegmenterConfig, _is_cjk
+from .segmenter import MIN_MAX_CHARS, Segment, SegmentReason, Segmenter, SegmenterConfig, _is_cjk
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,22 @@ _CONTEXT_ID_FIELD = re.compile(r'(?<!\\)"context_id"\s*:\s*"([A-Za-z0-9_.:\-]{1,
 
 
 @dataclass(frozen=True)
+class SegmentationPatch:
+    """The `segmentation` fields a message sets (None = unset): laid over the socket's
+    settings field by field, so a context that sets `max_chars` keeps the socket's
+    `first_min_chars`."""
+
+    first_min_chars: int | None = None
+    min_chars: int | None = None
+    max_chars: int | None = None
+    eager_ends: bool | None = None
+
+    def over(self, base: SegmenterConfig) -> SegmenterConfig:
+        """`base` with this patch's fields; ValueError when the result is inconsistent."""
+        return replace(base, **{f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None})
+
+
+@dataclass(frozen=True)
 class SettingsPatch:
     """Fields a client may set in `config`, `open` or a context's first `text`; None = unset."""
 
@@ -148,7 +164,7 @@ class SettingsPatch:
     format: str | None = None
     sample_rate: int | None = None
     audio: str | None = None
-    segmentation: SegmenterConfig | None = None
+    segmentation: SegmentationPatch | None = None
     text_mode: str | None = None
 
     def is_empty(self) -> bool:
@@ -177,7 +193,12 @@ class ContextSettings:
 
     def apply(self, patch: SettingsPatch) -> "ContextSettings | ProtocolError":
         """These settings overridden by ``patch``, validated as a whole."""
-        fmt = self.format
+        fmt, segmentation = self.format, self.segmentation
+        if patch.segmentation is not None:
+            try:
+                segmentation = patch.segmentation.over(segmentation)
+            except ValueError as exc:
+                return ProtocolError("invalid_message", f"segmentation: {exc}")
         if patch.format is not None or patch.sample_rate is not None:
             # A new format without a rate takes that format's default rate.
             name = patch.format or fmt.name
@@ -195,7 +216,7 @@ class ContextSettings:
             language=patch.language if patch.language is not None else self.language,
             format=fmt,
             audio=patch.audio if patch.audio is not None else self.audio,
-            segmentation=patch.segmentation if patch.segmentation is not None else self.segmentation,
+            segmentation=segmentation,
             text_mode=patch.text_mode if patch.text_mode is not None else self.text_mode,  # type: ignore[arg-type]
         )
         if out.effective_mode == "instruct" and not out.instruction:
@@ -309,24 +330,16 @@ def _number(obj: dict[str, Any], key: str, lo: float, hi: float, code: str = "in
     return value
 
 
-def _parse_segmentation(obj: Any) -> SegmenterConfig | None:
+def _parse_segmentation(obj: Any) -> SegmentationPatch | None:
+    """Each field's own range here; whether they fit together is known only over the
+    settings they are laid on (`ContextSettings.apply`)."""
     if obj is None:
         return None
     if not isinstance(obj, dict):
         raise _Invalid("invalid_message", "'segmentation' must be an object")
-    kwargs: dict[str, int | bool] = {}
-    for name in ("first_min_chars", "min_chars", "max_chars"):
-        v = _number(obj, name, 0, MAX_SEGMENT_CHARS, integer=True)
-        if v is not None:
-            kwargs[name] = v
-    eager = _opt(obj, "eager_ends", bool, "a boolean")
-    if eager is not None:
-        kwargs["eager_ends"] = eager
-    base = SegmenterConfig()
-    try:
-        return replace(base, **kwargs)
-    except ValueError as exc:
-        raise _Invalid("invalid_message", f"segmentation: {exc}") from None
+    counts = {name: _number(obj, name, lo, MAX_SEGMENT_CHARS, integer=True)
+              for name, lo in (("first_min_chars", 0), ("min_chars", 0), ("max_chars", MIN_MAX_CHARS))}
+    return SegmentationPatch(**counts, eager_ends=_opt(obj, "eager_ends", bool, "a boolean"))
 
 
 _PATCH_KEYS = frozenset(f.name for f in fields(SettingsPatch))  # the JSON keys are the field names

@@ -71,6 +71,10 @@ _CJK_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _LATIN_IN_CJK = frozenset(".!?;,")
 
 
+# The shortest hard maximum a client may set for a segment.
+MIN_MAX_CHARS = 8
+
+
 @dataclass(frozen=True)
 class SegmenterConfig:
     """Tuning of the segmenter (all lengths in characters)."""
@@ -87,8 +91,8 @@ class SegmenterConfig:
     eager_ends: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_chars < 8:
-            raise ValueError("max_chars must be >= 8")
+        if self.max_chars < MIN_MAX_CHARS:
+            raise ValueError(f"max_chars must be >= {MIN_MAX_CHARS}")
         if not 0 <= self.first_min_chars <= self.max_chars:
             raise ValueError("first_min_chars must be within [0, max_chars]")
         if not 0 <= self.min_chars <= self.max_chars:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -54,7 +55,7 @@ def test_parse_valid_messages() -> None:
     cfg = parse({"type": "config", "voice": "v", "segmentation": {"first_min_chars": 3}, "stats_interval_ms": 500, "extra": 1})
     assert isinstance(cfg, ConfigMessage) and cfg.stats_interval_ms == 500
     assert cfg.patch.segmentation is not None and cfg.patch.segmentation.first_min_chars == 3
-    assert cfg.patch.segmentation.eager_ends  # the default
+    assert cfg.patch.segmentation.eager_ends is None  # unset: the socket's own stays
     waits = parse({"type": "config", "segmentation": {"eager_ends": False}})
     assert isinstance(waits, ConfigMessage) and waits.patch.segmentation is not None
     assert not waits.patch.segmentation.eager_ends
@@ -121,6 +122,26 @@ def state() -> ConnectionState:
 
 def run(st_: ConnectionState, obj: Any) -> list[Any]:
     return st_.handle(parse(obj))
+
+
+def test_a_contexts_segmentation_fields_lay_over_the_sockets() -> None:
+    """server defaults < socket `config` < context, field by field: a context that sets only
+    `max_chars` keeps the socket's `first_min_chars` (it had fallen back to the server's).
+    Whether the fields fit together is checked over the settings they are laid on."""
+    s = state()
+    assert run(s, {"type": "config", "segmentation": {"first_min_chars": 3, "eager_ends": False}}) == []
+    run(s, {"type": "text", "context_id": "a", "text": "x", "segmentation": {"max_chars": 200}})
+    seg = s.contexts["a"].settings.segmentation
+    assert (seg.first_min_chars, seg.max_chars, seg.eager_ends) == (3, 200, False)
+    run(s, {"type": "text", "context_id": "b", "text": "x"})
+    assert s.contexts["b"].settings.segmentation == replace(seg, max_chars=220)
+    s.context_finished("a"), s.context_finished("b")
+    # 3 <= 10 over this socket's settings; over the server's (first_min_chars 12) it would not fit.
+    run(s, {"type": "text", "context_id": "c", "text": "x", "segmentation": {"max_chars": 10}})
+    assert s.contexts["c"].settings.segmentation.max_chars == 10
+    (refused,) = run(s, {"type": "text", "context_id": "d", "text": "x", "segmentation": {"max_chars": 2}})
+    assert refused.event["code"] == "invalid_message" and refused.event["context_id"] == "d"
+    assert "d" not in s.contexts
 
 
 def test_first_text_opens_context_with_socket_defaults_and_overrides() -> None:
