@@ -18,6 +18,7 @@ import binascii
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -56,6 +57,9 @@ OPENAI_VOICES: frozenset[str] = frozenset({
     "shimmer", "verse", "marin", "cedar",
 })
 DEFAULT_ALIASES: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice3")
+# A pinned snapshot of a served name ("gpt-4o-mini-tts-2025-12-15", "tts-1-1106"), which
+# OpenAI's documentation and clients name as often as the name itself.
+_SNAPSHOT = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{4})")
 MAX_JSON_BYTES = 256 * 1024  # a speech request is 4096 characters of text plus a few fields
 MAX_SEED = 2**63 - 1  # the widest seed every backend's torch.Generator takes
 
@@ -215,6 +219,11 @@ async def tune_planner(request: Request) -> Response:
     return JSONResponse(engine.planner_state())
 
 
+def serves_model(model: str, aliases: tuple[str, ...]) -> bool:
+    """Whether `model` is a served name, or a dated snapshot of one."""
+    return model in aliases or any(model.startswith(a) and _SNAPSHOT.fullmatch(model, len(a)) for a in aliases)
+
+
 def model_aliases(request: Request) -> tuple[str, ...]:
     aliases = tuple(_setting(request, "openai_model_aliases", DEFAULT_ALIASES))
     name = getattr(_gw(request).engine, "model_name", None)
@@ -233,7 +242,7 @@ async def list_models(request: Request) -> Response:
 @_endpoint("/v1/models/{model}")
 async def get_model(request: Request) -> Response:
     model_id = request.path_params["model"]
-    if model_id not in model_aliases(request):
+    if not serves_model(model_id, model_aliases(request)):
         raise ApiError(404, "model_not_found", f"model {model_id!r} does not exist")
     return JSONResponse(_model_json(model_id))
 
@@ -396,7 +405,7 @@ class SpeechRequest:
 
 def parse_speech_request(body: dict[str, Any], aliases: tuple[str, ...], max_chars: int) -> SpeechRequest:
     model = body.get("model")
-    if model is not None and model not in aliases:
+    if model is not None and not serves_model(model, aliases):
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; use one of {', '.join(aliases)}")
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():

@@ -351,6 +351,9 @@ def test_speech_errors(server) -> None:
         assert err(speech(input="   ")) == (400, "invalid_request")
         assert err(speech(voice="nobody")) == (404, "voice_not_found")
         assert err(speech(model="whisper-1")) == (404, "model_not_found")
+        # A dated snapshot of a served name, as OpenAI's documentation names them.
+        assert speech(model="gpt-4o-mini-tts-2025-12-15").status_code == 200
+        assert err(speech(model="gpt-4o-mini-tts-turbo")) == (404, "model_not_found")
         assert err(speech(speed=4.5)) == (400, "invalid_speed")
         assert err(speech(speed=0.1)) == (400, "invalid_speed")
         assert err(speech(speed=10**400)) == (400, "invalid_speed")  # float() of it overflows
