@@ -117,6 +117,13 @@ class EngineConfig:
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
     flow_left_context: int = 50
+    # Decode an utterance's last chunk with full attention (the flow's streaming=False), as
+    # the official streaming inference does (`CosyVoice2Model.tts` passes no `stream` to its
+    # final `token2wav`). Off: every chunk is block-causal, so the last one shares the prompt
+    # cache, the CUDA graphs and its batch's flow call with the others. On: last chunks run
+    # in a flow call of their own, eagerly, without the caches. With flow_left_context -1
+    # and initial_hop 0 the audio then matches the official streaming output.
+    flow_final_full_attention: bool = False
     max_gpu_batch: int = 64  # chunks per flow/vocoder batch
     # Precision of the flow (weights and activations; its ODE state stays float32).
     # auto = bfloat16 on CUDA, float32 on CPU.

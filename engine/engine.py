@@ -416,7 +416,8 @@ def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) 
                           first_chunk_hold_s=config.first_chunk_hold_ms / 1000,
                           first_chunk_hold_share=config.first_chunk_hold_share,
                           cut_for_deadlines=config.stage_deadline_cut,
-                          cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000)
+                          cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000,
+                          final_full_attention=config.flow_final_full_attention)
 
     if not config.stage_devices:
         return one(device, model.flow, model.hift)

@@ -432,7 +432,7 @@ class AudioStage:
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "sdpa", flow_split_prefix_rows: int = 8,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
-                 cut_for_deadlines: bool = False, cut_shift_s: float = 0.0):
+                 cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -473,6 +473,7 @@ class AudioStage:
         self.split_batches = split_batches  # engine.flow_split_batches: see split_by_length
         self.split_padded = split_padded  # engine.flow_split_padded: see _split_pricing
         self.fill_padding = fill_padding  # engine.flow_fill_padding: see _fill_padding
+        self.final_full_attention = final_full_attention  # engine.flow_final_full_attention: see _flow_calls
         self.hift = hift
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
         self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows))
@@ -1049,7 +1050,17 @@ class AudioStage:
         return not (rows <= policy.prefix_max_rows and policy.bucket(rows, max(full)) is not None)
 
     def _flow_calls(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> list[list[int]]:
-        """The batch's rows per flow call: all in one, or by length (`split_batches`)."""
+        """The batch's rows per flow call: all in one, or by length (`split_batches`); with
+        `final_full_attention` the last chunks of their utterances apart, last
+        (`_decode_full`)."""
+        if self.final_full_attention and any(c.finalize for c in chunks):
+            rest = [i for i, c in enumerate(chunks) if not c.finalize]
+            calls = self._flow_calls_of([chunks[i] for i in rest],
+                                        None if entries is None else [entries[i] for i in rest]) if rest else []
+            return [[rest[j] for j in call] for call in calls] + [[i for i, c in enumerate(chunks) if c.finalize]]
+        return self._flow_calls_of(chunks, entries)
+
+    def _flow_calls_of(self, chunks: list[FlowChunk], entries: list[PromptKV | None] | None) -> list[list[int]]:
         if not self.split_batches or len(chunks) < 2:
             return [list(range(len(chunks)))]
         cached = [0] * len(chunks) if entries is None else [0 if e is None else e.frames for e in entries]
@@ -1083,6 +1094,8 @@ class AudioStage:
         are read, not computed), the frames of the rows added as padding, and the frames
         its own rows were padded past the longest to the graph's frame bucket. `keys`: the
         chunks' utterances (their vocoder streams), for the context cache."""
+        if self.final_full_attention and all(c.finalize for c in chunks):
+            return self._decode_full(chunks, keys)
         cache = self.prompt_cache
         cached = sum(0 if e is None else e.frames for e in entries) if entries is not None else 0
         plan = None if cache is None or entries is None or keys is None else self._context_plan(chunks, entries, keys)
@@ -1101,6 +1114,18 @@ class AudioStage:
             cached = 0  # the whole windows
         return (mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks) - cached,
                 (shape.rows - len(chunks)) * shape.frames, len(chunks) * (shape.frames - shape.longest))
+
+    def _decode_full(self, chunks: list[FlowChunk],
+                     keys: list[object] | None) -> tuple[list[torch.Tensor], int, int, int, int]:
+        """`_decode` of last chunks with full attention (`final_full_attention`): eagerly,
+        over their whole windows (the prompt cache and the context cache hold block-causal
+        keys, and the graphs are captured block-causal); their utterances' context rings
+        end here."""
+        if self.context_cache is not None and keys is not None:
+            self.context_cache.release(keys)
+        mels, shape = self.flow.decode_chunks(chunks, streaming=False)
+        return (mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks), 0,
+                len(chunks) * (shape.frames - shape.longest))
 
     @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:

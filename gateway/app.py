@@ -82,6 +82,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_hop=e.max_hop,
         chunk_patience_s=e.chunk_patience_s,
         flow_left_context=e.flow_left_context,
+        flow_final_full_attention=e.flow_final_full_attention,
         max_gpu_batch=e.max_gpu_batch,
         flow_dtype=e.flow_dtype,  # type: ignore[arg-type]
         flow_compile=e.flow_compile,

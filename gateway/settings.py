@@ -82,6 +82,12 @@ class EngineSettings:
                        "(0 = off)"),
     )
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
+    flow_final_full_attention: bool = field(
+        default=False,
+        metadata=_help("decode an utterance's last chunk with full attention, as the official streaming inference "
+                       "does (eagerly, without the prompt cache; with flow_left_context -1 and initial_hop 0 the "
+                       "audio matches the official streaming output)"),
+    )
     max_gpu_batch: int = field(default=64, metadata=_help("chunks per flow/vocoder batch"))
     flow_dtype: str = field(
         default="auto",

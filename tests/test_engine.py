@@ -852,3 +852,46 @@ def test_the_second_chunks_deadline_counts_the_first_chunks_holdback(tiny_model_
     assert events[-1].is_last
     assert aheads[0] == 0.0  # the first chunk: nothing ahead of it
     assert aheads[1] == pytest.approx(5 / 25 - share * 0.16)  # its 5 tokens, less the holdback's share
+
+
+@pytest.mark.parametrize("prompt_cache", [False, True])
+def test_the_last_chunk_with_full_attention_as_the_official_streaming_inference(tiny_model_dir, prompt_cache):
+    """The official streaming inference decodes an utterance's last chunk with full attention
+    (streaming=False). With `flow_final_full_attention` the last chunk runs that way, in a
+    flow call of its own (past the prompt cache, whose keys are block-causal); every earlier
+    chunk's audio is unchanged, the last one's differs."""
+    tokens = [int(t) for t in torch.randint(0, 6561, (90,), generator=torch.Generator().manual_seed(1))]
+
+    def speak(full: bool):
+        async def fn(engine):
+            voice = await default_voice(engine)
+            calls: list[tuple[bool, list[bool]]] = []
+            decode = engine.stage.flow.decode_chunks
+
+            def spying(chunks, streaming=True, solver=None):
+                calls.append((streaming, [c.finalize for c in chunks]))
+                return decode(chunks, streaming=streaming, solver=solver)
+
+            engine.stage.flow.decode_chunks = spying
+
+            async def generate(request):
+                for t in tokens:
+                    yield t
+
+            engine.backend.generate = generate
+            s = engine.open_session(voice, SessionOptions(seed=0))
+            await s.submit("Some text.")
+            await s.finish()
+            return await collect(s), calls
+        return run(tiny_model_dir, fn, warmup=False, flow_left_context=-1, initial_hop=0,
+                   flow_final_full_attention=full, flow_prompt_cache=prompt_cache)
+
+    (plain, plain_calls), (full, full_calls) = speak(False), speak(True)
+    assert [e.pcm.size for e in plain] == [e.pcm.size for e in full] and len(plain) >= 3
+    for a, b in zip(plain[:-1], full[:-1]):
+        assert_same_audio(a.pcm, b.pcm)
+    assert np.abs(plain[-1].pcm - full[-1].pcm).max() > 1e-4
+    assert all(streaming for streaming, _ in plain_calls)
+    assert full_calls[-1] == (False, [True]) and all(streaming for streaming, _ in full_calls[:-1])
+    if prompt_cache:  # the earlier chunks decoded from the cache, not by decode_chunks
+        assert plain_calls == [] and full_calls == [(False, [True])]
