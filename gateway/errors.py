@@ -1,19 +1,21 @@
 """HTTP API errors: one exception type and one JSON shape for every failure.
 
-Every error the HTTP API returns has the body ``{"error": {"code": ..., "message": ...}}``
+Every error the HTTP API returns has the body
+``{"error": {"code": ..., "message": ..., "type": ...}}``, ``type`` repeating ``code``
 (the shape OpenAI's clients read: they look for ``error.message``). Codes are stable,
-snake_case strings that clients may branch on; the message is for humans.
+snake_case strings that clients may branch on; the message is for humans. README.md
+("HTTP API") lists them for users.
 
 Documented codes (status):
 
 ===========================  ======  ===============================================
 code                         status  when
 ===========================  ======  ===============================================
-invalid_request              400     malformed JSON / form, wrong field type
+invalid_request              400     malformed JSON / form, wrong field type, transcript / name too long
 invalid_voice_id             400     voice id outside ``^[A-Za-z0-9_-]{1,64}$``
 missing_audio                400     registration without an audio file
 missing_transcript           400     registration without a transcript
-invalid_audio                400     upload is not decodable audio
+invalid_audio                400     upload is not decodable audio (or silent, or bad base64)
 audio_too_short              400     prompt shorter than the minimum duration
 audio_too_long               400     prompt longer than the maximum duration
 sample_rate_too_low          400     prompt sample rate below the minimum
@@ -33,7 +35,9 @@ voice_exists                 409     registering an id that is already taken
 too_many_voices              409     registering a new id with ``voices.max_voices`` voices registered
 audio_too_large              413     upload over the byte limit (stopped while reading)
 request_too_large            413     a JSON speech request over max(256 KiB, 12 bytes x ``max_input_chars`` + 64 KiB)
-not_ready                    503     engine not loaded / warmed yet, draining, or failed (``/ready``)
+too_many_registrations       429     ``voices.max_concurrent_registrations`` registrations already running
+not_ready                    503     engine draining, failed, or not loaded yet (``/ready``; the server
+                                     opens its port only after the load, so HTTP clients see the first two)
 engine_failed                503     ``/health``: the engine can serve no more (stage process dead or stalled)
 too_many_sessions            503     ``max_sessions`` sessions (WebSockets and syntheses) already open
 synthesis_failed             500     the engine reported an error for the utterance
