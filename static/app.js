@@ -4,12 +4,15 @@
 // Flow: the text is cut into LLM-like tokens and sent to /v1/tts/stream one `text`
 // message at a time at the chosen rate; binary audio frames come back and are decoded
 // (Opus through WebCodecs where the browser has it, else 16-bit PCM) and scheduled
-// back to back on one AudioContext clock, so chunks join without gaps. Stop sends a
+// back to back on one AudioContext clock, so chunks join without gaps. The AudioContext
+// runs at the stream's own rate (48 kHz Opus, 24 kHz PCM): the chunks are not resampled
+// one by one (each small buffer resampled on its own clicks at every join), the browser
+// resamples the context's output to the device as one continuous signal. Stop sends a
 // real `cancel` (barge-in) and silences what was already scheduled.
 //
-// `window.demo.state` exposes counters (scheduled buffers/seconds, first-audio time,
-// events) and every change dispatches a `demo:change` event, so tests can wait on the
-// page's own state instead of guessing with timers.
+// `window.demo.state` exposes counters (scheduled buffers/seconds of the current turn,
+// first-audio time, events) and every change dispatches a `demo:change` event, so tests
+// can wait on the page's own state instead of guessing with timers.
 "use strict";
 
 (() => {
@@ -18,6 +21,7 @@
   const OPUS_RATE = 48000;
   const MAX_UPLOAD_BYTES = 20 * 1024 * 1024; // the server's default voices.max_upload_bytes
   const LEAD_S = 0.06;      // scheduling head-room so the first chunk is not clipped
+  const MAX_LOG = 200;      // events kept in the log (and in state.events / state.errors)
 
   const state = {
     connected: false,
@@ -25,11 +29,12 @@
     contextId: null,
     speaking: false,
     format: null,            // "opus" | "pcm_s16le" of the current context
+    limits: null,            // the server's limits (session_started)
     textSentAt: null,        // performance.now() of the first text message
     firstAudioMs: null,      // first audio frame received - first text sent
-    scheduledBuffers: 0,     // AudioBufferSourceNodes started (all contexts)
-    scheduledSeconds: 0,
-    peak: 0,                 // largest |sample| scheduled (0 would mean silence)
+    scheduledBuffers: 0,     // AudioBufferSourceNodes started (this turn)
+    scheduledSeconds: 0,     // audio scheduled (this turn)
+    peak: 0,                 // largest |sample| scheduled this turn (0 would mean silence)
     framesReceived: 0,
     framesAfterCancel: 0,    // audio frames for a context after its `cancelled` (must stay 0)
     segments: [],            // segment_started events of the current context
@@ -42,6 +47,8 @@
     registered: null,        // the voice the last upload registered
     uploadError: null,
     done: null,              // the server's `done` event
+    failed: null,            // the `final` error that ended this turn (no `done` follows)
+    textDropped: null,       // a `text_too_long` error: some text of this turn was not taken
     errors: [],
     events: [],              // every server event (JSON), in order
   };
@@ -106,8 +113,7 @@
         stream.getTracks().forEach((t) => t.stop());
         recorded = new Blob(parts, { type: recorder.mimeType });
         state.recorded = { bytes: recorded.size, type: recorded.type, seconds: state.recordingSeconds };
-        $("nv-preview").src = URL.createObjectURL(recorded);
-        $("nv-preview").hidden = false;
+        setPreview(URL.createObjectURL(recorded));
         $("nv-record").textContent = "● Record";
         $("nv-record").setAttribute("aria-label", "Record a clip");
         setStatus("nv-status", `recorded ${state.recordingSeconds.toFixed(1)} s (${(recorded.size / 1024).toFixed(0)} KiB)`);
@@ -123,7 +129,15 @@
       setStatus("nv-status", `microphone: ${err.message}`);
     }
   });
-  $("nv-file").addEventListener("change", () => { recorded = null; });
+  $("nv-file").addEventListener("change", () => { recorded = null; setPreview(null); });
+
+  function setPreview(url) {
+    // One preview at a time: the last recording's object URL is freed (it holds the Blob).
+    const preview = $("nv-preview");
+    if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
+    if (url) preview.src = url; else preview.removeAttribute("src");
+    preview.hidden = !url;
+  }
 
   $("nv-upload").addEventListener("click", async () => {
     const file = recorded || $("nv-file").files[0];
@@ -166,36 +180,77 @@
 
   // ---- audio output: gapless scheduling on the AudioContext clock ----------------------
   class Player {
-    constructor() {
-      this.ctx = new AudioContext({ latencyHint: "interactive" });
+    // An AudioContext at the stream's rate. Chromium resamples an AudioBuffer of another
+    // rate than its context's buffer by buffer, each on its own (no state across them), so
+    // 20 ms chunks played back to back click at every join (~40 times a second on a 44.1 kHz
+    // device). At the stream's rate the chunks are played as they are and the context's
+    // output is resampled to the device as one continuous stream.
+    constructor(rate) {
+      this.rate = rate || null; // the rate asked for; the browser may not honour it
+      let ctx = null;
+      if (rate) {
+        try { ctx = new AudioContext({ latencyHint: "interactive", sampleRate: rate }); } catch (_) { /* unsupported rate */ }
+      }
+      this.ctx = ctx || new AudioContext({ latencyHint: "interactive" });
       this.analyser = this.ctx.createAnalyser();
       this.analyser.fftSize = 2048;
       this.analyser.connect(this.ctx.destination);
       this.reset();
     }
     reset() {
-      this.nextTime = 0;
+      this.nextFrame = 0; // where the next chunk starts, in frames of the context's clock
       this.sources = [];
       this.timeline = []; // {t0, dur}: where each buffer of this context sits on the clock
+      this.rs = null;     // streaming resampler for chunks at another rate than the context's
     }
+    get nextTime() { return this.nextFrame / this.ctx.sampleRate; }
     schedule(samples, rate) {
       if (!samples.length) return;
-      const buffer = this.ctx.createBuffer(1, samples.length, rate);
+      const sr = this.ctx.sampleRate;
+      // Never a buffer at another rate: that would be resampled on its own (a click at each join).
+      if (rate !== sr) samples = this.resample(samples, rate);
+      if (!samples.length) return;
+      const buffer = this.ctx.createBuffer(1, samples.length, sr);
       buffer.copyToChannel(samples, 0);
       const src = this.ctx.createBufferSource();
       src.buffer = buffer;
       src.connect(this.analyser);
-      // Back to back: the next chunk starts where the previous one ends, unless we
-      // fell behind (network or engine gap), then as soon as possible.
-      const t0 = Math.max(this.nextTime, this.ctx.currentTime + LEAD_S);
+      // Back to back, on whole frames: the next chunk starts where the previous one ends,
+      // unless we fell behind (network or engine gap), then as soon as possible.
+      const start = Math.max(this.nextFrame, Math.ceil((this.ctx.currentTime + LEAD_S) * sr));
+      const t0 = start / sr;
       src.start(t0);
-      this.nextTime = t0 + buffer.duration;
+      this.nextFrame = start + samples.length;
       this.sources.push(src);
       src.onended = () => { this.sources = this.sources.filter((s) => s !== src); };
       this.timeline.push({ t0, dur: buffer.duration });
       state.scheduledBuffers += 1;
       state.scheduledSeconds += buffer.duration;
       for (let i = 0; i < samples.length; i++) state.peak = Math.max(state.peak, Math.abs(samples[i]));
+    }
+    resample(samples, rate) {
+      // Only where the context could not be opened at the stream's rate: linear
+      // interpolation whose position and last sample carry over from chunk to chunk, so
+      // the stream stays one continuous signal. x[0] is the previous chunk's last sample,
+      // x[k] = samples[k - 1]; `pos` is the next output's position on that axis.
+      if (!this.rs || this.rs.rate !== rate) this.rs = { rate, pos: 1, prev: 0 };
+      const rs = this.rs;
+      const step = rate / this.ctx.sampleRate;
+      const n = samples.length;
+      const out = new Float32Array(Math.max(0, Math.ceil((n - rs.pos) / step) + 2));
+      let k = 0;
+      let pos = rs.pos;
+      while (pos <= n) { // ends with pos > n: the next chunk starts past its x[0]
+        const i = Math.floor(pos);
+        const f = pos - i;
+        const a = i === 0 ? rs.prev : samples[i - 1];
+        const b = i < n ? samples[i] : a;
+        out[k++] = a + (b - a) * f;
+        pos += step;
+      }
+      rs.pos = pos - n;
+      rs.prev = samples[n - 1];
+      return out.subarray(0, k);
     }
     playedSeconds() {
       const now = this.ctx.currentTime;
@@ -206,17 +261,29 @@
     stopAll() {
       for (const s of this.sources) { try { s.stop(); } catch (_) { /* not started */ } }
       this.sources = [];
-      this.nextTime = 0;
+      this.nextFrame = 0;
+      this.rs = null;
       // Freeze the timeline at "now" so the played time stays what was really heard.
       const now = this.ctx.currentTime;
       this.timeline = this.timeline.map(({ t0, dur }) => ({ t0, dur: Math.min(Math.max(now - t0, 0), dur) }));
     }
+    close() {
+      this.stopAll();
+      this.ctx.close().catch(() => { /* already closed */ });
+    }
   }
   let player = null;
-  const getPlayer = () => (player ||= new Player());
+  // The player for a stream at `rate`: a turn at another rate than the last one's gets a
+  // context of its own (turns never overlap: the old one was stopped or has finished).
+  const getPlayer = (rate) => {
+    if (player && rate && player.rate !== rate) { player.close(); player = null; }
+    return (player ||= new Player(rate));
+  };
 
   // ---- decoders ---------------------------------------------------------------------
-  async function opusSupported() {
+  let opusCheck = null; // asked once: the answer does not change while the page lives
+  function opusSupported() { return (opusCheck ||= checkOpus()); }
+  async function checkOpus() {
     if (typeof AudioDecoder === "undefined") return false;
     try {
       const r = await AudioDecoder.isConfigSupported({ codec: "opus", sampleRate: OPUS_RATE, numberOfChannels: 1 });
@@ -265,6 +332,11 @@
   let decoder = null;      // OpusDecoderStream of the current context
   const cancelledIds = new Set(); // the server confirmed `cancelled`
   const stoppedIds = new Set();   // Stop pressed here: frames still in flight are dropped
+  const failedIds = new Set();    // a `final` error ended the turn: its later audio and events are ignored
+  const remember = (set, id) => {  // bounded: the oldest ids go first
+    set.add(id);
+    if (set.size > MAX_LOG) set.delete(set.values().next().value);
+  };
   let tokenTimer = null;
   let contextCounter = 0;
 
@@ -288,7 +360,7 @@
       sock.onmessage = (msg) => {
         if (typeof msg.data === "string") {
           const ev = JSON.parse(msg.data);
-          if (ev.type === "session_started") { state.sessionId = ev.session_id; resolve(sock); }
+          if (ev.type === "session_started") { state.sessionId = ev.session_id; state.limits = ev.limits || null; resolve(sock); }
           onEvent(ev);
         } else {
           onAudio(new Uint8Array(msg.data));
@@ -299,7 +371,9 @@
         reject(new Error(why));
         if (ws !== sock) return; // a socket replaced on purpose: the new one carries on
         const inTurn = state.speaking;
-        setConn(e.code === 1000 ? "idle" : "error", why);
+        // 4000: the server's idle timeout (no turn for a while), not a failure.
+        if (e.code === 4000) setConn("idle", "idle, reconnects on Speak");
+        else setConn(e.code === 1000 ? "idle" : "error", why);
         state.connected = false;
         ws = null; wsReady = null;
         finishTurn();
@@ -316,17 +390,28 @@
   const send = (msg) => ws && ws.readyState === WebSocket.OPEN && ws.send(JSON.stringify(msg));
 
   function logEvent(ev) {
+    // The last MAX_LOG events only: a long session must not grow the list (and the DOM) without end.
     state.events.push(ev);
+    if (state.events.length > MAX_LOG) state.events.splice(0, state.events.length - MAX_LOG);
+    const list = $("events");
     const li = document.createElement("li");
     const { type, ...rest } = ev;
     li.textContent = `${type} ${JSON.stringify(rest)}`.slice(0, 240);
-    $("events").append(li);
-    $("events").scrollTop = $("events").scrollHeight;
+    list.append(li);
+    while (list.childElementCount > MAX_LOG) list.firstElementChild.remove();
+    list.scrollTop = list.scrollHeight;
   }
 
   function onEvent(ev) {
     logEvent(ev);
-    const mine = ev.context_id === state.contextId;
+    if (ev.type === "error") {
+      state.errors.push(ev);
+      if (state.errors.length > MAX_LOG) state.errors.splice(0, state.errors.length - MAX_LOG);
+      if (ev.code === "unauthorized") setConn("error", "unauthorized: set the API key");
+    }
+    // A turn that failed is over: what its id still brings (a context that text already on
+    // the wire opened after the refusal, the `cancelled` that closes it) is only logged.
+    const mine = ev.context_id === state.contextId && !failedIds.has(ev.context_id);
     switch (ev.type) {
       case "context_started":
         if (mine) { state.format = ev.format; $("codec").textContent = `${ev.format} ${ev.sample_rate / 1000} kHz`; }
@@ -338,23 +423,50 @@
         if (mine) { state.done = ev; finishTurn(); }
         break;
       case "cancelled":
-        cancelledIds.add(ev.context_id);
+        remember(cancelledIds, ev.context_id);
         if (mine) { state.cancelled = ev; finishTurn(); }
         break;
       case "error":
-        state.errors.push(ev);
-        if (ev.code === "unauthorized") setConn("error", "unauthorized: set the API key");
+        if (!mine) break;
         // `final`: the server refused or ended this turn's context; no `done` will come.
-        if (mine && ev.final) { finishTurn(); $("state").textContent = `failed: ${ev.code}`; }
-        else if (mine && state.speaking) {
-          $("state").textContent = `streaming (server: ${ev.code}: ${ev.message})`;
-          // A refused text piece may have carried `end`: then nothing would end the turn.
-          const refused = ["invalid_message", "text_too_long", "message_too_large"].includes(ev.code);
-          if (refused && state.tokensSent === state.tokensTotal) { stop(); $("state").textContent = `failed: ${ev.code}`; }
+        if (ev.final) { failTurn(ev); break; }
+        if (!state.speaking) break;
+        if (ev.code === "text_too_long") {
+          // The server did not take this piece's text (the context is over its limit), but
+          // its `end` still applies: the text before it is spoken and `done` follows.
+          state.textDropped = ev;
+          $("state").textContent = `streaming (${droppedNotice()})`;
+          break;
+        }
+        $("state").textContent = `streaming (server: ${ev.code}: ${ev.message})`;
+        // A refused piece may have carried `end`: then nothing would end the turn. Ending it
+        // again is harmless (an ended context ignores a second `end`) and keeps what was taken.
+        if (["invalid_message", "message_too_large"].includes(ev.code) && state.tokensSent === state.tokensTotal && !state.endResent) {
+          state.endResent = true;
+          send({ type: "end", context_id: state.contextId });
         }
         break;
     }
     changed();
+  }
+
+  function droppedNotice() {
+    const max = state.limits && state.limits.max_text_chars;
+    return `part of the text was dropped: over the server's limit${max ? ` of ${max} characters a turn` : ""}`;
+  }
+
+  function failTurn(ev) {
+    // No more text: the pieces already on the wire reach the server after the refusal, and
+    // the first of them opens a new context under this id with the socket's defaults. A
+    // `cancel` sent now comes after all of them (one socket is ordered), so it closes that
+    // context (or is answered `cancelled` with `active: false` when none was opened).
+    const cid = ev.context_id;
+    if (tokenTimer) { clearTimeout(tokenTimer); tokenTimer = null; }
+    remember(failedIds, cid);
+    // Audio that came before the failure plays on; what comes after it is dropped (onAudio).
+    send({ type: "cancel", context_id: cid });
+    state.failed = ev;
+    finishTurn();
   }
 
   function onAudio(frame) {
@@ -362,7 +474,7 @@
     const cid = new TextDecoder().decode(frame.subarray(1, 1 + n));
     const payload = frame.subarray(1 + n);
     if (cancelledIds.has(cid)) { state.framesAfterCancel += 1; changed(); return; }
-    if (cid !== state.contextId || stoppedIds.has(cid)) return;
+    if (cid !== state.contextId || stoppedIds.has(cid) || failedIds.has(cid)) return;
     state.framesReceived += 1;
     if (state.firstAudioMs === null && state.textSentAt !== null) {
       state.firstAudioMs = performance.now() - state.textSentAt;
@@ -400,22 +512,23 @@
 
   async function startTurn(text) {
     if (state.speaking) await stop();
-    const p = getPlayer();
+    const choice = $("format").value;
+    const canOpus = choice !== "pcm" && (await opusSupported());
+    const useOpus = canOpus && (choice === "opus" || choice === "auto");
+    const p = getPlayer(useOpus ? OPUS_RATE : PCM_RATE);
     if (p.ctx.state === "suspended") await p.ctx.resume();
     let sock;
     try { sock = await connect(); } catch (err) { setConn("error", err.message); return; }
 
-    const choice = $("format").value;
-    const canOpus = choice !== "pcm" && (await opusSupported());
     if (choice === "opus" && !canOpus) {
       logEvent({ type: "notice", message: "this browser cannot decode Opus (WebCodecs needs HTTPS or localhost): PCM instead" });
     }
-    const useOpus = canOpus && (choice === "opus" || choice === "auto");
     contextCounter += 1;
     const cid = `demo-${Date.now().toString(36)}-${contextCounter}`;
     Object.assign(state, {
       contextId: cid, speaking: true, format: useOpus ? "opus" : "pcm_s16le", textSentAt: null, firstAudioMs: null,
       segments: [], currentSegment: null, tokensSent: 0, tokensTotal: 0, cancelled: null, done: null, heardSeconds: null,
+      failed: null, textDropped: null, endResent: false, scheduledBuffers: 0, scheduledSeconds: 0, peak: 0,
     });
     p.stopAll();
     p.reset();
@@ -423,6 +536,7 @@
     decoder = useOpus ? new OpusDecoderStream((pcm, rate) => { p.schedule(pcm, rate); changed(); }) : null;
     $("ttfa").textContent = "…";
     $("segment").textContent = "—";
+    $("played").textContent = "0.00 s";
     $("transcript").replaceChildren();
     $("speak").disabled = true;
     $("stop").disabled = false;
@@ -457,7 +571,7 @@
     if (tokenTimer) { clearTimeout(tokenTimer); tokenTimer = null; }
     const cid = state.contextId;
     if (cid) {
-      stoppedIds.add(cid);
+      remember(stoppedIds, cid);
       if (!state.cancelled) send({ type: "cancel", context_id: cid }); // idempotent on the server
     }
     if (decoder) { decoder.close(); decoder = null; } // packets queued in it are not played
@@ -475,7 +589,10 @@
     if (tokenTimer) { clearTimeout(tokenTimer); tokenTimer = null; }
     state.speaking = false;
     $("speak").disabled = false;
-    $("state").textContent = state.cancelled ? "stopped (cancelled)" : state.done ? "done" : "idle";
+    $("state").textContent = state.failed ? `failed: ${state.failed.code}`
+      : state.cancelled ? "stopped (cancelled)"
+      : state.done ? (state.textDropped ? `done (${droppedNotice()})` : "done")
+      : "idle";
   }
 
   // ---- display ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import pytest
 import websockets
 
 from gateway.app import create_app
+from gateway.protocol import WsLimits
 from test_twilio import API_KEY, LiveServer, gateway_settings, tone_wav
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,6 +191,15 @@ def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield srv
 
 
+@pytest.fixture(scope="module")
+def small_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A gateway with small limits: 2 contexts a socket, 80 characters a context, idle close after 3 s."""
+    settings = gateway_settings(tiny_model_dir, tmp_path_factory.mktemp("demo-small"))
+    settings = dataclasses.replace(settings, ws=WsLimits(max_contexts=2, max_text_chars=80, idle_timeout_s=3.0))
+    with LiveServer(create_app(settings)) as srv:
+        yield srv
+
+
 def browse(gateway: LiveServer, scenario: Any) -> Any:
     async def main() -> Any:
         with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
@@ -208,6 +219,12 @@ async def use_key_and_voice(b: DevTools, voice: str) -> None:
                    k.dispatchEvent(new Event('change')); }})()""")
     await b.until(f"[...document.querySelectorAll('#voice option')].some(o => o.value === {json.dumps(voice)})")
     await b.js(f"document.getElementById('voice').value = {json.dumps(voice)}")
+
+
+async def use_key(b: DevTools) -> None:
+    # The key, and the voice list loaded with it; the server's default voice.
+    await b.js(f"""(async () => {{ document.getElementById('api-key').value = {json.dumps(API_KEY)};
+                   await demo.loadVoices(); document.getElementById('voice').value = ''; }})()""")
 
 
 def test_page_streams_audio_shows_first_audio_time_and_stop_barges_in(gateway: LiveServer) -> None:
@@ -307,11 +324,18 @@ def test_a_turn_the_server_refuses_frees_the_speak_button(gateway: LiveServer) -
                        document.getElementById('text').value = 'Nobody speaks this.';
                        document.getElementById('speak').click(); })()""")
         await b.until("demo.state.errors.length > 0 && !document.getElementById('speak').disabled")
-        return await b.js("({error: demo.state.errors[0], state: document.getElementById('state').textContent})")
+        failed = await b.js("({error: demo.state.errors[0], state: document.getElementById('state').textContent})")
+        # The page cancels the id (text may have been on the wire): the server answers
+        # `cancelled`, with `active: false` when nothing was open, which is no failure.
+        cancelled = await b.until("demo.state.events.find(e => e.type === 'cancelled' && e.context_id === demo.state.contextId)", timeout=20)
+        after = await b.js("""({state: document.getElementById('state').textContent, conn: document.getElementById('conn').dataset.state,
+                               errors: demo.state.errors.length, scheduled: demo.state.scheduledSeconds})""")
+        return dict(failed=failed, cancelled=cancelled, after=after)
 
     r = browse(gateway, scenario)
-    assert r["error"]["code"] == "voice_not_found" and r["error"]["final"] is True
-    assert r["state"] == "failed: voice_not_found"
+    assert r["failed"]["error"]["code"] == "voice_not_found" and r["failed"]["error"]["final"] is True
+    assert r["failed"]["state"] == "failed: voice_not_found"
+    assert r["after"] == {"state": "failed: voice_not_found", "conn": "open", "errors": 1, "scheduled": 0}, r
 
 
 def test_emoji_in_the_text_are_never_cut_in_half(gateway: LiveServer) -> None:
@@ -360,3 +384,206 @@ def test_record_a_voice_in_the_browser_register_it_and_speak_with_it(gateway: Li
     with httpx.Client(base_url=gateway.url, timeout=30) as c:
         voices = c.get("/v1/voices", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]
     assert "mic" in [v["id"] for v in voices]
+
+
+# A 44.1 kHz output device: an AudioContext opened without a sample rate runs at 44100 Hz
+# (as on most laptops' built-in output); one opened with a rate runs at that rate.
+FORCE_DEVICE_44K = """(() => { const Base = window.AudioContext;
+    window.AudioContext = class extends Base { constructor(o) { super({sampleRate: 44100, ...(o || {})}); } }; })()"""
+
+# A 440 Hz sine (fades in and out over 20 ms) cut into 20 ms chunks at the turn's stream
+# rate, scheduled through the page's player as the decoders do; the context's output is
+# recorded and every sample whose second difference is far beyond a smooth sine's is a click.
+SINE_CLICKS = r"""(async () => {
+    const p = demo.player(), ctx = p.ctx;
+    // What the turn scheduled has played out (the tap must hear the sine alone).
+    await new Promise((r) => { const t = () => (p.nextTime <= ctx.currentTime ? r() : setTimeout(t, 50)); t(); });
+    p.stopAll(); p.reset();
+    const rate = demo.state.format === 'opus' ? 48000 : 24000, chunk = rate / 50, n = Math.round(rate * 1.5);
+    // The context's output, recorded on the audio thread (a ScriptProcessor loses buffers
+    // whenever the page's main thread is late).
+    const rec = [];
+    const code = `registerProcessor('tap', class extends AudioWorkletProcessor {
+        process(inputs) { const x = inputs[0][0]; this.port.postMessage(x ? x.slice() : new Float32Array(128)); return true; } });`;
+    await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([code], {type: 'application/javascript'})));
+    const tap = new AudioWorkletNode(ctx, 'tap', {numberOfInputs: 1, numberOfOutputs: 0});
+    tap.port.onmessage = (e) => rec.push(e.data);
+    p.analyser.connect(tap);
+    const fade = Math.round(rate * 0.02);
+    for (let k = 0; k * chunk < n; k++) {
+        const s = new Float32Array(chunk);
+        for (let i = 0; i < chunk; i++) {
+            const j = k * chunk + i;
+            const env = 0.5 - 0.5 * Math.cos(Math.PI * Math.min(1, Math.min(j, n - 1 - j) / fade));
+            s[i] = 0.5 * env * Math.sin(2 * Math.PI * 440 * j / rate);
+        }
+        p.schedule(s, rate);
+    }
+    await new Promise((r) => { const t = () => (p.nextTime + 0.3 <= ctx.currentTime ? r() : setTimeout(t, 50)); t(); });
+    p.analyser.disconnect(tap); tap.port.onmessage = null;
+    const all = new Float32Array(rec.reduce((a, x) => a + x.length, 0));
+    let o = 0; for (const x of rec) { all.set(x, o); o += x.length; }
+    let spikes = 0, active = 0;
+    for (let i = 1; i < all.length - 1; i++) {
+        if (Math.abs(all[i]) > 0.25) active++;
+        if (Math.abs(all[i + 1] - 2 * all[i] + all[i - 1]) > 0.05) spikes++;
+    }
+    return {rate, ctxRate: ctx.sampleRate, spikes, activeSeconds: active / ctx.sampleRate, recordedSeconds: all.length / ctx.sampleRate};
+})()"""
+
+
+def test_chunks_play_as_one_stream_without_clicks_on_a_44_1_khz_device(gateway: LiveServer) -> None:
+    """Each 20 ms chunk played as an AudioBuffer at the stream's rate in a context at the
+    device's 44.1 kHz was resampled on its own by Chromium: a click at every join (~40 a
+    second). The stream must be resampled as one signal."""
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await b.js(FORCE_DEVICE_44K)
+        await use_key_and_voice(b, "alice")
+        out: dict[str, Any] = {"opus": await b.js("demo.opusSupported()")}
+        last = None
+        for fmt in (["opus"] if out["opus"] else []) + ["pcm"]:
+            await b.js(f"""(() => {{ document.getElementById('text').value = 'Hi there.';
+                           const r = document.getElementById('rate'); r.value = '200'; r.dispatchEvent(new Event('input'));
+                           document.getElementById('format').value = {json.dumps(fmt)};
+                           document.getElementById('speak').click(); }})()""")
+            done = await b.until(f"demo.state.contextId !== {json.dumps(last)} && (demo.state.done || demo.state.errors.length && {{errors: demo.state.errors}})", timeout=120)
+            last = await b.js("demo.state.contextId")
+            out[fmt] = {"done": done, "played": await b.js(SINE_CLICKS, timeout=30)}
+        return out
+
+    r = browse(gateway, scenario)
+    for fmt in (["opus"] if r["opus"] else []) + ["pcm"]:
+        assert r[fmt]["done"].get("type") == "done", r[fmt]
+        played = r[fmt]["played"]
+        assert played["rate"] == (48000 if fmt == "opus" else 24000)
+        assert played["activeSeconds"] > 0.8, played  # the sine was really played (|x| > 0.25 two thirds of the time)
+        assert played["spikes"] == 0, played
+
+
+# Server events reach the page 250 ms late (a slow network): text sent meanwhile is on the wire.
+SLOW_NETWORK = """(() => { const Base = window.WebSocket; window.sentMessages = [];
+    window.WebSocket = class extends Base {
+        set onmessage(fn) { super.onmessage = (e) => { const data = e.data; setTimeout(() => fn({data}), 250); }; }
+        send(d) { window.sentMessages.push(JSON.parse(d)); super.send(d); }
+    }; })()"""
+
+
+def test_a_refused_turn_cancels_the_context_its_text_in_flight_opened(small_gateway: LiveServer) -> None:
+    """The voice was deleted after the list was loaded: the first `text` is refused (final
+    `voice_not_found`), but the pieces sent before the refusal arrived open a new context
+    under the same id with the default voice. The page must cancel it, play none of its
+    audio, and not leak it: with 2 contexts a socket, the third leaked one would refuse every turn."""
+    with httpx.Client(base_url=small_gateway.url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        resp = c.post("/v1/voices", data={"id": "gone", "transcript": "Alice reads a short sentence."},
+                      files={"file": ("gone.wav", tone_wav(4.0, freq=240.0), "audio/wav")})
+        assert resp.status_code == 201, resp.text
+
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await b.js(SLOW_NETWORK)
+        await use_key_and_voice(b, "gone")
+        with httpx.Client(base_url=small_gateway.url, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            assert c.delete("/v1/voices/gone").status_code == 200
+        turns = []
+        for _ in range(3):
+            await b.js("""(() => { document.getElementById('text').value = 'One two three four five six seven eight nine ten eleven twelve.';
+                           const r = document.getElementById('rate'); r.value = '20'; r.dispatchEvent(new Event('input'));
+                           document.getElementById('format').value = 'pcm';
+                           document.getElementById('speak').click(); })()""")
+            await b.until("document.getElementById('state').textContent.startsWith('failed') && !document.getElementById('speak').disabled")
+            cid = await b.js("demo.state.contextId")
+            # The cancel's answer, `active` or not, ends the failed turn on both sides.
+            try:
+                cancelled = await b.until(f"demo.state.events.find(e => e.type === 'cancelled' && e.context_id === {json.dumps(cid)})", timeout=10)
+            except AssertionError:
+                cancelled = None
+            await asyncio.sleep(0.5)  # late frames of the context would be played meanwhile
+            turns.append(await b.js(f"""({{cid: {json.dumps(cid)}, cancelled: {json.dumps(cancelled)},
+                sent: sentMessages.filter(m => m.context_id === {json.dumps(cid)}).map(m => m.type),
+                state: document.getElementById('state').textContent, conn: document.getElementById('conn').dataset.state,
+                scheduled: demo.state.scheduledSeconds, frames: demo.state.framesReceived,
+                segments: demo.state.segments.length, format: demo.state.format,
+                errors: demo.state.errors.filter(e => e.context_id === {json.dumps(cid)}).map(e => e.code)}})"""))
+        # A turn with a voice that exists still gets a context: nothing leaked.
+        await b.js("""(() => { document.getElementById('voice').value = '';
+                       document.getElementById('text').value = 'Still here.';
+                       document.getElementById('speak').click(); })()""")
+        done = await b.until("demo.state.done || demo.state.errors.some(e => e.code === 'too_many_contexts') && {errors: demo.state.errors}", timeout=60)
+        session = await b.js("({sessions: demo.state.events.filter(e => e.type === 'session_started').length})")
+        return dict(turns=turns, done=done, session=session)
+
+    r = browse(small_gateway, scenario)
+    for t in r["turns"]:
+        assert t["errors"][0] == "voice_not_found", t
+        assert t["cancelled"] is not None, t
+        # Text was in flight when the refusal came (and not all of it: no `end` was sent).
+        assert 2 <= t["sent"].count("text") < 13, t
+        assert t["sent"][-1] == "cancel" and t["sent"].count("cancel") == 1, t
+        assert t["state"] == "failed: voice_not_found", t  # not "stopped (cancelled)"
+        assert t["conn"] == "open", t
+        assert t["scheduled"] == 0 and t["frames"] == 0 and t["segments"] == 0, t  # nothing of the default voice played
+    assert r["done"].get("type") == "done" and r["done"]["audio_samples"] > 0, r["done"]
+    assert r["session"]["sessions"] == 1  # all on one socket
+
+
+def test_text_over_the_limit_is_dropped_but_the_turn_is_spoken_to_its_end(small_gateway: LiveServer) -> None:
+    """`text_too_long` is not final: the server drops that piece's text but honours its
+    `end`. The page used to stop (cancel and silence) the turn when the refused piece was
+    the last one; it must wait for `done` and say that part of the text was dropped."""
+    text = ("The first sentence is here and it is fine. The second one is also fine. "
+            "The third sentence goes past the limit of this server. And the fourth one too.")
+
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        await use_key(b)
+        await b.js(f"""(() => {{ document.getElementById('text').value = {json.dumps(text)};
+                       const r = document.getElementById('rate'); r.value = '100'; r.dispatchEvent(new Event('input'));
+                       document.getElementById('format').value = 'pcm';
+                       document.getElementById('speak').click(); }})()""")
+        await b.until("!demo.state.speaking && (demo.state.done || demo.state.cancelled || demo.state.failed)", timeout=120)
+        return await b.js("""({done: demo.state.done, cancelled: demo.state.cancelled, failed: demo.state.failed,
+                              codes: demo.state.errors.map(e => e.code), state: document.getElementById('state').textContent,
+                              scheduled: demo.state.scheduledSeconds, heard: demo.state.heardSeconds,
+                              sources: demo.player().sources.length, tokensSent: demo.state.tokensSent, tokensTotal: demo.state.tokensTotal})""")
+
+    r = browse(small_gateway, scenario)
+    assert "text_too_long" in r["codes"], r
+    assert r["cancelled"] is None and r["failed"] is None and r["heard"] is None, r  # never stopped
+    assert r["done"] is not None and r["done"]["audio_samples"] > 0 and 0 < r["done"]["text_chars"] <= 80, r
+    assert r["tokensSent"] == r["tokensTotal"]
+    assert r["scheduled"] == pytest.approx(r["done"]["audio_samples"] / 24000, abs=1e-3)
+    assert r["state"].startswith("done") and "part of the text was dropped" in r["state"], r["state"]
+
+
+def test_idle_close_is_no_error_the_figures_are_per_turn_and_the_log_is_bounded(small_gateway: LiveServer) -> None:
+    async def scenario(b: DevTools) -> dict[str, Any]:
+        # Keep a handle on the page's socket, to provoke many events.
+        await b.js("""(() => { const Base = window.WebSocket;
+            window.WebSocket = class extends Base { constructor(...a) { super(...a); window.pageSocket = this; } }; })()""")
+        await use_key(b)
+        turns = []
+        last = None
+        for k in range(2):
+            await b.js("""(() => { document.getElementById('text').value = 'A short turn.';
+                           const r = document.getElementById('rate'); r.value = '200'; r.dispatchEvent(new Event('input'));
+                           document.getElementById('format').value = 'pcm';
+                           document.getElementById('speak').click(); })()""")
+            await b.until(f"demo.state.contextId !== {json.dumps(last)} && demo.state.done", timeout=60)
+            last = await b.js("demo.state.contextId")
+            turns.append(await b.js("""(async () => { await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+                return {samples: demo.state.done.audio_samples, scheduled: demo.state.scheduledSeconds,
+                        shown: document.getElementById('scheduled').textContent}; })()"""))
+            if k == 0:
+                # The server closes an idle socket (4000): a neutral state, not an error.
+                await b.until("document.getElementById('conn').textContent.includes('idle')", timeout=20)
+                idle = await b.js("({state: document.getElementById('conn').dataset.state, text: document.getElementById('conn').textContent})")
+        # 300 `flushed` answers: the event log keeps the last 200.
+        await b.js("for (let i = 0; i < 300; i++) pageSocket.send(JSON.stringify({type: 'flush', context_id: 'x' + i}))")
+        await b.until("demo.state.events.some(e => e.type === 'flushed' && e.context_id === 'x299')")
+        log = await b.js("({events: demo.state.events.length, items: document.querySelectorAll('#events li').length})")
+        return dict(turns=turns, idle=idle, log=log)
+
+    r = browse(small_gateway, scenario)
+    assert r["idle"] == {"state": "idle", "text": "idle, reconnects on Speak"}
+    for t in r["turns"]:  # "audio scheduled" is this turn's audio, not every turn's since the page loaded
+        assert t["scheduled"] == pytest.approx(t["samples"] / 24000, abs=1e-3), t
+        assert t["shown"] == f"{t['scheduled']:.2f} s", t
+    assert r["log"] == {"events": 200, "items": 200}
