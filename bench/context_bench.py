@@ -37,7 +37,7 @@ import torch
 from bench.stage_syncs import add_stage_arguments, config_overrides, kernel_table, load_stage_model
 from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
-from engine.engine import build_stage
+from engine.stage_pool import build_stage
 from engine.models.flow import FlowChunk
 from engine.models.loader import LoadedModel
 from engine.stage_profile import kernel_intervals, union_within

@@ -40,7 +40,7 @@ from typing import Any
 
 from engine.chunking import ChunkSchedule, chunk_frames
 from engine.config import EngineConfig
-from engine.engine import graph_policy
+from engine.stage_build import graph_policy
 from engine.first_chunk import TOKEN_S, RoundTimes, SecondRounds, plan_first_hop, shortest_as_safe, stalls
 from engine.flow_prompt_cache import cacheable_frames
 from engine.token2wav import estimate_round

@@ -64,7 +64,7 @@ from bench.flow_profile import family
 from bench.gil_contention import loop_thread
 from engine.config import EngineConfig
 from engine.config_values import convert_value
-from engine.engine import build_stage
+from engine.stage_pool import build_stage
 from engine.hub import resolve_model
 from engine.models.flow import FlowChunk
 from engine.models.loader import LoadedModel, load_model

@@ -57,14 +57,26 @@ target text tokens), plus an absolute cap.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine.backends.base import SamplingParams
 
 # `<|endofprompt|>` of the CosyVoice3 tokenizer (hard-coded in the official LM too).
 END_OF_PROMPT_ID = 151646
+
+
+class TextInLM(Protocol):
+    """An LM backend (`engine.backends.base.LMBackend`) that also takes an utterance's text
+    while it decodes it; the engine refuses text-in streaming on one that does not."""
+
+    def generate_streaming(self, request: "BistreamRequest", text_source: AsyncIterator[list[int]]) -> AsyncIterator[int]:
+        """One generation fed text token ids as they arrive: each item of `text_source` is
+        one arrival of raw text ids, its end the end of the text. The interleaving (5 text
+        tokens, 15 speech tokens, fill) is `BistreamState`'s; speech ids are yielded as in
+        `LMBackend.generate`."""
+        ...
 
 
 class SpeechLimitReached(RuntimeError):
@@ -147,8 +159,8 @@ class TokenRule:
 
 @dataclass(frozen=True)
 class BistreamRequest:
-    """One utterance whose text arrives while it is spoken (see `LMBackend` extension
-    `generate_streaming`). Sampling uses `sampling`'s RAS/greedy/seed fields; its
+    """One utterance whose text arrives while it is spoken (`TextInLM.generate_streaming`).
+    Sampling uses `sampling`'s RAS/greedy/seed fields; its
     min/max/fixed lengths are replaced by `limits` (the text length is not known yet)."""
 
     request_id: str

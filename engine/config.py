@@ -21,6 +21,9 @@ GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
+# A later chunk is due this long before the audio already sent runs out at the client:
+# room for the batch's own compute, the network and the client's jitter buffer.
+DEADLINE_MARGIN_S = 0.25
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
 

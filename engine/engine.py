@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import itertools
 import logging
 import math
@@ -27,27 +26,27 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Callable, Literal
+from typing import AsyncIterator, Callable, Literal, cast
 
 import numpy as np
 import torch
 
 from .backends.base import LMBackend, LMRequest, SamplingParams
-from .bistream import BistreamRequest, LengthLimits, SpeechLimitReached
+from .bistream import BistreamRequest, LengthLimits, SpeechLimitReached, TextInLM
 from .chunking import ChunkSchedule, chunk_frames, grown_end, patient_target, window_start
-from .config import EngineConfig
+from .config import DEADLINE_MARGIN_S, EngineConfig
 from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
 from .frontend.text import detect_grammar
 from .lm_watch import LMWatch
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
-from .flow_graphs import GraphPolicy, prompt_shapes
+from .flow_graphs import prompt_shapes
 from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
-from .stage_pool import StagePool
+from .stage_build import graph_policy
+from .stage_pool import StagePool, build_stage
 from .stage_process import RemoteStage
-from .stage_profile import StageProfiler
 from .text_stream import TextFeed
 from .token2wav import AudioStage, ChunkJob, cuda_memory
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
@@ -59,9 +58,6 @@ log = logging.getLogger(__name__)
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT = 5
 PREFIX_CACHE_SIZE = 4096
-# A later chunk is due this long before the audio already sent runs out at the client:
-# room for the batch's own compute, the network and the client's jitter buffer.
-DEADLINE_MARGIN_S = 0.25
 # An utterance's LM rate, for its first chunk's size, is measured over this many first tokens
 # at most (`_lm_step`).
 RATE_TOKENS = 64
@@ -384,51 +380,6 @@ class StartClock:
         now = time.monotonic()
         self.laps[name] = now - self._last
         self._last = now
-
-
-def graph_policy(config: EngineConfig) -> GraphPolicy:
-    """Which flow batch shapes get CUDA graphs."""
-    return GraphPolicy(batch_buckets=config.flow_graph_rows, frame_buckets=config.flow_graph_frames,
-                       shared_prefix_max_rows=config.flow_graph_shared_rows).with_max_rows(config.flow_graph_max_rows)
-
-
-def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
-    """The flow+vocoder stage: one on `device`, or one copy per `config.stage_devices`."""
-    def one(dev: torch.device, flow: torch.nn.Module, hift: torch.nn.Module, index: int = 0) -> AudioStage:
-        profiler = None
-        if config.stage_profile_dir:
-            profiler = StageProfiler(Path(config.stage_profile_dir) / f"stage{index}", config.stage_profile_start,
-                                     config.stage_profile_batches, cuda=dev.type == "cuda",
-                                     min_chunks=config.stage_profile_min_chunks, origin=None)
-        return AudioStage(flow, hift, dev, max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
-                          flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
-                          graph_policy=graph_policy(config),
-                          policy=config.stage_policy, window_tolerance=config.stage_window_tolerance,
-                          prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
-                          profiler=profiler, split_batches=config.flow_split_batches,
-                          split_padded=config.flow_split_padded,
-                          vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
-                          vocoder_graph_rows=config.vocoder_graph_rows,
-                          context_cache_bytes=config.flow_context_cache_bytes,
-                          context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
-                          context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,
-                          flow_split_prefix_rows=config.flow_split_prefix_rows,
-                          first_chunk_hold_s=config.first_chunk_hold_ms / 1000,
-                          first_chunk_hold_share=config.first_chunk_hold_share,
-                          cut_for_deadlines=config.stage_deadline_cut,
-                          cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000,
-                          final_full_attention=config.flow_final_full_attention)
-
-    if not config.stage_devices:
-        return one(device, model.flow, model.hift)
-    stages = []
-    for name in config.stage_devices:
-        dev = torch.device(name)
-        same = dev == device or (dev.type == device.type == "cpu")
-        flow = model.flow if same and not stages else copy.deepcopy(model.flow).to(dev)
-        hift = model.hift if same and not stages else copy.deepcopy(model.hift).to(dev)
-        stages.append(one(dev, flow, hift, len(stages)))
-    return StagePool(stages)
 
 
 async def spawn_stages(config: EngineConfig, device: torch.device) -> RemoteStage | StagePool:
@@ -1069,7 +1020,7 @@ class Session:
         """An utterance whose text arrives while it is spoken: `feed.append(text)` as
         it comes, `feed.close()` at its end. The LM starts on the first words
         (`engine.bistream`); audio comes out in submission order like `submit`'s."""
-        if not hasattr(self.engine.backend, "generate_streaming"):
+        if not hasattr(self.engine.backend, "generate_streaming"):  # not a `TextInLM`
             raise EngineError("unsupported", f"the {self.engine.backend.name} backend has no text-in streaming")
         refusal = getattr(self.engine.backend, "streaming_input_refusal", lambda: None)()
         if refusal is not None:
@@ -1289,9 +1240,9 @@ class Session:
         utt.request_id = f"{self.session_id}-{utt.uid}"
         request = BistreamRequest(utt.request_id, tuple(prompt_text), tuple(prompt_speech), self._sampling(opts), limits)
         feed = utt.feed
+        backend = cast(TextInLM, eng.backend)  # `submit_stream` checked it
         try:
-            await self._speak(utt, lambda: eng.backend.generate_streaming(  # type: ignore[attr-defined]
-                request, eng.lm_watch.text(feed.arrivals())))
+            await self._speak(utt, lambda: backend.generate_streaming(request, eng.lm_watch.text(feed.arrivals())))
         except ValueError as exc:  # e.g. no <|endofprompt|> in the prompt
             raise EngineError("bad_options", str(exc)) from exc
         if feed.first_text_at is not None:

@@ -14,16 +14,35 @@ vocoder's per-utterance state lives on that stage's device). The LM backend is s
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
-
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
+from .config import EngineConfig
+from .models.loader import LoadedModel
+from .stage_build import audio_stage
 from .token2wav import AudioStage, ChunkJob, StageStats
 
 if TYPE_CHECKING:
     from .stage_process import RemoteStage
+
+
+def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
+    """The flow+vocoder stage in this process: one on `device`, or a pool of one copy per
+    device of `config.stage_devices`."""
+    if not config.stage_devices:
+        return audio_stage(model, device, config)
+    stages = []
+    for name in config.stage_devices:
+        dev = torch.device(name)
+        same = dev == device or (dev.type == device.type == "cpu")
+        flow = model.flow if same and not stages else copy.deepcopy(model.flow).to(dev)
+        hift = model.hift if same and not stages else copy.deepcopy(model.hift).to(dev)
+        stages.append(audio_stage(model, dev, config, flow, hift, len(stages)))
+    return StagePool(stages)
 
 
 class PooledStream:

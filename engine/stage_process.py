@@ -526,7 +526,7 @@ def stage_main(conn: Connection, config: EngineConfig, device: str, mps_env: dic
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        from .engine import build_stage
+        from .stage_build import audio_stage
         from .models.loader import load_model
 
         dev = torch.device(device)
@@ -534,14 +534,13 @@ def stage_main(conn: Connection, config: EngineConfig, device: str, mps_env: dic
         model.flow.to(dev)
         model.hift.to(dev)
         # This process is the stage's process (its SM share was set when it was spawned).
-        stage = build_stage(model, dev, dataclasses.replace(config, stage_process=False, stage_devices=(),
-                                                              stage_mps_thread_percent=None))
+        stage = audio_stage(model, dev, dataclasses.replace(config, stage_process=False, stage_devices=(),
+                                                             stage_mps_thread_percent=None))
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send([("fatal", traceback.format_exc())])
         conn.close()
         raise SystemExit(1)
-    assert isinstance(stage, AudioStage)
     asyncio.run(_serve(conn, stage, config.stage_stall_timeout_s))
 
 

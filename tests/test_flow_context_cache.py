@@ -242,7 +242,7 @@ def test_the_context_cache_needs_a_bounded_left_context_and_the_prompt_cache(tin
 
 
 def test_settings_reach_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
-    from engine.engine import build_stage
+    from engine.stage_pool import build_stage
     from engine.models.loader import load_model
     from gateway.app import engine_config
     from gateway.settings import load_settings

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import graph_policy
+from engine.stage_build import graph_policy
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy, iter_shapes, prompt_shapes
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_

@@ -247,7 +247,7 @@ def test_engine_audio_is_unchanged_by_the_prompt_cache(tiny_model_dir) -> None: 
 
 
 def test_settings_reach_the_stage(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
-    from engine.engine import build_stage
+    from engine.stage_pool import build_stage
     from engine.models.loader import load_model
     from gateway.app import engine_config
     from gateway.settings import load_settings

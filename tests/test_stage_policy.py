@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import DEADLINE_MARGIN_S, EngineConfig
 from helpers import assert_same_audio
-from engine.engine import DEADLINE_MARGIN_S, build_stage, chunk_due
+from engine.engine import chunk_due
+from engine.stage_pool import build_stage
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_

@@ -16,7 +16,8 @@ import torch
 from bench.stage_pipe import main as stage_pipe_main
 from bench.ws_load import main as ws_load_main
 from engine.config import EngineConfig
-from engine.engine import graph_policy, spawn_stages
+from engine.engine import spawn_stages
+from engine.stage_build import graph_policy
 from engine.models.flow import FlowChunk
 from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV
 from engine.stage_pool import StagePool

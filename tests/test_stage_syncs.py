@@ -95,7 +95,7 @@ def test_opening_batches_are_first_chunks_of_fresh_utterances(tiny_model_dir) ->
     import torch
 
     from engine.config import EngineConfig
-    from engine.engine import build_stage
+    from engine.stage_pool import build_stage
     from engine.models.loader import load_model
 
     stage = build_stage(load_model(tiny_model_dir, load_lm=False), torch.device("cpu"),

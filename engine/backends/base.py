@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 if TYPE_CHECKING:
     from engine.backends.lm_times import LMServerTimes
-    from engine.bistream import BistreamRequest
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,8 @@ class LMRequest:
 
 
 class LMBackend(Protocol):
-    """Async LM interface shared by the torch and vLLM backends."""
+    """Async LM interface shared by the torch and vLLM backends. A backend that can also
+    take text while it decodes is a `engine.bistream.TextInLM` as well."""
 
     name: str
 
@@ -56,15 +56,6 @@ class LMBackend(Protocol):
         The stream ends when a stop id (any id >= speech_token_size) is sampled, or at
         max_tokens; the stop id itself is not yielded. Closing the iterator early
         (aclose / task cancel) aborts the request and frees its slot.
-        """
-        ...
-
-    def generate_streaming(self, request: "BistreamRequest", text_source: AsyncIterator[list[int]]) -> AsyncIterator[int]:
-        """Text-in streaming (bistream): one generation fed text token ids as they arrive.
-
-        Each item of `text_source` is one arrival of raw text ids; its end is the end of
-        the text. The interleaving (5 text tokens, 15 speech tokens, fill) is
-        `engine.bistream.BistreamState`'s; speech ids are yielded as in `generate`.
         """
         ...
 

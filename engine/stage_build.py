@@ -1,0 +1,51 @@
+"""One flow+vocoder stage as a configuration asks for it, built in this process: for the
+engine's own (`engine.stage_pool.build_stage`, one per device of `stage_devices`) or for
+a stage process (`engine.stage_process`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import DEADLINE_MARGIN_S, EngineConfig
+from .flow_graphs import GraphPolicy
+from .models.loader import LoadedModel
+from .stage_profile import StageProfiler
+from .token2wav import AudioStage
+
+
+def graph_policy(config: EngineConfig) -> GraphPolicy:
+    """Which flow batch shapes get CUDA graphs."""
+    return GraphPolicy(batch_buckets=config.flow_graph_rows, frame_buckets=config.flow_graph_frames,
+                       shared_prefix_max_rows=config.flow_graph_shared_rows).with_max_rows(config.flow_graph_max_rows)
+
+
+def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, flow: torch.nn.Module | None = None,
+                hift: torch.nn.Module | None = None, index: int = 0) -> AudioStage:
+    """The stage on `device` over `flow` and `hift` (the model's own when None); `index`:
+    its place among `stage_devices`, which names its profile's folder."""
+    profiler = None
+    if config.stage_profile_dir:
+        profiler = StageProfiler(Path(config.stage_profile_dir) / f"stage{index}", config.stage_profile_start,
+                                 config.stage_profile_batches, cuda=device.type == "cuda",
+                                 min_chunks=config.stage_profile_min_chunks, origin=None)
+    return AudioStage(model.flow if flow is None else flow, model.hift if hift is None else hift, device,
+                      max_batch=config.max_gpu_batch, flow_dtype=config.resolved_flow_dtype(),
+                      flow_compile=config.flow_compile, flow_cuda_graphs=config.flow_cuda_graphs,
+                      graph_policy=graph_policy(config),
+                      policy=config.stage_policy, window_tolerance=config.stage_window_tolerance,
+                      prompt_cache_bytes=config.flow_prompt_cache_bytes if config.flow_prompt_cache else None,
+                      profiler=profiler, split_batches=config.flow_split_batches,
+                      split_padded=config.flow_split_padded,
+                      vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
+                      vocoder_graph_rows=config.vocoder_graph_rows,
+                      context_cache_bytes=config.flow_context_cache_bytes,
+                      context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
+                      context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,
+                      flow_split_prefix_rows=config.flow_split_prefix_rows,
+                      first_chunk_hold_s=config.first_chunk_hold_ms / 1000,
+                      first_chunk_hold_share=config.first_chunk_hold_share,
+                      cut_for_deadlines=config.stage_deadline_cut,
+                      cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000,
+                      final_full_attention=config.flow_final_full_attention)
