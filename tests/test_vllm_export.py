@@ -450,3 +450,59 @@ def test_compiled_ras_gives_the_eager_logits_with_one_graph_for_every_batch() ->
         assert torch.equal(got["eager"], got["compiled"]) and not torch.equal(got["eager"], logits)
     assert compiled._log_probs is not ras_log_probs  # still compiled: nothing fell back
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_processes_sharing_a_model_directory_export_it_once(tmp_path: Path) -> None:
+    """Gateways that share a model directory (one per GPU, replicas on one volume) start
+    together: each found no export and deleted and wrote the same files, and starts failed
+    (a review ran 4 processes at once: failed starts in 8 trials of 8). An export is now
+    checked and written under a lock on the directory; one held elsewhere makes a start
+    wait, and it then finds a complete export."""
+    import fcntl
+    import threading
+
+    from engine.backends.vllm_export import EXPORT_LOCK_FILE, read_export_info
+
+    torch.save(official_state(0), tmp_path / "llm.pt")
+    done: list[Path] = []
+    with open(tmp_path / EXPORT_LOCK_FILE, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process exporting
+        start = threading.Thread(target=lambda: done.append(ensure_vllm_export(tmp_path, QWEN, LM, VOCAB,
+                                                                                head="unified")))
+        start.start()
+        start.join(2.0)
+        assert start.is_alive() and not done  # waits for the lock
+        assert read_export_info(tmp_path / "vllm-unified") is None
+        fcntl.flock(held, fcntl.LOCK_UN)
+    start.join()
+    assert done and read_export_info(done[0])["fingerprint"]  # complete
+
+
+@pytest.mark.parametrize("reason, whole", [("stop", True), ("length", True), ("abort", False), ("error", False)])
+def test_a_request_vllm_ends_on_its_own_is_an_error_not_whole_speech(tmp_path: Path, reason: str,
+                                                                     whole: bool) -> None:
+    """vLLM finishes a request with a reason: `stop` and `length` are ends the engine knows
+    of; an abort it did not ask for, or an error, ended the stream quietly and the utterance
+    was delivered as whole."""
+    import asyncio
+
+    from engine.backends.base import LMRequest
+    from engine.backends.vllm_backend import VLLMBackend
+
+    class Stub:
+        async def generate(self, prompt, params, rid):
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2], finish_reason=None)], finished=False)
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3], finish_reason=reason)], finished=True)
+
+    backend = VLLMBackend(tmp_path, VOCAB)
+    backend._llm = Stub()
+    backend._params = lambda sampling: sampling  # type: ignore[method-assign]
+
+    async def tokens() -> list[int]:
+        return [t async for t in backend.generate(LMRequest("r", (1, 2, 3), SamplingParams()))]
+
+    if whole:
+        assert asyncio.run(tokens()) == [1, 2, 3]
+    else:
+        with pytest.raises(RuntimeError, match=reason):
+            asyncio.run(tokens())

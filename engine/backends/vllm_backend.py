@@ -297,6 +297,11 @@ class VLLMBackend:
                         break
                     yield int(tok)
                 if finished or out.finished:
+                    reason = getattr(out.outputs[0], "finish_reason", None)
+                    if not finished and reason not in (None, "stop", "length"):
+                        # An abort we did not ask for, or an error: the speech is not whole,
+                        # and ending quietly would deliver it as if it were.
+                        raise RuntimeError(f"vLLM ended the request before its speech was done ({reason})")
                     finished = True
                     break
         finally:

@@ -42,6 +42,7 @@ redone whenever the fingerprint of `llm.pt` (or the export format) changes.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -324,6 +325,10 @@ def speech_head_plugin_installed() -> bool:
     return any(ep.value == PLUGIN_TARGET for ep in entry_points(group="vllm.general_plugins"))
 
 
+# Beside the checkpoint: held while an export is checked and written (`ensure_vllm_export`).
+EXPORT_LOCK_FILE = ".vllm-export.lock"
+
+
 def ensure_vllm_export(model_dir: Path, qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab, *,
                        dtype: torch.dtype = torch.bfloat16, checkpoint: str = "llm.pt",
                        head: HeadKind | Literal["auto"] = "auto") -> Path:
@@ -341,6 +346,18 @@ def ensure_vllm_export(model_dir: Path, qwen: Qwen2Config, lm: LMConfig, vocab: 
     ckpt = model_dir / checkpoint
     out = model_dir / (SPEECH_HEAD_SUBDIR if head == "speech" else EXPORT_SUBDIR)
     fp = file_fingerprint(ckpt)
+    # Gateways that share a model directory (one per GPU, replicas on one volume) start
+    # together: one exports while the others wait, then find its export complete.
+    with open(model_dir / EXPORT_LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _export_unless_current(ckpt, out, fp, qwen, lm, vocab, dtype, head, auto)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _export_unless_current(ckpt: Path, out: Path, fp: str, qwen: Qwen2Config, lm: LMConfig, vocab: UnifiedVocab,
+                           dtype: torch.dtype, head: HeadKind, auto: bool) -> Path:
     meta = read_export_info(out)
     if (meta is not None and meta.get("fingerprint") == fp and meta.get("vocab_size") == vocab.size
             and meta.get("dtype") == str(dtype).removeprefix("torch.") and meta.get("head", "unified") == head):
