@@ -212,6 +212,17 @@ def test_grouped_and_four_digit_numbers_read_as_the_right_number_in_english() ->
     assert normalize("a thousand and 2000") == "a thousand and two thousand."
 
 
+def test_a_decade_with_its_century_is_read_as_a_decade_in_english() -> None:
+    """wetext's English grammar read "1990s" as "one thousand nine hundred and ninety
+    seconds" (its two-digit "80s" it reads as "eighties")."""
+    assert normalize("In the 1990s, music changed.") == "In the nineteen nineties, music changed."
+    assert normalize("The 2020s and the 2000s") == "The twenty twenties and the two thousands."
+    assert normalize("the 1800s or the 1910s") == "the eighteen hundreds or the nineteen tens."
+    assert normalize("The 80s were fun.") == "The eighties were fun."
+    assert normalize("It took 5s.") == "It took five seconds."  # no decade: as before
+    assert normalize("in 1990") == "in nineteen ninety."
+
+
 def test_thousands_separators_are_dropped_for_the_chinese_grammar() -> None:
     assert normalize("价格是$1,000") == "价格是一千美元。"
     assert normalize("有1,234,567人") == "有一百二十三万四千五百六十七人。"

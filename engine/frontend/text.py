@@ -211,6 +211,25 @@ def spell_number(digits: str) -> str:
     return ", ".join(chunks)
 
 
+# A decade written with its century ("1990s", "2020s", "1800s"): wetext's English grammar
+# reads the digits as a cardinal and the "s" as seconds ("one thousand nine hundred and
+# ninety seconds"); two-digit ones ("80s", "'90s") it reads well.
+_DECADE = re.compile(r"(?<![\w.,'])(1[0-9]|20)([0-9])0s\b")
+
+
+def spell_decades(text: str) -> str:
+    """ "1990s" -> "nineteen nineties", "2010s" -> "twenty tens", "1800s" -> "eighteen
+    hundreds", "2000s" -> "two thousands"."""
+    def read(m: re.Match[str]) -> str:
+        century, decade = int(m.group(1)), int(m.group(2))
+        if decade == 0:
+            return "two thousands" if century == 20 else f"{_below_thousand(century)} hundreds"
+        tens = "tens" if decade == 1 else _TENS[decade][:-1] + "ies"
+        return f"{_below_thousand(century)} {tens}"
+
+    return _DECADE.sub(read, text)
+
+
 def _spell_out_digits(text: str) -> str:
     return _DIGITS_RE.sub(lambda m: spell_number(m.group(0)), text)
 
@@ -370,7 +389,7 @@ class TextNormalizer:
         if chinese:
             text = _zh_postprocess(self._wetext_or_plain(_zh_preprocess(text), "zh"))
         else:
-            read = self._wetext_or_plain(text, "en")
+            read = self._wetext_or_plain(spell_decades(text), "en")
             text = _spell_out_digits(repair_english_thousands(read, text))
         if terminal and text:
             text = end_sentence(text, chinese)
