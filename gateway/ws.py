@@ -230,6 +230,9 @@ class _ContextRuntime:
     pending: deque = field(default_factory=deque)  # ("utt", uid, Segment) | ("flush", id)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pump: asyncio.Task | None = None
+    # `_settle` runs for a flush or an end: apart from the reader, which must not wait
+    # behind the socket's backpressure (a `cancel` after it would wait too).
+    settling: set = field(default_factory=set)
     cancelled: bool = False
     ended: bool = False
     done: bool = False
@@ -536,17 +539,21 @@ class _Connection:
         elif isinstance(cmd, FlushMark):
             rt = self.contexts.get(cmd.context_id)
             if rt is None:
-                self.send_event({"type": "flushed", "context_id": cmd.context_id, "flush_id": cmd.flush_id})
+                # Not open: answered at once with flush_id 0. A flush id of its own means the
+                # state machine opened it in this frame and its start was refused: the final
+                # error was its last event.
+                if cmd.flush_id == 0:
+                    self.send_event({"type": "flushed", "context_id": cmd.context_id, "flush_id": 0})
             else:
                 rt.pending.append(("flush", cmd.flush_id))
-                await self._settle(rt)
+                self._settle_soon(rt)
         elif isinstance(cmd, EndContext):
             rt = self.contexts.get(cmd.context_id)
             if rt is not None:
                 rt.ended = True
                 with contextlib.suppress(Exception):
                     await rt.session.finish()
-                await self._settle(rt)
+                self._settle_soon(rt)
         elif isinstance(cmd, CancelContext):
             await self._cancel(cmd.context_id)
         elif isinstance(cmd, CloseAfterDrain):
@@ -571,7 +578,9 @@ class _Connection:
         rt = started
         self.contexts[cid] = rt
         rt.pump = asyncio.create_task(self._pump(rt), name=f"{self.session_id}-{cid}-pump")
-        self.send_event({"type": "context_started", "context_id": cid, **settings.describe()}, rt)
+        # Not tied to the context: a cancel right after must not drop it (its `cancelled`
+        # says `active: true`, which a client reads as after its `context_started`).
+        self.send_event({"type": "context_started", "context_id": cid, **settings.describe()})
 
     async def _open_runtime(self, cid: str, settings: ContextSettings) -> _ContextRuntime | ProtocolError:
         """Voice, encoder and engine session of a new context. Refusals the client can
@@ -616,7 +625,7 @@ class _Connection:
             try:
                 uid = await rt.session.submit(seg.text.strip(), utterance_id=f"{rt.cid}-{seg.index}")
             except Exception as exc:
-                self.send_event(ProtocolError("synthesis_failed", f"segment {seg.index}: {exc}", rt.cid).event(), rt)
+                self.send_event(ProtocolError("synthesis_failed", _refusal(exc, seg.index), rt.cid).event(), rt)
                 continue
             if rt.first_submit_at is None:
                 rt.first_submit_at = time.monotonic()
@@ -644,7 +653,7 @@ class _Connection:
             except Exception as exc:
                 rt.streaming = None
                 rt.stream_failed = None if cmd.close else cmd.index
-                self.send_event(ProtocolError("synthesis_failed", f"segment {cmd.index}: {exc}", rt.cid).event(), rt)
+                self.send_event(ProtocolError("synthesis_failed", _refusal(exc, cmd.index), rt.cid).event(), rt)
                 return
             cur = rt.streaming = _StreamSegment(cmd.index, cmd.start, feed)
             if rt.first_submit_at is None:
@@ -687,10 +696,12 @@ class _Connection:
         if not keep_queued:
             rt.cancelled = True
             self.writer.drop(rt)
-        if rt.pump is not None and rt.pump is not asyncio.current_task():
-            rt.pump.cancel()
-            with contextlib.suppress(BaseException):
-                await rt.pump
+        current = asyncio.current_task()
+        for task in [rt.pump, *rt.settling]:
+            if task is not None and task is not current:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         with contextlib.suppress(Exception):
             await rt.session.abort()
         self._forget(rt)
@@ -699,6 +710,8 @@ class _Connection:
         if self.contexts.get(rt.cid) is rt:
             del self.contexts[rt.cid]
             self.state.context_finished(rt.cid)
+            if not self.state.contexts:  # the idle clock starts when the last context ends
+                self.last_client_at = max(self.last_client_at, time.monotonic())
 
     def _maybe_close(self) -> None:
         if self.state.closing and not self.state.contexts:
@@ -734,12 +747,29 @@ class _Connection:
         await self._emit_frames(rt, await self.gw.encode_pool.flush(rt.encoder), None)
         rt.in_base, rt.out_base = rt.in_samples, rt.out_produced
 
+    def _settle_soon(self, rt: _ContextRuntime) -> None:
+        """`_settle` in a task of the context's (serialised with its pump by `rt.lock`)."""
+        task = asyncio.create_task(self._settle_apart(rt), name=f"{self.session_id}-{rt.cid}-settle")
+        rt.settling.add(task)
+        task.add_done_callback(rt.settling.discard)
+
+    async def _settle_apart(self, rt: _ContextRuntime) -> None:
+        try:
+            await self._settle(rt)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("settling context %s failed", rt.cid)
+            await self._fail_context(rt, "audio pipeline failed")
+
     async def _settle(self, rt: _ContextRuntime) -> None:
         """Emit `flushed`/`done` whose audio is complete (head of the pending list)."""
         async with rt.lock:
             while rt.pending and rt.pending[0][0] == "flush" and not rt.cancelled:
                 _, flush_id = rt.pending.popleft()
                 await self._drain_encoder(rt)
+                if rt.cancelled:
+                    return
                 self.send_event({"type": "flushed", "context_id": rt.cid, "flush_id": flush_id}, rt)
             if not rt.pending and not rt.ended and not rt.cancelled and rt.in_samples > rt.in_base:
                 # Nothing more to say until the client sends text: what the encoder holds
@@ -749,6 +779,8 @@ class _Connection:
             if rt.ended and not rt.pending and not rt.done and not rt.cancelled:
                 rt.done = True
                 await self._drain_encoder(rt)
+                if rt.cancelled:
+                    return
                 cstate = self.state.contexts.get(rt.cid)
                 self.send_event(
                     {
@@ -860,6 +892,12 @@ class _Connection:
             rt.current_uid = None
             return True
         return False
+
+
+def _refusal(exc: Exception, segment: int) -> str:
+    """A `synthesis_failed` message for a segment the engine would not take: its reason
+    first (`EngineError.code`: `unsupported`, `session_closed`, ...), as for one it failed."""
+    return f"{getattr(exc, 'code', 'engine_error')}: {exc} (segment {segment})"
 
 
 async def _refuse(websocket: WebSocket, error: ProtocolError, close_code: int, reason: str) -> None:

@@ -10,6 +10,7 @@ themselves), so audio lengths are deterministic.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -639,3 +640,109 @@ def test_max_sessions_refuses_sockets_over_the_limit(tiny_model_dir: Path, tmp_p
                 await session_started(ws)
 
         asyncio.run(room_again())
+
+
+# ---- after a review of the connection's lifecycle (round 35) -------------------------------
+
+
+def test_a_cancel_after_a_flush_is_not_held_behind_a_full_socket(server: Server, monkeypatch: Any) -> None:
+    """The reader settled a `flush` (and an `end`) inline: behind the socket's backpressure
+    it waited for the context's pump, which held the context's lock while it waited for room,
+    so a `cancel` sent after the flush was not read until the client read again, and the
+    cancelled context went on. The socket here stays full until the context is cancelled."""
+    from gateway.ws import FrameWriter
+
+    put_audio = FrameWriter.put_audio
+    full = threading.Event()
+
+    async def stuck(self: Any, item: Any) -> None:
+        if item.ctx is not None and item.ctx.cid == "bp":
+            full.set()
+            while not item.ctx.cancelled:  # no room until `drop` (the cancel)
+                self._room.clear()
+                await self._room.wait()
+            return
+        await put_audio(self, item)
+
+    monkeypatch.setattr(FrameWriter, "put_audio", stuck)
+
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            await send(ws, type="text", context_id="bp", text="A first sentence to speak. And a second one.")
+            assert await asyncio.to_thread(full.wait, 60)
+            await send(ws, type="flush", context_id="bp")
+            await send(ws, type="cancel", context_id="bp")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "bp")), timeout=20)
+        return rec
+
+    rec = run(main())
+    assert rec.of("cancelled", "bp")[0]["active"] and not rec.of("flushed", "bp")
+
+
+def test_a_context_cancelled_at_once_still_gets_its_context_started(server: Server) -> None:
+    """`context_started` was queued as the context's own frame, so a cancel read before the
+    writer sent it dropped it, while `cancelled` said `active: true`."""
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            for i in range(5):
+                await ws.send(json.dumps({"type": "text", "context_id": f"q{i}", "text": "Hello there."}))
+                await ws.send(json.dumps({"type": "cancel", "context_id": f"q{i}"}))
+            await receive_until(ws, rec, lambda r: len(r.of("cancelled")) == 5, timeout=30)
+        return rec
+
+    rec = run(main())
+    for i in range(5):
+        started, cancelled = rec.of("context_started", f"q{i}"), rec.of("cancelled", f"q{i}")
+        assert cancelled[0]["active"] and len(started) == 1
+        assert rec.events.index(started[0]) < rec.events.index(cancelled[0])
+
+
+def test_the_idle_clock_starts_when_the_last_context_ends(server: Server) -> None:
+    """Idle means no client message while no context is active: a turn longer than
+    `idle_timeout_s`, after its one message, closed the socket with 4000 right after its
+    `done`. The client here pauses 0.5 s (under the 1.5 s timeout) after a turn."""
+    settings = server.gw.settings
+    server.gw.settings = SimpleNamespace(**{**vars(settings), "ws": dataclasses.replace(settings.ws, idle_timeout_s=1.5)})
+    text = " ".join(["This sentence is spoken in a turn that lasts longer than the idle timeout."] * 4)
+
+    async def main() -> tuple[Recording, float]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            started = time.monotonic()
+            await send(ws, type="text", context_id="long", text=text, end=True)
+            await receive_until(ws, rec, has_done("long"), timeout=120)
+            turn = time.monotonic() - started
+            await asyncio.sleep(0.5)  # the client's pause between turns
+            await send(ws, type="text", context_id="next", text="Hi.", end=True)
+            await receive_until(ws, rec, has_done("next"), timeout=60)
+        return rec, turn
+
+    try:
+        rec, turn = run(main())
+    finally:
+        server.gw.settings = settings
+    assert turn > 1.5 and rec.of("done", "next")
+
+
+def test_a_context_refused_with_a_flush_gets_no_flushed_after_its_final_error(server: Server) -> None:
+    """The refusal (`final`) is the context's last event; its flush was answered
+    `flushed` after it."""
+    async def main() -> Recording:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            await send(ws, type="text", context_id="x", text="Hello.", voice="nobody", flush=True)
+            await send(ws, type="flush", context_id="y")  # not open: flush_id 0 at once
+            await send(ws, type="text", context_id="ok", text="Hi.", end=True)
+            await receive_until(ws, rec, has_done("ok"), timeout=60)
+        return rec
+
+    rec = run(main())
+    assert [e["code"] for e in rec.of("error", "x")] == ["voice_not_found"] and rec.of("error", "x")[0]["final"]
+    assert not rec.of("flushed", "x")
+    assert [e["flush_id"] for e in rec.of("flushed", "y")] == [0]
