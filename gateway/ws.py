@@ -233,6 +233,7 @@ class _ContextRuntime:
     # `_settle` runs for a flush or an end: apart from the reader, which must not wait
     # behind the socket's backpressure (a `cancel` after it would wait too).
     settling: set = field(default_factory=set)
+    settle_queued: bool = False  # a `_settle_soon` task has not taken the lock yet
     cancelled: bool = False
     ended: bool = False
     done: bool = False
@@ -748,7 +749,12 @@ class _Connection:
         rt.in_base, rt.out_base = rt.in_samples, rt.out_produced
 
     def _settle_soon(self, rt: _ContextRuntime) -> None:
-        """`_settle` in a task of the context's (serialised with its pump by `rt.lock`)."""
+        """`_settle` in a task of the context's (serialised with its pump by `rt.lock`). One
+        that has not taken the lock yet settles every mark queued by then: a client sending
+        flushes without reading starts no more tasks than the lock is taken."""
+        if rt.settle_queued:
+            return
+        rt.settle_queued = True
         task = asyncio.create_task(self._settle_apart(rt), name=f"{self.session_id}-{rt.cid}-settle")
         rt.settling.add(task)
         task.add_done_callback(rt.settling.discard)
@@ -765,6 +771,7 @@ class _Connection:
     async def _settle(self, rt: _ContextRuntime) -> None:
         """Emit `flushed`/`done` whose audio is complete (head of the pending list)."""
         async with rt.lock:
+            rt.settle_queued = False  # marks queued from here on need a settle of their own
             while rt.pending and rt.pending[0][0] == "flush" and not rt.cancelled:
                 _, flush_id = rt.pending.popleft()
                 await self._drain_encoder(rt)

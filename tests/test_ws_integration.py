@@ -746,3 +746,44 @@ def test_a_context_refused_with_a_flush_gets_no_flushed_after_its_final_error(se
     assert [e["code"] for e in rec.of("error", "x")] == ["voice_not_found"] and rec.of("error", "x")[0]["final"]
     assert not rec.of("flushed", "x")
     assert [e["flush_id"] for e in rec.of("flushed", "y")] == [0]
+
+
+def test_flushes_sent_without_reading_start_a_bounded_number_of_tasks(server: Server, monkeypatch: Any) -> None:
+    """A flush is settled apart from the reader; a client that sends flushes while its
+    socket is full must not make a task of each (the marks wait in the context's queue)."""
+    from gateway.ws import FrameWriter
+
+    put_audio = FrameWriter.put_audio
+    full = threading.Event()
+
+    async def stuck(self: Any, item: Any) -> None:
+        if item.ctx is not None and item.ctx.cid == "bp2":
+            full.set()
+            while not item.ctx.cancelled:
+                self._room.clear()
+                await self._room.wait()
+            return
+        await put_audio(self, item)
+
+    monkeypatch.setattr(FrameWriter, "put_audio", stuck)
+
+    async def settling() -> int:
+        return sum(1 for t in asyncio.all_tasks() if t.get_name().endswith("-bp2-settle"))
+
+    async def main() -> tuple[Recording, int]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            await send(ws, type="text", context_id="bp2", text="A first sentence to speak. And a second one.")
+            assert await asyncio.to_thread(full.wait, 60)
+            for _ in range(200):
+                await send(ws, type="flush", context_id="bp2")
+            await send(ws, type="flush", context_id="probe")  # answered at once: the reader got this far
+            await receive_until(ws, rec, lambda r: bool(r.of("flushed", "probe")), timeout=20)
+            tasks = asyncio.run_coroutine_threadsafe(settling(), server.loop).result(10)
+            await send(ws, type="cancel", context_id="bp2")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "bp2")), timeout=20)
+        return rec, tasks
+
+    rec, tasks = run(main())
+    assert tasks <= 2, tasks
