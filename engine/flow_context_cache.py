@@ -69,6 +69,7 @@ def slot_bytes(dit: DiT, steps: int, frames: int, dtype: torch.dtype) -> int:
 @dataclass
 class _Slot:
     key: weakref.ref[object]
+    ident: int  # id() of the key when it got the slot: its `_by_key` entry, dead key or not
     end: int = 0  # absolute frame where the kept history ends: the next chunk's first frame
     count: int = 0  # valid ring frames (at most the ring's length)
     head: int = 0  # ring position of the next frame written
@@ -173,10 +174,8 @@ class ContextCache:
 
     def _free(self, index: int) -> None:
         slot = self._slots[index]
-        if slot is not None:
-            key = slot.key()
-            if key is not None and self._by_key.get(id(key)) == index:
-                del self._by_key[id(key)]
+        if slot is not None and self._by_key.get(slot.ident) == index:
+            del self._by_key[slot.ident]  # also a dead key's: its id stayed behind
         self._slots[index] = None
 
     def _allocate(self, key: object, busy: set[int]) -> int | None:
@@ -191,7 +190,7 @@ class ContextCache:
             free = [min(idle, key=lambda i: self._slots[i].used)]  # type: ignore[union-attr]
         index = free[0]
         self._free(index)
-        self._slots[index] = _Slot(key=weakref.ref(key))
+        self._slots[index] = _Slot(key=weakref.ref(key), ident=id(key))
         self._by_key[id(key)] = index
         return index
 

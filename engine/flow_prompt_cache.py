@@ -49,7 +49,7 @@ import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 import torch
 
@@ -467,11 +467,15 @@ class PromptCache:
         # the worker thread; the stage's event loop reads it (`AudioStage._padding_rooms`).
         self.refused_frames: int | None = None
         self._entries: OrderedDict[bytes, PromptKV] = OrderedDict()
+        # Their bytes, kept as entries come and go: the stage's event loop reads `nbytes`
+        # while the worker thread may be inserting or evicting (iterating the entries there
+        # raised "OrderedDict mutated during iteration" and ended the stage's loop).
+        self._bytes = 0
         self._digests: dict[int, tuple[weakref.ref[torch.Tensor], bytes]] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -515,10 +519,20 @@ class PromptCache:
     def get_or_build(self, flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> PromptKV | None:
         """The chunk's entry, built (and the least recently used ones evicted) if missing;
         None when its prompt has no whole block to cache or the entry exceeds the budget."""
+        key = self._cacheable_key(flow, chunk)
+        return None if key is None else self._get_or_build(flow, chunk, key, ())
+
+    def _cacheable_key(self, flow: CausalMaskedDiffWithDiT, chunk: FlowChunk) -> bytes | None:
         frames = prompt_frames(flow, chunk)
         if frames == 0 or (self.refused_frames is not None and frames >= self.refused_frames):
             return None  # nothing to cache, or an entry this long was already too large
-        key = self.key(chunk)
+        return self.key(chunk)
+
+    def _get_or_build(self, flow: CausalMaskedDiffWithDiT, chunk: FlowChunk, key: bytes,
+                      pinned: Collection[bytes]) -> PromptKV | None:
+        """`get_or_build` of a chunk whose key is known; `pinned`: the keys of entries its
+        batch uses already, which are not evicted for it (a batch holds them whatever the
+        cache does, so evicting them freed nothing and rebuilt them for its later rows)."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -534,18 +548,33 @@ class PromptCache:
                         entry.nbytes, self.budget_bytes)
             return None
         self._entries[key] = entry
-        total = self.nbytes
-        while total > self.budget_bytes:
-            _, old = self._entries.popitem(last=False)
-            total -= old.nbytes
-            self.stats.evictions += 1
+        self._bytes += entry.nbytes
+        for old_key in list(self._entries):  # least recently used first
+            if self._bytes <= self.budget_bytes:
+                break
+            if old_key != key and old_key not in pinned:
+                self._bytes -= self._entries.pop(old_key).nbytes
+                self.stats.evictions += 1
+        if self._bytes > self.budget_bytes:
+            # The batch's own entries fill the budget: this one serves the batch and goes.
+            self._bytes -= self._entries.pop(key).nbytes
         return entry
 
     def entries_for(self, flow: CausalMaskedDiffWithDiT, chunks: list[FlowChunk],
                     count_hits: bool = True) -> list[PromptKV | None]:
         """Per chunk its entry (built when missing) or None; counts the hits unless told
         not to (the caller may decide not to use them: `count`)."""
-        found = [self.get_or_build(flow, c) for c in chunks]
+        # One entry per voice of the batch, all of them kept while it is resolved: a batch of
+        # more voices than the budget holds had evicted, for a later row, the entry an
+        # earlier row had got, and built it again for its voice's next row (a batch of 12
+        # rows and 3 voices over a budget of 2: 12 builds, 6x the budget held).
+        resolved: dict[bytes, PromptKV | None] = {}
+        found: list[PromptKV | None] = []
+        for chunk in chunks:
+            key = self._cacheable_key(flow, chunk)
+            if key is not None and key not in resolved:
+                resolved[key] = self._get_or_build(flow, chunk, key, resolved.keys())
+            found.append(None if key is None else resolved[key])
         if count_hits:
             self.count(found)
         return found

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import math
@@ -35,7 +36,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar, get_args
+from typing import Awaitable, Callable, Sequence, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -771,7 +772,10 @@ class AudioStage:
                 await self._wake.wait()
             if self.first_chunk_hold_s > 0 or self.first_chunk_hold_share > 0:
                 await self._hold()
-            await self._serve_batch()
+            try:
+                await self._serve_batch()
+            except Exception:  # a bug in a round's bookkeeping must not end the stage for good
+                log.exception("audio stage: a round failed; the stage goes on")
 
     async def _hold(self) -> None:
         """Before a round that starts first chunks: wait, at most `first_chunk_hold_s`,
@@ -825,6 +829,10 @@ class AudioStage:
         for job in batch:
             if not job.started.done():
                 job.started.set_result(started)
+        # The retry of a failed batch runs after the `except` block, its exception's frames
+        # released: they hold the failed batch's tensors, the memory a retry needs when the
+        # batch was too large for the device.
+        retry: Callable[[], Awaitable[None]] | None = None
         try:
             began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
                 self._pool, self._timed_batch, self.stats.batches, [batch])
@@ -838,8 +846,8 @@ class AudioStage:
             log.warning("audio stage: a flow batch of %d chunks failed (%s); running them one at a time",
                         len(batch), exc, exc_info=exc.__cause__)
             self.stats.batches_retried_apart += 1
-            await self._run_apart(batch)
-            return
+            _released(exc)
+            retry = functools.partial(self._run_apart, batch)
         except VocoderPhaseError as exc:
             self.stats.flow_frames += exc.flow_work  # its flow ran: the padding shares stay whole
             if len(batch) == 1:
@@ -851,12 +859,20 @@ class AudioStage:
             log.warning("audio stage: the vocoder step of a batch of %d chunks failed (%s); running it "
                         "one chunk at a time", len(batch), exc, exc_info=exc.__cause__)
             self.stats.batches_retried_apart += 1
-            await self._vocode_apart(batch, exc.mels)
-            return
+            retry = functools.partial(self._vocode_apart, batch, exc.mels)
+            _released(exc)
         except Exception as exc:  # fail this batch's chunks, keep serving others
             log.exception("audio stage batch failed")
             self._fail_jobs(batch, exc)
             return
+        if retry is not None:
+            await retry()
+            return
+        done = time.monotonic()
+        for job, pcm in zip(batch, results):  # first: the bookkeeping below cannot strand them
+            self._done_at[job.hift_stream] = done
+            if not job.future.done():
+                job.future.set_result(pcm)
         resumed = time.perf_counter()
         dt = resumed - t0
         st = self.stats
@@ -879,11 +895,6 @@ class AudioStage:
         if self.context_cache is not None:
             ctx = self.context_cache
             st.context_reads, st.context_records, st.context_bytes = ctx.reads, ctx.records, ctx.nbytes
-        done = time.monotonic()
-        for job, pcm in zip(batch, results):
-            self._done_at[job.hift_stream] = done
-            if not job.future.done():
-                job.future.set_result(pcm)
 
     async def _run_apart(self, batch: list[ChunkJob]) -> None:
         """Each chunk of a batch whose flow failed, alone and in order: the ones that did not
@@ -1200,6 +1211,10 @@ class AudioStage:
             raise VocoderPhaseError(f"{type(exc).__name__}: {exc}", mels, flow_work) from exc
 
     def _fail_jobs(self, jobs: list[ChunkJob], exc: BaseException) -> None:
+        """`exc` (logged already) on the jobs' futures, without the frames it was raised
+        through: they held the batch (its jobs, their futures, the device's activations) in
+        a reference cycle that only a full garbage collection freed."""
+        _released(exc)
         for job in jobs:
             self._failed_streams.add(job.hift_stream)
             if not job.future.done():
@@ -1210,6 +1225,17 @@ class AudioStage:
         """One chunk's vocoder step on its own (`_vocode_apart`)."""
         pcm, frames = self._vocode([job], [mel])
         return pcm[0], frames
+
+
+def _released(exc: BaseException) -> BaseException:
+    """`exc` and the exceptions it was raised from, their tracebacks dropped."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 def _cancel(job: ChunkJob) -> None:

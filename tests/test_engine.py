@@ -895,3 +895,49 @@ def test_the_last_chunk_with_full_attention_as_the_official_streaming_inference(
     assert full_calls[-1] == (False, [True]) and all(streaming for streaming, _ in full_calls[:-1])
     if prompt_cache:  # the earlier chunks decoded from the cache, not by decode_chunks
         assert plain_calls == [] and full_calls == [(False, [True])]
+
+
+def test_a_failed_chunks_error_holds_no_frames_and_a_rounds_bookkeeping_error_ends_no_stage(tiny_model_dir):
+    """A failed chunk's future held its exception, whose traceback held the batch (jobs,
+    futures, tensors) in a cycle that only a full garbage collection freed. And an error in
+    a round's bookkeeping after its compute ended the stage's loop for good, the round's
+    chunks never answered."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        stage = engine.stage
+
+        def job(seed: int) -> ChunkJob:
+            g = torch.Generator().manual_seed(seed)
+            new = voice.speech_tokens[torch.randperm(voice.num_tokens, generator=g)[:20]]
+            chunk = FlowChunk(tokens=torch.cat([voice.speech_tokens, new]), prompt_feat=voice.speech_feat,
+                              embedding=voice.embedding, num_prompt_tokens=voice.num_tokens,
+                              out_start=voice.num_tokens, finalize=True)
+            return ChunkJob(flow=chunk, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                            is_cancelled=lambda: False)
+
+        decode = stage._decode
+
+        def failing(chunks, entries, keys):
+            raise InjectedFault("the flow failed")
+
+        stage._decode = failing
+        failed = stage.submit(job(1))
+        await asyncio.wait({failed})
+        del stage._decode
+        assert stage._decode == decode
+        error = failed.exception()
+
+        observe = stage.rounds.observe
+
+        def broken(*args):
+            raise RuntimeError("a bookkeeping bug")
+
+        stage.rounds.observe = broken
+        first = await asyncio.wait_for(stage.submit(job(2)), 60)
+        stage.rounds.observe = observe
+        second = await asyncio.wait_for(stage.submit(job(3)), 60)
+        return error, first, second
+
+    error, first, second = run(tiny_model_dir, fn, warmup=False)
+    assert isinstance(error, InjectedFault) and error.__traceback__ is None
+    assert first.size > 0 and second.size > 0

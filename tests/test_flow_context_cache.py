@@ -392,3 +392,24 @@ def test_a_slot_given_back_in_a_batch_is_not_taken_in_the_same_batch(flow: Causa
     p = cache.plan(both, prompts.entries_for(flow, both), [a, b])
     assert p is not None and p.reads and p.writes is None
     assert cache.in_use() == 0 and cache.refused == 1
+
+
+def test_a_slot_whose_utterance_died_leaves_no_id_behind() -> None:
+    """A slot's utterance that died without giving it back (cancelled, failed) left its id in
+    `_by_key` when the slot was taken again: the map grew with every such utterance."""
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT, init_random_
+
+    class Key:  # an utterance's vocoder stream, as far as the cache sees it
+        pass
+
+    flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    init_random_(flow, seed=1)
+    ctx = ContextCache(flow, 100, 64 << 20, torch.device("cpu"), torch.float32)
+    keep = []  # other objects come and go meanwhile, so the dead keys' ids are not all reused
+    for n in range(200):
+        key = Key()
+        ctx._allocate(key, set())
+        del key  # dies holding its slot
+        keep += [Key() for _ in range(n % 3)]
+    assert len(ctx._by_key) <= ctx.capacity, (len(ctx._by_key), ctx.capacity)

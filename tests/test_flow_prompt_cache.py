@@ -497,3 +497,44 @@ def test_a_chunks_cache_key_makes_few_operator_calls(voices: list[Voice]) -> Non
     calls = count(lambda: cache.key(later), top=10)
     assert calls["dispatches"] <= 4, calls
     assert cache.key(later) == key and cache.key(chunk(b, 0, 15, False)) != key
+
+
+def test_a_batch_of_more_voices_than_the_budget_holds_builds_each_voice_once() -> None:
+    """Entries were got row by row, and a later row's build evicted the entry an earlier
+    row of the same batch had got: the batch held several copies of a voice, the cache
+    went over its budget, and every row of a batch cycling through more voices than the
+    budget holds was a build. Now each voice of a batch is resolved once, the batch's own
+    entries are not evicted for it, and the cache stays within its budget (its byte count
+    kept as entries come and go, which the stage's event loop reads)."""
+    from engine.flow_prompt_cache import PromptCache, build_prompt_kv
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+
+    flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    init_random_(flow, seed=1)
+    flow.eval()
+
+    def voice(seed: int, p: int = 60) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, 6561, (p,), generator=g), torch.randn(2 * p, 80, generator=g),
+                torch.randn(192, generator=g))
+
+    def chunk(v: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seed: int) -> FlowChunk:
+        toks, feat, emb = v
+        speech = torch.randint(0, 6561, (30,), generator=torch.Generator().manual_seed(seed))
+        return FlowChunk(tokens=torch.cat((toks, speech)), prompt_feat=feat, embedding=emb,
+                         num_prompt_tokens=len(toks), out_start=len(toks), finalize=False)
+
+    voices = [voice(s) for s in range(3)]
+    with torch.inference_mode():
+        one = build_prompt_kv(flow, chunk(voices[0], 0)).nbytes
+        cache = PromptCache(budget_bytes=2 * one)  # room for two voices
+        batch = [chunk(voices[i % 3], i) for i in range(12)]  # three voices, interleaved
+        found = cache.entries_for(flow, batch)
+        assert cache.stats.builds == 3
+        for v in range(3):  # every row of a voice shares its one entry
+            assert len({id(found[i]) for i in range(v, 12, 3)}) == 1
+        assert cache.nbytes <= cache.budget_bytes and len(cache) == 2
+        assert cache.nbytes == 2 * one
+        cache.entries_for(flow, batch)
+        assert cache.stats.builds == 4  # the one voice the budget could not keep
