@@ -578,7 +578,8 @@ class _Connection:
             return
         rt = started
         self.contexts[cid] = rt
-        rt.pump = asyncio.create_task(self._pump(rt), name=f"{self.session_id}-{cid}-pump")
+        rt.pump = asyncio.create_task(self._guarded(rt, self._pump_events(rt), "pump"),
+                                      name=f"{self.session_id}-{cid}-pump")
         # Not tied to the context: a cancel right after must not drop it (its `cancelled`
         # says `active: true`, which a client reads as after its `context_started`).
         self.send_event({"type": "context_started", "context_id": cid, **settings.describe()})
@@ -755,18 +756,10 @@ class _Connection:
         if rt.settle_queued:
             return
         rt.settle_queued = True
-        task = asyncio.create_task(self._settle_apart(rt), name=f"{self.session_id}-{rt.cid}-settle")
+        task = asyncio.create_task(self._guarded(rt, self._settle(rt), "settling"),
+                                   name=f"{self.session_id}-{rt.cid}-settle")
         rt.settling.add(task)
         task.add_done_callback(rt.settling.discard)
-
-    async def _settle_apart(self, rt: _ContextRuntime) -> None:
-        try:
-            await self._settle(rt)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("settling context %s failed", rt.cid)
-            await self._fail_context(rt, "audio pipeline failed")
 
     async def _settle(self, rt: _ContextRuntime) -> None:
         """Emit `flushed`/`done` whose audio is complete (head of the pending list)."""
@@ -805,13 +798,14 @@ class _Connection:
                     await rt.session.abort()  # frees the engine session (already finished)
                 self._maybe_close()
 
-    async def _pump(self, rt: _ContextRuntime) -> None:
+    async def _guarded(self, rt: _ContextRuntime, work: Awaitable[None], what: str) -> None:
+        """A task of the context's (its pump, a settle): an error in it ends the context."""
         try:
-            await self._pump_events(rt)
+            await work
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("pump of context %s failed", rt.cid)
+            log.exception("%s of context %s failed", what, rt.cid)
             await self._fail_context(rt, "audio pipeline failed")
 
     async def _pump_events(self, rt: _ContextRuntime) -> None:

@@ -48,6 +48,17 @@ async def default_voice(engine: Engine):
     return await engine.prepare_voice("default", wav, sr, (ROOT / "assets" / "default.txt").read_text().strip())
 
 
+def final_chunk_job(stage, voice, seed: int) -> ChunkJob:
+    """A one-chunk utterance of 20 of the voice's own tokens, shuffled by `seed`, for the stage."""
+    g = torch.Generator().manual_seed(seed)
+    new = voice.speech_tokens[torch.randperm(voice.num_tokens, generator=g)[:20]]
+    chunk = FlowChunk(tokens=torch.cat([voice.speech_tokens, new]), prompt_feat=voice.speech_feat,
+                      embedding=voice.embedding, num_prompt_tokens=voice.num_tokens,
+                      out_start=voice.num_tokens, finalize=True)
+    return ChunkJob(flow=chunk, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                    is_cancelled=lambda: False)
+
+
 async def collect(sess):
     out: list[AudioChunk | UtteranceError] = []
     async for ev in sess.events():
@@ -447,13 +458,7 @@ def test_a_flow_batch_that_fails_runs_its_other_chunks_apart(tiny_model_dir):
         stage = engine.stage
 
         def job(voice, seed: int) -> ChunkJob:
-            g = torch.Generator().manual_seed(seed)
-            new = voice.speech_tokens[torch.randperm(voice.num_tokens, generator=g)[:20]]
-            chunk = FlowChunk(tokens=torch.cat([voice.speech_tokens, new]), prompt_feat=voice.speech_feat,
-                              embedding=voice.embedding, num_prompt_tokens=voice.num_tokens,
-                              out_start=voice.num_tokens, finalize=True)
-            return ChunkJob(flow=chunk, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
-                            is_cancelled=lambda: False)
+            return final_chunk_job(stage, voice, seed)
 
         async def together(jobs: list[ChunkJob]) -> list:
             futures = [stage.submit(j) for j in jobs]  # no await between: one batch
@@ -907,13 +912,7 @@ def test_a_failed_chunks_error_holds_no_frames_and_a_rounds_bookkeeping_error_en
         stage = engine.stage
 
         def job(seed: int) -> ChunkJob:
-            g = torch.Generator().manual_seed(seed)
-            new = voice.speech_tokens[torch.randperm(voice.num_tokens, generator=g)[:20]]
-            chunk = FlowChunk(tokens=torch.cat([voice.speech_tokens, new]), prompt_feat=voice.speech_feat,
-                              embedding=voice.embedding, num_prompt_tokens=voice.num_tokens,
-                              out_start=voice.num_tokens, finalize=True)
-            return ChunkJob(flow=chunk, hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
-                            is_cancelled=lambda: False)
+            return final_chunk_job(stage, voice, seed)
 
         decode = stage._decode
 

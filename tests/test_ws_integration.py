@@ -645,26 +645,33 @@ def test_max_sessions_refuses_sockets_over_the_limit(tiny_model_dir: Path, tmp_p
 # ---- after a review of the connection's lifecycle (round 35) -------------------------------
 
 
-def test_a_cancel_after_a_flush_is_not_held_behind_a_full_socket(server: Server, monkeypatch: Any) -> None:
-    """The reader settled a `flush` (and an `end`) inline: behind the socket's backpressure
-    it waited for the context's pump, which held the context's lock while it waited for room,
-    so a `cancel` sent after the flush was not read until the client read again, and the
-    cancelled context went on. The socket here stays full until the context is cancelled."""
+def socket_full_for(monkeypatch: Any, cid: str) -> threading.Event:
+    """The server's socket stays full for context `cid` until it is cancelled (`drop` makes
+    room); the event is set once the context's pump waits for room."""
     from gateway.ws import FrameWriter
 
     put_audio = FrameWriter.put_audio
     full = threading.Event()
 
     async def stuck(self: Any, item: Any) -> None:
-        if item.ctx is not None and item.ctx.cid == "bp":
+        if item.ctx is not None and item.ctx.cid == cid:
             full.set()
-            while not item.ctx.cancelled:  # no room until `drop` (the cancel)
+            while not item.ctx.cancelled:
                 self._room.clear()
                 await self._room.wait()
             return
         await put_audio(self, item)
 
     monkeypatch.setattr(FrameWriter, "put_audio", stuck)
+    return full
+
+
+def test_a_cancel_after_a_flush_is_not_held_behind_a_full_socket(server: Server, monkeypatch: Any) -> None:
+    """The reader settled a `flush` (and an `end`) inline: behind the socket's backpressure
+    it waited for the context's pump, which held the context's lock while it waited for room,
+    so a `cancel` sent after the flush was not read until the client read again, and the
+    cancelled context went on. The socket here stays full until the context is cancelled."""
+    full = socket_full_for(monkeypatch, "bp")
 
     async def main() -> Recording:
         rec = Recording()
@@ -751,21 +758,7 @@ def test_a_context_refused_with_a_flush_gets_no_flushed_after_its_final_error(se
 def test_flushes_sent_without_reading_start_a_bounded_number_of_tasks(server: Server, monkeypatch: Any) -> None:
     """A flush is settled apart from the reader; a client that sends flushes while its
     socket is full must not make a task of each (the marks wait in the context's queue)."""
-    from gateway.ws import FrameWriter
-
-    put_audio = FrameWriter.put_audio
-    full = threading.Event()
-
-    async def stuck(self: Any, item: Any) -> None:
-        if item.ctx is not None and item.ctx.cid == "bp2":
-            full.set()
-            while not item.ctx.cancelled:
-                self._room.clear()
-                await self._room.wait()
-            return
-        await put_audio(self, item)
-
-    monkeypatch.setattr(FrameWriter, "put_audio", stuck)
+    full = socket_full_for(monkeypatch, "bp2")
 
     async def settling() -> int:
         return sum(1 for t in asyncio.all_tasks() if t.get_name().endswith("-bp2-settle"))
