@@ -3,6 +3,7 @@
 Layout under ``data_dir``::
 
     voices.sqlite3                  metadata, one row per voice (WAL journal)
+    voices.lock                     flock'd by the one process that has the store open
     voices/<id>.<rev>/source.<ext>  the uploaded bytes, untouched
     voices/<id>.<rev>/prompt.npz    speech_tokens [P] int64, speech_feat [2P, 80] f32,
                                     embedding [192] f32, features: what made them
@@ -16,6 +17,12 @@ dir whose row is gone. `VoiceStore.open` removes both, so a voice is either whol
 there (row + files) or not at all. A new revision of an existing id (a changed asset)
 gets a new dir, so the old files stay valid until the row switches over.
 
+One process at a time: recovery deletes whatever no row references, which in another
+live process is a registration between its rename and its commit, and each process
+keeps its own view of the rows. So `open` takes an exclusive lock on ``voices.lock``
+(held until `close`, released by the kernel if the process dies) and a second process
+fails at start; several replicas share voices through the PostgreSQL store instead.
+
 The metadata sits behind the small `VoiceCatalog` protocol; a PostgreSQL catalog can
 replace `SqliteCatalog` without touching the rest.
 """
@@ -23,6 +30,7 @@ replace `SqliteCatalog` without touching the rest.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import os
@@ -219,6 +227,31 @@ def features_of(engine: Any) -> str | None:
 
 _AUDIO_EXT = re.compile(r"^[a-z0-9]{1,5}$")
 
+LOCK_FILE = "voices.lock"
+
+
+class VoiceStoreInUse(RuntimeError):
+    """Another `VoiceStore` (another gateway process, or this one) has the data dir open."""
+
+
+def _lock_data_dir(data_dir: Path) -> int:
+    """An fd holding an exclusive flock on ``<data_dir>/voices.lock``; VoiceStoreInUse when
+    another open file holds it. flock, not fcntl locks: those belong to the process (a
+    second store in one process would get it again, and closing any fd of the file drops
+    it), this one to the open file, and the kernel releases it when the process dies."""
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise VoiceStoreInUse(
+            f"the voice store {data_dir} is in use by another process; several replicas need the "
+            f"PostgreSQL store (--voice-store postgresql://...)") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
 
 class VoiceStore:
     """Voices for one gateway: validation, persistence and a VoicePrompt cache.
@@ -243,6 +276,10 @@ class VoiceStore:
         # store; the expensive feature extraction runs outside it.
         self._write_lock = asyncio.Lock()
         self._opened = False
+        self._lock_fd: int | None = None  # the flock on voices.lock while open
+        # Prompt loads in progress by voice dir (one revision of a voice): concurrent first
+        # uses share one, so a voice whose features must be made again is made once.
+        self._loading: dict[str, asyncio.Task[VoicePrompt]] = {}
 
     async def open(self) -> "VoiceStore":
         """Open the catalog and clean up after any crash; returns self. Idempotent."""
@@ -252,10 +289,22 @@ class VoiceStore:
         return self
 
     def _open_sync(self) -> None:
-        self._files.mkdir(parents=True, exist_ok=True)
-        if self._catalog is None:
-            self._catalog = SqliteCatalog(self.data_dir / "voices.sqlite3")
-        self._recover()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Before recovery: it must not delete what another live process is writing.
+        self._lock_fd = _lock_data_dir(self.data_dir)
+        try:
+            self._files.mkdir(parents=True, exist_ok=True)
+            if self._catalog is None:
+                self._catalog = SqliteCatalog(self.data_dir / "voices.sqlite3")
+            self._recover()
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     @property
     def catalog(self) -> VoiceCatalog:
@@ -282,6 +331,11 @@ class VoiceStore:
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
+        # A featurisation again that died between writing its temp npz and the rename.
+        for name in referenced:
+            for tmp in (self._files / name).glob(".prompt-*"):
+                log.info("removing leftover %s/%s", name, tmp.name)
+                tmp.unlink(missing_ok=True)
 
     # -- reads -------------------------------------------------------------------------
     def list(self) -> list[VoiceInfo]:
@@ -294,32 +348,54 @@ class VoiceStore:
         return voice_id in self._infos
 
     async def get_prompt(self, voice_id: str) -> VoicePrompt:
-        """The cached VoicePrompt of a voice; KeyError when the id is unknown."""
-        info = self._infos.get(voice_id)
-        if info is None:
-            raise KeyError(voice_id)
-        prompt = self._cache.get(voice_id)
-        if prompt is not None:
-            self._cache.move_to_end(voice_id)
-            return prompt
-        try:
-            arrays, made = await asyncio.to_thread(self._load_arrays, info)
-            current = features_of(self.engine)
-            if current is not None and made != current:
-                # Made by another model or an older build: computed again from its audio.
-                prompt = await self._featurize_again(info, current)
-                arrays = None
-        except FileNotFoundError:
-            # A delete or replace drops the id from the catalog before removing its files,
-            # so a load that lost that race finds the catalog changed: ask it again.
+        """The cached VoicePrompt of a voice; KeyError when the id is unknown (or its files
+        are gone)."""
+        while True:
+            info = self._infos.get(voice_id)
+            if info is None:
+                raise KeyError(voice_id)
+            prompt = self._cache.get(voice_id)
+            if prompt is not None:
+                self._cache.move_to_end(voice_id)
+                return prompt
+            task = self._loading.get(info.dir_name)
+            if task is None:
+                task = asyncio.ensure_future(self._load_prompt(info))
+                self._loading[info.dir_name] = task
+                task.add_done_callback(lambda t, key=info.dir_name: self._forget_load(key, t))
+            try:
+                # Shielded: a waiter that goes away (a client hung up) does not cancel the
+                # load the others wait for; it finishes and is cached.
+                prompt = await asyncio.shield(task)
+            except FileNotFoundError:
+                # A delete or replace drops the id from the catalog before removing its files,
+                # so a load that lost that race finds the catalog changed: ask it again.
+                if self._infos.get(voice_id) is info:
+                    # Files gone from under a listed voice (removed by hand, a lost disk):
+                    # nothing to speak with, as for an unknown voice (404, not a 500).
+                    log.error("voice %r: its files in %s are missing", voice_id, self._files / info.dir_name)
+                    raise KeyError(voice_id) from None
+                continue
             if self._infos.get(voice_id) is info:
-                raise
-            return await self.get_prompt(voice_id)
-        if self._infos.get(voice_id) is not info:  # deleted or replaced meanwhile
-            return await self.get_prompt(voice_id)
-        if arrays is not None:
-            prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
-        self._remember(voice_id, prompt)
+                return prompt
+            # deleted or replaced meanwhile: ask again
+
+    def _forget_load(self, key: str, task: asyncio.Task[VoicePrompt]) -> None:
+        if self._loading.get(key) is task:
+            del self._loading[key]
+
+    async def _load_prompt(self, info: VoiceInfo) -> VoicePrompt:
+        """One voice revision's prompt from disk (made again from its audio when another
+        model or build made the stored one), cached if the revision is still current."""
+        arrays, made = await asyncio.to_thread(self._load_arrays, info)
+        current = features_of(self.engine)
+        if current is not None and made != current:
+            # Made by another model or an older build: computed again from its audio.
+            prompt = await self._featurize_again(info, current)
+        else:
+            prompt = self.engine.voice_from_arrays(info.id, info.transcript, *arrays)
+        if self._infos.get(info.id) is info:  # not deleted or replaced meanwhile
+            self._remember(info.id, prompt)
         return prompt
 
     def _load_arrays(self, info: VoiceInfo) -> tuple[Arrays, str | None]:
@@ -394,7 +470,10 @@ class VoiceStore:
         if audio.duration_s > lim.max_seconds:
             raise ApiError(400, "audio_too_long",
                            f"audio is {audio.duration_s:.2f} s; at most {lim.max_seconds:g} s allowed")
-        if float(np.max(np.abs(audio.samples))) < 1e-4:
+        # Around its mean: a constant offset (DC) carries no speech either.
+        x = audio.samples
+        mean = float(np.mean(x, dtype=np.float64))
+        if max(float(np.max(x)) - mean, mean - float(np.min(x))) < 1e-4:
             raise ApiError(400, "invalid_audio", "the audio is silent")
         return audio
 
@@ -503,7 +582,9 @@ class VoiceStore:
                 continue
             try:
                 audio_bytes = await asyncio.to_thread(wav.read_bytes)
-                transcript = (await asyncio.to_thread(txt.read_text, encoding="utf-8")).strip()
+                # utf-8-sig: a byte-order mark (Windows editors write one) would otherwise be
+                # the transcript's first character and reach the LM prompt (str.strip keeps it).
+                transcript = (await asyncio.to_thread(txt.read_text, encoding="utf-8-sig")).strip()
             except (OSError, UnicodeDecodeError) as exc:
                 log.warning("asset voice %r not registered: %s", voice_id, exc)
                 continue
@@ -530,7 +611,13 @@ class VoiceStore:
 
     async def close(self) -> None:
         async with self._write_lock:  # let a registration in flight commit first
+            # And prompt loads: one may be writing a voice's npz, which must be done before
+            # the lock lets another process in.
+            loading = list(self._loading.values())
+            if loading:
+                await asyncio.wait(loading)
             if self._catalog is not None:
                 self._catalog.close()
                 self._catalog = None
+            self._unlock()
             self._opened = False

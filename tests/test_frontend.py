@@ -434,6 +434,80 @@ def test_resample_is_the_official_windowed_sinc(sr_in: int, sr_out: int) -> None
         assert float(np.sqrt(np.mean(stopped[200:-200] ** 2))) < 0.002
 
 
+# Rates uploads come at in practice; each must keep the polyphase path (the official
+# frontend's exact arithmetic).
+STANDARD_RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000, 88200, 96000, 176400, 192000)
+TABLE_LIMIT = 4_000_000  # weights: 16 MB as float32
+
+
+def _table_weights(sr_in: int, sr_out: int) -> int:
+    """q x (2w + p): the size of the polyphase table of `sr_in -> sr_out` (torchaudio's)."""
+    g = math.gcd(sr_in, sr_out)
+    p, q = sr_in // g, sr_out // g
+    return q * (2 * math.ceil(6 * p / (0.99 * min(p, q))) + p)
+
+
+@pytest.fixture
+def table_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the polyphase tables `resample` builds; one past TABLE_LIMIT fails the
+    test before it is built (a 16001 Hz one is ~1 GB and takes tens of seconds)."""
+    built: list[int] = []
+    real = features.sinc_kernel
+
+    def spy(sr_in: int, sr_out: int, *args, **kw):
+        built.append(_table_weights(sr_in, sr_out))
+        assert built[-1] <= TABLE_LIMIT, f"a {built[-1]}-weight table for {sr_in} -> {sr_out} Hz"
+        return real(sr_in, sr_out, *args, **kw)
+
+    monkeypatch.setattr(features, "sinc_kernel", spy)
+    return built
+
+
+@pytest.mark.parametrize("sr_in, sr_out", [(16001, 16000), (16001, 24000), (22051, 24000), (22051, 16000),
+                                           (44101, 16000), (191999, 24000)])
+def test_resample_at_an_odd_rate_builds_no_huge_table(sr_in: int, sr_out: int, table_spy: list[int]) -> None:
+    """An odd rate barely reduces (16001:16000): its polyphase table would have ~2.6e8
+    weights. It is resampled without one, by the same formula: every output sample is the
+    official windowed sinc evaluated at its own input time m sr_in / sr_out."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(4003).astype(np.float32)
+    out = features.resample(x, sr_in, sr_out)
+    assert all(n <= TABLE_LIMIT for n in table_spy)
+    assert out.dtype == np.float32 and out.size == math.ceil(x.size * sr_out / sr_in)
+    f = 0.99 * min(sr_in, sr_out) / sr_in  # the cut-off in cycles per input sample
+    i = np.arange(x.size)
+    for m in list(rng.integers(0, out.size, 25)) + [0, out.size - 1]:
+        t = np.clip((i - m * sr_in / sr_out) * f, -6, 6)
+        w = np.sinc(t) * np.cos(np.pi * t / 12) ** 2 * f
+        assert abs(float(w @ x.astype(np.float64)) - float(out[m])) < 1e-4
+    low = min(sr_in, sr_out)
+    passed = features.resample(_sine(0.3 * low, 1.0, sr_in), sr_in, sr_out)
+    assert abs(float(np.sqrt(np.mean(passed[200:-200] ** 2))) - 0.5 / math.sqrt(2)) < 0.01
+
+
+def test_resample_keeps_the_polyphase_table_at_standard_rates(monkeypatch: pytest.MonkeyPatch,
+                                                              table_spy: list[int]) -> None:
+    """Every standard rate to 16 and 24 kHz still goes through the table (bit for bit the
+    official arithmetic), and the direct evaluation agrees with it to float rounding."""
+    x = np.random.default_rng(2).standard_normal(6007).astype(np.float32) * 0.3
+    tabled = {}
+    for sr_in in STANDARD_RATES:
+        for sr_out in (16000, 24000):
+            if sr_in != sr_out:
+                tabled[sr_in, sr_out] = features.resample(x, sr_in, sr_out)
+                assert len(table_spy) == len(tabled)  # one table each
+                assert _table_weights(sr_in, sr_out) <= features.MAX_POLYPHASE_WEIGHTS
+    monkeypatch.setattr(features, "MAX_POLYPHASE_WEIGHTS", 0)  # everything direct now
+    for (sr_in, sr_out), expected in tabled.items():
+        direct = features.resample(x, sr_in, sr_out)
+        assert direct.shape == expected.shape
+        np.testing.assert_allclose(direct, expected, atol=1e-4, err_msg=f"{sr_in} -> {sr_out}")
+    assert len(table_spy) == len(tabled)  # no table built on the direct path
+    monkeypatch.undo()  # the real sinc_kernel and limit
+    with pytest.raises(ValueError, match="polyphase table"):
+        features.sinc_kernel(16001, 16000)  # refused, not ~1 GB allocated
+
+
 # --- ONNX stand-ins ---------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ computed before. The engine lives on one event loop thread for the module
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import sqlite3
 from pathlib import Path
@@ -134,6 +135,7 @@ def test_generated_id_and_delete(tmp_path: Path, run, engine) -> None:
         ("ok", tone_wav(31.0), "hi", "audio_too_long", 400),
         ("ok", wav_bytes(tone(4.0, 8000), 8000), "hi", "sample_rate_too_low", 400),
         ("ok", wav_bytes(np.zeros(4 * SR, np.float32), SR), "hi", "invalid_audio", 400),
+        ("ok", wav_bytes(np.full(4 * SR, 0.5, np.float32), SR), "hi", "invalid_audio", 400),  # DC only
         ("ok", tone_wav(4.0), "   ", "missing_transcript", 400),
         ("ok", tone_wav(4.0), "hi\x00there", "invalid_request", 400),
     ],
@@ -296,6 +298,131 @@ def test_a_prompt_load_that_loses_a_race_with_delete_is_an_unknown_voice(tmp_pat
     run(scenario())
 
 
+def test_a_voice_whose_files_are_gone_is_an_unknown_voice(tmp_path: Path, run, engine) -> None:
+    """Files removed from under a listed voice (by hand, a lost disk) while the store is
+    open: its prompt is not there to load, a KeyError (404 voice_not_found), not a
+    FileNotFoundError (a 500)."""
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine)
+        await store.register("v", None, "A transcript.", tone_wav(3.5))
+        await store.close()
+        store = await open_store(tmp_path, engine)  # a fresh process: nothing cached
+        shutil.rmtree(tmp_path / "voices" / store.get("v").dir_name)
+        with pytest.raises(KeyError):
+            await store.get_prompt("v")
+        await store.close()
+
+    run(scenario())
+
+
+def test_a_second_store_on_one_data_dir_is_refused_until_the_first_closes(tmp_path: Path, run, engine) -> None:
+    """Two gateways on one SQLite data dir lose voices (one's start-up recovery deletes the
+    files of the other's registration in flight): the second fails to open, saying what
+    to use instead; once the first closes, a store opens there again."""
+    import subprocess
+    import sys
+
+    async def scenario() -> None:
+        first = await open_store(tmp_path, engine)
+        await first.register("v", None, "A transcript.", tone_wav(3.5))
+        second = VoiceStore(tmp_path, engine)
+        with pytest.raises(RuntimeError, match="in use by another process") as err:
+            await second.open()
+        assert str(tmp_path) in str(err.value) and "--voice-store postgresql://" in str(err.value)
+        assert first.get("v") is not None and len(live_dirs(tmp_path)) == 1  # untouched
+        # Another process sees the same lock (a flock on <data_dir>/voices.lock).
+        probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+                 "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                 "except BlockingIOError: sys.exit(3)")
+        lock = str(tmp_path / "voices.lock")
+        assert subprocess.run([sys.executable, "-c", probe, lock]).returncode == 3
+        await first.close()
+        assert subprocess.run([sys.executable, "-c", probe, lock]).returncode == 0
+        again = await second.open()
+        assert again.get("v") is not None
+        await again.close()
+
+    run(scenario())
+
+
+def test_concurrent_first_uses_featurise_a_voice_once(tmp_path: Path, run, engine) -> None:
+    """After a model change, 20 requests at once for one voice whose features another model
+    made: one featurisation, shared by all of them (one prompt object); and a request
+    that goes away meanwhile does not cancel it for the others."""
+    class NewModel(CountingEngine):
+        features_id = "another model"
+
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine)
+        await store.register("v", None, "A transcript.", tone_wav(3.5))
+        await store.close()
+        new = NewModel(engine._engine)
+        store = await open_store(tmp_path, new)
+        prompts = await asyncio.gather(*(store.get_prompt("v") for _ in range(20)))
+        assert new.prepared == 1 and len({id(p) for p in prompts}) == 1
+        assert (await store.get_prompt("v")) is prompts[0] and new.prepared == 1  # cached
+        await store.close()
+
+        newer = NewModel(engine._engine)
+        newer.features_id = "yet another model"
+        store = await open_store(tmp_path, newer)
+        leaver = asyncio.ensure_future(store.get_prompt("v"))
+        stayer = asyncio.ensure_future(store.get_prompt("v"))
+        await asyncio.sleep(0)
+        leaver.cancel()
+        prompt = await stayer
+        assert leaver.cancelled() and newer.prepared == 1 and prompt.transcript == "A transcript."
+        assert not store._loading  # nothing left in flight
+        await store.close()
+
+    run(scenario())
+
+
+def test_open_removes_leftover_temp_npz_of_a_voice(tmp_path: Path, run, engine) -> None:
+    """A featurisation again killed between writing its temp npz and renaming it leaves a
+    `.prompt-*` file in a live voice's folder: the next open removes it, the voice stays."""
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine)
+        await store.register("v", None, "A transcript.", tone_wav(3.5))
+        folder = tmp_path / "voices" / store.get("v").dir_name
+        await store.close()
+        (folder / ".prompt-0123abcd.npz").write_bytes(b"half written")
+        store = await open_store(tmp_path, engine)
+        assert sorted(p.name for p in folder.iterdir()) == ["prompt.npz", "source.bin"]
+        assert (await store.get_prompt("v")).transcript == "A transcript."
+        await store.close()
+
+    run(scenario())
+
+
+def test_an_upload_at_an_odd_sample_rate_registers_with_a_bounded_filter_table(
+        tmp_path: Path, run, engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16001 Hz reduces to 16001:16000: the official resampler's polyphase table would hold
+    ~2.6e8 weights (GBs, tens of seconds). The upload registers, no such table built."""
+    from engine.frontend import features
+
+    sizes: list[int] = []
+    real = features.sinc_kernel
+
+    def spy(sr_in: int, sr_out: int, *args: Any, **kw: Any) -> Any:
+        g = math.gcd(sr_in, sr_out)
+        p, q = sr_in // g, sr_out // g
+        sizes.append(q * (2 * math.ceil(6 * p / (0.99 * min(p, q))) + p))
+        assert sizes[-1] <= 4_000_000, f"a {sizes[-1]}-weight table for {sr_in} -> {sr_out} Hz"
+        return real(sr_in, sr_out, *args, **kw)
+
+    monkeypatch.setattr(features, "sinc_kernel", spy)
+
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine)
+        info = await store.register("odd", None, "A transcript.", wav_bytes(tone(3.5, 16001), 16001))
+        assert info.sample_rate == 16001 and info.num_prompt_tokens > 0
+        assert all(n <= 4_000_000 for n in sizes)
+        await store.close()
+
+    run(scenario())
+
+
 def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, caplog, run, engine) -> None:
     assets = tmp_path / "assets"
     assets.mkdir()
@@ -306,13 +433,17 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
     (assets / "short.txt").write_text("too short")
     (assets / "latin1.wav").write_bytes(tone_wav(3.5))
     (assets / "latin1.txt").write_bytes(b"caf\xe9 au lait")  # not UTF-8: logged, skipped
+    (assets / "bom.wav").write_bytes(tone_wav(3.6))
+    (assets / "bom.txt").write_bytes("\ufeffA line saved with a BOM.\r\n".encode())  # the BOM is not text
     data = tmp_path / "data"
 
     async def scenario() -> None:
         store = await open_store(data, engine)
-        assert await store.register_assets(assets) == ["narrator"]
+        assert await store.register_assets(assets) == ["bom", "narrator"]
         assert store.get("narrator").source == "asset"
         assert store.get("narrator").transcript == "The narrator speaks."
+        assert store.get("bom").transcript == "A line saved with a BOM."
+        assert (await store.get_prompt("bom")).transcript == "A line saved with a BOM."
         await store.close()
 
         store = await open_store(data, engine)
@@ -320,14 +451,14 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
         with caplog.at_level("INFO", logger="gateway.voices"):
             assert await store.register_assets(assets) == []
         assert any("unchanged" in r.getMessage() for r in caplog.records)
-        assert engine.prepared == 1
+        assert engine.prepared == 2
         old_dir = store.get("narrator").dir_name
 
         (assets / "narrator.txt").write_text("A new line.")
         assert await store.register_assets(assets) == ["narrator"]
         assert store.get("narrator").transcript == "A new line."
         assert store.get("narrator").dir_name != old_dir
-        assert live_dirs(data) == [store.get("narrator").dir_name]
+        assert live_dirs(data) == sorted([store.get("bom").dir_name, store.get("narrator").dir_name])
         assert (await store.get_prompt("narrator")).transcript == "A new line."
         await store.close()
 

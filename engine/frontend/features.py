@@ -237,6 +237,27 @@ SINC_ZERO_CROSSINGS = 6
 SINC_ROLLOFF = 0.99
 
 
+# The polyphase table of the reduced ratio p:q has q x (2w + p) weights. Common rates
+# give small tables (44100 -> 16000: 160 x 475; the largest, 11025 -> 16000: 640 x 455),
+# but an odd rate barely reduces: 16001 -> 16000 would need 16000 x 16015 (~1 GB as
+# float32, ~10 GB peak with the temporaries that build it, and tens of seconds of
+# convolution over mostly-zero taps). Past this many weights `resample` evaluates the
+# same formula directly per output sample instead.
+MAX_POLYPHASE_WEIGHTS = 2_000_000
+# Weights evaluated at once by the direct path (bounds its working memory, ~8 bytes each
+# in several float64 temporaries).
+_DIRECT_CHUNK_WEIGHTS = 1 << 20
+
+
+def polyphase_shape(sr_in: int, sr_out: int) -> tuple[int, int, int]:
+    """(q, 2w + p, w): the rows and taps of `sinc_kernel`'s table and its half-width w."""
+    g = math.gcd(sr_in, sr_out)
+    p, q = sr_in // g, sr_out // g
+    cutoff = min(p, q) * SINC_ROLLOFF
+    width = math.ceil(SINC_ZERO_CROSSINGS * p / cutoff)
+    return q, 2 * width + p, width
+
+
 def sinc_kernel(sr_in: int, sr_out: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
     """The polyphase filter bank of `resample` for the reduced ratio p:q (p = sr_in / g,
     q = sr_out / g): [q, 1, 2w + p], row j the weights that output phase j gives the
@@ -244,11 +265,16 @@ def sinc_kernel(sr_in: int, sr_out: int, dtype: torch.dtype = torch.float32) -> 
 
     Output sample m of a block reads input time m / q (in units of p input samples); the
     weight of input sample i is sinc(pi f (i / p - j / q)) * cos^2(pi f (i / p - j / q) /
-    (2 c)) * f / p with f = 0.99 min(p, q), clipped to c = 6 zero crossings."""
+    (2 c)) * f / p with f = 0.99 min(p, q), clipped to c = 6 zero crossings.
+
+    Raises ValueError past `MAX_POLYPHASE_WEIGHTS` weights (an odd rate such as 16001 Hz),
+    rather than allocating gigabytes; `resample` does not build those."""
+    rows, span, width = polyphase_shape(sr_in, sr_out)
+    if rows * span > MAX_POLYPHASE_WEIGHTS:
+        raise ValueError(f"the polyphase table of {sr_in} -> {sr_out} Hz would hold {rows} x {span} weights")
     g = math.gcd(sr_in, sr_out)
     p, q = sr_in // g, sr_out // g
     cutoff = min(p, q) * SINC_ROLLOFF
-    width = math.ceil(SINC_ZERO_CROSSINGS * p / cutoff)
     taps = torch.arange(-width, width + p, dtype=dtype) / p
     phases = -torch.arange(q, dtype=dtype)[:, None] / q
     x = ((phases + taps) * cutoff).clamp(-SINC_ZERO_CROSSINGS, SINC_ZERO_CROSSINGS)
@@ -260,10 +286,17 @@ def sinc_kernel(sr_in: int, sr_out: int, dtype: torch.dtype = torch.float32) -> 
 
 def resample(wav: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     """Mono float32 resampling as the official frontend's torchaudio `Resample` does it
-    (`sinc_kernel`; identity if the rates are equal): ceil(n * sr_out / sr_in) samples."""
+    (`sinc_kernel`; identity if the rates are equal): ceil(n * sr_out / sr_in) samples.
+
+    A rate pair whose polyphase table would be too large (`MAX_POLYPHASE_WEIGHTS`) gets
+    the same formula evaluated directly (`_resample_direct`): equal up to float32
+    rounding, at a cost per output sample of the filter's span instead of q x p."""
     x = np.asarray(wav, dtype=np.float32)
     if sr_in == sr_out:
         return x
+    rows, span, _ = polyphase_shape(sr_in, sr_out)
+    if rows * span > MAX_POLYPHASE_WEIGHTS:
+        return _resample_direct(x, sr_in, sr_out)
     g = math.gcd(sr_in, sr_out)
     p, q = sr_in // g, sr_out // g
     kernel, width = sinc_kernel(sr_in, sr_out)
@@ -271,3 +304,33 @@ def resample(wav: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     blocks = F.conv1d(signal, kernel, stride=p)  # [1, q, blocks]: output phase by block
     out = blocks[0].T.reshape(-1)[: math.ceil(q * x.shape[0] / p)]
     return out.numpy().astype(np.float32, copy=False)
+
+
+def _resample_direct(x: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
+    """`resample`'s formula per output sample: output m reads input time c = m sr_in /
+    sr_out (in input samples) and input sample i weighs sinc(pi f (i - c)) * cos^2(pi f
+    (i - c) / 12) * f with f = 0.99 min(sr_in, sr_out) / sr_in, zero past 6 zero crossings
+    (the polyphase table's weights, which depend on the rates only through f and c);
+    samples outside the input are zeros, as the table's padding. Float64 inside, in
+    chunks of output samples so memory stays bounded whatever the ratio."""
+    n = x.shape[0]
+    n_out = -(-n * sr_out // sr_in)  # ceil, exactly
+    f = SINC_ROLLOFF * min(sr_in, sr_out) / sr_in
+    half = math.ceil(SINC_ZERO_CROSSINGS / f)  # input samples each side with a weight
+    span = 2 * half + 2
+    # Zero padding so every index a chunk reads is inside the array.
+    padded = np.zeros(n + 2 * span, dtype=np.float64)
+    padded[span: span + n] = x
+    offsets = np.arange(span, dtype=np.int64)
+    out = np.empty(n_out, dtype=np.float32)
+    step = max(1, _DIRECT_CHUNK_WEIGHTS // span)
+    for start in range(0, n_out, step):
+        m = np.arange(start, min(start + step, n_out), dtype=np.int64)
+        whole, rest = np.divmod(m * sr_in, sr_out)  # c = whole + rest / sr_out, exactly
+        first = whole - half  # the first input sample of each row
+        t = (offsets[None, :] - half - (rest / sr_out)[:, None]) * f  # (i - c) f
+        t = np.clip(t, -SINC_ZERO_CROSSINGS, SINC_ZERO_CROSSINGS)
+        weights = np.sinc(t) * np.cos(t * (math.pi / SINC_ZERO_CROSSINGS / 2)) ** 2 * f
+        samples = padded[(first + span)[:, None] + offsets[None, :]]
+        out[start: start + m.shape[0]] = np.einsum("ij,ij->i", weights, samples)
+    return out
