@@ -493,6 +493,7 @@ class Engine:
                 SpeakerEncoder(model_dir / "campplus.onnx"),
                 model.config.mel,
             )
+            _ = feat.fingerprint  # reads the networks' files: here, not on the event loop
             return model, tok, feat
 
         model, tok, feat = await asyncio.to_thread(build)

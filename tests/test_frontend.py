@@ -643,3 +643,18 @@ def test_the_grammar_of_text_without_letters_is_left_to_the_caller() -> None:
     assert detect_grammar("Hello") == "en" and detect_grammar("你好") == "zh"
     assert detect_grammar("１２３") == "zh"  # fullwidth digits come with CJK text
     assert detect_grammar("42") is None and detect_grammar("$5, 50%") is None
+
+
+def test_the_features_record_tells_networks_of_one_size_apart(tmp_path: Path) -> None:
+    """The record of what made a voice's features named each network's file by name and
+    size only: a re-exported or fine-tuned network of the same architecture (same size,
+    other weights) reused the voices stored under the old one."""
+    from engine.frontend.prompt import file_record
+    from engine.models.writer import write_model_dir
+
+    a, b = write_model_dir(tmp_path / "a", "tiny", seed=0), write_model_dir(tmp_path / "b", "tiny", seed=7)
+    for name in ("campplus.onnx", "speech_tokenizer_v3.onnx"):
+        fa, fb = Path(a) / name, Path(b) / name
+        assert fa.stat().st_size == fb.stat().st_size  # the case: one size, other weights
+        assert file_record(fa) != file_record(fb)
+        assert file_record(fa) == file_record(Path(a) / name)  # and stable
