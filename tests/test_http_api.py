@@ -158,6 +158,33 @@ def test_voice_json_base64_upload(server) -> None:
         assert err(resp) == (400, "invalid_audio")
 
 
+def test_a_large_json_upload_is_parsed_off_the_event_loop(server, monkeypatch) -> None:
+    """A JSON voice upload carries up to ~27 MB of base64; parsing, checking and decoding it
+    on the event loop held every stream's audio ~100 ms per 20 MB."""
+    import asyncio
+
+    import gateway.http_api as http_api
+
+    on_loop: list[tuple[int, bool]] = []
+    parse = http_api._parse_json_object
+
+    def spy(raw: bytes) -> Any:
+        on_loop.append((len(raw), asyncio._get_running_loop() is not None))
+        return parse(raw)
+
+    monkeypatch.setattr(http_api, "_parse_json_object", spy)
+    with server.client() as c:
+        audio = wav_bytes(tone(10.0, 16000), 16000)  # ~430 kB of base64
+        resp = c.post("/v1/voices", headers=AUTH, json={
+            "id": "json-large", "transcript": "A larger upload.", "audio": base64.b64encode(audio).decode()})
+        assert resp.status_code == 201, resp.text
+        assert c.post("/v1/audio/speech", headers=AUTH, json={"input": "Hi.", "voice": "json-large",
+                                                              "response_format": "pcm", **FAST}).status_code == 200
+    (large, large_on_loop), (small, small_on_loop) = on_loop
+    assert large > http_api.OFF_LOOP_BYTES and not large_on_loop
+    assert small < http_api.OFF_LOOP_BYTES and small_on_loop
+
+
 def _flac_bytes(seconds: float) -> bytes:
     """A FLAC upload: registration must take any container PyAV decodes."""
     from gateway.audio_files import make_encoder
