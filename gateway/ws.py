@@ -578,7 +578,7 @@ class _Connection:
             return
         rt = started
         self.contexts[cid] = rt
-        rt.pump = asyncio.create_task(self._guarded(rt, self._pump_events(rt), "pump"),
+        rt.pump = asyncio.create_task(self._guarded(rt, self._pump_events, "pump"),
                                       name=f"{self.session_id}-{cid}-pump")
         # Not tied to the context: a cancel right after must not drop it (its `cancelled`
         # says `active: true`, which a client reads as after its `context_started`).
@@ -756,7 +756,7 @@ class _Connection:
         if rt.settle_queued:
             return
         rt.settle_queued = True
-        task = asyncio.create_task(self._guarded(rt, self._settle(rt), "settling"),
+        task = asyncio.create_task(self._guarded(rt, self._settle, "settling"),
                                    name=f"{self.session_id}-{rt.cid}-settle")
         rt.settling.add(task)
         task.add_done_callback(rt.settling.discard)
@@ -798,10 +798,13 @@ class _Connection:
                     await rt.session.abort()  # frees the engine session (already finished)
                 self._maybe_close()
 
-    async def _guarded(self, rt: _ContextRuntime, work: Awaitable[None], what: str) -> None:
-        """A task of the context's (its pump, a settle): an error in it ends the context."""
+    async def _guarded(self, rt: _ContextRuntime, work: Callable[[_ContextRuntime], Awaitable[None]],
+                       what: str) -> None:
+        """A task of the context's (its pump, a settle): an error in it ends the context.
+        `work` is called here, not by the caller: a task cancelled before its first step
+        then leaves no coroutine that was never awaited."""
         try:
-            await work
+            await work(rt)
         except asyncio.CancelledError:
             raise
         except Exception:
