@@ -708,32 +708,45 @@ def test_a_context_cancelled_at_once_still_gets_its_context_started(server: Serv
         assert rec.events.index(started[0]) < rec.events.index(cancelled[0])
 
 
-def test_the_idle_clock_starts_when_the_last_context_ends(server: Server) -> None:
-    """Idle means no client message while no context is active: a turn longer than
-    `idle_timeout_s`, after its one message, closed the socket with 4000 right after its
-    `done`. The client here pauses 0.5 s (under the 1.5 s timeout) after a turn."""
-    settings = server.gw.settings
-    server.gw.settings = SimpleNamespace(**{**vars(settings), "ws": dataclasses.replace(settings.ws, idle_timeout_s=1.5)})
-    text = " ".join(["This sentence is spoken in a turn that lasts longer than the idle timeout."] * 4)
+def test_the_idle_clock_starts_when_the_last_context_ends(server: Server, monkeypatch: Any) -> None:
+    """Idle means no client message while no context is active: a turn that outlasted
+    `idle_timeout_s` after the client's last message closed the socket with 4000 right
+    after its `done`. Here the turn's audio is held for longer than the 1 s timeout (the
+    client sends nothing meanwhile), then the client pauses 0.4 s before its next turn."""
+    from gateway.ws import FrameWriter
 
-    async def main() -> tuple[Recording, float]:
+    settings = server.gw.settings
+    server.gw.settings = SimpleNamespace(**{**vars(settings), "ws": dataclasses.replace(settings.ws, idle_timeout_s=1.0)})
+    put_audio = FrameWriter.put_audio
+    held, release = threading.Event(), asyncio.Event()
+
+    async def holding(self: Any, item: Any) -> None:
+        if item.ctx is not None and item.ctx.cid == "long" and not release.is_set():
+            held.set()
+            await release.wait()
+        await put_audio(self, item)
+
+    monkeypatch.setattr(FrameWriter, "put_audio", holding)
+
+    async def main() -> Recording:
         rec = Recording()
         async with websockets.connect(server.url) as ws:
             await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
-            started = time.monotonic()
-            await send(ws, type="text", context_id="long", text=text, end=True)
-            await receive_until(ws, rec, has_done("long"), timeout=120)
-            turn = time.monotonic() - started
-            await asyncio.sleep(0.5)  # the client's pause between turns
+            await send(ws, type="text", context_id="long", text="A turn to speak.", end=True)
+            assert await asyncio.to_thread(held.wait, 60)
+            await asyncio.sleep(1.5)  # the turn lasts past the idle timeout; the client is quiet
+            server.loop.call_soon_threadsafe(release.set)
+            await receive_until(ws, rec, has_done("long"), timeout=60)
+            await asyncio.sleep(0.4)  # the client's pause between turns, under the timeout
             await send(ws, type="text", context_id="next", text="Hi.", end=True)
             await receive_until(ws, rec, has_done("next"), timeout=60)
-        return rec, turn
+        return rec
 
     try:
-        rec, turn = run(main())
+        rec = run(main())
     finally:
         server.gw.settings = settings
-    assert turn > 1.5 and rec.of("done", "next")
+    assert rec.of("done", "long") and rec.of("done", "next")
 
 
 def test_a_context_refused_with_a_flush_gets_no_flushed_after_its_final_error(server: Server) -> None:
