@@ -33,6 +33,7 @@ import itertools
 import logging
 import math
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -445,6 +446,9 @@ class AudioStage:
         self.flow_cuda_graphs = flow_cuda_graphs and torch.device(device).type == "cuda" and isinstance(estimator, DiT)
         self.graph_policy = graph_policy or GraphPolicy()
         self._graphs: FlowGraphRunner | None = None
+        # First use may come from the event loop (`warm_graphs`) and the worker thread (a
+        # batch) at once: two runners would each capture and keep their own graphs.
+        self._graphs_lock = threading.Lock()
         # Prompt K/V cache (`engine.flow_prompt_cache`), None = off. Touched only on the
         # worker thread.
         self.prompt_cache = (PromptCache(prompt_cache_bytes)
@@ -942,7 +946,9 @@ class AudioStage:
     def graph_runner(self) -> FlowGraphRunner | None:
         """The flow's CUDA-graph runner (created on first use), None when graphs are off."""
         if self.flow_cuda_graphs and self._graphs is None:
-            self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, context=self.context_cache)
+            with self._graphs_lock:
+                if self._graphs is None:
+                    self._graphs = FlowGraphRunner(self.flow.decoder, self.graph_policy, context=self.context_cache)
         return self._graphs
 
     async def warm_graphs(self, shapes: list[tuple[int, ...]]) -> int:
