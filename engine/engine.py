@@ -1492,7 +1492,8 @@ class Session:
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
             queued_at = time.monotonic()
-            in_flight = self._in_flight_s(utt, sched.offset)
+            # The chunks queued before this one and not yet made play before it too.
+            in_flight = (sched.offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / opts.speed
             runs_out = self.playback.runs_out()
             job.deadline, job.urgent = chunk_due(queued_at, runs_out, self._audio_ahead(utt) + in_flight)
             if in_flight > 0:  # taken as delivered now: the stage corrects by when it is
@@ -1506,19 +1507,6 @@ class Session:
                 return
             sched.advance(extent.end - sched.offset)  # the stage may have grown the chunk
 
-    def _in_flight_s(self, utt: _Utterance, offset: int) -> float:
-        """Seconds of audio that the utterance's chunks queued before `offset` and not yet
-        made will deliver: their tokens' audio, less, while its first chunk is among them,
-        the vocoder's holdback (the first chunk delivers that much short of its tokens, and
-        every later chunk releases the one before's holdback and keeps as much of its own).
-        How much of the holdback counts is the planner's knob `deadline_holdback` (0: none,
-        as before: the second chunk's deadline then comes ~160 ms after the listener runs
-        out; 1: all)."""
-        ahead = (offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / utt.options.speed
-        if ahead > 0 and utt.made_tokens == 0:
-            ahead = max(0.0, ahead - self.engine.first_chunks.deadline_holdback * self.engine.first_chunks.holdback_s)
-        return ahead
-
     def _patience_left(self, utt: _Utterance, offset: int) -> float | None:
         """Seconds the utterance's next chunk (its tokens from `offset`) may wait for more
         tokens before its audio is due within `chunk_patience_s`; None when it is due
@@ -1528,7 +1516,7 @@ class Session:
         if patience <= 0:
             return None
         now = time.monotonic()
-        in_flight = self._in_flight_s(utt, offset)
+        in_flight = (offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / utt.options.speed
         due, urgent = chunk_due(now, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
         spare = due - now - patience
         return spare if not urgent and spare > 0 else None

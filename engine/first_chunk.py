@@ -315,8 +315,7 @@ class PlanInputs:
 
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
-TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
-                             "deadline_holdback": float}
+TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float}
 MAX_MARGIN = 10.0
 MAX_CROWD = 10_000
 
@@ -339,12 +338,6 @@ class FirstChunkPlanner:
     # vocoder's held-back frames, 0.16 s whatever the speed; in speed-1 seconds it would
     # be 0.16 x speed, and one fast session would shorten every later plan's audio).
     holdback_s: float = 0.0
-    # The share of `holdback_s` taken off the audio ahead of an utterance's second chunk
-    # while its first is in flight, for the stage's deadlines and the chunk patience
-    # (`Session._in_flight_s`): 0 counts the first chunk's tokens whole, as the engine did
-    # through round 34, and dates the second chunk ~160 ms after the listener runs out. To
-    # be A/B'd on the H200 (`POST /debug/planner`, levels alternating) before 1 is the default.
-    deadline_holdback: float = 0.0
     # The LM rates learnt from utterances that were not their session's first, and from those
     # that were (`learn_lm_step`): apart, because a burst's opening utterances decode their
     # tokens past the first chunk while the stage runs the opening rounds, and later ones
@@ -387,7 +380,6 @@ class FirstChunkPlanner:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
-                "deadline_holdback": self.deadline_holdback,
                 "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
                 "second_rounds": self.second_rounds.snapshot()}
@@ -404,8 +396,7 @@ class FirstChunkPlanner:
                 raise ValueError(f"{name!r} is not tunable (one of {', '.join(sorted(TUNABLE))})")
             if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-            high = (1.0 if name == "deadline_holdback" else MAX_MARGIN if kind is float
-                    else MAX_CROWD if name == "min_hop_crowd" else self.limit)
+            high = MAX_MARGIN if kind is float else MAX_CROWD if name == "min_hop_crowd" else self.limit
             if not 0 <= value <= high:
                 raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
             checked[name] = kind(value)

@@ -810,55 +810,6 @@ def test_a_chunk_cancelled_under_its_utterance_ends_it_with_an_error(tiny_model_
     assert [(type(e), getattr(e, "code", None)) for e in events] == [(UtteranceError, "engine_closed")]
 
 
-@pytest.mark.parametrize("share", [0.0, 1.0])
-def test_the_second_chunks_deadline_counts_the_first_chunks_holdback(tiny_model_dir, monkeypatch, share):
-    """While an utterance's first chunk is in flight, its audio comes the vocoder's holdback
-    short of its tokens (each later chunk releases the one before's and keeps as much): the
-    audio ahead of the second chunk is that much less, with the planner's `deadline_holdback`
-    share of it (0 counts the tokens whole, as the engine did through round 34)."""
-    import engine.engine as engine_module
-
-    aheads: list[float] = []
-    due = engine_module.chunk_due
-
-    def recording(now, runs_out, ahead_s, *args):
-        aheads.append(ahead_s)
-        return due(now, runs_out, ahead_s, *args)
-
-    monkeypatch.setattr(engine_module, "chunk_due", recording)
-
-    async def fn(engine):
-        voice = await default_voice(engine)
-        engine.first_chunks.holdback_s = 0.16
-        engine.tune_planner({"deadline_holdback": share})
-        stage = engine.stage
-        compute, submit = stage._compute, stage.submit
-        second = threading.Event()
-
-        def gated(batch):  # the first chunk is made only once the second is queued
-            if any(j.chunk_index == 0 for j in batch):
-                second.wait(60)
-            return compute(batch)
-
-        def spying(job):
-            future = submit(job)
-            if job.chunk_index == 1:
-                second.set()
-            return future
-
-        stage._compute, stage.submit = gated, spying
-        s = engine.open_session(voice, SessionOptions(seed=0, initial_hop=5, max_hop=25, tokens_per_text_token=8.0))
-        await s.submit("Hello there, my friend.")
-        await s.finish()
-        events = await collect(s)
-        return events
-
-    events = run(tiny_model_dir, fn, warmup=False)
-    assert events[-1].is_last
-    assert aheads[0] == 0.0  # the first chunk: nothing ahead of it
-    assert aheads[1] == pytest.approx(5 / 25 - share * 0.16)  # its 5 tokens, less the holdback's share
-
-
 @pytest.mark.parametrize("prompt_cache", [False, True])
 def test_the_last_chunk_with_full_attention_as_the_official_streaming_inference(tiny_model_dir, prompt_cache):
     """The official streaming inference decodes an utterance's last chunk with full attention

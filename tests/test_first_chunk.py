@@ -447,13 +447,11 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert p.snapshot()["min_hop"] == 8 and p.snapshot()["idle_hop"] == 7 and p.snapshot()["min_hop_crowd"] == 64
     p.tune({"margin": 1})  # an integer margin is a number
     assert p.margin == 1.0 and isinstance(p.margin, float)
-    p.tune({"deadline_holdback": 1})
-    assert p.deadline_holdback == 1.0 and p.snapshot()["deadline_holdback"] == 1.0
     for bad, says in (({"limit": 20}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
                       ({"min_hop": -1}, "within [0, 40]"), ({"idle_hop": 41}, "within [0, 40]"),
                       ({"min_hop_crowd": -1}, "within [0, 10000]"),
                       ({"margin": float("nan")}, "within"), ({"margin": "0.5"}, "a number"),
-                      ({"min_hop": 6, "margin": -0.1}, "margin"), ({"deadline_holdback": 1.5}, "within [0, 1.0]")):
+                      ({"min_hop": 6, "margin": -0.1}, "margin")):
         with pytest.raises(ValueError, match=re.escape(says)):
             p.tune(bad)
     assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
