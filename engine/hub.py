@@ -92,18 +92,31 @@ class _Hub:
                 continue
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".part")
-            with urllib.request.urlopen(self.url(repo, name), timeout=TIMEOUT) as resp, open(tmp, "wb") as out:
-                total = int(resp.headers.get("Content-Length") or 0) or None
-                with tqdm(total=total, unit="B", unit_scale=True, desc=name, leave=False) as bar:
-                    while chunk := resp.read(1 << 20):
-                        out.write(chunk)
-                        bar.update(len(chunk))
+            try:
+                with urllib.request.urlopen(self.url(repo, name), timeout=TIMEOUT) as resp, open(tmp, "wb") as out:
+                    total = int(resp.headers.get("Content-Length") or 0) or None
+                    got = 0
+                    with tqdm(total=total, unit="B", unit_scale=True, desc=name, leave=False) as bar:
+                        while chunk := resp.read(1 << 20):
+                            out.write(chunk)
+                            got += len(chunk)
+                            bar.update(len(chunk))
+                # A connection closed early ends the reads quietly, as if the file were whole:
+                # renamed into place and marked complete, it would fail every later start.
+                if total is not None and got != total:
+                    raise ConnectionError(f"{name}: got {got} of {total} bytes")
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             os.replace(tmp, dest)
 
 
 class _HuggingFace(_Hub):
     name = "huggingface"
-    base = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+    @property
+    def base(self) -> str:
+        return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
 
     def files(self, repo: str) -> list[str]:
         with urllib.request.urlopen(f"{self.base}/api/models/{repo}", timeout=TIMEOUT) as r:
@@ -115,7 +128,10 @@ class _HuggingFace(_Hub):
 
 class _ModelScope(_Hub):
     name = "modelscope"
-    base = os.environ.get("MODELSCOPE_ENDPOINT", "https://modelscope.cn")
+
+    @property
+    def base(self) -> str:
+        return os.environ.get("MODELSCOPE_ENDPOINT", "https://modelscope.cn")
 
     def files(self, repo: str) -> list[str]:
         with urllib.request.urlopen(f"{self.base}/api/v1/models/{repo}/repo/files?Recursive=true", timeout=TIMEOUT) as r:
