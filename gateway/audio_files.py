@@ -92,22 +92,42 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
         # `to_ndarray` of a planar frame with 8 or more channels crashes the process
         # (the frame's first 8 data pointers only), and a packed frame is one plane.
         resampler: av.AudioResampler | None = None
+        setup: tuple[str, str, int] | None = None
+
+        def keep(frames: list[av.AudioFrame]) -> None:
+            nonlocal total
+            for out in frames:
+                mono = _packed_mono(out)
+                parts.append(mono)
+                total += mono.shape[0]
+            # Output samples at `rate`, whatever rate the input had: the limit holds
+            # across a mid-stream switch too.
+            if max_seconds is not None and rate and total > (max_seconds + 1.0) * rate:
+                raise ApiError(400, "audio_too_long", f"audio is longer than {max_seconds:g} s")
+
         try:
             for frame in container.decode(stream):
-                if resampler is None:
-                    rate = int(frame.sample_rate)
+                key = (frame.format.name, frame.layout.name, int(frame.sample_rate))
+                if key != setup:
+                    # A resampler takes one input setup only (PyAV raises ValueError on a
+                    # frame that differs, a passthrough one returns it unconverted), and
+                    # a stream may change: ADTS/MP3 rate or channel changes, an MP3 frame
+                    # with a damaged header decoding as stereo. Drain the old resampler
+                    # and go on with one at the first frame's rate, so the output is one
+                    # timeline (each keeps its input's layout: `_packed_mono` mixes).
+                    if resampler is not None:
+                        keep(resampler.resample(None))
+                    else:
+                        rate = int(frame.sample_rate)
                     resampler = av.AudioResampler(format="flt", layout=frame.layout.name, rate=rate)
-                for out in resampler.resample(frame):
-                    mono = _packed_mono(out)
-                    parts.append(mono)
-                    total += mono.shape[0]
-                if max_seconds is not None and rate and total > (max_seconds + 1.0) * rate:
-                    raise ApiError(400, "audio_too_long", f"audio is longer than {max_seconds:g} s")
-        except av.error.FFmpegError as exc:
+                    setup = key
+                keep(resampler.resample(frame))
+            if resampler is not None:
+                keep(resampler.resample(None))
+        except (av.error.FFmpegError, ValueError) as exc:
+            # ValueError: PyAV's own checks (a layout or format it cannot set up, a frame
+            # its resampler rejects) fail on what the upload holds, not on the server.
             raise ApiError(400, "invalid_audio", f"audio could not be decoded ({exc.__class__.__name__})") from exc
-        if resampler is not None:
-            for out in resampler.resample(None):
-                parts.append(_packed_mono(out))
         if not parts or rate <= 0:
             raise ApiError(400, "invalid_audio", "the file contains no audio samples")
         # Not clipped: the official frontend reads a float file's samples as they are,

@@ -210,3 +210,106 @@ def test_opus_flush_puts_every_sample_into_a_packet_and_the_stream_runs_on(rate:
     assert len(y) >= start_b + n_b and rms(y[start_b + n_b - last_ms : start_b + n_b]) > 0.15  # B's last 5 ms
     assert rms(y[start_b + last_ms : start_b + 2 * last_ms]) > 0.15  # B's start, no warm-up gap
     assert rms(y[n_a + last_ms : start_b - last_ms]) < 0.02  # the flush's padding is silence
+
+
+# --------------------------------------------------------------------------------------
+# Uploads whose audio setup changes mid-stream (gateway.audio_files.decode_audio)
+# --------------------------------------------------------------------------------------
+
+import io
+
+import av
+
+from gateway.audio_files import decode_audio
+from gateway.errors import ApiError
+
+
+def _encoded(container: str, codec: str, rate: int, layout: str, seconds: float, amp: float = 0.5) -> bytes:
+    """A whole file of a 220 Hz sine, every channel the same."""
+    n = int(rate * seconds)
+    x = (amp * np.sin(2 * np.pi * 220.0 * np.arange(n) / rate)).astype(np.float32)
+    channels = 2 if layout == "stereo" else 1
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate, layout=layout)
+        frame = av.AudioFrame.from_ndarray(np.repeat(x, channels)[None, :], format="flt", layout=layout)
+        frame.sample_rate = rate
+        frame.pts = 0
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _setups(data: bytes) -> list[tuple[int, str]]:
+    """The (rate, layout) of each decoded frame, as the decoder alone reports them."""
+    with av.open(io.BytesIO(data)) as c:
+        return [(f.sample_rate, f.layout.name) for f in c.decode(c.streams.audio[0])]
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+
+
+# Concatenated ADTS files: a valid stream whose rate or channel count changes, which the
+# decoder follows frame by frame. AAC adds ~1024 samples of priming per part.
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        ((24000, "mono"), (48000, "mono")),
+        ((24000, "mono"), (24000, "stereo")),
+        ((44100, "stereo"), (16000, "mono")),
+    ],
+)
+def test_decode_audio_follows_adts_rate_and_channel_changes(first, second) -> None:
+    data = _encoded("adts", "aac", *first, 0.5) + _encoded("adts", "aac", *second, 0.5)
+    assert len(set(_setups(data))) == 2  # the change really is in the stream
+    audio = decode_audio(data, max_seconds=30)
+    assert audio.sample_rate == first[0]  # one timeline, at the first part's rate
+    assert audio.duration_s == pytest.approx(1.0, abs=0.2)
+    half = audio.samples.shape[0] // 2
+    # Both parts are the 0.5-amplitude sine (0.35 rms), the mono mix included.
+    for part in (audio.samples[first[0] // 10 : half - first[0] // 10], audio.samples[half + first[0] // 10 :]):
+        assert 0.3 < _rms(part) < 0.4
+
+
+def test_decode_audio_survives_an_mp3_frame_header_damaged_to_stereo() -> None:
+    """A mono MP3 with one frame's channel-mode bits flipped: the decoder gives that frame
+    as stereo (a review's fuzzing found it; the upload was a 500)."""
+    data = bytearray(_encoded("mp3", "libmp3lame", 24000, "mono", 0.5))
+    headers = [i for i in range(len(data) - 3) if data[i] == 0xFF and data[i + 1] == 0xF3 and data[i + 3] == 0xC4]
+    data[headers[len(headers) // 2] + 3] = 0x04  # channel mode 00: stereo
+    setups = _setups(bytes(data))
+    assert (24000, "stereo") in setups and setups[-1] == (24000, "mono")
+    audio = decode_audio(bytes(data), max_seconds=30)
+    assert audio.sample_rate == 24000
+    assert audio.samples.shape[0] == 12000  # every frame kept: the 0.5 s encoded, to the sample
+
+
+def test_decode_audio_duration_limit_counts_across_a_rate_change() -> None:
+    """The early stop counts output samples (at the first part's rate): 0.3 s at 24 kHz then
+    2 s at 8 kHz is 2.3 s, over 0.5 s + 1 s of slack, though only 23200 input samples."""
+    data = _encoded("adts", "aac", 24000, "mono", 0.3) + _encoded("adts", "aac", 8000, "mono", 2.0)
+    with pytest.raises(ApiError) as err:
+        decode_audio(data, max_seconds=0.5)
+    assert (err.value.status, err.value.code) == (400, "audio_too_long")
+
+
+def test_decode_audio_turns_a_setup_pyav_rejects_into_invalid_audio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mid-stream change that PyAV cannot set up (its checks raise ValueError) is a bad
+    upload, a 400 `invalid_audio`, not a 500."""
+    real = av.AudioResampler
+    built: list[object] = []
+
+    def resampler(*args, **kwargs):
+        if built:
+            raise ValueError("Frame does not match AudioResampler setup.")
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    data = _encoded("adts", "aac", 24000, "mono", 0.2) + _encoded("adts", "aac", 24000, "stereo", 0.2)
+    monkeypatch.setattr(av, "AudioResampler", resampler)
+    with pytest.raises(ApiError) as err:
+        decode_audio(data, max_seconds=30)
+    assert (err.value.status, err.value.code) == (400, "invalid_audio")
