@@ -10,7 +10,7 @@ dependency of this project.
 from __future__ import annotations
 
 import math
-
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ from engine.frontend.onnx_models import SPEECH_TOKEN_SIZE, SpeakerEncoder, Speec
 from engine.frontend.prompt import PromptFeaturizer, build_lm_text, lm_prompt_text
 from engine.frontend.text import (
     contains_chinese,
+    default_normalizer,
     detect_grammar,
     normalize,
     spell_number,
@@ -33,6 +34,7 @@ from engine.frontend.text import (
 )
 from engine.frontend.tokenizer import COSYVOICE3_SPECIALS, TextTokenizer, normalize_instruction
 from engine.models.config import MelConfig
+from engine.wavio import read_wav, write_wav
 
 SYSTEM = "You are a helpful assistant."
 EOP = "<|endofprompt|>"
@@ -262,6 +264,89 @@ def test_detected_non_chinese_text_is_read_by_the_english_grammar() -> None:
 )
 def test_no_doubled_sentence_end(text: str, expected: str) -> None:
     assert normalize(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("コンニチハ！", "コンニチハ！"),
+        ("ソウデスカ？", "ソウデスカ？"),
+        ("レキシ テキ セカイ ニ オイ テ ワ、カコ ワ タンニ スギサッ タ モノ デ ワ ナイ。",
+         "レキシ テキ セカイ ニ オイ テ ワ、カコ ワ タンニ スギサッ タ モノ デ ワ ナイ。"),
+        ("안녕하세요。", "안녕하세요。"),
+        ("안녕？", "안녕？"),
+        ("Hello！", "Hello！"),
+        ("コンニチハ", "コンニチハ."),  # no end mark: one is still added
+    ],
+)
+def test_a_fullwidth_end_is_not_followed_by_a_second_mark(text: str, expected: str) -> None:
+    """Kana-only and Korean text has no CJK ideograph and takes the English path, whose
+    end marks were only the ASCII ones: "コンニチハ！" became "コンニチハ！."."""
+    assert normalize(text) == expected
+
+
+def _special_tags(tokenizer: TextTokenizer, text: str) -> list[str]:
+    by_id = {i: t for t, i in tokenizer.special_tokens.items()}
+    return [by_id[i] for i in tokenizer.encode(text) if i in by_id]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Say [HH][AH0][L][OW1] now.", "Say [HH][AH0][L][OW1] now."),
+        ("Hello [breath] [ER0] world 42.", "Hello [breath] [ER0] world forty two."),
+        ("The [AO1] 1990s", "The [AO1] nineteen nineties."),
+        ("I paid $1,000[breath] for [EY2] it", "I paid one thousand dollars[breath] for [EY2] it."),
+        ("[OW1]", "[OW1]."),
+        ("读[AH1]这个字。", "读[AH1]这个字。"),
+        ("他有<strong>3</strong>个苹果[AA1]", "他有<strong>三</strong>个苹果[AA1]。"),
+        ("高管也通过电话、短信[j][ǐ]予好评。", "高管也通过电话、短信[j][ǐ]予好评。"),
+        # a tag written against a number stays against its reading
+        ("[breath]5 apples", "[breath]five apples."),
+        ("Wait[breath]2 minutes", "Wait[breath]two minutes."),
+        ("It costs <strong>5</strong> dollars.", "It costs <strong>five</strong> dollars."),
+    ],
+)
+def test_special_tokens_survive_normalisation(tokenizer: TextTokenizer, text: str, expected: str) -> None:
+    """The grammars and the digit speller read the digit of an ARPAbet stress tag:
+    "[AH0]" became "[AHzero]" / "[AH零]", which no longer encodes to its special token."""
+    out = normalize(text)
+    assert out == expected
+    assert _special_tags(tokenizer, out) == _special_tags(tokenizer, text)
+    assert _special_tags(tokenizer, text)  # the case: the text has special tokens
+
+
+def test_special_tokens_survive_in_both_grammars(tokenizer: TextTokenizer) -> None:
+    text = "[HH][AH0][L][OW1] 3 [EY2]"
+    for lang in ("en", "zh"):
+        out = normalize(text, lang)
+        assert _special_tags(tokenizer, out) == ["[HH]", "[AH0]", "[L]", "[OW1]", "[EY2]"], (lang, out)
+        assert tokenizer.token_id("[AH0]") in tokenizer.encode(out)
+        assert "3" not in out  # the digit outside the tags is still read
+    assert normalize(text, "en") == "[HH][AH0][L][OW1] three [EY2]."
+    assert normalize(text, "zh") == "[HH][AH0][L][OW1]三[EY2]。"
+
+
+def test_special_tokens_survive_when_the_placeholders_do_not(tokenizer: TextTokenizer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the grammar lose a placeholder, the pieces between the tags are read one by
+    one and joined with the tags as written."""
+    normalizer = default_normalizer()
+    read = normalizer._wetext_or_plain
+    monkeypatch.setattr(normalizer, "_wetext_or_plain",
+                        lambda text, lang: "".join(c for c in read(text, lang) if not "\ue000" <= c <= "\uf8ff"))
+    assert normalize("Say [HH][AH0] 42 times [breath] now") == "Say [HH][AH0] forty two times [breath] now."
+    assert normalize("读[AH1]这个字3次") == "读[AH1]这个字三次。"
+
+
+def test_text_without_special_tokens_is_read_as_before() -> None:
+    """Brackets that hold no special token ("[1]", "[AH3]", lower-case "[ah0]") are text."""
+    assert normalize("See [1] and [AH3] and [ah0] and <5>.") == "See [one] and [AHthree] and [ahzero] and <five>."
+    assert normalize("第[1]条") == "第[一]条。"
+    normalizer = default_normalizer()
+    for text in ("It costs $1,000 on 2024-03-05.", "今天是2024年3月5日。", "Read [x] 2 times", "a < b > c"):
+        for chinese in (False, True):
+            assert normalizer._read_keeping_special_tokens(text, chinese) == normalizer._read(text, chinese)
 
 
 @pytest.mark.parametrize(
@@ -658,3 +743,84 @@ def test_the_features_record_tells_networks_of_one_size_apart(tmp_path: Path) ->
         assert fa.stat().st_size == fb.stat().st_size  # the case: one size, other weights
         assert file_record(fa) != file_record(fb)
         assert file_record(fa) == file_record(Path(a) / name)  # and stable
+
+
+# --- prompt WAV reading ----------------------------------------------------------------
+
+
+def _riff(tag: int, bits: int, channels: int, sample_rate: int, payload: bytes, extensible: bool = False,
+          extra_chunk: bool = False) -> bytes:
+    """A WAV file as bytes, written by hand (no WAV library writes float or 24-bit here)."""
+    block = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", 0xFFFE if extensible else tag, channels, sample_rate, sample_rate * block, block, bits)
+    if extensible:  # cbSize, valid bits, channel mask, the subformat GUID (tag + fixed tail)
+        fmt += struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", tag) + bytes.fromhex("000000001000800000aa00389b71")
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    if extra_chunk:  # an odd-sized chunk before the data: padded to an even size
+        chunks += b"LIST" + struct.pack("<I", 3) + b"abc\0"
+    chunks += b"data" + struct.pack("<I", len(payload)) + payload
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+def _pcm_bytes(x: np.ndarray, bits: int) -> bytes:
+    full = 2 ** (bits - 1)
+    ints = np.clip(np.round(x.astype(np.float64) * full), -full, full - 1).astype(np.int64)
+    if bits == 8:
+        return (ints + 128).astype(np.uint8).tobytes()
+    return b"".join(int(v).to_bytes(bits // 8, "little", signed=True) for v in ints) if bits == 24 \
+        else ints.astype(f"<i{bits // 8}").tobytes()
+
+
+@pytest.mark.parametrize(
+    "name, tag, bits, encode",
+    [
+        ("pcm8", 1, 8, lambda x: _pcm_bytes(x, 8)),
+        ("pcm24", 1, 24, lambda x: _pcm_bytes(x, 24)),
+        ("pcm32", 1, 32, lambda x: _pcm_bytes(x, 32)),
+        ("float32", 3, 32, lambda x: x.astype("<f4").tobytes()),
+        ("float64", 3, 64, lambda x: x.astype("<f8").tobytes()),
+    ],
+)
+@pytest.mark.parametrize("extensible", [False, True])
+def test_read_wav_reads_pcm_and_float_like_16_bit(tmp_path: Path, name: str, tag: int, bits: int, encode,
+                                                   extensible: bool) -> None:
+    """`read_wav` (the CLI's prompt loader) refused 24-bit PCM and float WAV files."""
+    x = _sine(220, 0.25, 16000, amp=0.6)
+    x[:3] = [-1.0, 0.999, -0.5]  # the extremes and a negative 24-bit sample
+    (tmp_path / "ref.wav").write_bytes(_riff(1, 16, 1, 16000, _pcm_bytes(x, 16)))
+    ref, ref_sr = read_wav(tmp_path / "ref.wav")
+    (tmp_path / f"{name}.wav").write_bytes(_riff(tag, bits, 1, 16000, encode(x), extensible, extra_chunk=True))
+    got, sr = read_wav(tmp_path / f"{name}.wav")
+    assert (sr, got.dtype, got.shape) == (ref_sr, np.float32, ref.shape)
+    tolerance = 1 / 128 if bits == 8 else 1 / 32768  # the coarser of the two quantisations
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tolerance)
+    if bits > 16:
+        np.testing.assert_allclose(got, x, rtol=0, atol=2.0 ** -23)
+
+
+def test_read_wav_averages_channels_and_reads_its_own_files(tmp_path: Path) -> None:
+    x = _sine(330, 0.1, 24000, amp=0.5)
+    stereo = np.stack([x, -0.5 * x], axis=1).reshape(-1)  # interleaved: the mean is x / 4
+    (tmp_path / "stereo24.wav").write_bytes(_riff(1, 24, 2, 24000, _pcm_bytes(stereo, 24)))
+    (tmp_path / "stereo_f32.wav").write_bytes(_riff(3, 32, 2, 24000, stereo.astype("<f4").tobytes(), extensible=True))
+    for name in ("stereo24.wav", "stereo_f32.wav"):
+        got, sr = read_wav(tmp_path / name)
+        assert sr == 24000 and got.shape == x.shape
+        np.testing.assert_allclose(got, x / 4, rtol=0, atol=1e-6)
+    write_wav(tmp_path / "own.wav", x, 24000)
+    got, sr = read_wav(tmp_path / "own.wav")
+    assert sr == 24000
+    np.testing.assert_allclose(got, x, rtol=0, atol=1 / 16384)
+
+
+def test_read_wav_names_what_it_cannot_read(tmp_path: Path) -> None:
+    cases = {
+        "mulaw.wav": (_riff(7, 8, 1, 8000, bytes(100)), "unsupported WAV encoding"),
+        "float16.wav": (_riff(3, 16, 1, 8000, bytes(100)), "unsupported WAV encoding"),
+        "text.wav": (b"not a wav file at all", "not a RIFF/WAVE file"),
+        "nodata.wav": (_riff(1, 16, 1, 8000, b"")[:-8], "no 'data' chunk"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            read_wav(tmp_path / name)

@@ -21,7 +21,10 @@ Where this departs from the official frontend, to fix what it reads wrongly:
   between a letter and a digit is a space ("GPT-4" was "GPT负四");
 * English: wetext's readings of 1000-1999 are repaired (`repair_english_thousands`);
 * the sentence mark is not added after one that closing quotes hide, after `…`, nor
-  after a trailing comma, which it replaces (`end_sentence`).
+  after a trailing comma, which it replaces (`end_sentence`); nor after a full-width end
+  mark on the English path (kana-only and Korean text take it);
+* the tokenizer's special tokens in the text (`[breath]`, ARPAbet `[AH0]`, pinyin `[ǐ]`)
+  are kept as written, not read ("[AH0]" was "[AHzero]" / "[AH零]").
 
 The first call costs ~3 s on this machine (importing wetext/kaldifst and reading its
 pre-compiled FSTs), later calls 1-25 ms per sentence; so the normaliser objects are
@@ -31,6 +34,7 @@ server pay the cost at start-up.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -386,14 +390,62 @@ class TextNormalizer:
         if not text:
             return text
         chinese = detect_grammar(text) == "zh" if lang is None else lang == "zh"
+        text = self._read_keeping_special_tokens(text, chinese)
         if chinese:
-            text = _zh_postprocess(self._wetext_or_plain(_zh_preprocess(text), "zh"))
-        else:
-            read = self._wetext_or_plain(spell_decades(text), "en")
-            text = _spell_out_digits(repair_english_thousands(read, text))
+            text = _zh_postprocess(text)
         if terminal and text:
             text = end_sentence(text, chinese)
         return text
+
+    def _read(self, text: str, chinese: bool) -> str:
+        """The grammar's reading of `text` (numbers, symbols, ... in words), before the
+        Chinese post-processing."""
+        if chinese:
+            return self._wetext_or_plain(_zh_preprocess(text), "zh")
+        read = self._wetext_or_plain(spell_decades(text), "en")
+        return _spell_out_digits(repair_english_thousands(read, text))
+
+    def _read_keeping_special_tokens(self, text: str, chinese: bool) -> str:
+        """`_read`, with the tokenizer's special tokens in the text (`[breath]`, `<strong>`,
+        ARPAbet phones `[AH0]`, pinyin `[ǐ]`, ...) kept as written: the grammars and the
+        digit speller would turn `[AH0]` into `[AHzero]` / `[AH零]`, which no longer
+        encodes to its special token. (The official frontend only spares text with
+        `<|...|>` markup; these tags it reads like any other text.)
+
+        For the reading each tag is replaced by a private-use character of its own, which
+        the grammars pass through, and put back afterwards; should the placeholders not all
+        come back exactly once and in order, the pieces between the tags are read one by
+        one and joined with the tags as written. Text without a tag is read unchanged."""
+        tags = _special_token_re().split(text) if ("[" in text or "<" in text) else [text]
+        if len(tags) == 1:
+            return self._read(text, chinese)
+        # split() with one capturing group: the text pieces at even, the tags at odd indices.
+        pieces, tags = tags[0::2], tags[1::2]
+        if len(tags) <= _PLACEHOLDER_COUNT and not _PLACEHOLDER_RE.search(text):
+            placeholders = [chr(_PLACEHOLDER_FIRST + i) for i in range(len(tags))]
+            masked = pieces[0] + "".join(p + piece for p, piece in zip(placeholders, pieces[1:]))
+            read = self._read(masked, chinese)
+            if _PLACEHOLDER_RE.findall(read) == placeholders:
+                # A digit touching a placeholder makes the English grammar assert, and its
+                # retry (`_wetext_or_plain`) spaces them apart: "[breath]5" would come back
+                # "[breath] five". A tag keeps the neighbours it was written against.
+                glued_after = {p for p, piece in zip(placeholders, pieces[1:]) if piece[:1].strip()}
+                glued_before = {p for p, piece in zip(placeholders, pieces) if piece[-1:].strip()}
+                read = _SPACE_AFTER_PLACEHOLDER.sub(
+                    lambda m: m.group(1) if m.group(1) in glued_after else m.group(0), read)
+                read = _SPACE_BEFORE_PLACEHOLDER.sub(
+                    lambda m: m.group(1) if m.group(1) in glued_before else m.group(0), read)
+                restore = dict(zip(placeholders, tags))
+                return _PLACEHOLDER_RE.sub(lambda m: restore[m.group()], read)
+            log.debug("special-token placeholders lost in normalisation; reading the pieces: %r", text[:80])
+        out: list[str] = []
+        for piece, tag in zip(pieces, [*tags, ""]):
+            core = piece.strip()
+            if core:  # the spaces around it stay as written
+                start = len(piece) - len(piece.lstrip())
+                piece = piece[:start] + self._read(core, chinese) + piece[start + len(core):]
+            out.append(piece + tag)
+        return "".join(out)
 
     def _wetext_or_plain(self, text: str, lang: Lang) -> str:
         """wetext's reading of the text. Its grammars assert on a digit touching a character
@@ -423,14 +475,35 @@ class TextNormalizer:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _ESCAPED = re.compile(r'\\(["\\])')
 # The marks a text to speak ends with (the official `split_paragraph`'s, without commas;
-# plus `…`, after which another mark would be read as a second pause).
+# plus `…`, after which another mark would be read as a second pause). The full-width ones
+# end a sentence on the English path too: kana-only or Korean text ("コンニチハ！",
+# "안녕하세요。") has no CJK ideograph and takes that path.
 _ZH_ENDS = frozenset("。？！；：、.?!;…")
-_EN_ENDS = frozenset(".?!;:…")
+_EN_ENDS = frozenset(".?!;:…。？！；：")
 # What `end_sentence` looks past (a mark inside them ends the sentence) and replaces.
 _CLOSERS = "\"')]}”’»」』】）》"
 _COMMAS = ",，、"
 # Between a digit and a non-ASCII character, either way round (`_wetext_or_plain`).
 _DIGIT_TOUCHING_OTHER = re.compile(r"(?<=[0-9])(?=[^\x00-\x7f])|(?<=[^\x00-\x7f])(?=[0-9])")
+
+# The placeholders `_read_keeping_special_tokens` puts in place of special tokens: private
+# use characters (U+E000..U+F8FF), which the grammars leave as they are.
+_PLACEHOLDER_FIRST, _PLACEHOLDER_COUNT = 0xE000, 0x1900
+_PLACEHOLDER_RE = re.compile(r"[\ue000-\uf8ff]")
+_SPACE_AFTER_PLACEHOLDER = re.compile(r"([\ue000-\uf8ff]) (?=\S)")
+_SPACE_BEFORE_PLACEHOLDER = re.compile(r"(?<=\S) ([\ue000-\uf8ff])")
+
+
+@functools.lru_cache(maxsize=None)
+def _special_token_re() -> re.Pattern[str]:
+    """Matches (one capturing group) any special token a tokenizer version registers, the
+    longest first. Imported on first use: the tokenizer module loads `tokenizers`, which
+    importers of this module (`strip_stream_markdown`) need not pay for."""
+    from engine.frontend.tokenizer import ENDOFTEXT, SPECIALS_BY_VERSION
+
+    tokens = {ENDOFTEXT, *(t for specials in SPECIALS_BY_VERSION.values() for t in specials)}
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=lambda t: (-len(t), t))) + ")")
+
 
 # The per-process shared normaliser. Constructing it is free; wetext is loaded on the
 # first `normalize` call, under the instance's lock.
