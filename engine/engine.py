@@ -637,22 +637,34 @@ class Engine:
             self._lm_watcher.cancel()
         for task in list(self._background):
             task.cancel()
-        for s in list(self._sessions):
-            await s.abort()
-        await self.stage.close()
-        await self.backend.close()
-        self.ready = False
+        try:
+            for s in list(self._sessions):
+                await s.abort()
+            await self.stage.close()
+        finally:
+            # The LM stops whatever the stage's close did (a stage process that would not
+            # close): left running, vLLM's engine core keeps its GPU memory and process.
+            # The stage's error, if any, is raised after it.
+            try:
+                await self.backend.close()
+            finally:
+                self.ready = False
 
     # ----------------------------------------------------------------- voices
     async def prepare_voice(self, voice_id: str, wav: np.ndarray, sample_rate: int, transcript: str) -> VoicePrompt:
-        """Compute a voice's prompt features (speech tokens, mel, speaker embedding) once."""
+        """Compute a voice's prompt features (speech tokens, mel, speaker embedding) once,
+        and warm the stage for it (`warm_voice`)."""
+        voice = await self.featurize_voice(voice_id, wav, sample_rate, transcript)
+        await self.warm_voice(voice)
+        return voice
+
+    async def featurize_voice(self, voice_id: str, wav: np.ndarray, sample_rate: int, transcript: str) -> VoicePrompt:
+        """A voice's prompt features (speech tokens, mel, speaker embedding), off the event loop."""
         wav = np.asarray(wav, dtype=np.float32)
         if wav.ndim == 2:
             wav = wav.mean(axis=1 if wav.shape[1] <= 8 else 0)
         tokens, feat, emb = await asyncio.to_thread(self.featurizer.featurize, wav, int(sample_rate))
-        voice = self.voice_from_arrays(voice_id, transcript, tokens, feat, emb)
-        await self.warm_voice(voice)
-        return voice
+        return self.voice_from_arrays(voice_id, transcript, tokens, feat, emb)
 
     async def warm_voice(self, voice: VoicePrompt) -> int:
         """Capture the flow's CUDA graphs for every batch shape this voice's chunks can
@@ -789,10 +801,20 @@ class Engine:
     def planner_state(self) -> dict[str, object]:
         """The first-chunk planner's learnt inputs (`FirstChunkPlanner.snapshot`) and the
         stage's round times (`RoundTimes.snapshot`): what sized the first chunks, beside
-        what `stats` says they took."""
-        return self.first_chunks.snapshot() | {"initial_hop": self.config.initial_hop,
-                                               "round_times": self.stage.rounds.snapshot(),
-                                               "live_utterances": self.stage.live_utterances()}
+        what `stats` says they took.
+
+        With `stage_devices` (a `StagePool`) each stage learns its own round times (its own
+        GPU, its own load) and a first chunk is planned on those of the stage its utterance
+        is bound to, so there is no one table: `stage_round_times` has one per stage, in
+        `stage_devices` order, and `stage_live_utterances` each one's utterances, in place
+        of `round_times` (a merge of the tables would be a curve no plan used).
+        `live_utterances` is the stages' sum."""
+        state = self.first_chunks.snapshot() | {"initial_hop": self.config.initial_hop,
+                                                "live_utterances": self.stage.live_utterances()}
+        if isinstance(self.stage, StagePool):
+            return state | {"stage_round_times": [s.rounds.snapshot() for s in self.stage.stages],
+                            "stage_live_utterances": self.stage.load()}
+        return state | {"round_times": self.stage.rounds.snapshot()}
 
     def stats(self) -> EngineStats:
         st = self.stage.stats

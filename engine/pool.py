@@ -15,31 +15,71 @@ reports not-ready (and is restarted by its orchestrator) instead of silently ser
 at a fraction of its capacity.
 
 The vLLM backend picks its GPU from the process environment (CUDA_VISIBLE_DEVICES),
-not from the engine's device, so a pool of vLLM engines is refused: use one process
-per GPU for vLLM.
+not from the engine's device, so a pool of vLLM engines is refused, and so is a vLLM
+engine on any GPU but the first visible one: use one process per GPU for vLLM.
+
+A pool of engines does not combine with `stage_devices`: every worker would build its
+own copy of the stage on every stage device, each GPU then hosting as many flows and
+vocoders as there are workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+from pathlib import Path
 from typing import Any, Sequence
+
+import torch
 
 from .config import EngineConfig
 from .engine import Engine, EngineError, EngineStats, Session
+from .stage_pool import normalised_device
 from .types import SessionOptions, VoicePrompt
+
+log = logging.getLogger(__name__)
+
+
+def _device(name: str) -> torch.device:
+    try:
+        return normalised_device(name)
+    except ValueError as exc:
+        raise EngineError("bad_config", str(exc)) from None
 
 
 def pool_configs(base: EngineConfig, devices: Sequence[str]) -> list[EngineConfig]:
-    """One config per device (the base config with its device replaced)."""
-    if not devices:
-        return [base]
-    if len(set(devices)) != len(devices) and not all(d == "cpu" for d in devices):
+    """One config per device (the base config with its device replaced), or the base
+    alone for no device; checked here, before any model loads (`gateway.__main__` runs it
+    before the download too), as the workers would only fail, or silently share a GPU,
+    once loaded."""
+    if len(devices) > 1 and base.stage_devices:
+        raise EngineError("bad_config", "engine.devices (one engine per device) does not combine with "
+                                        "engine.stage_devices: every engine would put a stage copy on every stage "
+                                        "device; use one or the other")
+    # By the hardware named, not the spelling: `cuda` and `cuda:0` are one GPU. CPU
+    # workers share the CPU (the tests' pools).
+    gpus = [str(d) for d in map(_device, devices) if d.type != "cpu"]
+    if len(set(gpus)) != len(gpus):
         raise EngineError("bad_config", f"a GPU may host only one engine: {', '.join(devices)}")
-    configs = [dataclasses.replace(base, device=d) for d in devices]
+    configs = [dataclasses.replace(base, device=d) for d in devices] or [base]
+    if len(configs) > 1:
+        # A profile folder per worker: each one's stages count from stage0, and the workers'
+        # profiles would overwrite each other in <dir>/stage0.
+        configs = [dataclasses.replace(c, stage_profile_dir=str(Path(c.stage_profile_dir) / f"worker{i}"))
+                   if c.stage_profile_dir else c for i, c in enumerate(configs)]
     if len(configs) > 1 and any(c.resolved_backend() == "vllm" for c in configs):
         raise EngineError("bad_config", "the vLLM backend cannot be pooled in one process; "
                                         "run one gateway per GPU (CUDA_VISIBLE_DEVICES) behind a load balancer")
+    # vLLM takes the first GPU the process sees whatever the engine's device says: on
+    # cuda:N the LM would run on GPU 0 instead, beside whatever else is there. (The backend
+    # is resolved for such a device only: `auto` imports vLLM to see whether it is there.)
+    device = None if configs[0].device == "auto" else _device(configs[0].device)
+    if (len(configs) == 1 and device is not None and device.type == "cuda" and device.index != 0
+            and configs[0].resolved_backend() == "vllm"):
+        raise EngineError("bad_config", f"the vLLM backend runs on the first GPU the process sees, not on "
+                                        f"{configs[0].device}: give the process that GPU alone "
+                                        f"(CUDA_VISIBLE_DEVICES={device.index}) and use device cuda")
     return configs
 
 
@@ -108,7 +148,21 @@ class EnginePool:
         return self.engines[0].voice_from_arrays(voice_id, transcript, speech_tokens, speech_feat, embedding)
 
     async def prepare_voice(self, voice_id: str, wav: Any, sample_rate: int, transcript: str) -> VoicePrompt:
-        return await self._least_loaded().prepare_voice(voice_id, wav, sample_rate, transcript)
+        """`Engine.prepare_voice` for the whole pool: the features once (they are the same on
+        every worker), then the voice warmed (graphs, prompt cache) on every ready worker
+        side by side, each on its own GPU: a worker left out would capture while serving,
+        its sessions' first chunks waiting on it."""
+        workers = [e for e in self.engines if e.ready]
+        if not workers:
+            raise EngineError("not_ready", self._not_ready_reason())
+        voice = await workers[0].featurize_voice(voice_id, wav, sample_rate, transcript)
+        # Every worker's warm-up runs to its end before a failure is raised: none is left
+        # capturing behind a registration that already answered.
+        results = await asyncio.gather(*(e.warm_voice(voice) for e in workers), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return voice
 
     # -- placement ----------------------------------------------------------------------
     def loads(self) -> list[tuple[int, int]]:
@@ -127,8 +181,21 @@ class EnginePool:
 
     def open_session(self, voice: VoicePrompt, options: SessionOptions | None = None) -> Session:
         if not self.ready:
-            raise EngineError("not_ready", "engine workers are still loading")
+            raise EngineError("not_ready", self._not_ready_reason())
         return self._least_loaded().open_session(voice, options)
+
+    def _not_ready_reason(self) -> str:
+        """Why the pool takes no session, worded as `Engine.open_session` words it: the failed
+        workers and why; else still loading (only a pool built of engines not yet started:
+        `create` starts every one first) or draining (SIGTERM, or a worker set not ready)."""
+        if self.failure is not None:
+            return self.failure
+        if any(not e._started for e in self.engines):
+            return "engine workers are still loading"
+        idle = [str(i) for i, e in enumerate(self.engines) if not e.ready]
+        if len(idle) == len(self.engines):
+            return "engine is not serving (draining)"
+        return f"engine workers not serving (draining): {', '.join(idle)}"
 
     # -- stats and shutdown ----------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -149,7 +216,13 @@ class EnginePool:
         return {"workers": [e.planner_state() for e in self.engines]}
 
     async def close(self) -> None:
-        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+        """Close every worker, also when one's close fails (each one's LM and stage stop
+        whatever the others do); a failure is logged, not raised, as the others closed."""
+        results = await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                log.error("closing engine worker %d (%s) failed", i, self.engines[i].device,
+                          exc_info=(type(result), result, result.__traceback__))
 
 
 def _is_extreme(name: str) -> bool:

@@ -30,17 +30,37 @@ if TYPE_CHECKING:
     from .stage_process import RemoteStage
 
 
+def normalised_device(device: str | torch.device) -> torch.device:
+    """`device` as the hardware it names: an index-less accelerator (`cuda`) is its first
+    one (`cuda:0`), and the CPU is one (`cpu:0` is `cpu`). torch compares the spelling:
+    `torch.device("cuda") == torch.device("cuda:0")` is False. Raises ValueError for a
+    name torch does not take (`cuda:01`, `auto`)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{str(device)!r} is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    # `cuda` is the current device, cuda:0 unless torch.cuda.set_device said otherwise,
+    # which this process never does (a GPU is picked by name or CUDA_VISIBLE_DEVICES).
+    return dev if dev.index is not None else torch.device(dev.type, 0)
+
+
 def build_stage(model: LoadedModel, device: torch.device, config: EngineConfig) -> AudioStage | StagePool:
     """The flow+vocoder stage in this process: one on `device`, or a pool of one copy per
     device of `config.stage_devices`."""
     if not config.stage_devices:
         return audio_stage(model, device, config)
     stages = []
+    own_taken = False
     for name in config.stage_devices:
         dev = torch.device(name)
-        same = dev == device or (dev.type == device.type == "cpu")
-        flow = model.flow if same and not stages else copy.deepcopy(model.flow).to(dev)
-        hift = model.hift if same and not stages else copy.deepcopy(model.hift).to(dev)
+        # The model's own flow and vocoder already sit on `device`: the first stage there
+        # takes them, not a second copy beside them (`cuda:0` and a `cuda` engine are one GPU).
+        own = not own_taken and normalised_device(dev) == normalised_device(device)
+        own_taken = own_taken or own
+        flow = model.flow if own else copy.deepcopy(model.flow).to(dev)
+        hift = model.hift if own else copy.deepcopy(model.hift).to(dev)
         stages.append(audio_stage(model, dev, config, flow, hift, len(stages)))
     return StagePool(stages)
 

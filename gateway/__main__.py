@@ -208,13 +208,15 @@ def main(argv: list[str] | None = None) -> None:
     from dataclasses import replace
     from pathlib import Path
 
+    from engine.engine import EngineError
     from engine.hub import resolve_model
+    from engine.pool import pool_configs
 
     from .app import create_app, engine_config
 
-    try:  # the engine's values, checked before a download and a model load
-        engine_config(settings, Path(settings.model))
-    except ValueError as exc:
+    try:  # the engine's values and the workers' layout, checked before a download and a model load
+        pool_configs(engine_config(settings, Path(settings.model)), settings.engine.devices)
+    except (ValueError, EngineError) as exc:
         print(f"cosyvoice-gateway: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     # Resolve (and download, with a progress bar) before uvicorn starts, so that a

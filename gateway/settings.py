@@ -30,7 +30,9 @@ ENV_PREFIX = "COSYVOICE_GW_"
 DEFAULT_MODEL = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
 LM_BACKENDS = ("auto", "torch", "vllm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# An index as torch reads it: `cuda:01` matched `\d+` here and failed only once the model
+# had loaded.
+_DEVICE = re.compile(r"auto|cpu|cuda(:(0|[1-9]\d*))?")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -39,7 +41,8 @@ def _help(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N"))
+    device: str = field(default="auto", metadata=_help("torch device: auto, cpu, cuda, cuda:N (vLLM LM backend: "
+                                                       "the first visible GPU; pick it with CUDA_VISIBLE_DEVICES)"))
     lm_backend: str = field(default="auto", metadata=_help("LM backend: auto (vllm on GPU when installed), torch, vllm"))
     initial_hop: int = field(default=10, metadata=_help("speech tokens in the first audio chunk (0 = official 25-token grid)"))
     idle_initial_hop: int = field(
@@ -206,7 +209,8 @@ class EngineSettings:
     )
     stage_profile_dir: str = field(
         default="",
-        metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory "
+        metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory, "
+                       "one subdirectory per stage (stageN), under one per engine with engine.devices (workerN) "
                        "(empty = off)"),
     )
     stage_profile_start: int = field(
@@ -293,7 +297,7 @@ class EngineSettings:
     devices: tuple[str, ...] = field(
         default=(),
         metadata=_help("one engine per device, sessions on the least-loaded, e.g. cuda:0,cuda:1 "
-                       "(torch LM backend; empty = one engine on engine.device)"),
+                       "(torch LM backend; not with engine.stage_devices; empty = one engine on engine.device)"),
     )
     tokens_per_text_token: float | None = field(
         default=None,
@@ -310,6 +314,11 @@ class EngineSettings:
             for device in devices:
                 if not _DEVICE.fullmatch(device) or (name != "engine.device" and device == "auto"):
                     raise ValueError(f"{name}: {device!r} is not a device (auto, cpu, cuda, cuda:N)")
+        if len(self.devices) > 1 and self.stage_devices:
+            # Each engine would build a stage copy on every stage device: N flows and vocoders
+            # per GPU, none of them meant.
+            raise ValueError("engine.devices (one engine per device) does not combine with engine.stage_devices "
+                             "(every engine would put a stage copy on every stage device): use one or the other")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError("engine.vllm_gpu_memory_utilization must be within (0, 1], "
                              f"not {self.vllm_gpu_memory_utilization}")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import EngineError, EngineStats
+from engine.engine import Engine, EngineError, EngineStats
 from engine.pool import EnginePool, combined_stats, create_engine, pool_configs
 from engine.types import AudioChunk, SessionOptions
 
@@ -149,3 +149,161 @@ def test_pooled_stats_add_counts_but_not_latest_values() -> None:
     assert (st.chunks, st.lm_tokens) == (8, 11)
     assert st.first_chunk_holdback_seconds == 0.08 and st.first_chunk_plan_round_seconds == 0.05
     assert st.opening_chunk_plan_lm_step_seconds == 0.002 and st.start_lm_seconds == 90.0 and st.max_batch_size == 9
+
+
+def test_prepare_voice_featurises_once_and_warms_every_worker(tiny_model_dir: Path) -> None:
+    """A registered voice is warmed (graphs, prompt cache) on every worker, not only on the
+    one that featurised it: the others would capture and fill their cache while serving."""
+    async def main() -> None:
+        pool = await create_engine(base_config(tiny_model_dir), ("cpu", "cpu"))
+        try:
+            calls: list[int] = []
+
+            def counted(featurize, worker: int):
+                def featurize_counted(*args):
+                    calls.append(worker)
+                    return featurize(*args)
+                return featurize_counted
+
+            for i, e in enumerate(pool.engines):
+                e.featurizer.featurize = counted(e.featurizer.featurize, i)
+            voice = await pool.prepare_voice("v", prompt_wav(), 24000, "A prompt.")
+            assert len(calls) == 1  # the features once: they are the same on every worker
+            for e in pool.engines:
+                assert voice.num_tokens in e._warmed_prompts
+                assert e.stats().prompt_cache_bytes > 0
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_pool_refusal_says_why(tiny_model_dir: Path) -> None:
+    """A pool that takes no session says why, as a single engine does: a failed worker and
+    its failure, or a drain; not "still loading" for both."""
+    async def main() -> None:
+        pool = await create_engine(base_config(tiny_model_dir), ("cpu", "cpu"))
+        try:
+            voice = await pool.prepare_voice("v", prompt_wav(), 24000, "A prompt.")
+            pool.engines[1].backend.failure = "the LM died"  # type: ignore[attr-defined]
+            with pytest.raises(EngineError, match="^worker 1: the LM died$") as exc:
+                pool.open_session(voice, OPTS)
+            assert exc.value.code == "not_ready"
+            del pool.engines[1].backend.failure
+            pool.ready = False  # SIGTERM's drain
+            with pytest.raises(EngineError, match=r"^engine is not serving \(draining\)$"):
+                pool.open_session(voice, OPTS)
+            with pytest.raises(EngineError, match="draining"):
+                await pool.prepare_voice("w", prompt_wav(), 24000, "A prompt.")
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_close_logs_a_worker_failure_and_still_stops_its_lm(tiny_model_dir: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A worker whose stage close raises still closes its LM backend (vLLM's engine core would
+    keep running), and the pool says which worker failed instead of dropping the error."""
+    async def main() -> list[bool]:
+        pool = await create_engine(base_config(tiny_model_dir), ("cpu", "cpu"))
+        worker = pool.engines[1]
+        stage_close, backend_close = worker.stage.close, worker.backend.close
+        closed: list[bool] = []
+
+        async def failing_stage_close() -> None:
+            await stage_close()
+            raise RuntimeError("stage close failed")
+
+        async def spied_backend_close() -> None:
+            closed.append(True)
+            await backend_close()
+
+        worker.stage.close = failing_stage_close  # type: ignore[method-assign]
+        worker.backend.close = spied_backend_close  # type: ignore[method-assign]
+        await pool.close()
+        assert not worker.ready and not pool.ready
+        return closed
+
+    with caplog.at_level("ERROR", logger="engine.pool"):
+        assert asyncio.run(main()) == [True]
+    failed = [r for r in caplog.records if r.name == "engine.pool"]
+    assert len(failed) == 1 and "worker 1" in failed[0].getMessage()
+    assert "stage close failed" in str(failed[0].exc_info[1])
+
+
+def test_engine_close_raises_the_stage_error_after_closing_the_lm(tiny_model_dir: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.create(base_config(tiny_model_dir))
+        stage_close, backend_close = engine.stage.close, engine.backend.close
+        closed: list[bool] = []
+
+        async def failing_stage_close() -> None:
+            await stage_close()
+            raise RuntimeError("stage close failed")
+
+        async def spied_backend_close() -> None:
+            closed.append(True)
+            await backend_close()
+
+        engine.stage.close = failing_stage_close  # type: ignore[method-assign]
+        engine.backend.close = spied_backend_close  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="stage close failed"):
+            await engine.close()
+        assert closed == [True] and not engine.ready
+
+    asyncio.run(main())
+
+
+def test_pool_configs_compare_devices_not_spellings() -> None:
+    """`cuda` is `cuda:0`: two engines there would share one GPU."""
+    base = EngineConfig(model_dir=Path("m"), device="cpu", lm_backend="torch")
+    for same in (("cuda", "cuda:0"), ("cuda:0", "cuda"), ("cuda:1", "cuda:0", "cuda:1")):
+        with pytest.raises(EngineError, match="only one engine") as exc:
+            pool_configs(base, same)
+        assert exc.value.code == "bad_config"
+    assert [c.device for c in pool_configs(base, ("cuda", "cuda:1"))] == ["cuda", "cuda:1"]
+    assert len(pool_configs(base, ("cpu", "cpu"))) == 2  # CPU workers share the CPU
+    with pytest.raises(EngineError, match="not a device"):
+        pool_configs(base, ("cuda:01", "cuda:1"))
+
+
+def test_pool_configs_refuse_devices_with_stage_devices() -> None:
+    """Each worker would put a stage copy on every stage device."""
+    base = EngineConfig(model_dir=Path("m"), device="cpu", lm_backend="torch", stage_devices=("cuda:2", "cuda:3"))
+    with pytest.raises(EngineError, match="does not combine with engine.stage_devices"):
+        pool_configs(base, ("cuda:0", "cuda:1"))
+    # One engine on one device with its stage copies is the stage pool's own layout.
+    assert [c.stage_devices for c in pool_configs(base, ("cuda:0",))] == [("cuda:2", "cuda:3")]
+
+
+def test_pool_configs_refuse_vllm_off_the_first_gpu() -> None:
+    """vLLM runs on the first GPU the process sees whatever the device says: cuda:1 is refused
+    (CUDA_VISIBLE_DEVICES picks its GPU), not silently served from GPU 0."""
+    base = EngineConfig(model_dir=Path("m"), device="cuda:1", lm_backend="vllm")
+    with pytest.raises(EngineError, match="CUDA_VISIBLE_DEVICES=1"):
+        pool_configs(base, ())
+    with pytest.raises(EngineError, match="CUDA_VISIBLE_DEVICES=2"):
+        pool_configs(dataclasses.replace(base, device="cpu"), ("cuda:2",))
+    for device in ("cuda", "cuda:0"):
+        assert pool_configs(dataclasses.replace(base, device=device), ()) == [dataclasses.replace(base, device=device)]
+    torch_lm = dataclasses.replace(base, lm_backend="torch")
+    assert pool_configs(torch_lm, ()) == [torch_lm]  # the torch backend runs on the device it is given
+
+
+def test_each_worker_profiles_into_its_own_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With several workers every stage counts from stage0: per worker folders keep their
+    profiles apart instead of overwriting each other in <dir>/stage0."""
+    base = dataclasses.replace(base_config(tiny_model_dir), stage_profile_dir=str(tmp_path))
+    assert [c.stage_profile_dir for c in pool_configs(base, ("cpu", "cpu"))] == \
+        [str(tmp_path / "worker0"), str(tmp_path / "worker1")]
+    assert pool_configs(base, ("cpu",))[0].stage_profile_dir == str(tmp_path)  # one engine: as before
+
+    async def main() -> list[Path]:
+        pool = await create_engine(base, ("cpu", "cpu"))
+        try:
+            return [e.stage.profiler.out_dir for e in pool.engines]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main()) == [tmp_path / "worker0" / "stage0", tmp_path / "worker1" / "stage0"]

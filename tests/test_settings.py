@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,11 @@ def test_docker_compose_is_a_gpu_service_with_volume_and_health():
     (["--engine.lm-backend", "vLLM"], "engine.lm_backend must be one of"),
     (["--engine.device", "gpu"], "engine.device: 'gpu' is not a device"),
     (["--engine.stage-devices", "cuda:0,cuda1"], "engine.stage_devices: 'cuda1' is not a device"),
+    # torch refuses a leading zero, but only once the model had loaded
+    (["--engine.device", "cuda:01"], "engine.device: 'cuda:01' is not a device"),
+    (["--engine.devices", "cuda:00,cuda:1"], "engine.devices: 'cuda:00' is not a device"),
+    (["--engine.devices", "cuda:0,cuda:1", "--engine.stage-devices", "cuda:2"],
+     "engine.devices .* does not combine with engine.stage_devices"),
     (["--engine.vllm-gpu-memory-utilization", "35"], "vllm_gpu_memory_utilization must be within"),
     (["--engine.tokens-per-text-token", "0"], "tokens_per_text_token must be within"),
     (["--port", "8080.5"], "expected int"),
@@ -130,3 +136,36 @@ def test_uvicorn_waits_briefly_after_the_drain_not_a_second_shutdown_timeout():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     grace = compose["services"]["gateway"]["stop_grace_period"]
     assert float(grace.rstrip("s")) > Settings().shutdown_timeout + AFTER_DRAIN_GRACE_S
+
+
+def test_device_names_torch_takes_are_accepted():
+    from gateway.settings import EngineSettings
+
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:10"):
+        assert EngineSettings(device=device).device == device
+    # One engine with stage copies, and one engine given as a one-device list, are layouts of their own.
+    assert EngineSettings(devices=("cuda:0",), stage_devices=("cuda:0", "cuda:1")).stage_devices == ("cuda:0", "cuda:1")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine.devices", "cuda,cuda:0", "--engine.lm-backend", "torch"], "a GPU may host only one engine"),
+    (["--engine.device", "cuda:1", "--engine.lm-backend", "vllm"], "CUDA_VISIBLE_DEVICES=1"),
+])
+def test_a_bad_worker_layout_exits_before_the_download(monkeypatch, capsys, argv, message):
+    """The pool's own checks (one engine per GPU, vLLM on the first visible GPU) run with the
+    settings' (exit 2), not after the model's download and load."""
+    import engine.hub
+    import gateway.__main__ as entry
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the model was resolved (downloaded) before the layout was checked")
+
+    monkeypatch.setattr(engine.hub, "resolve_model", no_download)
+    monkeypatch.setattr(entry, "setup_logging", lambda *args: None)
+    monkeypatch.setattr(entry.sys, "setswitchinterval", lambda *args: None)
+    for key in [k for k in os.environ if k.startswith("COSYVOICE_GW_")]:
+        monkeypatch.delenv(key)
+    with pytest.raises(SystemExit) as exc:
+        entry.main(["--config", str(ROOT / "config" / "default.yaml"), *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from engine.stage_pool import StagePool
+from engine.config import EngineConfig
+from engine.stage_pool import StagePool, build_stage
 from engine.token2wav import ChunkJob, _Expected
 from engine.types import AudioChunk, SessionOptions
 from helpers import assert_same_audio
@@ -139,3 +144,66 @@ def test_a_stage_whose_close_fails_does_not_leave_the_others_open(tiny_model_dir
         return [s._closed for s in pool.stages]
 
     assert run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu")) == [True, True]
+
+
+def test_planner_state_gives_each_stage_its_round_times(tiny_model_dir):
+    """`GET /debug/planner` with stage_devices (it raised: a StagePool has no one `rounds`):
+    each stage's own table, as the first chunks bound to it are planned on it."""
+    async def fn(engine):
+        engine.stage.stages[1].rounds.observe(4000, 0.05)
+        return engine.planner_state(), [s.rounds.snapshot() for s in engine.stage.stages]
+
+    state, tables = run(tiny_model_dir, fn, warmup=False, stage_devices=("cpu", "cpu"))
+    assert state["stage_round_times"] == tables and tables[0] == [] and len(tables[1]) == 1
+    assert state["stage_live_utterances"] == [0, 0] and state["live_utterances"] == 0
+    assert "round_times" not in state  # no one table to show
+    json.dumps(state)  # what the endpoint answers
+
+
+def test_normalised_device_names_the_hardware():
+    from engine.stage_pool import normalised_device
+
+    assert normalised_device("cuda") == normalised_device(torch.device("cuda:0")) == torch.device("cuda:0")
+    assert normalised_device("cuda:1") == torch.device("cuda:1")
+    assert normalised_device("cpu") == normalised_device("cpu:0") == torch.device("cpu")
+    for bad in ("cuda:01", "auto", "gpu"):
+        with pytest.raises(ValueError, match="not a device"):
+            normalised_device(bad)
+
+
+class _Net:
+    """A stand-in for the flow or the vocoder: where `.to` put it (no GPU needed)."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+
+    def to(self, device: torch.device) -> "_Net":
+        self.device = device
+        return self
+
+
+@pytest.mark.parametrize("engine_device, stage_devices, own_on", [
+    ("cuda", ("cuda:0", "cuda:1"), 0),  # cuda is cuda:0: the first stage takes the model's own
+    ("cuda:0", ("cuda:1", "cuda"), 1),
+    ("cuda:1", ("cuda:0", "cuda:1"), 1),  # the model sits on the engine's device, wherever that stage is
+    ("cpu", ("cpu", "cpu"), 0),
+    ("cuda:2", ("cuda:0", "cuda:1"), None),  # no stage there: copies only
+])
+def test_a_stage_on_the_engine_device_takes_the_model_own_flow(monkeypatch, engine_device, stage_devices, own_on):
+    """No stage copy beside the model's own flow and vocoder on the engine's device, which
+    would stay there unused (`cuda:0` and `cuda` compared unequal as torch devices)."""
+    import engine.stage_pool as stage_pool
+
+    built = []
+    monkeypatch.setattr(stage_pool, "audio_stage",
+                        lambda model, dev, config, flow, hift, index: built.append((dev, flow, hift)) or index)
+    model = SimpleNamespace(flow=_Net(), hift=_Net())
+    config = EngineConfig(model_dir=Path("m"), device=engine_device, lm_backend="torch", stage_devices=stage_devices)
+    pool = build_stage(model, torch.device(engine_device), config)
+    assert isinstance(pool, StagePool) and pool.stages == list(range(len(stage_devices)))
+    for i, (dev, flow, hift) in enumerate(built):
+        assert dev == torch.device(stage_devices[i])
+        if i == own_on:
+            assert flow is model.flow and hift is model.hift
+        else:
+            assert flow is not model.flow and hift is not model.hift and flow.device == hift.device == dev
