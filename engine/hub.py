@@ -22,7 +22,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .models.loader import FAMILIES, ModelDirError, detect_version
+from .models.loader import FAMILIES, ModelDirError, check_model_dir, detect_version
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,12 @@ RANDOM_MODELS: dict[str, tuple[str, str]] = {
 # Files the runtime needs; training-only extras (llm.rl.pt, batch ONNX, TRT ONNX) are skipped.
 SKIP = {"llm.rl.pt", "speech_tokenizer_v3.batch.onnx", "speech_tokenizer_v2.batch.onnx", "flow.decoder.estimator.fp32.onnx",
         "flow.encoder.fp16.zip", "flow.encoder.fp32.zip", ".gitattributes"}
+# Skipped by path: CosyVoice-BlankEN/model.safetensors holds the plain Qwen2 text weights
+# (~988 MB). Nothing here opens it: the tokenizer reads vocab.json, merges.txt and
+# tokenizer_config.json, the loader reads config.json, CosyVoice's own copy of the Qwen2
+# weights comes from llm.pt, and the vLLM export writes its own model.safetensors from
+# llm.pt into <model_dir>/vllm-*/ (vLLM runs with skip_tokenizer_init).
+SKIP_PATHS = {"CosyVoice-BlankEN/model.safetensors"}
 TIMEOUT = 30
 
 
@@ -51,7 +57,9 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
         return path
     local = Path(model).expanduser()
     if local.is_dir():
-        detect_version(local)
+        # Every file the engine will read, checked now: a partial directory is refused
+        # in one message before anything loads.
+        check_model_dir(local, detect_version(local))
         return local
     if model.count("/") != 1 or model.startswith((".", "/")):
         raise ModelDirError(f"model {model!r} is neither a directory nor a hub repo id (Owner/Name)")
@@ -83,7 +91,8 @@ class _Hub:
     def download(self, repo: str, target: Path) -> None:
         from tqdm import tqdm
 
-        names = [f for f in self.files(repo) if Path(f).name not in SKIP and not f.startswith("asset/")]
+        names = [f for f in self.files(repo)
+                 if Path(f).name not in SKIP and f not in SKIP_PATHS and not f.startswith("asset/")]
         if not any(n.endswith("cosyvoice3.yaml") or n.endswith("cosyvoice2.yaml") for n in names):
             raise ValueError(f"{repo} has no cosyvoice3.yaml or cosyvoice2.yaml")
         for name in names:

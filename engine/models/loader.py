@@ -13,15 +13,22 @@ CausalHiFTGenerator; CosyVoice2: Qwen2LM / CausalMaskedDiffWithXvec / HiFTGenera
 
 The same code path loads a real download and the random-weight directories that
 `engine.models.writer` produces for tests and benchmarks.
+
+`check_model_dir` (run first by `read_model_config`, and by `engine.hub.resolve_model`
+for a local directory) refuses a partial directory before anything loads, naming every
+required file that is missing, empty or a Git LFS pointer in one ModelDirError.
 """
 
 from __future__ import annotations
 
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch import nn
 
 from .config import FlowConfig, HiFTConfig, LMConfig, MelConfig, ModelConfig, Qwen2Config, SamplingConfig
@@ -50,6 +57,15 @@ FAMILIES = {
 }
 
 
+# What the tokenizer (`engine.frontend.tokenizer.TextTokenizer.from_dir`) opens, plus the
+# Qwen2 config.json the loader reads. generation_config.json and model.safetensors (the
+# Qwen2 text weights: CosyVoice's copy lives in llm.pt) are read by nothing here.
+TOKENIZER_DIR = "CosyVoice-BlankEN"
+TOKENIZER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")
+LFS_POINTER = b"version https://git-lfs"
+CHECKPOINT_MAGIC = (b"PK", b"\x80")  # torch.save's zip format; the legacy pickle format
+
+
 def family(version: str) -> Family:
     if version not in FAMILIES:
         raise ModelDirError(f"{version} models are not supported (CosyVoice3 and CosyVoice2 are)")
@@ -71,6 +87,46 @@ def detect_version(model_dir: Path) -> str:
     raise ModelDirError(f"{model_dir}: no cosyvoice3.yaml (or cosyvoice2.yaml) found; is this a CosyVoice model directory?")
 
 
+def required_files(version: str) -> list[str]:
+    """Every file of a model directory that serving `version` reads (relative paths)."""
+    fam = family(version)
+    return [fam.yaml_name, "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", fam.speech_tokenizer,
+            *(f"{TOKENIZER_DIR}/{name}" for name in TOKENIZER_FILES)]
+
+
+def _file_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return "missing" if not path.exists() else "not a regular file"
+    size = path.stat().st_size
+    if size == 0:
+        return "empty (0 bytes)"
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(LFS_POINTER):
+        return "a Git LFS pointer, not the file: run `git lfs pull` in the model directory"
+    if path.suffix == ".pt" and not head.startswith(CHECKPOINT_MAGIC):
+        return f"truncated or not a checkpoint ({size} bytes)"
+    return None
+
+
+def check_model_dir(model_dir: Path | str, version: str) -> None:
+    """Raise one ModelDirError naming every required file that is missing, empty or a
+    Git LFS pointer (a clone without git-lfs), before anything is loaded.
+
+    Cheap (a stat and the first bytes of each file), so a partial download is refused
+    in milliseconds instead of after llm.pt and flow.pt loaded, and every problem is
+    listed at once rather than one per start."""
+    model_dir = Path(model_dir)
+    problems = [(name, why) for name in required_files(version)
+                if (why := _file_problem(model_dir / name)) is not None]
+    if problems:
+        lines = "\n".join(f"  {name}: {why}" for name, why in problems)
+        raise ModelDirError(
+            f"{model_dir} is not a complete {version} model directory "
+            f"({len(problems)} of {len(required_files(version))} required files unusable):\n{lines}"
+        )
+
+
 def _node(raw: dict[str, Any], key: str) -> Node:
     value = raw.get(key)
     if not isinstance(value, Node):
@@ -78,16 +134,27 @@ def _node(raw: dict[str, Any], key: str) -> Node:
     return value
 
 
-def read_model_config(model_dir: Path) -> ModelConfig:
-    """Build a ModelConfig from the yaml and CosyVoice-BlankEN/config.json."""
+def read_model_config(model_dir: Path, *, check_files: bool = True) -> ModelConfig:
+    """Build a ModelConfig from the yaml and CosyVoice-BlankEN/config.json.
+
+    First checks that every file serving needs is there (`check_model_dir`), so a partial
+    directory is refused before anything loads; check_files=False reads the config of a
+    directory holding only the yaml and config.json (sizes, FLOP counts)."""
     model_dir = Path(model_dir)
     version = detect_version(model_dir)
     fam = family(version)
-    raw = load_hyper_yaml(model_dir / fam.yaml_name)
-    qwen_json = model_dir / "CosyVoice-BlankEN" / "config.json"
-    if not qwen_json.is_file():
-        raise ModelDirError(f"{model_dir}: missing CosyVoice-BlankEN/config.json")
-    qwen = Qwen2Config.from_hf_json(qwen_json)
+    if check_files:
+        check_model_dir(model_dir, version)
+    yaml_path = model_dir / fam.yaml_name
+    try:
+        raw = load_hyper_yaml(yaml_path)
+    except (yaml.YAMLError, ValueError, UnicodeDecodeError) as exc:  # HyperYamlError is a ValueError
+        raise ModelDirError(f"{yaml_path}: {exc}") from exc
+    qwen_json = model_dir / TOKENIZER_DIR / "config.json"
+    try:
+        qwen = Qwen2Config.from_hf_json(qwen_json)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ModelDirError(f"{qwen_json}: {exc}") from exc
 
     llm = _node(raw, "llm")
     if llm.class_name != fam.llm_class:
@@ -246,6 +313,9 @@ def _normalise_hift_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """Released hift.pt files may carry a `generator.` prefix and the old weight-norm names."""
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
+        if not isinstance(key, str):  # left for check_state_dict to report
+            out[key] = value
+            continue
         if key.startswith("generator."):
             key = key[len("generator.") :]
         if key.endswith(".weight_g"):
@@ -256,28 +326,64 @@ def _normalise_hift_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def check_state_dict(module: nn.Module, sd: dict[str, torch.Tensor], what: str) -> None:
-    """Raise CheckpointMismatch naming the first missing, unexpected or mis-shaped key."""
+SHOWN_KEYS = 5  # keys named per kind of problem; the rest are counted
+
+
+def check_state_dict(module: nn.Module, sd: dict[str, Any], what: str) -> None:
+    """Raise one CheckpointMismatch listing the missing, unexpected, non-tensor and
+    mis-shaped keys: the first few of each kind by name, with counts."""
     expected = module.state_dict()
-    for key, ref in expected.items():
-        if key not in sd:
-            raise CheckpointMismatch(f"{what}: missing key '{key}' (expected shape {list(ref.shape)})")
-        if tuple(sd[key].shape) != tuple(ref.shape):
-            raise CheckpointMismatch(
-                f"{what}: key '{key}' has shape {list(sd[key].shape)}, expected {list(ref.shape)}"
-            )
-    for key in sd:
-        if key not in expected:
-            raise CheckpointMismatch(f"{what}: unexpected key '{key}'")
+    groups: list[tuple[str, list[str]]] = [
+        ("missing", [f"missing key '{k}' (expected shape {list(ref.shape)})"
+                     for k, ref in expected.items() if k not in sd]),
+        ("unexpected", [f"unexpected key '{k}'" for k in sd if k not in expected]),
+        ("non-tensor", [f"key '{k}' is a {type(v).__name__}, not a tensor"
+                        for k, v in sd.items() if k in expected and not isinstance(v, torch.Tensor)]),
+        ("mis-shaped", [f"key '{k}' has shape {list(v.shape)}, expected {list(expected[k].shape)}"
+                        for k, v in sd.items()
+                        if k in expected and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(expected[k].shape)]),
+    ]
+    parts = []
+    for label, items in groups:
+        if not items:
+            continue
+        text = ", ".join(items[:SHOWN_KEYS])
+        if len(items) > SHOWN_KEYS:
+            text += f", ... ({len(items)} {label} keys in all)"
+        elif len(items) > 1:
+            text += f" ({len(items)} {label} keys)"
+        parts.append(text)
+    if parts:
+        raise CheckpointMismatch(f"{what}: " + "; ".join(parts))
+
+
+def _unpickling_detail(exc: BaseException) -> str:
+    """What the weights-only unpickler refused, without torch's advice to turn it off."""
+    text = str(exc)
+    m = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\.\s+Please|\n|$)", text)
+    detail = m.group(1) if m else text.splitlines()[0] if text else type(exc).__name__
+    return detail.strip()
 
 
 def load_state_strict(module: nn.Module, path: Path, what: str, *, hift: bool = False) -> None:
     if not path.is_file():
         raise ModelDirError(f"missing {path.name} in {path.parent}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(LFS_POINTER):
+        raise ModelDirError(f"{path}: a Git LFS pointer, not the checkpoint: run `git lfs pull` in {path.parent}")
+    if not head.startswith(CHECKPOINT_MAGIC):
+        raise ModelDirError(f"{path}: truncated or not a checkpoint ({size} bytes)")
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a pickle that needs code to load is refused here
-        raise ModelDirError(f"{path}: cannot be loaded safely as a state dict: {exc}") from exc
+    except pickle.UnpicklingError as exc:  # a pickle that needs code to load is refused here
+        raise ModelDirError(
+            f"{path}: cannot be loaded safely as a state dict: it needs code to load (refused): {_unpickling_detail(exc)}"
+        ) from exc
+    except Exception as exc:  # a cut-off zip or pickle
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelDirError(f"{path}: truncated or not a checkpoint ({size} bytes): {reason}") from exc
     if not isinstance(sd, dict):
         raise ModelDirError(f"{path}: expected a state dict, got {type(sd).__name__}")
     if hift:
@@ -344,6 +450,7 @@ __all__ = [
     "Family",
     "LoadedModel",
     "ModelDirError",
+    "check_model_dir",
     "check_state_dict",
     "detect_version",
     "load_model",
@@ -351,4 +458,5 @@ __all__ = [
     "load_state_strict",
     "module_classes",
     "read_model_config",
+    "required_files",
 ]

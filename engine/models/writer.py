@@ -23,7 +23,10 @@ from .config import ModelConfig
 
 YAML_TEMPLATE = """\
 # Random-weight model written by cosyvoice-gateway (engine.models.writer), size: {size}.
-# Same keys and HyperPyYAML dialect as the released cosyvoice3.yaml.
+# Same HyperPyYAML dialect as the released cosyvoice3.yaml, and the same keys in the
+# sections a model is built from (the top-level numbers, llm, flow, hift, feat_extractor).
+# Left out: the released file's frontend and training entries (get_tokenizer,
+# allowed_special, __set_seed2..4, the data pipeline steps, hifigan, train_conf*).
 __set_seed1: !apply:random.seed [1986]
 sample_rate: {sample_rate}
 llm_input_size: {hidden}
@@ -128,7 +131,11 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
 
 CV2_YAML_TEMPLATE = """\
 # Random-weight model written by cosyvoice-gateway (engine.models.writer), size: {size}.
-# Same keys and HyperPyYAML dialect as the released CosyVoice2-0.5B cosyvoice2.yaml.
+# Same HyperPyYAML dialect as the released CosyVoice2-0.5B cosyvoice2.yaml, and the same
+# keys in the sections a model is built from (the top-level numbers, llm, flow, hift,
+# feat_extractor), plus flow.encoder.num_up_blocks for a tiny model only.
+# Left out: the released file's frontend and training entries (get_tokenizer,
+# allowed_special, __set_seed2..4, the data pipeline steps, hifigan, train_conf*).
 __set_seed1: !apply:random.seed [1986]
 sample_rate: {sample_rate}
 llm_input_size: {hidden}
@@ -385,7 +392,7 @@ def write_model_dir(
     from .flow import init_random_ as init_flow
     from .hift import init_random_ as init_hift
     from .lm import init_random_ as init_lm
-    from .loader import FAMILIES, module_classes
+    from .loader import FAMILIES, check_model_dir, module_classes
 
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full', not {size!r}")
@@ -412,6 +419,12 @@ def write_model_dir(
         (tmp / fam.yaml_name).write_text(yaml_text, encoding="utf-8")
         blank = tmp / "CosyVoice-BlankEN"
         blank.mkdir()
+        # Differs from the released CosyVoice-BlankEN/config.json in its sizes (tiny) and in
+        # "tie_word_embeddings": false, where the real Qwen2-0.5B config says true (its
+        # llm.pt stores lm_head sharing embed_tokens' storage). Nothing reads the flag: the
+        # loader loads llm.model.lm_head.weight from llm.pt tied or not, and the vLLM
+        # export drops it. The random llm.pt holds an independent lm_head; no model.safetensors
+        # is written (the hub skips the released one, see engine.hub.SKIP_PATHS).
         (blank / "config.json").write_text(json.dumps(cfg.lm.qwen.to_hf_json(), indent=2))
         write_frontend_assets(tmp, tiny=(size == "tiny"), seed=seed, speech_tokenizer_file=fam.speech_tokenizer)
 
@@ -432,6 +445,7 @@ def write_model_dir(
         (tmp / "configuration.json").write_text(
             json.dumps({"framework": "pytorch", "task": "text-to-speech", "model_type": f"random-{size}"}, indent=2)
         )
+        check_model_dir(tmp, version)  # every file a real download must have is here too
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
