@@ -48,7 +48,7 @@ serve: install
 	$(VENV)/bin/cosyvoice-gateway --model "$(MODEL)" $(ARGS)
 
 test: install test-deps
-	$(VENV)/bin/python -m pytest -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -p no:cacheprovider -rs tests
 
 clean:
 	rm -rf $(VENV)

@@ -32,6 +32,8 @@ from test_twilio import API_KEY, LiveServer, gateway_settings, tone_wav
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None and os.environ.get("CI"):
+    raise RuntimeError("CI must have Chromium installed (Makefile system-deps)")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make system-deps)")
 
 FLAGS = [

@@ -126,10 +126,10 @@ def test_cached_export_follows_checkpoint(tmp_path: Path) -> None:
 
 
 def test_export_from_lm_module(tmp_path: Path) -> None:
-    lm_mod = pytest.importorskip("engine.models.lm")
     from engine.backends.vllm_export import export_from_module
+    from engine.models.lm import CosyVoice3LM
 
-    model = lm_mod.CosyVoice3LM(LM)
+    model = CosyVoice3LM(LM)
     lm_mod.init_random_(model, 0)
     export_from_module(model, QWEN, LM, VOCAB, tmp_path, dtype=torch.float32)
     t = read_safetensors(tmp_path / WEIGHTS_FILE)
