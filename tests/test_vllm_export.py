@@ -127,10 +127,10 @@ def test_cached_export_follows_checkpoint(tmp_path: Path) -> None:
 
 def test_export_from_lm_module(tmp_path: Path) -> None:
     from engine.backends.vllm_export import export_from_module
-    from engine.models.lm import CosyVoice3LM
+    from engine.models.lm import CosyVoice3LM, init_random_
 
     model = CosyVoice3LM(LM)
-    lm_mod.init_random_(model, 0)
+    init_random_(model, 0)
     export_from_module(model, QWEN, LM, VOCAB, tmp_path, dtype=torch.float32)
     t = read_safetensors(tmp_path / WEIGHTS_FILE)
     assert torch.equal(t["model.embed_tokens.weight"][: VOCAB.text_offset], model.speech_embedding.weight)
