@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .engine import Engine
 from .hub import resolve_model
 from .models.loader import ModelDirError
-from .types import SessionOptions
+from .types import SPEED_RANGE, SessionOptions
 from .wavio import read_wav, write_wav
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-text", default=None, help="transcript of the prompt (default: the .txt beside the wav)")
     p.add_argument("--mode", choices=["zero_shot", "instruct", "cross_lingual"], default="zero_shot")
     p.add_argument("--instruction", default=None, help="instruct mode: how to speak, e.g. 'Speak happily.'")
-    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--speed", type=float, default=1.0, help=f"speaking rate, {SPEED_RANGE[0]:g} to {SPEED_RANGE[1]:g}")
     p.add_argument("--device", default="auto")
     p.add_argument("--lm-backend", default="auto", choices=["auto", "torch", "vllm"])
     p.add_argument("--seed", type=int, default=None)
@@ -56,7 +56,11 @@ async def _run(a: argparse.Namespace) -> int:
             print(f"cosyvoice-tts: --prompt-text is required ({txt} not found)", file=sys.stderr)
             return 2
         transcript = txt.read_text(encoding="utf-8").strip()
-    wav, sr = read_wav(a.prompt_wav)
+    try:
+        wav, sr = read_wav(a.prompt_wav)
+    except (OSError, ValueError) as exc:
+        print(f"cosyvoice-tts: {exc}", file=sys.stderr)
+        return 2
     tptt = a.tokens_per_text_token
     if tptt is None and "-random" in a.model:
         tptt = 3.0
@@ -77,7 +81,10 @@ async def _run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    if not SPEED_RANGE[0] <= a.speed <= SPEED_RANGE[1]:  # also refuses nan
+        p.error(f"--speed must be within [{SPEED_RANGE[0]:g}, {SPEED_RANGE[1]:g}], not {a.speed:g}")
     try:
         raise SystemExit(asyncio.run(_run(a)))
     except ModelDirError as exc:

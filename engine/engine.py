@@ -1565,7 +1565,8 @@ class Session:
             end, finalize = item.extent.end, item.extent.finalize
             batch = job.started.result()  # a chunk with audio was taken by the stage
             if item.index == 0 and not finalize:
-                eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, utt.options.speed)
+                eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, utt.options.speed,
+                                         eng.model.config.flow.token_mel_ratio)
             planned = planned and not item.patient
             if item.index == 0 and planned and utt.stats.first_token_at is not None:
                 phases = (utt.stats.submitted_at, utt.stats.first_token_at, item.queued_at, batch.at, time.monotonic())

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Literal
 
 from .chunking import ChunkSchedule
+from .mel_stretch import streamed_frames
 
 SPEECH_TOKENS_PER_S = 25  # at speed 1 (CosyVoice2 and 3)
 TOKEN_S = 1 / SPEECH_TOKENS_PER_S
@@ -372,9 +373,14 @@ class FirstChunkPlanner:
     # utterances' decisions, made under other loads, would hide it by the end of a run)
     last_opening: PlanInputs | None = None
 
-    def observe(self, tokens: int, samples: int, sample_rate: int, speed: float) -> None:
-        """A first chunk of `tokens` speech tokens gave `samples` of audio."""
-        self.holdback_s = max(self.holdback_s, tokens * TOKEN_S / speed - samples / sample_rate)
+    def observe(self, tokens: int, samples: int, sample_rate: int, speed: float, token_mel_ratio: int = 2) -> None:
+        """A first chunk of `tokens` speech tokens gave `samples` of audio. At a speed other
+        than 1 the mel stretch keeps back a frame of its own (`streamed_frames`): counted
+        as the vocoder's, one slow session would shorten every later plan's audio."""
+        frames = tokens * token_mel_ratio
+        if speed != 1.0:
+            frames = streamed_frames(frames, speed)
+        self.holdback_s = max(self.holdback_s, frames * TOKEN_S / token_mel_ratio - samples / sample_rate)
 
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""

@@ -18,6 +18,13 @@ import math
 import torch
 
 
+def streamed_frames(received: int, speed: float) -> int:
+    """Output frames given out once `received` input frames have come and more will: those
+    whose position has a right neighbour received, (k + 0.5) speed - 0.5 < received - 1.
+    The rest of the `received / speed` wait for the next chunk (one frame at most)."""
+    return max(0, math.ceil((received - 0.5) / speed - 0.5))
+
+
 class MelStretch:
     """One utterance's rate change; `push` each chunk's mel [n, C] in order."""
 
@@ -36,11 +43,9 @@ class MelStretch:
         kept = mel if self._kept is None else torch.cat((self._kept, mel))
         self._received += mel.shape[0]
         last = self._received - 1
-        if final:
-            end = int(self._received / self.speed)
-        else:
-            # Frames whose position has a right neighbour received: (k + 0.5) s - 0.5 < last.
-            end = max(self._produced, math.ceil((last + 0.5) / self.speed - 0.5))
+        # Never below what was produced: a fast rate's last chunk of a few frames could end
+        # the utterance before frames an earlier push already gave out.
+        end = max(self._produced, int(self._received / self.speed) if final else streamed_frames(self._received, self.speed))
         k = torch.arange(self._produced, end, device=mel.device, dtype=torch.float64)
         pos = ((k + 0.5) * self.speed - 0.5).clamp(0.0, max(last, 0))
         lo = pos.floor()

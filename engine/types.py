@@ -14,6 +14,10 @@ import numpy as np
 import torch
 
 Mode = Literal["zero_shot", "instruct", "cross_lingual"]
+# Speaking rates served (`SessionOptions.speed`; the WebSocket and HTTP APIs take the same).
+# Far outside it the mel stretch fails its chunk's whole batch (a 6-frame last chunk above
+# ~13) or multiplies the vocoder's work (200,000 frames for 100 tokens at 0.001).
+SPEED_RANGE = (0.25, 4.0)
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,8 @@ class SessionOptions:
 
     def __post_init__(self) -> None:
         # Refused here, not in a stage batch where one bad utterance failed its batch-mates.
-        if not (math.isfinite(self.speed) and self.speed > 0):
-            raise ValueError(f"speed must be a finite number > 0, not {self.speed}")
+        if not (math.isfinite(self.speed) and SPEED_RANGE[0] <= self.speed <= SPEED_RANGE[1]):
+            raise ValueError(f"speed must be a number in [{SPEED_RANGE[0]}, {SPEED_RANGE[1]}], not {self.speed}")
         if self.initial_hop is not None and self.initial_hop < 0:
             raise ValueError(f"initial_hop must be >= 0, not {self.initial_hop}")
         if self.max_hop is not None and (self.max_hop < 25 or self.max_hop % 25):

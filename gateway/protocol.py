@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
+from engine.types import SPEED_RANGE  # WebSocket and HTTP speech alike, as the engine
+
 from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
 from .segmenter import MIN_MAX_CHARS, Segment, SegmentReason, Segmenter, SegmenterConfig, _is_cjk
 
@@ -120,7 +122,6 @@ TextMode = Literal["segment", "stream"]
 TEXT_MODES = ("segment", "stream")
 TRANSPORTS = ("binary", "base64")
 MAX_INSTRUCTION_CHARS = 500
-SPEED_RANGE = (0.25, 4.0)  # WebSocket and HTTP speech alike
 # Every rate some format allows lies within this; the exact check is `resolve_format`'s.
 SAMPLE_RATE_RANGE = (min(PCM_RATES + OPUS_RATES), max(PCM_RATES + OPUS_RATES))
 # A segment is one LM request: lengths past this are no tuning, only a way to send

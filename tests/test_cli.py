@@ -32,6 +32,20 @@ def test_cli_reports_a_missing_model_in_one_line(tmp_path):
     assert r.stderr.count("\n") == 1 and "cosyvoice-tts:" in r.stderr
 
 
+def test_cli_refuses_a_speed_or_a_prompt_it_cannot_use_in_one_line(tiny_model_dir, tmp_path):
+    """A speed outside the served range is refused before the model loads (the engine's
+    SessionOptions would raise a traceback after it); an unreadable prompt says why."""
+    base = [sys.executable, "-m", "engine.cli", "--model", str(tiny_model_dir), "--text", "x",
+            "--out", str(tmp_path / "o.wav"), "--device", "cpu"]
+    r = subprocess.run([*base, "--speed", "9"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--speed must be within [0.25, 4]" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio")
+    (tmp_path / "bad.txt").write_text("hello")
+    r = subprocess.run([*base, "--prompt-wav", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"cosyvoice-tts: {bad}: not a RIFF/WAVE file"
+
+
 def test_gateway_without_a_reachable_hub_names_the_tiny_model(tmp_path):
     import os
 

@@ -53,3 +53,13 @@ def test_a_chunk_may_complete_no_frame_and_speed_must_be_positive() -> None:
     assert stretch.push(torch.ones(2, 80), final=True).shape == (1, 80)
     with pytest.raises(ValueError):
         MelStretch(0.0)
+
+
+def test_a_last_chunk_shorter_than_what_is_out_ends_there() -> None:
+    """At a fast rate a short last chunk can end the utterance (int(n / speed) frames) before
+    frames an earlier push gave out: it ends there, with nothing more, instead of raising
+    (which failed the chunk's whole stage batch)."""
+    stretch = MelStretch(20.0)
+    out = stretch.push(torch.zeros(32, 4), final=False)
+    assert out.shape[0] == 2  # (k + 0.5) * 20 - 0.5 < 31 for k = 0, 1
+    assert stretch.push(torch.zeros(6, 4), final=True).shape[0] == 0  # int(38 / 20) = 1 < 2
