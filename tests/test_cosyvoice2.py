@@ -142,7 +142,7 @@ def test_embed_routes_each_range_to_its_table(tiny_lm: Qwen2LM) -> None:
     assert torch.equal(emb[3], tiny_lm.llm_embedding.weight[1])  # task_id
     assert torch.equal(emb[4], tiny_lm.llm.backbone.embed_tokens.weight[0])
     assert torch.equal(emb[5], tiny_lm.llm.backbone.embed_tokens.weight[42])
-    hidden = torch.randn(3, tiny_lm.cfg.qwen.hidden_size)
+    hidden = torch.randn(3, tiny_lm.cfg.qwen.hidden_size, generator=torch.Generator().manual_seed(0))
     logits = tiny_lm.speech_logits(hidden)
     assert logits.shape == (3, 6564)
     assert torch.allclose(logits, hidden @ tiny_lm.llm_decoder.weight.T + tiny_lm.llm_decoder.bias, atol=1e-5)

@@ -362,17 +362,24 @@ def test_a_stalled_stage_process_ends_its_contexts_and_the_gateway_restarts(
 
 
 def _register_forever(url: str, prefix: str, acked: dict[str, dict[str, Any]], cut: list[str],
-                      stop: threading.Event) -> None:
+                      stop: threading.Event, killing: threading.Event) -> None:
     """Register voices one after another until the server dies; remember acknowledged
-    ones and the one that was in flight when the connection broke."""
+    ones and the one that was in flight when the connection broke: sent before the kill
+    (`killing` is set just before it) and broken while sending or reading, not one that
+    found the server already gone (a ConnectError, or a request begun after the kill)."""
     i = 0
     with httpx.Client(base_url=url, timeout=30) as c:
         while not stop.is_set():
             vid = f"{prefix}{i}"
+            audio = tone_wav(3.2 + 0.1 * (i % 5), freq=150.0 + 7 * i)
+            late = killing.is_set()
             try:
-                resp = register(c, vid, tone_wav(3.2 + 0.1 * (i % 5), freq=150.0 + 7 * i), f"Voice {vid}.", headers={})
-            except httpx.TransportError:
-                cut.append(vid)
+                resp = register(c, vid, audio, f"Voice {vid}.", headers={})
+            except (httpx.WriteError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                if not late:
+                    cut.append(f"{vid}: {type(exc).__name__}")  # the kill landed on this request
+                return
+            except httpx.TransportError:  # never connected: not in flight
                 return
             if resp.status_code == 201:
                 acked[vid] = resp.json()
@@ -397,13 +404,15 @@ def test_sigkill_during_registration_loses_no_committed_voice(tiny_model_dir: Pa
     kills = 2
     for round_ in range(kills):
         gw = GatewayProcess(tiny_model_dir, tmp_path).start()
-        stop = threading.Event()
-        workers = [threading.Thread(target=_register_forever, args=(gw.url, f"r{round_}w{w}_", acked, cut, stop))
+        stop, killing = threading.Event(), threading.Event()
+        workers = [threading.Thread(target=_register_forever,
+                                    args=(gw.url, f"r{round_}w{w}_", acked, cut, stop, killing))
                    for w in range(2)]
         for t in workers:
             t.start()
         # Kill at a random point while both workers are mid-registration.
         threading.Event().wait(rng.uniform(0.3, 1.5))
+        killing.set()
         gw.kill()  # SIGKILL
         stop.set()
         for t in workers:
@@ -414,7 +423,8 @@ def test_sigkill_during_registration_loses_no_committed_voice(tiny_model_dir: Pa
             listed = c.get("/v1/voices").json()["data"]
             by_id = {v["id"]: v for v in listed}
             assert acked, "no registration was acknowledged before the kills"
-            assert len(cut) >= kills, cut  # the kills did land while the workers were sending
+            # Each kill landed while a worker's request was in flight.
+            assert {entry.split("w", 1)[0] for entry in cut} == {f"r{r}" for r in range(kills)}, cut
             for vid, info in acked.items():
                 assert by_id.get(vid) == info, vid  # committed = still there, unchanged
             _check_store(tmp_path / "data", listed)

@@ -381,7 +381,9 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     assert stats.first_chunk_tokens == 40 + 5  # the engine's stats count each first chunk's size
     # The planned one's inputs: the measured LM rate, and the 10 s rounds it predicted.
     assert stats.first_chunk_plan_round_seconds >= 10.0 and stats.first_chunk_plan_second_round_seconds >= 10.0
-    assert 0 < stats.first_chunk_plan_lm_step_seconds < 1.0
+    # The LM step it planned with was timed on its own tokens (>= 1 step between its first
+    # and its last): no longer than that utterance's whole LM span.
+    assert 0 < stats.first_chunk_plan_lm_step_seconds <= st.finished_at - st.first_token_at
     assert 0 < stats.first_chunk_plan_lm_step_own_seconds <= stats.first_chunk_plan_lm_step_seconds
     # Each session's first utterance: the opening decision is the same one (the second
     # session's own initial_hop was not planned).
@@ -575,10 +577,11 @@ def test_engine_learns_the_lm_rate_from_utterances_past_their_first_tokens(tiny_
     opening, later, streams, stats = run(tiny_model_dir, fn, warmup=False, initial_hop=5, initial_hop_max=40)
     assert streams == 0  # none decoding once it is done
     assert all(st.num_speech_tokens > 2 * STEP_FROM for st in stats)
-    for steps in (opening, later):
+    for steps, st in zip((opening, later), stats):  # the session's first utterance, then its second
         assert list(steps.sizes) == [0]  # one utterance decoding: the first octave
         (seen,) = steps.sizes[0]  # once per utterance
-        assert 0 < seen < 1.0
+        # Timed over >= STEP_FROM steps between its tokens: at most its LM span / STEP_FROM.
+        assert 0 < seen <= (st.finished_at - st.first_token_at) / STEP_FROM
 
 
 def test_engine_learns_second_rounds_per_stage_load_and_plans_on_them(tiny_model_dir):
@@ -597,18 +600,18 @@ def test_engine_learns_second_rounds_per_stage_load_and_plans_on_them(tiny_model
         planner.first_hop = spy  # type: ignore[method-assign]
         voice = await default_voice(engine)
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
-        await s.submit("A sentence long enough for several chunks of speech here.")
+        uid = await s.submit("A sentence long enough for several chunks of speech here.")
         await s.finish()
         await collect(s)
-        return planner.second_rounds
+        return planner.second_rounds, s.utterance_stats(uid)
 
-    rounds = run(tiny_model_dir, fn, initial_hop=5, initial_hop_max=40)
+    rounds, st = run(tiny_model_dir, fn, initial_hop=5, initial_hop_max=40)
     assert asked == [1]  # its own stream: one utterance on the stage
     assert list(rounds.sizes) == [0]
     # One second chunk: the warm-up's (one alone, thrice, then four together here) taught
     # nothing, as their first ones may wait behind graph captures on a GPU.
     (seen,) = rounds.sizes[0]
-    assert 0 < seen < 5.0
+    assert 0 < seen <= st.finished_at - st.submitted_at  # timed within that utterance's life
 
 
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):

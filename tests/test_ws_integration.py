@@ -10,19 +10,18 @@ themselves), so audio lengths are deterministic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 import pytest
-import uvicorn
 import websockets
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
@@ -34,6 +33,7 @@ from gateway.protocol import CLOSE_POLICY, WsLimits
 from gateway.app import transport_options
 from gateway.settings import Settings
 from gateway.ws import tts_websocket
+from helpers import LiveServer
 
 VOICE = "tester"
 
@@ -83,67 +83,44 @@ class Server:
     loop: asyncio.AbstractEventLoop
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[Server]:
+    """The endpoint on `helpers.LiveServer`: uvicorn serves a socket bound before it starts
+    (no port to lose between choosing and binding it) and the fixture returns on the
+    lifespan start-up's Event, or at once with an error when the start-up failed."""
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    port = _free_port()
-    ready = threading.Event()
-    holder: dict[str, Any] = {}
+    limits = WsLimits(max_message_bytes=4096, max_contexts=10, max_text_chars=2000, max_pending_bytes=64 << 10, max_lag_s=1.5, keepalive_interval_s=0)
 
-    async def main() -> None:
-        try:
-            await serve()
-        except BaseException as exc:  # surface start-up failures at once, not after a timeout
-            holder["error"] = exc
-            ready.set()
-            raise
-
-    async def serve() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # On the server's own loop: the engine's tasks live there.
         engine = await Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch"))
-        sr = engine.sample_rate
-        t = np.arange(3 * sr) / sr
-        wav = (0.2 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
-        prompt = await engine.prepare_voice(VOICE, wav, sr, "A short prompt.")
-        limits = WsLimits(max_message_bytes=4096, max_contexts=10, max_text_chars=2000, max_pending_bytes=64 << 10, max_lag_s=1.5, keepalive_interval_s=0)
-        gw = SimpleNamespace(
-            engine=engine,
-            voices=_Voices({VOICE: prompt}),
-            settings=SimpleNamespace(ws=limits, default_voice=VOICE, audio=EncoderOptions()),
-            metrics=_Metrics(),
-            auth=_Auth(),
-            encode_pool=EncodePool(2),
-            session_defaults=SessionOptions(tokens_per_text_token=2.0, seed=0),
-        )
-        app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", tts_websocket)])
-        app.state.gw = gw
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                ws="websockets-sansio", **transport_options(Settings(ws=limits)))
-        srv = uvicorn.Server(config)
-        holder.update(gw=gw, srv=srv, loop=asyncio.get_running_loop())
-        task = asyncio.create_task(srv.serve())
-        while not srv.started:
-            await asyncio.sleep(0.01)
-        ready.set()
-        await task
-        await engine.close()
-        gw.encode_pool.close()
+        encode_pool = EncodePool(2)
+        try:
+            sr = engine.sample_rate
+            t = np.arange(3 * sr) / sr
+            wav = (0.2 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
+            prompt = await engine.prepare_voice(VOICE, wav, sr, "A short prompt.")
+            app.state.gw = SimpleNamespace(
+                engine=engine,
+                voices=_Voices({VOICE: prompt}),
+                settings=SimpleNamespace(ws=limits, default_voice=VOICE, audio=EncoderOptions()),
+                metrics=_Metrics(),
+                auth=_Auth(),
+                encode_pool=encode_pool,
+                session_defaults=SessionOptions(tokens_per_text_token=2.0, seed=0),
+            )
+            yield
+        finally:
+            await engine.close()
+            encode_pool.close()
 
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert ready.wait(300), "server did not start"
-    if "error" in holder:
-        raise RuntimeError("test server failed to start") from holder["error"]
-    yield Server(f"ws://127.0.0.1:{port}/v1/tts/stream", holder["gw"], holder["loop"])
-    holder["srv"].should_exit = True
-    thread.join(30)
+    app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", tts_websocket)], lifespan=lifespan)
+    with LiveServer(app, start_timeout=300, ws="websockets-sansio", **transport_options(Settings(ws=limits))) as srv:
+        assert srv.server.loop is not None
+        yield Server(srv.ws_url, srv.gw, srv.server.loop)
 
 
 # ---- a small recording client -------------------------------------------------------------

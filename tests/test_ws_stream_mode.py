@@ -221,12 +221,25 @@ def test_stream_mode_idle_ends_the_open_utterance_and_the_sentence_goes_on() -> 
 def test_websocket_stream_mode_a_quiet_client_does_not_hold_the_lm(server: Any, monkeypatch: Any) -> None:  # noqa: F811
     """A client that stops mid-sentence: after `stream_idle_s` its open utterance ends
     with the words it has, so its LM request ends instead of waiting for text for as long
-    as the socket lives; the sentence's later words open the next utterance."""
+    as the socket lives; the sentence's later words open the next utterance.
+
+    The connection starts with `stream_idle_s` off, so the waiting request is seen for
+    certain (not racing the idle timer); the test then turns it on for that connection."""
     import asyncio
     import dataclasses
 
+    from gateway import ws as ws_mod
+
     limits = server.gw.settings.ws
-    monkeypatch.setattr(server.gw.settings, "ws", dataclasses.replace(limits, stream_idle_s=0.3))
+    monkeypatch.setattr(server.gw.settings, "ws", dataclasses.replace(limits, stream_idle_s=0.0))
+    conns: list[Any] = []
+    init = ws_mod._Connection.__init__
+
+    def capture(self: Any, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        conns.append(self)
+
+    monkeypatch.setattr(ws_mod._Connection, "__init__", capture)
     backend = server.gw.engine.backend
 
     async def main() -> Recording:
@@ -234,7 +247,10 @@ def test_websocket_stream_mode_a_quiet_client_does_not_hold_the_lm(server: Any, 
         async with __import__("websockets").connect(server.url) as ws:
             await send(ws, type="text", context_id="q", text="The client stops in the middle of ", text_mode="stream")
             await receive_until(ws, rec, lambda r: bool(r.of("segment_started", "q")))
+            (conn,) = conns
             assert backend.num_active() == 1  # speaking the words it has, then waiting for more
+            # Now the idle limit, on this connection (its monitor reads it on every round).
+            server.loop.call_soon_threadsafe(setattr, conn, "limits", dataclasses.replace(conn.limits, stream_idle_s=0.3))
             async with asyncio.timeout(30):  # the request ends once the idle close ended its text
                 while backend.num_active():
                     await asyncio.sleep(0.02)
