@@ -17,7 +17,9 @@ the first chunk. Ending at the nearer boundary when that is no shorter than chun
 the grid and lets audio ahead of the playback grow from the start.
 
 All state is per utterance (`ChunkSchedule` instances are never shared), unlike the
-official code whose shared `token_hop_len` leaks between concurrent requests.
+official code, whose shared `token_hop_len` leaks between concurrent requests, and into
+later ones: it is never reset, so a model's second streamed request starts on the first
+one's last hop.
 """
 
 from __future__ import annotations

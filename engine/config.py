@@ -124,8 +124,9 @@ class EngineConfig:
     # the official streaming inference does (`CosyVoice2Model.tts` passes no `stream` to its
     # final `token2wav`). Off: every chunk is block-causal, so the last one shares the prompt
     # cache, the CUDA graphs and its batch's flow call with the others. On: last chunks run
-    # in a flow call of their own, eagerly, without the caches. With flow_left_context -1
-    # and initial_hop 0 the audio then matches the official streaming output.
+    # in a flow call of their own, eagerly, without the caches. With flow_left_context -1,
+    # initial_hop 0 and chunk_patience_s 0 (the official chunk boundaries) the audio then
+    # matches the official streaming output (README, "Fidelity to the official inference").
     flow_final_full_attention: bool = False
     max_gpu_batch: int = 64  # chunks per flow/vocoder batch
     # Precision of the flow (weights and activations; its ODE state stays float32).
