@@ -9,7 +9,7 @@ their deps on PYTHONPATH); run from anywhere:
 Result on CPU, float32 (2026-11-29):
     flow streaming=True finalize=True   (1, 80, 80)  max|diff| 2.38e-07  (max|mel| 3.87)
     flow streaming=True finalize=False  (1, 80, 74)  max|diff| 2.38e-07
-    flow streaming=False finalize=True  (1, 80, 80)  max|diff| 3.58e-07 (2.38e-07 on 2026-11-29)
+    flow streaming=False finalize=True  (1, 80, 80)  max|diff| 2.38e-07 (3.58e-07 when rerun on 2026-12-05)
     f0 predictor                        max|diff| 0
     decode (same excitation)            max|diff| 0
     source, noise off on both sides     max|diff| 0
