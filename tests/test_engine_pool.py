@@ -201,6 +201,24 @@ def test_pool_refusal_says_why(tiny_model_dir: Path) -> None:
     asyncio.run(main())
 
 
+def _failing_stage_close(engine: Engine) -> list[bool]:
+    """Make the engine's stage close raise (after closing) and record its LM backend's close."""
+    stage_close, backend_close = engine.stage.close, engine.backend.close
+    closed: list[bool] = []
+
+    async def failing_stage_close() -> None:
+        await stage_close()
+        raise RuntimeError("stage close failed")
+
+    async def spied_backend_close() -> None:
+        closed.append(True)
+        await backend_close()
+
+    engine.stage.close = failing_stage_close  # type: ignore[method-assign]
+    engine.backend.close = spied_backend_close  # type: ignore[method-assign]
+    return closed
+
+
 def test_close_logs_a_worker_failure_and_still_stops_its_lm(tiny_model_dir: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     """A worker whose stage close raises still closes its LM backend (vLLM's engine core would
@@ -208,19 +226,7 @@ def test_close_logs_a_worker_failure_and_still_stops_its_lm(tiny_model_dir: Path
     async def main() -> list[bool]:
         pool = await create_engine(base_config(tiny_model_dir), ("cpu", "cpu"))
         worker = pool.engines[1]
-        stage_close, backend_close = worker.stage.close, worker.backend.close
-        closed: list[bool] = []
-
-        async def failing_stage_close() -> None:
-            await stage_close()
-            raise RuntimeError("stage close failed")
-
-        async def spied_backend_close() -> None:
-            closed.append(True)
-            await backend_close()
-
-        worker.stage.close = failing_stage_close  # type: ignore[method-assign]
-        worker.backend.close = spied_backend_close  # type: ignore[method-assign]
+        closed = _failing_stage_close(worker)
         await pool.close()
         assert not worker.ready and not pool.ready
         return closed
@@ -235,19 +241,7 @@ def test_close_logs_a_worker_failure_and_still_stops_its_lm(tiny_model_dir: Path
 def test_engine_close_raises_the_stage_error_after_closing_the_lm(tiny_model_dir: Path) -> None:
     async def main() -> None:
         engine = await Engine.create(base_config(tiny_model_dir))
-        stage_close, backend_close = engine.stage.close, engine.backend.close
-        closed: list[bool] = []
-
-        async def failing_stage_close() -> None:
-            await stage_close()
-            raise RuntimeError("stage close failed")
-
-        async def spied_backend_close() -> None:
-            closed.append(True)
-            await backend_close()
-
-        engine.stage.close = failing_stage_close  # type: ignore[method-assign]
-        engine.backend.close = spied_backend_close  # type: ignore[method-assign]
+        closed = _failing_stage_close(engine)
         with pytest.raises(RuntimeError, match="stage close failed"):
             await engine.close()
         assert closed == [True] and not engine.ready
