@@ -134,17 +134,15 @@ def _node(raw: dict[str, Any], key: str) -> Node:
     return value
 
 
-def read_model_config(model_dir: Path, *, check_files: bool = True) -> ModelConfig:
+def read_model_config(model_dir: Path) -> ModelConfig:
     """Build a ModelConfig from the yaml and CosyVoice-BlankEN/config.json.
 
     First checks that every file serving needs is there (`check_model_dir`), so a partial
-    directory is refused before anything loads; check_files=False reads the config of a
-    directory holding only the yaml and config.json (sizes, FLOP counts)."""
+    directory is refused before anything loads."""
     model_dir = Path(model_dir)
     version = detect_version(model_dir)
     fam = family(version)
-    if check_files:
-        check_model_dir(model_dir, version)
+    check_model_dir(model_dir, version)
     yaml_path = model_dir / fam.yaml_name
     try:
         raw = load_hyper_yaml(yaml_path)
