@@ -228,7 +228,8 @@ class EnginePool:
 def _is_extreme(name: str) -> bool:
     """An EngineStats field that is a latest or largest value, not a count or an occupancy:
     batch-size extremes, the planner's latest inputs, the vocoder holdback it learnt, and
-    the start's step times (the workers start side by side)."""
+    the start's step times (the slowest worker's; `create` starts the workers one after
+    another, so the whole start took about their sum)."""
     return (name in ("last_batch_size", "max_batch_size", "first_chunk_holdback_seconds")
             or "_plan_" in name or (name.startswith("start_") and name.endswith("_seconds")))
 
