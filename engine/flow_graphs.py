@@ -280,6 +280,8 @@ class FlowGraphRunner:
         one-voice prefix buffers: those when the batch has one voice (`shared`) and a bucket
         and the buffers are there for it, else the per-row ones. `dtype`: of the cached keys
         and values (default: the flow's)."""
+        if self._broken:  # eager from now on, at the batch's own size, not a bucket's
+            return None, False
         dtype = dtype or self.autocast_dtype or self.decoder.rand_noise.dtype
         if width and shared:
             shape = self.policy.bucket(rows, frames, width, shared=True)
@@ -362,7 +364,7 @@ class FlowGraphRunner:
         voices. A no-op without capture."""
         if not self.capture:
             return 0
-        captured = 0
+        captured, evicted = 0, self.stats.evictions
         dtype = self.decoder.rand_noise.dtype
         for rows, frames, *rest in shapes:
             width = self.policy.prefix_bucket(rest[0] if rest else 0)
@@ -374,6 +376,8 @@ class FlowGraphRunner:
                 if shape is None or kind != shared or (*shape, streaming, width, shared, ring) in self._graphs \
                         or self._broken:
                     continue
+                if not shared and rows == 1 and self.plan(1, frames, width, True, self.autocast_dtype or dtype)[1]:
+                    continue  # one row is one voice: it takes the one-voice kind, never this one
                 # Zero-filled prefix buffers (finite, key mask off) serve the warm-up runs.
                 views = self._views(*shape, dtype=dtype, width=width, shared=shared, ring=ring)
                 if views.context is not None and views.prefix is not None:
@@ -386,6 +390,11 @@ class FlowGraphRunner:
                 before = self.stats.captures
                 self._run(shape, views, streaming, replay=False)
                 captured += self.stats.captures - before
+        if self.stats.evictions > evicted:
+            # Graphs warmed for earlier voices (prompt lengths) are gone again: their batches
+            # capture while serving (0.5-0.8 s a round on the H200).
+            log.warning("warming evicted %d flow graphs (GraphPolicy.max_graphs %d): some batches will "
+                        "capture while serving", self.stats.evictions - evicted, self.policy.max_graphs)
         return captured
 
     # ------------------------------------------------------------------ internals

@@ -254,9 +254,12 @@ def test_graph_cache_captures_once_per_bucket_and_evicts_lru(flow: CausalMaskedD
 def test_capture_failure_disables_graphs_but_serves_the_batch(flow: CausalMaskedDiffWithDiT) -> None:
     runner = _CpuGraphRunner(flow.decoder, POLICY, fail=True)
     chunks = _chunks(3, seed=31)
+    assert runner.padded_shape(3, 60) == (4, 100)
     out = flow.inference_chunks(chunks, solver=runner)
     assert _max_diff(out, flow.inference_chunks(chunks)) <= TOL
     assert runner.stats.captures == 0 and runner.stats.eager == 1
+    # From then on batches run eagerly at their own size, not padded to a graph's bucket.
+    assert runner.plan(3, 60) == (None, False) and runner.padded_shape(3, 60) == (3, 60)
     flow.inference_chunks(chunks, solver=runner)
     assert runner.stats.eager == 2 and runner.num_graphs == 0
 
