@@ -98,14 +98,15 @@ def _file_problem(path: Path) -> str | None:
     if not path.is_file():
         return "missing" if not path.exists() else "not a regular file"
     size = path.stat().st_size
-    if size == 0:
-        return "empty (0 bytes)"
     with open(path, "rb") as f:
         head = f.read(64)
+    checkpoint = path.suffix == ".pt"
     if head.startswith(LFS_POINTER):
-        return "a Git LFS pointer, not the file: run `git lfs pull` in the model directory"
-    if path.suffix == ".pt" and not head.startswith(CHECKPOINT_MAGIC):
+        return f"a Git LFS pointer, not the {'checkpoint' if checkpoint else 'file'}: run `git lfs pull` in the model directory"
+    if checkpoint and not head.startswith(CHECKPOINT_MAGIC):
         return f"truncated or not a checkpoint ({size} bytes)"
+    if size == 0:
+        return "empty (0 bytes)"
     return None
 
 
@@ -366,13 +367,9 @@ def _unpickling_detail(exc: BaseException) -> str:
 def load_state_strict(module: nn.Module, path: Path, what: str, *, hift: bool = False) -> None:
     if not path.is_file():
         raise ModelDirError(f"missing {path.name} in {path.parent}")
+    if (problem := _file_problem(path)) is not None:  # the directory check's, for a file loaded alone
+        raise ModelDirError(f"{path}: {problem}")
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(64)
-    if head.startswith(LFS_POINTER):
-        raise ModelDirError(f"{path}: a Git LFS pointer, not the checkpoint: run `git lfs pull` in {path.parent}")
-    if not head.startswith(CHECKPOINT_MAGIC):
-        raise ModelDirError(f"{path}: truncated or not a checkpoint ({size} bytes)")
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # a pickle that needs code to load is refused here
