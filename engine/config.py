@@ -26,6 +26,7 @@ StagePolicy = Literal["first_chunks", "deadline"]
 DEADLINE_MARGIN_S = 0.25
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
+VLLMGraphMode = Literal["full", "full_and_piecewise", "piecewise", "full_decode_only", "none"]  # vllm_backend.CUDAGRAPH_MODES
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,11 @@ class EngineConfig:
     # phase took 431-482 ms against 455-521 ms with 16; a full batch's shapes are then
     # captured when the voice is registered instead of met first in the load.
     flow_graph_shared_rows: int = 64
+    # At most this many flow graphs kept per stage (`GraphPolicy.max_graphs`; the least
+    # recently used go first, and a batch whose graph went captures it again while serving,
+    # 0.5-0.8 s a round on the H200). A voice's prompt width (100, 200 or 300 cached frames)
+    # warms ~88 one-voice and per-row graphs of its own beside ~56 plain ones.
+    flow_graph_limit: int = 192
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True
@@ -320,6 +326,12 @@ class EngineConfig:
     # stream (round 33 of docs/benchmarks.md; without the processor the first chunk's 11
     # tokens came 10 ms sooner). Compiles at engine start. Not yet measured on the GPU.
     vllm_compile_sampling: bool = False
+    # vLLM's CUDA graph mode (`CompilationConfig.cudagraph_mode`, lower-case; None: vLLM's
+    # default, full_and_piecewise). "full" replays one graph for prefills and mixed batches
+    # too (up to vLLM's largest capture size, 2 x lm_max_batch tokens, at most 512), where
+    # the default runs the model piecewise with eager attention: a lone session's prefill,
+    # ~8-10 ms of its first token on the H200 (round 36), is mostly host time.
+    vllm_cudagraph_mode: VLLMGraphMode | None = None
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.
     # Costs vLLM's per-step statistics in the gateway process, hence off by default.
@@ -350,6 +362,9 @@ class EngineConfig:
                              f"{self.first_chunk_min_hop_crowd}")
         if self.flow_split_prefix_rows < 0:
             raise ValueError(f"flow_split_prefix_rows must be >= 0, not {self.flow_split_prefix_rows}")
+        if self.vllm_cudagraph_mode is not None and self.vllm_cudagraph_mode not in get_args(VLLMGraphMode):
+            raise ValueError(f"vllm_cudagraph_mode must be one of {', '.join(get_args(VLLMGraphMode))}, "
+                             f"got {self.vllm_cudagraph_mode!r}")
         if self.flow_attention not in get_args(FlowAttention):
             raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
                              f"not {self.flow_attention!r}")
@@ -391,6 +406,8 @@ class EngineConfig:
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:
             raise ValueError("flow_graph_max_rows and flow_graph_shared_rows must be >= 0")
+        if self.flow_graph_limit < 1:
+            raise ValueError("flow_graph_limit must be at least 1")
         rows = self.flow_graph_rows
         if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:])):
             raise ValueError(f"flow_graph_rows must be increasing row counts >= 1, got {rows}")

@@ -41,10 +41,9 @@ from .frontend.text import detect_grammar
 from .lm_watch import LMWatch
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits, unified_vocab
-from .flow_graphs import prompt_shapes
 from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
-from .stage_build import graph_policy
+from .stage_build import graph_policy, voice_graph_shapes
 from .stage_pool import StagePool, build_stage
 from .stage_process import RemoteStage
 from .text_stream import TextFeed
@@ -525,6 +524,7 @@ class Engine:
                 mps_thread_percent=config.vllm_mps_thread_percent,
                 mps_priority=config.vllm_mps_priority,
                 compile_sampling=config.vllm_compile_sampling,
+                cudagraph_mode=config.vllm_cudagraph_mode,
             )
         else:
             raise EngineError("bad_config", f"unknown LM backend {backend_name!r}")
@@ -684,21 +684,8 @@ class Engine:
             await self.stage.warm_context(prompt)
         if P in self._warmed_prompts or not hasattr(self.stage, "warm_graphs"):
             return 0
-        cfg, look = self.config, self.model.config.flow.pre_lookahead_len
-        cached, policy = self._cached_prompt_frames(P), graph_policy(cfg)
-        # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
-        # tokens (a final chunk takes whatever is left), at every row bucket the policy has
-        # (with flow_graph_max_rows 12, say, 12 is one); the runner pads them into buckets.
-        shapes: list[tuple[int, ...]] = list(prompt_shapes(
-            P, hops=range(1, max(cfg.max_hop, cfg.initial_hop) + look + 1), left_context=cfg.flow_left_context,
-            rows=policy.batch_buckets))
-        if cached and policy.prefix_bucket(cached) <= policy.prefix_max_frames:
-            # From the prompt cache the ODE runs over the frames after the cached prefix.
-            shapes = [(rows, frames - cached, cached) for rows, frames in shapes]
-        elif cached:
-            # A prefix too wide for the prefix graphs: small batches take the plain graphs
-            # (AudioStage._cache_pays), larger ones run eagerly from the cache.
-            shapes = [(rows, frames) for rows, frames in shapes if rows <= policy.prefix_max_rows]
+        shapes = voice_graph_shapes(self.config, self.model.config.flow.pre_lookahead_len, P,
+                                    self._cached_prompt_frames(P))
         captured = await self.stage.warm_graphs(shapes)
         self._warmed_prompts.add(P)  # only once captured: a failed capture is tried again with the next voice
         return captured

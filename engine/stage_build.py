@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .config import DEADLINE_MARGIN_S, EngineConfig
-from .flow_graphs import GraphPolicy
+from .flow_graphs import GraphPolicy, prompt_shapes
 from .models.loader import LoadedModel
 from .stage_profile import StageProfiler
 from .token2wav import AudioStage
@@ -18,7 +18,29 @@ from .token2wav import AudioStage
 def graph_policy(config: EngineConfig) -> GraphPolicy:
     """Which flow batch shapes get CUDA graphs."""
     return GraphPolicy(batch_buckets=config.flow_graph_rows, frame_buckets=config.flow_graph_frames,
-                       shared_prefix_max_rows=config.flow_graph_shared_rows).with_max_rows(config.flow_graph_max_rows)
+                       shared_prefix_max_rows=config.flow_graph_shared_rows,
+                       max_graphs=config.flow_graph_limit).with_max_rows(config.flow_graph_max_rows)
+
+
+def voice_graph_shapes(config: EngineConfig, lookahead: int, prompt_tokens: int, cached: int) -> list[tuple[int, ...]]:
+    """The flow batch shapes a voice of `prompt_tokens` speech tokens can produce, to warm
+    its graphs at registration: (rows, frames), or (rows, frames, cached prefix frames)
+    when `cached` (its prompt cache's frames, 0 = none) is served from the prefix graphs."""
+    policy = graph_policy(config)
+    # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
+    # tokens (a final chunk takes whatever is left), at every row bucket the policy has
+    # (with flow_graph_max_rows 12, say, 12 is one); the runner pads them into buckets.
+    shapes: list[tuple[int, ...]] = list(prompt_shapes(
+        prompt_tokens, hops=range(1, max(config.max_hop, config.initial_hop) + lookahead + 1),
+        left_context=config.flow_left_context, rows=policy.batch_buckets))
+    if cached and policy.prefix_bucket(cached) <= policy.prefix_max_frames:
+        # From the prompt cache the ODE runs over the frames after the cached prefix.
+        return [(rows, frames - cached, cached) for rows, frames in shapes]
+    if cached:
+        # A prefix too wide for the prefix graphs: small batches take the plain graphs
+        # (AudioStage._cache_pays), larger ones run eagerly from the cache.
+        return [(rows, frames) for rows, frames in shapes if rows <= policy.prefix_max_rows]
+    return shapes
 
 
 def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, flow: torch.nn.Module | None = None,

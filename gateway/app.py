@@ -93,6 +93,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_graph_rows=e.flow_graph_rows,
         flow_graph_frames=e.flow_graph_frames,
         flow_graph_shared_rows=e.flow_graph_shared_rows,
+        flow_graph_limit=e.flow_graph_limit,
         vocoder_cuda_graphs=e.vocoder_cuda_graphs,
         vocoder_graph_rows=e.vocoder_graph_rows,
         flow_prompt_cache=e.flow_prompt_cache,
@@ -126,6 +127,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         vllm_mps_thread_percent=e.vllm_mps_thread_percent,
         vllm_mps_priority=e.vllm_mps_priority,  # type: ignore[arg-type]
         vllm_compile_sampling=e.vllm_compile_sampling,
+        vllm_cudagraph_mode=e.vllm_cudagraph_mode,  # type: ignore[arg-type]
         lm_timing=e.lm_timing,
         tokens_per_text_token=ratio,
     )

@@ -137,6 +137,12 @@ class EngineSettings:
                        "row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once); otherwise "
                        "the per-row prefix graphs (up to 8 chunks) or eager"),
     )
+    flow_graph_limit: int = field(
+        default=192,
+        metadata=_help("at most this many flow CUDA graphs kept per stage (least recently used dropped; a batch "
+                       "whose graph was dropped captures it again while serving): each voice prompt width warms "
+                       "~88 graphs of its own beside ~56 shared ones"),
+    )
     vocoder_cuda_graphs: bool = field(
         default=True,
         metadata=_help("run the CosyVoice3 vocoder's decode as CUDA graphs up to 8 streams (CUDA only)"),
@@ -288,6 +294,12 @@ class EngineSettings:
         default=False,
         metadata=_help("vLLM: run the RAS sampler compiled in its engine core (fewer operators a decode step; "
                        "compiles at start)"),
+    )
+    vllm_cudagraph_mode: str | None = field(
+        default=None,
+        metadata=_help("vLLM's CUDA graph mode: full, full_and_piecewise, piecewise, full_decode_only or none "
+                       "(default: vLLM's own, full_and_piecewise; full also replays prefills and mixed batches as "
+                       "one graph)"),
     )
     lm_timing: bool = field(
         default=False,

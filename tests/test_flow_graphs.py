@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.stage_build import graph_policy
+from engine.stage_build import graph_policy, voice_graph_shapes
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy, iter_shapes, prompt_shapes
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
@@ -102,6 +102,36 @@ def test_frame_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
     for bad in ((0, 60), (70, 60), (60, 60)):
         with pytest.raises(ValueError, match="flow_graph_frames"):
             EngineConfig(model_dir=tmp_path, flow_graph_frames=bad)
+
+
+def test_graph_limit_is_an_option(tmp_path) -> None:  # noqa: ANN001
+    """`--engine.flow-graph-limit`: how many flow graphs a stage keeps (a voice's prefix
+    width warms ~88 of its own, so the default holds two widths'); at least 1."""
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    s, _ = load_settings(["--engine.flow-graph-limit", "400"], environ={})
+    assert graph_policy(engine_config(s, tmp_path)).max_graphs == 400
+    assert graph_policy(EngineConfig(model_dir=tmp_path)).max_graphs == GraphPolicy().max_graphs
+    assert load_settings([], environ={})[0].engine.flow_graph_limit == EngineConfig(model_dir=tmp_path).flow_graph_limit
+    with pytest.raises(ValueError, match="flow_graph_limit"):
+        EngineConfig(model_dir=tmp_path, flow_graph_limit=0)
+
+
+def test_voice_graph_shapes(tmp_path) -> None:  # noqa: ANN001
+    """The shapes warmed for a voice: every window its chunks can have, at every row bucket;
+    from the prompt cache the frames after the cached prefix, with the prefix's width; a
+    prefix too wide for the prefix graphs keeps the plain shapes of small batches only."""
+    cfg = EngineConfig(model_dir=tmp_path)
+    policy = graph_policy(cfg)
+    plain = voice_graph_shapes(cfg, 3, 106, 0)
+    assert {r for r, *_ in plain} == set(policy.batch_buckets) and all(len(s) == 2 for s in plain)
+    hops = range(1, max(cfg.max_hop, cfg.initial_hop) + 3 + 1)
+    assert plain == prompt_shapes(106, hops=hops, left_context=cfg.flow_left_context, rows=policy.batch_buckets)
+    cached = voice_graph_shapes(cfg, 3, 106, 200)
+    assert cached == [(r, f - 200, 200) for r, f in plain]
+    too_wide = voice_graph_shapes(cfg, 3, 200, 350)
+    assert too_wide and {r for r, _ in too_wide} == {r for r in policy.batch_buckets if r <= policy.prefix_max_rows}
 
 
 def test_bucket_choice() -> None:

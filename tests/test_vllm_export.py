@@ -425,6 +425,49 @@ def test_the_mps_client_settings_are_the_engine_cores_alone(monkeypatch: pytest.
         EngineConfig(model_dir=Path("."), vllm_mps_priority="high")  # type: ignore[arg-type]
 
 
+def test_the_cudagraph_mode_reaches_vllms_engine_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--engine.vllm-cudagraph-mode full`: vLLM's compilation config gets that mode (upper
+    case, as its enum is named); unset, no compilation config is passed (vLLM's default);
+    an unknown mode is refused by the config and the backend alike. vLLM itself is stood in
+    for by modules that record the engine arguments (it does not run on the CPU)."""
+    import asyncio
+    import sys
+    import types
+
+    from engine.backends.vllm_backend import VLLMBackend
+    from engine.config import EngineConfig
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    seen: list[dict[str, object]] = []
+
+    class AsyncLLM:
+        @classmethod
+        def from_engine_args(cls, args: dict[str, object], stat_loggers: object = None) -> "AsyncLLM":
+            seen.append(args)
+            return cls()
+
+    for name in ("vllm", "vllm.engine", "vllm.v1", "vllm.v1.engine"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    arg_utils, async_llm = types.ModuleType("vllm.engine.arg_utils"), types.ModuleType("vllm.v1.engine.async_llm")
+    arg_utils.AsyncEngineArgs = lambda **kw: kw  # type: ignore[attr-defined]
+    async_llm.AsyncLLM = AsyncLLM  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", async_llm)
+    s, _ = load_settings(["--engine.vllm-cudagraph-mode", "full"], environ={})
+    mode = engine_config(s, tmp_path).vllm_cudagraph_mode
+    assert mode == "full"
+    for m in (mode, None):
+        asyncio.run(VLLMBackend(tmp_path, VOCAB, cudagraph_mode=m).start())
+    assert seen[0]["compilation_config"] == {"cudagraph_mode": "FULL"}
+    assert "compilation_config" not in seen[1] and seen[1]["model"] == str(tmp_path)
+    assert load_settings([], environ={})[0].engine.vllm_cudagraph_mode is None
+    with pytest.raises(ValueError, match="vllm_cudagraph_mode must be one of full"):
+        EngineConfig(model_dir=tmp_path, vllm_cudagraph_mode="always")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of full"):
+        VLLMBackend(tmp_path, VOCAB, cudagraph_mode="FULL")
+
+
 def test_compiled_ras_gives_the_eager_logits_with_one_graph_for_every_batch() -> None:
     """`engine.vllm_compile_sampling`: the per-step RAS function traced whole (fullgraph)
     gives the eager logits; warmed for one row and two, it compiles nothing more for other

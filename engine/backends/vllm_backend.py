@@ -41,6 +41,8 @@ from engine.models.vocab import UnifiedVocab
 from engine.mps import MPSPriority, child_env, mps_client_env
 
 LOGITS_PROCESSOR_FQCN = "engine.backends.ras_logits:CosyVoiceLogitsProcessor"
+# vLLM's `CompilationConfig.cudagraph_mode` values, lower-case (EngineConfig.vllm_cudagraph_mode).
+CUDAGRAPH_MODES = ("full", "full_and_piecewise", "piecewise", "full_decode_only", "none")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,13 @@ class VLLMEngineSettings:
     # The RAS logits processor's per-step function compiled in the engine core
     # (`ras_logits.COMPILE_ENV`); False: eager.
     compile_sampling: bool = False
+    # vLLM's CUDA graph mode (one of CUDAGRAPH_MODES; None: vLLM's default,
+    # full_and_piecewise: decode-only batches replay one graph per step, a batch with a
+    # prefill runs the model piecewise, its attention eager between the pieces). "full" also
+    # graphs prefills and mixed batches up to vLLM's largest capture size (FlashAttention 3
+    # allows it): a 0.5B model's prefill is host-bound (round 33 of docs/benchmarks.md: a
+    # 137-token prefill kept the GPU busy 1.3 ms of its step).
+    cudagraph_mode: str | None = None
 
 
 def vllm_sampling_kwargs(sp: SamplingParams, vocab: UnifiedVocab) -> dict[str, Any]:
@@ -207,10 +216,13 @@ class VLLMBackend:
                  dtype: str = "bfloat16", async_scheduling: bool = False, timing: bool = False,
                  start_in_thread: bool = False, mps_thread_percent: int | None = None,
                  mps_priority: MPSPriority | None = None,
-                 engine_args: dict[str, Any] | None = None, compile_sampling: bool = False) -> None:
+                 engine_args: dict[str, Any] | None = None, compile_sampling: bool = False,
+                 cudagraph_mode: str | None = None) -> None:
         # dtype="float32" (exact-parity runs): FlashAttention has no fp32 kernels, so
         # vLLM's selector falls back to TRITON_ATTN; set TRITON_F32_DEFAULT=ieee in the
         # environment too, or Triton's fp32 dots run in TF32.
+        if cudagraph_mode is not None and cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, not {cudagraph_mode!r}")
         self.export_dir = Path(export_dir)
         self.vocab = vocab
         self.settings = VLLMEngineSettings(gpu_memory_utilization=gpu_memory_utilization,
@@ -220,7 +232,7 @@ class VLLMBackend:
                                            start_in_thread=start_in_thread,
                                            mps_thread_percent=mps_thread_percent, mps_priority=mps_priority,
                                            engine_args=tuple((engine_args or {}).items()),
-                                           compile_sampling=compile_sampling)
+                                           compile_sampling=compile_sampling, cudagraph_mode=cudagraph_mode)
         self._times = LMServerTimes() if timing else None
         self._llm: Any = None
         self._active: set[str] = set()
@@ -262,6 +274,8 @@ class VLLMBackend:
             # With `timing` our logger is the only one (vLLM's periodic log lines stay off).
             disable_log_stats=True,
         )
+        if s.cudagraph_mode is not None:
+            fields["compilation_config"] = {"cudagraph_mode": s.cudagraph_mode.upper()}
         args = AsyncEngineArgs(**{**fields, **dict(s.engine_args)})
         loggers = [vllm_stat_logger(self._times)] if self._times is not None else None
         build = functools.partial(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
