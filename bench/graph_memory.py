@@ -9,7 +9,8 @@ that many prompt tokens is registered (`engine.stage_build.voice_graph_shapes`: 
 and 160 tokens cache 100, 200 and 300 frames, the three prefix widths). After each voice:
 the graphs held, how many were captured and in how long, and the memory the device lost
 (`torch.cuda.mem_get_info`: the graphs' shared pool plus what the driver keeps per graph,
-which PyTorch's allocator does not see) against the growth of PyTorch's reserved memory.
+which PyTorch's allocator does not see; the static prompt-prefix buffers, allocated with the
+first voice, are reported apart) against the growth of PyTorch's reserved memory.
 That says what raising `flow_graph_limit` (the default holds two widths' graphs) costs.
 """
 
@@ -68,23 +69,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cached = (cacheable_frames(tokens, flow.token_mel_ratio, lookahead, flow.decoder.estimator.static_chunk_size)
                   if config.flow_prompt_cache and supports_prompt_cache(flow) else 0)
         shapes = voice_graph_shapes(config, lookahead, tokens, cached)
-        used0, reserved0, graphs0 = device_used(device), torch.cuda.memory_reserved(device), runner.num_graphs
+        used0, reserved0, prefix0 = device_used(device), torch.cuda.memory_reserved(device), runner.prefix_bytes
         t0 = time.perf_counter()
         with torch.inference_mode():
             captured = runner.warm(shapes)
         seconds = time.perf_counter() - t0
-        used1, reserved1 = device_used(device), torch.cuda.memory_reserved(device)
+        used1, reserved1, prefix1 = device_used(device), torch.cuda.memory_reserved(device), runner.prefix_bytes
         row = {"prompt_tokens": tokens, "cached_frames": cached, "prefix_width": policy.prefix_bucket(cached),
                "shapes": len(shapes), "captured": captured, "graphs": runner.num_graphs,
                "evicted": runner.stats.evictions, "seconds": seconds,
                "device_used_mib": (used1 - used0) / 2**20, "reserved_mib": (reserved1 - reserved0) / 2**20,
-               "device_used_total_mib": (used1 - base_used) / 2**20}
-        per_graph = (used1 - used0) / 2**20 / captured if captured else 0.0
+               "device_used_total_mib": (used1 - base_used) / 2**20,
+               # The static prompt-prefix buffers the prefix graphs read (allocated once, at
+               # the first voice with a cached prefix), apart from the graphs' own memory.
+               "prefix_buffers_mib": (prefix1 - prefix0) / 2**20}
+        per_graph = ((used1 - used0) - (prefix1 - prefix0)) / 2**20 / captured if captured else 0.0
         row["mib_per_graph"] = per_graph
         report["voices"].append(row)
         print(f"voice of {tokens} tokens (prefix width {row['prefix_width']}): {captured} graphs captured in "
               f"{seconds:.1f} s, {row['graphs']} held, {row['evicted']} evicted; device used +{row['device_used_mib']:.0f} MiB "
-              f"({per_graph:.2f} MiB a graph), PyTorch reserved +{row['reserved_mib']:.0f} MiB; "
+              f"(of which prefix buffers {row['prefix_buffers_mib']:.0f}; {per_graph:.2f} MiB a graph besides), PyTorch reserved +{row['reserved_mib']:.0f} MiB; "
               f"all graphs so far {row['device_used_total_mib']:.0f} MiB", flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))

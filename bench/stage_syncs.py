@@ -32,6 +32,9 @@ starting together opens with). Per batch size:
   `--switch-ms A,B`: the measurements beside busy threads again under each interpreter
   switch interval (`sys.setswitchinterval`; Python's default 5 ms, the gateway's
   `--gil-switch-interval-ms`): how long a thread that gave the lock up waits to get it back;
+* `--trace FILE` (CUDA): a timeline of two more batches per size, host operators and
+  kernels (gzipped Chrome trace, `FILE`'s stem + `_rows<n>.json.gz`): where the GPU waits
+  between kernels and what the host runs meanwhile;
 * `--pcm FILE`: the PCM of one more batch per size, saved (`.npz`, `rows_<n>` per size):
   the same seeds give two runs the same inputs, so two builds or settings (say
   `--config flow_attention=cudnn`, which one process cannot hold twice) compare by
@@ -44,9 +47,11 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import gzip
 import json
 import math
 import pstats
+import shutil
 import statistics
 import sys
 import threading
@@ -200,7 +205,7 @@ def busy_threads(n: int, duty: float = 1.0, period_s: float = 0.01) -> typing.It
 
 def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps: int, cuda: bool,
             top: int = 0, profile: bool = True, host: int = 0, pcm: dict[str, Any] | None = None,
-            opening: int = 0, busy: int = 0, busy_duty: float = 1.0) -> dict[str, Any]:
+            opening: int = 0, busy: int = 0, busy_duty: float = 1.0, trace: Path | None = None) -> dict[str, Any]:
     streams = [stage.new_stream() for _ in range(rows)]
     batch_at = functools.partial(make_batch, stage, streams, prompt, opening=opening)
 
@@ -236,6 +241,20 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
         batches = [batch_at(step + i) for i in range(reps)]
         out["host"] = host_table(stage, batches, host)
         step += reps
+    if trace is not None and cuda:
+        # Host operators and kernels both, for a timeline (GPU idle between kernels and what
+        # the host did meanwhile); two batches keep the file small.
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as timeline:
+            for _ in range(2):
+                stage._compute(batch_at(step))
+                step += 1
+        path = trace.with_name(f"{trace.stem}_rows{rows}.json")
+        timeline.export_chrome_trace(str(path))
+        with path.open("rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        path.unlink()
+        out["trace"] = f"{path}.gz"
     if pcm is not None:
         import numpy as np
 
@@ -298,6 +317,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="with --busy: repeat the busy measurements under each interpreter switch interval (ms)")
     p.add_argument("--pcm", type=Path, default=None, metavar="FILE",
                    help="save one more batch's PCM per size (.npz), to compare two runs (pcm_difference)")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="CUDA: two more batches per size under torch.profiler (host operators and kernels), "
+                        "saved as a gzipped Chrome trace, FILE's stem + _rows<n>.json.gz")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.kernels and not args.profile:
@@ -322,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.setswitchinterval(switch)
         try:
             r = measure(stage, prompt, rows, args.reps, device.type == "cuda", args.kernels, args.profile,
-                        args.host, pcm if n_busy == 0 else None, args.opening, n_busy, args.busy_duty)
+                        args.host, pcm if n_busy == 0 else None, args.opening, n_busy, args.busy_duty,
+                        args.trace if n_busy == 0 else None)
         finally:
             sys.setswitchinterval(default_switch)
         r["switch_ms"] = 1e3 * switch
