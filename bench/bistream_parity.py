@@ -40,7 +40,9 @@ from typing import Any
 import torch
 
 from engine.backends.base import SamplingParams
+from engine.backends.vllm_backend import CUDAGRAPH_MODES
 from engine.bistream import BistreamRequest, BistreamSpec, LengthLimits
+from engine.config import DEFAULT_VLLM_GRAPH_MODE
 from engine.models.config import ModelConfig
 from engine.models.lm import END_OF_PROMPT_ID, CosyVoice3LM, init_random_, unified_vocab
 
@@ -152,7 +154,7 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, case
 
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
                           max_num_seqs=64, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                          async_scheduling=args.async_scheduling)
+                          async_scheduling=args.async_scheduling, cudagraph_mode=args.cudagraph_mode)
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = time.perf_counter() - t
@@ -183,6 +185,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small model on the CPU (smoke test)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="start vLLM with async scheduling (expected: generate_streaming refuses; exit 1)")
+    ap.add_argument("--cudagraph-mode", default=DEFAULT_VLLM_GRAPH_MODE, choices=CUDAGRAPH_MODES,
+                    help=f"vLLM's CUDA graph mode (default {DEFAULT_VLLM_GRAPH_MODE}, the engine's)")
     ap.add_argument("--require-vllm", action="store_true", help="exit 1 when vLLM is not installed")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

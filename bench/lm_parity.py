@@ -59,8 +59,10 @@ from typing import Any
 import torch
 
 from engine.backends.base import LMRequest, SamplingParams
+from engine.backends.vllm_backend import CUDAGRAPH_MODES
 from engine.backends.vllm_export import export_from_module, speech_head_plugin_installed
 from engine.hub import RANDOM_MODELS
+from engine.config import DEFAULT_VLLM_GRAPH_MODE
 from engine.models.config import ModelConfig
 from engine.models.cv2_config import cv2_model_config
 from engine.models.lm import CosyVoice3LM, build_prompt, init_random_, unified_vocab
@@ -197,7 +199,7 @@ async def vllm_part(args: argparse.Namespace, export_dir: Path, vocab: Any, prom
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem,
                           max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency),
                           dtype=args.dtype, enforce_eager=args.enforce_eager,
-                          async_scheduling=args.async_scheduling)
+                          async_scheduling=args.async_scheduling, cudagraph_mode=args.cudagraph_mode)
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = time.perf_counter() - t
@@ -354,6 +356,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile/CUDA graphs")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="vLLM schedules one step ahead (the engine's default is off: bistream needs it off)")
+    ap.add_argument("--cudagraph-mode", default=DEFAULT_VLLM_GRAPH_MODE, choices=CUDAGRAPH_MODES,
+                    help=f"vLLM's CUDA graph mode (default {DEFAULT_VLLM_GRAPH_MODE}, the engine's)")
     ap.add_argument("--json", default=None, help="result path (default <out>/lm_parity[-tag].json)")
     ap.add_argument("--check", choices=["auto", "tokens", "off"], default="auto",
                     help="tokens: exit 1 unless every vLLM greedy sequence equals torch fp32's; "

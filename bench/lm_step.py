@@ -27,8 +27,8 @@ Variants, one per process (`--variant`):
   vllmmin  vLLM's own min-tokens processor engaged as well (the product before round 34:
            min_tokens passed to vLLM too, repeating our processor's stop mask)
   async    vLLM's async scheduling (the product keeps it off: text-in streaming needs it off)
-  fullgraph vLLM's CUDA graphs for prefills and mixed batches too (`engine.vllm_cudagraph_mode`
-           "full"; the product leaves vLLM's default, full_and_piecewise)
+  piecewise vLLM's own CUDA graph mode, full_and_piecewise: prefills run piecewise (the product
+           through round 36; since round 37 `engine.vllm_cudagraph_mode` is "full")
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from engine.backends.vllm_backend import VLLMBackend
 from engine.backends.vllm_export import export_from_module, speech_head_plugin_installed
 from engine.models.lm import build_prompt, unified_vocab
 
-VARIANTS = ("default", "compiled", "noseed", "nolp", "async", "vllmmin", "fullgraph")
+VARIANTS = ("default", "compiled", "noseed", "nolp", "async", "vllmmin", "piecewise")
 PROMPT_TEXT_TOKENS = 15
 TEXT_TOKENS = 30
 PROMPT_SPEECH_TOKENS = 106
@@ -187,7 +187,7 @@ async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any, 
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem, max_num_seqs=args.max_num_seqs,
                           async_scheduling=args.variant == "async", timing=True, engine_args=engine_args,
                           compile_sampling=args.variant == "compiled",
-                          cudagraph_mode="full" if args.variant == "fullgraph" else None)
+                          cudagraph_mode="full_and_piecewise" if args.variant == "piecewise" else "full")
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = round(time.perf_counter() - t, 1)

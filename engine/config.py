@@ -26,7 +26,9 @@ StagePolicy = Literal["first_chunks", "deadline"]
 DEADLINE_MARGIN_S = 0.25
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
-VLLMGraphMode = Literal["full", "full_and_piecewise", "piecewise", "full_decode_only", "none"]  # vllm_backend.CUDAGRAPH_MODES
+# vLLM's `CompilationConfig.cudagraph_mode` values, lower-case (`vllm_cudagraph_mode`).
+VLLMGraphMode = Literal["full", "full_and_piecewise", "piecewise", "full_decode_only", "none"]
+DEFAULT_VLLM_GRAPH_MODE: VLLMGraphMode = "full"
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,17 @@ class EngineConfig:
     initial_hop: int = 10
     # ... and this many when nothing else is on the engine as the first chunk is sized (no
     # other utterance decoding or on the stage: a lone session's first chunk rides a
-    # one-row round, ~25 ms on the H200, and its next chunk one like it). 8 tokens play
-    # 160 ms after the vocoder's holdback: room for a next chunk of up to 31 tokens at the
-    # 2.4-3.1 ms a token measured and a 100-113-ms lone round, the slowest one measured
-    # (rounds 21-22, where 6-token first chunks ran dry). The planner still raises it when
-    # its timeline predicts a stall. 0, or >= initial_hop: initial_hop alone. Only with the
-    # planner on (initial_hop_max > initial_hop): fixed chunks stay fixed.
-    idle_initial_hop: int = 8
+    # one-row round, ~25 ms on the H200, and its next chunk one like it). 6 tokens play
+    # 80 ms after the vocoder's holdback (0.16 s), enough for the next chunk's tokens and
+    # round at the 2.5-2.9 ms a token and 25-27 ms lone rounds measured since round 32; the
+    # planner raises it when its timeline predicts a stall (with a 106-token prompt it
+    # keeps 6; a 120-token one, whose next chunk is 24 tokens, gets 7). H200, round 37 of
+    # docs/benchmarks.md: lone first audio median 56 ms over 13 levels with 6 against 61 with
+    # 8 or 7 (three levels each, alternating on one gateway), none dry. Rounds 21-22 ran
+    # 6-token first chunks dry with 100-113-ms lone rounds, before the stage was 4x faster.
+    # 0, or >= initial_hop: initial_hop alone. Only with the planner on (initial_hop_max >
+    # initial_hop): fixed chunks stay fixed.
+    idle_initial_hop: int = 6
     # The first chunk takes more tokens, up to this many, when the load predicts that the
     # audio would run out before a later chunk arrives (`engine.first_chunk`: from the LM's
     # rate and the audio stage's round times, both measured). <= initial_hop, or
@@ -176,8 +182,11 @@ class EngineConfig:
     # At most this many flow graphs kept per stage (`GraphPolicy.max_graphs`; the least
     # recently used go first, and a batch whose graph went captures it again while serving,
     # 0.5-0.8 s a round on the H200). A voice's prompt width (100, 200 or 300 cached frames)
-    # warms ~88 one-voice and per-row graphs of its own beside ~56 plain ones.
-    flow_graph_limit: int = 192
+    # warms ~80-88 graphs of its own; 320 holds all three widths'. They share one memory
+    # pool; beyond it each graph held ~13 MiB of device memory on the H200 (round 37 of
+    # docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so 320 cost ~1.7 GiB
+    # more than round 36's 192.
+    flow_graph_limit: int = 320
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True
@@ -326,12 +335,17 @@ class EngineConfig:
     # stream (round 33 of docs/benchmarks.md; without the processor the first chunk's 11
     # tokens came 10 ms sooner). Compiles at engine start. Not yet measured on the GPU.
     vllm_compile_sampling: bool = False
-    # vLLM's CUDA graph mode (`CompilationConfig.cudagraph_mode`, lower-case; None: vLLM's
-    # default, full_and_piecewise). "full" replays one graph for prefills and mixed batches
-    # too (up to vLLM's largest capture size, 2 x lm_max_batch tokens, at most 512), where
-    # the default runs the model piecewise with eager attention: a lone session's prefill,
-    # ~8-10 ms of its first token on the H200 (round 36), is mostly host time.
-    vllm_cudagraph_mode: VLLMGraphMode | None = None
+    # vLLM's CUDA graph mode (`CompilationConfig.cudagraph_mode`, lower-case). "full" replays
+    # one graph for prefills and mixed batches too, where vLLM's own default
+    # (full_and_piecewise) runs them piecewise with eager attention between the pieces: a
+    # 0.5B model's prefill is host-bound. H200, round 37 of docs/benchmarks.md: a lone
+    # 153-token prefill took 3.1 ms against 6.1 (first token p50 4.9 against 7.3 ms), the
+    # gateway's lone first audio ~6 ms sooner, 64 sessions over 16 s at p95 83-97 ms (round 36:
+    # 136-138). Batches of more tokens than vLLM's largest capture size (2 x lm_max_batch, at
+    # most 512) run eagerly in "full" (piecewise in the default); a long decode ran 0.14 ms a
+    # token slower (2.52 against 2.38 ms), the LM being far from the bottleneck. Engine start
+    # captures more graphs (83 against 64 s alone).
+    vllm_cudagraph_mode: VLLMGraphMode = DEFAULT_VLLM_GRAPH_MODE
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.
     # Costs vLLM's per-step statistics in the gateway process, hence off by default.
@@ -362,7 +376,7 @@ class EngineConfig:
                              f"{self.first_chunk_min_hop_crowd}")
         if self.flow_split_prefix_rows < 0:
             raise ValueError(f"flow_split_prefix_rows must be >= 0, not {self.flow_split_prefix_rows}")
-        if self.vllm_cudagraph_mode is not None and self.vllm_cudagraph_mode not in get_args(VLLMGraphMode):
+        if self.vllm_cudagraph_mode not in get_args(VLLMGraphMode):
             raise ValueError(f"vllm_cudagraph_mode must be one of {', '.join(get_args(VLLMGraphMode))}, "
                              f"got {self.vllm_cudagraph_mode!r}")
         if self.flow_attention not in get_args(FlowAttention):

@@ -69,9 +69,9 @@ class GraphPolicy:
     frame_buckets: tuple[int, ...] = ()
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
     # A voice needs ~7 row x ~7 frame buckets, with one-voice and per-row prefix kinds
-    # (~90 in all), per prefix width bucket; graphs share one memory pool, so more of them
-    # cost capture time at start, not memory per graph.
-    max_graphs: int = 192
+    # (~80-90 in all), per prefix width bucket. Graphs share one memory pool for their
+    # intermediates; each one beyond it held ~13 MiB on the H200 (round 37).
+    max_graphs: int = 320
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
     # Batches decoded from the flow prompt cache get graphs up to this many rows and this
     # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full

@@ -426,10 +426,11 @@ def test_the_mps_client_settings_are_the_engine_cores_alone(monkeypatch: pytest.
 
 
 def test_the_cudagraph_mode_reaches_vllms_engine_args(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`--engine.vllm-cudagraph-mode full`: vLLM's compilation config gets that mode (upper
-    case, as its enum is named); unset, no compilation config is passed (vLLM's default);
-    an unknown mode is refused by the config and the backend alike. vLLM itself is stood in
-    for by modules that record the engine arguments (it does not run on the CPU)."""
+    """`--engine.vllm-cudagraph-mode` (full by default): vLLM's compilation config gets that
+    mode (upper case, as its enum is named); a backend given none passes no compilation
+    config (vLLM's own default); an unknown mode is refused by the config and the backend
+    alike. vLLM itself is stood in for by modules that record the engine arguments (it does
+    not run on the CPU)."""
     import asyncio
     import sys
     import types
@@ -454,14 +455,15 @@ def test_the_cudagraph_mode_reaches_vllms_engine_args(monkeypatch: pytest.Monkey
     async_llm.AsyncLLM = AsyncLLM  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", async_llm)
-    s, _ = load_settings(["--engine.vllm-cudagraph-mode", "full"], environ={})
-    mode = engine_config(s, tmp_path).vllm_cudagraph_mode
-    assert mode == "full"
-    for m in (mode, None):
+    s, _ = load_settings(["--engine.vllm-cudagraph-mode", "full_and_piecewise"], environ={})
+    assert engine_config(s, tmp_path).vllm_cudagraph_mode == "full_and_piecewise"
+    default = engine_config(load_settings([], environ={})[0], tmp_path).vllm_cudagraph_mode
+    assert default == EngineConfig(model_dir=tmp_path).vllm_cudagraph_mode == "full"
+    for m in (default, "full_and_piecewise", None):
         asyncio.run(VLLMBackend(tmp_path, VOCAB, cudagraph_mode=m).start())
     assert seen[0]["compilation_config"] == {"cudagraph_mode": "FULL"}
-    assert "compilation_config" not in seen[1] and seen[1]["model"] == str(tmp_path)
-    assert load_settings([], environ={})[0].engine.vllm_cudagraph_mode is None
+    assert seen[1]["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    assert "compilation_config" not in seen[2] and seen[2]["model"] == str(tmp_path)
     with pytest.raises(ValueError, match="vllm_cudagraph_mode must be one of full"):
         EngineConfig(model_dir=tmp_path, vllm_cudagraph_mode="always")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cudagraph_mode must be one of full"):

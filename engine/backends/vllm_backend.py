@@ -31,18 +31,18 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, get_args
 
 from engine.backends.base import LMRequest, SamplingParams
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
 from engine.backends.ras_logits import COMPILE_ENV, RASArgs
 from engine.bistream import BistreamRequest, BistreamSpec, BistreamState, Run, SpeechLimitReached
+from engine.config import VLLMGraphMode
 from engine.models.vocab import UnifiedVocab
 from engine.mps import MPSPriority, child_env, mps_client_env
 
 LOGITS_PROCESSOR_FQCN = "engine.backends.ras_logits:CosyVoiceLogitsProcessor"
-# vLLM's `CompilationConfig.cudagraph_mode` values, lower-case (EngineConfig.vllm_cudagraph_mode).
-CUDAGRAPH_MODES = ("full", "full_and_piecewise", "piecewise", "full_decode_only", "none")
+CUDAGRAPH_MODES: tuple[str, ...] = get_args(VLLMGraphMode)
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,11 @@ class VLLMEngineSettings:
     # The RAS logits processor's per-step function compiled in the engine core
     # (`ras_logits.COMPILE_ENV`); False: eager.
     compile_sampling: bool = False
-    # vLLM's CUDA graph mode (one of CUDAGRAPH_MODES; None: vLLM's default,
-    # full_and_piecewise: decode-only batches replay one graph per step, a batch with a
-    # prefill runs the model piecewise, its attention eager between the pieces). "full" also
-    # graphs prefills and mixed batches up to vLLM's largest capture size (FlashAttention 3
-    # allows it): a 0.5B model's prefill is host-bound (round 33 of docs/benchmarks.md: a
-    # 137-token prefill kept the GPU busy 1.3 ms of its step).
+    # vLLM's CUDA graph mode (one of CUDAGRAPH_MODES; None: vLLM's own default,
+    # full_and_piecewise: decode-only batches replay one graph a step, a batch with a
+    # prefill runs the model piecewise with its attention eager between the pieces).
+    # "full" graphs prefills and mixed batches too, up to vLLM's largest capture size
+    # (FlashAttention 3 allows it): the engine's default (EngineConfig.vllm_cudagraph_mode).
     cudagraph_mode: str | None = None
 
 
