@@ -248,6 +248,27 @@ def test_stream_api_contract(gen: CausalHiFTGenerator) -> None:
         gen.stream_step([gen.new_stream()], [torch.zeros(81, 3)], [False])
 
 
+def test_f0_predictor_as_matrix_products_is_its_convs() -> None:
+    """The F0 predictor's convs run as one matrix product each, time-major (cuDNN has only a
+    slow generic kernel in float64): the same numbers as the conv modules' own calls, to
+    the order of the sums, in float64 and float32, one row or several."""
+    from engine.models.hift import CausalF0Predictor
+
+    torch.manual_seed(3)
+    predictor = CausalF0Predictor(80, 64)
+    for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 1e-5)):
+        predictor.to(dtype)
+        for batch, frames in ((1, 4), (1, 25), (3, 60)):
+            mel = torch.randn(batch, 80, frames, dtype=dtype)
+            h = mel
+            for layer in predictor.condnet:  # each conv through its own forward (cuDNN / ATen)
+                h = layer(h)
+            want = predictor.classifier(h.transpose(1, 2)).squeeze(-1).abs()
+            got = predictor(mel)
+            assert got.shape == (batch, frames - 3) and got.dtype == dtype
+            assert torch.allclose(got, want, rtol=0, atol=tol * float(want.abs().max())), (dtype, batch, frames)
+
+
 def test_snake_follows_every_change_of_alpha() -> None:
     """Snake keeps alpha's reshape and inverse between calls; they must follow alpha through
     in-place updates, loads, casts and copies (the official formula, bit for bit)."""

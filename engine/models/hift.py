@@ -185,8 +185,29 @@ class CausalF0Predictor(nn.Module):
         self.classifier = nn.Linear(channels, 1)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        h = self.condnet(mel).transpose(1, 2)
+        """f0 [B, T - 3] from mel [B, C, T]. The convs run as matrix products over the taps,
+        time-major, not through `condnet`'s own conv calls: the predictor runs in float64
+        (see the module docstring), where cuDNN has only a generic kernel. On the H200 it ran
+        ~212 us per 512-channel conv on 4 thread blocks, 0.9 ms of a lone session's ~15 ms of
+        GPU work in its stage round (round 37 of docs/benchmarks.md); cuBLAS's float64 GEMM
+        does it as one product. The same arithmetic up to the order of the sums."""
+        h = mel.transpose(1, 2)  # [B, T, C]
+        for layer in self.condnet:
+            if isinstance(layer, nn.Conv1d):
+                history = layer.history if isinstance(layer, LeftCausalConv1d) else 0
+                h = conv1d_time_major(F.pad(h, (0, 0, history, 0)), layer.weight, layer.bias)
+            else:
+                h = layer(h)
         return self.classifier(h).squeeze(-1).abs()
+
+
+def conv1d_time_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A stride-1, undilated, unpadded conv1d on time-major input, as one matrix product:
+    x [B, T, Cin], weight [Cout, Cin, K] -> [B, T - K + 1, Cout]."""
+    taps = weight.shape[2]
+    windows = x.unfold(1, taps, 1)  # [B, T', Cin, K]: flattened (Cin, K) as the weight is
+    out = windows.reshape(*windows.shape[:2], -1) @ weight.reshape(weight.shape[0], -1).T
+    return out if bias is None else out + bias
 
 
 class NSFSource(nn.Module):
