@@ -1,6 +1,6 @@
 """What the flow's CUDA graphs cost in GPU memory and capture time, voice by voice.
 
-    python -m bench.graph_memory --prompt-tokens 60,106,160 --json out.json
+    python -m bench.graph_memory --voices 60,106,160 --json out.json
 
 Builds the stage the engine builds (`engine.stage_pool.build_stage`, default `EngineConfig`
 but for `--config`; `flow_graph_limit` raised so that nothing is evicted) on a full-size
@@ -11,7 +11,8 @@ the graphs held, how many were captured and in how long, and the memory the devi
 (`torch.cuda.mem_get_info`: the graphs' shared pool plus what the driver keeps per graph,
 which PyTorch's allocator does not see; the static prompt-prefix buffers, allocated with the
 first voice, are reported apart) against the growth of PyTorch's reserved memory.
-That says what raising `flow_graph_limit` (the default holds two widths' graphs) costs.
+That says what `flow_graph_limit` costs (320 by default since round 37: all three widths'
+graphs; 192 before, two widths').
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def device_used(device: torch.device) -> int:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_stage_arguments(p, "flow_graph_shared_rows=16")
+    add_stage_arguments(p, "flow_graph_shared_rows=16")  # its --prompt-tokens is unused: --voices
     p.add_argument("--voices", default="60,106,160", metavar="P,Q",
                    help="prompt tokens of each voice warmed, in order")
     p.add_argument("--limit", type=int, default=4096, help="flow_graph_limit for the run (no eviction)")
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device, model_dir, model = load_stage_model(args)
     if device.type != "cuda":
         p.error("graphs are captured on CUDA only")
-    config = EngineConfig(model_dir=model_dir, device=args.device,
-                          **{"flow_graph_limit": args.limit, **config_overrides(args.config)})
+    overrides = config_overrides(args.config)
+    if "flow_graph_limit" in overrides:
+        p.error("set the graph limit with --limit")
+    config = EngineConfig(model_dir=model_dir, device=args.device, flow_graph_limit=args.limit, **overrides)
     stage = build_stage(model, device, config)
     assert isinstance(stage, AudioStage)
     runner = stage.graph_runner()
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("flow_cuda_graphs is off")
     flow, policy = model.flow, graph_policy(config)
     lookahead = model.config.flow.pre_lookahead_len
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "config": config_overrides(args.config),
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "config": overrides,
                               "limit": args.limit, "voices": []}
     base_used, base_reserved = device_used(device), torch.cuda.memory_reserved(device)
     report["before"] = {"device_used_mib": base_used / 2**20, "reserved_mib": base_reserved / 2**20}

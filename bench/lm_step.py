@@ -49,6 +49,7 @@ import torch
 from engine.backends.base import SamplingParams
 from engine.backends.vllm_backend import VLLMBackend
 from engine.backends.vllm_export import export_from_module, speech_head_plugin_installed
+from engine.config import DEFAULT_VLLM_GRAPH_MODE
 from engine.models.lm import build_prompt, unified_vocab
 
 VARIANTS = ("default", "compiled", "noseed", "nolp", "async", "vllmmin", "piecewise")
@@ -187,7 +188,7 @@ async def run(args: argparse.Namespace, export_dir: Path, cfg: Any, vocab: Any, 
     backend = VLLMBackend(export_dir, vocab, gpu_memory_utilization=args.gpu_mem, max_num_seqs=args.max_num_seqs,
                           async_scheduling=args.variant == "async", timing=True, engine_args=engine_args,
                           compile_sampling=args.variant == "compiled",
-                          cudagraph_mode="full_and_piecewise" if args.variant == "piecewise" else "full")
+                          cudagraph_mode="full_and_piecewise" if args.variant == "piecewise" else DEFAULT_VLLM_GRAPH_MODE)
     t = time.perf_counter()
     await backend.start()
     res["engine_start_s"] = round(time.perf_counter() - t, 1)

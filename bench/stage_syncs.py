@@ -241,7 +241,13 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
         batches = [batch_at(step + i) for i in range(reps)]
         out["host"] = host_table(stage, batches, host)
         step += reps
-    if trace is not None and cuda:
+    if pcm is not None:
+        import numpy as np
+
+        samples, _, _ = stage._compute(batch_at(step))
+        pcm[f"rows_{rows}"] = np.concatenate(samples)
+    if trace is not None and cuda:  # after the PCM batch: `--trace` leaves the saved PCM as it was
+        step += pcm is not None
         # Host operators and kernels both, for a timeline (GPU idle between kernels and what
         # the host did meanwhile); two batches keep the file small.
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -255,11 +261,6 @@ def measure(stage: AudioStage, prompt: tuple[torch.Tensor, ...], rows: int, reps
             shutil.copyfileobj(src, dst)
         path.unlink()
         out["trace"] = f"{path}.gz"
-    if pcm is not None:
-        import numpy as np
-
-        samples, _, _ = stage._compute(batch_at(step))
-        pcm[f"rows_{rows}"] = np.concatenate(samples)
     return out
 
 

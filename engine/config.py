@@ -332,8 +332,8 @@ class EngineConfig:
     vllm_mps_priority: MPSPriority | None = None
     # Run the RAS sampler's ~20 operators (`ras_logits.ras_log_probs`) compiled in vLLM's
     # engine core: eager they were ~1 ms of host time in each 3.2-3.5 ms decode step at one
-    # stream (round 33 of docs/benchmarks.md; without the processor the first chunk's 11
-    # tokens came 10 ms sooner). Compiles at engine start. Not yet measured on the GPU.
+    # stream (round 33 of docs/benchmarks.md). Compiles at engine start. Round 36 on the
+    # H200: a long decode 0.17 ms a token faster, a first chunk 5 ms slower, so off.
     vllm_compile_sampling: bool = False
     # vLLM's CUDA graph mode (`CompilationConfig.cudagraph_mode`, lower-case). "full" replays
     # one graph for prefills and mixed batches too, where vLLM's own default
@@ -344,7 +344,9 @@ class EngineConfig:
     # 136-138). Batches of more tokens than vLLM's largest capture size (2 x lm_max_batch, at
     # most 512) run eagerly in "full" (piecewise in the default); a long decode ran 0.14 ms a
     # token slower (2.52 against 2.38 ms), the LM being far from the bottleneck. Engine start
-    # captures more graphs (83 against 64 s alone).
+    # captures more graphs (83 against 64 s alone). Where the attention backend cannot graph
+    # mixed batches (FlashAttention 2 before Hopper, FlashAttention 4 on Blackwell) vLLM 0.26
+    # logs a warning and runs its default instead.
     vllm_cudagraph_mode: VLLMGraphMode = DEFAULT_VLLM_GRAPH_MODE
     # Keep vLLM's own timings of its requests (queued, prefill, decode, its time to first
     # token: `engine.backends.lm_times`), exported as cosyvoice_engine_lm_server_* metrics.

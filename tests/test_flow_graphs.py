@@ -106,7 +106,7 @@ def test_frame_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
 
 def test_graph_limit_is_an_option(tmp_path) -> None:  # noqa: ANN001
     """`--engine.flow-graph-limit`: how many flow graphs a stage keeps (a voice's prefix
-    width warms ~88 of its own, so the default holds two widths'); at least 1."""
+    width warms ~80-88 of its own; the default, 320, holds all three widths'); at least 1."""
     from gateway.app import engine_config
     from gateway.settings import load_settings
 

@@ -258,6 +258,7 @@ def test_f0_predictor_as_matrix_products_is_its_convs() -> None:
     predictor = CausalF0Predictor(80, 64)
     for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 1e-5)):
         predictor.to(dtype)
+        assert predictor(torch.zeros(0, 80, 10, dtype=dtype)).shape == (0, 7)  # no rows: none out
         for batch, frames in ((1, 4), (1, 25), (3, 60)):
             mel = torch.randn(batch, 80, frames, dtype=dtype)
             h = mel

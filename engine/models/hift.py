@@ -183,6 +183,9 @@ class CausalF0Predictor(nn.Module):
             layers += [weight_norm(LeftCausalConv1d(channels, channels, 3)), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(channels, 1)
+        # `forward` runs the convs as `conv1d_time_major`, which has no stride, dilation or groups.
+        assert all(m.stride == (1,) and m.dilation == (1,) and m.groups == 1 and m.padding == (0,)
+                   for m in self.condnet if isinstance(m, nn.Conv1d))
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         """f0 [B, T - 3] from mel [B, C, T]. The convs run as matrix products over the taps,
@@ -195,19 +198,17 @@ class CausalF0Predictor(nn.Module):
         for layer in self.condnet:
             if isinstance(layer, nn.Conv1d):
                 history = layer.history if isinstance(layer, LeftCausalConv1d) else 0
-                h = conv1d_time_major(F.pad(h, (0, 0, history, 0)), layer.weight, layer.bias)
+                h = conv1d_time_major(F.pad(h, (0, 0, history, 0)) if history else h, layer.weight, layer.bias)
             else:
                 h = layer(h)
         return self.classifier(h).squeeze(-1).abs()
 
 
 def conv1d_time_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A stride-1, undilated, unpadded conv1d on time-major input, as one matrix product:
-    x [B, T, Cin], weight [Cout, Cin, K] -> [B, T - K + 1, Cout]."""
-    taps = weight.shape[2]
-    windows = x.unfold(1, taps, 1)  # [B, T', Cin, K]: flattened (Cin, K) as the weight is
-    out = windows.reshape(*windows.shape[:2], -1) @ weight.reshape(weight.shape[0], -1).T
-    return out if bias is None else out + bias
+    """A stride-1, undilated, ungrouped, unpadded conv1d on time-major input, as one matrix
+    product: x [B, T, Cin], weight [Cout, Cin, K] -> [B, T - K + 1, Cout]."""
+    windows = x.unfold(1, weight.shape[2], 1)  # [B, T', Cin, K]: (Cin, K) flattened as the weight is
+    return F.linear(windows.flatten(2), weight.flatten(1), bias)
 
 
 class NSFSource(nn.Module):
