@@ -339,10 +339,11 @@ class EngineConfig:
     # one graph for prefills and mixed batches too, where vLLM's own default
     # (full_and_piecewise) runs them piecewise with eager attention between the pieces: a
     # 0.5B model's prefill is host-bound. H200, round 37 of docs/benchmarks.md: a lone
-    # 153-token prefill took 3.1 ms against 6.1 (first token p50 4.9 against 7.3 ms), the
-    # gateway's lone first audio ~6 ms sooner, 64 sessions over 16 s at p95 83-97 ms (round 36:
-    # 136-138). Batches of more tokens than vLLM's largest capture size (2 x lm_max_batch, at
-    # most 512) run eagerly in "full" (piecewise in the default); a long decode ran 0.14 ms a
+    # 153-token prefill took 3.1 ms against 6.1 (first token p50 4.9 against 7.3 ms); through
+    # the gateway, with 8-token first chunks, lone first audio had a median of 61 ms against
+    # round 36's 67 (another machine), and 64 sessions over 16 s p95 83-97 ms against 136-138.
+    # Batches of more tokens than vLLM's largest capture size (2 x lm_max_batch, at most 512)
+    # run without graphs in "full" (piecewise graphs in the default); a long decode ran 0.14 ms a
     # token slower (2.52 against 2.38 ms), the LM being far from the bottleneck. Engine start
     # captures more graphs (83 against 64 s alone). Where the attention backend cannot graph
     # mixed batches (FlashAttention 2 before Hopper, FlashAttention 4 on Blackwell) vLLM 0.26
