@@ -343,7 +343,7 @@ class EngineConfig:
     # the gateway, with 8-token first chunks, lone first audio had a median of 61 ms against
     # round 36's 67 (another machine), and 64 sessions over 16 s p95 83-97 ms against 136-138.
     # Batches of more tokens than vLLM's largest capture size (2 x lm_max_batch, at most 512)
-    # run without graphs in "full" (piecewise graphs in the default); a long decode ran 0.14 ms a
+    # run without graphs in either mode; a long decode ran 0.14 ms a
     # token slower (2.52 against 2.38 ms), the LM being far from the bottleneck. Engine start
     # captures more graphs (83 against 64 s alone). Where the attention backend cannot graph
     # mixed batches (FlashAttention 2 before Hopper, FlashAttention 4 on Blackwell) vLLM 0.26
