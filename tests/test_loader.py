@@ -107,15 +107,20 @@ def test_hift_released_forms_are_accepted(tiny_model_dir, tmp_path):
         assert ka == kb and torch.equal(va, vb)
 
 
+class _TouchOnLoad:
+    """Pickles as a call that creates `marker`: code a checkpoint would run when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
 def test_pickled_code_is_refused(tiny_model_dir, tmp_path):
     d = _copy(tiny_model_dir, tmp_path / "m")
     marker = tmp_path / "ran"
-
-    class Evil:
-        def __reduce__(self):
-            return (Path.touch, (marker,))
-
-    torch.save({"x": Evil()}, d / "hift.pt")
+    torch.save({"x": _TouchOnLoad(marker)}, d / "hift.pt")
     with pytest.raises(ModelDirError, match="cannot be loaded safely"):
         load_model(d)
     assert not marker.exists()
@@ -211,12 +216,7 @@ def test_bad_checkpoint_files_get_plain_reasons(tiny_model_dir, tmp_path):
 def test_pickled_code_is_refused_without_torch_advice(tiny_model_dir, tmp_path):
     d = _copy(tiny_model_dir, tmp_path / "m")
     marker = tmp_path / "ran"
-
-    class Evil:
-        def __reduce__(self):
-            return (Path.touch, (marker,))
-
-    torch.save({"x": Evil()}, d / "flow.pt")
+    torch.save({"x": _TouchOnLoad(marker)}, d / "flow.pt")
     with pytest.raises(ModelDirError, match=r"needs code to load \(refused\)") as exc:
         load_model(d)
     assert "weights_only" not in str(exc.value) and "Re-running" not in str(exc.value), str(exc.value)
