@@ -26,6 +26,7 @@ StagePolicy = Literal["first_chunks", "deadline"]
 DEADLINE_MARGIN_S = 0.25
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
+FlowConvKernel = Literal["triton", "torch"]  # engine.models.dit.CONV_KERNELS
 # vLLM's `CompilationConfig.cudagraph_mode` values, lower-case (`vllm_cudagraph_mode`).
 VLLMGraphMode = Literal["full", "full_and_piecewise", "piecewise", "full_decode_only", "none"]
 DEFAULT_VLLM_GRAPH_MODE: VLLMGraphMode = "full"
@@ -143,10 +144,21 @@ class EngineConfig:
     # 1.4x at 64 chunks on the H200; compiles once per stage at start). CUDA only; CPU
     # ignores it (compiling there costs more than it saves in tests).
     flow_compile: bool = True
-    # The CosyVoice3 DiT's attention kernel: "sdpa" (PyTorch's pick, the memory-efficient
-    # kernel on CUDA) or "cudnn" (1.7-2.0x faster alone on the H200 at the engine's shapes,
-    # round 14 of docs/benchmarks.md; not yet measured in the engine, hence not the default).
-    flow_attention: FlowAttention = "sdpa"
+    # The CosyVoice3 DiT's attention kernel: "cudnn" (cuDNN's fused attention, called
+    # directly) or "sdpa" (PyTorch's pick). Batches split at their prompt
+    # (`flow_split_prefix_rows`) need each part's log-sum-exp, which SDPA's own dispatch
+    # cannot return, so there "sdpa" means the memory-efficient kernel: on the stage alone
+    # (round 38 of docs/benchmarks.md) rounds of 16 and 64 chunks took 11-12% longer with
+    # it, as accurate as cuDNN's against float64; smaller rounds run cuDNN either way.
+    flow_attention: FlowAttention = "cudnn"
+    # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
+    # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major
+    # activations, CUDA with Triton; elsewhere as "torch") or "torch" (a batched product
+    # over the taps for small inputs, cuDNN above). cuDNN ran it as one kernel per group
+    # plus layout conversions: ~24% of a 64-chunk opening round's kernel time on an H100.
+    # The stage alone there (round 38 of docs/benchmarks.md) took 13-19% less time a round
+    # with "triton" from 4 chunks on, 3% at one.
+    flow_conv_kernel: FlowConvKernel = "triton"
     # A batch of at least this many chunks, all of one voice, attends to the voice's cached
     # prompt once per CFG half, all rows' queries together, and to each row's own frames
     # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),
@@ -382,6 +394,9 @@ class EngineConfig:
         if self.vllm_cudagraph_mode not in get_args(VLLMGraphMode):
             raise ValueError(f"vllm_cudagraph_mode must be one of {', '.join(get_args(VLLMGraphMode))}, "
                              f"got {self.vllm_cudagraph_mode!r}")
+        if self.flow_conv_kernel not in get_args(FlowConvKernel):
+            raise ValueError(f"flow_conv_kernel must be one of {', '.join(get_args(FlowConvKernel))}, "
+                             f"not {self.flow_conv_kernel!r}")
         if self.flow_attention not in get_args(FlowAttention):
             raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
                              f"not {self.flow_attention!r}")

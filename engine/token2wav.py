@@ -432,7 +432,7 @@ class AudioStage:
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
-                 flow_attention: str = "sdpa", flow_split_prefix_rows: int = 8,
+                 flow_attention: str = "cudnn", flow_conv_kernel: str = "triton", flow_split_prefix_rows: int = 8,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False):
         if policy not in STAGE_POLICIES:
@@ -468,6 +468,7 @@ class AudioStage:
         self._context_warmed = False
         if isinstance(estimator, DiT):
             estimator.use_attention_kernel(flow_attention)  # before it compiles: its graphs keep the kernel
+            estimator.use_conv_kernel(flow_conv_kernel)
             estimator.split_prefix_rows = flow_split_prefix_rows
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.

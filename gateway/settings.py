@@ -102,9 +102,15 @@ class EngineSettings:
                        "start; CUDA only)"),
     )
     flow_attention: str = field(
-        default="sdpa",
-        metadata=_help("the CosyVoice3 DiT's attention kernel: sdpa (PyTorch's pick) or cudnn (cuDNN's fused "
-                       "attention on CUDA; faster alone on the H200, not yet measured in the engine)"),
+        default="cudnn",
+        metadata=_help("the CosyVoice3 DiT's attention kernel: cudnn (cuDNN's fused attention on CUDA) or sdpa "
+                       "(PyTorch's pick; the memory-efficient kernel for batches split at their prompt, 11-12% "
+                       "slower there on the stage alone)"),
+    )
+    flow_conv_kernel: str = field(
+        default="triton",
+        metadata=_help("the CosyVoice3 DiT's position convolutions: triton (one Triton kernel, Mish fused; CUDA "
+                       "with Triton, elsewhere as torch) or torch (cuDNN for large batches)"),
     )
     flow_split_prefix_rows: int = field(
         default=8,

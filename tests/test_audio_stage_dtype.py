@@ -40,10 +40,11 @@ def test_flow_attention_reaches_the_dit_and_is_validated() -> None:
     from engine.models.flow import CausalMaskedDiffWithDiT
 
     flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
-    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_attention="cudnn")
-    assert flow.decoder.estimator.attention_kernel == "cudnn"
-    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_attention="sdpa")
     assert flow.decoder.estimator.attention_kernel == "sdpa"
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
+    assert flow.decoder.estimator.attention_kernel == "cudnn"
+    assert EngineConfig(model_dir=Path(".")).flow_attention == "cudnn"
     with pytest.raises(ValueError, match="flow_attention"):
         EngineConfig(model_dir=Path("."), flow_attention="flash")  # type: ignore[arg-type]
 

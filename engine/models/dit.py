@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..compile_errors import is_compile_error
+from . import causal_conv_kernel
 from .config import FlowConfig
 
 log = logging.getLogger(__name__)
@@ -193,11 +194,14 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
 
 
 # How the DiT's attention runs (`DiT.attention_kernel`, EngineConfig.flow_attention):
-# "sdpa": F.scaled_dot_product_attention with the boolean mask (PyTorch picks the memory-
-# efficient kernel on CUDA); "cudnn": cuDNN's fused attention with the mask made an additive
-# bias once per DiT call (CUDA; elsewhere the same bias goes through SDPA). On the H200,
+# "sdpa": F.scaled_dot_product_attention with the boolean mask (PyTorch picks; the split
+# attention's log-sum-exps come from the memory-efficient kernel); "cudnn": cuDNN's fused
+# attention with the mask made an additive bias once per DiT call (CUDA; elsewhere the
+# same bias goes through SDPA). On the H200,
 # cuDNN ran the DiT's attention 1.7-2.0x faster at the engine's shapes (round 14 of
-# docs/benchmarks.md, `bench.attention_backends`); not yet measured inside the engine.
+# docs/benchmarks.md, `bench.attention_backends`); in the stage, where compiled SDPA picks
+# cuDNN by itself except for the split attention's log-sum-exps, rounds of 16-64 chunks
+# took 11-12% less time with it (round 38, an H100). The stage's default since then.
 ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn")
 _BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
 
@@ -344,6 +348,13 @@ def grouped_conv_by_taps(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
     return out.view(groups, batch, frames, out_per_group).permute(1, 2, 0, 3).reshape(batch, frames, -1)
 
 
+# How the position convolutions run (`DiT.use_conv_kernel`, EngineConfig.flow_conv_kernel):
+# "torch": `grouped_conv_by_taps` up to TAPS_MAX_BYTES, cuDNN above; "triton": one Triton
+# kernel with the Mish fused (`causal_conv_kernel`), where it can run (CUDA with Triton),
+# else as "torch".
+CONV_KERNELS: tuple[str, ...] = ("torch", "triton")
+
+
 class CausalConvPositionEmbedding(nn.Module):
     """Two left-padded grouped convolutions: a relative-position signal that never looks ahead."""
 
@@ -352,10 +363,25 @@ class CausalConvPositionEmbedding(nn.Module):
         self.kernel_size = kernel_size
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+        self.kernel = "torch"  # one of CONV_KERNELS
+        # Each conv's weight in the Triton kernel's layout, with the weight's identity
+        # (storage, in-place version, dtype) it was packed from: a move, cast or load
+        # repacks on the next call. Packed at the first call, which for a CUDA graph is
+        # its eager warm-up, so the graph reads this tensor and never repacks.
+        self._packed: dict[str, tuple[tuple[int, int, torch.dtype], torch.Tensor]] = {}
 
-    def _conv(self, layer: nn.Sequential, h: torch.Tensor) -> torch.Tensor:
+    def _packed_weight(self, name: str, conv: nn.Conv1d) -> torch.Tensor:
+        key = (conv.weight.data_ptr(), conv.weight._version, conv.weight.dtype)
+        held = self._packed.get(name)
+        if held is None or held[0] != key:
+            held = self._packed[name] = (key, causal_conv_kernel.packed_weight(conv))
+        return held[1]
+
+    def _conv(self, layer: nn.Sequential, h: torch.Tensor, name: str) -> torch.Tensor:
         """One causal conv + Mish, frame-major [B, T, D] -> [B, T, D]."""
         conv, act = layer[0], layer[1]
+        if self.kernel == "triton" and causal_conv_kernel.available(h, conv):
+            return causal_conv_kernel.grouped_causal_conv_mish(h, conv, self._packed_weight(name, conv))
         if h.numel() * self.kernel_size * h.element_size() <= TAPS_MAX_BYTES:
             return act(grouped_conv_by_taps(F.pad(h, (0, 0, self.kernel_size - 1, 0)), conv))
         return act(conv(F.pad(h.transpose(1, 2), (self.kernel_size - 1, 0)))).transpose(1, 2)
@@ -368,12 +394,12 @@ class CausalConvPositionEmbedding(nn.Module):
         `context_valid` [B, CONV_CONTEXT] (bool) marks False; without context x starts at
         frame 0 (zero left padding)."""
         h = x if context is None else torch.cat((context.to(x.dtype), x), dim=1)
-        h = self._conv(self.conv1, h)
+        h = self._conv(self.conv1, h, "conv1")
         if context_valid is not None:
             # conv1 outputs "before frame 0" are conv2's zero padding in a full-length run.
             keep = F.pad(context_valid, (0, x.shape[1]), value=True)
             h = h * keep.unsqueeze(-1).to(h.dtype)
-        h = self._conv(self.conv2, h)
+        h = self._conv(self.conv2, h, "conv2")
         # The context's own outputs are dropped; the ones of x only read conv1 outputs at
         # most kernel - 1 frames back, which read inputs at most kernel - 1 further back.
         return h[:, h.shape[1] - x.shape[1] :]
@@ -681,6 +707,12 @@ class DiT(nn.Module):
         if name not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {name!r}")
         self.attention_kernel = name
+
+    def use_conv_kernel(self, name: str) -> None:
+        """How the position convolutions run from now on (see CONV_KERNELS)."""
+        if name not in CONV_KERNELS:
+            raise ValueError(f"conv kernel must be one of {', '.join(CONV_KERNELS)}, not {name!r}")
+        self.input_embed.conv_pos_embed.kernel = name
 
     def compile_blocks(self, backend: str | Callable[..., object] = "inductor") -> None:
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves

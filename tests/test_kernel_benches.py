@@ -1,0 +1,40 @@
+"""The kernel benches run on the CPU and say what they measured (their GPU timings are in
+docs/benchmarks.md, round 38)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import position_conv, split_attention_check
+
+
+def test_position_conv_checks_every_way_against_float32(tmp_path: Path) -> None:
+    out = tmp_path / "conv.json"
+    assert position_conv.main(["--device", "cpu", "--dtype", "float32", "--rows", "2", "--frames", "40",
+                               "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    ways = {r["way"] for r in results}
+    assert {"cudnn, channels first", "cudnn, frame-major", "taps"} <= ways
+    for r in results:
+        assert (r["rows"], r["frames"]) == (2, 40)
+        assert r["max_abs_err"] < 1e-4, r  # float32 on the CPU: every way is the same convolution
+        assert "us" not in r  # GPU times only
+
+
+def test_split_attention_check_compares_both_kernels_with_float64(tmp_path: Path) -> None:
+    out = tmp_path / "split.json"
+    assert split_attention_check.main(["--device", "cpu", "--shapes", "2:100:20:50", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["kernel"] for r in results] == ["sdpa", "cudnn"]
+    for r in results:
+        assert r["max_abs_err"] < 1e-5 and r["lse_max_abs_err"] < 1e-5, r
+        assert 0 <= r["rel_rms"] < 1e-5
+
+
+def test_split_attention_inputs_have_ragged_rings_and_padded_frames() -> None:
+    x = split_attention_check.inputs(rows=4, prefix=100, ring=20, frames=50)
+    own = x["mask"][:, 0, 0, 100:120]  # the first query's view of the ring slots
+    held = own.sum(dim=-1)[:4].tolist()
+    assert held[0] == 0 and held[-1] == 20 and len(set(held)) == 4
+    assert not x["pad"].all() and x["pad"].any(dim=1).all()
