@@ -569,12 +569,15 @@ class VoiceStore:
 
         Unchanged voices (same audio bytes and transcript) are skipped; changed ones are
         replaced; invalid ones are logged and skipped so one bad file cannot stop start-up.
-        Returns the ids (re)registered now.
+        A voice registered from an asset whose ``<id>.wav`` is gone is deleted: the folder
+        says which bundled voices exist (a missing folder deletes nothing). Returns the ids
+        (re)registered now.
         """
         assets_dir = Path(assets_dir)
         done: list[str] = []
         if not assets_dir.is_dir():
             return done
+        await self._forget_removed_assets(assets_dir)
         for wav in sorted(assets_dir.glob("*.wav")):
             voice_id = wav.stem
             txt = wav.with_suffix(".txt")
@@ -605,6 +608,20 @@ class VoiceStore:
                 continue
             done.append(voice_id)
         return done
+
+    async def _forget_removed_assets(self, assets_dir: Path) -> None:
+        present = {wav.stem for wav in assets_dir.glob("*.wav")}
+        for info in list(self._infos.values()):
+            if info.source != "asset" or info.id in present:
+                continue
+            current = await self._current_info(info.id)  # re-registered by an upload since?
+            if current is None or current.source != "asset":
+                continue
+            try:
+                if await self.delete(info.id):
+                    log.info("asset voice %r deleted: %s is gone", info.id, f"{info.id}.wav")
+            except Exception:
+                log.exception("asset voice %r could not be deleted", info.id)
 
     async def _current_info(self, voice_id: str) -> VoiceInfo | None:
         """The voice as the store of record has it now (a replicated store asks its database)."""

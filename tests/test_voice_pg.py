@@ -191,6 +191,28 @@ def test_replacement_invalidates_cached_features(tiny_model_dir: Path, db_url: s
     run_with_engine(tiny_model_dir, db_url, scenario)
 
 
+def test_a_removed_asset_leaves_every_replica(tiny_model_dir: Path, db_url: str, tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "narrator.txt").write_text("The narrator reads this line.")
+    (assets / "narrator.wav").write_bytes(tone_wav(3.0, 200.0))
+
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            assert await a.register_assets(assets) == ["narrator"]
+            assert await b.wait_for_mirror(lambda s: "narrator" in s, WAIT)
+            (assets / "narrator.wav").unlink()
+            assert await b.register_assets(assets) == []
+            assert b.get("narrator") is None
+            assert await a.wait_for_mirror(lambda s: "narrator" not in s, WAIT)
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
 def test_features_made_another_way_are_made_again_for_this_process(tiny_model_dir: Path, db_url: str) -> None:
     """Features stored by another model or an older build are computed again from the
     stored upload, in this process only: replicas of two models mid-way through a change

@@ -516,3 +516,44 @@ def test_an_upload_cannot_make_ffmpeg_read_a_file_of_the_server(tmp_path: Path, 
         decode_audio(b"ffconcat version 1.0\nfile server-side.wav\n")
     assert err.value.status == 400 and err.value.code == "invalid_audio"
     assert decode_audio(secret.read_bytes()).duration_s == pytest.approx(1.0, abs=0.01)  # a real WAV still is
+
+
+def test_an_asset_voice_whose_file_is_gone_is_deleted(tmp_path: Path, caplog, run, engine) -> None:
+    """The assets folder says which bundled voices exist: one whose .wav left it goes at the
+    next registration, with its files; uploads are never touched, nor a voice uploaded under
+    an asset's id; a missing folder deletes nothing."""
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    for name in ("narrator", "retired", "taken"):
+        (assets / f"{name}.wav").write_bytes(tone_wav(3.5))
+        (assets / f"{name}.txt").write_text(f"The {name} speaks.")
+    data = tmp_path / "data"
+
+    async def scenario() -> None:
+        store = await open_store(data, engine)
+        assert await store.register_assets(assets) == ["narrator", "retired", "taken"]
+        await store.register("guest", "guest", "An uploaded voice.", tone_wav(3.5), audio_ext="wav")
+        await store.register("taken", "taken", "Uploaded over the asset.", tone_wav(3.6), audio_ext="wav",
+                             replace=True)
+        await store.close()
+
+        for name in ("retired", "taken"):
+            (assets / f"{name}.wav").unlink()
+        store = await open_store(data, engine)
+        await store.register_assets(tmp_path / "no-such-folder")
+        assert {v.id for v in store.list()} == {"narrator", "retired", "taken", "guest"}
+        with caplog.at_level("INFO", logger="gateway.voices"):
+            assert await store.register_assets(assets) == []
+        assert {v.id for v in store.list()} == {"narrator", "taken", "guest"}
+        assert store.get("taken").source == "upload"
+        assert any("'retired' deleted" in r.getMessage() for r in caplog.records)
+        assert live_dirs(data) == sorted(v.dir_name for v in store.list())
+        with pytest.raises(KeyError):
+            await store.get_prompt("retired")
+        await store.close()
+
+        store = await open_store(data, engine)  # the deletion was committed
+        assert store.get("retired") is None
+        await store.close()
+
+    run(scenario())
