@@ -202,7 +202,7 @@ def test_grouped_and_four_digit_numbers_read_as_the_right_number_in_english() ->
     assert normalize("1,000 people came.") == "one thousand people came."
     assert normalize("1,234") == "one thousand two hundred and thirty four."
     assert normalize("about 1000 people") == "about one thousand people."
-    assert normalize("$1,000.50") == "one thousand point five dollars."
+    assert normalize("$1,000.50") == "one thousand dollars and fifty cents."
     assert normalize("1001 nights") == "one thousand and one nights."
     assert normalize("(1000)") == "(one thousand)."
     assert normalize("It fell to -1,500") == "It fell to negative one thousand five hundred."
@@ -824,3 +824,22 @@ def test_read_wav_names_what_it_cannot_read(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=message):
             read_wav(tmp_path / name)
+
+
+def test_money_with_cents_reads_as_units_and_cents() -> None:
+    """wetext reads "$2.50" as "two point five dollars"; an amount with exactly two decimals
+    is dollars (euros, pounds) and cents (pence), singular where one; a scaled amount, one
+    of other decimals and an amount without decimals keep the grammar's reading."""
+    assert normalize("It costs $19.99 today.") == "It costs nineteen dollars and ninety nine cents today."
+    assert normalize("$0.99") == "ninety nine cents."
+    assert normalize("$1.01") == "one dollar and one cent."
+    assert normalize("$100.00") == "one hundred dollars."
+    assert normalize("£3.20 or €12.05") == "three pounds and twenty pence or twelve euros and five cents."
+    assert normalize("£1.01") == "one pound and one penny."
+    assert normalize("from $2.50 to $3.75, or $4.00.") == (
+        "from two dollars and fifty cents to three dollars and seventy five cents, or four dollars.")
+    assert normalize("$5") == "five dollars."
+    assert normalize("$3.50 million") == "three point five million dollars."
+    assert normalize("$2.50bn") == "two point five billion dollars."
+    assert normalize("€2.5") == "two point five euros."
+    assert normalize("$2.505") == "two point five oh five dollars."

@@ -19,7 +19,9 @@ Where this departs from the official frontend, to fix what it reads wrongly:
   wetext with lang "auto", whose own detection sends digit-only text ("42") to Chinese;
 * Chinese: thousands separators are dropped ("$1,000" was "一美元,零零零") and a hyphen
   between a letter and a digit is a space ("GPT-4" was "GPT负四");
-* English: wetext's readings of 1000-1999 are repaired (`repair_english_thousands`);
+* English: wetext's readings of 1000-1999 are repaired (`repair_english_thousands`), and
+  amounts of money with cents are read as such ("$2.50": two dollars and fifty cents, not
+  two point five dollars; `spell_money`);
 * the sentence mark is not added after one that closing quotes hide, after `…`, nor
   after a trailing comma, which it replaces (`end_sentence`); nor after a full-width end
   mark on the English path (kana-only and Korean text take it);
@@ -234,6 +236,33 @@ def spell_decades(text: str) -> str:
     return _DECADE.sub(read, text)
 
 
+# An amount of money with exactly two decimals ("$2.50", "£1,000.05"), not a scaled one
+# ("$3.50 million", "$2.50bn"): wetext's English grammar reads the cents as a decimal
+# fraction ("two point five dollars", "twelve point oh five dollars").
+_MONEY = re.compile(r"(?<![\w.,])([$£€])(\d{1,3}(?:,\d{3})+|\d+)\.(\d{2})(?!\d|[.,]\d)"
+                    r"(?!\s*(?:[kmbt]n?|thousand|million|billion|trillion)\b)", re.I)
+_MONEY_UNITS = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
+                "£": ("pound", "pounds", "penny", "pence")}
+
+
+def spell_money(text: str) -> str:
+    """ "$2.50" -> "2 dollars and 50 cents", "$0.99" -> "99 cents", "£1.00" -> "1 pound":
+    the units written out around the amounts, which the grammar then reads as numbers."""
+    def read(m: re.Match[str]) -> str:
+        one, many, one_minor, many_minor = _MONEY_UNITS[m.group(1)]
+        whole, cents = m.group(2), int(m.group(3))
+        if "," not in whole:
+            whole = str(int(whole))  # "$01.50": one dollar
+        parts = []
+        if whole.replace(",", "").strip("0") or not cents:
+            parts.append(f"{whole} {one if whole == '1' else many}")
+        if cents:
+            parts.append(f"{cents} {one_minor if cents == 1 else many_minor}")
+        return " and ".join(parts)
+
+    return _MONEY.sub(read, text)
+
+
 def _spell_out_digits(text: str) -> str:
     return _DIGITS_RE.sub(lambda m: spell_number(m.group(0)), text)
 
@@ -402,7 +431,7 @@ class TextNormalizer:
         Chinese post-processing."""
         if chinese:
             return self._wetext_or_plain(_zh_preprocess(text), "zh")
-        read = self._wetext_or_plain(spell_decades(text), "en")
+        read = self._wetext_or_plain(spell_money(spell_decades(text)), "en")
         return _spell_out_digits(repair_english_thousands(read, text))
 
     def _read_keeping_special_tokens(self, text: str, chinese: bool) -> str:
