@@ -3,7 +3,7 @@ done each way the DiT could do it.
 
     python -m bench.position_conv --json out.json
 
-A 64-row opening round on the GPU spent ~20% of its kernel time in this convolution (round
+A 64-row opening round on the GPU spent ~24% of its kernel time in this convolution (round
 38 of docs/benchmarks.md): above `TAPS_MAX_BYTES` the DiT hands it to cuDNN on a
 channels-first copy of its frame-major activations, and cuDNN runs an "analytic" implicit
 GEMM plus layout conversions around it, for ~2% of the round's arithmetic. Per way and
@@ -71,7 +71,10 @@ _PACKED: dict[int, torch.Tensor] = {}
 
 
 def _packed(conv: nn.Conv1d) -> torch.Tensor:
-    return _PACKED.setdefault(id(conv), causal_conv_kernel.packed_weight(conv))
+    packed = _PACKED.get(id(conv))
+    if packed is None:
+        packed = _PACKED[id(conv)] = causal_conv_kernel.packed_weight(conv)
+    return packed
 
 
 WAYS: dict[str, tuple[Callable[[nn.Conv1d, torch.Tensor], torch.Tensor], bool]] = {

@@ -449,16 +449,23 @@ class PgVoiceStore(VoiceStore):
         log.info("registered voice %r (%.2f s, %d prompt tokens)", voice_id, info.duration_s, info.num_prompt_tokens)
         return info
 
-    async def delete(self, voice_id: str) -> bool:
-        """Remove a voice everywhere; False when no replica knew it."""
+    async def delete(self, voice_id: str, *, revision: str | None = None) -> bool:
+        """Remove a voice everywhere; False when no replica knew it. With `revision` (a
+        `dir_name`: the id, a dot, the row's rev), only that registration of it."""
         if "\x00" in voice_id:  # as in `get_prompt`
             return False
+        where, args = "id = %s", [voice_id]
+        if revision is not None:
+            where, args = "id = %s AND rev = %s", [voice_id, revision[len(voice_id) + 1:]]
         async with self._conn() as conn, conn.transaction():
-            cur = await conn.execute(f"DELETE FROM {TABLE} WHERE id = %s RETURNING id", (voice_id,))
+            cur = await conn.execute(f"DELETE FROM {TABLE} WHERE {where} RETURNING id", args)
             gone = await cur.fetchone() is not None
             if gone:
                 await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, voice_id))
-        self._set_mirror(voice_id, None, None)
+        if gone or revision is None:
+            self._set_mirror(voice_id, None, None)
+        else:  # another registration of it may stand: the mirror shows what does
+            await self._refresh_one(voice_id)
         await self._bump()
         if gone:
             log.info("deleted voice %r", voice_id)

@@ -551,11 +551,12 @@ class VoiceStore:
             return
         shutil.rmtree(trash, ignore_errors=True)
 
-    async def delete(self, voice_id: str) -> bool:
-        """Remove a voice; False when it did not exist."""
+    async def delete(self, voice_id: str, *, revision: str | None = None) -> bool:
+        """Remove a voice; False when it did not exist. With `revision` (a `dir_name`),
+        only that registration of it: a voice registered again since is kept."""
         async with self._write_lock:
             info = self._infos.get(voice_id)
-            if info is None:
+            if info is None or (revision is not None and info.dir_name != revision):
                 return False
             await asyncio.to_thread(self.catalog.delete, voice_id)  # commit point
             self._infos.pop(voice_id, None)
@@ -570,8 +571,9 @@ class VoiceStore:
         Unchanged voices (same audio bytes and transcript) are skipped; changed ones are
         replaced; invalid ones are logged and skipped so one bad file cannot stop start-up.
         A voice registered from an asset whose ``<id>.wav`` is gone is deleted: the folder
-        says which bundled voices exist (a missing folder deletes nothing). Returns the ids
-        (re)registered now.
+        says which bundled voices exist (a missing folder, or one without any ``.wav``,
+        deletes nothing). Every gateway sharing a voice store should have the same assets.
+        Returns the ids (re)registered now.
         """
         assets_dir = Path(assets_dir)
         done: list[str] = []
@@ -611,6 +613,12 @@ class VoiceStore:
 
     async def _forget_removed_assets(self, assets_dir: Path) -> None:
         present = {wav.stem for wav in assets_dir.glob("*.wav")}
+        if not present:
+            # An empty folder is more likely a volume not mounted (yet) than a decision
+            # to drop every bundled voice.
+            if any(info.source == "asset" for info in self._infos.values()):
+                log.warning("assets folder %s holds no .wav: asset voices kept", assets_dir)
+            return
         for info in list(self._infos.values()):
             if info.source != "asset" or info.id in present:
                 continue
@@ -618,7 +626,8 @@ class VoiceStore:
             if current is None or current.source != "asset":
                 continue
             try:
-                if await self.delete(info.id):
+                # Only the registration looked at: an upload racing in under its id stays.
+                if await self.delete(info.id, revision=current.dir_name):
                     log.info("asset voice %r deleted: %s is gone", info.id, f"{info.id}.wav")
             except Exception:
                 log.exception("asset voice %r could not be deleted", info.id)

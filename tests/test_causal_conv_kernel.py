@@ -7,6 +7,7 @@ fresh interpreter process. The GPU's bf16 runs are checked by `bench.position_co
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_interpreted(code: str) -> str:
+    if importlib.util.find_spec("triton") is None and not os.environ.get("CI"):
+        pytest.skip("Triton is not installed (the dev extras install it on Linux)")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
@@ -37,6 +40,7 @@ def test_the_kernel_is_the_padded_convolution_and_mish() -> None:
     """Rows of lengths below, at and above a tile and the kernel's reach (frames before a
     row's start read as the causal padding's zeros), with and without the Mish."""
     out = run_interpreted("""
+        import copy
         import torch, torch.nn.functional as F
         from torch import nn
         from engine.models import causal_conv_kernel as ck
@@ -53,6 +57,8 @@ def test_the_kernel_is_the_padded_convolution_and_mish() -> None:
                 assert got.shape == want.shape
                 worst = max(worst, float((got - want).abs().max()))
         # Large activations: the Mish's factor saturates to 1 without overflowing.
+        # Weights of another dtype than the input (autocast) go to the torch path.
+        assert not ck.available(torch.randn(1, 8, 128), copy.deepcopy(conv).double())
         big = torch.full((1, 40, 128), 60.0)
         got = ck.grouped_causal_conv_mish(big, conv, weight)
         want = F.mish(conv(F.pad(big.transpose(1, 2), (30, 0)))).transpose(1, 2)
@@ -115,6 +121,12 @@ def test_the_packed_weight_follows_the_convolution() -> None:
     assert again is not first and torch.equal(again, causal_conv_kernel.packed_weight(conv1))
     embed.to(torch.float64)
     assert embed._packed_weight("conv1", conv1).dtype == torch.float64
+    conv1.weight = nn.Parameter(conv1.weight.detach().clone() * 2)  # a new tensor, maybe at a freed address
+    assert torch.equal(embed._packed_weight("conv1", conv1), causal_conv_kernel.packed_weight(conv1))
+    with torch.inference_mode():
+        frozen = CausalConvPositionEmbedding(64, kernel_size=5, groups=2)
+    conv = frozen.conv1[0]
+    assert torch.equal(frozen._packed_weight("conv1", conv), causal_conv_kernel.packed_weight(conv))
 
 
 def test_the_setting_reaches_the_dit_and_is_validated() -> None:

@@ -843,3 +843,6 @@ def test_money_with_cents_reads_as_units_and_cents() -> None:
     assert normalize("$2.50bn") == "two point five billion dollars."
     assert normalize("€2.5") == "two point five euros."
     assert normalize("$2.505") == "two point five oh five dollars."
+    # Scaled by a plural, or glued to a word: not an amount with cents (wetext's reading stays).
+    assert "cents" not in normalize("$2.50 millions")
+    assert "cents" not in normalize("$2.50x")

@@ -196,12 +196,15 @@ def test_a_removed_asset_leaves_every_replica(tiny_model_dir: Path, db_url: str,
     assets.mkdir()
     (assets / "narrator.txt").write_text("The narrator reads this line.")
     (assets / "narrator.wav").write_bytes(tone_wav(3.0, 200.0))
+    (assets / "untold.wav").write_bytes(tone_wav(3.0, 200.0))  # no transcript: never registered
 
     async def scenario(engine: Engine, url: str) -> None:
         a, b = await two_stores(engine, url)
         try:
             assert await a.register_assets(assets) == ["narrator"]
             assert await b.wait_for_mirror(lambda s: "narrator" in s, WAIT)
+            assert not await b.delete("narrator", revision="narrator.stale")  # another registration
+            assert b.get("narrator") is not None
             (assets / "narrator.wav").unlink()
             assert await b.register_assets(assets) == []
             assert b.get("narrator") is None

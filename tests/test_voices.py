@@ -541,7 +541,12 @@ def test_an_asset_voice_whose_file_is_gone_is_deleted(tmp_path: Path, caplog, ru
             (assets / f"{name}.wav").unlink()
         store = await open_store(data, engine)
         await store.register_assets(tmp_path / "no-such-folder")
+        (tmp_path / "empty").mkdir()
+        await store.register_assets(tmp_path / "empty")  # a volume not mounted yet, say
         assert {v.id for v in store.list()} == {"narrator", "retired", "taken", "guest"}
+        # A delete for another registration of the id than the stored one does nothing.
+        assert not await store.delete("retired", revision="retired.stale")
+        assert store.get("retired") is not None
         with caplog.at_level("INFO", logger="gateway.voices"):
             assert await store.register_assets(assets) == []
         assert {v.id for v in store.list()} == {"narrator", "taken", "guest"}

@@ -239,8 +239,8 @@ def spell_decades(text: str) -> str:
 # An amount of money with exactly two decimals ("$2.50", "£1,000.05"), not a scaled one
 # ("$3.50 million", "$2.50bn"): wetext's English grammar reads the cents as a decimal
 # fraction ("two point five dollars", "twelve point oh five dollars").
-_MONEY = re.compile(r"(?<![\w.,])([$£€])(\d{1,3}(?:,\d{3})+|\d+)\.(\d{2})(?!\d|[.,]\d)"
-                    r"(?!\s*(?:[kmbt]n?|thousand|million|billion|trillion)\b)", re.I)
+_MONEY = re.compile(r"(?<![\w.,])([$£€])(\d{1,3}(?:,\d{3})+|\d+)\.(\d{2})(?!\w|[.,]\d)"
+                    r"(?!\s*(?:[kmbt]n?|(?:thousand|million|billion|trillion)s?)\b)", re.I)
 _MONEY_UNITS = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
                 "£": ("pound", "pounds", "penny", "pence")}
 

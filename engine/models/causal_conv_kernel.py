@@ -89,6 +89,8 @@ def available(x: torch.Tensor, conv: nn.Conv1d) -> bool:
     flow runs in bf16, and Triton's float32 dot would round through TF32)."""
     if not supports(conv) or x.shape[-1] != conv.in_channels:
         return False
+    if conv.weight.dtype != x.dtype or conv.weight.device != x.device:
+        return False  # e.g. float32 weights under autocast: tl.dot takes one dtype
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16) and _triton() is not None
     return _interpreting() and x.dtype == torch.float32 and _triton() is not None

@@ -364,18 +364,22 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.kernel = "torch"  # one of CONV_KERNELS
-        # Each conv's weight in the Triton kernel's layout, with the weight's identity
-        # (storage, in-place version, dtype) it was packed from: a move, cast or load
-        # repacks on the next call. Packed at the first call, which for a CUDA graph is
-        # its eager warm-up, so the graph reads this tensor and never repacks.
-        self._packed: dict[str, tuple[tuple[int, int, torch.dtype], torch.Tensor]] = {}
+        # Each conv's weight in the Triton kernel's layout, with the weight it was packed
+        # from (the same tensor, over the same storage, at the same version: a move, cast
+        # or load repacks on the next call; holding the tensor keeps its address from
+        # coming back). Packed at the first call, which for a CUDA graph is its eager
+        # warm-up, so a graph reads the packed tensor of its capture: the stage's weights
+        # do not change after its graphs are captured.
+        self._packed: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
 
     def _packed_weight(self, name: str, conv: nn.Conv1d) -> torch.Tensor:
-        key = (conv.weight.data_ptr(), conv.weight._version, conv.weight.dtype)
+        w = conv.weight
+        if w.is_inference():  # made under inference_mode: no version counter to follow
+            return causal_conv_kernel.packed_weight(conv)
         held = self._packed.get(name)
-        if held is None or held[0] != key:
-            held = self._packed[name] = (key, causal_conv_kernel.packed_weight(conv))
-        return held[1]
+        if held is None or held[0] is not w or held[1] != w._version or held[2] != w.data_ptr():
+            held = self._packed[name] = (w, w._version, w.data_ptr(), causal_conv_kernel.packed_weight(conv))
+        return held[3]
 
     def _conv(self, layer: nn.Sequential, h: torch.Tensor, name: str) -> torch.Tensor:
         """One causal conv + Mish, frame-major [B, T, D] -> [B, T, D]."""
