@@ -7,7 +7,9 @@ each part's log-sum-exp from cuDNN's kernel (`flow_attention=cudnn`) or the memo
 one (`sdpa`). In round 38 the stage's PCM moved by ~3% relative RMS between the two at 16
 and 64 steady rows (chunks after a ring of cached context), against ~0.15% at opening
 chunks (round 15). This separates the attention from the rest: per kernel and shape, bf16
-on the GPU against the same formula in float64 on the CPU, over the queries of real frames:
+on the GPU against the same formula in float64 on the CPU (that the formula is the attention
+over the concatenated keys is the CPU test `test_one_voice_split_attention_is_the_same_
+arithmetic_in_float64`'s job), over the queries of real frames:
 
 * `max_abs_err` and `rel_rms` of the output;
 * `lse_max_abs_err` of each part's log-sum-exp (`attention_with_lse`).
