@@ -145,3 +145,38 @@ def test_the_setting_reaches_the_dit_and_is_validated() -> None:
         EngineConfig(model_dir=Path("."), flow_conv_kernel="cuda")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="conv kernel"):
         DiT.use_conv_kernel(flow.decoder.estimator, "cudnn")
+
+
+def test_a_kernel_that_cannot_run_here_falls_back_to_the_torch_path(monkeypatch, caplog) -> None:  # noqa: ANN001
+    """A Triton error (an older Triton, an unsupported GPU) costs the speed, not the audio:
+    the embedding logs it once and serves from the torch path from then on. Other errors
+    (out of memory) are the caller's."""
+    triton_error = type("CompilationError", (Exception,), {"__module__": "triton.compiler.errors"})
+    calls: list[int] = []
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        raise triton_error("no such kwarg")
+
+    torch.manual_seed(0)
+    embed = CausalConvPositionEmbedding(128)
+    x = torch.randn(1, 12, 128)
+    want = embed(x)
+    monkeypatch.setattr(causal_conv_kernel, "available", lambda x, conv: True)
+    monkeypatch.setattr(causal_conv_kernel, "grouped_causal_conv_mish", failing)
+    embed.kernel = "triton"
+    with caplog.at_level("ERROR", logger="engine.models.dit"):
+        assert torch.equal(embed(x), want)
+        assert torch.equal(embed(x), want)
+    assert embed.kernel == "torch" and calls == [1]
+    assert sum("cannot run here" in r.getMessage() for r in caplog.records) == 1
+
+    def out_of_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(causal_conv_kernel, "grouped_causal_conv_mish", out_of_memory)
+    embed.kernel = "triton"
+    with pytest.raises(torch.OutOfMemoryError):
+        embed(x)
+    assert causal_conv_kernel.is_kernel_error(triton_error("x"))
+    assert not causal_conv_kernel.is_kernel_error(RuntimeError("x"))

@@ -75,6 +75,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def is_kernel_error(exc: BaseException) -> bool:
+    """Whether `exc` says the kernel cannot run here (Triton failed to compile or launch it:
+    an older Triton, an unsupported GPU, too little shared memory), not that the
+    computation failed (out of memory), which the caller must see."""
+    return any(type(e).__module__.startswith("triton") for e in (exc, exc.__cause__) if e is not None)
+
+
 def supports(conv: nn.Conv1d) -> bool:
     """Whether the kernel computes `conv`: stride 1, no dilation, a bias, equal in and out
     channels per group, and a power of two of at least 16 of them (tl.dot's smallest tile)."""

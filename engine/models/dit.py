@@ -385,7 +385,15 @@ class CausalConvPositionEmbedding(nn.Module):
         """One causal conv + Mish, frame-major [B, T, D] -> [B, T, D]."""
         conv, act = layer[0], layer[1]
         if self.kernel == "triton" and causal_conv_kernel.available(h, conv):
-            return causal_conv_kernel.grouped_causal_conv_mish(h, conv, self._packed_weight(name, conv))
+            try:
+                return causal_conv_kernel.grouped_causal_conv_mish(h, conv, self._packed_weight(name, conv))
+            except Exception as exc:
+                if not causal_conv_kernel.is_kernel_error(exc):
+                    raise
+                # The first call is a graph's eager warm-up, so this falls back before any
+                # capture; the flow stays correct, only slower.
+                log.exception("the Triton position convolution cannot run here; the DiT uses torch's")
+                self.kernel = "torch"
         if h.numel() * self.kernel_size * h.element_size() <= TAPS_MAX_BYTES:
             return act(grouped_conv_by_taps(F.pad(h, (0, 0, self.kernel_size - 1, 0)), conv))
         return act(conv(F.pad(h.transpose(1, 2), (self.kernel_size - 1, 0)))).transpose(1, 2)
