@@ -149,7 +149,8 @@ class EngineConfig:
     # (`flow_split_prefix_rows`) need each part's log-sum-exp, which SDPA's own dispatch
     # cannot return, so there "sdpa" means the memory-efficient kernel: on the stage alone
     # (round 38 of docs/benchmarks.md) rounds of 16 and 64 chunks took 11-12% longer with
-    # it, as accurate as cuDNN's against float64; smaller rounds run cuDNN either way.
+    # it, as accurate as cuDNN's against float64; smaller rounds run cuDNN either way. A
+    # GPU where cuDNN's kernel does not run gets "sdpa" (`dit.attention_kernel_for`).
     flow_attention: FlowAttention = "cudnn"
     # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
     # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major

@@ -50,7 +50,7 @@ from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
 from .mel_stretch import MelStretch
-from .models.dit import DiT
+from .models.dit import DiT, attention_kernel_for
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator
 from .stage_profile import PHASES, StageProfiler
@@ -467,7 +467,8 @@ class AudioStage:
         self.context_min_rows = context_min_rows
         self._context_warmed = False
         if isinstance(estimator, DiT):
-            estimator.use_attention_kernel(flow_attention)  # before it compiles: its graphs keep the kernel
+            # Before it compiles: its graphs keep the kernel.
+            estimator.use_attention_kernel(attention_kernel_for(flow_attention, torch.device(device), self.flow_dtype))
             estimator.use_conv_kernel(flow_conv_kernel)
             estimator.split_prefix_rows = flow_split_prefix_rows
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,

@@ -66,3 +66,26 @@ def test_flow_split_prefix_rows_reaches_the_dit(tmp_path: Path) -> None:
     assert flow.decoder.estimator.split_prefix_rows == 8
     with pytest.raises(ValueError, match="flow_split_prefix_rows"):
         EngineConfig(model_dir=Path("."), flow_split_prefix_rows=-1)
+
+
+def test_cudnn_attention_falls_back_where_it_does_not_run() -> None:
+    """The "cudnn" default is kept on a GPU where cuDNN's kernel runs, and becomes SDPA's
+    pick on one where it does not (no fallback of PyTorch's stands behind a direct call);
+    off CUDA nothing is tried (the bias goes through SDPA there)."""
+    from engine.models.dit import attention_kernel_for
+
+    tried: list[torch.device] = []
+
+    def runs(ok: bool):  # noqa: ANN202
+        def probe(device: torch.device, dtype: torch.dtype) -> bool:
+            tried.append(device)
+            return ok
+        return probe
+
+    gpu = torch.device("cuda", 1)
+    assert attention_kernel_for("cudnn", gpu, torch.bfloat16, runs(True)) == "cudnn"
+    assert attention_kernel_for("cudnn", gpu, torch.bfloat16, runs(False)) == "sdpa"
+    assert tried == [gpu, gpu]
+    assert attention_kernel_for("sdpa", gpu, torch.bfloat16, runs(True)) == "sdpa"
+    assert attention_kernel_for("cudnn", torch.device("cpu"), torch.float32, runs(False)) == "cudnn"
+    assert len(tried) == 2

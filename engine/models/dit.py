@@ -206,6 +206,33 @@ ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn")
 _BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
 
 
+def cudnn_attention_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's fused attention runs on `device` at the DiT's kind of call (16 heads
+    of 64, an additive bias, with and without the log-sum-exp), tried once on small inputs:
+    it needs a recent GPU and cuDNN, and "cudnn" calls it with no fallback of PyTorch's."""
+    try:
+        q = torch.randn(2, 16, 50, 64, device=device, dtype=dtype)
+        k = v = torch.randn(2, 16, 100, 64, device=device, dtype=dtype)
+        bias = attention_bias(torch.ones(2, 1, 50, 100, dtype=torch.bool, device=device), dtype)
+        for lse in (False, True):
+            torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias.expand(2, 16, 50, 100), lse)
+        torch.cuda.synchronize(device)
+    except Exception:  # any failure of the trial: not worth risking every flow call on it
+        log.warning("cuDNN's fused attention does not run on %s (%s); the DiT uses SDPA's pick",
+                    device, dtype, exc_info=True)
+        return False
+    return True
+
+
+def attention_kernel_for(name: str, device: torch.device, dtype: torch.dtype,
+                         runs: Callable[[torch.device, torch.dtype], bool] = cudnn_attention_runs) -> str:
+    """`name` (ATTENTION_KERNELS), or "sdpa" where it is "cudnn" on a CUDA device cuDNN's
+    kernel does not run on (`runs`): a default must not break older GPUs."""
+    if name == "cudnn" and torch.device(device).type == "cuda" and not runs(torch.device(device), dtype):
+        return "sdpa"
+    return name
+
+
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean SDPA mask [B, 1, Tq, Tk] as the additive bias the kernels take (0 where
     True, -inf where False), in rows whose storage is padded to `_BIAS_ALIGN` elements:
