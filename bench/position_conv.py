@@ -58,24 +58,20 @@ def taps(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return grouped_conv_by_taps(F.pad(x, (0, 0, conv.kernel_size[0] - 1, 0)), conv)
 
 
-def triton(conv: nn.Conv1d, x: torch.Tensor, block: int = causal_conv_kernel.BLOCK_T) -> torch.Tensor:
-    return causal_conv_kernel.grouped_causal_conv_mish(x, conv, _packed(conv), mish=False, block=block)
+def triton(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor, mish: bool = False,
+           block: int = causal_conv_kernel.BLOCK_T) -> torch.Tensor:
+    """`weight`: `packed_weight(conv)`, packed once per shape as the DiT packs it once."""
+    return causal_conv_kernel.grouped_causal_conv_mish(x, conv, weight, mish=mish, block=block)
 
 
-def triton_mish(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-    """The kernel as the DiT runs it, Mish included (compare with a way's time plus a Mish pass)."""
-    return causal_conv_kernel.grouped_causal_conv_mish(x, conv, _packed(conv), mish=True)
-
-
-_PACKED: dict[int, torch.Tensor] = {}
-
-
-def _packed(conv: nn.Conv1d) -> torch.Tensor:
-    packed = _PACKED.get(id(conv))
-    if packed is None:
-        packed = _PACKED[id(conv)] = causal_conv_kernel.packed_weight(conv)
-    return packed
-
+# The Triton ways take the packed weight too; "with Mish" is the kernel as the DiT runs it
+# (compare with a way's time plus a Mish pass).
+TRITON_WAYS: dict[str, dict[str, Any]] = {
+    "triton": {},
+    "triton, with Mish": {"mish": True},
+    "triton, 32-frame tiles": {"block": 32},
+    "triton, 128-frame tiles": {"block": 128},
+}
 
 WAYS: dict[str, tuple[Callable[[nn.Conv1d, torch.Tensor], torch.Tensor], bool]] = {
     "cudnn, channels first": (channels_first, False),
@@ -83,10 +79,6 @@ WAYS: dict[str, tuple[Callable[[nn.Conv1d, torch.Tensor], torch.Tensor], bool]] 
     "cudnn, frame-major": (frame_major, False),
     "cudnn, frame-major, benchmark": (frame_major, True),
     "taps": (taps, False),
-    "triton": (triton, False),
-    "triton, with Mish": (triton_mish, False),
-    "triton, 32-frame tiles": (functools.partial(triton, block=32), False),
-    "triton, 128-frame tiles": (functools.partial(triton, block=128), False),
 }
 
 
@@ -100,15 +92,13 @@ def measure(rows: int, frames: int, device: torch.device, dtype: torch.dtype,
     with torch.no_grad():
         expected = channels_first(reference_conv, x.float())
     out: list[dict[str, Any]] = []
-    _PACKED.clear()
-    for name, (way, benchmark) in WAYS.items():
+    ways = dict(WAYS)
+    if causal_conv_kernel.available(x, conv):
+        weight = causal_conv_kernel.packed_weight(conv)
+        ways.update({name: (functools.partial(triton, weight=weight, **kw), False) for name, kw in TRITON_WAYS.items()})
+    for name, (way, benchmark) in ways.items():
         row: dict[str, Any] = {"rows": rows, "frames": frames, "way": name}
-        if name.startswith("triton") and not causal_conv_kernel.available(x, conv):
-            continue
-        if way is triton_mish:
-            expected_here = F.mish(expected)
-        else:
-            expected_here = expected
+        expected_here = F.mish(expected) if TRITON_WAYS.get(name, {}).get("mish") else expected
         torch.backends.cudnn.benchmark = benchmark
         try:
             with torch.no_grad():

@@ -197,11 +197,11 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
 # "sdpa": F.scaled_dot_product_attention with the boolean mask (PyTorch picks; the split
 # attention's log-sum-exps come from the memory-efficient kernel); "cudnn": cuDNN's fused
 # attention with the mask made an additive bias once per DiT call (CUDA; elsewhere the
-# same bias goes through SDPA). On the H200,
-# cuDNN ran the DiT's attention 1.7-2.0x faster at the engine's shapes (round 14 of
-# docs/benchmarks.md, `bench.attention_backends`); in the stage, where compiled SDPA picks
-# cuDNN by itself except for the split attention's log-sum-exps, rounds of 16-64 chunks
-# took 11-12% less time with it (round 38, an H100). The stage's default since then.
+# same bias goes through SDPA). On the H200, cuDNN ran the DiT's attention 1.7-2.0x faster
+# at the engine's shapes (round 14 of docs/benchmarks.md, `bench.attention_backends`); in
+# the stage, where compiled SDPA picks cuDNN by itself except for the split attention's
+# log-sum-exps, rounds of 16-64 chunks took 11-12% less time with it (round 38, an H100).
+# The stage's default since then.
 ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn")
 _BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
 
