@@ -27,6 +27,7 @@ DEADLINE_MARGIN_S = 0.25
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
 FlowConvKernel = Literal["triton", "torch"]  # engine.models.dit.CONV_KERNELS
+SnakeKernelName = Literal["triton", "torch"]  # engine.models.hift.SNAKE_KERNELS
 # vLLM's `CompilationConfig.cudagraph_mode` values, lower-case (`vllm_cudagraph_mode`).
 VLLMGraphMode = Literal["full", "full_and_piecewise", "piecewise", "full_decode_only", "none"]
 DEFAULT_VLLM_GRAPH_MODE: VLLMGraphMode = "full"
@@ -160,6 +161,12 @@ class EngineConfig:
     # The stage alone there (round 38 of docs/benchmarks.md) took 13-19% less time a round
     # with "triton" from 4 chunks on, 3% at one.
     flow_conv_kernel: FlowConvKernel = "triton"
+    # The CosyVoice3/CosyVoice2 vocoder's Snake activations (~70 a decode): "triton" (one
+    # fused pass each, `engine.models.snake_kernel`; CUDA with Triton, elsewhere as
+    # "torch") or "torch" (four or five eager elementwise passes over a float32 tensor).
+    # On an H100 (round 39 of docs/benchmarks.md) the vocoder's GPU time fell 19-30% with
+    # "triton", and the stage's rounds of 1-64 chunks took 5-7% less time.
+    vocoder_snake_kernel: SnakeKernelName = "triton"
     # A batch of at least this many chunks, all of one voice, attends to the voice's cached
     # prompt once per CFG half, all rows' queries together, and to each row's own frames
     # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),
@@ -398,6 +405,9 @@ class EngineConfig:
         if self.flow_conv_kernel not in get_args(FlowConvKernel):
             raise ValueError(f"flow_conv_kernel must be one of {', '.join(get_args(FlowConvKernel))}, "
                              f"not {self.flow_conv_kernel!r}")
+        if self.vocoder_snake_kernel not in get_args(SnakeKernelName):
+            raise ValueError(f"vocoder_snake_kernel must be one of {', '.join(get_args(SnakeKernelName))}, "
+                             f"not {self.vocoder_snake_kernel!r}")
         if self.flow_attention not in get_args(FlowAttention):
             raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
                              f"not {self.flow_attention!r}")

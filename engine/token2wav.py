@@ -52,7 +52,7 @@ from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache,
 from .mel_stretch import MelStretch
 from .models.dit import DiT, attention_kernel_for
 from .models.flow import FlowChunk
-from .models.hift import CausalHiFTGenerator
+from .models.hift import CausalHiFTGenerator, use_snake_kernel
 from .stage_profile import PHASES, StageProfiler
 from .vocoder_graphs import VocoderGraphPolicy, VocoderGraphRunner
 
@@ -433,6 +433,7 @@ class AudioStage:
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "cudnn", flow_conv_kernel: str = "triton", flow_split_prefix_rows: int = 8,
+                 vocoder_snake_kernel: str = "triton",
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False):
         if policy not in STAGE_POLICIES:
@@ -482,6 +483,7 @@ class AudioStage:
         self.fill_padding = fill_padding  # engine.flow_fill_padding: see _fill_padding
         self.final_full_attention = final_full_attention  # engine.flow_final_full_attention: see _flow_calls
         self.hift = hift
+        use_snake_kernel(hift, vocoder_snake_kernel)  # before its graphs: they keep the kernel
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
         self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows))
         self.vocoder_graphs = (VocoderGraphRunner(hift, self.vocoder_graph_policy)

@@ -112,6 +112,11 @@ class EngineSettings:
         metadata=_help("the CosyVoice3 DiT's position convolutions: triton (one Triton kernel, Mish fused; CUDA "
                        "with Triton, elsewhere as torch) or torch (cuDNN for large batches)"),
     )
+    vocoder_snake_kernel: str = field(
+        default="triton",
+        metadata=_help("the vocoder's Snake activations: triton (one fused Triton pass each; CUDA with Triton, "
+                       "elsewhere as torch) or torch (eager elementwise operators)"),
+    )
     flow_split_prefix_rows: int = field(
         default=8,
         metadata=_help("one-voice flow batches of at least this many chunks attend to the voice's cached prompt "

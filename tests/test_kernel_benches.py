@@ -1,12 +1,14 @@
 """The kernel benches run on the CPU and say what they measured (their GPU timings are in
-docs/benchmarks.md, round 38)."""
+docs/benchmarks.md, rounds 38 and 39)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench import position_conv, split_attention_check
+import pytest
+
+from bench import position_conv, split_attention_check, vocoder_cost
 
 
 def test_position_conv_checks_every_way_against_float32(tmp_path: Path) -> None:
@@ -38,3 +40,20 @@ def test_split_attention_inputs_have_ragged_rings_and_padded_frames() -> None:
     held = own.sum(dim=-1)[:4].tolist()
     assert held[0] == 0 and held[-1] == 20 and len(set(held)) == 4
     assert not x["pad"].all() and x["pad"].any(dim=1).all()
+
+
+def test_vocoder_cost_times_each_way_on_the_same_streams(tmp_path: Path) -> None:
+    """On the CPU the Triton way keeps torch's operators (no interpreter here), so both ways
+    give the same PCM; a way that cannot run (an unknown one is refused up front) is a row
+    with its error, not a crash."""
+    out = tmp_path / "vocoder.json"
+    assert vocoder_cost.main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path),
+                              "--rows", "1,3", "--ways", "torch,triton", "--reps", "1", "--new", "12",
+                              "--context", "20", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["way"]) for r in results] == [(1, "torch"), (1, "triton"), (3, "torch"), (3, "triton")]
+    for r in results:
+        assert r["wall_ms"] > 0 and r["max_abs_diff"] == 0.0, r
+        assert "gpu_ms" not in r  # GPU times only
+    with pytest.raises(SystemExit):
+        vocoder_cost.main(["--device", "cpu", "--ways", "torch,cuda"])

@@ -71,7 +71,8 @@ def _build(triton: Any, tl: Any) -> Any:
     return grouped_causal_conv
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (set before Triton is imported)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -100,7 +101,7 @@ def available(x: torch.Tensor, conv: nn.Conv1d) -> bool:
         return False  # e.g. float32 weights under autocast: tl.dot takes one dtype
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16) and _triton() is not None
-    return _interpreting() and x.dtype == torch.float32 and _triton() is not None
+    return interpreting() and x.dtype == torch.float32 and _triton() is not None
 
 
 def packed_weight(conv: nn.Conv1d) -> torch.Tensor:

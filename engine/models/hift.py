@@ -42,6 +42,7 @@ a stream's own generator (started at the table's end state) continues the same s
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -56,7 +57,11 @@ from torch.nn.utils.parametrizations import weight_norm
 from engine.device_copy import tensor_on, to_device
 from engine import ragged
 from engine.ragged import ragged_rows, row_ranges, row_windows
+from engine.models import snake_kernel
+from engine.models.causal_conv_kernel import is_kernel_error
 from engine.models.config import HiFTConfig
+
+log = logging.getLogger(__name__)
 
 # Sizes of what the official build draws from the RNG between `set_all_random_seed(0)` (flow
 # decoder) and the vocoder's noise table (see module docstring). Fixed by cosyvoice3.yaml.
@@ -115,6 +120,20 @@ class DownsampleConv1d(nn.Conv1d):
         return super().forward(F.pad(x, (self.rate - 1, 0)))
 
 
+# How the Snake activations run (`use_snake_kernel`, EngineConfig.vocoder_snake_kernel):
+# "torch": eager elementwise operators; "triton": one fused pass (`snake_kernel`), where it
+# runs (CUDA), else torch's.
+SNAKE_KERNELS: tuple[str, ...] = ("torch", "triton")
+
+
+@dataclass
+class SnakeKernel:
+    """The kernel choice the Snake activations of one vocoder share: one failure of the
+    Triton kernel sends all of them back to torch's operators, not one at a time."""
+
+    name: str = "torch"
+
+
 class Snake(nn.Module):
     """x + sin^2(alpha x) / alpha, per channel (linear-scale alpha, as in the checkpoint)."""
 
@@ -122,6 +141,7 @@ class Snake(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
         self._coeffs: tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor] | None = None
+        self.kernel = SnakeKernel()
 
     def _alpha_and_inverse(self) -> tuple[torch.Tensor, torch.Tensor]:
         """alpha as [1, C, 1] and 1 / (alpha + 1e-9), computed once per value of alpha.
@@ -145,7 +165,28 @@ class Snake(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, inverse = self._alpha_and_inverse()
+        if self.kernel.name == "triton" and snake_kernel.available(x):
+            try:
+                return snake_kernel.snake(x, a, inverse)
+            except Exception as exc:
+                if not is_kernel_error(exc):
+                    raise
+                # The first call is a warm-up's (the stage's, or a graph's eager one), so
+                # this falls back before any capture; the audio stays the same, only slower.
+                log.exception("the Triton Snake activation cannot run here; the vocoder uses torch's")
+                self.kernel.name = "torch"
         return x + inverse * torch.sin(x * a).pow(2)
+
+
+def use_snake_kernel(vocoder: nn.Module, name: str) -> None:
+    """Every Snake activation of `vocoder` runs with `name` (SNAKE_KERNELS) from now on,
+    sharing one choice."""
+    if name not in SNAKE_KERNELS:
+        raise ValueError(f"snake kernel must be one of {', '.join(SNAKE_KERNELS)}, not {name!r}")
+    shared = SnakeKernel(name)
+    for module in vocoder.modules():
+        if isinstance(module, Snake):
+            module.kernel = shared
 
 
 class CausalResBlock(nn.Module):
