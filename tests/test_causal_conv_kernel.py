@@ -21,6 +21,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.models import causal_conv_kernel
 from engine.models.dit import CausalConvPositionEmbedding, DiT
+from engine.models.triton_support import is_kernel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,5 +179,5 @@ def test_a_kernel_that_cannot_run_here_falls_back_to_the_torch_path(monkeypatch,
     embed.kernel = "triton"
     with pytest.raises(torch.OutOfMemoryError):
         embed(x)
-    assert causal_conv_kernel.is_kernel_error(triton_error("x"))
-    assert not causal_conv_kernel.is_kernel_error(RuntimeError("x"))
+    assert is_kernel_error(triton_error("x"))
+    assert not is_kernel_error(RuntimeError("x"))

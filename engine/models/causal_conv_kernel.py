@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any
 
 import torch
 from torch import nn
+
+from .triton_support import build, interpreting
 
 # Output frames per program. Each tile re-reads its group's weights (31 x 64 x 64), which
 # larger tiles amortise better and pad more masked frames. On an H100 (round 38 of
@@ -33,12 +34,7 @@ BLOCK_T = 64
 
 @functools.cache
 def _triton() -> Any | None:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return _build(triton, tl)
+    return build(_build)
 
 
 def _build(triton: Any, tl: Any) -> Any:
@@ -69,18 +65,6 @@ def _build(triton: Any, tl: Any) -> Any:
                  mask=(t < frames)[:, None])
 
     return grouped_causal_conv
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (set before Triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def is_kernel_error(exc: BaseException) -> bool:
-    """Whether `exc` says the kernel cannot run here (Triton failed to compile or launch it:
-    an older Triton, an unsupported GPU, too little shared memory), not that the
-    computation failed (out of memory), which the caller must see."""
-    return any(type(e).__module__.startswith("triton") for e in (exc, exc.__cause__) if e is not None)
 
 
 def supports(conv: nn.Conv1d) -> bool:

@@ -55,6 +55,7 @@ from torch import nn
 from ..compile_errors import is_compile_error
 from . import causal_conv_kernel
 from .config import FlowConfig
+from .triton_support import is_kernel_error
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +416,7 @@ class CausalConvPositionEmbedding(nn.Module):
             try:
                 return causal_conv_kernel.grouped_causal_conv_mish(h, conv, self._packed_weight(name, conv))
             except Exception as exc:
-                if not causal_conv_kernel.is_kernel_error(exc):
+                if not is_kernel_error(exc):
                     raise
                 # The first call is a graph's eager warm-up, so this falls back before any
                 # capture; the flow stays correct, only slower.

@@ -58,7 +58,7 @@ from engine.device_copy import tensor_on, to_device
 from engine import ragged
 from engine.ragged import ragged_rows, row_ranges, row_windows
 from engine.models import snake_kernel
-from engine.models.causal_conv_kernel import is_kernel_error
+from engine.models.triton_support import is_kernel_error
 from engine.models.config import HiFTConfig
 
 log = logging.getLogger(__name__)

@@ -19,19 +19,14 @@ from typing import Any
 
 import torch
 
-from .causal_conv_kernel import interpreting
+from .triton_support import build, interpreting
 
 BLOCK_T = 1024  # samples of one channel per program
 
 
 @functools.cache
 def _triton() -> Any | None:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return _build(triton, tl)
+    return build(_build)
 
 
 def _build(triton: Any, tl: Any) -> Any:
