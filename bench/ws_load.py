@@ -114,6 +114,7 @@ SAMPLE_RATE = 24000
 SPEECH_TOKENS_PER_SECOND = 25.0
 SPOKEN_CHARS_PER_SECOND = 14.0
 PROMPT_SECONDS = 4.25  # the first sentence of assets/default.wav (a 3-5 s prompt)
+GATEWAY_LOG_LINES = 200  # the last lines of each launched gateway's log kept in the report
 PROMPT_TRANSCRIPT = "Hello, this is the default voice of the CosyVoice gateway."
 BASELINE_FLAGS = (
     # Per-request flow/vocoder (no batching across sessions), whole-prefix recompute.
@@ -1761,6 +1762,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 await run_target(target, lv, ctx, not args.no_warm, report["results"][name], save, start)
             finally:
                 await asyncio.to_thread(gw.stop)
+                # Its warnings and errors (it runs at --log-level warning): a setting that fell
+                # back at start (cuDNN's attention, a Triton kernel) says so only there.
+                kept = report["settings"].setdefault("gateway_log", {})[name] = gw.log[-GATEWAY_LOG_LINES:]
+                print(f"[{name}] gateway log: {len(gw.log)} lines" + "".join(f"\n    {line}" for line in kept[-5:]),
+                      flush=True)
 
     asyncio.run(go())
     save()

@@ -658,6 +658,8 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert st["first_audio_definition"] == FIRST_AUDIO_DEFINITIONS["segment"]
     assert all(st[k] for k in ("censoring_definition", "rtf_definition", "wall_definition"))
     assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
+    assert set(st["gateway_log"]) == {"product", "baseline"}  # each gateway's warnings, kept
+    assert all(isinstance(line, str) for lines in st["gateway_log"].values() for line in lines)
     for start in st["start_s"].values():  # the engine's start by step, and the voice's registration
         assert set(start) == {"voice_s", "load", "lm", "stage", "voice", "warmup"} and start["load"] > 0, start
     for mode in ("product", "baseline"):
