@@ -327,6 +327,10 @@ class PgVoiceStore(VoiceStore):
                 backoff = min(backoff * 2, self.options.max_listen_backoff_s)
 
     # -- synthesis path ---------------------------------------------------------------------
+    def cached_prompt(self, voice_id: str) -> VoicePrompt | None:
+        """None: every use asks the database for the voice's revision first."""
+        return None
+
     async def get_prompt(self, voice_id: str) -> VoicePrompt:
         """The voice's prompt, checked against the database; KeyError when it is gone."""
         if "\x00" in voice_id:  # no such id can be stored (PostgreSQL text has no NUL): a DataError, a 500

@@ -347,6 +347,14 @@ class VoiceStore:
     def __contains__(self, voice_id: object) -> bool:
         return voice_id in self._infos
 
+    def cached_prompt(self, voice_id: str) -> VoicePrompt | None:
+        """The voice's prompt when `get_prompt` would have it without waiting, None when
+        it must be loaded first (the WebSocket then starts the context in the background);
+        KeyError when the id is unknown."""
+        if voice_id not in self._infos:
+            raise KeyError(voice_id)
+        return self._cache.get(voice_id)
+
     async def get_prompt(self, voice_id: str) -> VoicePrompt:
         """The cached VoicePrompt of a voice; KeyError when the id is unknown (or its files
         are gone)."""

@@ -4,6 +4,9 @@ I/O only: protocol rules live in `gateway.protocol` (sans-I/O), text cutting in
 `gateway.segmenter`, encoding in `gateway.audio`. Per socket there are
 
 * one reader task: parse a frame, run the state machine, execute its commands;
+* one start task per context whose voice must first be loaded (`_Starting`): the
+  commands for that context wait in order behind it, the other contexts' (a cancel, say)
+  do not;
 * one writer task draining a byte-bounded queue (`FrameWriter`): audio producers wait
   when it is full, so a client that does not read stops the engine instead of growing
   memory, and a monitor disconnects it (4001) once its oldest frame is too old;
@@ -300,6 +303,36 @@ class _StreamSegment:
         return Segment(self.index, self.text, self.start, self.start + len(self.text), self.reason)  # type: ignore[arg-type]
 
 
+@dataclass
+class _Starting:
+    """A context being started (`_Connection._start_then_catch_up`): its voice may take a
+    disk read, a re-made prompt or a database round trip, which must not hold the reader,
+    so the context's own commands that come meanwhile wait here, in order, and run once it
+    has started (or been refused). A cancel does not wait: while the voice loads it marks
+    the start `cancelled` (the load goes on, to be cached, and opens nothing), after that
+    it stops the task."""
+
+    backlog: deque[Command] = field(default_factory=deque)
+    cancelled: bool = False
+    loaded: bool = False  # the start itself is over (opened or refused): catching up
+    task: asyncio.Task[None] | None = None  # set right after the task is made
+
+
+# Commands one starting context holds for it; past them the reader waits for the start, as
+# it did for every start before starts ran in the background (a client sending this much
+# while its voice loads is not reading its own errors either).
+STARTING_BACKLOG_MAX = 256
+
+
+def _context_of(cmd: Command) -> str | None:
+    """The context a command is about (a `Send` by its event's id), None for the socket's."""
+    if isinstance(cmd, Send):
+        cid = cmd.event.get("context_id") if isinstance(cmd.event, dict) else None
+        return cid if isinstance(cid, str) else None
+    cid = getattr(cmd, "context_id", None)
+    return cid if isinstance(cid, str) else None
+
+
 # ---- the connection -------------------------------------------------------------------
 
 
@@ -316,6 +349,10 @@ class _Connection:
         self.session_id = "ws-" + uuid.uuid4().hex[:10]
         self.writer = FrameWriter(websocket.send_text, websocket.send_bytes, self.limits.max_pending_bytes)
         self.contexts: dict[str, _ContextRuntime] = {}
+        self.starting: dict[str, _Starting] = {}
+        # Every start task still running, a cancelled start's load included; at most
+        # `max_contexts` (the reader waits for one to end before it makes another).
+        self._start_tasks: set[asyncio.Task[None]] = set()
         self.stop = asyncio.Event()
         self.close_code: int | None = None
         self.close_reason = ""
@@ -361,17 +398,31 @@ class _Connection:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.writer.wait_drained(), timeout=max(1.0, limits.max_lag_s))
         finally:
-            for rt in list(self.contexts.values()):
-                await self._stop_context(rt)
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(BaseException):
-                    await t
-            if self.close_code is not None:
-                # A slow consumer may not even take the close frame: do not wait for it.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.ws.close(code=self.close_code, reason=self.close_reason), timeout=2.0)
+            # In a task of its own: a second cancel of this one must not cut it short (its
+            # engine sessions would stay open and its tasks run on).
+            await asyncio.shield(asyncio.ensure_future(self._teardown(tasks)))
+
+    async def _teardown(self, tasks: list[asyncio.Task]) -> None:
+        # First the reader and the starts: either would otherwise open contexts after the
+        # stop below.
+        tasks[1].cancel()
+        await asyncio.wait([tasks[1]])
+        starts = list(self._start_tasks)
+        for t in starts:
+            t.cancel()
+        if starts:
+            await asyncio.wait(starts)
+        for rt in list(self.contexts.values()):
+            await self._stop_context(rt)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if self.close_code is not None:
+            # A slow consumer may not even take the close frame: do not wait for it.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ws.close(code=self.close_code, reason=self.close_reason), timeout=2.0)
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         """A socket task ended. Each one runs until the socket stops; one that ended
@@ -439,8 +490,9 @@ class _Connection:
     def _drop_unstarted_contexts(self) -> None:
         """After a failed frame: contexts the state machine opened but that never got a
         runtime would swallow their text and keep `close` waiting for a `done` that
-        cannot come. Between frames every context of the state has a runtime."""
-        for cid in [c for c in self.state.contexts if c not in self.contexts]:
+        cannot come. Between frames every context of the state has a runtime or is
+        being started."""
+        for cid in [c for c in self.state.contexts if c not in self.contexts and c not in self.starting]:
             self.state.context_finished(cid)
             self.send_event(ProtocolError("internal_error", "context could not be started", cid).event())
 
@@ -529,9 +581,71 @@ class _Connection:
             self._slow_consumer(f"over {self.writer.max_event_bytes} bytes of events queued")
 
     async def _execute(self, cmd: Command) -> None:
+        cid = _context_of(cmd)
+        starting = self.starting.get(cid) if cid is not None else None
+        if starting is not None and not isinstance(cmd, CancelContext):
+            if len(starting.backlog) < STARTING_BACKLOG_MAX:
+                starting.backlog.append(cmd)  # behind its context's start, in order
+                return
+            assert starting.task is not None
+            await asyncio.wait([starting.task])
+            await self._execute(cmd)  # its start is over: as any command now
+            return
+        if isinstance(cmd, StartContext) and not self._starts_at_once(cmd.settings.voice):
+            while len(self._start_tasks) >= self.limits.max_contexts:
+                await asyncio.wait(self._start_tasks, return_when=asyncio.FIRST_COMPLETED)
+            starting = self.starting[cmd.context_id] = _Starting()
+            task = starting.task = asyncio.create_task(self._start_then_catch_up(cmd, starting),
+                                                       name=f"{self.session_id}-{cmd.context_id}-start")
+            self._start_tasks.add(task)
+            task.add_done_callback(self._start_tasks.discard)
+            return
+        await self._run(cmd)
+
+    def _starts_at_once(self, voice: str) -> bool:
+        """Whether a context of this voice starts without waiting (its prompt cached, or
+        the id unknown: refused at once), so that it starts right here, in the order of
+        the client's messages; otherwise in the background (`_Starting`)."""
+        peek = getattr(self.gw.voices, "cached_prompt", None)
+        if peek is None:
+            return True  # a store that cannot tell
+        try:
+            return peek(voice) is not None
+        except KeyError:
+            return True
+
+    async def _start_then_catch_up(self, cmd: StartContext, starting: _Starting) -> None:
+        """A context's start, then the commands for it that came meanwhile (`_Starting`).
+        An error in one of them costs that command an `internal_error`, as in the reader."""
+        cid = cmd.context_id
+        try:
+            await self._start_context(cmd, starting)
+            starting.loaded = True
+            while starting.backlog and not starting.cancelled:  # it grows while a command here waits
+                queued = starting.backlog.popleft()
+                try:
+                    await self._run(queued)
+                except Exception:
+                    log.exception("websocket command %r failed", queued)
+                    self.send_event(ProtocolError("internal_error", "internal error").event())
+        except Exception:  # a bug: the id must not stay open with nothing left to end it
+            log.exception("%s: context %s failed to start", self.session_id, cid)
+            if cid not in self.contexts and self.starting.get(cid) is starting:  # not cancelled or reopened
+                self.state.context_finished(cid)
+                self.send_event(ProtocolError("internal_error", "context could not be started", cid).event())
+                self._maybe_close()
+        finally:
+            # No await since the backlog was last found empty: a command for this
+            # context from now on runs directly.
+            if self.starting.get(cid) is starting:
+                del self.starting[cid]
+
+    async def _run(self, cmd: Command) -> None:
         if isinstance(cmd, Send):
             self.send_event(cmd.event)
         elif isinstance(cmd, StartContext):
+            # Here from a backlog only when its id ended while its start caught up, and
+            # was opened again: started in its turn, in that task (a cancel stops it).
             await self._start_context(cmd)
         elif isinstance(cmd, Speak):
             await self._speak(cmd)
@@ -562,19 +676,27 @@ class _Connection:
         elif isinstance(cmd, SetStatsInterval):
             self.stats_interval_s = cmd.interval_ms / 1000.0
 
-    async def _start_context(self, cmd: StartContext) -> None:
+    async def _start_context(self, cmd: StartContext, starting: _Starting | None = None) -> None:
+        """Open the context (voice, encoder, engine session, pump) and say so. `starting`:
+        it runs in the background, and a cancel may come while its voice loads."""
         cid, settings = cmd.context_id, cmd.settings
         started: _ContextRuntime | ProtocolError
         try:
-            started = await self._open_runtime(cid, settings)
+            voice = await self._voice(cid, settings.voice)
+            if starting is not None and starting.cancelled:
+                return  # its `cancelled` was sent: open nothing (no await from here on)
+            started = voice if isinstance(voice, ProtocolError) else await self._open_runtime(cid, settings, voice)
         except Exception:
             log.exception("%s: context %s failed to start", self.session_id, cid)
             started = ProtocolError("internal_error", "context could not be started", cid)
+        if starting is not None and starting.cancelled:
+            return
         if isinstance(started, ProtocolError):
             # The state machine opened it: without this its later text would be dropped
             # silently and `close` would wait for a `done` that never comes.
             self.state.context_finished(cid)
             self.send_event(started.event())
+            self._maybe_close()  # a start in the background may end after the `close` came
             return
         rt = started
         self.contexts[cid] = rt
@@ -584,16 +706,19 @@ class _Connection:
         # says `active: true`, which a client reads as after its `context_started`).
         self.send_event({"type": "context_started", "context_id": cid, **settings.describe()})
 
-    async def _open_runtime(self, cid: str, settings: ContextSettings) -> _ContextRuntime | ProtocolError:
-        """Voice, encoder and engine session of a new context. Refusals the client can
-        act on come back as errors; anything else raises, but never with an engine
-        session left open."""
+    async def _voice(self, cid: str, voice_id: str) -> Any:
+        """The voice's prompt, or the refusal the client can act on."""
         try:
-            voice = await self.gw.voices.get_prompt(settings.voice)
+            return await self.gw.voices.get_prompt(voice_id)
         except KeyError:
-            return ProtocolError("voice_not_found", f"voice {echo(settings.voice)!r} is not registered", cid)
+            return ProtocolError("voice_not_found", f"voice {echo(voice_id)!r} is not registered", cid)
         except ApiError as exc:  # e.g. the shared voice store is unreachable
             return ProtocolError(exc.code, exc.message, cid)
+
+    async def _open_runtime(self, cid: str, settings: ContextSettings, voice: Any) -> _ContextRuntime | ProtocolError:
+        """Encoder and engine session of a new context, for its voice's prompt. Refusals
+        the client can act on come back as errors; anything else raises, but never with
+        an engine session left open. It waits for nothing unless it fails."""
         # Before the engine session: an encoder that cannot be built (no libopus) then
         # has nothing to clean up.
         encoder = self._new_encoder(settings)
@@ -673,10 +798,27 @@ class _Connection:
             rt.streaming = None
 
     async def _cancel(self, cid: str) -> None:
+        starting = self.starting.pop(cid, None)
+        if starting is not None:
+            # Still loading its voice: it will open nothing, and ends here without a
+            # runtime (`cancelled` says not active; it sent no `context_started`).
+            # Catching up on its commands: the task stops in the one in progress (a
+            # reopened start's load too), and a runtime it has is stopped below.
+            starting.cancelled = True
+            if starting.loaded and starting.task is not None:
+                starting.task.cancel()
+                await asyncio.wait([starting.task])
+            # What the state machine had to say about the context's messages still goes
+            # out (a text too long, say), before its `cancelled`.
+            for queued in starting.backlog:
+                if isinstance(queued, Send):
+                    self.send_event(queued.event)
+            starting.backlog.clear()
         rt = self.contexts.get(cid)
         if rt is None:
             self.state.context_finished(cid)
             self.send_event({"type": "cancelled", "context_id": cid, "active": False, "audio_samples": 0, "text_end": 0, "segments_started": 0})
+            self._maybe_close()  # a `close` may have waited for the start
             return
         await self._stop_context(rt)
         # Rendered when sent: a frame that was mid-send at cancel time is counted too.
@@ -699,11 +841,13 @@ class _Connection:
             rt.cancelled = True
             self.writer.drop(rt)
         current = asyncio.current_task()
-        for task in [rt.pump, *rt.settling]:
-            if task is not None and task is not current:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        tasks = [t for t in (rt.pump, *rt.settling) if t is not None and t is not current]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # `wait`, not `await task`: a cancel of the caller itself (the reader, at the
+            # socket's end) must reach it, not pass for the task's own and be swallowed.
+            await asyncio.wait(tasks)
         with contextlib.suppress(Exception):
             await rt.session.abort()
         self._forget(rt)

@@ -98,8 +98,14 @@ def test_register_persists_and_survives_restart(tmp_path: Path, run, engine_loop
         store2 = await open_store(tmp_path, engine2)
         assert [v.id for v in store2.list()] == ["alice"]
         assert store2.get("alice") == info
+        # Listed, not loaded yet: a context of it would wait for the disk (the WebSocket
+        # starts it in the background); an unknown id is known at once.
+        assert store2.cached_prompt("alice") is None
+        with pytest.raises(KeyError):
+            store2.cached_prompt("bob")
         again = await store2.get_prompt("alice")
         assert same_prompt(first, again)
+        assert store2.cached_prompt("alice") is again
         assert engine2.prepared == 0  # loaded from disk, not recomputed
         await store2.close()
 

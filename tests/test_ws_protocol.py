@@ -514,12 +514,14 @@ class _ScriptedSession:
 
     def __init__(self) -> None:
         self.aborted = False
+        self.texts: list[str] = []
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     async def submit(self, text: str, options: Any = None, utterance_id: str | None = None) -> str:
         from engine.types import AudioChunk
         import numpy as np
 
+        self.texts.append(text)
         uid = utterance_id or "u"
         self._events.put_nowait(AudioChunk(uid, np.zeros(480, np.float32), 0, True, 0))
         return uid
@@ -671,5 +673,286 @@ def test_client_provoking_events_without_reading_is_closed_with_4001() -> None:
         await asyncio.wait_for(conn.run(), 5)
         assert sock.closed_with == CLOSE_SLOW_CONSUMER and gw.errors == ["slow_consumer"]
         assert conn.writer.event_bytes <= 2 * 1000
+
+    asyncio.run(main())
+
+
+class _GatedVoices:
+    """Voices whose "slow..." ones load only when the test lets them (a disk read, a prompt
+    made again): "slow-2" has gates of its own, the others share `asked` and `release`;
+    every other voice loads at once."""
+
+    def __init__(self) -> None:
+        self.gates = {key: (asyncio.Event(), asyncio.Event()) for key in ("slow", "slow-2")}
+        self.asked, self.release = self.gates["slow"]
+
+    def cached_prompt(self, voice_id: str) -> object | None:
+        return None if voice_id.startswith("slow") else object()
+
+    async def get_prompt(self, voice_id: str) -> object:
+        if voice_id.startswith("slow"):
+            asked, release = self.gates["slow-2" if voice_id == "slow-2" else "slow"]
+            asked.set()
+            await release.wait()
+        if voice_id == "slow-missing":  # read, then found gone
+            raise KeyError(voice_id)
+        return object()
+
+
+def _started(sock: _Socket, cid: str) -> bool:
+    return any(e["type"] == "context_started" and e["context_id"] == cid for e in sock.texts)
+
+
+def _gated_connection() -> tuple[_Socket, list[_ScriptedSession], _GatedVoices, Any]:
+    from gateway.ws import _Connection
+
+    sock, sessions, voices = _Socket(), [], _GatedVoices()
+    gw = _fake_gw(WsLimits(keepalive_interval_s=0), sessions)
+    gw.voices = voices
+    return sock, sessions, voices, _Connection(sock, gw)
+
+
+def test_a_slow_voice_load_holds_only_its_own_context() -> None:
+    """While context b's voice loads, a cancel of context a is served at once (before: the
+    reader waited for b's voice, and a kept speaking); b's own text and flush wait for its
+    start and then run in order."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="a", text="Hello there.")
+        assert (await sock.next_event("context_started"))["context_id"] == "a"
+        sock.push(type="text", context_id="b", text="A second voice.", voice="slow", flush=True)
+        await voices.asked.wait()
+        sock.push(type="cancel", context_id="a")
+        cancelled = await sock.next_event("cancelled")
+        assert (cancelled["context_id"], cancelled["active"]) == ("a", True)
+        assert sessions[0].aborted and not _started(sock, "b") and len(sessions) == 1
+        voices.release.set()
+        assert (await sock.next_event("context_started"))["context_id"] == "b"
+        assert await sock.next_event("flushed") == {"type": "flushed", "context_id": "b", "flush_id": 1}
+        sock.push(type="end", context_id="b")
+        assert (await sock.next_event("done"))["context_id"] == "b"
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        assert sock.closed_with == 1000 and not conn.starting and not sock.errors()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_while_its_voice_loads_ends_the_context_before_it_starts() -> None:
+    """No `context_started`, no engine session, `cancelled` with active false, and a
+    `close` waiting on it completes."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="Never heard.", voice="slow")
+        await voices.asked.wait()
+        sock.push(type="close")
+        sock.push(type="cancel", context_id="b")
+        cancelled = await sock.next_event("cancelled")
+        assert (cancelled["context_id"], cancelled["active"], cancelled["audio_samples"]) == ("b", False, 0)
+        await asyncio.wait_for(serving, 5)
+        assert sock.closed_with == 1000 and not sessions and not _started(sock, "b") and not conn.starting
+
+    asyncio.run(main())
+
+
+def test_a_context_cancelled_before_its_start_ran_can_be_opened_again() -> None:
+    """Text and cancel read back to back, before the start task's first step: the cancel
+    frees the id at once (else its later text would wait behind that start), and the
+    start's load goes on and opens nothing."""
+    async def main() -> None:
+        sock, sessions, _, conn = _gated_connection()
+        sock.push(type="text", context_id="c", text="Gone.", voice="slow")
+        sock.push(type="cancel", context_id="c")
+        serving = asyncio.create_task(conn.run())
+        cancelled = await sock.next_event("cancelled")
+        assert (cancelled["context_id"], cancelled["active"]) == ("c", False) and not sessions
+        sock.push(type="text", context_id="c", text="Back again.", end=True)
+        assert (await sock.next_event("context_started"))["context_id"] == "c"
+        assert (await sock.next_event("done"))["context_id"] == "c"
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        assert sock.closed_with == 1000 and len(sessions) == 1 and not conn.starting
+
+    asyncio.run(main())
+
+
+async def _until(condition: Any, turns: int = 500) -> None:
+    """Let the other tasks run until `condition()` holds (each turn one pass of the event
+    loop, no clock): the reader and the start tasks need a few passes per frame."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+def test_a_start_refused_after_the_close_came_still_closes_the_socket() -> None:
+    """A voice found gone after its read, with `close` sent meanwhile: the refusal is the
+    context's last event and the socket closes with 1000 (before: nothing closed it until
+    the idle timeout, 300 s by default)."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="Nobody.", voice="slow-missing", end=True)
+        await voices.asked.wait()
+        sock.push(type="close")
+        await _until(lambda: conn.state.closing)
+        voices.release.set()
+        await asyncio.wait_for(serving, 5)
+        assert sock.errors() == [("voice_not_found", "b")] and sock.closed_with == 1000 and not sessions
+
+    asyncio.run(main())
+
+
+def test_a_starting_context_holds_a_bounded_backlog_then_the_reader_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `STARTING_BACKLOG_MAX` commands the reader waits for the start, as it did for
+    every start before; nothing is lost and the context's text keeps its order."""
+    import gateway.ws
+
+    monkeypatch.setattr(gateway.ws, "STARTING_BACKLOG_MAX", 2)
+
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="One.", voice="slow", flush=True)  # a Speak and a flush mark
+        await voices.asked.wait()
+        for word in ("Two.", "Three.", "Four.", "Five."):
+            sock.push(type="text", context_id="b", text=word, flush=True)
+        await _until(lambda: sock.inbox.qsize() == 3)  # the reader holds "Two." and waits
+        assert len(conn.starting["b"].backlog) == 2
+        voices.release.set()
+        sock.push(type="end", context_id="b")
+        assert (await sock.next_event("done"))["context_id"] == "b"
+        assert sessions[0].texts == ["One.", "Two.", "Three.", "Four.", "Five."]
+        assert [e["flush_id"] for e in sock.texts if e["type"] == "flushed"] == [1, 2, 3, 4, 5]
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        assert sock.closed_with == 1000
+
+    asyncio.run(main())
+
+
+def test_a_socket_that_ends_while_a_voice_loads_opens_nothing_after() -> None:
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="Too late.", voice="slow")
+        await voices.asked.wait()
+        sock.inbox.put_nowait({"type": "websocket.disconnect"})
+        await asyncio.wait_for(serving, 5)
+        assert not conn._start_tasks and not conn.starting
+        voices.release.set()
+        await _until(lambda: True)
+        assert not sessions and not conn.contexts
+
+    asyncio.run(main())
+
+
+def test_an_id_reopened_while_its_cancelled_start_still_loads_starts_once() -> None:
+    """The cancelled start's load goes on (to be cached) and opens nothing; the new start
+    of the same id opens the one context."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="First try.", voice="slow")
+        await voices.asked.wait()
+        sock.push(type="cancel", context_id="b")
+        cancelled = await sock.next_event("cancelled")
+        assert (cancelled["context_id"], cancelled["active"]) == ("b", False)
+        sock.push(type="text", context_id="b", text="Second try.", voice="slow", end=True)
+        await _until(lambda: len(conn._start_tasks) == 2)  # the cancelled one still loads
+        voices.release.set()
+        assert (await sock.next_event("done"))["context_id"] == "b"
+        assert len(sessions) == 1 and sessions[0].texts == ["Second try."]
+        assert [e["context_id"] for e in sock.texts if e["type"] == "context_started"] == ["b"]
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        assert sock.closed_with == 1000 and not conn._start_tasks
+
+    asyncio.run(main())
+
+
+class _SlowFinishSession(_ScriptedSession):
+    """An engine session whose `finish` waits for the test (a session of another process)."""
+
+    def __init__(self, finishing: asyncio.Event) -> None:
+        super().__init__()
+        self.finishing = finishing
+
+    async def finish(self) -> None:
+        await self.finishing.wait()
+        await super().finish()
+
+
+def test_a_start_reopened_behind_a_catching_up_start_is_cancelled_with_it() -> None:
+    """b's start catches up on its text and end, and waits in the end's `finish`; b is done
+    meanwhile and opened again with a voice to read, which waits behind that. A cancel of
+    the new b ends it before it starts: nothing opens after its `cancelled`."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        finishing = asyncio.Event()
+
+        def open_session(voice: object, options: object) -> _ScriptedSession:
+            sessions.append(_SlowFinishSession(finishing))
+            return sessions[-1]
+
+        conn.gw.engine.open_session = open_session
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="Once.", voice="slow", end=True)
+        await voices.asked.wait()
+        voices.release.set()
+        assert (await sock.next_event("done"))["context_id"] == "b"
+        assert conn.starting["b"].loaded  # still in the end's `finish`
+        sock.push(type="text", context_id="b", text="Twice.", voice="slow-2")
+        await _until(lambda: len(conn.starting["b"].backlog) == 2)  # its start and its text
+        sock.push(type="cancel", context_id="b")
+        cancelled = await sock.next_event("cancelled")
+        assert (cancelled["context_id"], cancelled["active"]) == ("b", False)
+        voices.gates["slow-2"][1].set()
+        finishing.set()
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        assert [e["type"] for e in sock.texts if e.get("context_id") == "b"][-1] == "cancelled"
+        assert len(sessions) == 1 and not conn.contexts and not voices.gates["slow-2"][0].is_set()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_while_its_voice_loads_still_sends_the_errors_of_its_messages() -> None:
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        conn.state.limits = replace(conn.state.limits, max_text_chars=10)
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="Short.", voice="slow")
+        await voices.asked.wait()
+        sock.push(type="text", context_id="b", text="Far too long for the limit.")
+        sock.push(type="cancel", context_id="b")
+        await sock.next_event("cancelled")
+        assert [(e["type"], e.get("code")) for e in sock.texts if e.get("context_id") == "b"] == [
+            ("error", "text_too_long"), ("cancelled", None)]
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        assert sock.closed_with == 1000 and not sessions
+
+    asyncio.run(main())
+
+
+def test_a_socket_task_cancelled_twice_still_ends_its_contexts() -> None:
+    """The second cancel lands in the teardown the first began: the teardown goes on by
+    itself (the engine session is aborted, the socket's tasks end)."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="a", text="Speaking.")
+        await sock.next_event("context_started")
+        serving.cancel()
+        await asyncio.sleep(0)  # into the teardown
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        await _until(lambda: sessions[0].aborted and not conn.contexts)
+        await _until(lambda: conn._writer_task is not None and conn._writer_task.done())
 
     asyncio.run(main())
