@@ -247,6 +247,9 @@ class EngineConfig:
     # of chunks of one length, stay one call. (Round 7, before graphs and the stage's
     # own process, found fewer padded frames but no less stage time.)
     flow_split_batches: bool = True
+    # What one more flow call costs there, in row-frames of ODE work
+    # (`engine.token2wav.SPLIT_CALL_COST`: lower splits more often, for less padding).
+    flow_split_call_cost: int = 730
     # With flow graphs, price each candidate call at its graph bucket's padded shape (rows
     # to the next row bucket, frames to the next multiple of 50) rather than its exact one
     # (`engine.token2wav.call_work`): 33 rows of one length then run as 32 + 1, not padded
@@ -467,6 +470,8 @@ class EngineConfig:
             raise ValueError(f"vocoder_graph_rows must be increasing row counts >= 1, got {rows}")
         if self.flow_prompt_cache_bytes < 0:
             raise ValueError("flow_prompt_cache_bytes must be >= 0")
+        if self.flow_split_call_cost < 0:
+            raise ValueError("flow_split_call_cost must be >= 0")
         if self.flow_context_cache_bytes < 0 or self.flow_context_min_rows < 1:
             raise ValueError("flow_context_cache_bytes must be >= 0 and flow_context_min_rows >= 1")
         if self.flow_context_cache_bytes > 0 and self.flow_left_context <= 0:

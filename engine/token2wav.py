@@ -179,6 +179,8 @@ def deadline_cut(deadlines: Sequence[float], now: float,
 # (the H200 stage bench: an eager batch from the prompt cache takes ~36 ms plus ~0.049 ms per
 # row x frame, so a call costs about as much as 730 row-frames; a graph replay ~23 ms plus
 # ~0.03 ms per padded row x frame, about 770 of its row-frames: one constant serves both).
+# Round 39's kernels on an H100 fit ~18 ms plus ~0.03 ms per padded row x frame (~600); the
+# setting `engine.flow_split_call_cost` waits for an A/B under load.
 SPLIT_CALL_COST = 730
 SPLIT_MAX_CALLS = 3
 
@@ -429,6 +431,7 @@ class AudioStage:
                  graph_policy: GraphPolicy | None = None, policy: str = "first_chunks",
                  window_tolerance: float = 0.25, prompt_cache_bytes: int | None = None,
                  profiler: StageProfiler | None = None, split_batches: bool = False, split_padded: bool = True,
+                 split_call_cost: float = SPLIT_CALL_COST,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
@@ -481,6 +484,7 @@ class AudioStage:
         self.profiler = profiler  # engine.stage_profile_dir: a window of batches under torch.profiler
         self.split_batches = split_batches  # engine.flow_split_batches: see split_by_length
         self.split_padded = split_padded  # engine.flow_split_padded: see _split_pricing
+        self.split_call_cost = split_call_cost  # engine.flow_split_call_cost: see split_by_length
         self.fill_padding = fill_padding  # engine.flow_fill_padding: see _fill_padding
         self.final_full_attention = final_full_attention  # engine.flow_final_full_attention: see _flow_calls
         self.hift = hift
@@ -703,7 +707,7 @@ class AudioStage:
         width = max((f - m for f, m in zip(full, measures[-1])), default=0)
         shared = all(c.prompt_feat is chunks[0].prompt_feat for c in chunks)  # one voice, as far as seen here
         if self.split_batches and split:
-            calls = split_by_length(measures[-1], solved=self._split_pricing(width, shared))
+            calls = split_by_length(measures[-1], self.split_call_cost, solved=self._split_pricing(width, shared))
         else:
             calls = [list(range(len(chunks)))]
         return calls, measures, width, shared
@@ -1087,7 +1091,8 @@ class AudioStage:
             return [list(range(len(chunks)))]
         cached = [0] * len(chunks) if entries is None else [0 if e is None else e.frames for e in entries]
         solved = self._split_pricing(prefix_width(entries), shared_entry(entries) is not None)
-        return split_by_length([self._window_frames(c) - k for c, k in zip(chunks, cached)], solved=solved)
+        return split_by_length([self._window_frames(c) - k for c, k in zip(chunks, cached)], self.split_call_cost,
+                               solved=solved)
 
     def _split_pricing(self, width: int, shared: bool) -> Callable[[int, int], int] | None:
         """How `split_by_length` prices a call: at the graph bucket's padded shape when the

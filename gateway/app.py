@@ -105,6 +105,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_context_min_rows=e.flow_context_min_rows,
         flow_split_batches=e.flow_split_batches,
         flow_split_padded=e.flow_split_padded,
+        flow_split_call_cost=e.flow_split_call_cost,
         flow_fill_padding=e.flow_fill_padding,
         stage_policy=e.stage_policy,  # type: ignore[arg-type]
         stage_window_tolerance=e.stage_window_tolerance,

@@ -179,6 +179,11 @@ class EngineSettings:
                        "lengths (less padding under staggered arrivals: on the H200, 64 sessions arriving over "
                        "16 s got first audio p95 396 ms against 857 without it)"),
     )
+    flow_split_call_cost: int = field(
+        default=730,
+        metadata=_help("with split flow batches, what one more call costs in row-frames of ODE work (lower: more "
+                       "splits, less padding; 730 was fitted on the H200 before round 39's kernels)"),
+    )
     flow_split_padded: bool = field(
         default=True,
         metadata=_help("with flow CUDA graphs, split a batch by the padded shapes its graphs run (row and frame "

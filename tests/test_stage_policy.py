@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -463,6 +464,25 @@ def test_the_stage_prices_its_calls_at_its_graphs_shapes(tiny_model_dir) -> None
         assert stage._flow_calls(chunks, None) == [list(range(33))]
     finally:
         stage._pool.shutdown(wait=True)
+
+
+def test_the_call_cost_setting_decides_the_split(tiny_model_dir) -> None:  # noqa: ANN001
+    from engine.models.loader import load_model
+    from tests.test_flow_prompt_cache import chunk, make_voice
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    v = make_voice(60, 5)
+    chunks = [chunk(v, 100, 200, False), chunk(v, 0, 15, False)] * 4
+    stage = AudioStage(model.flow, model.hift, torch.device("cpu"), split_batches=True)
+    try:
+        assert stage.split_call_cost == 730 and len(stage._flow_calls(chunks, None)) == 2
+        stage.split_call_cost = 10**6  # a call dearer than any padding: one call
+        assert stage._flow_calls(chunks, None) == [list(range(8))]
+    finally:
+        stage._pool.shutdown(wait=True)
+    assert EngineConfig(model_dir=Path(".")).flow_split_call_cost == 730
+    with pytest.raises(ValueError, match="flow_split_call_cost"):
+        EngineConfig(model_dir=Path("."), flow_split_call_cost=-1)
 
 
 def test_a_split_batch_gives_the_same_audio_with_fewer_frames(tiny_model_dir) -> None:  # noqa: ANN001
