@@ -8,7 +8,7 @@ a tile of one channel of one row once and writes the activation once, in float32
 
 `available(x)` says whether this path can run: CUDA (or Triton's interpreter on the CPU,
 `TRITON_INTERPRET=1` set before Triton is imported, which the tests use) and Triton
-importable, for a contiguous [B, C, T] activation.
+importable, for a [B, C, T] activation (made contiguous first where it is not).
 """
 
 from __future__ import annotations
