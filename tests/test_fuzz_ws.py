@@ -195,7 +195,34 @@ async def _invalid_utf8_text_frame(url: str) -> int | None:
         return ws.close_code
 
 
-def test_live_fuzz_keeps_serving_and_bystanders_unaffected(server: LiveServer) -> None:
+class _AlwaysRead:
+    """The server's voices as the PostgreSQL store serves them: none without a read first
+    (here a few turns of the event loop, as a round trip would give), so every context
+    starts in the background (`gateway.ws._Starting`) and races the messages after it."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.reads = 0
+
+    def cached_prompt(self, voice_id: str) -> None:
+        return None
+
+    async def get_prompt(self, voice_id: str) -> Any:
+        self.reads += 1
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return await self._inner.get_prompt(voice_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("starts", ["in order", "in the background"])
+def test_live_fuzz_keeps_serving_and_bystanders_unaffected(server: LiveServer, starts: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    always_read = _AlwaysRead(server.gw.voices)
+    if starts == "in the background":
+        monkeypatch.setattr(server.gw, "voices", always_read)
     n = int(os.environ.get("FUZZ_WS_FRAMES", "500"))
     text = "The bystander speaks one clean sentence, start to end."
 
@@ -215,6 +242,7 @@ def test_live_fuzz_keeps_serving_and_bystanders_unaffected(server: LiveServer) -
 
     (rec, counts), by, utf8_code = asyncio.run(scenario())
     assert sum(counts.values()) == n and len(counts) >= 10
+    assert (always_read.reads > 20) == (starts == "in the background")  # contexts started that way
     errors = rec.of("error")
     assert errors, "the fuzzer provoked no error at all"
     codes = {e["code"] for e in errors}
