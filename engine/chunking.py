@@ -88,6 +88,33 @@ def grown_end(prompt_tokens: int, offset: int, end: int, available: int, lm_done
     return (grid_end, False) if grid_end > end else None
 
 
+@dataclass(frozen=True)
+class SpareTokens:
+    """What a queued chunk may grow into (`grown_end`) where its utterance's token list is
+    not at hand (a stage in a process of its own): the tokens generated past its window
+    when it was queued, and the rest of what `grown_end` reads. The chunk ends at `end`;
+    `after` holds tokens [after_start, after_start + len(after)), up to as far as the
+    chunk could ever reach (offset + max_hop + lookahead)."""
+
+    prompt_tokens: int
+    offset: int
+    end: int
+    available: int  # the utterance's tokens when the chunk was queued
+    lm_done: bool
+    lookahead: int
+    max_hop: int
+    after_start: int
+    after: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokens: list[int], prompt_tokens: int, offset: int, end: int, window_end: int, lm_done: bool,
+           lookahead: int, max_hop: int) -> "SpareTokens":
+        """For a chunk whose flow window holds the utterance's tokens up to `window_end`."""
+        reach = min(len(tokens), offset + max_hop + lookahead)
+        return cls(prompt_tokens, offset, end, len(tokens), lm_done, lookahead, max_hop, window_end,
+                   tuple(tokens[window_end:reach]))
+
+
 def patient_target(prompt_tokens: int, offset: int, available: int, lm_done: bool, lookahead: int,
                    max_hop: int, left_context: int) -> tuple[int, bool, int]:
     """(end, finalize, need) of a chunk of tokens from `offset` whose audio is not needed

@@ -264,7 +264,9 @@ class EngineConfig:
     # more audio (the vocoder decodes it), and the utterance needs fewer chunks, each of
     # which recomputes its left context. Under staggered arrivals (H200, round 7, sessions
     # spread over 5 s) batches computed 254-314 frames a chunk against 127-137 in a burst.
-    # Off by default: not measured on the GPU yet.
+    # A stage in its own process grows a chunk into the tokens generated when it was
+    # queued (`engine.stage_process.grow_from_spare`). Off by default: not measured on the
+    # GPU yet.
     flow_fill_padding: bool = False
     # How the audio stage picks each batch from the queued chunks:
     # "first_chunks": first chunks heard after silence first (not those of an utterance
@@ -305,9 +307,8 @@ class EngineConfig:
     # 64-chunk round took 128 ms alone and 479 ms beside one thread running Python 90% of
     # the time (round 18 of docs/benchmarks.md), and 64 sessions' opening rounds took
     # 190-405 ms in a process of their own against 464-565 in the gateway's. With
-    # stage_devices, one process per device. None: on with a CUDA device unless
-    # flow_fill_padding (which it does not combine with) is set; on the CPU off (no CPU
-    # serves the loads where the lock is contended).
+    # stage_devices, one process per device. None: on with a CUDA device; on the CPU off
+    # (no CPU serves the loads where the lock is contended).
     stage_process: bool | None = None
     # A stage process that is alive but stuck (a GPU hang, a deadlock) would leave every
     # session waiting for audio for ever. The engine kills it, and its utterances end with
@@ -476,9 +477,6 @@ class EngineConfig:
             raise ValueError("flow_context_cache_bytes must be >= 0 and flow_context_min_rows >= 1")
         if self.flow_context_cache_bytes > 0 and self.flow_left_context <= 0:
             raise ValueError("flow_context_cache_bytes needs a bounded flow_left_context (> 0 tokens)")
-        if self.stage_process and self.flow_fill_padding:
-            raise ValueError("stage_process does not combine with flow_fill_padding (a chunk grows from its "
-                             "utterance's tokens, which live in this process)")
         if self.flow_context_cache_bytes > 0 and not self.flow_prompt_cache:
             raise ValueError("flow_context_cache_bytes needs flow_prompt_cache (its rings follow the cached prompt)")
 
@@ -490,7 +488,7 @@ class EngineConfig:
     def resolved_stage_process(self) -> bool:
         if self.stage_process is not None:
             return self.stage_process
-        return self.resolved_device().type == "cuda" and not self.flow_fill_padding
+        return self.resolved_device().type == "cuda"
 
     def resolved_flow_dtype(self) -> torch.dtype | str:
         return "auto" if self.flow_dtype == "auto" else getattr(torch, self.flow_dtype)

@@ -19,7 +19,9 @@ engine -> stage
                                     name it by key (the stage's prompt cache keys on it)
     ("release", sids, keys)         vocoder streams and tensors the engine dropped
     ("stream", sid)                 a new vocoder stream (one per utterance)
-    ("submit", jid, sid, chunk, speed, index, urgent, deadline, deadline_from)
+    ("submit", jid, sid, chunk, speed, index, urgent, deadline, deadline_from, spare)
+                                    spare: the tokens the chunk may grow into
+                                    (`flow_fill_padding`, `chunking.SpareTokens`) or None
     ("cancel", jids)                queued chunks of cancelled utterances
     ("expect", sid, due, round_s)   `AudioStage.expect_first_chunk`
     ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started;
@@ -29,7 +31,8 @@ engine -> stage
 stage -> engine
     ("ready", info) / ("fatal", text)           once, after the stage is built (or not)
     ("events", started, done, failed, rounds, stats, memory)
-        started: (jid, at, rows) per chunk whose batch was taken (`BatchStart`); done:
+        started: (jid, at, rows, grown) per chunk whose batch was taken (`BatchStart`;
+        grown: the (end, finalize) the stage grew the chunk to, None if it did not); done:
         (jid, pcm); failed: (jid, message); rounds: the (work, wall) pairs the stage's
         `RoundTimes` observed, replayed into the engine's copy (`round_estimate` is
         answered here, synchronously); stats: `StageStats` as a dict; memory: CUDA bytes
@@ -41,7 +44,10 @@ The clocks agree: `time.monotonic` is the system's monotonic clock on Linux, one
 every process, so deadlines and batch starts cross the pipe as they are.
 
 A chunk's `grow` (`flow_fill_padding`) reads its utterance's tokens, which live in the
-engine's process: not offered here (`EngineConfig` refuses the pair). With `stage_devices`
+engine's process; here a chunk grows into the tokens generated when it was queued, sent
+with it (`grow_from_spare`), and the engine learns the end it grew to with its start. At
+the loads where the padding is large the LM runs ahead of the stage, so those are most
+of what the chunk could take. With `stage_devices`
 the engine starts one such process per device, behind a `StagePool`. If the stage's process
 exits, every chunk and call waiting on it fails with `StageProcessError` and later submits
 raise it: an utterance ends with an error, never a hang. A process that is alive but stuck
@@ -75,6 +81,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .chunking import SpareTokens, grown_end
 from .config import EngineConfig
 from .first_chunk import RoundTimes
 from .flow_graphs import GraphPolicy
@@ -112,6 +119,29 @@ class ChunkWire:
     out_start: int
     finalize: bool
     noise_offset: int
+
+
+def grow_from_spare(chunk: FlowChunk, end: int, spare: SpareTokens, room: int) -> tuple[FlowChunk, int, bool] | None:
+    """The chunk (ending at token `end`) grown by up to `room` tokens of flow window into
+    its spare tokens, as the engine's own grower would with the same tokens generated
+    (`chunking.grown_end`): (chunk, end, finalize), or None to stay. The window keeps its
+    start (and so its output start and noise offset) and takes tokens up to the new end's
+    lookahead, or to the new end when it becomes the last chunk."""
+    grown = grown_end(spare.prompt_tokens, spare.offset, end, spare.available, spare.lm_done, spare.lookahead,
+                      room, spare.max_hop)
+    if grown is None:
+        return None
+    new_end, finalize = grown
+    prompt = chunk.num_prompt_tokens
+    window_start = spare.offset - (chunk.out_start - prompt)
+    have = window_start + len(chunk.tokens) - prompt  # the utterance's tokens the window holds
+    stop = new_end if finalize else min(spare.available, new_end + spare.lookahead)
+    extra = spare.after[have - spare.after_start: stop - spare.after_start]
+    if have < spare.after_start or len(extra) != stop - have:
+        raise ValueError(f"spare tokens [{spare.after_start}, {spare.after_start + len(spare.after)}) do not "
+                         f"reach from the window's end {have} to {stop}")
+    tokens = torch.cat([chunk.tokens, torch.tensor(extra, dtype=chunk.tokens.dtype)])
+    return dataclasses.replace(chunk, tokens=tokens, finalize=finalize), new_end, finalize
 
 
 class RemoteStream:
@@ -246,7 +276,7 @@ class RemoteStage:
         job.seq = jid
         chunk = self._wire(job.flow)
         self._send(("submit", jid, stream.sid, chunk, job.speed, job.chunk_index, job.urgent, job.deadline,
-                    job.deadline_from))
+                    job.deadline_from, job.spare if job.grow is not None else None))
         self._jobs[jid] = job
         return job.future
 
@@ -370,16 +400,19 @@ class RemoteStage:
                     else:
                         future.set_exception(StageProcessError(value))
 
-    def _on_events(self, started: list[tuple[int, float, int]], done: list[tuple[int, np.ndarray]],
+    def _on_events(self, started: list[tuple[int, float, int, tuple[int, bool] | None]],
+                   done: list[tuple[int, np.ndarray]],
                    failed: list[tuple[int, str]], rounds: list[tuple[int, float]], stats: dict[str, Any],
                    memory: dict[str, int]) -> None:
         for work, wall in rounds:
             self.rounds.observe(work, wall)
         self.stats = StageStats(**stats)
         self.cuda_memory = memory
-        for jid, at, rows in started:
+        for jid, at, rows, grown in started:
             job = self._jobs.get(jid)
             if job is not None and not job.started.done():
+                if grown is not None and job.grown_to is not None:
+                    job.grown_to(*grown)  # before the start: the engine reads it then
                 job.started.set_result(BatchStart(at, rows))
         for jid, pcm in done:
             job = self._jobs.pop(jid, None)
@@ -569,7 +602,11 @@ class _StageServer:
         self.tensors: dict[int, torch.Tensor] = {}
         self.cancelled: set[int] = set()
         self.live: set[int] = set()  # submitted, not yet done
-        self.started: list[tuple[int, float, int]] = []
+        self.started: list[tuple[int, float, int, tuple[int, bool] | None]] = []
+        # Chunks that may grow (`flow_fill_padding`): their job and end now, by id, until
+        # their batch starts; and the (end, finalize) of those that grew.
+        self.growing: dict[int, tuple[ChunkJob, int, SpareTokens]] = {}
+        self.grown: dict[int, tuple[int, bool]] = {}
         self.done: list[tuple[int, np.ndarray]] = []
         self.failed: list[tuple[int, str]] = []
         self.rounds: list[tuple[int, float]] = []
@@ -606,10 +643,13 @@ class _StageServer:
         self.streams[sid] = self.stage.new_stream()
 
     def on_submit(self, jid: int, sid: int, wire: ChunkWire, speed: float, index: int, urgent: bool,
-                  deadline: float, deadline_from: float | None) -> None:
+                  deadline: float, deadline_from: float | None, spare: SpareTokens | None = None) -> None:
         job = ChunkJob(self.chunk(wire), self.streams[sid], speed, index,
                        functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent,
                        deadline_from=deadline_from)
+        if spare is not None:
+            self.growing[jid] = (job, spare.end, spare)
+            job.grow = functools.partial(self._grow, jid)
         self.stage.submit(job)
         self.live.add(jid)
         job.started.add_done_callback(functools.partial(self._started, jid))
@@ -655,15 +695,29 @@ class _StageServer:
 
     # Results: the stage resolves a batch's futures together; their callbacks run in the
     # next turn of the loop, and the flush scheduled by the first runs after them all.
+    def _grow(self, jid: int, room: int) -> FlowChunk | None:
+        """`ChunkJob.grow` of a chunk sent with its spare tokens."""
+        job, end, spare = self.growing[jid]
+        grown = grow_from_spare(job.flow, end, spare, room)
+        if grown is None:
+            return None
+        chunk, end, finalize = grown
+        self.growing[jid] = (job, end, spare)
+        self.grown[jid] = (end, finalize)
+        return chunk
+
     def _started(self, jid: int, future: asyncio.Future[BatchStart]) -> None:
+        self.growing.pop(jid, None)  # its chunk is final now
         if not future.cancelled():
             start = future.result()
-            self.started.append((jid, start.at, start.rows))
+            self.started.append((jid, start.at, start.rows, self.grown.pop(jid, None)))
             self._flush_soon()
 
     def _done(self, jid: int, future: asyncio.Future[np.ndarray]) -> None:
         self.cancelled.discard(jid)
         self.live.discard(jid)
+        self.growing.pop(jid, None)  # dropped before its batch started
+        self.grown.pop(jid, None)
         if future.cancelled():
             return  # cancelled by the engine, which no longer waits for it
         exc = future.exception()

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from .chunking import SpareTokens
 from .config import StagePolicy
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
@@ -99,6 +100,11 @@ class ChunkJob:
     # compute for this row anyway, and runs the returned chunk instead (on the job it
     # holds: `StagePool` queues a copy). None: fixed length.
     grow: Callable[[int], FlowChunk | None] | None = None
+    # For a stage in a process of its own, which cannot call `grow`: the tokens it may grow
+    # into (`engine.stage_process` grows the chunk there), and where the end it grew to
+    # (end, finalize) is told before `started` resolves.
+    spare: SpareTokens | None = None
+    grown_to: Callable[[int, bool], None] | None = None
 
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)

@@ -255,7 +255,7 @@ class EngineSettings:
         default=None,
         metadata=_help("run the flow+vocoder stage in a process of its own, so that its operator calls do not "
                        "wait for the interpreter lock behind the event loop; one per stage device (default: on "
-                       "with a CUDA device unless flow_fill_padding is set)"),
+                       "with a CUDA device)"),
     )
     stage_stall_timeout_s: float = field(
         default=120.0,

@@ -262,14 +262,13 @@ def test_a_stage_device_that_cannot_start_stops_the_others(tiny_model_dir):
 
 
 def test_stage_process_refuses_what_it_cannot_run(tmp_path):
-    with pytest.raises(ValueError, match="flow_fill_padding"):
-        EngineConfig(model_dir=tmp_path, stage_process=True, flow_fill_padding=True)
+    assert EngineConfig(model_dir=tmp_path, stage_process=True, flow_fill_padding=True).resolved_stage_process()
     assert EngineConfig(model_dir=tmp_path, stage_process=True).resolved_stage_process()
     # By default: on where the lock is contended (a GPU's loads), where it can run.
     assert not EngineConfig(model_dir=tmp_path, device="cpu").resolved_stage_process()
     assert EngineConfig(model_dir=tmp_path, device="cuda").resolved_stage_process()
     assert EngineConfig(model_dir=tmp_path, device="cuda", stage_devices=("cuda:0", "cuda:1")).resolved_stage_process()
-    assert not EngineConfig(model_dir=tmp_path, device="cuda", flow_fill_padding=True).resolved_stage_process()
+    assert EngineConfig(model_dir=tmp_path, device="cuda", flow_fill_padding=True).resolved_stage_process()
     assert not EngineConfig(model_dir=tmp_path, device="cuda", stage_process=False).resolved_stage_process()
     # An SM share is the stage process's MPS setting: refused without that process.
     with pytest.raises(ValueError, match="stage_mps_thread_percent needs the stage's own process"):
@@ -410,3 +409,110 @@ def test_a_cancel_for_a_chunk_already_done_leaves_nothing_behind():
         assert not server.cancelled and not server.live
 
     asyncio.run(fn())
+
+
+# ---- fill padding in the stage's process ---------------------------------------------------
+
+
+def test_a_chunk_grows_into_its_spare_tokens_as_the_engine_builds_it():
+    """`grow_from_spare` gives the chunk the engine would build for the grown end (the
+    window keeps its start), on the 25-token grid counted from the prompt, again from a
+    grown chunk, or the rest as the last chunk once the LM is done."""
+    from engine.chunking import SpareTokens
+    from engine.stage_process import grow_from_spare
+    from tests.test_flow_prompt_cache import LOOK, chunk, make_voice
+
+    v = make_voice(60, 1)  # a 60-token prompt; the grid ends chunks at 40, 65, 90, 115, ...
+    tokens = v.speech.tolist()
+    first = chunk(v, 50, 65, False)  # its window holds tokens [25, 68)
+
+    def spare(available: int, lm_done: bool = False) -> SpareTokens:
+        return SpareTokens.of(tokens[:available], 60, 50, 65, 68, lm_done, LOOK, 100)
+
+    def same(a: FlowChunk, b: FlowChunk) -> bool:
+        return (torch.equal(a.tokens, b.tokens) and (a.out_start, a.finalize, a.noise_offset)
+                == (b.out_start, b.finalize, b.noise_offset))
+
+    grown, end, final = grow_from_spare(first, 65, spare(120), room=40)
+    assert (end, final) == (90, False) and same(grown, chunk(v, 50, 90, False))  # 105 rounds down to 90
+    again, end, final = grow_from_spare(grown, 90, spare(120), room=30)
+    assert (end, final) == (115, False) and same(again, chunk(v, 50, 115, False))
+    last, end, final = grow_from_spare(first, 65, spare(80, lm_done=True), room=20)
+    assert (end, final) == (80, True) and same(last, chunk(v, 50, 80, True))
+    assert grow_from_spare(first, 65, spare(120), room=0) is None
+    assert grow_from_spare(first, 65, spare(70), room=40) is None  # no lookahead past the next grid end
+    assert grow_from_spare(first, 65, spare(200), room=200)[1] == 140  # at most max_hop (100) past its offset, on the grid
+
+
+def test_the_stage_process_grows_a_queued_chunk_and_says_how_far(tiny_model_dir):
+    """The stage's side of the pipe: a chunk sent with its spare tokens grows into its batch's
+    padding, runs grown (the same audio as the grown chunk sent as it is), and its start
+    says the end it grew to; the engine's job learns it before its start resolves."""
+    from engine.chunking import SpareTokens
+    from engine.first_chunk import RoundTimes
+    from engine.models.loader import load_model
+    from engine.stage_process import ChunkWire
+    from engine.token2wav import AudioStage, BatchStart
+    from tests.test_flow_prompt_cache import LOOK, chunk, make_voice
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    v = make_voice(60, 1)
+    spare = SpareTokens.of(v.speech.tolist()[:150], 60, 50, 65, 68, False, LOOK, 100)
+
+    def wire(c: FlowChunk) -> ChunkWire:
+        return ChunkWire(c.tokens.numpy(), 1, 2, c.num_prompt_tokens, c.out_start, c.finalize, c.noise_offset)
+
+    async def serve(chunks: list[FlowChunk], spares: list[SpareTokens | None]) -> tuple[list, dict]:
+        stage = AudioStage(model.flow, model.hift, torch.device("cpu"), max_batch=8, fill_padding=True)
+        sent: list[tuple] = []
+        all_done = asyncio.Event()
+
+        class Pipe:
+            def send(self, batch: list[tuple]) -> None:
+                sent.extend(batch)
+                if sum(len(m[2]) for m in sent if m[0] == "events") == len(chunks):
+                    all_done.set()
+
+        server = _StageServer(Pipe(), stage)  # type: ignore[arg-type]
+        server.handle([("tensor", 1, v.feat.numpy()), ("tensor", 2, v.emb.numpy())]
+                      + [("stream", sid) for sid in range(len(chunks))]
+                      + [("submit", jid, jid, wire(c), 1.0, 1, True, -float("inf"), None, sp)
+                         for jid, (c, sp) in enumerate(zip(chunks, spares))])
+        await stage.start()
+        try:
+            await all_done.wait()
+        finally:
+            await stage.close()
+        events = [m for m in sent if m[0] == "events"]
+        started = {jid: grown for m in events for jid, _, _, grown in m[1]}
+        pcm = {jid: p for m in events for jid, p in m[2]}
+        assert not server.growing and not server.grown
+        return [pcm[j] for j in range(len(chunks))], started
+
+    pcm, started = asyncio.run(serve([chunk(v, 50, 125, False), chunk(v, 50, 65, False)], [None, spare]))
+    assert started == {0: None, 1: (115, False)}  # 50 tokens of room, down to the grid
+    want, _ = asyncio.run(serve([chunk(v, 50, 125, False), chunk(v, 50, 115, False)], [None, None]))
+    for a, b in zip(pcm, want):
+        assert_same_audio(a, b)
+
+    # The engine's side: the job hears the end before its start resolves.
+    async def engine_side() -> list[tuple[int, bool]]:
+        heard: list[tuple[int, bool]] = []
+        remote = RemoteStage.__new__(RemoteStage)
+        remote.rounds, remote._jobs = RoundTimes(), {}
+        job = ChunkJob(flow=chunk(v, 50, 65, False), hift_stream=None, speed=1.0, chunk_index=1,
+                       is_cancelled=lambda: False, grown_to=lambda end, final: heard.append((end, final)))
+        job.started = asyncio.get_running_loop().create_future()
+        job.started.add_done_callback(lambda f: heard.append(("started", f.result().rows)))  # type: ignore[arg-type]
+        remote._jobs[7] = job
+        remote._on_events([(7, 1.0, 2, (115, False))], [], [], [], {}, {})
+        await asyncio.sleep(0)  # the start's callback runs on the next turn
+        assert isinstance(job.started.result(), BatchStart)
+        return heard
+
+    assert asyncio.run(engine_side()) == [(115, False), ("started", 2)]
+
+
+def test_an_engine_with_fill_padding_serves_from_a_stage_process(tiny_model_dir):
+    pcm = run(tiny_model_dir, _speak_four, warmup=False, stage_process=True, flow_fill_padding=True)
+    assert len(pcm) == 4 and all(p.size > 0 for p in pcm)
