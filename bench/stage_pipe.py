@@ -27,7 +27,7 @@ SAMPLE_RATE = 24000
 def _echo(conn: Connection, rows: int, samples: int) -> None:
     pcm = [np.zeros(samples, np.float32) for _ in range(rows)]
     while conn.recv() is not None:
-        conn.send([("events", [(i, 0.0, rows) for i in range(rows)], list(enumerate(pcm)), [], [], {}, {})])
+        conn.send([("events", [(i, 0.0, rows, None) for i in range(rows)], list(enumerate(pcm)), [], [], {}, {})])
 
 
 def round_trips(rows: int, audio_s: float, reps: int) -> list[float]:
@@ -36,7 +36,7 @@ def round_trips(rows: int, audio_s: float, reps: int) -> list[float]:
     child = ctx.Process(target=_echo, args=(theirs, rows, int(audio_s * SAMPLE_RATE)))
     child.start()
     wire = ChunkWire(np.zeros(180, np.int64), 0, 1, 106, 156, False, 0)
-    batch = [("submit", i, i, wire, 1.0, 0, True, 0.0) for i in range(rows)]
+    batch = [("submit", i, i, wire, 1.0, 0, True, 0.0, None, None) for i in range(rows)]
     times = []
     try:
         for _ in range(reps + reps // 10):

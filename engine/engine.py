@@ -1504,7 +1504,7 @@ class Session:
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
-                if eng.config.flow_fill_padding:  # for a stage in its own process
+                if cfg.flow_fill_padding and cfg.resolved_stage_process():  # it grows the chunk there
                     job.spare = self._spare(tokens, sched.offset, end, job.flow, sched.max_hop, lm_task, flow_cfg)
                     job.grown_to = extent.grown_to
             queued_at = time.monotonic()

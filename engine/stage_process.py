@@ -648,9 +648,10 @@ class _StageServer:
                        functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent,
                        deadline_from=deadline_from)
         if spare is not None:
-            self.growing[jid] = (job, spare.end, spare)
             job.grow = functools.partial(self._grow, jid)
         self.stage.submit(job)
+        if spare is not None:  # only now: a submit that fails leaves nothing here
+            self.growing[jid] = (job, spare.end, spare)
         self.live.add(jid)
         job.started.add_done_callback(functools.partial(self._started, jid))
         job.future.add_done_callback(functools.partial(self._done, jid))
