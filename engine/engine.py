@@ -35,7 +35,7 @@ from .backends.base import LMBackend, LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits, SpeechLimitReached, TextInLM
 from .chunking import ChunkSchedule, SpareTokens, chunk_frames, grown_end, patient_target, window_start
 from .config import DEADLINE_MARGIN_S, EngineConfig
-from .first_chunk import SPEECH_TOKENS_PER_S, FirstChunkPlanner, PlanInputs
+from .first_chunk import SPEECH_TOKENS_PER_S, TUNABLE, FirstChunkPlanner, PlanInputs
 from .frontend.prompt import lm_prompt_text
 from .frontend.text import detect_grammar
 from .lm_watch import LMWatch
@@ -47,7 +47,7 @@ from .stage_build import graph_policy, voice_graph_shapes
 from .stage_pool import StagePool, build_stage
 from .stage_process import RemoteStage
 from .text_stream import TextFeed
-from .token2wav import AudioStage, ChunkJob, cuda_memory
+from .token2wav import STAGE_TUNABLE, AudioStage, ChunkJob, check_stage_knobs, cuda_memory
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
 
 log = logging.getLogger(__name__)
@@ -459,6 +459,9 @@ class Engine:
                                               min_hop=config.first_chunk_min_hop,
                                               min_hop_crowd=config.first_chunk_min_hop_crowd,
                                               idle_hop=config.idle_initial_hop)
+        # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their
+        # spare tokens to a stage in its own process while it is on.
+        self.fill_padding = config.flow_fill_padding
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[tuple[str, str | None, str | None], tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -782,8 +785,16 @@ class Engine:
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
     def tune_planner(self, knobs: dict[str, object]) -> None:
-        """`FirstChunkPlanner.tune` (`POST /debug/planner`)."""
-        self.first_chunks.tune(knobs)
+        """`FirstChunkPlanner.tune` and `AudioStage.tune` (`POST /debug/planner`), each with
+        its own knobs; all or none."""
+        unknown = [name for name in knobs if name not in TUNABLE and name not in STAGE_TUNABLE]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not tunable (one of {', '.join(sorted({*TUNABLE, *STAGE_TUNABLE}))})")
+        stage = check_stage_knobs({k: v for k, v in knobs.items() if k in STAGE_TUNABLE})
+        self.first_chunks.tune({k: v for k, v in knobs.items() if k in TUNABLE})
+        if stage:
+            self.stage.tune(stage)
+            self.fill_padding = bool(stage.get("fill_padding", self.fill_padding))
 
     def planner_state(self) -> dict[str, object]:
         """The first-chunk planner's learnt inputs (`FirstChunkPlanner.snapshot`) and the
@@ -1504,7 +1515,7 @@ class Session:
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
-                if cfg.flow_fill_padding and cfg.resolved_stage_process():  # it grows the chunk there
+                if eng.fill_padding and cfg.resolved_stage_process():  # it grows the chunk there
                     job.spare = self._spare(tokens, sched.offset, end, job.flow, sched.max_hop, lm_task, flow_cfg)
                     job.grown_to = extent.grown_to
             queued_at = time.monotonic()

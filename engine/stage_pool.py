@@ -24,7 +24,7 @@ import torch
 from .config import EngineConfig
 from .models.loader import LoadedModel
 from .stage_build import audio_stage
-from .token2wav import AudioStage, ChunkJob, StageStats
+from .token2wav import AudioStage, ChunkJob, StageStats, check_stage_knobs
 
 if TYPE_CHECKING:
     from .stage_process import RemoteStage
@@ -146,6 +146,12 @@ class StagePool:
         """`AudioStage.started` of every stage."""
         for stage in self.stages:
             stage.started()
+
+    def tune(self, knobs: dict[str, object]) -> None:
+        """`AudioStage.tune` of every stage."""
+        check_stage_knobs(knobs)  # before any is set
+        for stage in self.stages:
+            stage.tune(knobs)
 
     @property
     def stats(self) -> StageStats:

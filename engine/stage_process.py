@@ -24,7 +24,7 @@ engine -> stage
                                     (`flow_fill_padding`, `chunking.SpareTokens`) or None
     ("cancel", jids)                queued chunks of cancelled utterances
     ("expect", sid, due, round_s)   `AudioStage.expect_first_chunk`
-    ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started;
+    ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started / tune;
                                     cid None: no reply
     ("close",)
 
@@ -88,12 +88,12 @@ from .flow_graphs import GraphPolicy
 from .heap import freeze_startup_objects
 from .models.flow import FlowChunk
 from .mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, mps_client_env
-from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, cuda_memory, estimate_round
+from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, check_stage_knobs, cuda_memory, estimate_round
 
 log = logging.getLogger(__name__)
 
 # The stage's warm-up calls the engine makes, and `started`; nothing else is called by name.
-CALLS = frozenset({"warm_graphs", "warm_prompt", "warm_context", "started"})
+CALLS = frozenset({"warm_graphs", "warm_prompt", "warm_context", "started", "tune"})
 START_TIMEOUT_S = 900.0  # model load, compile and vocoder graph capture in the child
 CLOSE_TIMEOUT_S = 30.0
 
@@ -237,6 +237,11 @@ class RemoteStage:
     def started(self) -> None:
         self._serving = True
         self._tell(("call", None, "started", ()))
+
+    def tune(self, knobs: dict[str, object]) -> None:
+        """`AudioStage.tune`, checked here (a refusal is the caller's), set in the stage's
+        process before the next message it reads (a batch it has taken runs as it was)."""
+        self._tell(("call", None, "tune", (check_stage_knobs(knobs),)))
 
     async def close(self) -> None:
         if self._closed:

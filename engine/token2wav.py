@@ -109,6 +109,24 @@ class ChunkJob:
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 
+# The stage's settings `AudioStage.tune` may change while it serves (`POST /debug/planner`
+# with `debug_tuning`: a benchmark's A/B, level by level on one gateway, which saves a
+# gateway start per setting), and their types.
+STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int}
+
+
+def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
+    """`knobs` as `AudioStage.tune` sets them; ValueError names the first one it refuses."""
+    for name, value in knobs.items():
+        kind = STAGE_TUNABLE.get(name)
+        if kind is None:
+            raise ValueError(f"{name!r} is not a tunable stage setting (one of {', '.join(sorted(STAGE_TUNABLE))})")
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return dict(knobs)
+
 
 @dataclass(frozen=True)
 class BatchCandidate:
@@ -537,6 +555,11 @@ class AudioStage:
         stream = self.hift.new_stream()
         self._live.add(stream)
         return stream
+
+    def tune(self, knobs: dict[str, object]) -> None:
+        """Set `STAGE_TUNABLE` settings from the next batch on; all or none."""
+        for name, value in check_stage_knobs(knobs).items():
+            setattr(self, name, value)
 
     def started(self) -> None:
         """The engine's start (its warm-up) is over: the profile's window counts batches

@@ -398,8 +398,9 @@ class Settings:
                        "off: stay up with /ready and /health answering 503"),
     )
     debug_tuning: bool = field(
-        default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs while serving "
-                                      "(benchmarks: A/B levels on one gateway)"))
+        default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
+                                      "fill_padding and split_call_cost while serving (benchmarks: A/B levels "
+                                      "on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))
     gil_switch_interval_ms: float = field(

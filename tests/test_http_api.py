@@ -554,7 +554,19 @@ def test_debug_planner_tuning_needs_the_setting(server) -> None:
             assert c.get("/debug/planner", headers=AUTH).json()["min_hop"] == 6
             resp = c.post("/debug/planner", content=b"[1]", headers=AUTH | {"content-type": "application/json"})
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
+            # The stage's own settings too, all or none with the planner's.
+            engine, stage = srv.gw.engine, srv.gw.engine.stage
+            resp = c.post("/debug/planner", json={"min_hop": 7, "split_call_cost": -1}, headers=AUTH)
+            assert resp.status_code == 400 and "split_call_cost" in resp.json()["error"]["message"]
+            assert planner.min_hop == 6 and stage.split_call_cost == 730
+            resp = c.post("/debug/planner", json={"nonsense": 1}, headers=AUTH)
+            message = resp.json()["error"]["message"]
+            assert resp.status_code == 400 and "fill_padding" in message and "min_hop" in message
+            resp = c.post("/debug/planner", json={"fill_padding": True, "split_call_cost": 400}, headers=AUTH)
+            assert resp.status_code == 200
+            assert (stage.fill_padding, stage.split_call_cost, engine.fill_padding) == (True, 400, True)
         finally:
+            srv.gw.engine.tune_planner({"fill_padding": False, "split_call_cost": 730})
             planner.tune({"min_hop": start, "margin": 0.5})
             planner.limit = srv.gw.engine.config.initial_hop_max
             srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import multiprocessing
 import os
@@ -516,3 +517,40 @@ def test_the_stage_process_grows_a_queued_chunk_and_says_how_far(tiny_model_dir)
 def test_an_engine_with_fill_padding_serves_from_a_stage_process(tiny_model_dir):
     pcm = run(tiny_model_dir, _speak_four, warmup=False, stage_process=True, flow_fill_padding=True)
     assert len(pcm) == 4 and all(p.size > 0 for p in pcm)
+
+
+def test_stage_settings_tuned_while_serving_reach_the_stage_process():
+    """`RemoteStage.tune` refuses a bad knob itself and sends the rest; the stage's side sets
+    them (`POST /debug/planner` with `debug_tuning`: A/B levels on one gateway)."""
+    class Stage:
+        rounds = None
+        fill_padding, split_call_cost = False, 730
+
+        def tune(self, knobs: dict) -> None:
+            for name, value in knobs.items():
+                setattr(self, name, value)
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, batch: list) -> None:
+            self.sent.extend(batch)
+
+    async def fn() -> None:
+        stage = Stage()
+        server = _StageServer(conn=Pipe(), stage=stage)  # type: ignore[arg-type]
+        remote = RemoteStage.__new__(RemoteStage)
+        remote._conn, remote._error, remote._closed = Pipe(), None, False
+        remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+        with pytest.raises(ValueError, match="split_call_cost"):
+            remote.tune({"split_call_cost": -5})
+        assert remote._conn.sent == []
+        remote.tune({"fill_padding": True, "split_call_cost": 400})
+        (message,) = remote._conn.sent
+        assert message == ("call", None, "tune", ({"fill_padding": True, "split_call_cost": 400},))
+        server.handle([message])
+        await asyncio.gather(*server.tasks)
+        assert (stage.fill_padding, stage.split_call_cost) == (True, 400)
+
+    asyncio.run(fn())
