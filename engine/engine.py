@@ -462,6 +462,7 @@ class Engine:
         # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their
         # spare tokens to a stage in its own process while it is on.
         self.fill_padding = config.flow_fill_padding
+        self.remote_stage = config.resolved_stage_process()
         self._sessions: set[Session] = set()
         self._prefix_cache: dict[tuple[str, str | None, str | None], tuple[int, ...]] = {}
         self._warmed_prompts: set[int] = set()  # prompt lengths whose flow graphs are captured
@@ -1515,7 +1516,7 @@ class Session:
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
-                if eng.fill_padding and cfg.resolved_stage_process():  # it grows the chunk there
+                if eng.fill_padding and eng.remote_stage:  # it grows the chunk there
                     job.spare = self._spare(tokens, sched.offset, end, job.flow, sched.max_hop, lm_task, flow_cfg)
                     job.grown_to = extent.grown_to
             queued_at = time.monotonic()
