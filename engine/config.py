@@ -167,11 +167,6 @@ class EngineConfig:
     # On an H100 (round 39 of docs/benchmarks.md) the vocoder's GPU time fell 19-30% with
     # "triton", and the stage's rounds of 1-64 chunks took 5-7% less time.
     vocoder_snake_kernel: SnakeKernelName = "triton"
-    # The CosyVoice3 DiT's feed-forward GELU inside its first matrix product's cuBLASLt
-    # epilogue (CUDA; `engine.models.dit.FeedForward`) instead of its own pass over the
-    # block's largest activation: that pass was 16 ms of a 64-chunk round's 407 on an H100
-    # (round 39 of docs/benchmarks.md). Off until an A/B on the GPU says it pays.
-    flow_gelu_epilogue: bool = False
     # A batch of at least this many chunks, all of one voice, attends to the voice's cached
     # prompt once per CFG half, all rows' queries together, and to each row's own frames
     # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),

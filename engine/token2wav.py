@@ -460,7 +460,7 @@ class AudioStage:
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "cudnn", flow_conv_kernel: str = "triton", flow_split_prefix_rows: int = 8,
-                 vocoder_snake_kernel: str = "triton", flow_gelu_epilogue: bool = False,
+                 vocoder_snake_kernel: str = "triton",
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False):
         if policy not in STAGE_POLICIES:
@@ -498,7 +498,6 @@ class AudioStage:
             # Before it compiles: its graphs keep the kernel.
             estimator.use_attention_kernel(attention_kernel_for(flow_attention, torch.device(device), self.flow_dtype))
             estimator.use_conv_kernel(flow_conv_kernel)
-            estimator.use_gelu_epilogue(flow_gelu_epilogue)
             estimator.split_prefix_rows = flow_split_prefix_rows
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.

@@ -89,7 +89,6 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_attention=e.flow_attention,  # type: ignore[arg-type]
         flow_conv_kernel=e.flow_conv_kernel,  # type: ignore[arg-type]
         vocoder_snake_kernel=e.vocoder_snake_kernel,  # type: ignore[arg-type]
-        flow_gelu_epilogue=e.flow_gelu_epilogue,
         flow_split_prefix_rows=e.flow_split_prefix_rows,
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,

@@ -636,23 +636,9 @@ class FeedForward(nn.Module):
             nn.Identity(),
             nn.Linear(inner, dim),
         )
-        # Where the GELU runs (`DiT.use_gelu_epilogue`): False, as its own pass over the
-        # [frames, 2 x dim] product (the largest activation of a block, read and written
-        # once more); True, on CUDA, in the first product's cuBLASLt epilogue
-        # (`torch._addmm_activation`, whose CUDA GELU is the tanh form this model uses;
-        # its CPU kernel applies the exact form, so off CUDA the module runs either way).
-        self.gelu_epilogue = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gelu_epilogue and _gelu_epilogue_runs(x):
-            up = self.ff[0][0]
-            h = torch._addmm_activation(up.bias, x.reshape(-1, x.shape[-1]), up.weight.t(), use_gelu=True)
-            return self.ff[2](h.view(*x.shape[:-1], h.shape[-1]))
         return self.ff(x)
-
-
-def _gelu_epilogue_runs(x: torch.Tensor) -> bool:
-    return x.is_cuda
 
 
 class DiTBlock(nn.Module):
@@ -767,12 +753,6 @@ class DiT(nn.Module):
         if name not in CONV_KERNELS:
             raise ValueError(f"conv kernel must be one of {', '.join(CONV_KERNELS)}, not {name!r}")
         self.input_embed.conv_pos_embed.kernel = name
-
-    def use_gelu_epilogue(self, on: bool) -> None:
-        """Whether the blocks' feed-forward GELU runs in its product's epilogue from now on
-        (CUDA; see `FeedForward.gelu_epilogue`). Before compiling: the graphs keep it."""
-        for block in self.transformer_blocks:
-            block.ff.gelu_epilogue = on
 
     def compile_blocks(self, backend: str | Callable[..., object] = "inductor") -> None:
         """Run the blocks through `torch.compile` (dynamic shapes: one compiled graph serves
