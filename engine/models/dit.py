@@ -311,6 +311,20 @@ def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype).reshape(batch, length, heads * dh)
 
 
+class PackedMask(NamedTuple):
+    """What the blocks take instead of a mask when a call's rows run end to end as one
+    sequence [1, N, D] (`engine.models.packed_rows`): their matrix products and elementwise
+    passes run over the N real frames, and their attention alone over the rows padded
+    again, by the kernels and masks of a padded call (`inner`). `gather` [B, T]: the packed
+    frame in each padded slot (any, where the slot is padding: the mask hides it as a key,
+    and its query's output is dropped); `scatter` [N]: each packed frame's slot in the
+    flattened [B x T]."""
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    inner: "torch.Tensor | SplitMasks"
+
+
 def prefixed_attention_mask(prefix_mask: torch.Tensor, pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
     """SDPA bool mask [B, 1, T, P + T] for queries at frames [C_i, C_i + T) of each row
     over keys = P cached prefix slots then the T new frames.
@@ -577,7 +591,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor | SplitMasks,
+        mask: torch.Tensor | SplitMasks | PackedMask,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -597,6 +611,11 @@ class Attention(nn.Module):
         # Rotary on the un-split projections: only head 0 gets position information.
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
+        packed = mask if isinstance(mask, PackedMask) else None
+        if packed is not None:  # the attention alone runs on the padded rows
+            q, k, v = (t[0][packed.gather] for t in (q, k, v))
+            batch, length = packed.gather.shape
+            mask = packed.inner
         q, k, v = (t.view(batch, length, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
         if record is not None:
             record.keys.append(k)
@@ -606,22 +625,24 @@ class Attention(nn.Module):
                 raise ValueError("split attention masks need a prefix shared by every row")
             if ring_kv is not None:
                 k, v = torch.cat((ring_kv[0], k), dim=2), torch.cat((ring_kv[1], v), dim=2)
-            out = self.to_out[0](split_prefix_attention(q, k, v, prefix_kv, mask))
-            out = out * pad_mask.unsqueeze(-1).to(out.dtype)
-            return (out, new_k, new_v) if keep_kv else out
-        if prefix_kv is not None:
-            pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
-            if ring_kv is None:
-                k, v = torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)
-            else:
-                k, v = torch.cat((pk, ring_kv[0], k), dim=2), torch.cat((pv, ring_kv[1], v), dim=2)
-        if mask.is_floating_point() and q.is_cuda:  # DiT.attention_kernel "cudnn": a bias
-            bias = mask.expand(batch, self.heads, length, k.shape[2])
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False)[0]
+            out = split_prefix_attention(q, k, v, prefix_kv, mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
-        out = self.to_out[0](out) * pad_mask.unsqueeze(-1).to(out.dtype)
+            if prefix_kv is not None:
+                pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
+                if ring_kv is None:
+                    k, v = torch.cat((pk, k), dim=2), torch.cat((pv, v), dim=2)
+                else:
+                    k, v = torch.cat((pk, ring_kv[0], k), dim=2), torch.cat((pv, ring_kv[1], v), dim=2)
+            if mask.is_floating_point() and q.is_cuda:  # DiT.attention_kernel "cudnn": a bias
+                bias = mask.expand(batch, self.heads, length, k.shape[2])
+                out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False)[0]
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = out.transpose(1, 2).reshape(batch, length, self.heads * self.dim_head)
+        if packed is not None:  # back to the real frames only: none is padding
+            out = self.to_out[0](out.reshape(batch * length, -1)[packed.scatter].unsqueeze(0))
+        else:
+            out = self.to_out[0](out) * pad_mask.unsqueeze(-1).to(out.dtype)
         return (out, new_k, new_v) if keep_kv else out
 
 
@@ -652,7 +673,7 @@ class DiTBlock(nn.Module):
         self,
         x: torch.Tensor,
         mod: torch.Tensor,
-        mask: torch.Tensor | SplitMasks,
+        mask: torch.Tensor | SplitMasks | PackedMask,
         pad_mask: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -671,7 +692,7 @@ class DiTBlock(nn.Module):
         return x if kv is None else (x, *kv)
 
 
-def _run_block(block: "DiTBlock", h: torch.Tensor, mod: torch.Tensor, mask: torch.Tensor | SplitMasks,
+def _run_block(block: "DiTBlock", h: torch.Tensor, mod: torch.Tensor, mask: torch.Tensor | SplitMasks | PackedMask,
                pad_mask: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor] | None,
                record: DiTRecord | None, shared: bool = False, ring: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -767,7 +788,7 @@ class DiT(nn.Module):
         self._compiled_block = torch.compile(_run_block, dynamic=True, backend=backend)
 
     def _run_blocks(self, run: Callable[..., torch.Tensor], h: torch.Tensor, mods: torch.Tensor,
-                    attn_mask: torch.Tensor | SplitMasks, pad_mask: torch.Tensor,
+                    attn_mask: torch.Tensor | SplitMasks | PackedMask, pad_mask: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor],
                     prefix: DiTPrefix | None, record: DiTRecord | None) -> torch.Tensor:
         shared = prefix is not None and prefix.shared
@@ -782,6 +803,18 @@ class DiT(nn.Module):
                 h, keys, values = run(block, h, mods[i], attn_mask, pad_mask, rope, kv, record, shared, ring, True)
                 sink.keys_values(i, keys, values)
         return h
+
+    def block_masks(self, attn_mask: torch.Tensor, prefix: DiTPrefix | None,
+                    dtype: torch.dtype) -> torch.Tensor | SplitMasks:
+        """A call's boolean attention mask [B, 1, T, keys] as its blocks' attention takes it:
+        as is, as an additive bias (cuDNN), or split in two for a one-voice prefix attended
+        apart (`split_prefix_rows`)."""
+        batch = attn_mask.shape[0]
+        if prefix is not None and prefix.shared and 0 < self.split_prefix_rows <= batch // 2:
+            return split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], dtype, self.attention_kernel)
+        if self.attention_kernel == "cudnn":
+            return attention_bias(attn_mask, dtype)
+        return attn_mask
 
     def __deepcopy__(self, memo: dict[int, object]) -> "DiT":
         # A compiled callable does not deep-copy (a stage copy per GPU); the copy starts
@@ -836,12 +869,7 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        masks: torch.Tensor | SplitMasks = attn_mask
-        if prefix is not None and prefix.shared and 0 < self.split_prefix_rows <= batch // 2:
-            masks = split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], h.dtype, self.attention_kernel)
-        elif self.attention_kernel == "cudnn":
-            masks = attention_bias(attn_mask, h.dtype)
-        blocks = (h, time.blocks, masks, pad_mask, rope, prefix, record)
+        blocks = (h, time.blocks, self.block_masks(attn_mask, prefix, h.dtype), pad_mask, rope, prefix, record)
         if self._compiled_block is not None and record is None:
             try:
                 h_out = self._run_blocks(self._compiled_block, *blocks)
