@@ -617,7 +617,8 @@ class StreamCutter:
 
 @dataclass
 class ContextState:
-    """Protocol-side state of one context (the audio side lives in gateway.ws)."""
+    """Protocol-side state of one context (the audio side lives in gateway.ws_context and
+    gateway.ws_pump)."""
 
     context_id: str
     settings: ContextSettings

@@ -554,16 +554,16 @@ def test_voice_failing_at_start_leaves_no_phantom_context(server: Server, monkey
 
 
 def test_encoder_failing_at_start_opens_no_engine_session(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gateway.ws
+    import gateway.ws_context
 
-    real_make_encoder = gateway.ws.make_encoder
+    real_make_encoder = gateway.ws_context.make_encoder
 
     def make_encoder(name: str, sample_rate: int | None = None, options: Any = None) -> Any:
         if name == "opus":
             raise RuntimeError("libopus not found")  # what a host without libopus raises
         return real_make_encoder(name, sample_rate, options)
 
-    monkeypatch.setattr(gateway.ws, "make_encoder", make_encoder)
+    monkeypatch.setattr(gateway.ws_context, "make_encoder", make_encoder)
 
     async def main() -> tuple[Recording, Any, int | None]:
         rec = Recording()

@@ -809,9 +809,9 @@ def test_a_start_refused_after_the_close_came_still_closes_the_socket() -> None:
 def test_a_starting_context_holds_a_bounded_backlog_then_the_reader_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past `STARTING_BACKLOG_MAX` commands the reader waits for the start, as it did for
     every start before; nothing is lost and the context's text keeps its order."""
-    import gateway.ws
+    import gateway.ws_starts
 
-    monkeypatch.setattr(gateway.ws, "STARTING_BACKLOG_MAX", 2)
+    monkeypatch.setattr(gateway.ws_starts, "STARTING_BACKLOG_MAX", 2)
 
     async def main() -> None:
         sock, sessions, voices, conn = _gated_connection()
