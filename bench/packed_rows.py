@@ -101,8 +101,11 @@ def measure(dit: DiT, half: list[int], args: argparse.Namespace, device: torch.d
         t0 = time.perf_counter()
         for _ in range(args.reps):
             block = packed_mask(dit, rows, prefix, dtype)
+        if cuda:
+            torch.cuda.synchronize()
         mask_ms = 1e3 * (time.perf_counter() - t0) / args.reps
-        packed, v_pack = timed(lambda: forward_packed(dit, x, mu, spks, cond, rows, time_, prefix, block),
+        packed, v_pack = timed(lambda: forward_packed(dit, x, mu=mu, spks=spks, cond=cond, rows=rows, time=time_,
+                                                      prefix=prefix, mask=block),
                                args.reps, args.kernels, cuda)
     real = mask.bool().expand_as(v_pad)
     diff = (v_pack[real].float() - v_pad[real].float())

@@ -6,6 +6,7 @@ shared prompt prefix, with that prefix attended apart (`split_prefix_rows`), and
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -48,31 +49,40 @@ def _shared_prefix(dit: DiT, batch: int, width: int, seed: int) -> DiTPrefix:
                      conv_context=torch.randn(2, CONV_CONTEXT, dim, generator=g), shared=True)
 
 
-def _compare(dit: DiT, lengths: list[int], prefix: DiTPrefix | None, length: int | None = None) -> None:
+def _compare(dit: DiT, lengths: list[int], prefix: DiTPrefix | None, length: int | None = None,
+             prebuilt: bool = False) -> None:
     length = length or max(lengths)
     inp = _inputs(lengths, length, seed=5)
     t = torch.tensor([0.37])
     time = dit.time_conditioning(t)[0]
     rows = PackedRows.of(lengths, "cpu", length)
+    mask = packed_mask(dit, rows, prefix, torch.float32) if prebuilt else None
     with torch.no_grad():
         padded = dit(inp["x"], inp["mask"], inp["mu"], t, inp["spks"], inp["cond"], streaming=True, prefix=prefix,
                      time=time)
-        packed = forward_packed(dit, inp["x"], inp["mu"], inp["spks"], inp["cond"], rows, time, prefix)
+        packed = forward_packed(dit, inp["x"], mu=inp["mu"], spks=inp["spks"], cond=inp["cond"], rows=rows,
+                                time=time, prefix=prefix, mask=mask)
     real = inp["mask"].bool().expand_as(padded)
     assert packed.shape == padded.shape
     assert torch.allclose(packed[real], padded[real], atol=1e-5, rtol=1e-4), (packed - padded)[real].abs().max()
     assert not packed[~real].any()  # nothing past a row's end
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "cudnn"])  # cudnn's bias goes through SDPA off CUDA
 @pytest.mark.parametrize("with_prefix", [False, True])
-def test_packed_velocity_is_the_padded_one_on_every_real_frame(dit: DiT, with_prefix: bool) -> None:
+def test_packed_velocity_is_the_padded_one_on_every_real_frame(dit: DiT, with_prefix: bool, kernel: str) -> None:
     half = [3, 11, 7]  # a first chunk's few frames beside longer rows, blocks cut mid-row
     lengths = half + [n + 1 if n < 11 else n for n in half]  # the halves need not be alike
-    _compare(dit, lengths, _shared_prefix(dit, len(lengths), 2 * CHUNK, seed=6) if with_prefix else None)
+    dit.use_attention_kernel(kernel)
+    try:
+        _compare(dit, lengths, _shared_prefix(dit, len(lengths), 2 * CHUNK, seed=6) if with_prefix else None,
+                 prebuilt=with_prefix)
+    finally:
+        dit.use_attention_kernel("sdpa")
 
 
 def test_packed_rows_with_the_prefix_attended_apart(dit: DiT) -> None:
-    lengths = [2, 9, 9, 5] * 2
+    lengths = [2, 9, 9, 5, 3, 9, 8, 5]  # uneven halves
     prefix = _shared_prefix(dit, len(lengths), 2 * CHUNK, seed=8)
     before, dit.split_prefix_rows = dit.split_prefix_rows, 4
     try:
@@ -83,12 +93,13 @@ def test_packed_rows_with_the_prefix_attended_apart(dit: DiT) -> None:
         dit.split_prefix_rows = before
 
 
-def test_packed_rows_compiled(dit: DiT) -> None:
-    import copy
-
+@pytest.mark.parametrize("case", ["prefix", "split", "none"])
+def test_packed_rows_compiled(dit: DiT, case: str) -> None:
     compiled = copy.deepcopy(dit)
+    compiled.split_prefix_rows = 2 if case == "split" else 0
     compiled.compile_blocks()
-    _compare(compiled, [4, 10, 4, 10], _shared_prefix(compiled, 4, 2 * CHUNK, seed=9))
+    lengths = [4, 10, 4, 10]
+    _compare(compiled, lengths, None if case == "none" else _shared_prefix(compiled, 4, 2 * CHUNK, seed=9))
 
 
 def test_packed_rows_layout() -> None:
@@ -112,9 +123,24 @@ def test_packed_rows_refuse_what_they_cannot_run(dit: DiT) -> None:
     lengths = [3, 5]
     inp = _inputs(lengths, 5, seed=1)
     rows = PackedRows.of(lengths, "cpu")
+    args = {"mu": inp["mu"], "spks": inp["spks"], "cond": inp["cond"], "rows": rows}
     per_row_times = dit._split_time(dit._time_vectors(torch.tensor([0.1, 0.2])))
     with pytest.raises(ValueError, match="one flow time"):
-        forward_packed(dit, inp["x"], inp["mu"], inp["spks"], inp["cond"], rows, per_row_times)
+        forward_packed(dit, inp["x"], **args, time=per_row_times)
     time = dit.time_conditioning(torch.tensor([0.1]))[0]
     with pytest.raises(ValueError, match="do not fit"):
-        forward_packed(dit, inp["x"][:, :, :4], inp["mu"][:, :, :4], inp["spks"], inp["cond"][:, :, :4], rows, time)
+        forward_packed(dit, inp["x"][:, :, :4], **args, time=time)
+    shared = _shared_prefix(dit, 2, 2 * CHUNK, seed=2)
+    for prefix in (replace(shared, shared=False), replace(shared, ring_kv=shared.layer_kv),
+                   replace(shared, sink=object())):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="one voice"):
+            forward_packed(dit, inp["x"], **args, time=time, prefix=prefix)
+    other = packed_mask(dit, PackedRows.of([3, 3, 3, 3], "cpu"), None, torch.float32)
+    with pytest.raises(ValueError, match="other rows"):
+        forward_packed(dit, inp["x"], **args, time=time, mask=other)
+    block = dit.transformer_blocks[0].attn
+    with pytest.raises(ValueError, match="keep no keys"):
+        x = torch.randn(1, rows.frames, dit.norm_out.linear.in_features)
+        angles = dit.rotary_embed.at(rows.local)
+        block(x, packed_mask(dit, rows, None, torch.float32), torch.ones(1, rows.frames, dtype=torch.bool),
+              (angles.cos(), angles.sin()), keep_kv=True)

@@ -72,7 +72,7 @@ NORM_EPS = 1e-6
 CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)
 # Compiled variants dynamo may keep for the shared block function: ~5 per stage device
 # (plain batches, per-row and one-voice cached-prefix batches, and duck-sizing
-# respecialisations of those).
+# respecialisations of those; packed rows, `engine.models.packed_rows`, add theirs).
 COMPILE_CACHE_LIMIT = 64
 
 
@@ -322,7 +322,7 @@ class PackedMask(NamedTuple):
 
     gather: torch.Tensor
     scatter: torch.Tensor
-    inner: "torch.Tensor | SplitMasks"
+    inner: torch.Tensor | SplitMasks
 
 
 def prefixed_attention_mask(prefix_mask: torch.Tensor, pad_mask: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -605,7 +605,8 @@ class Attention(nn.Module):
         `ring_kv` per row after them; with `SplitMasks` (shared only) the prefix is attended
         apart (`split_prefix_attention`); `record` receives this call's keys and values;
         `keep_kv` also returns them as the projections make them, [B, T, H x dh] (out,
-        keys, values)."""
+        keys, values). With `PackedMask` x is a call's rows end to end, [1, N, D], every
+        frame real (`pad_mask` is not read), and nothing is recorded or kept."""
         batch, length, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.heads * self.dim_head, dim=-1)
         # Rotary on the un-split projections: only head 0 gets position information.
@@ -613,6 +614,8 @@ class Attention(nn.Module):
         new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         packed = mask if isinstance(mask, PackedMask) else None
         if packed is not None:  # the attention alone runs on the padded rows
+            if record is not None or keep_kv:
+                raise ValueError("packed rows keep no keys or values")
             q, k, v = (t[0][packed.gather] for t in (q, k, v))
             batch, length = packed.gather.shape
             mask = packed.inner
@@ -869,10 +872,19 @@ class DiT(nn.Module):
             offsets = torch.arange(length, device=prefix.positions.device)
             angles = self.rotary_embed.at(prefix.positions.unsqueeze(1) + offsets)  # [B, T, dh]
         rope = (angles.cos(), angles.sin())  # once per call, shared by all blocks
-        blocks = (h, time.blocks, self.block_masks(attn_mask, prefix, h.dtype), pad_mask, rope, prefix, record)
+        h = self.run_blocks(h, time.blocks, self.block_masks(attn_mask, prefix, h.dtype), pad_mask, rope, prefix,
+                            record)
+        return self.proj_out(self.norm_out(h, time.final)).transpose(1, 2)
+
+    def run_blocks(self, h: torch.Tensor, mods: torch.Tensor, masks: torch.Tensor | SplitMasks | PackedMask,
+                   pad_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], prefix: DiTPrefix | None = None,
+                   record: DiTRecord | None = None) -> torch.Tensor:
+        """The transformer blocks over the embedded input h, compiled where they are
+        (`compile_blocks`; calls that record keys and values stay eager)."""
+        blocks = (h, mods, masks, pad_mask, rope, prefix, record)
         if self._compiled_block is not None and record is None:
             try:
-                h_out = self._run_blocks(self._compiled_block, *blocks)
+                return self._run_blocks(self._compiled_block, *blocks)
             except Exception as exc:
                 if not is_compile_error(exc):
                     raise  # e.g. out of memory: an error of this call, not of compiling
@@ -880,8 +892,4 @@ class DiT(nn.Module):
                 # of the compiled variants: the flow stays correct, only slower.
                 log.exception("torch.compile of the DiT blocks failed; the flow runs them eagerly")
                 self._compiled_block = None
-                h_out = self._run_blocks(_run_block, *blocks)
-        else:
-            h_out = self._run_blocks(_run_block, *blocks)
-        h = self.norm_out(h_out, time.final)
-        return self.proj_out(h).transpose(1, 2)
+        return self._run_blocks(_run_block, *blocks)

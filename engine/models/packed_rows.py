@@ -6,8 +6,9 @@ at 176-192 sessions over 16 s on an H100 a fifth of the frames the DiT computed 
 padding (round 40 of docs/benchmarks.md). Packed, each block's matrix products and
 elementwise passes run over the real frames only. Its attention runs as in a padded call
 (the same kernels, masks and prompt prefix): q, k and v are gathered into the padded rows
-and the output scattered back, copies the padded call makes anyway to change layout. (A
-flex-attention kernel over the packed sequence itself took 8x cuDNN's time at these shapes.)
+and the output scattered back, three gathers and a scatter a block more than the padded
+call, whose cost is not measured yet. (A first form ran flex attention over the packed
+sequence itself: its kernel took 5-8x cuDNN's time at these shapes, round 40.)
 
 Same maths as `DiT.forward` in streaming mode, row for row. What stays padded: the input
 embedding (its causal position convolutions restart at each row; a small share of a call).
@@ -22,11 +23,11 @@ from typing import Sequence
 
 import torch
 
-from .dit import (CONV_CONTEXT, DiT, DiTPrefix, PackedMask, TimeConditioning, _run_block, attention_mask,
-                  per_row, prefixed_attention_mask)
+from .dit import (CONV_CONTEXT, DiT, DiTPrefix, PackedMask, TimeConditioning, attention_mask, per_row,
+                  prefixed_attention_mask)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors do not compare to one bool
 class PackedRows:
     """Where each packed frame comes from: rows [0, R) are the conditional CFG half and
     rows [R, 2R) the unconditional one, each `lengths[i]` real frames of a padded
@@ -86,7 +87,7 @@ def packed_mask(dit: DiT, rows: PackedRows, prefix: DiTPrefix | None, dtype: tor
     return PackedMask(rows.gather, rows.scatter, dit.block_masks(attn, prefix, dtype))
 
 
-def forward_packed(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+def forward_packed(dit: DiT, x: torch.Tensor, *, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                    rows: PackedRows, time: TimeConditioning, prefix: DiTPrefix | None = None,
                    mask: PackedMask | None = None) -> torch.Tensor:
     """`DiT.forward(x, mask, mu, t, spks, cond, streaming=True, prefix=prefix, time=time)`
@@ -98,9 +99,14 @@ def forward_packed(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tens
     if time.blocks.shape[1] != 1:
         raise ValueError("packed rows share one flow time")
     if prefix is not None and (not prefix.shared or prefix.ring_kv is not None or prefix.sink is not None):
+        # What the stage would pack first: one voice's batches. Mixed voices and the
+        # context cache's rings would run too, but are not tested packed; a sink keeps
+        # keys in the padded layout.
         raise ValueError("packed rows take no prefix or one voice's, without rings or sinks")
-    if tuple(x.shape[::2]) != (len(rows.lengths), rows.length):
+    if (x.shape[0], x.shape[2]) != (len(rows.lengths), rows.length):
         raise ValueError("the packed rows do not fit the padded inputs")
+    if mask is not None and mask.gather.shape != rows.gather.shape:
+        raise ValueError("the packed mask was made for other rows")
     context = context_valid = None
     if prefix is not None:
         context = prefix.conv_context
@@ -116,8 +122,7 @@ def forward_packed(dit: DiT, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tens
     rope = (angles.cos(), angles.sin())
     if mask is None:
         mask = packed_mask(dit, rows, prefix, h.dtype)
-    every = torch.ones(1, rows.frames, dtype=torch.bool, device=h.device)
-    run = dit._compiled_block or _run_block
-    h = dit._run_blocks(run, h, time.blocks, mask, every, rope, prefix, None)
+    every = torch.ones(1, rows.frames, dtype=torch.bool, device=h.device)  # not read by a packed attention
+    h = dit.run_blocks(h, time.blocks, mask, every, rope, prefix)
     out = dit.proj_out(dit.norm_out(h, time.final))  # [1, N, 80]
     return rows.unpack(out[0]).transpose(1, 2)
