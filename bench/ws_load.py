@@ -95,6 +95,8 @@ import httpx
 import numpy as np
 
 from bench.launch import LaunchedGateway, rss_bytes
+from bench.machine import describe_machine
+from bench.machine import summary as machine_summary
 from bench.playback import (
     Arrival,
     covered_s,
@@ -1691,6 +1693,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        ramps if len(ramps) > 1 else ())
     base_levels = parse_levels(args.baseline_sessions) if args.baseline_sessions else levels
 
+    machine = describe_machine(use_cuda)  # figures compare only within one machine
+    print(f"[machine] {machine_summary(machine)}", flush=True)
     report: dict[str, Any] = {
         "settings": {
             "model": args.model, "model_dir": str(model_dir) if model_dir else None,
@@ -1712,6 +1716,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "censoring_definition": CENSORING_DEFINITION,
             "rtf_definition": RTF_DEFINITION,
             "wall_definition": WALL_DEFINITION,
+            "machine": machine,
         },
         "model_flops": "n/a",
         "peak_flops_per_s": peak if peak is not None else "n/a",

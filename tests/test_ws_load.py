@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import types
 import xml.etree.ElementTree as ET
@@ -659,6 +660,9 @@ def test_end_to_end_product_and_baseline(tiny_model_dir: Path, tmp_path: Path) -
     assert all(st[k] for k in ("censoring_definition", "rtf_definition", "wall_definition"))
     assert set(st["ready_s"]) == {"product", "baseline"} and all(v > 0 for v in st["ready_s"].values())
     assert set(st["gateway_log"]) == {"product", "baseline"}  # each gateway's warnings, kept
+    machine = st["machine"]  # figures compare only within one machine
+    assert machine["logical_cpus"] == os.cpu_count() and machine["python"] and machine["torch"]
+    assert machine["cpu"] and machine["memory_gib"] > 0 and machine["gpus"] is None  # the CPU run
     assert all(isinstance(line, str) for lines in st["gateway_log"].values() for line in lines)
     for start in st["start_s"].values():  # the engine's start by step, and the voice's registration
         assert set(start) == {"voice_s", "load", "lm", "stage", "voice", "warmup"} and start["load"] > 0, start
@@ -874,3 +878,12 @@ def test_metrics_expose_stage_work_and_process_memory() -> None:
     assert series["cosyvoice_engine_cuda_memory_allocated_bytes"] == 1024
     assert series["cosyvoice_engine_cuda_max_memory_allocated_bytes"] == 2048
     assert series["cosyvoice_process_resident_memory_bytes"] > 10 * 2**20  # this Python process
+
+
+def test_machine_record_names_the_host() -> None:
+    from bench.machine import describe_machine, summary
+
+    machine = describe_machine(use_cuda=False)
+    assert re.fullmatch(r"[0-9a-f]{4,}", machine["commit"] or "")  # a git checkout: its commit
+    line = summary(machine)
+    assert "no GPU" in line and machine["cpu"] in line and machine["commit"] in line
