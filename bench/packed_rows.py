@@ -14,10 +14,12 @@ CFG half, `DiTPrefix.shared`), as under a load of one registered voice. Per mix 
 * `mask_ms` (packed): making its `PackedMask`, once per flow call (its ten steps share it);
 * `rel_rms`: the packed velocity's distance from the padded one on the real frames.
 
-The blocks are compiled as in the stage (`--compile`, on by default), the attention is the
-stage's (`--attention cudnn`) in both ways, and a batch of at least 8 rows a half attends to
-the prefix apart (`flow_split_prefix_rows`), in both ways too. Random
-inputs of the full-size random model: the cost is the shapes', not the values'.
+The blocks are compiled as in the stage (`--compile`, on by default), the attention and
+position convolutions are the stage's (`--attention cudnn`, `--conv-kernel triton`) both
+ways, and a batch of at least 8 rows a half attends to the prefix apart
+(`flow_split_prefix_rows`), both ways too. Rows are padded to the longest, not to a CUDA
+graph's frame bucket as in the stage. Random inputs of the full-size random model: the
+cost is the shapes', not the values'.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", type=int, default=150, help="the shared prompt prefix's frames (whole blocks; 0: none)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--kernels", type=int, default=6, metavar="N")
-    p.add_argument("--attention", default="cudnn", help="the padded call's attention kernel (ATTENTION_KERNELS)")
+    p.add_argument("--attention", default="cudnn", help="the attention kernel (ATTENTION_KERNELS), both ways")
+    p.add_argument("--conv-kernel", default="triton", help="the position convolutions' kernel (CONV_KERNELS)")
     p.add_argument("--split-prefix-rows", type=int, default=8)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", type=Path, default=None)
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix % dit.static_chunk_size:
         p.error(f"--prefix must be whole blocks of {dit.static_chunk_size} frames")
     dit.use_attention_kernel(attention_kernel_for(args.attention, device, dtype))
+    dit.use_conv_kernel(args.conv_kernel)  # the stage's default; torch's where Triton cannot run
     dit.split_prefix_rows = args.split_prefix_rows
     if args.compile:
         dit.compile_blocks()
