@@ -21,7 +21,7 @@ from engine.types import AudioChunk, UtteranceError
 
 from .protocol import ConnectionState, ProtocolError
 from .segmenter import Segment
-from .ws_context import _ContextRuntime, _StreamSegment
+from .ws_context import SendEvent, _ContextRuntime, _StreamSegment
 from .ws_writer import FrameWriter, _Item
 
 # The socket's log keeps its one name, whichever of its modules writes.
@@ -37,12 +37,7 @@ class PumpHost(Protocol):
     state: ConnectionState
     contexts: dict[str, _ContextRuntime]
 
-    def send_event(
-        self,
-        event: dict[str, Any] | Callable[[], dict[str, Any]],
-        ctx: _ContextRuntime | None = None,
-        segment: Segment | None = None,
-    ) -> None: ...
+    send_event: SendEvent
 
     def forget(self, rt: _ContextRuntime) -> None: ...
 

@@ -12,14 +12,13 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from engine.types import SessionOptions
 
 from .errors import ApiError
 from .protocol import CancelContext, Command, ConnectionState, ProtocolError, Send, StartContext, WsLimits, echo
-from .segmenter import Segment
-from .ws_context import _ContextRuntime, open_runtime
+from .ws_context import SendEvent, _ContextRuntime, open_runtime
 from .ws_pump import AudioPump
 
 # The socket's log keeps its one name, whichever of its modules writes.
@@ -66,12 +65,7 @@ class StartHost(Protocol):
     contexts: dict[str, _ContextRuntime]
     pump: AudioPump
 
-    def send_event(
-        self,
-        event: dict[str, Any] | Callable[[], dict[str, Any]],
-        ctx: _ContextRuntime | None = None,
-        segment: Segment | None = None,
-    ) -> None: ...
+    send_event: SendEvent
 
     def maybe_close(self) -> None: ...
 
