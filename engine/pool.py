@@ -34,8 +34,11 @@ from typing import Any, Sequence
 import torch
 
 from .config import EngineConfig
-from .engine import Engine, EngineError, EngineStats, Session
+from .engine import Engine
+from .errors import EngineError
+from .session import Session
 from .stage_pool import normalised_device
+from .stats import EngineStats
 from .types import SessionOptions, VoicePrompt
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ class SendEvent(Protocol):
 class _ContextRuntime:
     cid: str
     settings: ContextSettings
-    session: Any  # engine.engine.Session
+    session: Any  # engine.session.Session
     encoder: Encoder
     header: bytes
     pending: deque = field(default_factory=deque)  # ("utt", uid, Segment) | ("flush", id)

@@ -425,7 +425,7 @@ def test_percentile_with_values_above_every_measured_one() -> None:
 def test_baseline_flags_give_a_fixed_chunk_schedule(tmp_path: Path) -> None:
     """The baseline's flags, after whatever the run passes, turn the load-aware first-chunk
     planner (and its idle and min hops, the hold, the deadline cut) off: the engine sizes
-    a first chunk only while 0 < initial_hop < initial_hop_max (`engine.engine`)."""
+    a first chunk only while 0 < initial_hop < initial_hop_max (`engine.session`)."""
     from bench.ws_load import BASELINE_FLAGS
     from gateway.app import engine_config
     from gateway.settings import load_settings

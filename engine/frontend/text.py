@@ -92,6 +92,15 @@ def detect_grammar(text: str) -> Lang | None:
     return "en" if any(c.isalpha() for c in text) else None
 
 
+def language_grammar(language: str | None) -> Literal["zh", "en"] | None:
+    """The normalisation grammar a language hint picks: Chinese ("zh", "yue", "cmn" ...) or
+    English ("en..."); None (detect from the text) for anything else."""
+    tag = (language or "").lower().replace("_", "-").split("-")[0]
+    if tag in ("zh", "yue", "cmn", "wuu"):
+        return "zh"
+    return "en" if tag == "en" else None
+
+
 def is_markup(text: str) -> bool:
     """The official skip rule: `<|...|>` markup means the text is already prepared."""
     return "<|" in text and "|>" in text
