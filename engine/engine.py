@@ -36,23 +36,13 @@ from .models.flow import FlowChunk
 from .models.lm import unified_vocab
 from .flow_prompt_cache import cacheable_frames, supports_prompt_cache
 from .models.loader import LoadedModel, family, load_model
-from .playback import PlaybackClock, chunk_due
-from .session import SILENT_TOKENS, STEP_FROM, Session
+from .session import SILENT_TOKENS, Session
 from .stage_build import graph_policy, voice_graph_shapes
 from .stage_pool import StagePool, build_stage
 from .stage_process import RemoteStage
 from .stats import EngineStats, FirstChunkTimes, SecondChunkTimes, StartClock, plan_fields
 from .token2wav import STAGE_TUNABLE, AudioStage, check_stage_knobs, cuda_memory
 from .types import SessionOptions, UtteranceError, VoicePrompt
-
-__all__ = [
-    "CPU_WARMUP_CONCURRENCY", "PREFIX_CACHE_SIZE", "WARMUP_PROMPT_SECONDS", "WARMUP_SPEECH_TOKENS", "WARMUP_VOICE_ID",
-    "Engine", "spawn_stages",
-    # Re-exported: tests, benches and the gateway import these from here, where they were
-    # defined before the session, its playback clock and the statistics had modules of their own.
-    "STEP_FROM", "EngineError", "EngineStats", "PlaybackClock", "Session", "chunk_due", "_grammar",
-]
-_grammar = language_grammar  # its name here, before it joined `detect_grammar` in frontend.text
 
 log = logging.getLogger(__name__)
 

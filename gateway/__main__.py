@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     from dataclasses import replace
     from pathlib import Path
 
-    from engine.engine import EngineError
+    from engine.errors import EngineError
     from engine.hub import resolve_model
     from engine.pool import pool_configs
 

@@ -159,7 +159,7 @@ def test_backend_that_cannot_stream_input_is_refused_clearly(tiny_model_dir: Pat
     so with an `unsupported` error before any work starts, and plain utterances still work."""
     import pytest
 
-    from engine.engine import EngineError
+    from engine.errors import EngineError
 
     async def fn(engine: Engine):
         engine.backend.streaming_input_refusal = lambda: "async scheduling is on"  # type: ignore[attr-defined]

@@ -14,7 +14,8 @@ import torch
 
 from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineError
+from engine.engine import Engine
+from engine.errors import EngineError
 from engine.models.flow import FlowChunk
 from engine.token2wav import ChunkJob
 from engine.types import AudioChunk, SessionOptions, UtteranceError

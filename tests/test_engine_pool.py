@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineError, EngineStats
+from engine.engine import Engine
+from engine.errors import EngineError
+from engine.stats import EngineStats
 from engine.pool import EnginePool, combined_stats, create_engine, pool_configs
 from engine.types import AudioChunk, SessionOptions
 

@@ -12,7 +12,8 @@ import pytest
 
 from engine.chunking import ChunkSchedule
 from engine.config import EngineConfig
-from engine.engine import CPU_WARMUP_CONCURRENCY, STEP_FROM, WARMUP_SPEECH_TOKENS, Engine
+from engine.engine import CPU_WARMUP_CONCURRENCY, WARMUP_SPEECH_TOKENS, Engine
+from engine.session import STEP_FROM
 from engine.first_chunk import (
     TOKEN_S,
     FirstChunkPlanner,
@@ -516,7 +517,7 @@ def test_a_first_chunk_that_waits_behind_playing_audio_is_not_in_the_crowd(tiny_
     not awaited (it waits for a patient, bigger cut) and does not count among the
     utterances waiting for a first chunk, which would keep `first_chunk_min_hop_crowd`'s
     gate shut for every session that speaks more than once."""
-    from engine.engine import Session
+    from engine.session import Session
     counted: list[int] = []
     awaited = Session._first_chunk_awaited
 

@@ -681,11 +681,11 @@ def test_build_lm_text_ids(tokenizer: TextTokenizer) -> None:
 
 
 def test_language_hint_picks_the_grammar() -> None:
-    from engine.engine import _grammar
+    from engine.frontend.text import language_grammar
 
-    assert [_grammar(t) for t in ("en", "en-US", "zh", "zh_CN", "yue-HK", "fr", None, "")] == \
+    assert [language_grammar(t) for t in ("en", "en-US", "zh", "zh_CN", "yue-HK", "fr", None, "")] == \
         ["en", "en", "zh", "zh", "zh", None, None, None]
-    assert normalize("2024", _grammar("en")) != normalize("2024", _grammar("zh"))
+    assert normalize("2024", language_grammar("en")) != normalize("2024", language_grammar("zh"))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.backends.lm_times import LMServerTimes, vllm_stat_logger
-from engine.engine import EngineStats
+from engine.stats import EngineStats
 
 
 def finished(tokens: int, queued: float, prefill: float, decode: float) -> SimpleNamespace:

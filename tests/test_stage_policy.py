@@ -23,7 +23,7 @@ import torch
 
 from engine.config import DEADLINE_MARGIN_S, EngineConfig
 from helpers import assert_same_audio
-from engine.engine import chunk_due
+from engine.playback import chunk_due
 from engine.stage_pool import build_stage
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy
 from engine.models.config import ModelConfig
@@ -707,7 +707,7 @@ def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
 
 
 def test_playback_clock() -> None:
-    from engine.engine import PlaybackClock
+    from engine.playback import PlaybackClock
 
     clock = PlaybackClock(sample_rate=100)
     assert clock.runs_out() == -np.inf

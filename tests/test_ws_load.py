@@ -859,7 +859,7 @@ def test_shard_plans_deal_sessions_round_robin() -> None:
 
 
 def test_metrics_expose_stage_work_and_process_memory() -> None:
-    from engine.engine import EngineStats
+    from engine.stats import EngineStats
     from gateway.metrics import Metrics
 
     stats = EngineStats(active_sessions=1, active_utterances=1, lm_active=0, flow_queue=0, last_batch_size=2,

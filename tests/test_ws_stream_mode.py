@@ -174,7 +174,7 @@ def test_websocket_stream_mode_a_segment_that_cannot_open_fails_once(server: Any
     """A streamed utterance the engine refuses to open gets one `synthesis_failed`; its
     later words are not offered again (eight errors before, and an utterance opened mid-
     sentence when a retry worked), and the next segment speaks."""
-    from engine.engine import Session
+    from engine.session import Session
 
     opens: list[str] = []
     submit_stream = Session.submit_stream
