@@ -884,6 +884,9 @@ def test_machine_record_names_the_host() -> None:
     from bench.machine import describe_machine, summary
 
     machine = describe_machine(use_cuda=False)
-    assert re.fullmatch(r"[0-9a-f]{4,}", machine["commit"] or "")  # a git checkout: its commit
+    if (Path(__file__).resolve().parent.parent / ".git").exists():  # a checkout (CI's clone): its commit
+        assert re.fullmatch(r"[0-9a-f]{4,}", machine["commit"] or "")
+    else:  # a copy without its history, as the device tool sends
+        assert machine["commit"] is None
     line = summary(machine)
-    assert "no GPU" in line and machine["cpu"] in line and machine["commit"] in line
+    assert "no GPU" in line and machine["cpu"] in line and (machine["commit"] or "commit n/a") in line
