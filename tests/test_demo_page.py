@@ -405,10 +405,12 @@ SINE_CLICKS = r"""(async () => {
     // The context's output, recorded on the audio thread (a ScriptProcessor loses buffers
     // whenever the page's main thread is late).
     const rec = [];
-    const code = `registerProcessor('tap', class extends AudioWorkletProcessor {
+    // A processor name per run: a name can be registered once per context.
+    const name = 'tap' + (window.tapRuns = (window.tapRuns || 0) + 1);
+    const code = `registerProcessor('${name}', class extends AudioWorkletProcessor {
         process(inputs) { const x = inputs[0][0]; this.port.postMessage(x ? x.slice() : new Float32Array(128)); return true; } });`;
     await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([code], {type: 'application/javascript'})));
-    const tap = new AudioWorkletNode(ctx, 'tap', {numberOfInputs: 1, numberOfOutputs: 0});
+    const tap = new AudioWorkletNode(ctx, name, {numberOfInputs: 1, numberOfOutputs: 0});
     tap.port.onmessage = (e) => rec.push(e.data);
     p.analyser.connect(tap);
     const fade = Math.round(rate * 0.02);
@@ -450,16 +452,22 @@ def test_chunks_play_as_one_stream_without_clicks_on_a_44_1_khz_device(gateway: 
                            document.getElementById('speak').click(); }})()""")
             done = await b.until(f"demo.state.contextId !== {json.dumps(last)} && (demo.state.done || demo.state.errors.length && {{errors: demo.state.errors}})", timeout=120)
             last = await b.js("demo.state.contextId")
-            out[fmt] = {"done": done, "played": await b.js(SINE_CLICKS, timeout=30)}
+            played = [await b.js(SINE_CLICKS, timeout=30)]
+            if played[0]["spikes"]:
+                # A render quantum that the audio thread of a busy 2-core machine missed is
+                # a click or two, once; the resampling bug clicked at every join (180 in
+                # 1.5 s), every time. A second playback tells the two apart.
+                played.append(await b.js(SINE_CLICKS, timeout=30))
+            out[fmt] = {"done": done, "played": played}
         return out
 
     r = browse(gateway, scenario)
     for fmt in (["opus"] if r["opus"] else []) + ["pcm"]:
         assert r[fmt]["done"].get("type") == "done", r[fmt]
-        played = r[fmt]["played"]
-        assert played["rate"] == (48000 if fmt == "opus" else 24000)
-        assert played["activeSeconds"] > 0.8, played  # the sine was really played (|x| > 0.25 two thirds of the time)
-        assert played["spikes"] == 0, played
+        for played in r[fmt]["played"]:
+            assert played["rate"] == (48000 if fmt == "opus" else 24000)
+            assert played["activeSeconds"] > 0.8, played  # the sine was really played (|x| > 0.25 two thirds of the time)
+        assert r[fmt]["played"][-1]["spikes"] == 0, r[fmt]["played"]
 
 
 # Server events reach the page 250 ms late (a slow network): text sent meanwhile is on the wire.
