@@ -1194,6 +1194,7 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "first_chunk_crowded": int(_delta(after, before, "cosyvoice_engine_first_chunk_crowded_total")),
             # --engine.stage-deadline-cut: rounds cut short for rows due before they would end.
             "deadline_cuts": int(_delta(after, before, "cosyvoice_engine_deadline_cuts_total")),
+            "first_chunk_cuts": int(_delta(after, before, "cosyvoice_engine_first_chunk_cuts_total")),
             # --engine.flow-context-cache-mib: chunks that read their utterance's kept frames,
             # and chunks whose final frames were kept.
             "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),
@@ -1558,7 +1559,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
               f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
-              f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')} "
+              f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')}/{lv['server'].get('first_chunk_cuts')} "
               f"below floor={lv['server'].get('first_chunk_below_floor')} crowded={lv['server'].get('first_chunk_crowded')} "
               f"gc={lv['server'].get('gc')}"
               + (f" planner knobs={lv['planner_knobs']}" if "planner_knobs" in lv else "")

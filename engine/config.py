@@ -98,6 +98,14 @@ class EngineConfig:
     # spread over time a second chunk waits for the round in progress and rides with
     # other utterances' long chunks). Off: the round estimate alone, as up to round 21.
     first_chunk_second_rounds: bool = True
+    # The round estimate that sizes first chunks counts the utterances in progress, each
+    # with a chunk in the same round, which is what a burst brings. On: less those whose
+    # latest chunk was cut big because its audio was not due soon (chunk_patience_s): under
+    # arrivals spread over time they are most of those in progress and queue few chunks.
+    # On an H100 at 224 sessions over 16 s (round 40 of docs/benchmarks.md) ~70 were in
+    # progress, past the stage's 64 rows, so the estimate doubled: rounds of 620 ms were
+    # planned, first chunks of 29-30 tokens, where first chunks' rounds took 229 ms.
+    first_chunk_skip_patient: bool = False
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
     # in a burst they come ready over a few LM steps, and one that misses the round waits
@@ -284,6 +292,10 @@ class EngineConfig:
     # a first chunk of less audio than that (10 tokens make 240 ms) is then late before any
     # round, and the cut does not see it (round 26 of docs/benchmarks.md).
     stage_deadline_cut_margin_ms: float = 250.0
+    # A round that carries first chunks listeners wait for in silence runs them first, with
+    # the rows that would be late after them, and the rest in the next round, when the first
+    # chunks gain more than the stage loses (`engine.token2wav.first_chunk_cut`).
+    stage_first_chunk_cut: bool = False
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,

@@ -129,7 +129,8 @@ class Engine:
                                               learn_second_rounds=config.first_chunk_second_rounds,
                                               min_hop=config.first_chunk_min_hop,
                                               min_hop_crowd=config.first_chunk_min_hop_crowd,
-                                              idle_hop=config.idle_initial_hop)
+                                              idle_hop=config.idle_initial_hop,
+                                              skip_patient=config.first_chunk_skip_patient)
         # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their
         # spare tokens to a stage in its own process while it is on.
         self.fill_padding = config.flow_fill_padding
@@ -519,6 +520,7 @@ class Engine:
             first_chunk_below_floor=self.first_chunks.below_floor,
             first_chunk_crowded=self.first_chunks.crowded,
             deadline_cuts=st.deadline_cuts,
+            first_chunk_cuts=st.first_chunk_cuts,
             prompt_cache_hits=st.prompt_cache_hits,
             prompt_cache_bytes=st.prompt_cache_bytes,
             context_reads=st.context_reads,

@@ -316,7 +316,8 @@ class PlanInputs:
 
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
-TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float}
+TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
+                            "skip_patient": bool}
 MAX_MARGIN = 10.0
 MAX_CROWD = 10_000
 
@@ -364,6 +365,9 @@ class FirstChunkPlanner:
     # The floor for an utterance alone on the engine (EngineConfig.idle_initial_hop; the
     # engine applies it). 0: none.
     idle_hop: int = 0
+    # The round estimate leaves out the utterances waiting patiently
+    # (EngineConfig.first_chunk_skip_patient; the engine asks the stage so).
+    skip_patient: bool = False
     # Decisions that went below the floor (`min_hop`), and those that might have but for a
     # crowd of first chunks (`min_hop_crowd`): how often each fires under a load.
     below_floor: int = 0
@@ -386,7 +390,7 @@ class FirstChunkPlanner:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
-                "opening_rate": self.opening_rate,
+                "skip_patient": self.skip_patient, "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
                 "second_rounds": self.second_rounds.snapshot()}
 
@@ -400,6 +404,11 @@ class FirstChunkPlanner:
             kind = TUNABLE.get(name)
             if kind is None:
                 raise ValueError(f"{name!r} is not tunable (one of {', '.join(sorted(TUNABLE))})")
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true or false, got {value!r}")
+                checked[name] = value
+                continue
             if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
             high = MAX_MARGIN if kind is float else MAX_CROWD if name == "min_hop_crowd" else self.limit

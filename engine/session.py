@@ -648,7 +648,8 @@ class Session:
                 cached = eng._cached_prompt_frames(P)  # once: the planner asks for many chunks
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
-                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached),
+                    lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached,
+                                                           eng.first_chunks.skip_patient),
                     opts.speed, opening=utt.opening, streams=eng.lm_streams,
                     staged=eng.stage.live_utterances(stream), sizing=eng.first_chunks_pending - 1)
                 sched.initial_hop = first
@@ -683,6 +684,7 @@ class Session:
                 end, finalize = sched.offset + hop, False
             extent = _Extent(end, finalize)
             job = self._flow_job(tokens, prompt_tokens, sched.offset, end, finalize, stream, opts.speed, sched.index, utt, flow_cfg)
+            job.patient = patient
             if not finalize:
                 job.grow = self._grower(extent, tokens, sched.offset, sched.max_hop, lm_task, flow_cfg)
                 if eng.fill_padding and eng.remote_stage:  # it grows the chunk there

@@ -72,4 +72,5 @@ def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, 
                       first_chunk_hold_share=config.first_chunk_hold_share,
                       cut_for_deadlines=config.stage_deadline_cut,
                       cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000,
+                      first_cut=config.stage_first_chunk_cut,
                       final_full_attention=config.flow_final_full_attention)

@@ -89,13 +89,14 @@ class StagePool:
         """Live utterances per stage."""
         return [s.live_utterances() for s in self.stages]
 
-    def live_utterances(self, stream: object | None = None) -> int:
-        """Live utterances on the stage `stream` is bound to (None: on all of them)."""
+    def live_utterances(self, stream: object | None = None, skip_patient: bool = False) -> int:
+        """Live utterances on the stage `stream` is bound to (None: on all of them), less
+        with `skip_patient` those waiting patiently (`AudioStage.live_utterances`)."""
         if stream is None:
-            return sum(self.load())
+            return sum(stage.live_utterances(skip_patient=skip_patient) for stage in self.stages)
         if not isinstance(stream, PooledStream):
             raise TypeError("stream must come from StagePool.new_stream()")
-        return self.stages[stream.stage_index].live_utterances()
+        return self.stages[stream.stage_index].live_utterances(skip_patient=skip_patient)
 
     def new_stream(self) -> PooledStream:
         # A stage whose process died has no live utterances left, so by load alone it
@@ -124,11 +125,12 @@ class StagePool:
     async def run(self, job: ChunkJob) -> np.ndarray:
         return await self.submit(job)
 
-    def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
+    def round_estimate(self, stream: object, frames: int, cached: int = 0,
+                       skip_patient: bool = False) -> float | None:
         """`AudioStage.round_estimate` of the stage the stream is bound to."""
         if not isinstance(stream, PooledStream):
             raise TypeError("stream must come from StagePool.new_stream()")
-        return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached)
+        return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached, skip_patient)
 
     def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
         """`AudioStage.expect_first_chunk` on the stage the stream is bound to."""

@@ -88,7 +88,8 @@ from .flow_graphs import GraphPolicy
 from .heap import freeze_startup_objects
 from .models.flow import FlowChunk
 from .mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, mps_client_env
-from .token2wav import AudioStage, BatchStart, ChunkJob, StageStats, check_stage_knobs, cuda_memory, estimate_round
+from .token2wav import (AudioStage, BatchStart, ChunkJob, StageStats, check_stage_knobs, cuda_memory, estimate_round,
+                        mark_patience)
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class RemoteStage:
         self.stats = StageStats()
         self.cuda_memory: dict[str, int] = {}
         self._live: weakref.WeakSet[RemoteStream] = weakref.WeakSet()
+        self._patient: weakref.WeakSet[object] = weakref.WeakSet()  # `AudioStage._patient`
         self._jobs: dict[int, ChunkJob] = {}  # submitted, audio not yet back
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._tensors: dict[int, int] = {}  # id(tensor) -> key, while the tensor lives
@@ -261,8 +263,9 @@ class RemoteStage:
         self._tell(("stream", stream.sid))
         return stream
 
-    def live_utterances(self, stream: object | None = None) -> int:
-        return len(self._live)
+    def live_utterances(self, stream: object | None = None, skip_patient: bool = False) -> int:
+        """`AudioStage.live_utterances`: the streams are this process's handles."""
+        return len(self._live) - (len(self._patient) if skip_patient else 0)
 
     @property
     def failure(self) -> str | None:
@@ -279,6 +282,7 @@ class RemoteStage:
         job.future, job.started = self._loop.create_future(), self._loop.create_future()
         jid = next(self._ids)
         job.seq = jid
+        mark_patience(self._patient, job)
         chunk = self._wire(job.flow)
         self._send(("submit", jid, stream.sid, chunk, job.speed, job.chunk_index, job.urgent, job.deadline,
                     job.deadline_from, job.spare if job.grow is not None else None))
@@ -288,9 +292,11 @@ class RemoteStage:
     async def run(self, job: ChunkJob) -> np.ndarray:
         return await self.submit(job)
 
-    def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
+    def round_estimate(self, stream: object, frames: int, cached: int = 0,
+                       skip_patient: bool = False) -> float | None:
         """`AudioStage.round_estimate`, from the round times the stage reported."""
-        return estimate_round(self.rounds, self.live_utterances(), self.max_batch, self.graph_policy, frames, cached)
+        return estimate_round(self.rounds, self.live_utterances(skip_patient=skip_patient), self.max_batch,
+                              self.graph_policy, frames, cached)
 
     def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
         if isinstance(stream, RemoteStream):

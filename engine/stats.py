@@ -60,6 +60,8 @@ class EngineStats:
     first_chunk_crowded: int = 0
     # engine.stage_deadline_cut: rounds cut short for rows due before they would end.
     deadline_cuts: int = 0
+    # engine.stage_first_chunk_cut: rounds whose first chunks ran before the rows that could wait.
+    first_chunk_cuts: int = 0
     # The flow's voice-prompt K/V cache (engine.flow_prompt_cache): batches served from it
     # and the bytes it holds.
     prompt_cache_hits: int = 0

@@ -105,6 +105,9 @@ class ChunkJob:
     # (end, finalize) is told before `started` resolves.
     spare: SpareTokens | None = None
     grown_to: Callable[[int, bool], None] | None = None
+    # Cut big because its audio is not due soon (`engine.chunk_patience_s`): its utterance
+    # waits patiently until it queues a chunk that is not (`AudioStage.round_estimate`).
+    patient: bool = False
 
 
 STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
@@ -112,7 +115,7 @@ STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 # The stage's settings `AudioStage.tune` may change while it serves (`POST /debug/planner`
 # with `debug_tuning`: a benchmark's A/B, level by level on one gateway, which saves a
 # gateway start per setting), and their types.
-STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int}
+STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -197,6 +200,44 @@ def deadline_cut(deadlines: Sequence[float], now: float,
     missed_cut = (sum(1 for i in first if now < deadlines[i] < now + first_s)
                   + sum(1 for i in rest if deadlines[i] < now + first_s + rest_s))
     return first if missed_cut < missed else None
+
+
+def first_chunk_cut(firsts: Sequence[bool], deadlines: Sequence[float], now: float,
+                    round_s: Callable[[Sequence[int]], float | None]) -> list[int] | None:
+    """The rows of a batch to run first, in a round of their own, when it carries first
+    chunks that listeners wait for in silence (`firsts`), or None to run it whole.
+    `deadlines` and `round_s` as in `deadline_cut`.
+
+    Under arrivals spread over time a round mixes a few first chunks (~30 mel frames)
+    with other utterances' big chunks (~190, most of them cut big because their audio is
+    not due for a second or more, `engine.chunking.patient_target`), and every row is
+    done when the whole round is. On an H100 at 224 sessions over 16 s (round 40 of
+    docs/benchmarks.md) first chunks rode in rounds of 18 rows and took 229 ms there,
+    after 131 waiting for the round before. Here the first chunks go first, with every
+    row that would miss its deadline waiting for the round after them; the rest wait.
+    Only when the first chunks gain more than the stage loses: the whole round's time
+    less the first chunks' round against the second round's time past the whole one (a
+    round has a fixed cost, and at capacity the stage's time is everyone's)."""
+    rows = range(len(deadlines))
+    first = [i for i in rows if firsts[i]]
+    if not first or len(first) == len(deadlines):
+        return None
+    whole = round_s(rows)
+    if whole is None:
+        return None
+    while True:
+        chosen = set(first)
+        rest = [i for i in rows if i not in chosen]
+        if not rest:
+            return None
+        first_s, rest_s = round_s(first), round_s(rest)
+        if first_s is None or rest_s is None:
+            return None
+        late = [i for i in rest if deadlines[i] < now + first_s + rest_s]
+        if not late:
+            break
+        first = sorted(chosen.union(late))
+    return first if whole - first_s > first_s + rest_s - whole else None
 
 
 # `engine.flow_split_batches`: the fixed cost of one more flow call, in row-frames of ODE work
@@ -344,6 +385,9 @@ class StageStats:
     # `cut_for_deadlines`: rounds cut short so that rows due before the whole round's end
     # ran first (`deadline_cut`).
     deadline_cuts: int = 0
+    # `first_cut`: rounds whose first chunks ran before the rows that could wait
+    # (`first_chunk_cut`).
+    first_chunk_cuts: int = 0
 
 
 def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int) -> int:
@@ -354,6 +398,15 @@ def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int)
     their round were far shorter than its 266 ms (H200, round 13 of docs/benchmarks.md),
     and every session stalled."""
     return rows * frames if policy is None else call_work(policy, cached, cached > 0)(rows, frames)
+
+
+def mark_patience(patient: "weakref.WeakSet[object]", job: ChunkJob) -> None:
+    """Keep `patient` (vocoder streams) as the stage's `live_utterances` reads it: a
+    stream is in it from a patient chunk of its utterance to the next chunk that is not."""
+    if job.patient:
+        patient.add(job.hift_stream)
+    else:
+        patient.discard(job.hift_stream)
 
 
 def estimate_round(rounds: RoundTimes, live: int, max_batch: int, policy: GraphPolicy | None,
@@ -462,7 +515,8 @@ class AudioStage:
                  flow_attention: str = "cudnn", flow_conv_kernel: str = "triton", flow_split_prefix_rows: int = 8,
                  vocoder_snake_kernel: str = "triton",
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
-                 cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False):
+                 cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
+                 first_cut: bool = False):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -524,6 +578,8 @@ class AudioStage:
         # Vocoder streams of utterances in progress: a stream is dropped with its utterance,
         # so the weak set counts them without any bookkeeping on the hot path.
         self._live: weakref.WeakSet[object] = weakref.WeakSet()
+        # ... and those whose latest chunk was cut big, not due soon (`ChunkJob.patient`).
+        self._patient: weakref.WeakSet[object] = weakref.WeakSet()
         # First chunks on their way (`expect_first_chunk`), by vocoder stream. Weak: an
         # utterance that ends is gone.
         self._coming: weakref.WeakKeyDictionary[object, _Expected] = weakref.WeakKeyDictionary()
@@ -542,6 +598,7 @@ class AudioStage:
         # ... which takes a row as late when its round ends after its deadline plus this
         # (engine.stage_deadline_cut_margin_ms: the chunks' deadline margin less its own).
         self.cut_shift_s = cut_shift_s
+        self.first_cut = first_cut  # engine.stage_first_chunk_cut: see first_chunk_cut
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
@@ -578,21 +635,24 @@ class AudioStage:
         while the worker is idle. The stage process's watchdog reads it."""
         return self._pool.busy_for()
 
-    def live_utterances(self, stream: object | None = None) -> int:
-        """Utterances in progress here (their vocoder streams still exist); `stream` is for
-        `StagePool`'s interface (the stage it is bound to)."""
-        return len(self._live)
+    def live_utterances(self, stream: object | None = None, skip_patient: bool = False) -> int:
+        """Utterances in progress here (their vocoder streams still exist), less with
+        `skip_patient` those whose latest chunk was patient (`ChunkJob.patient`); `stream`
+        is for `StagePool`'s interface (the stage it is bound to)."""
+        return len(self._live) - (len(self._patient) if skip_patient else 0)
 
-    def round_estimate(self, stream: object, frames: int, cached: int = 0) -> float | None:
+    def round_estimate(self, stream: object, frames: int, cached: int = 0,
+                       skip_patient: bool = False) -> float | None:
         """Predicted seconds until a chunk of `stream`'s utterance that computes `frames`
         flow frames after `cached` prompt frames from the prompt cache is done, when every
         utterance in progress here has one like it in the same round: the batches they
         fill, by the round times measured so far (`RoundTimes`). None before the first
-        batch. Finished utterances do not count (`_serve_batch`): until round 15 of
+        batch. `skip_patient`: not counting the utterances waiting patiently
+        (`live_utterances`), whose chunks are few and big (`engine.chunk_patience_s`). Finished utterances do not count (`_serve_batch`): until round 15 of
         docs/benchmarks.md they did, and that error alone kept bursts from stalling while
         a session queued its next chunk only after the previous one's audio was back
         (`submit` says why it no longer waits)."""
-        return estimate_round(self.rounds, self.live_utterances(), self.max_batch,
+        return estimate_round(self.rounds, self.live_utterances(skip_patient=skip_patient), self.max_batch,
                               self.graph_policy if self.flow_cuda_graphs else None, frames, cached)
 
     async def start(self) -> None:
@@ -639,6 +699,7 @@ class AudioStage:
         loop = asyncio.get_running_loop()
         job.future, job.started = loop.create_future(), loop.create_future()
         job.seq = next(self._seq)
+        mark_patience(self._patient, job)
         expected = self._coming.pop(job.hift_stream, None)
         if expected is not None and expected.passed and job.chunk_index == 0:
             self.stats.first_chunk_passed_over += 1
@@ -701,6 +762,8 @@ class AudioStage:
             # earlier audio plays first, and jumping ahead of its next chunks stalls it.
             live.sort(key=lambda j: (not (j.chunk_index == 0 and j.urgent), j.seq))
             batch, self._pending = live[: self.max_batch], live[self.max_batch :]
+        if self.first_cut and len(batch) > 1:
+            batch = self._cut_for_first_chunks(batch)
         if self.cut_for_deadlines and len(batch) > 1:
             batch = self._cut_for_deadlines(batch)
         self.stats.queued = len(self._pending)
@@ -783,6 +846,22 @@ class AudioStage:
         kept = set(first)
         self._pending[:0] = [j for i, j in enumerate(batch) if i not in kept]
         self.stats.deadline_cuts += 1
+        return [batch[i] for i in first]
+
+    def _cut_for_first_chunks(self, batch: list[ChunkJob]) -> list[ChunkJob]:
+        """`first_chunk_cut` on a batch the policy picked: the rows to run now; the others
+        go back to the head of the queue for the next round."""
+        firsts = [j.chunk_index == 0 and j.urgent for j in batch]
+        if not any(firsts) or all(firsts):
+            return batch
+        chunks = [j.flow for j in batch]
+        first = first_chunk_cut(firsts, [j.deadline + self.cut_shift_s for j in batch], time.monotonic(),
+                                lambda rows: self._round_seconds([chunks[i] for i in rows]))
+        if first is None:
+            return batch
+        kept = set(first)
+        self._pending[:0] = [j for i, j in enumerate(batch) if i not in kept]
+        self.stats.first_chunk_cuts += 1
         return [batch[i] for i in first]
 
     def _fill_padding(self, batch: list[ChunkJob]) -> None:

@@ -77,6 +77,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         first_chunk_margin=e.first_chunk_margin,
         first_chunk_opening_rate=e.first_chunk_opening_rate,  # type: ignore[arg-type]
         first_chunk_second_rounds=e.first_chunk_second_rounds,
+        first_chunk_skip_patient=e.first_chunk_skip_patient,
         first_chunk_hold_ms=e.first_chunk_hold_ms,
         first_chunk_hold_share=e.first_chunk_hold_share,
         max_hop=e.max_hop,
@@ -110,6 +111,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_window_tolerance=e.stage_window_tolerance,
         stage_deadline_cut=e.stage_deadline_cut,
         stage_deadline_cut_margin_ms=e.stage_deadline_cut_margin_ms,
+        stage_first_chunk_cut=e.stage_first_chunk_cut,
         stage_devices=e.stage_devices,
         stage_process=e.stage_process,
         stage_stall_timeout_s=e.stage_stall_timeout_s,

@@ -71,6 +71,10 @@ class EngineSettings:
         default=True, metadata=_help("plan a later chunk's flow/vocoder round no shorter than second chunks took "
                                      "lately with as many utterances on the stage (false: the round estimate "
                                      "alone)"))
+    first_chunk_skip_patient: bool = field(
+        default=False, metadata=_help("the round estimate that sizes first chunks leaves out the utterances "
+                                      "waiting patiently (their latest chunk cut big, its audio not due within "
+                                      "chunk_patience_s)"))
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))
@@ -228,6 +232,12 @@ class EngineSettings:
         default=250.0,
         metadata=_help("the deadline cut counts a row late when its round would end less than this before its "
                        "audio runs out at the client (0..1000)"),
+    )
+    stage_first_chunk_cut: bool = field(
+        default=False,
+        metadata=_help("a flow/vocoder round carrying first chunks that listeners wait for runs them first, with the "
+                       "rows that would be late after them, and the rest in the next round, when the first chunks "
+                       "gain more than the stage loses"),
     )
     stage_profile_dir: str = field(
         default="",

@@ -450,6 +450,10 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert p.snapshot()["min_hop"] == 8 and p.snapshot()["idle_hop"] == 7 and p.snapshot()["min_hop_crowd"] == 64
     p.tune({"margin": 1})  # an integer margin is a number
     assert p.margin == 1.0 and isinstance(p.margin, float)
+    p.tune({"skip_patient": True})
+    assert p.skip_patient is True and p.snapshot()["skip_patient"] is True
+    with pytest.raises(ValueError, match="skip_patient must be true or false"):
+        p.tune({"skip_patient": 1})
     for bad, says in (({"limit": 20}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
                       ({"min_hop": -1}, "within [0, 40]"), ({"idle_hop": 41}, "within [0, 40]"),
                       ({"min_hop_crowd": -1}, "within [0, 10000]"),
@@ -542,6 +546,40 @@ def test_a_first_chunk_that_waits_behind_playing_audio_is_not_in_the_crowd(tiny_
                                   chunk_patience_s=1.0)
     assert counted == [first]  # the second utterance's first chunk played behind the first's audio
     assert patient >= 1 and pending == 0
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_patient_chunks_are_marked_and_the_plan_may_leave_their_utterances_out(tiny_model_dir, skip):
+    """The chunks cut big behind playing audio go to the stage marked patient, the others
+    not; the first chunk's plan asks the stage's round estimate to leave the utterances
+    waiting patiently out when `first_chunk_skip_patient` says so."""
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        engine.stage.rounds.observe(100, 0.01)  # a measured round: the planner asks for estimates
+        submitted: list[tuple[int, bool]] = []
+        asked: set[bool] = set()
+        submit, estimate = engine.stage.submit, engine.stage.round_estimate
+
+        def submit_spy(job):
+            submitted.append((job.chunk_index, job.patient))
+            return submit(job)
+
+        def estimate_spy(stream, frames, cached=0, skip_patient=False):
+            asked.add(skip_patient)
+            return estimate(stream, frames, cached, skip_patient)
+        engine.stage.submit, engine.stage.round_estimate = submit_spy, estimate_spy
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        await s.submit("A first sentence, long enough for seconds of speech to play before the next one, "
+                       "and then a little more of it.")
+        await s.submit("Then a second one.")
+        await s.finish()
+        await collect(s)
+        return submitted, asked, engine.patient_chunks, engine.planner_state()["skip_patient"]
+
+    submitted, asked, patient, state = run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40,
+                                           chunk_patience_s=1.0, first_chunk_skip_patient=skip)
+    assert submitted[0] == (0, False) and sum(p for _, p in submitted) == patient >= 1
+    assert asked == {skip} and state is skip
 
 
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):

@@ -31,6 +31,7 @@ from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
 from engine.token2wav import (AudioStage, BatchCandidate, ChunkJob, call_work, deadline_batch, deadline_cut,
+                              estimate_round, first_chunk_cut,
                               padding_room, split_by_length)
 from engine.types import AudioChunk, SessionOptions
 from gateway.app import engine_config
@@ -569,6 +570,104 @@ def test_the_stage_cuts_a_round_for_a_row_due_before_it_ends(flow, hift) -> None
     assert serve(cut=True, first_due=-1.0, shift=6.0)[0].batches == [[0], [1, 2]]
 
 
+def test_first_chunk_cut_runs_first_chunks_before_rows_that_can_wait() -> None:
+    """A round of 2 first chunks and 10 big chunks due in a second or more: the first
+    chunks go alone (0.03 s against 0.07), the others after them (0.07 s) and still in
+    time; a row that would be late after the first chunks' round goes with them."""
+    now = 100.0
+    firsts = [True, False, True] + [False] * 9
+    deadlines = [now, now + 2.0, now - 0.5] + [now + 1.0] * 9
+    assert first_chunk_cut(firsts, deadlines, now, _linear_round(0.02, 0.005)) == [0, 2]
+    # Row 1 is due in 90 ms: after a 30-ms round and its own 70-ms round, too late.
+    deadlines[1] = now + 0.09
+    assert first_chunk_cut(firsts, deadlines, now, _linear_round(0.02, 0.005)) == [0, 1, 2]
+    # ... and a row already past due (a stall in progress) cannot wait either.
+    deadlines[1] = now - 1.0
+    assert first_chunk_cut(firsts, deadlines, now, _linear_round(0.02, 0.005)) == [0, 1, 2]
+
+
+def test_first_chunk_cut_keeps_a_round_whole_where_it_cannot_pay() -> None:
+    now = 100.0
+    late, far = [now] * 2, [now + 5.0] * 2
+    # No first chunk, or nothing but first chunks: nothing to cut.
+    assert first_chunk_cut([False] * 4, far + far, now, _linear_round(0.02, 0.005)) is None
+    assert first_chunk_cut([True] * 4, late + late, now, _linear_round(0.02, 0.005)) is None
+    # Every other row would be late after the first chunks' round: no rest.
+    assert first_chunk_cut([True, True, False, False], late + [now + 0.01] * 2, now,
+                           _linear_round(0.02, 0.005)) is None
+    # A fixed cost of 0.1 s a round: the first chunks gain 10 ms (0.12 against 0.11),
+    # the stage loses 0.1 s.
+    assert first_chunk_cut([True, True, False, False], late + far, now, _linear_round(0.1, 0.005)) is None
+    # No round measured yet.
+    assert first_chunk_cut([True, True, False, False], late + far, now, lambda rows: None) is None
+
+
+def test_the_stage_runs_first_chunks_before_big_chunks_that_can_wait(flow, hift) -> None:
+    """A first chunk queued behind two long chunks with seconds to spare: with the cut it
+    runs alone first (the policy alone takes all three), and the audio is the same."""
+    chunks = [_chunk(90, seed=1), _chunk(90, seed=2), _chunk(25, seed=0)]
+
+    def serve(cut: bool) -> tuple[_RecordingStage, list[np.ndarray]]:
+        stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_cut=cut)
+        for rows, wall in ((1, 0.05), (3, 0.4)):  # a round of the long ones: ~0.35 s
+            stage.rounds.observe(rows * stage._window_frames(chunks[0]), wall)
+
+        def jobs() -> list[ChunkJob]:
+            now = time.monotonic()
+            return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
+                             is_cancelled=lambda: False, deadline=due)
+                    for c, index, due in zip(chunks, (2, 3, 0), (now + 60.0, now + 60.0, now))]
+
+        return stage, _serve(stage, jobs)
+
+    whole, pcm_whole = serve(cut=False)
+    cut, pcm_cut = serve(cut=True)
+    assert whole.batches == [[2, 0, 1]] and whole.stats.first_chunk_cuts == 0
+    assert cut.batches == [[2], [0, 1]] and cut.stats.first_chunk_cuts == 1
+    for a, b in zip(pcm_whole, pcm_cut):
+        assert a.size == b.size > 0 and float(np.abs(a - b).max()) <= 1e-4
+    # Set while serving (`POST /debug/planner`): the next round cuts.
+    stage = _RecordingStage(flow, hift, torch.device("cpu"))
+    try:
+        stage.tune({"first_cut": True})
+        assert stage.first_cut is True
+        with pytest.raises(ValueError, match="first_cut must be true or false"):
+            stage.tune({"first_cut": 1})
+    finally:
+        stage._pool.shutdown(wait=True)
+
+
+def test_live_utterances_may_leave_out_those_waiting_patiently(flow, hift) -> None:
+    """An utterance counts as patient from a patient chunk until it queues one that is not,
+    and not at all once its stream is gone; the round estimate counts what it is told."""
+    stage = AudioStage(flow, hift, torch.device("cpu"), max_batch=2)
+    stage.rounds.observe(stage._window_frames(_chunk(30, seed=0)), 0.1)
+
+    async def go() -> list[tuple[int, int]]:
+        streams = [stage.new_stream() for _ in range(3)]
+        counts = [(stage.live_utterances(), stage.live_utterances(skip_patient=True))]
+        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=s, speed=1.0, chunk_index=2, is_cancelled=lambda: False,
+                         patient=i < 2) for i, s in enumerate(streams)]
+        for job in jobs:
+            stage.submit(job)
+        counts.append((stage.live_utterances(), stage.live_utterances(skip_patient=True)))
+        estimates = (stage.round_estimate(streams[0], 50), stage.round_estimate(streams[0], 50, skip_patient=True))
+        stage.submit(ChunkJob(flow=_chunk(30, seed=5), hift_stream=streams[0], speed=1.0, chunk_index=3,
+                              is_cancelled=lambda: False))
+        counts.append((stage.live_utterances(), stage.live_utterances(skip_patient=True)))
+        stage._pending.clear()
+        del jobs, streams, job
+        counts.append((stage.live_utterances(), stage.live_utterances(skip_patient=True)))
+        assert estimates == (estimate_round(stage.rounds, 3, 2, None, 50, 0), estimate_round(stage.rounds, 1, 2, None, 50, 0))
+        assert estimates[0] > 2 * estimates[1]  # two rounds of 2 rows against one of 1
+        return counts
+
+    try:
+        assert asyncio.run(go()) == [(3, 3), (3, 1), (3, 2), (0, 0)]
+    finally:
+        stage._pool.shutdown(wait=True)
+
+
 def test_a_deadline_moves_with_the_end_of_its_utterances_previous_round(flow, hift) -> None:
     """A chunk queued while its utterance's previous chunk is in its round was given a
     deadline as if that audio were delivered when it was queued; once that round is over
@@ -949,7 +1048,8 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
     ("--engine.flow-split-batches", "flow_split_batches", "split_batches", True),
     ("--engine.flow-split-padded", "flow_split_padded", "split_padded", True),
     ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False),
-    ("--engine.stage-deadline-cut", "stage_deadline_cut", "cut_for_deadlines", True)])
+    ("--engine.stage-deadline-cut", "stage_deadline_cut", "cut_for_deadlines", True),
+    ("--engine.stage-first-chunk-cut", "stage_first_chunk_cut", "first_cut", False)])
 def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr, default) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
     assert getattr(engine_config(s, tmp_path), name) is default

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import multiprocessing
 import os
 import signal
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -554,3 +556,30 @@ def test_stage_settings_tuned_while_serving_reach_the_stage_process():
         assert (stage.fill_padding, stage.split_call_cost) == (True, 400)
 
     asyncio.run(fn())
+
+
+def test_the_engines_handle_counts_the_utterances_waiting_patiently():
+    """`RemoteStage` keeps the patience count in the engine's process, where the first
+    chunks are planned: from a patient chunk to the next one that is not."""
+    class Pipe:
+        def send(self, batch: list) -> None:
+            pass
+
+    async def fn() -> list[tuple[int, int]]:
+        remote = RemoteStage.__new__(RemoteStage)
+        remote._conn, remote._error, remote._closed = Pipe(), None, False
+        remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+        remote._ids, remote._tensors, remote._jobs = itertools.count(), {}, {}
+        remote._live, remote._patient = weakref.WeakSet(), weakref.WeakSet()
+        remote._loop = asyncio.get_running_loop()
+        streams = [remote.new_stream() for _ in range(2)]
+        chunk = FlowChunk(tokens=torch.zeros(20, dtype=torch.long), prompt_feat=torch.zeros(4, 80),
+                          embedding=torch.zeros(192), num_prompt_tokens=2, out_start=2, finalize=False)
+        counts = []
+        for stream, patient in ((streams[0], True), (streams[1], True), (streams[0], False)):
+            remote.submit(ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=1,
+                                   is_cancelled=lambda: False, patient=patient))
+            counts.append((remote.live_utterances(), remote.live_utterances(skip_patient=True)))
+        return counts
+
+    assert asyncio.run(fn()) == [(2, 1), (2, 0), (2, 1)]
