@@ -104,7 +104,10 @@ class EngineConfig:
     # arrivals spread over time they are most of those in progress and queue few chunks.
     # On an H100 at 224 sessions over 16 s (round 40 of docs/benchmarks.md) ~70 were in
     # progress, past the stage's 64 rows, so the estimate doubled: rounds of 620 ms were
-    # planned, first chunks of 29-30 tokens, where first chunks' rounds took 229 ms.
+    # planned, first chunks of 29-30 tokens, where first chunks' rounds took 229 ms. On in
+    # round 41 (224 sessions, two runs each way): first chunks of 20-21 tokens, p95 977 and
+    # 1,009 ms against 1,126 and 1,066; with `stage_first_chunk_cut` too, 735 and 792 against
+    # 857 and 828 but 9 and 15 sessions dry at their second chunk. Off until that is solved.
     first_chunk_skip_patient: bool = False
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
@@ -294,8 +297,13 @@ class EngineConfig:
     stage_deadline_cut_margin_ms: float = 250.0
     # A round that carries first chunks listeners wait for in silence runs them first, with
     # the rows that would be late after them, and the rest in the next round, when the first
-    # chunks gain more than the stage loses (`engine.token2wav.first_chunk_cut`).
-    stage_first_chunk_cut: bool = False
+    # chunks gain more than the stage loses (`engine.token2wav.first_chunk_cut`). On an H100
+    # (round 41 of docs/benchmarks.md, levels alternating on one gateway) first chunks' rounds
+    # went from 129 to 41-54 ms at 192 sessions over 16 s, p95 437 and 394 ms against 506
+    # and 527 (one session dry), and 857 and 828 against 1,126 and 1,066 at 224; the flow
+    # computed 0-7% fewer frames (less padding). Bursts of 64 never cut (every row a first
+    # chunk).
+    stage_first_chunk_cut: bool = True
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,

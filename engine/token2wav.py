@@ -843,14 +843,11 @@ class AudioStage:
         first = deadline_cut(due, now, lambda rows: self._round_seconds([chunks[i] for i in rows]))
         if first is None:
             return batch
-        kept = set(first)
-        self._pending[:0] = [j for i, j in enumerate(batch) if i not in kept]
         self.stats.deadline_cuts += 1
-        return [batch[i] for i in first]
+        return self._run_first(batch, first)
 
     def _cut_for_first_chunks(self, batch: list[ChunkJob]) -> list[ChunkJob]:
-        """`first_chunk_cut` on a batch the policy picked: the rows to run now; the others
-        go back to the head of the queue for the next round."""
+        """`first_chunk_cut` on a batch the policy picked: the rows to run now."""
         firsts = [j.chunk_index == 0 and j.urgent for j in batch]
         if not any(firsts) or all(firsts):
             return batch
@@ -859,9 +856,14 @@ class AudioStage:
                                 lambda rows: self._round_seconds([chunks[i] for i in rows]))
         if first is None:
             return batch
+        self.stats.first_chunk_cuts += 1
+        return self._run_first(batch, first)
+
+    def _run_first(self, batch: list[ChunkJob], first: list[int]) -> list[ChunkJob]:
+        """The rows `first` of `batch`, to run now; the others go back to the head of the
+        queue, for the next round."""
         kept = set(first)
         self._pending[:0] = [j for i, j in enumerate(batch) if i not in kept]
-        self.stats.first_chunk_cuts += 1
         return [batch[i] for i in first]
 
     def _fill_padding(self, batch: list[ChunkJob]) -> None:

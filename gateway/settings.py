@@ -234,7 +234,7 @@ class EngineSettings:
                        "audio runs out at the client (0..1000)"),
     )
     stage_first_chunk_cut: bool = field(
-        default=False,
+        default=True,
         metadata=_help("a flow/vocoder round carrying first chunks that listeners wait for runs them first, with the "
                        "rows that would be late after them, and the rest in the next round, when the first chunks "
                        "gain more than the stage loses"),

@@ -1049,7 +1049,7 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
     ("--engine.flow-split-padded", "flow_split_padded", "split_padded", True),
     ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False),
     ("--engine.stage-deadline-cut", "stage_deadline_cut", "cut_for_deadlines", True),
-    ("--engine.stage-first-chunk-cut", "stage_first_chunk_cut", "first_cut", False)])
+    ("--engine.stage-first-chunk-cut", "stage_first_chunk_cut", "first_cut", True)])
 def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr, default) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
     assert getattr(engine_config(s, tmp_path), name) is default
