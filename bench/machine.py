@@ -7,6 +7,7 @@ comparable with another from the same machine, so each report says which one it 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -59,9 +60,25 @@ def _commit(root: Path) -> str | None:
         return None  # a copy without its history (the device tool sends none)
 
 
+SOURCE_DIRS = ("engine", "gateway", "bench")
+
+
+def source_digest(root: Path) -> str:
+    """A short digest of the Python sources the run used (`SOURCE_DIRS`, paths and bytes).
+    Why beside the commit: the device tool's copy of a checkout may carry a `.git` from an
+    earlier call, and its commit then names a build that did not run (round 41 of
+    docs/benchmarks.md: bf433d0 for runs of 49d15cf), and a working tree's changes have no
+    commit at all. The same sources give the same digest here and there."""
+    h = hashlib.sha256()
+    for path in sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def describe_machine(use_cuda: bool) -> dict[str, Any]:
     """The host's CPU model, CPUs, memory, Python and torch versions, the visible GPUs and
-    their driver (with `use_cuda`), and the repository's commit where it has one."""
+    their driver (with `use_cuda`), the repository's commit where it has one and the
+    sources' digest (`source_digest`)."""
     mem_kib = _first_line(Path("/proc/meminfo"), "MemTotal")
     try:
         import torch
@@ -78,6 +95,7 @@ def describe_machine(use_cuda: bool) -> dict[str, Any]:
         "gpus": _gpus(use_cuda),
         "driver": _driver(use_cuda),
         "commit": _commit(Path(__file__).resolve().parent.parent),
+        "source_digest": source_digest(Path(__file__).resolve().parent.parent),
     }
 
 
@@ -87,4 +105,5 @@ def summary(machine: dict[str, Any]) -> str:
     names = ", ".join(g.get("name", g.get("error", "?")) for g in gpus) or "no GPU"
     return (f"{names} (driver {machine.get('driver') or 'n/a'}); {machine.get('cpu') or 'CPU ?'} x"
             f"{machine.get('logical_cpus')}, {machine.get('memory_gib')} GiB; Python {machine.get('python')}, "
-            f"torch {machine.get('torch')}, commit {machine.get('commit') or 'n/a'}")
+            f"torch {machine.get('torch')}, commit {machine.get('commit') or 'n/a'}, "
+            f"sources {machine.get('source_digest') or 'n/a'}")

@@ -890,3 +890,25 @@ def test_machine_record_names_the_host() -> None:
         assert machine["commit"] is None
     line = summary(machine)
     assert "no GPU" in line and machine["cpu"] in line and (machine["commit"] or "commit n/a") in line
+    assert re.fullmatch(r"[0-9a-f]{12}", machine["source_digest"]) and machine["source_digest"] in line
+
+
+def test_the_source_digest_follows_the_sources(tmp_path) -> None:
+    """Same sources, same digest wherever they lie; a changed byte, a renamed file or a
+    file outside the Python packages each counted or not as documented."""
+    from bench.machine import source_digest
+
+    for root in (tmp_path / "a", tmp_path / "b"):
+        (root / "engine" / "models").mkdir(parents=True)
+        (root / "engine" / "models" / "flow.py").write_text("x = 1\n")
+        (root / "gateway").mkdir()
+        (root / "gateway" / "ws.py").write_text("y = 2\n")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert source_digest(a) == source_digest(b)
+    (b / "README.md").write_text("not a source")
+    assert source_digest(a) == source_digest(b)
+    (b / "gateway" / "ws.py").write_text("y = 3\n")
+    assert source_digest(a) != source_digest(b)
+    (b / "gateway" / "ws.py").write_text("y = 2\n")
+    (b / "gateway" / "ws.py").rename(b / "gateway" / "wss.py")
+    assert source_digest(a) != source_digest(b)
