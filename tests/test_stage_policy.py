@@ -600,6 +600,15 @@ def test_first_chunk_cut_keeps_a_round_whole_where_it_cannot_pay() -> None:
     assert first_chunk_cut([True, True, False, False], late + far, now, _linear_round(0.1, 0.005)) is None
     # No round measured yet.
     assert first_chunk_cut([True, True, False, False], late + far, now, lambda rows: None) is None
+    # Each row joining the first chunk's round makes the next one late (rows cost 10 ms
+    # beside it, 1 ms in the other round): the passes are bounded, and a cut the bound does
+    # not settle is not made.
+    def stairs_round(rows) -> float:  # noqa: ANN001
+        return 0.01 + (0.01 if 0 in rows else 0.001) * len(rows)
+    firsts = [True] + [False] * 8
+    due = [now] + [now + 0.026 + 0.009 * k for k in range(1, 7)] + [now + 5.0] * 2
+    assert first_chunk_cut(firsts, due, now, stairs_round) is None
+    assert first_chunk_cut(firsts, due[:4] + [now + 5.0] * 5, now, stairs_round) == [0, 1, 2, 3]
 
 
 def test_the_stage_runs_first_chunks_before_big_chunks_that_can_wait(flow, hift) -> None:
