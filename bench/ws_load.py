@@ -1028,7 +1028,10 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
     (the engine's `opening_second_chunk` counters): its tokens ready -> queued (once the
     stage took the first chunk) -> its batch starts -> its audio; how many came after the
     first chunk's audio ran out, by how much on average, and the mean chunks in the
-    batches those late ones' first chunks ran in; None without any."""
+    batches those late ones' first chunks ran in; for the late ones, also how long after
+    the first chunk's audio their tokens were ready, their stage wait and round, and the
+    chunks of that round (`late_ready`, `late_stage_wait`, `late_stage`, `late_rows`);
+    None without any."""
     m = "cosyvoice_engine_opening_second_chunk"
     count = _delta(after, before, m + "s_total")
     if count <= 0:
@@ -1039,7 +1042,10 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
             "stage": round(1e3 * _delta(after, before, m + "_stage_seconds_total") / count, 3),
             "chunks": int(count), "late": int(lates),
             "late_by": round(1e3 * _delta(after, before, m + "_late_seconds_total") / lates, 3) if lates > 0 else 0.0,
-            "late_first_rows": round(_delta(after, before, m + "_late_first_rows_total") / lates, 2) if lates > 0 else None}
+            "late_first_rows": round(_delta(after, before, m + "_late_first_rows_total") / lates, 2) if lates > 0 else None,
+            **({f"late_{k}": round(scale * _delta(after, before, f"{m}_late_{name}_total") / lates, 3)
+                for k, name, scale in (("ready", "ready_seconds", 1e3), ("stage_wait", "stage_wait_seconds", 1e3),
+                                       ("stage", "stage_seconds", 1e3), ("rows", "rows", 1))} if lates > 0 else {})}
 
 
 def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float | None] | None:

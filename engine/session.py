@@ -755,7 +755,7 @@ class Session:
                 eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))
             if item.index == 1 and planned and utt.arrivals is not None:
                 self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
-                                        first_rows, eng.model.config.flow.pre_lookahead_len)
+                                        first_rows, eng.model.config.flow.pre_lookahead_len, batch.rows)
             if item.index == 0:
                 first_samples, first_rows, first_back = int(pcm.size), batch.rows, time.monotonic()
             if utt.stats.first_audio_at is None and pcm.size:
@@ -772,7 +772,7 @@ class Session:
                 return
 
     def _second_chunk_done(self, utt: _Utterance, queued: float, started: float, queued_end: int,
-                           finalize: bool, first_samples: int, first_rows: int, lookahead: int) -> None:
+                           finalize: bool, first_samples: int, first_rows: int, lookahead: int, rows: int) -> None:
         """Record an opening utterance's second chunk (`SecondChunkTimes`): ready when the
         LM had the tokens it was queued with (and their lookahead), due when the first
         chunk's audio, from its arrival here, has played out. A first chunk that gave no
@@ -784,7 +784,8 @@ class Session:
             return
         ready = arrivals[min(need, len(arrivals)) - 1]
         due = first_at + first_samples / self.engine.sample_rate
-        self.engine.opening_second_chunk_times.add(ready, queued, started, time.monotonic(), due, first_rows)
+        self.engine.opening_second_chunk_times.add(ready, queued, started, time.monotonic(), due, first_rows,
+                                                   first_at, rows)
 
     def _grower(self, extent: "_Extent", tokens: list[int], offset: int, max_hop: int, lm_task: asyncio.Task,
                 flow_cfg) -> Callable[[int], FlowChunk | None]:

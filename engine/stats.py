@@ -3,6 +3,7 @@ and the running sums and clocks the engine keeps to fill it."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -114,6 +115,15 @@ class EngineStats:
     opening_second_chunk_lates: int = 0
     opening_second_chunk_late_seconds: float = 0.0
     opening_second_chunk_late_first_rows: int = 0
+    # ... and where each late one's time went after its first chunk's audio arrived (sums
+    # over `_lates`): its tokens ready that much later (0 when they were ready before), its
+    # wait for the stage's batch, its round, and the chunks of that round. Which of the LM
+    # and the stage made it late (round 41 of docs/benchmarks.md: the runs that failed at
+    # 176-192 sessions each had one second chunk 33-103 ms late, cause unknown).
+    opening_second_chunk_late_ready_seconds: float = 0.0
+    opening_second_chunk_late_stage_wait_seconds: float = 0.0
+    opening_second_chunk_late_stage_seconds: float = 0.0
+    opening_second_chunk_late_rows: int = 0
     # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
@@ -204,9 +214,15 @@ class SecondChunkTimes:
     lates: int = 0
     late: float = 0.0
     late_first_rows: int = 0
+    late_ready: float = 0.0
+    late_stage_wait: float = 0.0
+    late_stage: float = 0.0
+    late_rows: int = 0
 
-    def add(self, ready: float, queued: float, started: float, done: float, due: float, first_rows: int) -> None:
-        """`first_rows`: the chunks in the batch the first chunk ran in."""
+    def add(self, ready: float, queued: float, started: float, done: float, due: float, first_rows: int,
+            first_audio: float = -math.inf, rows: int = 0) -> None:
+        """`first_rows`: the chunks in the batch the first chunk ran in; `first_audio`: when
+        the first chunk's audio arrived; `rows`: the chunks in this chunk's own batch."""
         self.count += 1
         self.ready_wait += max(0.0, queued - ready)
         self.stage_wait += max(0.0, started - queued)
@@ -215,12 +231,19 @@ class SecondChunkTimes:
             self.lates += 1
             self.late += done - due
             self.late_first_rows += first_rows
+            self.late_ready += max(0.0, ready - first_audio)
+            self.late_stage_wait += max(0.0, started - queued)
+            self.late_stage += done - max(started, queued)
+            self.late_rows += rows
 
     def stats_fields(self, name: str = "opening_second_chunk") -> dict[str, float | int]:
         return {f"{name}s": self.count, f"{name}_ready_wait_seconds": self.ready_wait,
                 f"{name}_stage_wait_seconds": self.stage_wait, f"{name}_stage_seconds": self.stage,
                 f"{name}_lates": self.lates, f"{name}_late_seconds": self.late,
-                f"{name}_late_first_rows": self.late_first_rows}
+                f"{name}_late_first_rows": self.late_first_rows,
+                f"{name}_late_ready_seconds": self.late_ready,
+                f"{name}_late_stage_wait_seconds": self.late_stage_wait,
+                f"{name}_late_stage_seconds": self.late_stage, f"{name}_late_rows": self.late_rows}
 
 
 @dataclass

@@ -38,7 +38,9 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "opening_chunk_planned_tokens", "opening_chunk_batch_rows",
      "opening_second_chunks", "opening_second_chunk_ready_wait_seconds", "opening_second_chunk_stage_wait_seconds",
      "opening_second_chunk_stage_seconds", "opening_second_chunk_lates", "opening_second_chunk_late_seconds",
-     "opening_second_chunk_late_first_rows",
+     "opening_second_chunk_late_first_rows", "opening_second_chunk_late_ready_seconds",
+     "opening_second_chunk_late_stage_wait_seconds", "opening_second_chunk_late_stage_seconds",
+     "opening_second_chunk_late_rows",
      "lm_server_requests", "lm_server_queued_seconds", "lm_server_prefill_seconds", "lm_server_decode_seconds",
      "lm_server_decode_tokens", "lm_server_first_tokens", "lm_server_first_token_seconds"}
 )

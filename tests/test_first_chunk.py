@@ -713,6 +713,14 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     assert slow.opening_second_chunks == 1 and slow.opening_second_chunk_lates == 1
     assert slow.opening_second_chunk_stage_seconds >= 0.3 and slow.opening_second_chunk_late_seconds >= 0.06
     assert slow.opening_second_chunk_late_first_rows == 1
+    # Where its lateness came from, the one second chunk being late: the wait for the first
+    # chunk's round and its own round (300 ms or more each; it holds the chunk, maybe with
+    # the next utterance's first one), not its tokens (the LM is done long before).
+    assert (slow.opening_second_chunk_late_stage_wait_seconds, slow.opening_second_chunk_late_stage_seconds) \
+        == (slow.opening_second_chunk_stage_wait_seconds, slow.opening_second_chunk_stage_seconds)
+    assert slow.opening_second_chunk_late_stage_seconds >= 0.3 and slow.opening_second_chunk_late_rows >= 1
+    assert 0 <= slow.opening_second_chunk_late_ready_seconds < 0.3
+    assert (st.opening_second_chunk_late_rows == 0) == (st.opening_second_chunk_lates == 0)  # late or not
     assert st.opening_chunks == 1 and st.opening_chunk_batch_rows == 1 and st.first_chunk_batch_rows >= 2
 
 
