@@ -663,7 +663,7 @@ class Session:
                     if cfg.first_chunk_hold_share > 0:  # and what missing a round would cost it
                         cached = eng._cached_prompt_frames(P)
                         frames = self._chunk_frames(0, sched.initial_hop, cached, flow_cfg)
-                        round_s = eng.stage.round_estimate(stream, frames, cached)
+                        round_s = eng.stage.round_estimate(stream, frames, cached, eng.first_chunks.skip_patient)
                     step = _lm_step(utt)
                     if math.isfinite(step):  # no rate yet before the LM's fourth token
                         eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * step,

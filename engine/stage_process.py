@@ -170,7 +170,7 @@ class RemoteStage:
         self.stats = StageStats()
         self.cuda_memory: dict[str, int] = {}
         self._live: weakref.WeakSet[RemoteStream] = weakref.WeakSet()
-        self._patient: weakref.WeakSet[object] = weakref.WeakSet()  # `AudioStage._patient`
+        self._patient: weakref.WeakSet[RemoteStream] = weakref.WeakSet()  # `AudioStage._patient`
         self._jobs: dict[int, ChunkJob] = {}  # submitted, audio not yet back
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._tensors: dict[int, int] = {}  # id(tensor) -> key, while the tensor lives
@@ -265,7 +265,7 @@ class RemoteStage:
 
     def live_utterances(self, stream: object | None = None, skip_patient: bool = False) -> int:
         """`AudioStage.live_utterances`: the streams are this process's handles."""
-        return len(self._live) - (len(self._patient) if skip_patient else 0)
+        return max(0, len(self._live) - (len(self._patient) if skip_patient else 0))
 
     @property
     def failure(self) -> str | None:

@@ -3,7 +3,6 @@ and the running sums and clocks the engine keeps to fill it."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -220,7 +219,7 @@ class SecondChunkTimes:
     late_rows: int = 0
 
     def add(self, ready: float, queued: float, started: float, done: float, due: float, first_rows: int,
-            first_audio: float = -math.inf, rows: int = 0) -> None:
+            first_audio: float, rows: int) -> None:
         """`first_rows`: the chunks in the batch the first chunk ran in; `first_audio`: when
         the first chunk's audio arrived; `rows`: the chunks in this chunk's own batch."""
         self.count += 1

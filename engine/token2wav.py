@@ -217,7 +217,12 @@ def first_chunk_cut(firsts: Sequence[bool], deadlines: Sequence[float], now: flo
     row that would miss its deadline waiting for the round after them; the rest wait.
     Only when the first chunks gain more than the stage loses: the whole round's time
     less the first chunks' round against the second round's time past the whole one (a
-    round has a fixed cost, and at capacity the stage's time is everyone's)."""
+    round has a fixed cost, and at capacity the stage's time is everyone's).
+
+    A row is judged late against a next round of `rest` alone, right after the first. That
+    round may start later (the first-chunk hold, up to `engine.first_chunk_hold_ms`) or be
+    cut again for newer first chunks; each cut judges its rows again from the time it is
+    made, and the deadlines keep the engine's margin (250 ms) for such errors."""
     rows = range(len(deadlines))
     first = [i for i in rows if firsts[i]]
     if not first or len(first) == len(deadlines):
@@ -406,7 +411,7 @@ def solved_work(policy: GraphPolicy | None, rows: int, frames: int, cached: int)
     return rows * frames if policy is None else call_work(policy, cached, cached > 0)(rows, frames)
 
 
-def mark_patience(patient: "weakref.WeakSet[object]", job: ChunkJob) -> None:
+def mark_patience(patient: weakref.WeakSet[object], job: ChunkJob) -> None:
     """Keep `patient` (vocoder streams) as the stage's `live_utterances` reads it: a
     stream is in it from a patient chunk of its utterance to the next chunk that is not."""
     if job.patient:
@@ -645,7 +650,7 @@ class AudioStage:
         """Utterances in progress here (their vocoder streams still exist), less with
         `skip_patient` those whose latest chunk was patient (`ChunkJob.patient`); `stream`
         is for `StagePool`'s interface (the stage it is bound to)."""
-        return len(self._live) - (len(self._patient) if skip_patient else 0)
+        return max(0, len(self._live) - (len(self._patient) if skip_patient else 0))
 
     def round_estimate(self, stream: object, frames: int, cached: int = 0,
                        skip_patient: bool = False) -> float | None:
@@ -654,7 +659,8 @@ class AudioStage:
         utterance in progress here has one like it in the same round: the batches they
         fill, by the round times measured so far (`RoundTimes`). None before the first
         batch. `skip_patient`: not counting the utterances waiting patiently
-        (`live_utterances`), whose chunks are few and big (`engine.chunk_patience_s`). Finished utterances do not count (`_serve_batch`): until round 15 of
+        (`live_utterances`), whose chunks are few and big (`engine.chunk_patience_s`).
+        Finished utterances do not count (`_serve_batch`): until round 15 of
         docs/benchmarks.md they did, and that error alone kept bursts from stalling while
         a session queued its next chunk only after the previous one's audio was back
         (`submit` says why it no longer waits)."""

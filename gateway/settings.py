@@ -236,8 +236,8 @@ class EngineSettings:
     stage_first_chunk_cut: bool = field(
         default=True,
         metadata=_help("a flow/vocoder round carrying first chunks that listeners wait for runs them first, with the "
-                       "rows that would be late after them, and the rest in the next round, when the first chunks "
-                       "gain more than the stage loses"),
+                       "rows that would be late after them (by stage_deadline_cut_margin_ms), and the rest in the "
+                       "next round, when the first chunks gain more than the stage loses"),
     )
     stage_profile_dir: str = field(
         default="",
@@ -404,8 +404,8 @@ class Settings:
     )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
-                                      "fill_padding and split_call_cost while serving (benchmarks: A/B levels "
-                                      "on one gateway)"))
+                                      "fill_padding, split_call_cost and first_cut while serving (benchmarks: "
+                                      "A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))
     gil_switch_interval_ms: float = field(

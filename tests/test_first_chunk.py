@@ -464,6 +464,15 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
 
 
+def test_skip_patient_reaches_the_engine_config(tmp_path):
+    from gateway.app import engine_config
+    from gateway.settings import load_settings
+
+    assert engine_config(load_settings([], environ={})[0], tmp_path).first_chunk_skip_patient is False
+    s, _ = load_settings(["--engine.first-chunk-skip-patient", "true"], environ={})
+    assert engine_config(s, tmp_path).first_chunk_skip_patient is True
+
+
 def test_negative_first_chunk_floors_are_refused(tiny_model_dir):
     for field in ("idle_initial_hop", "first_chunk_min_hop", "first_chunk_min_hop_crowd"):
         with pytest.raises(ValueError, match="must be >= 0"):

@@ -646,6 +646,29 @@ def test_the_stage_runs_first_chunks_before_big_chunks_that_can_wait(flow, hift)
         stage._pool.shutdown(wait=True)
 
 
+def test_both_cuts_together_run_every_row_once(flow, hift) -> None:
+    """The defaults: the first-chunk cut, then the deadline cut on what it keeps. Two first
+    chunks, a row due within 0.3 s and three big rows with a minute to spare: the first
+    chunks and the row due soon run first, the big rows after, each row once."""
+    chunks = [_chunk(90, seed=1), _chunk(90, seed=2), _chunk(90, seed=3), _chunk(25, seed=4),
+              _chunk(25, seed=5), _chunk(40, seed=6)]
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_cut=True, cut_for_deadlines=True)
+    for rows, wall in ((1, 0.05), (6, 0.6)):
+        stage.rounds.observe(rows * stage._window_frames(chunks[0]), wall)
+
+    def jobs() -> list[ChunkJob]:
+        now = time.monotonic()
+        return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
+                         is_cancelled=lambda: False, deadline=now + due)
+                for c, index, due in zip(chunks, (2, 2, 2, 0, 0, 1), (60.0, 60.0, 60.0, 0.0, 0.0, 0.3))]
+
+    pcm = _serve(stage, jobs)
+    assert sorted(seq for batch in stage.batches for seq in batch) == list(range(6))  # each once
+    assert stage.batches == [[3, 4, 5], [0, 1, 2]]
+    assert (stage.stats.first_chunk_cuts, stage.stats.deadline_cuts) == (1, 0)  # row 5 went with the first chunks
+    assert all(p.size > 0 for p in pcm)
+
+
 def test_live_utterances_may_leave_out_those_waiting_patiently(flow, hift) -> None:
     """An utterance counts as patient from a patient chunk until it queues one that is not,
     and not at all once its stream is gone; the round estimate counts what it is told."""
