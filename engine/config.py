@@ -299,12 +299,11 @@ class EngineConfig:
     # the rows that would be late after them (by stage_deadline_cut_margin_ms, as the
     # deadline cut counts late, whether that one is on or not), and the rest in the next
     # round, when the first chunks gain more than the stage loses
-    # (`engine.token2wav.first_chunk_cut`). On an H100
-    # (round 41 of docs/benchmarks.md, levels alternating on one gateway) first chunks' rounds
-    # went from 129 to 41-54 ms at 192 sessions over 16 s, p95 437 and 394 ms against 506
-    # and 527 (one session dry), and 857 and 828 against 1,126 and 1,066 at 224; the flow
-    # computed 0-7% fewer frames (less padding). Bursts of 64 never cut (every row a first
-    # chunk).
+    # (`engine.token2wav.first_chunk_cut`). On an H100 (round 41 of docs/benchmarks.md,
+    # levels alternating on one gateway) first chunks' rounds went from 129 to 41-54 ms at
+    # 192 sessions over 16 s, p95 437 and 394 ms against 506 and 527 (one session dry), and
+    # 857 and 828 against 1,126 and 1,066 at 224; the flow computed 0-7% fewer frames (less
+    # padding). Bursts of 64 never cut (every row a first chunk).
     stage_first_chunk_cut: bool = True
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
