@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 import time
@@ -35,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.stage_syncs import kernel_table
+from bench.stage_syncs import kernel_table, print_kernels, write_results
 from engine.hub import resolve_model
 from engine.models.dit import CONV_CONTEXT, DiT, DiTPrefix, attention_kernel_for
 from engine.models.loader import load_model
@@ -160,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = f"  gpu {row['gpu_ms']:8.2f} ms" if "gpu_ms" in row else ""
             print(f"[{row['mix']}] {row['way']:6s} frames {row['frames']:5d}  wall {row['wall_ms']:8.2f} ms{gpu}"
                   f"{extra}  {row.get('families', '')}", flush=True)
-            for k in row.get("kernels", []):
-                print(f"        {k['ms']:8.2f} ms x{k['calls']:<5} {k['kernel'][:100]}")
+            print_kernels(row.get("kernels", []))
         if len(pair) == 2:
             a, b = pair
             key = "gpu_ms" if "gpu_ms" in a else "wall_ms"
@@ -169,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "results": results}, indent=1))
+    write_results(args.json, device, args, results)
     return 0
 
 

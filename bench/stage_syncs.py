@@ -156,6 +156,19 @@ def kernel_table(events: Any, reps: int, top: int) -> tuple[list[dict[str, Any]]
     return table, {k: round(v / total, 3) for k, v in families.most_common()}
 
 
+def print_kernels(kernels: list[dict[str, Any]]) -> None:
+    """`kernel_table`'s rows, one indented line each, under a bench's result line."""
+    for k in kernels:
+        print(f"        {k['ms']:8.2f} ms x{k['calls']:<5} {k['kernel'][:100]}")
+
+
+def write_results(path: Path | None, device: torch.device, args: argparse.Namespace, results: list[Any]) -> None:
+    """A kernel bench's JSON: its device, its arguments as given and its rows (none without `path`)."""
+    if path:
+        path.write_text(json.dumps({"device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
+                                    "results": results}, indent=1))
+
+
 def host_table(stage: AudioStage, batches: list[list[ChunkJob]], top: int) -> list[dict[str, Any]]:
     """The `top` functions of this repository by cumulative host time per batch, over
     `_compute` of each batch under cProfile (each batch's PCM copy waits for the GPU, so

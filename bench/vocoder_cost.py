@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import statistics
 import sys
@@ -35,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.stage_syncs import kernel_table
+from bench.stage_syncs import kernel_table, print_kernels, write_results
 from engine.hub import resolve_model
 from engine.models.hift import CausalHiFTGenerator, use_snake_kernel
 from engine.models.loader import load_model
@@ -127,13 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"wall {row['wall_ms']:8.2f} ms" + (f"  gpu {row['gpu_ms']:8.2f} ms" if "gpu_ms" in row else "")
                 + f"  diff {row['max_abs_diff']:.2e}  {row.get('families', '')}" if "wall_ms" in row else row["error"]),
                 flush=True)
-            for k in row.get("kernels", []):
-                print(f"        {k['ms']:8.2f} ms x{k['calls']:<5} {k['kernel'][:100]}")
+            print_kernels(row.get("kernels", []))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "results": results}, indent=1))
+    write_results(args.json, device, args, results)
     return 0
 
 
