@@ -1031,7 +1031,8 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
     batches those late ones' first chunks ran in; for the late ones, also how long after
     the first chunk's audio their tokens were ready, their stage wait and round, and the
     chunks of that round (`late_ready`, `late_stage_wait`, `late_stage`, `late_rows`);
-    None without any."""
+    `close`: how many came with less than 100 ms to spare, late ones too (a few runs' late
+    counts are too few to compare settings by); None without any."""
     m = "cosyvoice_engine_opening_second_chunk"
     count = _delta(after, before, m + "s_total")
     if count <= 0:
@@ -1040,7 +1041,7 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
     return {"ready_wait": round(1e3 * _delta(after, before, m + "_ready_wait_seconds_total") / count, 3),
             "stage_wait": round(1e3 * _delta(after, before, m + "_stage_wait_seconds_total") / count, 3),
             "stage": round(1e3 * _delta(after, before, m + "_stage_seconds_total") / count, 3),
-            "chunks": int(count), "late": int(lates),
+            "chunks": int(count), "late": int(lates), "close": int(_delta(after, before, m + "_close_calls_total")),
             "late_by": round(1e3 * _delta(after, before, m + "_late_seconds_total") / lates, 3) if lates > 0 else 0.0,
             "late_first_rows": round(_delta(after, before, m + "_late_first_rows_total") / lates, 2) if lates > 0 else None,
             **({f"late_{k}": round(scale * _delta(after, before, f"{m}_late_{name}_total") / lates, 3)

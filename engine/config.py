@@ -109,6 +109,15 @@ class EngineConfig:
     # 1,009 ms against 1,126 and 1,066; with `stage_first_chunk_cut` too, 735 and 792 against
     # 857 and 828 but 9 and 15 sessions dry at their second chunk. Off until that is solved.
     first_chunk_skip_patient: bool = False
+    # The deadline of an utterance's chunks queued before any of its audio is made counts
+    # the first chunk's audio less what the vocoder keeps back of it (the planner's learnt
+    # `holdback_s`, 160 ms), not its whole tokens' worth: a second chunk after an 8-token
+    # first chunk is due 160 ms after that chunk arrives, not 320. Off: the tokens' worth,
+    # as up to round 41, where on an H100 at 176-208 sessions over 16 s (round 42 of
+    # docs/benchmarks.md) the sessions that ran dry did so at their second chunk after
+    # waiting 116-454 ms for the stage, against 66-74 on average: it took them for 160 ms
+    # less urgent than they were.
+    first_chunk_deadline_holdback: bool = True
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
     # in a burst they come ready over a few LM steps, and one that misses the round waits

@@ -130,7 +130,8 @@ class Engine:
                                               min_hop=config.first_chunk_min_hop,
                                               min_hop_crowd=config.first_chunk_min_hop_crowd,
                                               idle_hop=config.idle_initial_hop,
-                                              skip_patient=config.first_chunk_skip_patient)
+                                              skip_patient=config.first_chunk_skip_patient,
+                                              deadline_holdback=config.first_chunk_deadline_holdback)
         # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their
         # spare tokens to a stage in its own process while it is on.
         self.fill_padding = config.flow_fill_padding

@@ -317,7 +317,7 @@ class PlanInputs:
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
 TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
-                            "skip_patient": bool}
+                            "skip_patient": bool, "deadline_holdback": bool}
 MAX_MARGIN = 10.0
 MAX_CROWD = 10_000
 
@@ -368,6 +368,10 @@ class FirstChunkPlanner:
     # The round estimate leaves out the utterances waiting patiently
     # (EngineConfig.first_chunk_skip_patient; the engine asks the stage so).
     skip_patient: bool = False
+    # A chunk queued before its utterance's first audio is made is due `holdback_s` sooner
+    # than its tokens say (EngineConfig.first_chunk_deadline_holdback; the session asks
+    # `audio_in_flight`).
+    deadline_holdback: bool = True
     # Decisions that went below the floor (`min_hop`), and those that might have but for a
     # crowd of first chunks (`min_hop_crowd`): how often each fires under a load.
     below_floor: int = 0
@@ -386,11 +390,22 @@ class FirstChunkPlanner:
             frames = streamed_frames(frames, speed)
         self.holdback_s = max(self.holdback_s, frames * TOKEN_S / token_mel_ratio - samples / sample_rate)
 
+    def audio_in_flight(self, tokens: int, speed: float, made_any: bool) -> float:
+        """Output seconds of audio that `tokens` speech tokens queued on the stage and not
+        yet made will deliver: their tokens' worth, less the vocoder's holdback while the
+        utterance has made none yet (its first chunk keeps `holdback_s` back for the next;
+        after that each chunk gives back as much as it keeps)."""
+        seconds = tokens / SPEECH_TOKENS_PER_S / speed
+        if tokens > 0 and not made_any and self.deadline_holdback:
+            seconds = max(0.0, seconds - self.holdback_s)
+        return seconds
+
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
-                "skip_patient": self.skip_patient, "opening_rate": self.opening_rate,
+                "skip_patient": self.skip_patient, "deadline_holdback": self.deadline_holdback,
+                "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
                 "second_rounds": self.second_rounds.snapshot()}
 

@@ -692,10 +692,11 @@ class Session:
                     job.grown_to = extent.grown_to
             queued_at = time.monotonic()
             # The chunks queued before this one and not yet made play before it too.
-            in_flight = (sched.offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / opts.speed
+            pending = sched.offset - utt.made_tokens
+            in_flight = eng.first_chunks.audio_in_flight(pending, opts.speed, utt.made_tokens > 0)
             runs_out = self.playback.runs_out()
             job.deadline, job.urgent = chunk_due(queued_at, runs_out, self._audio_ahead(utt) + in_flight)
-            if in_flight > 0:  # taken as delivered now: the stage corrects by when it is
+            if pending > 0:  # taken as delivered now: the stage corrects by when it is
                 job.deadline_from = max(queued_at, runs_out)
             eng.stage.submit(job)
             self._first_chunk_queued(utt)
@@ -715,7 +716,8 @@ class Session:
         if patience <= 0:
             return None
         now = time.monotonic()
-        in_flight = (offset - utt.made_tokens) / SPEECH_TOKENS_PER_S / utt.options.speed
+        in_flight = self.engine.first_chunks.audio_in_flight(offset - utt.made_tokens, utt.options.speed,
+                                                             utt.made_tokens > 0)
         due, urgent = chunk_due(now, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
         spare = due - now - patience
         return spare if not urgent and spare > 0 else None

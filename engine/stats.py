@@ -123,6 +123,8 @@ class EngineStats:
     opening_second_chunk_late_stage_wait_seconds: float = 0.0
     opening_second_chunk_late_stage_seconds: float = 0.0
     opening_second_chunk_late_rows: int = 0
+    # ... and those that came with less than `CLOSE_CALL_S` (100 ms) to spare, late ones too.
+    opening_second_chunk_close_calls: int = 0
     # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
@@ -202,6 +204,11 @@ class FirstChunkTimes:
                 f"{name}_planned_tokens": self.planned_tokens, f"{name}_batch_rows": self.batch_rows}
 
 
+# A second chunk with less than this to spare before its first chunk's audio ran out (late
+# ones too) is a close call: runs that end with none or one late differ there by tens.
+CLOSE_CALL_S = 0.1
+
+
 @dataclass
 class SecondChunkTimes:
     """Running sums of the opening second chunks' phases (see EngineStats); one per engine."""
@@ -217,6 +224,7 @@ class SecondChunkTimes:
     late_stage_wait: float = 0.0
     late_stage: float = 0.0
     late_rows: int = 0
+    close_calls: int = 0
 
     def add(self, ready: float, queued: float, started: float, done: float, due: float, first_rows: int,
             first_audio: float, rows: int) -> None:
@@ -226,6 +234,7 @@ class SecondChunkTimes:
         self.ready_wait += max(0.0, queued - ready)
         self.stage_wait += max(0.0, started - queued)
         self.stage += done - max(started, queued)
+        self.close_calls += done > due - CLOSE_CALL_S
         if done > due:
             self.lates += 1
             self.late += done - due
@@ -242,7 +251,8 @@ class SecondChunkTimes:
                 f"{name}_late_first_rows": self.late_first_rows,
                 f"{name}_late_ready_seconds": self.late_ready,
                 f"{name}_late_stage_wait_seconds": self.late_stage_wait,
-                f"{name}_late_stage_seconds": self.late_stage, f"{name}_late_rows": self.late_rows}
+                f"{name}_late_stage_seconds": self.late_stage, f"{name}_late_rows": self.late_rows,
+                f"{name}_close_calls": self.close_calls}
 
 
 @dataclass

@@ -75,6 +75,10 @@ class EngineSettings:
         default=False, metadata=_help("the round estimate that sizes first chunks leaves out the utterances "
                                       "waiting patiently (their latest chunk cut big, its audio not due within "
                                       "chunk_patience_s)"))
+    first_chunk_deadline_holdback: bool = field(
+        default=True, metadata=_help("the deadline of a chunk queued before its utterance's first audio is made "
+                                     "counts that first chunk's audio less what the vocoder keeps back of it "
+                                     "(false: its tokens' worth)"))
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))

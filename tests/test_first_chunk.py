@@ -464,13 +464,35 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
 
 
-def test_skip_patient_reaches_the_engine_config(tmp_path):
+def test_skip_patient_and_deadline_holdback_reach_the_engine_config(tmp_path):
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
-    assert engine_config(load_settings([], environ={})[0], tmp_path).first_chunk_skip_patient is False
-    s, _ = load_settings(["--engine.first-chunk-skip-patient", "true"], environ={})
+    default = engine_config(load_settings([], environ={})[0], tmp_path)
+    assert default.first_chunk_skip_patient is False and default.first_chunk_deadline_holdback is True
+    s, _ = load_settings(["--engine.first-chunk-skip-patient", "true",
+                          "--engine.first-chunk-deadline-holdback", "false"], environ={})
     assert engine_config(s, tmp_path).first_chunk_skip_patient is True
+    assert engine_config(s, tmp_path).first_chunk_deadline_holdback is False
+
+
+def test_audio_in_flight_leaves_out_the_first_chunks_holdback():
+    """A first chunk of 8 tokens plays 320 - 160 ms: the vocoder keeps its last 160 ms back
+    for the next chunk. Once the utterance made audio, each chunk gives back as much as it
+    keeps, so its tokens' worth is what it adds."""
+    p = FirstChunkPlanner(limit=40, margin=0.5)
+    assert p.audio_in_flight(8, 1.0, made_any=False) == pytest.approx(0.32)  # nothing learnt yet
+    p.holdback_s = 0.16
+    assert p.audio_in_flight(8, 1.0, made_any=False) == pytest.approx(0.16)
+    assert p.audio_in_flight(8, 1.0, made_any=True) == pytest.approx(0.32)
+    assert p.audio_in_flight(10, 2.0, made_any=False) == pytest.approx(0.2 - 0.16)  # output seconds
+    assert p.audio_in_flight(3, 1.0, made_any=False) == 0.0  # all of it held back
+    assert p.audio_in_flight(0, 1.0, made_any=False) == 0.0
+    p.tune({"deadline_holdback": False})
+    assert p.snapshot()["deadline_holdback"] is False
+    assert p.audio_in_flight(8, 1.0, made_any=False) == pytest.approx(0.32)
+    with pytest.raises(ValueError, match="deadline_holdback must be true or false"):
+        p.tune({"deadline_holdback": "no"})
 
 
 def test_negative_first_chunk_floors_are_refused(tiny_model_dir):
@@ -720,6 +742,7 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     # second chunk runs in the batch after it, 300 ms or more, and is late by 60 ms or
     # more; its first chunk ran alone.
     assert slow.opening_second_chunks == 1 and slow.opening_second_chunk_lates == 1
+    assert slow.opening_second_chunk_close_calls == 1  # a late one is a close call too
     assert slow.opening_second_chunk_stage_seconds >= 0.3 and slow.opening_second_chunk_late_seconds >= 0.06
     assert slow.opening_second_chunk_late_first_rows == 1
     # Where its lateness came from, the one second chunk being late: the wait for the first
@@ -730,6 +753,7 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     assert slow.opening_second_chunk_late_stage_seconds >= 0.3 and slow.opening_second_chunk_late_rows >= 1
     assert 0 <= slow.opening_second_chunk_late_ready_seconds < 0.3
     assert (st.opening_second_chunk_late_rows == 0) == (st.opening_second_chunk_lates == 0)  # late or not
+    assert st.opening_second_chunk_close_calls >= st.opening_second_chunk_lates
     assert st.opening_chunks == 1 and st.opening_chunk_batch_rows == 1 and st.first_chunk_batch_rows >= 2
 
 

@@ -883,11 +883,12 @@ def test_a_later_utterance_is_due_after_the_audio_before_it(tiny_model_dir) -> N
     delivered yet, measured from outside: each earlier utterance's whole audio (its LM is
     done before the next one starts, so its length is known) less what was delivered of it,
     the chunk's own utterance's audio made but not delivered, and its chunks queued
-    before it and not made yet (a chunk is queued once the stage took the one before it).
+    before it and not made yet (a chunk is queued once the stage took the one before it),
+    less what the vocoder keeps back of its first chunk while none of it is made.
     Before, a later utterance's chunks were due by their own clock, as if they played on
     arrival: seconds early, ahead of the playing utterance's next chunks in the "deadline"
     policy."""
-    seen: list[tuple[int, int, float, float, float, list[int], list[int], int]] = []
+    seen: list[tuple[int, int, float, float, float, list[int], list[int], int, float]] = []
 
     async def go(engine):
         s = engine.open_session(await default_voice(engine), SessionOptions(tokens_per_text_token=3.0, seed=0))
@@ -924,7 +925,7 @@ def test_a_later_utterance_is_due_after_the_audio_before_it(tiny_model_dir) -> N
             in_flight = sum(chunks[made_chunks.get(i, 0):])  # queued before it, not made yet
             seen.append((i, job.chunk_index, job.deadline, time.monotonic(), s.playback.runs_out(),
                          [made.get(k, 0) for k in range(len(order))], [delivered.get(k, 0) for k in range(len(order))],
-                         in_flight))
+                         in_flight, engine.first_chunks.holdback_s if in_flight and not made_chunks.get(i) else 0.0))
             f = job.flow
             chunks.append(len(f.tokens) - f.out_start - (0 if f.finalize else 3))
             return original(job)
@@ -940,17 +941,19 @@ def test_a_later_utterance_is_due_after_the_audio_before_it(tiny_model_dir) -> N
 
     totals = run(tiny_model_dir, go, warmup=False)
     sr = 24000
-    ahead_seen = []
-    for utt, index, deadline, now, runs_out, made, delivered, in_flight in seen:
+    ahead_seen, held = [], []
+    for utt, index, deadline, now, runs_out, made, delivered, in_flight, holdback in seen:
         # Earlier utterances: all their audio not yet delivered; this one: made, not
-        # delivered, and queued, not made.
+        # delivered, and queued, not made, less the first chunk's holdback.
         ahead = (sum(totals[u] - delivered[u] for u in range(utt)) + made[utt] - delivered[utt]
-                 + in_flight * TOKEN_SAMPLES)
+                 + max(0.0, in_flight * TOKEN_SAMPLES - holdback * sr))
         want, _ = chunk_due(now, runs_out, ahead / sr)
         assert deadline == pytest.approx(want, abs=0.01), (utt, index)
         if utt == 1:
             ahead_seen.append(ahead)
+        held.append(holdback)
     assert len(ahead_seen) >= 2 and ahead_seen[0] > 0  # the second utterance began behind the first
+    assert 0.1 < max(held) < 0.25  # the second utterance's second chunk counted the vocoder's 160 ms
 
 
 # ----------------------------------------------------------------------------- fill padding
