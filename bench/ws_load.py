@@ -54,8 +54,8 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
 `opening_chunk_phases_ms`: the same for each context's first segment only, the one
 `first_audio_ms` measures; `opening_second_chunk_ms`: their second chunks, from tokens
-ready to queued, batch start and audio, and how many came after the first chunk's audio
-had run out), and with `--engine.lm-timing true` vLLM's own account of the
+ready to queued, batch start and audio, how many came after the first chunk's audio
+had run out and how many with less than 100 ms to spare), and with `--engine.lm-timing true` vLLM's own account of the
 LM requests (`lm_server_ms`: queued and prefill in its engine core, its time to first
 token, its decode time per token).
 

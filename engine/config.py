@@ -109,10 +109,11 @@ class EngineConfig:
     # 1,009 ms against 1,126 and 1,066; with `stage_first_chunk_cut` too, 735 and 792 against
     # 857 and 828 but 9 and 15 sessions dry at their second chunk. Off until that is solved.
     first_chunk_skip_patient: bool = False
-    # The deadline of an utterance's chunks queued before any of its audio is made counts
-    # the first chunk's audio less what the vocoder keeps back of it (the planner's learnt
-    # `holdback_s`, 160 ms), not its whole tokens' worth: a second chunk after an 8-token
-    # first chunk is due 160 ms after that chunk arrives, not 320. Off: the tokens' worth,
+    # A chunk's deadline (and its patience, chunk_patience_s) counts the audio its
+    # utterance's chunks still on the stage will deliver, and a first chunk delivers its
+    # tokens' worth less what the vocoder keeps back (the planner's learnt `holdback_s`,
+    # 160 ms): a second chunk after an 8-token first chunk is due 160 ms after that chunk
+    # arrives, not 320 (`FirstChunkPlanner.audio_in_flight`). Off: the tokens' worth,
     # as up to round 41, where on an H100 at 176-208 sessions over 16 s (round 42 of
     # docs/benchmarks.md) the sessions that ran dry did so at their second chunk after
     # waiting 116-454 ms for the stage, against 66-74 on average: it took them for 160 ms

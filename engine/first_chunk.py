@@ -390,15 +390,19 @@ class FirstChunkPlanner:
             frames = streamed_frames(frames, speed)
         self.holdback_s = max(self.holdback_s, frames * TOKEN_S / token_mel_ratio - samples / sample_rate)
 
-    def audio_in_flight(self, tokens: int, speed: float, made_any: bool) -> float:
-        """Output seconds of audio that `tokens` speech tokens queued on the stage and not
-        yet made will deliver: their tokens' worth, less the vocoder's holdback while the
-        utterance has made none yet (its first chunk keeps `holdback_s` back for the next;
-        after that each chunk gives back as much as it keeps)."""
-        seconds = tokens / SPEECH_TOKENS_PER_S / speed
-        if tokens > 0 and not made_any and self.deadline_holdback:
-            seconds = max(0.0, seconds - self.holdback_s)
-        return seconds
+    def audio_in_flight(self, made: int, pending: int, speed: float) -> float:
+        """Output seconds of audio that an utterance's `pending` speech tokens, queued on
+        the stage after the `made` ones whose audio is made, will deliver. Until its last
+        chunk the vocoder keeps `holdback_s` of an utterance's audio back, so its chunks
+        made up to a point delivered that much less than their tokens' worth (none at all
+        for a first chunk shorter than it): a first chunk's audio falls short of its
+        tokens, and once one chunk's audio covered the holdback each later chunk gives back
+        as much as it keeps."""
+        def delivered(tokens: int) -> float:
+            seconds = tokens / SPEECH_TOKENS_PER_S / speed
+            return max(0.0, seconds - self.holdback_s) if self.deadline_holdback else seconds
+
+        return delivered(made + pending) - delivered(made) if pending > 0 else 0.0
 
     def snapshot(self) -> dict[str, object]:
         """What the next decisions would go on, for `GET /debug/planner`."""

@@ -693,7 +693,7 @@ class Session:
             queued_at = time.monotonic()
             # The chunks queued before this one and not yet made play before it too.
             pending = sched.offset - utt.made_tokens
-            in_flight = eng.first_chunks.audio_in_flight(pending, opts.speed, utt.made_tokens > 0)
+            in_flight = eng.first_chunks.audio_in_flight(utt.made_tokens, pending, opts.speed)
             runs_out = self.playback.runs_out()
             job.deadline, job.urgent = chunk_due(queued_at, runs_out, self._audio_ahead(utt) + in_flight)
             if pending > 0:  # taken as delivered now: the stage corrects by when it is
@@ -716,8 +716,8 @@ class Session:
         if patience <= 0:
             return None
         now = time.monotonic()
-        in_flight = self.engine.first_chunks.audio_in_flight(offset - utt.made_tokens, utt.options.speed,
-                                                             utt.made_tokens > 0)
+        in_flight = self.engine.first_chunks.audio_in_flight(utt.made_tokens, offset - utt.made_tokens,
+                                                             utt.options.speed)
         due, urgent = chunk_due(now, self.playback.runs_out(), self._audio_ahead(utt) + in_flight)
         spare = due - now - patience
         return spare if not urgent and spare > 0 else None

@@ -76,9 +76,8 @@ class EngineSettings:
                                       "waiting patiently (their latest chunk cut big, its audio not due within "
                                       "chunk_patience_s)"))
     first_chunk_deadline_holdback: bool = field(
-        default=True, metadata=_help("the deadline of a chunk queued before its utterance's first audio is made "
-                                     "counts that first chunk's audio less what the vocoder keeps back of it "
-                                     "(false: its tokens' worth)"))
+        default=True, metadata=_help("a chunk's deadline and patience count its utterance's first chunk's audio "
+                                     "less what the vocoder keeps back of it (false: its tokens' worth)"))
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))

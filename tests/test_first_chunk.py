@@ -478,19 +478,22 @@ def test_skip_patient_and_deadline_holdback_reach_the_engine_config(tmp_path):
 
 def test_audio_in_flight_leaves_out_the_first_chunks_holdback():
     """A first chunk of 8 tokens plays 320 - 160 ms: the vocoder keeps its last 160 ms back
-    for the next chunk. Once the utterance made audio, each chunk gives back as much as it
-    keeps, so its tokens' worth is what it adds."""
+    for the next chunk. Once the utterance's audio covered that, each chunk gives back as
+    much as it keeps, so its tokens' worth is what it adds; after a first chunk of 3 tokens
+    (no audio at all) the next one still falls short by the rest."""
     p = FirstChunkPlanner(limit=40, margin=0.5)
-    assert p.audio_in_flight(8, 1.0, made_any=False) == pytest.approx(0.32)  # nothing learnt yet
+    assert p.audio_in_flight(0, 8, 1.0) == pytest.approx(0.32)  # nothing learnt yet
     p.holdback_s = 0.16
-    assert p.audio_in_flight(8, 1.0, made_any=False) == pytest.approx(0.16)
-    assert p.audio_in_flight(8, 1.0, made_any=True) == pytest.approx(0.32)
-    assert p.audio_in_flight(10, 2.0, made_any=False) == pytest.approx(0.2 - 0.16)  # output seconds
-    assert p.audio_in_flight(3, 1.0, made_any=False) == 0.0  # all of it held back
-    assert p.audio_in_flight(0, 1.0, made_any=False) == 0.0
+    assert p.audio_in_flight(0, 8, 1.0) == pytest.approx(0.16)
+    assert p.audio_in_flight(8, 8, 1.0) == pytest.approx(0.32)
+    assert p.audio_in_flight(8, 8 + 25, 1.0) == pytest.approx(1.32)  # two chunks in flight
+    assert p.audio_in_flight(0, 10, 2.0) == pytest.approx(0.2 - 0.16)  # output seconds
+    assert p.audio_in_flight(0, 3, 1.0) == 0.0  # all of it held back
+    assert p.audio_in_flight(3, 8, 1.0) == pytest.approx(0.44 - 0.16)  # 40 ms of the hold still kept
+    assert p.audio_in_flight(5, 0, 1.0) == 0.0
     p.tune({"deadline_holdback": False})
     assert p.snapshot()["deadline_holdback"] is False
-    assert p.audio_in_flight(8, 1.0, made_any=False) == pytest.approx(0.32)
+    assert p.audio_in_flight(0, 8, 1.0) == pytest.approx(0.32)
     with pytest.raises(ValueError, match="deadline_holdback must be true or false"):
         p.tune({"deadline_holdback": "no"})
 
