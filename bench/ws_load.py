@@ -55,9 +55,9 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 `opening_chunk_phases_ms`: the same for each context's first segment only, the one
 `first_audio_ms` measures; `opening_second_chunk_ms`: their second chunks, from tokens
 ready to queued, batch start and audio, how many came after the first chunk's audio
-had run out and how many with less than 100 ms to spare), and with `--engine.lm-timing true` vLLM's own account of the
-LM requests (`lm_server_ms`: queued and prefill in its engine core, its time to first
-token, its decode time per token).
+had run out and how many with less than 100 ms to spare), and with
+`--engine.lm-timing true` vLLM's own account of the LM requests (`lm_server_ms`: queued
+and prefill in its engine core, its time to first token, its decode time per token).
 
 Speech length. Random weights never stop speaking, so the gateway generates a fixed
 number of speech tokens per text token (`--engine.tokens-per-text-token`). The bench

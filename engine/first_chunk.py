@@ -368,9 +368,9 @@ class FirstChunkPlanner:
     # The round estimate leaves out the utterances waiting patiently
     # (EngineConfig.first_chunk_skip_patient; the engine asks the stage so).
     skip_patient: bool = False
-    # A chunk queued before its utterance's first audio is made is due `holdback_s` sooner
-    # than its tokens say (EngineConfig.first_chunk_deadline_holdback; the session asks
-    # `audio_in_flight`).
+    # A chunk's deadline counts its utterance's chunks still on the stage as delivering
+    # `holdback_s` less than their tokens' worth until its audio covered that
+    # (EngineConfig.first_chunk_deadline_holdback; the session asks `audio_in_flight`).
     deadline_holdback: bool = True
     # Decisions that went below the floor (`min_hop`), and those that might have but for a
     # crowd of first chunks (`min_hop_crowd`): how often each fires under a load.

@@ -234,7 +234,7 @@ class SecondChunkTimes:
         self.ready_wait += max(0.0, queued - ready)
         self.stage_wait += max(0.0, started - queued)
         self.stage += done - max(started, queued)
-        self.close_calls += done > due - CLOSE_CALL_S
+        self.close_calls += int(done > due - CLOSE_CALL_S)
         if done > due:
             self.lates += 1
             self.late += done - due
