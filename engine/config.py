@@ -315,6 +315,12 @@ class EngineConfig:
     # 857 and 828 against 1,126 and 1,066 at 224; the flow computed 0-7% fewer frames (less
     # padding). Bursts of 64 never cut (every row a first chunk).
     stage_first_chunk_cut: bool = True
+    # ... and an utterance's second chunk (unless patient) goes with the first chunks
+    # (`AudioStage._cut_for_first_chunks`): on an H100 at 200-208 sessions over 16 s (round
+    # 42 of docs/benchmarks.md) second chunks took 185-224 ms from their turn to their
+    # audio, riding rounds of long chunks, and the planner sized first chunks (18-23
+    # tokens, 130-182 ms of LM decode) to cover that. Not yet measured; off.
+    stage_second_chunk_cut: bool = False
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,

@@ -73,4 +73,5 @@ def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, 
                       cut_for_deadlines=config.stage_deadline_cut,
                       cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000,
                       first_cut=config.stage_first_chunk_cut,
+                      second_cut=config.stage_second_chunk_cut,
                       final_full_attention=config.flow_final_full_attention)

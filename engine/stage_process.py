@@ -19,9 +19,10 @@ engine -> stage
                                     name it by key (the stage's prompt cache keys on it)
     ("release", sids, keys)         vocoder streams and tensors the engine dropped
     ("stream", sid)                 a new vocoder stream (one per utterance)
-    ("submit", jid, sid, chunk, speed, index, urgent, deadline, deadline_from, spare)
+    ("submit", jid, sid, chunk, speed, index, urgent, deadline, deadline_from, spare, patient)
                                     spare: the tokens the chunk may grow into
-                                    (`flow_fill_padding`, `chunking.SpareTokens`) or None
+                                    (`flow_fill_padding`, `chunking.SpareTokens`) or None;
+                                    patient: `ChunkJob.patient`
     ("cancel", jids)                queued chunks of cancelled utterances
     ("expect", sid, due, round_s)   `AudioStage.expect_first_chunk`
     ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started / tune;
@@ -285,7 +286,7 @@ class RemoteStage:
         mark_patience(self._patient, job)
         chunk = self._wire(job.flow)
         self._send(("submit", jid, stream.sid, chunk, job.speed, job.chunk_index, job.urgent, job.deadline,
-                    job.deadline_from, job.spare if job.grow is not None else None))
+                    job.deadline_from, job.spare if job.grow is not None else None, job.patient))
         self._jobs[jid] = job
         return job.future
 
@@ -654,10 +655,11 @@ class _StageServer:
         self.streams[sid] = self.stage.new_stream()
 
     def on_submit(self, jid: int, sid: int, wire: ChunkWire, speed: float, index: int, urgent: bool,
-                  deadline: float, deadline_from: float | None, spare: SpareTokens | None = None) -> None:
+                  deadline: float, deadline_from: float | None, spare: SpareTokens | None = None,
+                  patient: bool = False) -> None:
         job = ChunkJob(self.chunk(wire), self.streams[sid], speed, index,
                        functools.partial(self.cancelled.__contains__, jid), deadline=deadline, urgent=urgent,
-                       deadline_from=deadline_from)
+                       deadline_from=deadline_from, patient=patient)
         if spare is not None:
             job.grow = functools.partial(self._grow, jid)
         self.stage.submit(job)

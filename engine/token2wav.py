@@ -115,7 +115,8 @@ STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 # The stage's settings `AudioStage.tune` may change while it serves (`POST /debug/planner`
 # with `debug_tuning`: a benchmark's A/B, level by level on one gateway, which saves a
 # gateway start per setting), and their types.
-STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool}
+STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool,
+                                  "second_cut": bool}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -527,7 +528,7 @@ class AudioStage:
                  vocoder_snake_kernel: str = "triton",
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
-                 first_cut: bool = False):
+                 first_cut: bool = False, second_cut: bool = False):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -610,6 +611,7 @@ class AudioStage:
         # (engine.stage_deadline_cut_margin_ms: the chunks' deadline margin less its own).
         self.cut_shift_s = cut_shift_s
         self.first_cut = first_cut  # engine.stage_first_chunk_cut: see first_chunk_cut
+        self.second_cut = second_cut  # engine.stage_second_chunk_cut: see _cut_for_first_chunks
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
@@ -859,8 +861,13 @@ class AudioStage:
         return self._run_first(batch, first)
 
     def _cut_for_first_chunks(self, batch: list[ChunkJob]) -> list[ChunkJob]:
-        """`first_chunk_cut` on a batch the policy picked: the rows to run now."""
-        firsts = [j.chunk_index == 0 and j.urgent for j in batch]
+        """`first_chunk_cut` on a batch the policy picked: the rows to run now. With
+        `second_cut` an utterance's second chunk, unless cut big and patient, goes with the
+        first chunks too: the first-chunk planner sizes a first chunk to cover the second's
+        wait and round as second chunks lately took them (`SecondRounds`), and a second
+        chunk riding with long chunks makes that long, so first chunks are made long."""
+        firsts = [(j.chunk_index == 0 and j.urgent) or (self.second_cut and j.chunk_index == 1 and not j.patient)
+                  for j in batch]
         if not any(firsts) or all(firsts):
             return batch
         chunks = [j.flow for j in batch]

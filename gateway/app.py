@@ -113,6 +113,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_deadline_cut=e.stage_deadline_cut,
         stage_deadline_cut_margin_ms=e.stage_deadline_cut_margin_ms,
         stage_first_chunk_cut=e.stage_first_chunk_cut,
+        stage_second_chunk_cut=e.stage_second_chunk_cut,
         stage_devices=e.stage_devices,
         stage_process=e.stage_process,
         stage_stall_timeout_s=e.stage_stall_timeout_s,

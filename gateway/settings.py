@@ -242,6 +242,11 @@ class EngineSettings:
                        "rows that would be late after them (by stage_deadline_cut_margin_ms), and the rest in the "
                        "next round, when the first chunks gain more than the stage loses"),
     )
+    stage_second_chunk_cut: bool = field(
+        default=False,
+        metadata=_help("with stage_first_chunk_cut, an utterance's second chunk (unless cut big and patient) "
+                       "runs with the first chunks"),
+    )
     stage_profile_dir: str = field(
         default="",
         metadata=_help("write a torch.profiler summary of the flow/vocoder stage's batches to this directory, "
@@ -407,7 +412,7 @@ class Settings:
     )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
-                                      "fill_padding, split_call_cost and first_cut while serving (benchmarks: "
+                                      "fill_padding, split_call_cost, first_cut and second_cut while serving (benchmarks: "
                                       "A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))

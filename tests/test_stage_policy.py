@@ -646,6 +646,44 @@ def test_the_stage_runs_first_chunks_before_big_chunks_that_can_wait(flow, hift)
         stage._pool.shutdown(wait=True)
 
 
+def test_the_second_chunk_cut_sends_second_chunks_with_the_first(flow, hift) -> None:
+    """A first chunk, a second chunk with seconds to spare, a patient second chunk and two
+    long chunks: the first-chunk cut alone runs the first chunk alone; with the second-chunk
+    cut the second chunk joins it, the patient one stays with the long chunks; the audio is
+    the same."""
+    chunks = [_chunk(90, seed=1), _chunk(90, seed=2), _chunk(25, seed=0), _chunk(40, seed=3), _chunk(40, seed=4)]
+
+    def serve(second: bool) -> tuple[_RecordingStage, list[np.ndarray]]:
+        stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_cut=True, second_cut=second)
+        for rows, wall in ((1, 0.05), (5, 0.5)):
+            stage.rounds.observe(rows * stage._window_frames(chunks[0]), wall)
+
+        def jobs() -> list[ChunkJob]:
+            now = time.monotonic()
+            return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
+                             is_cancelled=lambda: False, deadline=due, patient=patient)
+                    for c, index, due, patient in zip(chunks, (2, 3, 0, 1, 1), (now + 60.0, now + 60.0, now,
+                                                                                 now + 30.0, now + 60.0),
+                                                      (False, False, False, False, True))]
+
+        return stage, _serve(stage, jobs)
+
+    first_only, pcm_first = serve(second=False)
+    both, pcm_both = serve(second=True)
+    assert first_only.batches == [[2], [0, 1, 3, 4]]
+    assert both.batches == [[2, 3], [0, 1, 4]] and both.stats.first_chunk_cuts == 1
+    for a, b in zip(pcm_first, pcm_both):
+        assert a.size == b.size > 0 and float(np.abs(a - b).max()) <= 1e-4
+    stage = _RecordingStage(flow, hift, torch.device("cpu"))
+    try:
+        stage.tune({"second_cut": True})
+        assert stage.second_cut is True
+        with pytest.raises(ValueError, match="second_cut must be true or false"):
+            stage.tune({"second_cut": "yes"})
+    finally:
+        stage._pool.shutdown(wait=True)
+
+
 def test_both_cuts_together_run_every_row_once(flow, hift) -> None:
     """The defaults: the first-chunk cut, then the deadline cut on what it keeps. Two first
     chunks, a row due within 0.3 s and three big rows with a minute to spare: the first
@@ -1096,7 +1134,8 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
     ("--engine.flow-split-padded", "flow_split_padded", "split_padded", True),
     ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False),
     ("--engine.stage-deadline-cut", "stage_deadline_cut", "cut_for_deadlines", True),
-    ("--engine.stage-first-chunk-cut", "stage_first_chunk_cut", "first_cut", True)])
+    ("--engine.stage-first-chunk-cut", "stage_first_chunk_cut", "first_cut", True),
+    ("--engine.stage-second-chunk-cut", "stage_second_chunk_cut", "second_cut", False)])
 def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr, default) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
     assert getattr(engine_config(s, tmp_path), name) is default

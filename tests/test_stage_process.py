@@ -560,10 +560,24 @@ def test_stage_settings_tuned_while_serving_reach_the_stage_process():
 
 def test_the_engines_handle_counts_the_utterances_waiting_patiently():
     """`RemoteStage` keeps the patience count in the engine's process, where the first
-    chunks are planned: from a patient chunk to the next one that is not."""
+    chunks are planned: from a patient chunk to the next one that is not. Each chunk's
+    patience travels with it too (the stage's second-chunk cut reads it there)."""
+    sent: list = []
+
     class Pipe:
         def send(self, batch: list) -> None:
-            pass
+            sent.extend(batch)
+
+    class Stage:
+        rounds = None
+
+        def __init__(self) -> None:
+            self.jobs: list[ChunkJob] = []
+
+        def submit(self, job: ChunkJob) -> None:
+            loop = asyncio.get_running_loop()
+            job.started, job.future = loop.create_future(), loop.create_future()
+            self.jobs.append(job)
 
     async def fn() -> list[tuple[int, int]]:
         remote = RemoteStage.__new__(RemoteStage)
@@ -580,6 +594,14 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
             remote.submit(ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=1,
                                    is_cancelled=lambda: False, patient=patient))
             counts.append((remote.live_utterances(), remote.live_utterances(skip_patient=True)))
+        submits = [m for batch in sent for m in (batch if isinstance(batch, list) else [batch]) if m[0] == "submit"]
+        assert [m[-1] for m in submits] == [True, True, False]
+        stage = Stage()
+        server = _StageServer(conn=Pipe(), stage=stage)  # type: ignore[arg-type]
+        server.chunk = lambda wire: chunk  # type: ignore[method-assign]
+        server.streams = {m[2]: object() for m in submits}
+        server.handle(submits)
+        assert [j.patient for j in stage.jobs] == [True, True, False]
         return counts
 
     assert asyncio.run(fn()) == [(2, 1), (2, 0), (2, 1)]
