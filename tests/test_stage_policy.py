@@ -611,37 +611,50 @@ def test_first_chunk_cut_keeps_a_round_whole_where_it_cannot_pay() -> None:
     assert first_chunk_cut(firsts, due[:4] + [now + 5.0] * 5, now, stairs_round) == [0, 1, 2, 3]
 
 
+def _cut_run(flow, hift, chunks: list[FlowChunk], wall: float, rows: list[tuple[int, float, bool]],  # noqa: ANN001
+             **settings: object) -> tuple[_RecordingStage, list[np.ndarray]]:
+    """A stage with these settings that learnt a round of one long chunk (`chunks[0]`) at
+    50 ms and of all of them at `wall`, serving the chunks as jobs of (chunk index, seconds
+    to their deadline, patient) each: the stage and the PCM."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, **settings)
+    for n, seconds in ((1, 0.05), (len(chunks), wall)):
+        stage.rounds.observe(n * stage._window_frames(chunks[0]), seconds)
+
+    def jobs() -> list[ChunkJob]:
+        now = time.monotonic()
+        return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
+                         is_cancelled=lambda: False, deadline=now + due, patient=patient)
+                for c, (index, due, patient) in zip(chunks, rows)]
+
+    return stage, _serve(stage, jobs)
+
+
 def test_the_stage_runs_first_chunks_before_big_chunks_that_can_wait(flow, hift) -> None:
     """A first chunk queued behind two long chunks with seconds to spare: with the cut it
     runs alone first (the policy alone takes all three), and the audio is the same."""
     chunks = [_chunk(90, seed=1), _chunk(90, seed=2), _chunk(25, seed=0)]
-
-    def serve(cut: bool) -> tuple[_RecordingStage, list[np.ndarray]]:
-        stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_cut=cut)
-        for rows, wall in ((1, 0.05), (3, 0.4)):  # a round of the long ones: ~0.35 s
-            stage.rounds.observe(rows * stage._window_frames(chunks[0]), wall)
-
-        def jobs() -> list[ChunkJob]:
-            now = time.monotonic()
-            return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
-                             is_cancelled=lambda: False, deadline=due)
-                    for c, index, due in zip(chunks, (2, 3, 0), (now + 60.0, now + 60.0, now))]
-
-        return stage, _serve(stage, jobs)
-
-    whole, pcm_whole = serve(cut=False)
-    cut, pcm_cut = serve(cut=True)
+    rows = [(2, 60.0, False), (3, 60.0, False), (0, 0.0, False)]
+    whole, pcm_whole = _cut_run(flow, hift, chunks, 0.4, rows, first_cut=False)  # the long ones: ~0.35 s
+    cut, pcm_cut = _cut_run(flow, hift, chunks, 0.4, rows, first_cut=True)
     assert whole.batches == [[2, 0, 1]] and whole.stats.first_chunk_cuts == 0
     assert cut.batches == [[2], [0, 1]] and cut.stats.first_chunk_cuts == 1
-    for a, b in zip(pcm_whole, pcm_cut):
-        assert a.size == b.size > 0 and float(np.abs(a - b).max()) <= 1e-4
-    # Set while serving (`POST /debug/planner`): the next round cuts.
+    _assert_same_pcm(pcm_whole, pcm_cut)
+
+
+def _assert_same_pcm(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.size == y.size > 0 and float(np.abs(x - y).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("knob,bad", [("first_cut", 1), ("second_cut", "yes")])
+def test_the_cuts_are_set_while_serving(flow, hift, knob, bad) -> None:  # noqa: ANN001
+    """`POST /debug/planner`: the next round cuts (or not)."""
     stage = _RecordingStage(flow, hift, torch.device("cpu"))
     try:
-        stage.tune({"first_cut": True})
-        assert stage.first_cut is True
-        with pytest.raises(ValueError, match="first_cut must be true or false"):
-            stage.tune({"first_cut": 1})
+        stage.tune({knob: True})
+        assert getattr(stage, knob) is True
+        with pytest.raises(ValueError, match=f"{knob} must be true or false"):
+            stage.tune({knob: bad})
     finally:
         stage._pool.shutdown(wait=True)
 
@@ -652,36 +665,12 @@ def test_the_second_chunk_cut_sends_second_chunks_with_the_first(flow, hift) -> 
     cut the second chunk joins it, the patient one stays with the long chunks; the audio is
     the same."""
     chunks = [_chunk(90, seed=1), _chunk(90, seed=2), _chunk(25, seed=0), _chunk(40, seed=3), _chunk(40, seed=4)]
-
-    def serve(second: bool) -> tuple[_RecordingStage, list[np.ndarray]]:
-        stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_cut=True, second_cut=second)
-        for rows, wall in ((1, 0.05), (5, 0.5)):
-            stage.rounds.observe(rows * stage._window_frames(chunks[0]), wall)
-
-        def jobs() -> list[ChunkJob]:
-            now = time.monotonic()
-            return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
-                             is_cancelled=lambda: False, deadline=due, patient=patient)
-                    for c, index, due, patient in zip(chunks, (2, 3, 0, 1, 1), (now + 60.0, now + 60.0, now,
-                                                                                 now + 30.0, now + 60.0),
-                                                      (False, False, False, False, True))]
-
-        return stage, _serve(stage, jobs)
-
-    first_only, pcm_first = serve(second=False)
-    both, pcm_both = serve(second=True)
+    rows = [(2, 60.0, False), (3, 60.0, False), (0, 0.0, False), (1, 30.0, False), (1, 60.0, True)]
+    first_only, pcm_first = _cut_run(flow, hift, chunks, 0.5, rows, first_cut=True, second_cut=False)
+    both, pcm_both = _cut_run(flow, hift, chunks, 0.5, rows, first_cut=True, second_cut=True)
     assert first_only.batches == [[2], [0, 1, 3, 4]]
     assert both.batches == [[2, 3], [0, 1, 4]] and both.stats.first_chunk_cuts == 1
-    for a, b in zip(pcm_first, pcm_both):
-        assert a.size == b.size > 0 and float(np.abs(a - b).max()) <= 1e-4
-    stage = _RecordingStage(flow, hift, torch.device("cpu"))
-    try:
-        stage.tune({"second_cut": True})
-        assert stage.second_cut is True
-        with pytest.raises(ValueError, match="second_cut must be true or false"):
-            stage.tune({"second_cut": "yes"})
-    finally:
-        stage._pool.shutdown(wait=True)
+    _assert_same_pcm(pcm_first, pcm_both)
 
 
 def test_both_cuts_together_run_every_row_once(flow, hift) -> None:
@@ -690,17 +679,8 @@ def test_both_cuts_together_run_every_row_once(flow, hift) -> None:
     chunks and the row due soon run first, the big rows after, each row once."""
     chunks = [_chunk(90, seed=1), _chunk(90, seed=2), _chunk(90, seed=3), _chunk(25, seed=4),
               _chunk(25, seed=5), _chunk(40, seed=6)]
-    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_cut=True, cut_for_deadlines=True)
-    for rows, wall in ((1, 0.05), (6, 0.6)):
-        stage.rounds.observe(rows * stage._window_frames(chunks[0]), wall)
-
-    def jobs() -> list[ChunkJob]:
-        now = time.monotonic()
-        return [ChunkJob(flow=c, hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
-                         is_cancelled=lambda: False, deadline=now + due)
-                for c, index, due in zip(chunks, (2, 2, 2, 0, 0, 1), (60.0, 60.0, 60.0, 0.0, 0.0, 0.3))]
-
-    pcm = _serve(stage, jobs)
+    rows = [(2, 60.0, False)] * 3 + [(0, 0.0, False)] * 2 + [(1, 0.3, False)]
+    stage, pcm = _cut_run(flow, hift, chunks, 0.6, rows, first_cut=True, cut_for_deadlines=True)
     assert sorted(seq for batch in stage.batches for seq in batch) == list(range(6))  # each once
     assert stage.batches == [[3, 4, 5], [0, 1, 2]]
     assert (stage.stats.first_chunk_cuts, stage.stats.deadline_cuts) == (1, 0)  # row 5 went with the first chunks
