@@ -756,7 +756,6 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     assert slow.opening_second_chunk_late_stage_seconds >= 0.3 and slow.opening_second_chunk_late_rows >= 1
     assert 0 <= slow.opening_second_chunk_late_ready_seconds < 0.3
     assert (st.opening_second_chunk_late_rows == 0) == (st.opening_second_chunk_lates == 0)  # late or not
-    assert st.opening_second_chunk_close_calls >= st.opening_second_chunk_lates
     assert st.opening_chunks == 1 and st.opening_chunk_batch_rows == 1 and st.first_chunk_batch_rows >= 2
 
 
