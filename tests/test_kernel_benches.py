@@ -1,5 +1,5 @@
 """The kernel benches run on the CPU and say what they measured (their GPU timings are in
-docs/benchmarks.md, rounds 38 and 39)."""
+docs/benchmarks.md, rounds 38, 39 and 43)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import position_conv, split_attention_check, vocoder_cost
+from bench import position_conv, priority_lanes, split_attention_check, vocoder_cost
 
 
 def test_position_conv_checks_every_way_against_float32(tmp_path: Path) -> None:
@@ -57,3 +57,20 @@ def test_vocoder_cost_times_each_way_on_the_same_streams(tmp_path: Path) -> None
         assert "gpu_ms" not in r  # GPU times only
     with pytest.raises(SystemExit):
         vocoder_cost.main(["--device", "cpu", "--ways", "torch,cuda"])
+
+
+def test_priority_lanes_times_every_way_and_checks_the_small_lane_untouched(tmp_path: Path) -> None:
+    """On the CPU the lanes run one after the other (no streams): each way and delay is a row
+    with both lanes' times, and the small lane's output matches its output alone."""
+    out = tmp_path / "lanes.json"
+    assert priority_lanes.main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path),
+                                "--no-compile", "--attention", "sdpa", "--conv-kernel", "torch",
+                                "--big", "60,60", "--small", "20", "--prefix", "0", "--steps", "2",
+                                "--delays", "0,5", "--reps", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["way"], r["delay_ms"]) for r in results] == [
+        ("alone", 0.0), ("after", 0.0), ("beside", 0.0), ("priority", 0.0),
+        ("after", 5.0), ("beside", 5.0), ("priority", 5.0)]
+    for r in results:
+        assert r["small_ms"] > 0 and r["big_ms"] > 0 and r["reps"] == 2, r
+        assert r["small_diff"] == 0.0, r
