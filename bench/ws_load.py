@@ -1198,6 +1198,7 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # --engine.first-chunk-min-hop: first chunks planned below the floor, and decisions
             # a crowd of first chunks kept from it (--engine.first-chunk-min-hop-crowd).
             "first_chunk_below_floor": int(_delta(after, before, "cosyvoice_engine_first_chunk_below_floor_total")),
+            "first_chunk_learnt_rounds": int(_delta(after, before, "cosyvoice_engine_first_chunk_learnt_rounds_total")),
             "first_chunk_crowded": int(_delta(after, before, "cosyvoice_engine_first_chunk_crowded_total")),
             # --engine.stage-deadline-cut: rounds cut short for rows due before they would end.
             "deadline_cuts": int(_delta(after, before, "cosyvoice_engine_deadline_cuts_total")),
@@ -1568,6 +1569,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
               f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')}/{lv['server'].get('first_chunk_cuts')} "
               f"below floor={lv['server'].get('first_chunk_below_floor')} crowded={lv['server'].get('first_chunk_crowded')} "
+              f"learnt rounds={lv['server'].get('first_chunk_learnt_rounds')} "
               f"gc={lv['server'].get('gc')}"
               + (f" planner knobs={lv['planner_knobs']}" if "planner_knobs" in lv else "")
               + (f" registration={lv['registration']}" if "registration" in lv else ""),

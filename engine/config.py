@@ -119,6 +119,13 @@ class EngineConfig:
     # waiting 116-454 ms for the stage, against 66-74 on average: it took them for 160 ms
     # less urgent than they were.
     first_chunk_deadline_holdback: bool = True
+    # While fewer than this many other utterances' listeners wait for a first chunk, the
+    # first-chunk planner takes no round as longer than second chunks took lately with as
+    # many utterances on the stage (`FirstChunkPlanner.learnt_rounds_crowd`): the round
+    # estimate above is a burst's. On an H100 at 200 sessions over 16 s (round 43 of
+    # docs/benchmarks.md) it planned 557-610-ms rounds where second chunks took 185-226 ms,
+    # and first chunks were 24-28 tokens long (p95 707-755 ms). 0: off, until its A/B.
+    first_chunk_learnt_rounds_crowd: int = 0
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
     # in a burst they come ready over a few LM steps, and one that misses the round waits
@@ -434,6 +441,8 @@ class EngineConfig:
             raise ValueError(f"max_gpu_batch must be >= 1, not {self.max_gpu_batch}")
         if self.lm_max_batch < 1:
             raise ValueError(f"lm_max_batch must be >= 1 (utterances beyond it wait for a slot), not {self.lm_max_batch}")
+        if self.first_chunk_learnt_rounds_crowd < 0:
+            raise ValueError(f"first_chunk_learnt_rounds_crowd must be >= 0, not {self.first_chunk_learnt_rounds_crowd}")
         if self.idle_initial_hop < 0 or self.first_chunk_min_hop < 0 or self.first_chunk_min_hop_crowd < 0:
             raise ValueError("idle_initial_hop, first_chunk_min_hop and first_chunk_min_hop_crowd must be >= 0, "
                              f"not {self.idle_initial_hop}, {self.first_chunk_min_hop} and "

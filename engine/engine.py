@@ -131,7 +131,8 @@ class Engine:
                                               min_hop_crowd=config.first_chunk_min_hop_crowd,
                                               idle_hop=config.idle_initial_hop,
                                               skip_patient=config.first_chunk_skip_patient,
-                                              deadline_holdback=config.first_chunk_deadline_holdback)
+                                              deadline_holdback=config.first_chunk_deadline_holdback,
+                                              learnt_rounds_crowd=config.first_chunk_learnt_rounds_crowd)
         # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their
         # spare tokens to a stage in its own process while it is on.
         self.fill_padding = config.flow_fill_padding
@@ -520,6 +521,7 @@ class Engine:
             first_chunk_passed_over_late_seconds=st.first_chunk_passed_over_late_seconds,
             first_chunk_below_floor=self.first_chunks.below_floor,
             first_chunk_crowded=self.first_chunks.crowded,
+            first_chunk_learnt_rounds=self.first_chunks.learnt_round_plans,
             deadline_cuts=st.deadline_cuts,
             first_chunk_cuts=st.first_chunk_cuts,
             prompt_cache_hits=st.prompt_cache_hits,

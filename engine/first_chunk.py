@@ -256,6 +256,14 @@ def slack(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, 
     return least
 
 
+def capped_rounds(round_s: RoundFn, cap: float) -> RoundFn:
+    """`round_s` with no round longer than `cap` seconds (one not measured yet stays None)."""
+    def capped(offset: int, hop: int) -> float | None:
+        predicted = round_s(offset, hop)
+        return None if predicted is None else min(predicted, cap)
+    return capped
+
+
 def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
            speed: float = 1.0, margin: float = 0.25, later_round_s: float | None = None) -> bool | None:
     """Whether a first chunk of `first` tokens is predicted to run dry before a later chunk
@@ -317,7 +325,8 @@ class PlanInputs:
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
 TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
-                            "skip_patient": bool, "deadline_holdback": bool}
+                            "skip_patient": bool, "deadline_holdback": bool, "learnt_rounds_crowd": int}
+CROWDS = ("min_hop_crowd", "learnt_rounds_crowd")  # counts of utterances, not tokens: up to MAX_CROWD
 MAX_MARGIN = 10.0
 MAX_CROWD = 10_000
 
@@ -372,6 +381,17 @@ class FirstChunkPlanner:
     # `holdback_s` less than their tokens' worth until its audio covered that
     # (EngineConfig.first_chunk_deadline_holdback; the session asks `audio_in_flight`).
     deadline_holdback: bool = True
+    # While fewer than this many other utterances' listeners wait for a first chunk, no
+    # round of a plan is taken as longer than second chunks took lately, from their turn to
+    # their audio, with as many utterances on the stage (`SecondRounds`): the round estimate
+    # is a burst's, every utterance in progress with a chunk in one round, which a load of
+    # arrivals spread over time never forms. On an H100 at 200 sessions over 16 s (round 43
+    # of docs/benchmarks.md) it planned rounds of 557-610 ms (past the stage's 64 rows it
+    # doubles) where second chunks had taken 185-226 ms, and first chunks went 24-28 tokens
+    # long. A burst brings tens waiting at once and keeps the estimate
+    # (EngineConfig.first_chunk_learnt_rounds_crowd). 0: off.
+    learnt_rounds_crowd: int = 0
+    learnt_round_plans: int = 0  # decisions that took the learnt rounds
     # Decisions that went below the floor (`min_hop`), and those that might have but for a
     # crowd of first chunks (`min_hop_crowd`): how often each fires under a load.
     below_floor: int = 0
@@ -409,6 +429,7 @@ class FirstChunkPlanner:
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
                 "skip_patient": self.skip_patient, "deadline_holdback": self.deadline_holdback,
+                "learnt_rounds_crowd": self.learnt_rounds_crowd,
                 "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},
                 "second_rounds": self.second_rounds.snapshot()}
@@ -430,7 +451,7 @@ class FirstChunkPlanner:
                 continue
             if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-            high = MAX_MARGIN if kind is float else MAX_CROWD if name == "min_hop_crowd" else self.limit
+            high = MAX_MARGIN if kind is float else MAX_CROWD if name in CROWDS else self.limit
             if not 0 <= value <= high:
                 raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
             checked[name] = kind(value)
@@ -469,6 +490,9 @@ class FirstChunkPlanner:
             else:
                 step_s = max(step_s, learnt or 0.0)
         later = self.second_rounds.predict(staged) if staged is not None else None
+        if later is not None and sizing < self.learnt_rounds_crowd:
+            round_s = capped_rounds(round_s, later)
+            self.learnt_round_plans += 1
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin, later)
         if 0 < self.min_hop < hop and sizing >= self.min_hop_crowd:
             self.crowded += 1

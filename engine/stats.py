@@ -58,6 +58,8 @@ class EngineStats:
     # crowd of first chunks kept from it (FirstChunkPlanner).
     first_chunk_below_floor: int = 0
     first_chunk_crowded: int = 0
+    # engine.first_chunk_learnt_rounds_crowd: decisions planned on the learnt second rounds.
+    first_chunk_learnt_rounds: int = 0
     # engine.stage_deadline_cut: rounds cut short for rows due before they would end.
     deadline_cuts: int = 0
     # engine.stage_first_chunk_cut: rounds whose first chunks ran before the rows that could wait.

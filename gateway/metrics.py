@@ -28,7 +28,7 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "flow_frames", "flow_exact_frames", "flow_row_padding_frames", "flow_bucket_padding_frames", "vocoder_frames",
      "flow_grown_chunks", "flow_grown_tokens", "stage_batches_retried_apart", "patient_chunks", "patient_tokens",
      "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_passed_over",
-     "first_chunk_below_floor", "first_chunk_crowded",
+     "first_chunk_below_floor", "first_chunk_crowded", "first_chunk_learnt_rounds",
      "deadline_cuts", "first_chunk_cuts",
      "prompt_cache_hits", "context_reads", "context_records", "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",
      "first_chunk_stage_wait_seconds", "first_chunk_stage_seconds", "first_chunk_tokens",

@@ -443,6 +443,38 @@ def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
     assert floors == [10, 10]
 
 
+def test_outside_a_crowd_the_plan_takes_no_round_longer_than_second_chunks_took():
+    """`learnt_rounds_crowd`: round 43's 200 sessions over 16 s, the burst estimate 570 ms a
+    round where second chunks took 185 ms from their turn with 64 utterances staged. Outside
+    a crowd every round of the plan is capped at the learnt one; in a crowd (a burst's tens
+    waiting), with nothing learnt for the stage's load, or with it off, the estimate stands."""
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=10)
+    burst = lambda offset, hop: 0.57  # noqa: E731
+    p = FirstChunkPlanner(limit=40, margin=0.5)
+    p.observe(10, 5760, 24000, 1.0)  # the vocoder held 160 ms of 400 back
+    for seconds in (0.185, 0.19, 0.18):
+        p.learn_second_round(64, seconds)
+    off = p.first_hop(s, 0.007, burst, 1.0, staged=64, sizing=2)
+    assert off == plan_first_hop(s, 40, 0.007, burst, 0.16, margin=0.5, later_round_s=0.185)
+    assert p.learnt_round_plans == 0 and p.last.second_round_s == 0.57
+    p.tune({"learnt_rounds_crowd": 16})
+    assert p.snapshot()["learnt_rounds_crowd"] == 16
+    on = p.first_hop(s, 0.007, burst, 1.0, staged=64, sizing=2)
+    capped = lambda offset, hop: 0.185  # noqa: E731
+    assert on == plan_first_hop(s, 40, 0.007, capped, 0.16, margin=0.5, later_round_s=0.185) < off
+    assert p.learnt_round_plans == 1
+    assert p.last.first_round_s == p.last.second_round_s == 0.185
+    assert p.first_hop(s, 0.007, burst, 1.0, staged=64, sizing=16) == off  # a crowd: a burst's estimate
+    assert p.first_hop(s, 0.007, burst, 1.0, sizing=2) == plan_first_hop(s, 40, 0.007, burst, 0.16, margin=0.5)
+    assert p.learnt_round_plans == 1
+    short = lambda offset, hop: 0.03  # noqa: E731  estimates below the learnt rounds are kept
+    assert p.first_hop(s, 0.007, short, 1.0, staged=64, sizing=2) == plan_first_hop(
+        s, 40, 0.007, short, 0.16, margin=0.5, later_round_s=0.185)
+    assert p.last.first_round_s == 0.03
+    unmeasured = lambda offset, hop: None  # noqa: E731  no round yet: the schedule's own hop
+    assert p.first_hop(s, 0.007, unmeasured, 1.0, staged=64, sizing=2) == 10
+
+
 def test_planner_knobs_are_tuned_all_or_nothing():
     p = FirstChunkPlanner(limit=40, margin=0.5)
     p.tune({"min_hop": 8, "idle_hop": 7, "margin": 0.25, "min_hop_crowd": 64})
@@ -456,7 +488,7 @@ def test_planner_knobs_are_tuned_all_or_nothing():
         p.tune({"skip_patient": 1})
     for bad, says in (({"limit": 20}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
                       ({"min_hop": -1}, "within [0, 40]"), ({"idle_hop": 41}, "within [0, 40]"),
-                      ({"min_hop_crowd": -1}, "within [0, 10000]"),
+                      ({"min_hop_crowd": -1}, "within [0, 10000]"), ({"learnt_rounds_crowd": -1}, "within [0, 10000]"),
                       ({"margin": float("nan")}, "within"), ({"margin": "0.5"}, "a number"),
                       ({"min_hop": 6, "margin": -0.1}, "margin")):
         with pytest.raises(ValueError, match=re.escape(says)):
@@ -464,7 +496,7 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
 
 
-def test_skip_patient_and_deadline_holdback_reach_the_engine_config(tmp_path):
+def test_skip_patient_deadline_holdback_and_learnt_rounds_reach_the_engine_config(tmp_path):
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
@@ -474,6 +506,9 @@ def test_skip_patient_and_deadline_holdback_reach_the_engine_config(tmp_path):
                           "--engine.first-chunk-deadline-holdback", "false"], environ={})
     assert engine_config(s, tmp_path).first_chunk_skip_patient is True
     assert engine_config(s, tmp_path).first_chunk_deadline_holdback is False
+    assert default.first_chunk_learnt_rounds_crowd == 0
+    s, _ = load_settings(["--engine.first-chunk-learnt-rounds-crowd", "16"], environ={})
+    assert engine_config(s, tmp_path).first_chunk_learnt_rounds_crowd == 16
 
 
 def test_audio_in_flight_leaves_out_the_first_chunks_holdback():
@@ -499,7 +534,8 @@ def test_audio_in_flight_leaves_out_the_first_chunks_holdback():
 
 
 def test_negative_first_chunk_floors_are_refused(tiny_model_dir):
-    for field in ("idle_initial_hop", "first_chunk_min_hop", "first_chunk_min_hop_crowd"):
+    for field in ("idle_initial_hop", "first_chunk_min_hop", "first_chunk_min_hop_crowd",
+                  "first_chunk_learnt_rounds_crowd"):
         with pytest.raises(ValueError, match="must be >= 0"):
             EngineConfig(model_dir=tiny_model_dir, **{field: -1})
 
@@ -685,6 +721,28 @@ def test_engine_learns_second_rounds_per_stage_load_and_plans_on_them(tiny_model
     # nothing, as their first ones may wait behind graph captures on a GPU.
     (seen,) = rounds.sizes[0]
     assert 0 < seen <= st.finished_at - st.submitted_at  # timed within that utterance's life
+
+
+@pytest.mark.parametrize("crowd", [0, 16])
+def test_engine_plans_on_the_learnt_rounds_outside_a_crowd_when_set(tiny_model_dir, crowd):
+    """`first_chunk_learnt_rounds_crowd` reaches the planner, and the engine's stats count
+    the decisions that took the learnt rounds: the second session's first chunk, once the
+    first session's second chunk taught a round for one utterance on the stage."""
+
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        for seed in (3, 4):
+            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=seed))
+            await s.submit("A sentence long enough for several chunks of speech here.")
+            await s.finish()
+            await collect(s)
+        return engine.first_chunks, engine.stats()
+
+    planner, stats = run(tiny_model_dir, fn, initial_hop=5, initial_hop_max=40,
+                         first_chunk_learnt_rounds_crowd=crowd)
+    assert planner.learnt_rounds_crowd == crowd
+    assert planner.second_rounds.sizes  # the first session taught one
+    assert stats.first_chunk_learnt_rounds == planner.learnt_round_plans == (1 if crowd else 0)
 
 
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
