@@ -1198,8 +1198,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # --engine.first-chunk-min-hop: first chunks planned below the floor, and decisions
             # a crowd of first chunks kept from it (--engine.first-chunk-min-hop-crowd).
             "first_chunk_below_floor": int(_delta(after, before, "cosyvoice_engine_first_chunk_below_floor_total")),
-            "first_chunk_learnt_rounds": int(_delta(after, before, "cosyvoice_engine_first_chunk_learnt_rounds_total")),
             "first_chunk_crowded": int(_delta(after, before, "cosyvoice_engine_first_chunk_crowded_total")),
+            # --engine.first-chunk-learnt-rounds-crowd: decisions planned on the learnt second rounds.
+            "first_chunk_learnt_rounds": int(_delta(after, before, "cosyvoice_engine_first_chunk_learnt_rounds_total")),
             # --engine.stage-deadline-cut: rounds cut short for rows due before they would end.
             "deadline_cuts": int(_delta(after, before, "cosyvoice_engine_deadline_cuts_total")),
             "first_chunk_cuts": int(_delta(after, before, "cosyvoice_engine_first_chunk_cuts_total")),

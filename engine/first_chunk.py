@@ -386,9 +386,9 @@ class FirstChunkPlanner:
     # their audio, with as many utterances on the stage (`SecondRounds`): the round estimate
     # is a burst's, every utterance in progress with a chunk in one round, which a load of
     # arrivals spread over time never forms. On an H100 at 200 sessions over 16 s (round 43
-    # of docs/benchmarks.md) it planned rounds of 557-610 ms (past the stage's 64 rows it
-    # doubles) where second chunks had taken 185-226 ms, and first chunks went 24-28 tokens
-    # long. A burst brings tens waiting at once and keeps the estimate
+    # of docs/benchmarks.md) it planned rounds of 558-610 ms (past the stage's 64 rows it
+    # doubles) where the second chunks' learnt rounds were 42-241 ms, and first chunks went
+    # 24-28 tokens long. A burst brings tens waiting at once and keeps the estimate
     # (EngineConfig.first_chunk_learnt_rounds_crowd). 0: off.
     learnt_rounds_crowd: int = 0
     learnt_round_plans: int = 0  # decisions that took the learnt rounds
