@@ -120,12 +120,12 @@ class EngineConfig:
     # less urgent than they were.
     first_chunk_deadline_holdback: bool = True
     # While fewer than this many other utterances' listeners wait for a first chunk, the
-    # first-chunk planner takes no round as longer than second chunks took lately with as
-    # many utterances on the stage (`FirstChunkPlanner.learnt_rounds_crowd`): the round
-    # estimate above is a burst's. On an H100 at 200 sessions over 16 s (round 43 of
-    # docs/benchmarks.md) it planned 558-610-ms rounds where the second chunks' learnt rounds
-    # were 42-241 ms, and first chunks were 24-28 tokens long (p95 707-755 ms). 0: off,
-    # until its A/B.
+    # first-chunk planner takes no round as longer than the longest second chunks took
+    # lately with as many utterances on the stage (`FirstChunkPlanner.learnt_rounds_crowd`):
+    # the round estimate above is a burst's. On an H100 at 200 sessions over 16 s (round 43
+    # of docs/benchmarks.md) it planned 558-610-ms rounds where the second chunks' learnt
+    # rounds were 42-241 ms, and first chunks were 24-28 tokens long (p95 707-755 ms).
+    # 0: off, until its A/B.
     first_chunk_learnt_rounds_crowd: int = 0
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):

@@ -144,6 +144,11 @@ class RoundTimes:
                 for w, t, n in self._medians()]
 
 
+def octave(count: float) -> int:
+    """The octave of a count of utterances that `OctaveMedians` keys by (1: 0, 2-3: 1, ...)."""
+    return math.floor(math.log2(max(count, 1.0)))
+
+
 @dataclass
 class OctaveMedians:
     """Seconds against a count of utterances (decoding, or on the stage): per octave of the
@@ -155,8 +160,7 @@ class OctaveMedians:
     snapshot_key: ClassVar[str] = "seconds"
 
     def observe(self, streams: float, seconds: float) -> None:
-        key = math.floor(math.log2(max(streams, 1.0)))
-        self.sizes.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self.sizes.setdefault(octave(streams), deque(maxlen=self.window)).append(seconds)
 
     def predict(self, streams: int) -> float | None:
         """Seconds with `streams` utterances, None below the fewest measured (what more
@@ -164,7 +168,7 @@ class OctaveMedians:
         octave between two measured ones, the most's above them; never less than for fewer
         utterances (each errs long, as `RoundTimes`, and the octaves' medians are made so as
         its sizes' are: `monotone_fit`)."""
-        key = math.floor(math.log2(max(streams, 1)))
+        key = octave(streams)
         octaves = sorted(self.sizes)
         fitted = monotone_fit([statistics.median(self.sizes[k]) for k in octaves],
                               [len(self.sizes[k]) for k in octaves])
@@ -214,6 +218,15 @@ class SecondRounds(OctaveMedians):
 
     snapshot_key: ClassVar[str] = "round_s"
 
+    def ceiling(self, staged: int) -> float | None:
+        """The longest round kept for `staged`'s own octave; None where none was measured.
+        A cap on a planned round (`FirstChunkPlanner.learnt_rounds_crowd`) errs short when
+        read off a lighter load's octave, as `predict` does above the highest measured, or
+        off a median: at 64 utterances staged the medians read 42-241 ms from level to
+        level in round 43 of docs/benchmarks.md."""
+        seen = self.sizes.get(octave(staged))
+        return max(seen) if seen else None
+
 
 def chunks_ahead(schedule: ChunkSchedule, first: int, horizon: int = 8) -> list[tuple[int, int]]:
     """(offset, hop) of the chunks the schedule makes after a first chunk of `first`
@@ -256,12 +269,19 @@ def slack(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, 
     return least
 
 
-def capped_rounds(round_s: RoundFn, cap: float) -> RoundFn:
-    """`round_s` with no round longer than `cap` seconds (one not measured yet stays None)."""
-    def capped(offset: int, hop: int) -> float | None:
-        predicted = round_s(offset, hop)
-        return None if predicted is None else min(predicted, cap)
-    return capped
+class CappedRounds:
+    """`round_s` with no round longer than `cap` seconds (one not measured yet stays None);
+    `cut` says whether it shortened one."""
+
+    def __init__(self, round_s: RoundFn, cap: float) -> None:
+        self.round_s, self.cap, self.cut = round_s, cap, False
+
+    def __call__(self, offset: int, hop: int) -> float | None:
+        predicted = self.round_s(offset, hop)
+        if predicted is None or predicted <= self.cap:
+            return predicted
+        self.cut = True
+        return self.cap
 
 
 def stalls(schedule: ChunkSchedule, first: int, step_s: float, round_s: RoundFn, holdback_s: float,
@@ -382,8 +402,9 @@ class FirstChunkPlanner:
     # (EngineConfig.first_chunk_deadline_holdback; the session asks `audio_in_flight`).
     deadline_holdback: bool = True
     # While fewer than this many other utterances' listeners wait for a first chunk, no
-    # round of a plan is taken as longer than second chunks took lately, from their turn to
-    # their audio, with as many utterances on the stage (`SecondRounds`): the round estimate
+    # round of a plan is taken as longer than the longest second chunks took lately, from
+    # their turn to their audio, with as many utterances on the stage (`SecondRounds.ceiling`;
+    # none where that load was not measured): the round estimate
     # is a burst's, every utterance in progress with a chunk in one round, which a load of
     # arrivals spread over time never forms. On an H100 at 200 sessions over 16 s (round 43
     # of docs/benchmarks.md) it planned rounds of 558-610 ms (past the stage's 64 rows it
@@ -391,7 +412,7 @@ class FirstChunkPlanner:
     # 24-28 tokens long. A burst brings tens waiting at once and keeps the estimate
     # (EngineConfig.first_chunk_learnt_rounds_crowd). 0: off.
     learnt_rounds_crowd: int = 0
-    learnt_round_plans: int = 0  # decisions that took the learnt rounds
+    learnt_round_plans: int = 0  # decisions whose plan the learnt rounds shortened a round of
     # Decisions that went below the floor (`min_hop`), and those that might have but for a
     # crowd of first chunks (`min_hop_crowd`): how often each fires under a load.
     below_floor: int = 0
@@ -490,9 +511,10 @@ class FirstChunkPlanner:
             else:
                 step_s = max(step_s, learnt or 0.0)
         later = self.second_rounds.predict(staged) if staged is not None else None
-        if later is not None and sizing < self.learnt_rounds_crowd:
-            round_s = capped_rounds(round_s, later)
-            self.learnt_round_plans += 1
+        cap = self.second_rounds.ceiling(staged) if staged is not None and sizing < self.learnt_rounds_crowd else None
+        capped = None if cap is None else CappedRounds(round_s, cap)
+        if capped is not None:
+            round_s = capped
         hop = plan_first_hop(schedule, self.limit, step_s, round_s, self.holdback_s, speed, self.margin, later)
         if 0 < self.min_hop < hop and sizing >= self.min_hop_crowd:
             self.crowded += 1
@@ -505,6 +527,7 @@ class FirstChunkPlanner:
         if second is not None and later is not None:
             second = max(second, later)
         self.last = PlanInputs(hop, step_s, round_s(0, hop), second, own)
+        self.learnt_round_plans += capped is not None and capped.cut
         if opening:
             self.last_opening = self.last
         return hop

@@ -80,8 +80,8 @@ class EngineSettings:
                                      "less what the vocoder keeps back of it (false: its tokens' worth)"))
     first_chunk_learnt_rounds_crowd: int = field(
         default=0, metadata=_help("while fewer than this many other utterances' listeners wait for a first chunk, "
-                                  "plan no flow/vocoder round longer than second chunks took lately with as many "
-                                  "utterances on the stage, not the burst's round estimate (0 = off)"))
+                                  "plan no flow/vocoder round longer than the longest second chunks took lately "
+                                  "with as many utterances on the stage, not the burst's round estimate (0 = off)"))
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))

@@ -445,34 +445,49 @@ def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
 
 def test_outside_a_crowd_the_plan_takes_no_round_longer_than_second_chunks_took():
     """`learnt_rounds_crowd`: round 43's 200 sessions over 16 s, the burst estimate 570 ms a
-    round where second chunks took 185 ms from their turn with 64 utterances staged. Outside
-    a crowd every round of the plan is capped at the learnt one; in a crowd (a burst's tens
-    waiting), with nothing learnt for the stage's load, or with it off, the estimate stands."""
+    round where second chunks took 180-190 ms from their turn with 64 utterances staged.
+    Outside a crowd every round of the plan is capped at the longest of those; in a crowd
+    (a burst's tens waiting), for a load whose own octave was not measured, or with it off,
+    the estimate stands. Only decisions the cap shortened a round of are counted."""
     s = ChunkSchedule(prompt_tokens=106, initial_hop=10)
     burst = lambda offset, hop: 0.57  # noqa: E731
     p = FirstChunkPlanner(limit=40, margin=0.5)
     p.observe(10, 5760, 24000, 1.0)  # the vocoder held 160 ms of 400 back
     for seconds in (0.185, 0.19, 0.18):
         p.learn_second_round(64, seconds)
+    assert p.second_rounds.ceiling(64) == p.second_rounds.ceiling(127) == 0.19
+    assert p.second_rounds.ceiling(128) is None and p.second_rounds.ceiling(32) is None
     off = p.first_hop(s, 0.007, burst, 1.0, staged=64, sizing=2)
     assert off == plan_first_hop(s, 40, 0.007, burst, 0.16, margin=0.5, later_round_s=0.185)
     assert p.learnt_round_plans == 0 and p.last.second_round_s == 0.57
     p.tune({"learnt_rounds_crowd": 16})
     assert p.snapshot()["learnt_rounds_crowd"] == 16
     on = p.first_hop(s, 0.007, burst, 1.0, staged=64, sizing=2)
-    capped = lambda offset, hop: 0.185  # noqa: E731
+    capped = lambda offset, hop: 0.19  # noqa: E731
     assert on == plan_first_hop(s, 40, 0.007, capped, 0.16, margin=0.5, later_round_s=0.185) < off
     assert p.learnt_round_plans == 1
-    assert p.last.first_round_s == p.last.second_round_s == 0.185
+    assert p.last.first_round_s == p.last.second_round_s == 0.19
     assert p.first_hop(s, 0.007, burst, 1.0, staged=64, sizing=16) == off  # a crowd: a burst's estimate
     assert p.first_hop(s, 0.007, burst, 1.0, sizing=2) == plan_first_hop(s, 40, 0.007, burst, 0.16, margin=0.5)
+    # 128 staged: 64's rounds would be a lighter load's (`predict` still floors by them).
+    assert p.first_hop(s, 0.007, burst, 1.0, staged=128, sizing=2) == off
     assert p.learnt_round_plans == 1
-    short = lambda offset, hop: 0.03  # noqa: E731  estimates below the learnt rounds are kept
+    short = lambda offset, hop: 0.03  # noqa: E731  estimates below the cap are kept, and not counted
     assert p.first_hop(s, 0.007, short, 1.0, staged=64, sizing=2) == plan_first_hop(
         s, 40, 0.007, short, 0.16, margin=0.5, later_round_s=0.185)
     assert p.last.first_round_s == 0.03
     unmeasured = lambda offset, hop: None  # noqa: E731  no round yet: the schedule's own hop
     assert p.first_hop(s, 0.007, unmeasured, 1.0, staged=64, sizing=2) == 10
+    assert p.learnt_round_plans == 1
+    # Below the floor (`min_hop`) the capped rounds are what the shortest safe hop is judged on.
+    fast = FirstChunkPlanner(limit=40, margin=0.5, min_hop=8, min_hop_crowd=100, learnt_rounds_crowd=16)
+    fast.observe(10, 5760, 24000, 1.0)
+    for seconds in (0.05, 0.04, 0.05):
+        fast.learn_second_round(64, seconds)
+    hop = fast.first_hop(s, 0.004, burst, 1.0, staged=64, sizing=2)
+    quick = lambda offset, hop: 0.05  # noqa: E731
+    chosen = plan_first_hop(s, 40, 0.004, quick, 0.16, margin=0.5, later_round_s=0.05)
+    assert hop == shortest_as_safe(s, chosen, 8, 0.004, quick, 0.16, margin=0.5, later_round_s=0.05) < 10
 
 
 def test_planner_knobs_are_tuned_all_or_nothing():
