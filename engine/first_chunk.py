@@ -404,9 +404,9 @@ class FirstChunkPlanner:
     # While fewer than this many other utterances' listeners wait for a first chunk, no
     # round of a plan is taken as longer than the longest second chunks took lately, from
     # their turn to their audio, with as many utterances on the stage (`SecondRounds.ceiling`;
-    # none where that load was not measured): the round estimate
-    # is a burst's, every utterance in progress with a chunk in one round, which a load of
-    # arrivals spread over time never forms. On an H100 at 200 sessions over 16 s (round 43
+    # none where that load was not measured): the round estimate is a burst's, every
+    # utterance in progress with a chunk in one round, which a load of arrivals spread over
+    # time never forms. On an H100 at 200 sessions over 16 s (round 43
     # of docs/benchmarks.md) it planned rounds of 558-610 ms (past the stage's 64 rows it
     # doubles) where the second chunks' learnt rounds were 42-241 ms, and first chunks went
     # 24-28 tokens long. A burst brings tens waiting at once and keeps the estimate
@@ -527,7 +527,8 @@ class FirstChunkPlanner:
         if second is not None and later is not None:
             second = max(second, later)
         self.last = PlanInputs(hop, step_s, round_s(0, hop), second, own)
-        self.learnt_round_plans += capped is not None and capped.cut
+        if capped is not None and capped.cut:
+            self.learnt_round_plans += 1
         if opening:
             self.last_opening = self.last
         return hop
