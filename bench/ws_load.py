@@ -53,7 +53,8 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 -> the chunk's tokens decoded and queued, -> its stage batch starts, -> audio back; and
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
 `opening_chunk_phases_ms`: the same for each context's first segment only, the one
-`first_audio_ms` measures; `opening_second_chunk_ms`: their second chunks, from tokens
+`first_audio_ms` measures; `slow_opening_chunk_phases_ms`: of those, the ones that took
+500 ms or more in the server, the tail a p95 over the bar is made of; `opening_second_chunk_ms`: their second chunks, from tokens
 ready to queued, batch start and audio, how many came after the first chunk's audio
 had run out and how many with less than 100 ms to spare), and with
 `--engine.lm-timing true` vLLM's own account of the LM requests (`lm_server_ms`: queued
@@ -1142,6 +1143,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
         "first_chunk_phases_ms": chunk_phases(after, before, "first_chunk"),
         # The same for each session's first segment only: the one `first_audio_ms` counts.
         "opening_chunk_phases_ms": chunk_phases(after, before, "opening_chunk"),
+        # ... and of those, the ones that took 500 ms or more from text to audio
+        # (`engine.stats.SLOW_OPENING_S`): what first audio past the bar was made of.
+        "slow_opening_chunk_phases_ms": chunk_phases(after, before, "slow_opening_chunk"),
         # Their second chunks: whether the one a short first chunk must cover waited for the
         # first's audio, for the stage, or for a long round (`second_chunk_ms`).
         "opening_second_chunk_ms": second_chunk_ms(after, before),
@@ -1566,6 +1570,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"rtf={lv['rtf']} (censored {lv['rtf_censored']}; with text pacing {lv['rtf_wall_incl_text_pacing']}) "
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
+              f"their slow ones' (ms)={lv['slow_opening_chunk_phases_ms']} "
               f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
               f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')}/{lv['server'].get('first_chunk_cuts')} "

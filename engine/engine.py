@@ -123,6 +123,7 @@ class Engine:
         # another way (tests).
         self.start_seconds: dict[str, float] = {}
         self.opening_chunk_times = FirstChunkTimes()  # of sessions' first utterances only
+        self.slow_opening_chunk_times = FirstChunkTimes()  # ... of those, the slow ones (SLOW_OPENING_S)
         self.opening_second_chunk_times = SecondChunkTimes()
         self.first_chunks = FirstChunkPlanner(config.initial_hop_max, config.first_chunk_margin,
                                               opening_rate=config.first_chunk_opening_rate,
@@ -534,6 +535,7 @@ class Engine:
             **plan_fields(self.first_chunks.last),
             **plan_fields(self.first_chunks.last_opening, "opening_chunk"),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
+            **self.slow_opening_chunk_times.stats_fields("slow_opening_chunk"),
             **self.opening_second_chunk_times.stats_fields(),
             **(lm_times.stats_fields() if (lm_times := self.backend.server_times()) is not None else {}),
             **{f"start_{step}_seconds": s for step, s in self.start_seconds.items()},

@@ -33,6 +33,7 @@ from .frontend.text import detect_grammar, language_grammar
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits
 from .playback import PlaybackClock, chunk_due
+from .stats import SLOW_OPENING_S
 from .text_stream import TextFeed
 from .token2wav import ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
@@ -752,6 +753,9 @@ class Session:
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
                     eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
+                    if phases[-1] - phases[0] >= SLOW_OPENING_S:
+                        eng.slow_opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end,
+                                                         batch_rows=batch.rows)
             if item.index == 1 and planned and eng.ready:
                 # Not from the warm-up: its first syntheses may wait behind graph captures (seconds).
                 eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))

@@ -102,6 +102,18 @@ class EngineStats:
     # first chunks split over a small round and a full one show as a mean below the burst.
     first_chunk_batch_rows: int = 0
     opening_chunk_batch_rows: int = 0
+    # The same sums for the opening chunks that took `SLOW_OPENING_S` or longer from their
+    # text to their audio: what the first audio over issue #12's 500-ms bar was made of,
+    # where the means above are mostly the chunks under it (round 43 of
+    # docs/benchmarks.md read the tail off the means).
+    slow_opening_chunks: int = 0
+    slow_opening_chunk_lm_first_token_seconds: float = 0.0
+    slow_opening_chunk_lm_decode_seconds: float = 0.0
+    slow_opening_chunk_stage_wait_seconds: float = 0.0
+    slow_opening_chunk_stage_seconds: float = 0.0
+    slow_opening_chunk_tokens: int = 0
+    slow_opening_chunk_planned_tokens: int = 0
+    slow_opening_chunk_batch_rows: int = 0
     # The second chunk of sessions' first utterances, the one a short first chunk must
     # cover (sums over `opening_second_chunks`): from the LM having its tokens to its queueing
     # (once the stage has taken the first chunk), to the stage's batch start, to its audio;
@@ -172,6 +184,11 @@ class EngineStats:
     # Audio stages whose process died or stalled. With several stages the engine serves on
     # the others (still ready), at that much less capacity.
     stages_failed: int = 0
+
+
+# An opening chunk this many seconds or more from its text to its audio is a slow one
+# (`EngineStats.slow_opening_chunks`): issue #12's bar for first audio's p95.
+SLOW_OPENING_S = 0.5
 
 
 @dataclass

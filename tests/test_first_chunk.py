@@ -786,6 +786,36 @@ def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
     assert st.opening_chunk_stage_seconds > 0
 
 
+@pytest.mark.parametrize("bar", [0.0, 1e9])
+def test_engine_sums_the_slow_opening_chunks_apart(tiny_model_dir, monkeypatch, bar):
+    """A session's first utterance whose first chunk took `SLOW_OPENING_S` or longer from
+    its text to its audio is also in the slow_opening_chunk sums, with the same phases; a
+    quicker one, or a later utterance's, is not. (The bar is moved, not the clock: a bar of
+    0 makes every opening chunk slow, one of 1e9 none.)"""
+    monkeypatch.setattr("engine.session.SLOW_OPENING_S", bar)
+
+    async def fn(engine: Engine):
+        voice = await default_voice(engine)
+        for texts in (["One sentence here.", "And another one."], ["A third."]):
+            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=1))
+            for text in texts:
+                await s.submit(text)
+            await s.finish()
+            assert all(isinstance(e, AudioChunk) for e in await collect(s))
+        return engine.stats()
+
+    st = run(tiny_model_dir, fn, warmup=False)
+    assert (st.first_chunks, st.opening_chunks) == (3, 2)
+    if bar:
+        assert st.slow_opening_chunks == 0 and st.slow_opening_chunk_stage_seconds == 0
+        return
+    assert st.slow_opening_chunks == 2  # not the second utterance of the first session
+    for phase in ("lm_first_token_seconds", "lm_decode_seconds", "stage_wait_seconds", "stage_seconds", "tokens",
+                  "planned_tokens", "batch_rows"):
+        assert getattr(st, f"slow_opening_chunk_{phase}") == getattr(st, f"opening_chunk_{phase}")
+    assert st.slow_opening_chunk_stage_seconds > 0
+
+
 def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     """The second chunk of a session's first utterance (the one a short first chunk must
     cover) is timed from its tokens being ready to its audio; a later utterance's is not.

@@ -268,6 +268,11 @@ def test_server_breakdowns_from_counter_deltas() -> None:
     assert opening is not None and opening["utterances"] == 2 and opening["stage"] == 100.0 and opening["lm_decode"] == 0
     assert (opening["batch_rows"], first["batch_rows"]) == (1.5, 0.0)  # chunks per first chunk's batch
     assert chunk_phases(before, before, "first_chunk") is None  # none in the window
+    slow = chunk_phases(after | {m + "slow_opening_chunks_total": 1, m + "slow_opening_chunk_stage_seconds_total": 0.15,
+                                 m + "slow_opening_chunk_tokens_total": 9},
+                        before, "slow_opening_chunk")
+    assert slow is not None and (slow["utterances"], slow["stage"], slow["tokens"]) == (1, 150.0, 9.0)
+    assert chunk_phases(after, before, "slow_opening_chunk") is None  # none over the bar
     lm = lm_server_ms(after, before)
     assert lm == {"queued": 10.0, "prefill": 20.0, "first_token": 100.0, "decode_per_token": 3.0, "requests": 4}
     assert lm_server_ms(before, before) is None  # a gateway without --engine.lm-timing
