@@ -125,7 +125,11 @@ class EngineConfig:
     # the round estimate above is a burst's. On an H100 at 200 sessions over 16 s (round 43
     # of docs/benchmarks.md) it planned 558-610-ms rounds where the second chunks' learnt
     # rounds were 42-241 ms, and first chunks were 24-28 tokens long (p95 707-755 ms).
-    # 0: off, until its A/B.
+    # Measured in round 44 (H100, 200 and 208 sessions over 16 s, levels alternating on
+    # one gateway): with 16, first chunks of 19-20 tokens against 26-28 and first audio's
+    # p50 65-77 ms lower, but p95 only 11-67 ms lower and 2-8 sessions dry in every run
+    # against none: the long first chunks covered second chunks that the saturated stage
+    # (96% busy) brought late. 0: off.
     first_chunk_learnt_rounds_crowd: int = 0
     # A stage round about to start first chunks waits up to this long for the first chunks
     # the engine expects within it (from each one's tokens still to come and its LM rate):
@@ -327,7 +331,10 @@ class EngineConfig:
     # (`AudioStage._cut_for_first_chunks`): on an H100 at 200-208 sessions over 16 s (round
     # 42 of docs/benchmarks.md) second chunks took 185-224 ms from their turn to their
     # audio, riding rounds of long chunks, and the planner sized first chunks (18-23
-    # tokens, 130-182 ms of LM decode) to cover that. Not yet measured; off.
+    # tokens, 130-182 ms of LM decode) to cover that. Measured (rounds 43 and 44): their
+    # stage phase halves (67-98 ms to 35-48), first audio does not improve, and with
+    # `first_chunk_learnt_rounds_crowd` 16 it ran 13-15 sessions dry a run at 200-208
+    # sessions over 16 s against 2-8 without it. Off.
     stage_second_chunk_cut: bool = False
     # Profile the audio stage while it serves (`engine.stage_profile`):
     # stage_profile_batches batches of each stage under torch.profiler, from the first one at
