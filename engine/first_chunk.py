@@ -344,7 +344,7 @@ class PlanInputs:
 
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
-TUNABLE: dict[str, type] = {"min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
+TUNABLE: dict[str, type] = {"limit": int, "min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
                             "skip_patient": bool, "deadline_holdback": bool, "learnt_rounds_crowd": int}
 CROWDS = ("min_hop_crowd", "learnt_rounds_crowd")  # counts of utterances, not tokens: up to MAX_CROWD
 MAX_MARGIN = 10.0
@@ -355,7 +355,7 @@ MAX_CROWD = 10_000
 class FirstChunkPlanner:
     """One engine's first-chunk decisions (`plan_first_hop`) and what they learn from."""
 
-    limit: int  # EngineConfig.initial_hop_max
+    limit: int  # EngineConfig.initial_hop_max; `tune` may lower it and raise it back
     margin: float = 0.25
     # "slower": a session's first utterance, like any other, is sized on the slower of its
     # own rate and the learnt one. "learnt": on the learnt one alone where there is one for
@@ -421,6 +421,13 @@ class FirstChunkPlanner:
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
     last_opening: PlanInputs | None = None
+    # The configured limit: the most tokens a knob of `tune` may name (`limit` included).
+    # The stage warms its shapes for the configured bounds, and a first chunk past them
+    # would pay a graph capture in the middle of a load.
+    limit_ceiling: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limit_ceiling = self.limit
 
     def observe(self, tokens: int, samples: int, sample_rate: int, speed: float, token_mel_ratio: int = 2) -> None:
         """A first chunk of `tokens` speech tokens gave `samples` of audio. At a speed other
@@ -458,8 +465,10 @@ class FirstChunkPlanner:
     def tune(self, knobs: dict[str, object]) -> None:
         """Set `TUNABLE` knobs (`POST /debug/planner`: A/B levels on one gateway, where
         between gateways the LM's first token alone moved ~1 ms in round 27). An utterance
-        reads `idle_hop` as it starts and the rest when its first chunk is sized. All or
-        nothing: ValueError names the first bad knob."""
+        reads `idle_hop` as it starts and the rest when its first chunk is sized. A count of
+        tokens is at most the configured `limit` (`limit_ceiling`); a `limit` at or below a
+        schedule's `initial_hop` leaves its first chunks unplanned. All or nothing:
+        ValueError names the first bad knob."""
         checked: dict[str, object] = {}
         for name, value in knobs.items():
             kind = TUNABLE.get(name)
@@ -472,7 +481,7 @@ class FirstChunkPlanner:
                 continue
             if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-            high = MAX_MARGIN if kind is float else MAX_CROWD if name in CROWDS else self.limit
+            high = MAX_MARGIN if kind is float else MAX_CROWD if name in CROWDS else self.limit_ceiling
             if not 0 <= value <= high:
                 raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
             checked[name] = kind(value)

@@ -501,7 +501,7 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert p.skip_patient is True and p.snapshot()["skip_patient"] is True
     with pytest.raises(ValueError, match="skip_patient must be true or false"):
         p.tune({"skip_patient": 1})
-    for bad, says in (({"limit": 20}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
+    for bad, says in (({"holdback_s": 0.1}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
                       ({"min_hop": -1}, "within [0, 40]"), ({"idle_hop": 41}, "within [0, 40]"),
                       ({"min_hop_crowd": -1}, "within [0, 10000]"), ({"learnt_rounds_crowd": -1}, "within [0, 10000]"),
                       ({"margin": float("nan")}, "within"), ({"margin": "0.5"}, "a number"),
@@ -509,6 +509,26 @@ def test_planner_knobs_are_tuned_all_or_nothing():
         with pytest.raises(ValueError, match=re.escape(says)):
             p.tune(bad)
     assert (p.min_hop, p.idle_hop, p.margin) == (8, 7, 1.0)  # nothing of a refused call was set
+
+
+def test_the_limit_is_tuned_within_the_configured_one():
+    """`limit` may go down and back up to the configured `initial_hop_max`, not past it
+    (the stage warmed its shapes for that), and a plan that finds no first chunk playing
+    through takes the tuned limit; other counts of tokens stay bounded by the configured one."""
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=10, max_hop=100, lookahead=3)
+    slow = lambda offset, hop: 2.0  # noqa: E731  (rounds no first chunk covers)
+    p = FirstChunkPlanner(limit=40, margin=0.5)
+    assert p.first_hop(s, 0.01, slow, 1.0) == 40
+    p.tune({"limit": 30})
+    assert p.limit == 30 and p.snapshot()["limit"] == 30 and p.first_hop(s, 0.01, slow, 1.0) == 30
+    p.tune({"idle_hop": 35})  # bounded by the configured 40, not the tuned 30
+    p.tune({"limit": 8})  # at or below the schedule's floor: not planned
+    assert p.first_hop(s, 0.01, slow, 1.0) == 10
+    p.tune({"limit": 40})
+    assert p.first_hop(s, 0.01, slow, 1.0) == 40
+    with pytest.raises(ValueError, match=re.escape("limit must be within [0, 40]")):
+        p.tune({"limit": 41})
+    assert p.limit == 40 and p.limit_ceiling == 40
 
 
 def test_skip_patient_deadline_holdback_and_learnt_rounds_reach_the_engine_config(tmp_path):

@@ -543,7 +543,7 @@ def test_debug_planner_tuning_needs_the_setting(server) -> None:
         assert planner.min_hop == start
         assert c.post("/debug/planner", json={"min_hop": 6}).status_code == 401  # auth first
         srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=True)
-        planner.limit = 40  # a planner that sizes first chunks (this server's chunks are fixed)
+        planner.limit = planner.limit_ceiling = 40  # a planner that sizes first chunks (this server's are fixed)
         try:
             resp = c.post("/debug/planner", json={"min_hop": 6, "idle_hop": 99}, headers=AUTH)
             assert resp.status_code == 400 and "idle_hop" in resp.json()["error"]["message"]
@@ -552,6 +552,10 @@ def test_debug_planner_tuning_needs_the_setting(server) -> None:
             assert resp.status_code == 200 and resp.json()["min_hop"] == 6 and resp.json()["margin"] == 0.25
             assert (planner.min_hop, planner.margin) == (6, 0.25)
             assert c.get("/debug/planner", headers=AUTH).json()["min_hop"] == 6
+            resp = c.post("/debug/planner", json={"limit": 41}, headers=AUTH)  # past the configured limit
+            assert resp.status_code == 400 and "limit must be within [0, 40]" in resp.json()["error"]["message"]
+            resp = c.post("/debug/planner", json={"limit": 30}, headers=AUTH)
+            assert resp.status_code == 200 and resp.json()["limit"] == planner.limit == 30
             resp = c.post("/debug/planner", content=b"[1]", headers=AUTH | {"content-type": "application/json"})
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
             # The stage's own settings too, all or none with the planner's.
@@ -568,7 +572,7 @@ def test_debug_planner_tuning_needs_the_setting(server) -> None:
         finally:
             srv.gw.engine.tune_planner({"fill_padding": False, "split_call_cost": 730})
             planner.tune({"min_hop": start, "margin": 0.5})
-            planner.limit = srv.gw.engine.config.initial_hop_max
+            planner.limit = planner.limit_ceiling = srv.gw.engine.config.initial_hop_max
             srv.gw.settings = dataclasses.replace(srv.gw.settings, debug_tuning=False)
 
 
