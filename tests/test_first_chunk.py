@@ -28,6 +28,7 @@ from engine.first_chunk import (
     slack,
     stalls,
 )
+from engine.stats import EngineStats
 from engine.types import AudioChunk, SessionOptions
 from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
 
@@ -780,6 +781,19 @@ def test_engine_plans_on_the_learnt_rounds_outside_a_crowd_when_set(tiny_model_d
     assert stats.first_chunk_learnt_rounds == planner.learnt_round_plans == (1 if crowd else 0)
 
 
+async def three_utterances_of_two_sessions(engine: Engine) -> EngineStats:
+    """Two sessions, one after the other: the first speaks two utterances, the second one.
+    The engine's stats after them."""
+    voice = await default_voice(engine)
+    for texts in (["One sentence here.", "And another one."], ["A third."]):
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=1))
+        for text in texts:
+            await s.submit(text)
+        await s.finish()
+        assert all(isinstance(e, AudioChunk) for e in await collect(s))
+    return engine.stats()
+
+
 def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
     """Every utterance's first chunk is in the first_chunk sums; only a session's first
     utterance's is also in the opening_chunk ones (what a listener waits for in silence)."""
@@ -787,14 +801,7 @@ def test_engine_counts_sessions_first_utterances_apart(tiny_model_dir):
 
     async def fn(engine: Engine):
         hops.append(engine.config.initial_hop)
-        voice = await default_voice(engine)
-        for texts in (["One sentence here.", "And another one."], ["A third."]):
-            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=1))
-            for text in texts:
-                await s.submit(text)
-            await s.finish()
-            assert all(isinstance(e, AudioChunk) for e in await collect(s))
-        return engine.stats()
+        return await three_utterances_of_two_sessions(engine)
 
     st = run(tiny_model_dir, fn, warmup=False)
     assert (st.first_chunks, st.opening_chunks) == (3, 2)
@@ -813,18 +820,7 @@ def test_engine_sums_the_slow_opening_chunks_apart(tiny_model_dir, monkeypatch, 
     quicker one, or a later utterance's, is not. (The bar is moved, not the clock: a bar of
     0 makes every opening chunk slow, one of 1e9 none.)"""
     monkeypatch.setattr("engine.session.SLOW_OPENING_S", bar)
-
-    async def fn(engine: Engine):
-        voice = await default_voice(engine)
-        for texts in (["One sentence here.", "And another one."], ["A third."]):
-            s = engine.open_session(voice, SessionOptions(tokens_per_text_token=3.0, seed=1))
-            for text in texts:
-                await s.submit(text)
-            await s.finish()
-            assert all(isinstance(e, AudioChunk) for e in await collect(s))
-        return engine.stats()
-
-    st = run(tiny_model_dir, fn, warmup=False)
+    st = run(tiny_model_dir, three_utterances_of_two_sessions, warmup=False)
     assert (st.first_chunks, st.opening_chunks) == (3, 2)
     if bar:
         assert st.slow_opening_chunks == 0 and st.slow_opening_chunk_stage_seconds == 0
