@@ -155,7 +155,7 @@ def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> 
     floor_s = None if level.second_round_s is None else level.second_round_s / stage_speedup
     rows = []
     lowest = min(cfg.initial_hop, level.min_hop) if level.min_hop > 0 else cfg.initial_hop
-    for hop in range(lowest, cfg.initial_hop_max + 1):
+    for hop in range(lowest, max(cfg.initial_hop, cfg.initial_hop_max) + 1):
         first_round = round_s(0, hop) or 0.0
         audio = level.first_token_s / lm_speedup + (hop + LOOKAHEAD - 1) * level.open_step_s / lm_speedup + first_round
         rows.append({"hop": hop, "first_audio_ms": round(audio * 1e3, 1), "round_ms": round(first_round * 1e3, 1),
@@ -163,10 +163,12 @@ def floor(level: Level, stage_speedup: float = 1.0, lm_speedup: float = 1.0) -> 
                      "with_margin": stalls(schedule, hop, later, round_s, level.holdback_s, margin=level.margin,
                                            later_round_s=floor_s) is False})
     through = [r for r in rows if r["plays_through"]]
-    chosen = plan_first_hop(schedule, cfg.initial_hop_max, later, round_s, level.holdback_s, margin=level.margin,
-                            later_round_s=floor_s)
+    # A limit at or below the floor is a fixed first chunk (`FirstChunkPlanner.first_hop`).
+    planned = cfg.initial_hop < cfg.initial_hop_max
+    chosen = (plan_first_hop(schedule, cfg.initial_hop_max, later, round_s, level.holdback_s, margin=level.margin,
+                             later_round_s=floor_s) if planned else cfg.initial_hop)
     # A burst: every other session sizes its first chunk too.
-    if 0 < level.min_hop < chosen and level.sessions - 1 < level.min_hop_crowd:
+    if planned and 0 < level.min_hop < chosen and level.sessions - 1 < level.min_hop_crowd:
         chosen = shortest_as_safe(schedule, chosen, level.min_hop, later, round_s, level.holdback_s,
                                   margin=level.margin, later_round_s=floor_s)
     return {"stage_speedup": stage_speedup, "lm_speedup": lm_speedup, "rows": rows,

@@ -54,9 +54,10 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 `tokens`, its mean size in speech tokens, which `engine.first_chunk` sizes by the load;
 `opening_chunk_phases_ms`: the same for each context's first segment only, the one
 `first_audio_ms` measures; `slow_opening_chunk_phases_ms`: of those, the ones that took
-500 ms or more in the server, the tail a p95 over the bar is made of; `opening_second_chunk_ms`: their second chunks, from tokens
-ready to queued, batch start and audio, how many came after the first chunk's audio
-had run out and how many with less than 100 ms to spare), and with
+500 ms or more in the server, the tail a p95 over the bar is made of;
+`opening_second_chunk_ms`: the first segments' second chunks, from tokens ready to queued,
+batch start and audio, how many came after the first chunk's audio had run out and how
+many with less than 100 ms to spare), and with
 `--engine.lm-timing true` vLLM's own account of the LM requests (`lm_server_ms`: queued
 and prefill in its engine core, its time to first token, its decode time per token).
 
@@ -1011,7 +1012,8 @@ def gc_summary(after: dict[str, float], before: dict[str, float]) -> dict[str, A
 
 def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -> dict[str, float] | None:
     """Mean phases (ms) of the first chunks of `kind` ("first_chunk": every utterance's;
-    "opening_chunk": sessions' first utterances only) between two scrapes, from the
+    "opening_chunk": sessions' first utterances only; "slow_opening_chunk": of those, the
+    ones that took `engine.stats.SLOW_OPENING_S` or longer) between two scrapes, from the
     engine's summed counters; None when there were none."""
     count = _delta(after, before, f"cosyvoice_engine_{kind}s_total")
     if count <= 0:
@@ -1571,7 +1573,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"first-chunk phases (ms)={lv['first_chunk_phases_ms']} "
               f"first segments' (ms)={lv['opening_chunk_phases_ms']} "
               f"their slow ones' (ms)={lv['slow_opening_chunk_phases_ms']} "
-              f"their second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
+              f"the first segments' second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
               f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')}/{lv['server'].get('first_chunk_cuts')} "
               f"below floor={lv['server'].get('first_chunk_below_floor')} crowded={lv['server'].get('first_chunk_crowded')} "
@@ -1631,7 +1633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-at", type=float, default=None,
                    help="register one more voice (a longer prompt) this many seconds into each level")
     p.add_argument("--planner-knobs", default=None,
-                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut) set before "
+                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut) set before "
                         "each level in turn, ';'-separated JSON objects (e.g. '{\"min_hop\": 0};{\"min_hop\": 8}'): "
                         "an A/B on one gateway (POST /debug/planner)")
     p.add_argument("--text", default=DEFAULT_TEXT)

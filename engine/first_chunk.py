@@ -16,7 +16,8 @@ So the first chunk starts at the configured `initial_hop` (first audio as early 
 model allows at light load) and takes more tokens only when this timeline, with the
 measured LM rate and round times, predicts a stall in the chunks up to the schedule's
 largest hop: the smallest hop that plays through them with `margin` to spare, at most
-`initial_hop_max`. Decided once, when the first chunk could go.
+the planner's `limit` (`initial_hop_max` unless tuned lower). Decided once, when the first
+chunk could go.
 
 The stage's round time is learnt from its own batches (`RoundTimes`); the LM's rate from the
 utterance's own first tokens and from earlier utterances' later ones (`LMSteps`, one table for
@@ -422,8 +423,8 @@ class FirstChunkPlanner:
     # utterances' decisions, made under other loads, would hide it by the end of a run)
     last_opening: PlanInputs | None = None
     # The configured limit: the most tokens a knob of `tune` may name (`limit` included).
-    # The stage warms its shapes for the configured bounds, and a first chunk past them
-    # would pay a graph capture in the middle of a load.
+    # Tuning compares values within the configuration (A/B levels on one gateway); a wider
+    # bound is a configuration of its own.
     limit_ceiling: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ from .frontend.text import detect_grammar, language_grammar
 from .models.flow import FlowChunk
 from .models.lm import build_prompt, length_limits
 from .playback import PlaybackClock, chunk_due
-from .stats import SLOW_OPENING_S
+from .stats import is_slow_opening
 from .text_stream import TextFeed
 from .token2wav import ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
@@ -604,8 +604,10 @@ class Session:
         # Whether nothing else is on the engine is known when the first chunk is sized, and
         # the planner may go below the floor then (`first_chunk_min_hop`): until then the
         # schedule waits for the fewest tokens the first chunk may take.
-        busy_floor, idle_floor = None, eng.first_chunks.idle_hop  # as the utterance starts (`tune`)
-        if not first_planned and 0 < cfg.initial_hop < cfg.initial_hop_max:
+        # ... as the utterance starts (`tune`), and so is whether its first chunk is planned:
+        # a limit tuned to the floor or below is a fixed first chunk, as one configured so.
+        busy_floor, idle_floor = None, eng.first_chunks.idle_hop
+        if not first_planned and 0 < cfg.initial_hop < eng.first_chunks.limit:
             lowest = min(h for h in (idle_floor, eng.first_chunks.min_hop, cfg.initial_hop) if h > 0)
             if lowest < cfg.initial_hop:
                 busy_floor, sched.initial_hop = cfg.initial_hop, lowest
@@ -753,7 +755,7 @@ class Session:
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
                     eng.opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
-                    if phases[-1] - phases[0] >= SLOW_OPENING_S:
+                    if is_slow_opening(phases):
                         eng.slow_opening_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end,
                                                          batch_rows=batch.rows)
             if item.index == 1 and planned and eng.ready:

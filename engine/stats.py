@@ -191,6 +191,12 @@ class EngineStats:
 SLOW_OPENING_S = 0.5
 
 
+def is_slow_opening(phases: tuple[float, ...]) -> bool:
+    """Whether an opening chunk whose phases (`FirstChunkTimes.add`'s times, from its text
+    submitted to its audio back) span `SLOW_OPENING_S` or more is a slow one."""
+    return phases[-1] - phases[0] >= SLOW_OPENING_S
+
+
 @dataclass
 class FirstChunkTimes:
     """Running sums of the first-chunk phases (see EngineStats); one per engine."""

@@ -103,6 +103,16 @@ def test_the_first_chunk_bounds_are_the_runs(tmp_path: Path) -> None:
     assert hops("snapshot", bounds={"initial_hop": 10, "limit": 30}) == list(range(10, 31))
 
 
+def test_a_limit_at_or_below_the_floor_is_a_fixed_first_chunk(tmp_path: Path) -> None:
+    """A run whose planner's `limit` was tuned to its floor or below (a fixed first chunk,
+    as the engine takes it) is replayed with the floor's hop chosen, not planned and not
+    taken below the floor."""
+    src = _write_level(tmp_path / "fixed.json", 1e-5, bounds={"initial_hop": 10, "limit": 8, "min_hop": 6,
+                                                              "min_hop_crowd": 1000})
+    (r,) = main([str(src), "--level", "0", "--stage-speedup", "4", "--lm-speedup", "4"])["results"]
+    assert r["planner"]["hop"] == 10 and [row["hop"] for row in r["rows"]] == list(range(6, 11))
+
+
 def test_the_runs_min_hop_is_replayed(tmp_path: Path) -> None:
     """A run whose planner could go below its floor (`min_hop` in the snapshot) has the hops
     from there replayed, and the planner's choice is below the one without it where its crowd

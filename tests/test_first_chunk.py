@@ -28,8 +28,9 @@ from engine.first_chunk import (
     slack,
     stalls,
 )
-from engine.stats import EngineStats
+from engine.stats import SLOW_OPENING_S, EngineStats, FirstChunkTimes, is_slow_opening
 from engine.types import AudioChunk, SessionOptions
+from gateway.metrics import ENGINE_COUNTERS
 from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
 
 
@@ -408,8 +409,9 @@ def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
     fixed chunks (the planner off), are left as they are."""
     floors: list[int] = []
 
-    async def fn(engine: Engine, cases):
+    async def fn(engine: Engine, cases, knobs=None):
         voice = await default_voice(engine)
+        engine.first_chunks.tune(knobs or {})
         firsts = []
         for alone, below, opts in cases:
             def planner(sched, *args, below=below, **kwargs):  # the floor, or that many fewer
@@ -441,6 +443,11 @@ def test_engine_sizes_a_lone_first_chunk_from_the_idle_floor(tiny_model_dir):
     # The planner off (initial_hop_max <= initial_hop): the chunks stay fixed, alone or not.
     assert run(tiny_model_dir, lambda e: fn(e, cases[:2]), warmup=False, initial_hop=10, idle_initial_hop=6,
                first_chunk_min_hop=7, initial_hop_max=0) == [10, 10]
+    assert floors == [10, 10]
+    floors.clear()
+    # ... and so with the planner's limit tuned to the floor (`POST /debug/planner`).
+    assert run(tiny_model_dir, lambda e: fn(e, cases[:2], {"limit": 10}), warmup=False, initial_hop=10,
+               idle_initial_hop=6, first_chunk_min_hop=7, initial_hop_max=40) == [10, 10]
     assert floors == [10, 10]
 
 
@@ -819,7 +826,7 @@ def test_engine_sums_the_slow_opening_chunks_apart(tiny_model_dir, monkeypatch, 
     its text to its audio is also in the slow_opening_chunk sums, with the same phases; a
     quicker one, or a later utterance's, is not. (The bar is moved, not the clock: a bar of
     0 makes every opening chunk slow, one of 1e9 none.)"""
-    monkeypatch.setattr("engine.session.SLOW_OPENING_S", bar)
+    monkeypatch.setattr("engine.stats.SLOW_OPENING_S", bar)
     st = run(tiny_model_dir, three_utterances_of_two_sessions, warmup=False)
     assert (st.first_chunks, st.opening_chunks) == (3, 2)
     if bar:
@@ -830,6 +837,17 @@ def test_engine_sums_the_slow_opening_chunks_apart(tiny_model_dir, monkeypatch, 
                   "planned_tokens", "batch_rows"):
         assert getattr(st, f"slow_opening_chunk_{phase}") == getattr(st, f"opening_chunk_{phase}")
     assert st.slow_opening_chunk_stage_seconds > 0
+
+
+def test_an_opening_chunk_is_slow_from_its_text_to_its_audio():
+    """Slow means text submitted to audio back at the bar or over it, whatever the phases
+    between; each sum of first-chunk phases is a counter in `/metrics`."""
+    assert SLOW_OPENING_S == 0.5
+    assert is_slow_opening((10.0, 10.1, 10.3, 10.4, 10.5))  # at the bar, the stage only 0.1 s of it
+    assert not is_slow_opening((10.0, 10.1, 10.3, 10.4, 10.49))
+    assert is_slow_opening((10.0, 10.45, 10.46, 10.47, 10.6))
+    for kind in ("first_chunk", "opening_chunk", "slow_opening_chunk"):
+        assert set(FirstChunkTimes().stats_fields(kind)) <= ENGINE_COUNTERS
 
 
 def test_engine_times_the_opening_second_chunks(tiny_model_dir):
