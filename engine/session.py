@@ -750,7 +750,9 @@ class Session:
                 eng.first_chunks.observe(end, int(pcm.size), eng.sample_rate, utt.options.speed,
                                          eng.model.config.flow.token_mel_ratio)
             planned = planned and not item.patient
-            if item.index == 0 and planned and utt.stats.first_token_at is not None:
+            # Not the warm-up's: its first chunks wait behind graph captures (seconds), and
+            # /metrics users average these sums since the start.
+            if item.index == 0 and planned and utt.stats.first_token_at is not None and eng.ready:
                 phases = (utt.stats.submitted_at, utt.stats.first_token_at, item.queued_at, batch.at, time.monotonic())
                 eng.first_chunk_times.add(*phases, tokens=end, planned_tokens=item.queued_end, batch_rows=batch.rows)
                 if utt.opening:
@@ -761,7 +763,7 @@ class Session:
             if item.index == 1 and planned and eng.ready:
                 # Not from the warm-up: its first syntheses may wait behind graph captures (seconds).
                 eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))
-            if item.index == 1 and planned and utt.arrivals is not None:
+            if item.index == 1 and planned and utt.arrivals is not None and eng.ready:
                 self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
                                         first_rows, eng.model.config.flow.pre_lookahead_len, batch.rows)
             if item.index == 0:

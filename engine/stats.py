@@ -77,7 +77,7 @@ class EngineStats:
     # `first_chunks` utterances): text in -> first speech token (text processing, LM
     # queue and prefill), -> the chunk's tokens decoded and queued to the stage, -> the
     # stage starts its batch, -> its audio is back. (With text_mode "stream" the first
-    # phase includes waiting for the text.)
+    # phase includes waiting for the text.) From the engine's start on: not its warm-up's.
     first_chunks: int = 0
     first_chunk_lm_first_token_seconds: float = 0.0
     first_chunk_lm_decode_seconds: float = 0.0

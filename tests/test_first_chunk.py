@@ -839,6 +839,23 @@ def test_engine_sums_the_slow_opening_chunks_apart(tiny_model_dir, monkeypatch, 
     assert st.slow_opening_chunk_stage_seconds > 0
 
 
+def test_the_warm_up_is_not_in_the_first_chunk_sums(tiny_model_dir):
+    """The engine's warm-up syntheses (sessions of their own, before it is ready, some behind
+    graph captures) add nothing to the first and second chunks' sums: one session after it
+    is one first chunk, one opening chunk and one opening second chunk."""
+    async def fn(engine: Engine):
+        assert engine.config.warmup
+        voice = await default_voice(engine)
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        await s.submit("A sentence long enough for several chunks of speech here.")
+        await s.finish()
+        assert all(isinstance(e, AudioChunk) for e in await collect(s))
+        return engine.stats()
+
+    st = run(tiny_model_dir, fn, initial_hop=6)
+    assert (st.first_chunks, st.opening_chunks, st.opening_second_chunks) == (1, 1, 1)
+
+
 def test_an_opening_chunk_is_slow_from_its_text_to_its_audio():
     """Slow means text submitted to audio back at the bar or over it, whatever the phases
     between; each sum of first-chunk phases is a counter in `/metrics`."""
