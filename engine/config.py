@@ -25,7 +25,7 @@ StagePolicy = Literal["first_chunks", "deadline"]
 # room for the batch's own compute, the network and the client's jitter buffer.
 DEADLINE_MARGIN_S = 0.25
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
-FlowAttention = Literal["sdpa", "cudnn"]  # engine.models.dit.ATTENTION_KERNELS
+FlowAttention = Literal["sdpa", "cudnn", "triton"]  # engine.models.dit.ATTENTION_KERNELS
 FlowConvKernel = Literal["triton", "torch"]  # engine.models.dit.CONV_KERNELS
 SnakeKernelName = Literal["triton", "torch"]  # engine.models.hift.SNAKE_KERNELS
 # vLLM's `CompilationConfig.cudagraph_mode` values, lower-case (`vllm_cudagraph_mode`).
@@ -185,6 +185,10 @@ class EngineConfig:
     # (round 38 of docs/benchmarks.md) rounds of 16 and 64 chunks took 11-12% longer with
     # it, as accurate as cuDNN's against float64; smaller rounds run cuDNN either way. A
     # GPU where cuDNN's kernel does not run gets "sdpa" (`dit.attention_kernel_for`).
+    # "triton": "cudnn", but a split batch's two attentions and their merge are one kernel
+    # (`engine.models.split_attention_kernel`): at ~5-chunk rounds, padded to 8 rows and
+    # split, the two calls were 20% of the stage's GPU time and the merge 4.6% on an H100
+    # (round 44). Not yet measured.
     flow_attention: FlowAttention = "cudnn"
     # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
     # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major

@@ -114,9 +114,10 @@ class EngineSettings:
     )
     flow_attention: str = field(
         default="cudnn",
-        metadata=_help("the CosyVoice3 DiT's attention kernel: cudnn (cuDNN's fused attention on CUDA) or sdpa "
+        metadata=_help("the CosyVoice3 DiT's attention kernel: cudnn (cuDNN's fused attention on CUDA), sdpa "
                        "(PyTorch's pick; the memory-efficient kernel for batches split at their prompt, 11-12% "
-                       "slower there on the stage alone)"),
+                       "slower there on the stage alone) or triton (cudnn, but a batch split at its prompt "
+                       "attends in one Triton kernel; not yet measured)"),
     )
     flow_conv_kernel: str = field(
         default="triton",

@@ -28,7 +28,7 @@ def test_split_attention_check_compares_both_kernels_with_float64(tmp_path: Path
     out = tmp_path / "split.json"
     assert split_attention_check.main(["--device", "cpu", "--shapes", "2:100:20:50", "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["kernel"] for r in results] == ["sdpa", "cudnn"]
+    assert [r["kernel"] for r in results] == ["sdpa", "cudnn"]  # triton: not here, outside its interpreter
     for r in results:
         assert r["max_abs_err"] < 1e-5 and r["lse_max_abs_err"] < 1e-5, r
         assert 0 <= r["rel_rms"] < 1e-5

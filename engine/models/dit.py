@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..compile_errors import is_compile_error
-from . import causal_conv_kernel
+from . import causal_conv_kernel, split_attention_kernel
 from .config import FlowConfig
 from .triton_support import is_kernel_error
 
@@ -202,8 +202,9 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
 # at the engine's shapes (round 14 of docs/benchmarks.md, `bench.attention_backends`); in
 # the stage, where compiled SDPA picks cuDNN by itself except for the split attention's
 # log-sum-exps, rounds of 16-64 chunks took 11-12% less time with it (round 38, an H100).
-# The stage's default since then.
-ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn")
+# The stage's default since then. "triton": as "cudnn", but a batch split at its prompt
+# attends to both key sets in one kernel (`split_attention_kernel`; not yet measured).
+ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn", "triton")
 _BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
 
 
@@ -227,9 +228,14 @@ def cudnn_attention_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def attention_kernel_for(name: str, device: torch.device, dtype: torch.dtype,
                          runs: Callable[[torch.device, torch.dtype], bool] = cudnn_attention_runs) -> str:
-    """`name` (ATTENTION_KERNELS), or "sdpa" where it is "cudnn" on a CUDA device cuDNN's
-    kernel does not run on (`runs`): a default must not break older GPUs."""
-    if name == "cudnn" and torch.device(device).type == "cuda" and not runs(torch.device(device), dtype):
+    """`name` (ATTENTION_KERNELS); "cudnn" where it is "triton" and that kernel does not run
+    on `device` in `dtype` (`split_attention_kernel.runs_on`); and "sdpa" where it is
+    "cudnn" (or "triton", whose calls not split at the prompt are cuDNN's) on a CUDA device
+    cuDNN's kernel does not run on (`runs`): a default must not break older GPUs."""
+    device = torch.device(device)
+    if name == "triton" and not split_attention_kernel.runs_on(device, dtype):
+        name = "cudnn"
+    if name in ("cudnn", "triton") and device.type == "cuda" and not runs(device, dtype):
         return "sdpa"
     return name
 
@@ -298,7 +304,10 @@ def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     third of a 64-chunk opening round's GPU time (round 15 of docs/benchmarks.md).
 
     q, k, v: [B, H, T, dh] (B = 2R: rows [0, R) conditional); prefix_kv: [2, H, W, dh] each.
-    Returns [B, T, H x dh]."""
+    Returns [B, T, H x dh]. With `masks.kernel` "triton" one kernel does it all
+    (`split_attention_kernel`; chosen only where it runs, `attention_kernel_for`)."""
+    if masks.kernel == "triton":
+        return split_attention_kernel.split_prefix_attention(q, k, v, prefix_kv, masks.prefix, masks.own)
     batch, heads, length, dh = q.shape
     halves = q.transpose(1, 2).reshape(2, batch // 2 * length, heads, dh).transpose(1, 2)
     o_pre, l_pre = attention_with_lse(halves, prefix_kv[0], prefix_kv[1], masks.prefix, masks.kernel)
@@ -815,7 +824,7 @@ class DiT(nn.Module):
         batch = attn_mask.shape[0]
         if prefix is not None and prefix.shared and 0 < self.split_prefix_rows <= batch // 2:
             return split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], dtype, self.attention_kernel)
-        if self.attention_kernel == "cudnn":
+        if self.attention_kernel in ("cudnn", "triton"):
             return attention_bias(attn_mask, dtype)
         return attn_mask
 

@@ -1,0 +1,146 @@
+"""A Triton kernel for the DiT's split attention: a one-voice batch's queries over the voice
+prompt's cached keys and over each row's own keys, in one pass.
+
+`dit.split_prefix_attention` runs that attention as two calls (cuDNN's, with log-sum-exps):
+every CFG half's queries over its prompt keys, each row's queries over its own keys, and a
+merge of the two by their log-sum-exps. At the rounds the stage runs under a steady load
+(~5 chunks, padded to 8 rows) each call is launch-sized: on an H100 the 440 calls of a
+round took 27 us each, 20% of its GPU time, and the merge another 4.6% (round 44 of
+docs/benchmarks.md). Here one program takes a tile of `BLOCK_M` queries of one row and one
+head through both key sets with one online softmax (the prompt's keys first, then the
+row's own), so a block's attention is one launch and needs no merge.
+
+`runs_on(device, dtype)` says whether this path can run: CUDA with 16-bit inputs, or
+Triton's interpreter on the CPU in float32 (`TRITON_INTERPRET=1` set before Triton is
+imported, which the tests use). It is asked when the kernel is chosen
+(`dit.attention_kernel_for`), not in the blocks, which run under torch.compile. Not yet
+measured on a GPU: `EngineConfig.flow_attention` "triton".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from .triton_support import build, interpreting
+
+BLOCK_M = 64  # queries per program
+BLOCK_N = 64  # keys per step of the online softmax
+
+
+@functools.cache
+def _triton() -> Any | None:
+    return build(_build)
+
+
+def _build(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr,
+                        length, own, width, rows, heads, scale,
+                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                        spk_c, spk_h, spk_w, spv_c, spv_h, spv_w, spb_c, sob_b, sob_t, so_b, so_t,
+                        DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
+        tile, row_head = tl.program_id(0), tl.program_id(1)
+        b, h = row_head // heads, row_head % heads
+        half = b // rows  # rows [0, rows) are the conditional CFG half
+        m = tile * BM + tl.arange(0, BM)
+        d = tl.arange(0, DH)
+        in_row = m < length
+        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + h * sq_h + m[:, None] * sq_t + d[None, :],
+                    mask=in_row[:, None], other=0.0)
+        best = tl.full((BM,), float("-inf"), tl.float32)
+        total = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, DH), tl.float32)
+        # Keys [0, width) are the prompt's (one bias for every query of the half), then the
+        # row's own (ring and window): a block reads each set where it lies in it (a
+        # masked load gives 0 elsewhere, so the two add up to the block's keys).
+        for start in range(0, width + own, BN):
+            n = start + tl.arange(0, BN)
+            pre = n < width
+            j = n - width
+            mine = (j >= 0) & (j < own)
+            kt = (tl.load(pk_ptr + half * spk_c + h * spk_h + n[:, None] * spk_w + d[None, :], mask=pre[:, None],
+                          other=0.0)
+                  + tl.load(k_ptr + b.to(tl.int64) * sk_b + h * sk_h + j[:, None] * sk_s + d[None, :],
+                            mask=mine[:, None], other=0.0))
+            vt = (tl.load(pv_ptr + half * spv_c + h * spv_h + n[:, None] * spv_w + d[None, :], mask=pre[:, None],
+                          other=0.0)
+                  + tl.load(v_ptr + b.to(tl.int64) * sv_b + h * sv_h + j[:, None] * sv_s + d[None, :],
+                            mask=mine[:, None], other=0.0))
+            shared = tl.load(pb_ptr + half * spb_c + n, mask=pre, other=0.0).to(tl.float32)
+            row = tl.load(ob_ptr + b.to(tl.int64) * sob_b + m[:, None] * sob_t + j[None, :],
+                          mask=in_row[:, None] & mine[None, :], other=0.0).to(tl.float32)
+            bias = tl.where(pre[None, :], shared[None, :], tl.where(mine[None, :], row, float("-inf")))
+            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale + bias
+            # The online softmax; a row with no key seen yet shifts by 0, not -inf (no NaN).
+            new_best = tl.maximum(best, tl.max(s, 1))
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+            p = tl.exp(s - shift[:, None])
+            fade = tl.exp(best - shift)
+            total = total * fade + tl.sum(p, 1)
+            acc = acc * fade[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+            best = new_best
+        acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * so_b + m[:, None] * so_t + h * DH + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=in_row[:, None])
+
+    return split_attention
+
+
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `split_prefix_attention` can run on inputs of `dtype` on `device`: CUDA in
+    bf16 or fp16, or the CPU in float32 under Triton's interpreter (tests), with Triton
+    importable."""
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16) and _triton() is not None
+    return device.type == "cpu" and interpreting() and dtype == torch.float32 and _triton() is not None
+
+
+def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           prefix_kv: tuple[torch.Tensor, torch.Tensor], prefix_bias: torch.Tensor,
+                           own_bias: torch.Tensor) -> torch.Tensor:
+    """What `dit.split_prefix_attention` computes, as one kernel: q [B, H, T, dh] (B = 2R,
+    rows [0, R) conditional), k, v [B, H, S, dh]; prefix_kv [2, H, W, dh] each; the
+    additive biases [2, 1, 1, W] over the prefix keys and [B, 1, T, S] over each row's own.
+    Returns [B, T, H x dh]."""
+    return torch.ops.cosyvoice.split_prefix_attention(q, k, v, prefix_kv[0], prefix_kv[1], prefix_bias, own_bias)
+
+
+@torch.library.custom_op("cosyvoice::split_prefix_attention", mutates_args=())
+def _split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+                            prefix_bias: torch.Tensor, own_bias: torch.Tensor) -> torch.Tensor:
+    # An operator of its own: the DiT's blocks run under torch.compile, which takes it as
+    # one opaque call (its shape from `_fake`) instead of tracing the launch.
+    kernel = _triton()
+    if kernel is None:
+        raise RuntimeError("Triton is not importable")
+    batch, heads, length, dh = q.shape
+    own, width = k.shape[2], pk.shape[2]
+    if dh & (dh - 1) or dh < 16:
+        raise ValueError(f"the kernel takes a power-of-two head size of at least 16, not {dh}")
+    # Strides as given, but each frame's dh values side by side (the projections' layout).
+    q, k, v, pk, pv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, pk, pv))
+    if prefix_bias.stride(-1) != 1 or own_bias.stride(-1) != 1:
+        prefix_bias, own_bias = prefix_bias.contiguous(), own_bias.contiguous()
+    out = torch.empty(batch, length, heads * dh, dtype=q.dtype, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
+    grid = (-(-length // BLOCK_M), batch * heads)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        kernel[grid](q, k, v, pk, pv, prefix_bias, own_bias, out,
+                     length, own, width, batch // 2, heads, dh ** -0.5,
+                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                     v.stride(0), v.stride(1), v.stride(2), pk.stride(0), pk.stride(1), pk.stride(2),
+                     pv.stride(0), pv.stride(1), pv.stride(2), prefix_bias.stride(0),
+                     own_bias.stride(0), own_bias.stride(2), out.stride(0), out.stride(1),
+                     DH=dh, BM=BLOCK_M, BN=BLOCK_N, PRECISION=precision)
+    return out
+
+
+@_split_prefix_attention.register_fake
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+          prefix_bias: torch.Tensor, own_bias: torch.Tensor) -> torch.Tensor:
+    batch, heads, length, dh = q.shape
+    return q.new_empty(batch, length, heads * dh)

@@ -1,0 +1,151 @@
+"""The Triton kernel for the DiT's split attention (`engine.models.split_attention_kernel`).
+
+Its arithmetic runs here under Triton's interpreter (`TRITON_INTERPRET=1`, on the CPU in
+float32, in a fresh interpreter process), through `run_interpreted` of the convolution
+kernel's tests, against the two attentions and their merge that `dit.split_prefix_attention`
+computes otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models import split_attention_kernel
+from engine.models.dit import attention_kernel_for
+from tests.test_causal_conv_kernel import run_interpreted
+
+
+def test_the_kernel_is_the_split_attention_and_its_merge() -> None:
+    """Rows, heads and frames below, at and across a tile (64) of queries and of keys, a
+    prompt shorter than a tile and one ending mid-tile, keys masked at random (the prompt's
+    first always seen, as the flow's blocks see it), queries strided as the projections
+    leave them; through `split_prefix_attention` with the kernel named in its masks, against
+    the same call with the torch formula."""
+    out = run_interpreted("""
+        import torch
+        from engine.models import split_attention_kernel as sak
+        from engine.models.dit import SplitMasks, split_prefix_attention
+        torch.manual_seed(0)
+        worst = 0.0
+        for rows, heads, length, width, own, dh in ((1, 2, 5, 3, 7, 16), (2, 3, 70, 90, 130, 32),
+                                                    (3, 2, 64, 64, 64, 16), (8, 1, 9, 150, 20, 16)):
+            batch = 2 * rows
+            q = torch.randn(batch, length, heads, dh).transpose(1, 2)
+            k, v = torch.randn(batch, heads, own, dh), torch.randn(batch, heads, own, dh)
+            pk, pv = torch.randn(2, heads, width, dh), torch.randn(2, heads, width, dh)
+            seen = torch.rand(2, 1, 1, width) > 0.2
+            seen[..., 0] = True
+            prefix = torch.zeros(2, 1, 1, width).masked_fill(~seen, float("-inf"))
+            mine = torch.zeros(batch, 1, length, own).masked_fill(torch.rand(batch, 1, length, own) > 0.7,
+                                                                   float("-inf"))
+            assert sak.runs_on(q.device, q.dtype)
+            want = split_prefix_attention(q, k, v, (pk, pv), SplitMasks(prefix, mine, "sdpa"))
+            got = split_prefix_attention(q, k, v, (pk, pv), SplitMasks(prefix, mine, "triton"))
+            assert got.shape == want.shape == (batch, length, heads * dh)
+            worst = max(worst, float((got - want).abs().max()))
+        print(worst)
+    """)
+    assert float(out.strip()) < 1e-5
+
+
+def test_without_the_interpreter_the_cpu_keeps_the_torch_path() -> None:
+    """Off the interpreter the CPU has no kernel, so "triton" is chosen as "cudnn" there
+    (whose bias goes through SDPA on the CPU)."""
+    cpu = torch.device("cpu")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert not split_attention_kernel.runs_on(cpu, torch.float32)
+        assert attention_kernel_for("triton", cpu, torch.float32, lambda d, t: True) == "cudnn"
+    assert not split_attention_kernel.runs_on(cpu, torch.float64)
+    assert not split_attention_kernel.runs_on(torch.device("cuda", 0), torch.float32)  # tf32 dots
+
+
+def test_triton_attention_is_cudnn_where_the_batch_is_not_split() -> None:
+    """The setting is accepted; its calls not split at the prompt take cuDNN's additive bias,
+    so a GPU where cuDNN does not run falls back to SDPA as "cudnn" does."""
+    assert EngineConfig(model_dir=Path("."), flow_attention="triton").flow_attention == "triton"
+    gpu = torch.device("cuda", 0)
+    if split_attention_kernel.runs_on(gpu, torch.bfloat16):  # Triton imports (on Linux it does)
+        assert attention_kernel_for("triton", gpu, torch.bfloat16, lambda d, t: True) == "triton"
+    assert attention_kernel_for("triton", gpu, torch.bfloat16, lambda d, t: False) == "sdpa"
+    assert attention_kernel_for("triton", gpu, torch.float32, lambda d, t: True) == "cudnn"
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT
+    from engine.token2wav import AudioStage
+
+    flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton")
+    dit = flow.decoder.estimator
+    assert dit.attention_kernel == ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else "cudnn")
+    dit.use_attention_kernel("triton")
+    bias = dit.block_masks(torch.tensor([[[[True, False], [True, True]]]]), None, torch.float32)
+    assert bias.tolist() == [[[[0.0, float("-inf")], [0.0, 0.0]]]]  # cuDNN's additive bias
+
+
+def test_the_accuracy_bench_checks_the_kernel_where_it_runs(tmp_path: Path) -> None:
+    """`bench.split_attention_check` takes the kernel in where it runs (here: the
+    interpreter) and finds it as close to float64 as the torch formula in float32."""
+    out = tmp_path / "split.json"
+    run_interpreted(f"""
+        from bench import split_attention_check
+        split_attention_check.main(["--device", "cpu", "--shapes", "2:60:10:20", "--json", {str(out)!r}])
+    """)
+    results = json.loads(out.read_text())["results"]
+    assert [r["kernel"] for r in results] == ["sdpa", "cudnn", "triton"]
+    assert results[2]["lse_max_abs_err"] is None and results[2]["max_abs_err"] < 1e-5
+
+
+def test_the_kernel_is_one_operator_to_torch_compile() -> None:
+    """The DiT's blocks run under torch.compile (dynamic shapes): the kernel goes through it
+    as one operator (`cosyvoice::split_prefix_attention`, its shape from its fake), with no
+    graph break, and gives what it gives uncompiled."""
+    out = run_interpreted("""
+        import torch
+        from engine.models.dit import SplitMasks, split_prefix_attention
+        torch.manual_seed(0)
+        batch, heads, length, width, own, dh = 4, 2, 10, 12, 14, 16
+        args = (torch.randn(batch, length, heads, dh).transpose(1, 2), torch.randn(batch, heads, own, dh),
+                torch.randn(batch, heads, own, dh), torch.randn(2, heads, width, dh), torch.randn(2, heads, width, dh),
+                torch.zeros(2, 1, 1, width), torch.zeros(batch, 1, length, own))
+
+        def f(q, k, v, pk, pv, prefix, mine):
+            return split_prefix_attention(q, k, v, (pk, pv), SplitMasks(prefix, mine, "triton")) * 2
+
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+        print(float((compiled(*args) - f(*args)).abs().max()))
+    """)
+    assert float(out.strip().splitlines()[-1]) == 0.0
+
+
+def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel() -> None:
+    """The tiny flow's decode of a one-voice batch from the prompt cache, its attention split
+    at the prompt in every block: with the kernel the mel frames are those of the torch
+    formula (float32, to rounding)."""
+    out = run_interpreted("""
+        import torch
+        from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
+        from engine.models.config import ModelConfig
+        from engine.models.flow import CausalMaskedDiffWithDiT
+        from engine.models.flow import init_random_
+        from tests.test_flow_prompt_cache import chunk, make_voice
+        torch.set_num_threads(1)
+        model = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=4321).eval()
+        a = make_voice(60, 1)
+        chunks = [chunk(a, 0, 10, False), chunk(a, 0, 12, True)]
+        entries = PromptCache().entries_for(model, chunks)
+        dit = model.decoder.estimator
+        dit.split_prefix_rows = 1
+        mels, calls = {}, []
+        kernel_op = torch.ops.cosyvoice.split_prefix_attention
+        torch.ops.cosyvoice.split_prefix_attention = lambda *args: calls.append(1) or kernel_op(*args)
+        for kernel in ("cudnn", "triton"):
+            dit.use_attention_kernel(kernel)
+            mels[kernel], _ = decode_with_prompt_cache(model, chunks, entries)
+        print(len(calls))
+        print(max(float((a - b).abs().max()) for a, b in zip(mels["cudnn"], mels["triton"])))
+    """)
+    calls, worst = out.strip().splitlines()[-2:]
+    assert int(calls) > 0 and float(worst) < 1e-4  # the kernel ran, in every block and step
