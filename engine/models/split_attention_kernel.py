@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any
 
 import torch
 
 from .triton_support import build, interpreting
+
+log = logging.getLogger(__name__)
 
 BLOCK_M = 64  # queries per program
 BLOCK_N = 64  # keys per step of the online softmax
@@ -37,7 +40,10 @@ def _triton() -> Any | None:
 
 
 def _build(triton: Any, tl: Any) -> Any:
-    @triton.jit
+    # Sizes and row strides not specialised: Triton would compile a variant for each
+    # combination of them being 1 or a multiple of 16, and a shape outside the captured
+    # graphs would wait for a compile (about a second) on a live request.
+    @triton.jit(do_not_specialize=["length", "own", "width", "rows", "sob_b", "sob_t"])
     def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr,
                         length, own, width, rows, heads, scale,
                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
@@ -92,11 +98,42 @@ def _build(triton: Any, tl: Any) -> Any:
 
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `split_prefix_attention` can run on inputs of `dtype` on `device`: CUDA in
-    bf16 or fp16, or the CPU in float32 under Triton's interpreter (tests), with Triton
-    importable."""
+    bf16 or fp16 where a trial call compiles, runs and agrees with the torch formula
+    (`_trial`: a kernel that fails inside the stage's compiled blocks has no fallback), or
+    the CPU in float32 under Triton's interpreter (tests), with Triton importable."""
+    if _triton() is None:
+        return False
     if device.type == "cuda":
-        return dtype in (torch.bfloat16, torch.float16) and _triton() is not None
-    return device.type == "cpu" and interpreting() and dtype == torch.float32 and _triton() is not None
+        return dtype in (torch.bfloat16, torch.float16) and _trial(device, dtype)
+    return device.type == "cpu" and interpreting() and dtype == torch.float32
+
+
+@functools.cache
+def _trial(device: torch.device, dtype: torch.dtype) -> bool:
+    """One call at the DiT's kind of shape (16 heads of 64, a prompt and own keys each
+    across a block of keys, two rows), against the attention over the concatenated keys
+    in float32."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        batch, heads, length, width, own, dh = 4, 16, 70, 90, 100, 64
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(device, dtype)
+
+        q, k, v, pk, pv = rand(batch, heads, length, dh), rand(batch, heads, own, dh), rand(batch, heads, own, dh), \
+            rand(2, heads, width, dh), rand(2, heads, width, dh)
+        zeros = torch.zeros
+        got = split_prefix_attention(q, k, v, (pk, pv), zeros(2, 1, 1, width, device=device, dtype=dtype),
+                                     zeros(batch, 1, length, own, device=device, dtype=dtype))
+        keys = torch.cat((pk.repeat_interleave(batch // 2, dim=0), k), dim=2).float()
+        values = torch.cat((pv.repeat_interleave(batch // 2, dim=0), v), dim=2).float()
+        want = torch.softmax(q.float() @ keys.transpose(-1, -2) * dh ** -0.5, dim=-1) @ values
+        want = want.transpose(1, 2).reshape(batch, length, heads * dh)
+        return bool((got.float() - want).abs().max() < 0.05)
+    except Exception:  # any failure of the trial: the stage takes cuDNN's two calls instead
+        log.warning("the split attention kernel does not run on %s (%s); the DiT uses cuDNN's", device, dtype,
+                    exc_info=True)
+        return False
 
 
 def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,6 +158,16 @@ def _split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     own, width = k.shape[2], pk.shape[2]
     if dh & (dh - 1) or dh < 16:
         raise ValueError(f"the kernel takes a power-of-two head size of at least 16, not {dh}")
+    # Checked here, where a wrong shape would otherwise read out of bounds on the GPU (the
+    # operator is opaque to torch.compile: the checks cost nothing in the compiled blocks).
+    if batch % 2 or k.shape != v.shape or k.shape != (batch, heads, own, dh) \
+            or pk.shape != pv.shape or pk.shape != (2, heads, width, dh) \
+            or prefix_bias.shape != (2, 1, 1, width) or own_bias.shape != (batch, 1, length, own):
+        raise ValueError(f"shapes do not fit a split attention: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, prefix {tuple(pk.shape)} and {tuple(pv.shape)}, biases "
+                         f"{tuple(prefix_bias.shape)} and {tuple(own_bias.shape)}")
+    if len({t.dtype for t in (q, k, v, pk, pv)}) > 1 or len({t.device for t in (q, k, v, pk, pv)}) > 1:
+        raise ValueError("q, k, v and the prefix keys and values must share one dtype and one device")
     # Strides as given, but each frame's dh values side by side (the projections' layout).
     q, k, v, pk, pv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, pk, pv))
     if prefix_bias.stride(-1) != 1 or own_bias.stride(-1) != 1:
