@@ -8,7 +8,8 @@ merge of the two by their log-sum-exps. At the rounds the stage runs under a ste
 round took 27 us each, 20% of its GPU time, and the merge another 4.6% (round 44 of
 docs/benchmarks.md). Here one program takes a tile of `BLOCK_M` queries of one row and one
 head through both key sets with one online softmax (the prompt's keys first, then the
-row's own), so a block's attention is one launch and needs no merge.
+row's own), so a block's attention is one launch and needs no merge. The Triton code is
+`split_attention_triton`.
 
 `runs_on(device, dtype)` says whether this path can run: CUDA with 16-bit inputs, or
 Triton's interpreter on the CPU in float32 (`TRITON_INTERPRET=1` set before Triton is
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .triton_support import build, interpreting
+from .triton_support import interpreting
 
 log = logging.getLogger(__name__)
 
@@ -36,64 +37,12 @@ BLOCK_N = 64  # keys per step of the online softmax
 
 @functools.cache
 def _triton() -> Any | None:
-    return build(_build)
-
-
-def _build(triton: Any, tl: Any) -> Any:
-    # Sizes and row strides not specialised: Triton would compile a variant for each
-    # combination of them being 1 or a multiple of 16, and a shape outside the captured
-    # graphs would wait for a compile (about a second) on a live request.
-    @triton.jit(do_not_specialize=["length", "own", "width", "rows", "sob_b", "sob_t"])
-    def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr,
-                        length, own, width, rows, heads, scale,
-                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                        spk_c, spk_h, spk_w, spv_c, spv_h, spv_w, spb_c, sob_b, sob_t, so_b, so_t,
-                        DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
-        tile, row_head = tl.program_id(0), tl.program_id(1)
-        b, h = row_head // heads, row_head % heads
-        half = b // rows  # rows [0, rows) are the conditional CFG half
-        m = tile * BM + tl.arange(0, BM)
-        d = tl.arange(0, DH)
-        in_row = m < length
-        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + h * sq_h + m[:, None] * sq_t + d[None, :],
-                    mask=in_row[:, None], other=0.0)
-        best = tl.full((BM,), float("-inf"), tl.float32)
-        total = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, DH), tl.float32)
-        # Keys [0, width) are the prompt's (one bias for every query of the half), then the
-        # row's own (ring and window): a block reads each set where it lies in it (a
-        # masked load gives 0 elsewhere, so the two add up to the block's keys).
-        for start in range(0, width + own, BN):
-            n = start + tl.arange(0, BN)
-            pre = n < width
-            j = n - width
-            mine = (j >= 0) & (j < own)
-            kt = (tl.load(pk_ptr + half * spk_c + h * spk_h + n[:, None] * spk_w + d[None, :], mask=pre[:, None],
-                          other=0.0)
-                  + tl.load(k_ptr + b.to(tl.int64) * sk_b + h * sk_h + j[:, None] * sk_s + d[None, :],
-                            mask=mine[:, None], other=0.0))
-            vt = (tl.load(pv_ptr + half * spv_c + h * spv_h + n[:, None] * spv_w + d[None, :], mask=pre[:, None],
-                          other=0.0)
-                  + tl.load(v_ptr + b.to(tl.int64) * sv_b + h * sv_h + j[:, None] * sv_s + d[None, :],
-                            mask=mine[:, None], other=0.0))
-            shared = tl.load(pb_ptr + half * spb_c + n, mask=pre, other=0.0).to(tl.float32)
-            row = tl.load(ob_ptr + b.to(tl.int64) * sob_b + m[:, None] * sob_t + j[None, :],
-                          mask=in_row[:, None] & mine[None, :], other=0.0).to(tl.float32)
-            bias = tl.where(pre[None, :], shared[None, :], tl.where(mine[None, :], row, float("-inf")))
-            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale + bias
-            # The online softmax; a row with no key seen yet shifts by 0, not -inf (no NaN).
-            new_best = tl.maximum(best, tl.max(s, 1))
-            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
-            p = tl.exp(s - shift[:, None])
-            fade = tl.exp(best - shift)
-            total = total * fade + tl.sum(p, 1)
-            acc = acc * fade[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-            best = new_best
-        acc = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * so_b + m[:, None] * so_t + h * DH + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=in_row[:, None])
-
-    return split_attention
+    """The jitted kernel (`split_attention_triton`), None where Triton does not import."""
+    try:
+        from . import split_attention_triton
+    except ImportError:
+        return None
+    return split_attention_triton.split_attention
 
 
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
