@@ -26,7 +26,8 @@ def test_the_kernel_is_the_split_attention_and_its_merge() -> None:
     projection and the prompt's keys a slice of a wider cache; one case sees no key in its
     first block of prompt keys (the online softmax's guard against -inf); through
     `split_prefix_attention` with the kernel named in its masks, against the same call
-    with the torch formula. And the trial the stage makes before it takes the kernel."""
+    with the torch formula, with the shipped launch settings and two others. And the trial
+    the stage makes before it takes the kernel."""
     out = run_interpreted("""
         import torch
         from engine.models import split_attention_kernel as sak
@@ -52,6 +53,11 @@ def test_the_kernel_is_the_split_attention_and_its_merge() -> None:
             got = split_prefix_attention(q, k, v, (pk, pv), masks._replace(kernel="triton"))
             assert got.shape == want.shape == (batch, length, heads * dh) and bool(got.isfinite().all())
             worst = max(worst, float((got - want).abs().max()))
+            # Other launch settings (`bench.split_attention_tune`'s): tiles of queries and
+            # steps of keys smaller and larger than the shipped ones give the same attention.
+            for config in (sak.LaunchConfig(16, 32, 4, 2), sak.LaunchConfig(128, 16, 8, 3)):
+                other = sak.launch(q, k, v, pk, pv, masks.prefix, masks.own, config)
+                worst = max(worst, float((other - want).abs().max()))
         print(sak._trial(torch.device("cpu"), torch.float32))
         print(worst)
     """)
@@ -159,3 +165,15 @@ def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel() -> None:
     """)
     calls, worst = out.strip().splitlines()[-2:]
     assert int(calls) > 0 and float(worst) < 1e-4  # the kernel ran, in every block and step
+
+
+def test_the_launch_sweep_holds_the_shipped_setting() -> None:
+    """`bench.split_attention_tune` times the shipped launch setting among the others (its
+    table's baseline), and says so, without a traceback, where there is no GPU."""
+    from bench import split_attention_tune as tune
+
+    assert split_attention_kernel.LAUNCH in tune.sweep(quick=False)
+    assert tune.sweep(quick=True)[0] == split_attention_kernel.LAUNCH
+    assert len(set(tune.sweep(quick=False))) == len(tune.sweep(quick=False)) == 22
+    if not torch.cuda.is_available():
+        assert tune.main([]) == 2

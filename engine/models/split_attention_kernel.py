@@ -6,16 +6,17 @@ every CFG half's queries over its prompt keys, each row's queries over its own k
 merge of the two by their log-sum-exps. At the rounds the stage runs under a steady load
 (~5 chunks, padded to 8 rows) each call is launch-sized: on an H100 the 440 calls of a
 round took 27 us each, 20% of its GPU time, and the merge another 4.6% (round 44 of
-docs/benchmarks.md). Here one program takes a tile of `BLOCK_M` queries of one row and one
-head through both key sets with one online softmax (the prompt's keys first, then the
-row's own), so a block's attention is one launch and needs no merge. The Triton code is
-`split_attention_triton`.
+docs/benchmarks.md). Here one program takes a tile of `LaunchConfig.block_m` queries of
+one row and one head through both key sets with one online softmax (the prompt's keys
+first, then the row's own), so a block's attention is one launch and needs no merge. The
+Triton code is `split_attention_triton`.
 
 `runs_on(device, dtype)` says whether this path can run: CUDA with 16-bit inputs, or
 Triton's interpreter on the CPU in float32 (`TRITON_INTERPRET=1` set before Triton is
 imported, which the tests use). It is asked when the kernel is chosen
-(`dit.attention_kernel_for`), not in the blocks, which run under torch.compile. Not yet
-measured on a GPU: `EngineConfig.flow_attention` "triton".
+(`dit.attention_kernel_for`), not in the blocks, which run under torch.compile. The
+stage's default (`EngineConfig.flow_attention` "triton") since round 45, where on an H100
+the stage's rounds of 5-8 chunks took 5% less time with it than with cuDNN's two calls.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +33,25 @@ from .triton_support import interpreting
 
 log = logging.getLogger(__name__)
 
-BLOCK_M = 64  # queries per program
-BLOCK_N = 64  # keys per step of the online softmax
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the kernel is launched: `block_m` queries per program, `block_n` keys per step of
+    the online softmax (powers of two, at least 16), and Triton's `num_warps` and
+    `num_stages` (the loads kept in flight ahead of the step that uses them)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# On an H100 (`bench.split_attention_tune`, round 45 of docs/benchmarks.md) these were the
+# best of 22 settings at the stage's steady shapes (8 rows, 200 prompt keys, 60 ring slots,
+# 200 or 300 frames: 54 and 80 us a call). 32-key steps won only at 100 frames, with the
+# bias's strides specialised (19.5 against 24.8 us), and lost 8% at 300.
+LAUNCH = LaunchConfig()
 
 
 @functools.cache
@@ -100,7 +119,14 @@ def _split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
                             prefix_bias: torch.Tensor, own_bias: torch.Tensor) -> torch.Tensor:
     # An operator of its own: the DiT's blocks run under torch.compile, which takes it as
     # one opaque call (its shape from `_fake`) instead of tracing the launch.
-    kernel = _triton()
+    return launch(q, k, v, pk, pv, prefix_bias, own_bias, LAUNCH)
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+           prefix_bias: torch.Tensor, own_bias: torch.Tensor, config: LaunchConfig, kernel: Any = None) -> torch.Tensor:
+    """The operator's body with `config` (and `kernel`, a jitted variant of the kernel:
+    `bench.split_attention_tune` compares launch settings with it)."""
+    kernel = kernel if kernel is not None else _triton()
     if kernel is None:
         raise RuntimeError("Triton is not importable")
     batch, heads, length, dh = q.shape
@@ -123,7 +149,7 @@ def _split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
         prefix_bias, own_bias = prefix_bias.contiguous(), own_bias.contiguous()
     out = torch.empty(batch, length, heads * dh, dtype=q.dtype, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
-    grid = (-(-length // BLOCK_M), batch * heads)
+    grid = (-(-length // config.block_m), batch * heads)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel[grid](q, k, v, pk, pv, prefix_bias, own_bias, out,
                      length, own, width, batch // 2, heads, dh ** -0.5,
@@ -131,7 +157,8 @@ def _split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
                      v.stride(0), v.stride(1), v.stride(2), pk.stride(0), pk.stride(1), pk.stride(2),
                      pv.stride(0), pv.stride(1), pv.stride(2), prefix_bias.stride(0),
                      own_bias.stride(0), own_bias.stride(2), out.stride(0), out.stride(1),
-                     DH=dh, BM=BLOCK_M, BN=BLOCK_N, PRECISION=precision)
+                     DH=dh, BM=config.block_m, BN=config.block_n, PRECISION=precision,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

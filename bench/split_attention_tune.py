@@ -1,0 +1,119 @@
+"""How fast the split attention kernel runs at the stage's shapes under each launch setting.
+
+    python -m bench.split_attention_tune --json out.json
+
+`engine.models.split_attention_kernel` runs one-voice batches' attention (prompt keys, then
+each row's own, one online softmax) with `LAUNCH`. On an H100 (round 45 of
+docs/benchmarks.md) the stage's rounds spent about as long in it as in cuDNN's two calls
+and their merge (51 us a call at 8 rows), a few percent of what the GPU's matrix units
+could do at these shapes. This times, per shape (`rows:prefix:ring:frames`, as in
+`bench.split_attention_check`):
+
+* `cudnn`: `dit.split_prefix_attention` with cuDNN's two calls and the merge, eager (the
+  stage's compiled blocks fuse the merge and the reshapes around it: compare kernels there,
+  `bench.stage_syncs`, and launch settings here);
+* each `LaunchConfig` of the sweep (block sizes, warps, stages), with the shipped kernel and
+  with a variant that specialises the own bias's strides (`specialised`: Triton then knows
+  their alignment when it plans the bias's loads; the shipped kernel does not, so that a
+  new row length never waits for a compile);
+
+in microseconds a call, from CUDA graphs of 20 calls (`triton.testing.do_bench_cudagraph`:
+no launch overhead, as in the stage's graphs), with each output's largest difference from
+cuDNN's. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench.split_attention_check import inputs
+from engine.models import split_attention_kernel as sak
+from engine.models.dit import split_prefix_attention, split_prefix_masks
+
+
+def sweep(quick: bool) -> list[sak.LaunchConfig]:
+    if quick:
+        return [sak.LAUNCH, sak.LaunchConfig(128, 64, 8, 3)]
+    configs = [sak.LaunchConfig(m, n, w, s) for m, n, w, s in
+               itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    # A 128-query tile across 4 warps holds a 128 x 128 float32 score block in registers: spills.
+    return [c for c in configs if not (c.block_m == 128 and c.block_n == 128 and c.num_warps == 4)]
+
+
+def timed(fn: Callable[[], torch.Tensor]) -> float:
+    from triton.testing import do_bench_cudagraph
+    return float(do_bench_cudagraph(fn, rep=50)) * 1e3  # ms -> us
+
+
+def tune(shape: str, device: torch.device, configs: list[sak.LaunchConfig], kernels: dict[str, Any]) -> list[dict[str, Any]]:
+    rows, prefix, ring, frames = map(int, shape.split(":"))
+    x = {k: v.to(device, torch.bfloat16 if v.is_floating_point() else v.dtype)
+         for k, v in inputs(rows, prefix, ring, frames).items()}
+    q, k, v, pk, pv = x["q"], x["k"], x["v"], x["pk"], x["pv"]
+    cudnn_masks = split_prefix_masks(x["mask"], prefix, torch.bfloat16, "cudnn")
+    masks = split_prefix_masks(x["mask"], prefix, torch.bfloat16, "triton")
+    reference = split_prefix_attention(q, k, v, (pk, pv), cudnn_masks).float()
+    real = x["pad"].to(device)
+    base = {"rows": rows, "prefix": prefix, "ring": ring, "frames": frames}
+    results = [{**base, "kernel": "cudnn", "us": timed(lambda: split_prefix_attention(q, k, v, (pk, pv), cudnn_masks)),
+                "max_diff": 0.0}]
+    print(f"{shape:>16} cudnn{'':33s} {results[0]['us']:7.1f} us", flush=True)
+    for config in configs:
+        for name, kernel in kernels.items():
+            def call() -> torch.Tensor:
+                return sak.launch(q, k, v, pk, pv, masks.prefix, masks.own, config, kernel)
+            try:
+                diff = float((call().float() - reference)[real].abs().max())
+                us = timed(call)
+            except Exception as e:  # a setting that does not compile (shared memory, registers)
+                print(f"{shape:>16} {config} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            row = {**base, "kernel": name, "config": vars(config), "us": us, "max_diff": diff,
+                   "default": config == sak.LAUNCH and name == "shipped"}
+            results.append(row)
+            print(f"{shape:>16} {name:13s} m{config.block_m:<4d} n{config.block_n:<4d} w{config.num_warps} "
+                  f"s{config.num_stages} {us:7.1f} us  diff {diff:.2e}{'  (default)' if row['default'] else ''}",
+                  flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8:200:60:100,8:200:60:200,8:200:60:300,16:200:60:200",
+                   help="rows:prefix:ring:frames, comma-separated")
+    p.add_argument("--quick", action="store_true", help="two settings only")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("CUDA only", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    shipped = sak._triton()
+    if shipped is None:
+        print("Triton is not importable", file=sys.stderr)
+        return 2
+    import triton
+    specialised = triton.jit(shipped.fn, do_not_specialize=["length", "own", "width", "rows"])
+    kernels = {"shipped": shipped, "specialised": specialised}
+    results: list[dict[str, Any]] = []
+    for shape in args.shapes.split(","):
+        rows = tune(shape, device, sweep(args.quick), kernels)
+        results += rows
+        best = min((r for r in rows if r["kernel"] != "cudnn"), key=lambda r: r["us"], default=None)
+        if best is not None:
+            print(f"{shape:>16} best: {best['kernel']} {best['config']} {best['us']:.1f} us "
+                  f"(cudnn {rows[0]['us']:.1f}, {rows[0]['us'] / best['us']:.2f}x)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
