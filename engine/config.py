@@ -185,11 +185,13 @@ class EngineConfig:
     # (round 38 of docs/benchmarks.md) rounds of 16 and 64 chunks took 11-12% longer with
     # it, as accurate as cuDNN's against float64; smaller rounds run cuDNN either way. A
     # GPU where cuDNN's kernel does not run gets "sdpa" (`dit.attention_kernel_for`).
-    # "triton": "cudnn", but a split batch's two attentions and their merge are one kernel
-    # (`engine.models.split_attention_kernel`): at ~5-chunk rounds, padded to 8 rows and
-    # split, the two calls were 20% of the stage's GPU time and the merge 4.6% on an H100
-    # (round 44). Not yet measured.
-    flow_attention: FlowAttention = "cudnn"
+    # "triton" (the default): "cudnn", but a split batch's two attentions and their merge
+    # are one kernel (`engine.models.split_attention_kernel`). On an H100 (round 45) the
+    # stage alone took 5% less time a round of 5-8 chunks and 2% at 16, as close to float64
+    # as cuDNN's; 192-200 sessions arriving over 16 s had first audio p95 525-642 ms (four
+    # runs at 192, median 560) against 638-710 (median 662), and 597-604 against 685-734 at
+    # 200. Where it cannot run (no Triton; a trial call at start fails) it is "cudnn".
+    flow_attention: FlowAttention = "triton"
     # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
     # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major
     # activations, CUDA with Triton; elsewhere as "torch") or "torch" (a batched product

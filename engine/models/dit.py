@@ -202,8 +202,9 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
 # at the engine's shapes (round 14 of docs/benchmarks.md, `bench.attention_backends`); in
 # the stage, where compiled SDPA picks cuDNN by itself except for the split attention's
 # log-sum-exps, rounds of 16-64 chunks took 11-12% less time with it (round 38, an H100).
-# The stage's default since then. "triton": as "cudnn", but a batch split at its prompt
-# attends to both key sets in one kernel (`split_attention_kernel`; not yet measured).
+# "triton", the stage's default since round 45: as "cudnn", but a batch split at its prompt
+# attends to both key sets in one kernel (`split_attention_kernel`; rounds of 5-8 chunks
+# took 5% less time on an H100).
 ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn", "triton")
 _BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
 
