@@ -186,12 +186,20 @@ class EngineConfig:
     # it, as accurate as cuDNN's against float64; smaller rounds run cuDNN either way. A
     # GPU where cuDNN's kernel does not run gets "sdpa" (`dit.attention_kernel_for`).
     # "triton" (the default): "cudnn", but a split batch's two attentions and their merge
-    # are one kernel (`engine.models.split_attention_kernel`). On an H100 (round 45) the
-    # stage alone took 5% less time a round of 5-8 chunks and 2% at 16, as close to float64
+    # are one kernel (`engine.models.split_attention_kernel`). On H100s (round 45) the stage
+    # alone took 3.5-5% less time a round of 5-8 chunks and 1-2% at 16, as close to float64
     # as cuDNN's; 192-200 sessions arriving over 16 s had first audio p95 525-642 ms (four
     # runs at 192, median 560) against 638-710 (median 662), and 597-604 against 685-734 at
     # 200. Where it cannot run (no Triton; a trial call at start fails) it is "cudnn".
     flow_attention: FlowAttention = "triton"
+    # With "triton": the split kernel also applies the rotary embedding to q and the row's
+    # own keys as it reads them from the projection (`SplitMasks.rotary`; where no ring of
+    # context keys comes before them and no keys are kept), instead of a rotated copy of
+    # both. That copy (with the q/k/v split it is fused with) was 7.2% of a ~5-chunk round's
+    # GPU time with the kernel on an H100 (round 45: 4.07 ms of 56.7). Off: not yet measured
+    # on a GPU. Where the kernel's trial with it fails, the stage logs a warning and rotates
+    # as before.
+    flow_attention_rotary: bool = False
     # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
     # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major
     # activations, CUDA with Triton; elsewhere as "torch") or "torch" (a batched product

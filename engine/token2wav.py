@@ -51,6 +51,7 @@ from .flow_graphs import FlowGraphRunner, GraphPolicy
 from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache, prefix_width, prompt_frames,
                                 shared_entry, supports_prompt_cache)
 from .mel_stretch import MelStretch
+from .models import split_attention_kernel
 from .models.dit import DiT, attention_kernel_for
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator, use_snake_kernel
@@ -524,7 +525,8 @@ class AudioStage:
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
-                 flow_attention: str = "triton", flow_conv_kernel: str = "triton", flow_split_prefix_rows: int = 8,
+                 flow_attention: str = "triton", flow_attention_rotary: bool = False, flow_conv_kernel: str = "triton",
+                 flow_split_prefix_rows: int = 8,
                  vocoder_snake_kernel: str = "triton",
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
@@ -562,7 +564,10 @@ class AudioStage:
         self._context_warmed = False
         if isinstance(estimator, DiT):
             # Before it compiles: its graphs keep the kernel.
-            estimator.use_attention_kernel(attention_kernel_for(flow_attention, torch.device(device), self.flow_dtype))
+            kernel = attention_kernel_for(flow_attention, torch.device(device), self.flow_dtype)
+            rotary = flow_attention_rotary and kernel == "triton" and \
+                split_attention_kernel.runs_on(torch.device(device), self.flow_dtype, rotary=True)
+            estimator.use_attention_kernel(kernel, rotary=rotary)
             estimator.use_conv_kernel(flow_conv_kernel)
             estimator.split_prefix_rows = flow_split_prefix_rows
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,

@@ -90,6 +90,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_dtype=e.flow_dtype,  # type: ignore[arg-type]
         flow_compile=e.flow_compile,
         flow_attention=e.flow_attention,  # type: ignore[arg-type]
+        flow_attention_rotary=e.flow_attention_rotary,
         flow_conv_kernel=e.flow_conv_kernel,  # type: ignore[arg-type]
         vocoder_snake_kernel=e.vocoder_snake_kernel,  # type: ignore[arg-type]
         flow_split_prefix_rows=e.flow_split_prefix_rows,

@@ -115,10 +115,15 @@ class EngineSettings:
     flow_attention: str = field(
         default="triton",
         metadata=_help("the CosyVoice3 DiT's attention kernel: triton (cudnn, but a batch split at its prompt "
-                       "attends in one Triton kernel: 5% less stage time a round of 5-8 chunks on an H100; "
+                       "attends in one Triton kernel: 3.5-5% less stage time a round of 5-8 chunks on H100s; "
                        "cudnn where it cannot run), cudnn (cuDNN's fused attention on CUDA) or sdpa (PyTorch's "
                        "pick; the memory-efficient kernel for batches split at their prompt, 11-12% slower "
                        "there on the stage alone)"),
+    )
+    flow_attention_rotary: bool = field(
+        default=False,
+        metadata=_help("with --engine.flow-attention triton, the split kernel also applies the rotary embedding "
+                       "to q and k as it reads them, sparing a rotated copy of both (not yet measured on a GPU)"),
     )
     flow_conv_kernel: str = field(
         default="triton",

@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.config import EngineConfig
@@ -115,8 +116,9 @@ def test_the_accuracy_bench_checks_the_kernel_where_it_runs(tmp_path: Path) -> N
 
 def test_the_kernel_is_one_operator_to_torch_compile() -> None:
     """The DiT's blocks run under torch.compile (dynamic shapes): the kernel goes through it
-    as one operator (`cosyvoice::split_prefix_attention`, its shape from its fake), with no
-    graph break, and gives what it gives uncompiled."""
+    as one operator (`cosyvoice::split_prefix_attention`, and `..._rotary` with the rotary
+    embedding, their shapes from their fakes), with no graph break, and gives what it gives
+    uncompiled."""
     out = run_interpreted("""
         import torch
         from engine.models.dit import SplitMasks, split_prefix_attention
@@ -131,8 +133,18 @@ def test_the_kernel_is_one_operator_to_torch_compile() -> None:
 
         compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
         print(float((compiled(*args) - f(*args)).abs().max()))
+        q = torch.randn(batch, own, heads * dh)  # the rotary operator: own keys at the queries' frames
+        rope = (torch.rand(batch, own, dh), torch.rand(batch, own, dh))
+        rotary_args = (q.view(batch, own, heads, dh).transpose(1, 2), *args[1:5], args[5],
+                       torch.zeros(batch, 1, own, own), *rope)
+
+        def g(q, k, v, pk, pv, prefix, mine, cos, sin):
+            return split_prefix_attention(q, k, v, (pk, pv), SplitMasks(prefix, mine, "triton", True), (cos, sin)) * 2
+
+        compiled = torch.compile(g, backend="aot_eager", fullgraph=True, dynamic=True)
+        print(float((compiled(*rotary_args) - g(*rotary_args)).abs().max()))
     """)
-    assert float(out.strip().splitlines()[-1]) == 0.0
+    assert [float(x) for x in out.strip().splitlines()[-2:]] == [0.0, 0.0]
 
 
 def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel() -> None:
@@ -177,3 +189,137 @@ def test_the_launch_sweep_holds_the_shipped_setting() -> None:
     assert len(set(tune.sweep(quick=False))) == len(tune.sweep(quick=False)) == 22
     if not torch.cuda.is_available():
         assert tune.main([]) == 2
+
+
+def test_the_kernel_applies_the_rotary_embedding_as_the_dit_does() -> None:
+    """With `rope` the kernel takes q and the own keys straight from the projection (strided
+    views) and rotates head 0 of both at each row's positions: the same attention as
+    `dit.apply_rotary` on the projection and the kernel without it, under the shipped launch
+    settings and others; heads past 0 untouched. And the trial with the rotary embedding."""
+    out = run_interpreted("""
+        import torch
+        from engine.models import split_attention_kernel as sak
+        from engine.models.dit import RotaryEmbedding, SplitMasks, apply_rotary, attention_bias, split_prefix_attention
+        torch.manual_seed(0)
+        worst, moved = 0.0, 0.0
+        for rows, heads, length, width, dh in ((1, 2, 5, 3, 16), (2, 3, 70, 90, 32), (3, 2, 64, 64, 16)):
+            batch = 2 * rows
+            qkv = torch.randn(batch, length, 3 * heads * dh)
+            q, k, v = qkv.split(heads * dh, dim=-1)  # as the projection leaves them: [B, T, H x dh] views
+            positions = torch.randint(0, 400, (batch,))[:, None] + torch.arange(length)
+            angles = RotaryEmbedding(dh).at(positions)
+            rope = (angles.cos(), angles.sin())
+            pk, pv = torch.randn(2, heads, width, dh), torch.randn(2, heads, width, dh)
+            seen = torch.rand(2, 1, 1, width) > 0.2
+            mine = torch.rand(batch, 1, length, length) > 0.3
+            masks = SplitMasks(attention_bias(seen, torch.float32), attention_bias(mine, torch.float32), "triton")
+            heads_of = lambda t: t.view(batch, length, heads, dh).transpose(1, 2)
+            want = split_prefix_attention(heads_of(apply_rotary(q, *rope)), heads_of(apply_rotary(k, *rope)),
+                                          heads_of(v), (pk, pv), masks)
+            for config in (sak.LAUNCH, sak.LaunchConfig(16, 32, 4, 2)):
+                got = sak.launch(heads_of(q), heads_of(k), heads_of(v), pk, pv, masks.prefix, masks.own, config,
+                                 rope=rope)
+                worst = max(worst, float((got - want).abs().max()))
+            got = split_prefix_attention(heads_of(q), heads_of(k), heads_of(v), (pk, pv), masks, rope)
+            worst = max(worst, float((got - want).abs().max()))
+            unrotated = split_prefix_attention(heads_of(q), heads_of(k), heads_of(v), (pk, pv), masks)
+            moved = max(moved, float((unrotated - want)[..., :dh].abs().max()))
+            assert torch.equal(unrotated[..., dh:], want[..., dh:]) or heads == 1  # only head 0 is rotated
+        print(sak._trial(torch.device("cpu"), torch.float32, True))
+        print(worst, moved)
+    """)
+    trial, numbers = out.strip().splitlines()[-2:]
+    worst, moved = map(float, numbers.split())
+    assert trial == "True" and worst < 1e-5 and moved > 1e-2  # the rotation changes head 0's attention
+
+
+def test_the_rotary_embedding_in_the_kernel_is_checked() -> None:
+    """Only the triton kernel rotates (masks, the DiT's setting), its own keys must be the
+    queries' frames, and cos and sin float32 [B, T, dh]: a clear error, not a wrong read."""
+    from engine.models.config import ModelConfig
+    from engine.models.dit import split_prefix_masks
+    from engine.models.flow import CausalMaskedDiffWithDiT
+
+    mask = torch.ones(4, 1, 3, 10, dtype=torch.bool)
+    assert split_prefix_masks(mask, 5, torch.float32, "triton", True).rotary
+    with pytest.raises(ValueError, match="only the triton kernel"):
+        split_prefix_masks(mask, 5, torch.float32, "cudnn", True)
+    dit = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow).decoder.estimator
+    with pytest.raises(ValueError, match="only the triton kernel"):
+        dit.use_attention_kernel("cudnn", rotary=True)
+    dit.use_attention_kernel("triton", rotary=True)
+    assert dit.rotary_in_attention
+    batch, heads, length, width, dh = 4, 2, 3, 5, 16
+    q = torch.randn(batch, heads, length, dh)
+    pk = torch.randn(2, heads, width, dh)
+    biases = (torch.zeros(2, 1, 1, width), torch.zeros(batch, 1, length, length + 2))
+    cos = torch.ones(batch, length, dh)
+    for k, rope, what in ((torch.randn(batch, heads, length + 2, dh), (cos, cos), "own keys at the queries' frames"),
+                          (q, (cos.double(), cos.double()), "float32 cos"), (q, (cos[:, :2], cos[:, :2]), "float32 cos")):
+        own_bias = torch.zeros(batch, 1, length, k.shape[2])
+        with pytest.raises(ValueError, match=what):
+            split_attention_kernel.launch(q, k, k, pk, pk, biases[0], own_bias, split_attention_kernel.LAUNCH,
+                                          kernel=object(), rope=rope)
+
+
+def test_a_one_voice_batch_decodes_the_same_mel_with_the_rotary_embedding_in_the_kernel() -> None:
+    """The tiny flow's one-voice decode from the prompt cache, split in every block, with
+    the kernel rotating q and k itself: the mel of the torch formula (float32, to rounding),
+    and the rotary operator ran."""
+    out = run_interpreted("""
+        import torch
+        from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
+        from engine.models.config import ModelConfig
+        from engine.models.flow import CausalMaskedDiffWithDiT
+        from engine.models.flow import init_random_
+        from tests.test_flow_prompt_cache import chunk, make_voice
+        torch.set_num_threads(1)
+        model = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=4321).eval()
+        a = make_voice(60, 1)
+        chunks = [chunk(a, 0, 10, False), chunk(a, 0, 12, True)]
+        entries = PromptCache().entries_for(model, chunks)
+        dit = model.decoder.estimator
+        dit.split_prefix_rows = 1
+        mels, calls = {}, []
+        rotary_op = torch.ops.cosyvoice.split_prefix_attention_rotary
+        torch.ops.cosyvoice.split_prefix_attention_rotary = lambda *args: calls.append(1) or rotary_op(*args)
+        for kernel, rotary in (("cudnn", False), ("triton", True)):
+            dit.use_attention_kernel(kernel, rotary=rotary)
+            mels[kernel], _ = decode_with_prompt_cache(model, chunks, entries)
+        print(len(calls))
+        diffs = [float((a - b).abs().max()) for a, b in zip(mels["cudnn"], mels["triton"])]
+        print(max(diffs) if all(d == d for d in diffs) else "nan")
+    """)
+    calls, worst = out.strip().splitlines()[-2:]
+    assert int(calls) > 0 and float(worst) < 1e-4
+
+
+def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run() -> None:
+    """`flow_attention_rotary` reaches the DiT only with the triton kernel in use: off the
+    interpreter the CPU takes cuDNN's calls, and rotates as before; and the setting is off by
+    default."""
+    from engine.models.config import ModelConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT
+    from engine.token2wav import AudioStage
+
+    assert EngineConfig(model_dir=Path(".")).flow_attention_rotary is False
+    flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton", flow_attention_rotary=True)
+    dit = flow.decoder.estimator
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    assert (dit.attention_kernel, dit.rotary_in_attention) == (("triton", True) if interpreting else ("cudnn", False))
+
+
+def test_a_trial_that_disagrees_says_so_and_keeps_the_kernel_out(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel that runs but computes something else is not taken, with a warning that says
+    by how much it missed (the README's promise), for either variant of the trial."""
+    import logging
+
+    monkeypatch.setattr(split_attention_kernel, "split_prefix_attention",
+                        lambda q, *args: torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3]))
+    with caplog.at_level(logging.WARNING, logger=split_attention_kernel.__name__):
+        for rotary in (False, True):
+            assert split_attention_kernel._trial.__wrapped__(torch.device("cpu"), torch.float32, rotary) is False
+    assert [r.getMessage().split(" disagrees")[0] for r in caplog.records] == [
+        "the split attention kernel", "the split attention kernel with the rotary embedding"]

@@ -204,7 +204,7 @@ def attention_mask(pad_mask: torch.Tensor, chunk: int | None) -> torch.Tensor:
 # log-sum-exps, rounds of 16-64 chunks took 11-12% less time with it (round 38, an H100).
 # "triton", the stage's default since round 45: as "cudnn", but a batch split at its prompt
 # attends to both key sets in one kernel (`split_attention_kernel`; rounds of 5-8 chunks
-# took 5% less time on an H100).
+# took 3.5-5% less time on H100s).
 ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "cudnn", "triton")
 _BIAS_ALIGN = 8  # elements: SDPA's fused kernels want the bias rows aligned (its preprocess_mask)
 
@@ -255,21 +255,27 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class SplitMasks(NamedTuple):
     """What a one-voice prefixed call's blocks take instead of a mask when its attention is
     split (`split_prefix_attention`): additive biases over the shared prefix keys [2, 1, 1, W]
-    and over each row's own keys [B, 1, T, L + T], and the kernel (ATTENTION_KERNELS)."""
+    and over each row's own keys [B, 1, T, L + T], the kernel (ATTENTION_KERNELS), and
+    whether that kernel ("triton") applies the rotary embedding itself where it can
+    (`DiT.rotary_in_attention`)."""
 
     prefix: torch.Tensor
     own: torch.Tensor
     kernel: str
+    rotary: bool = False
 
 
-def split_prefix_masks(mask: torch.Tensor, width: int, dtype: torch.dtype, kernel: str) -> SplitMasks:
+def split_prefix_masks(mask: torch.Tensor, width: int, dtype: torch.dtype, kernel: str,
+                       rotary: bool = False) -> SplitMasks:
     """The boolean mask of a one-voice prefixed call ([B, 1, T, W + L + T], see
     `prefixed_attention_mask`) as the two additive biases `split_prefix_attention` takes:
     the prefix keys' [2, 1, 1, W] (every query of a CFG half sees the same ones: the rows'
     first, a whole number of blocks before them) and the row's own keys' [B, 1, T, L + T]."""
     batch = mask.shape[0]
     first = mask[:, :, :1, :width].reshape(2, batch // 2, 1, 1, width)[:, 0]
-    return SplitMasks(attention_bias(first, dtype), attention_bias(mask[..., width:], dtype), kernel)
+    if rotary and kernel != "triton":
+        raise ValueError(f"only the triton kernel applies the rotary embedding, not {kernel!r}")
+    return SplitMasks(attention_bias(first, dtype), attention_bias(mask[..., width:], dtype), kernel, rotary)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -295,7 +301,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
 
 
 def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           prefix_kv: tuple[torch.Tensor, torch.Tensor], masks: SplitMasks) -> torch.Tensor:
+                           prefix_kv: tuple[torch.Tensor, torch.Tensor], masks: SplitMasks,
+                           rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of a one-voice batch over [shared prefix; own keys] without a per-row copy
     of the prefix: each CFG half's queries, all rows as one sequence, attend to its prefix
     once ([2, H, R x T] queries over W keys), each row's queries to its own keys (ring and
@@ -306,9 +313,12 @@ def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q, k, v: [B, H, T, dh] (B = 2R: rows [0, R) conditional); prefix_kv: [2, H, W, dh] each.
     Returns [B, T, H x dh]. With `masks.kernel` "triton" one kernel does it all
-    (`split_attention_kernel`; chosen only where it runs, `attention_kernel_for`)."""
+    (`split_attention_kernel`; chosen only where it runs, `attention_kernel_for`), and with
+    `rope` (the kernel only) q and k are unrotated and the kernel rotates them."""
     if masks.kernel == "triton":
-        return split_attention_kernel.split_prefix_attention(q, k, v, prefix_kv, masks.prefix, masks.own)
+        return split_attention_kernel.split_prefix_attention(q, k, v, prefix_kv, masks.prefix, masks.own, rope)
+    if rope is not None:
+        raise ValueError(f"the {masks.kernel!r} attention takes q and k rotated")
     batch, heads, length, dh = q.shape
     halves = q.transpose(1, 2).reshape(2, batch // 2 * length, heads, dh).transpose(1, 2)
     o_pre, l_pre = attention_with_lse(halves, prefix_kv[0], prefix_kv[1], masks.prefix, masks.kernel)
@@ -619,10 +629,16 @@ class Attention(nn.Module):
         frame real (`pad_mask` is not read), and nothing is recorded or kept."""
         batch, length, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.heads * self.dim_head, dim=-1)
-        # Rotary on the un-split projections: only head 0 gets position information.
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         packed = mask if isinstance(mask, PackedMask) else None
+        # The split kernel can rotate q and the own keys as it reads them from the projection
+        # (`SplitMasks.rotary`), sparing a rotated copy of both, where it attends to them alone:
+        # no ring before them and no keys kept or recorded (those are the rotated ones).
+        fused_rope = (isinstance(mask, SplitMasks) and mask.rotary and ring_kv is None and record is None
+                      and not keep_kv)
+        if not fused_rope:
+            # Rotary on the un-split projections: only head 0 gets position information.
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         if packed is not None:  # the attention alone runs on the padded rows
             if record is not None or keep_kv:
                 raise ValueError("packed rows keep no keys or values")
@@ -638,7 +654,7 @@ class Attention(nn.Module):
                 raise ValueError("split attention masks need a prefix shared by every row")
             if ring_kv is not None:
                 k, v = torch.cat((ring_kv[0], k), dim=2), torch.cat((ring_kv[1], v), dim=2)
-            out = split_prefix_attention(q, k, v, prefix_kv, mask)
+            out = split_prefix_attention(q, k, v, prefix_kv, mask, rope if fused_rope else None)
         else:
             if prefix_kv is not None:
                 pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
@@ -732,6 +748,7 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
         self.attention_kernel = "sdpa"  # one of ATTENTION_KERNELS (`use_attention_kernel`)
+        self.rotary_in_attention = False  # the split kernel rotates q and k itself (`use_attention_kernel`)
         # One-voice prefixed calls of at least this many rows per CFG half attend to the shared
         # prefix apart from each row's own keys (`split_prefix_attention`) instead of over
         # per-row copies of it; 0: never (EngineConfig.flow_split_prefix_rows).
@@ -776,11 +793,15 @@ class DiT(nn.Module):
         blocks = vectors[:, :split].view(rows, depth, 6 * width).transpose(0, 1)
         return TimeConditioning(blocks=blocks, final=vectors[:, split:])
 
-    def use_attention_kernel(self, name: str) -> None:
-        """How the blocks' attention runs from now on (see ATTENTION_KERNELS)."""
+    def use_attention_kernel(self, name: str, rotary: bool = False) -> None:
+        """How the blocks' attention runs from now on (see ATTENTION_KERNELS); `rotary`:
+        "triton" applies the rotary embedding in its kernel where it can (`SplitMasks.rotary`)."""
         if name not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {name!r}")
+        if rotary and name != "triton":
+            raise ValueError(f"only the triton kernel applies the rotary embedding, not {name!r}")
         self.attention_kernel = name
+        self.rotary_in_attention = rotary
 
     def use_conv_kernel(self, name: str) -> None:
         """How the position convolutions run from now on (see CONV_KERNELS)."""
@@ -824,7 +845,8 @@ class DiT(nn.Module):
         apart (`split_prefix_rows`)."""
         batch = attn_mask.shape[0]
         if prefix is not None and prefix.shared and 0 < self.split_prefix_rows <= batch // 2:
-            return split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], dtype, self.attention_kernel)
+            return split_prefix_masks(attn_mask, prefix.layer_kv[0][0].shape[2], dtype, self.attention_kernel,
+                                      self.rotary_in_attention)
         if self.attention_kernel in ("cudnn", "triton"):
             return attention_bias(attn_mask, dtype)
         return attn_mask
