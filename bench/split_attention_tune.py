@@ -4,9 +4,8 @@
 
 `engine.models.split_attention_kernel` runs one-voice batches' attention (prompt keys, then
 each row's own, one online softmax) with `LAUNCH`. On an H100 (round 45 of
-docs/benchmarks.md) the stage's rounds spent about as long in it as in cuDNN's two calls
-and their merge (51 us a call at 8 rows), a few percent of what the GPU's matrix units
-could do at these shapes. This times, per shape (`rows:prefix:ring:frames`, as in
+docs/benchmarks.md) the stage's rounds spent about as long in it (51 us a call at 8 rows)
+as in cuDNN's two calls, at 12-17% of the GPU's matrix peak. This times, per shape (`rows:prefix:ring:frames`, as in
 `bench.split_attention_check`):
 
 * `cudnn`: `dit.split_prefix_attention` with cuDNN's two calls and the merge, eager (the
@@ -17,8 +16,8 @@ could do at these shapes. This times, per shape (`rows:prefix:ring:frames`, as i
   their alignment when it plans the bias's loads; the shipped kernel does not, so that a
   new row length never waits for a compile);
 
-in microseconds a call, from CUDA graphs of 20 calls (`triton.testing.do_bench_cudagraph`:
-no launch overhead, as in the stage's graphs), with each output's largest difference from
+in microseconds a call, replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`: no
+launch overhead, as in the stage's graphs), with each output's largest difference from
 cuDNN's. CUDA only.
 """
 
