@@ -5,7 +5,8 @@
 # random model): one process per setting in CONFIGS (space-separated; a setting is one or more
 # EngineConfig FIELD=VALUE joined by commas; a piece without "=" continues the value before it,
 # as in flow_graph_frames=60,70,80), the same batches in each; then how far each
-# one's PCM is from the first's. Results: $OUT/stage_<i>.{json,log,npz}, i = 0, 1, ...
+# one's PCM is from the first's. Results: $OUT/stage_<i>.{json,log,npz}, i = 0, 1, ..., and
+# $OUT/stage_<i>_pcm.txt (i >= 1: that difference, as printed)
 # Environment: CONFIGS (default: the two attention kernels), ROWS (batch sizes, default 1,64),
 # REPS (10), KERNELS (12: the top kernels), OPENING (0; N: every row an utterance's first
 # chunk of N tokens, `stage_syncs --opening`), TAIL (log lines shown per setting).
@@ -28,6 +29,7 @@ for i in "${!configs[@]}"; do
   grep -E "chunks: wall|attention|fmha|cudnn|families" $OUT/stage_$i.log | head -${TAIL:-12}
   if [ "$i" -gt 0 ]; then
     python3 -c "from pathlib import Path; from bench.stage_syncs import pcm_difference as d; \
-print('PCM relative RMS difference from [0]:', d(Path('$OUT/stage_0.npz'), Path('$OUT/stage_$i.npz')))"
+print('PCM relative RMS difference from [0]:', d(Path('$OUT/stage_0.npz'), Path('$OUT/stage_$i.npz')))" \
+      | tee $OUT/stage_${i}_pcm.txt
   fi
 done
