@@ -107,10 +107,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     ab = config_overrides(args.ab)
-    if "flow_attention" in ab:
-        # The kernel is the shared DiT's (`DiT.use_attention_kernel`): the second stage
-        # built would set it for both. Two runs, one with --config flow_attention=cudnn.
-        p.error("--ab flow_attention: both stages share the DiT; run twice, once with --config flow_attention=...")
+    for shared in ("flow_attention", "flow_attention_rotary"):
+        if shared in ab:
+            # The kernel is the shared DiT's (`DiT.use_attention_kernel`): the second stage
+            # built would set it for both. Two runs, one with --config FIELD=... each.
+            p.error(f"--ab {shared}: both stages share the DiT; run twice, once with --config {shared}=...")
     device, model_dir, model = load_stage_model(args)
     # Two stages on the same modules (their own graphs): with the cache and without, or
     # without and with the --ab fields (and no cache).

@@ -193,12 +193,12 @@ class EngineConfig:
     # 200. Where it cannot run (no Triton; a trial call at start fails) it is "cudnn".
     flow_attention: FlowAttention = "triton"
     # With "triton": the split kernel also applies the rotary embedding to q and the row's
-    # own keys as it reads them from the projection (`SplitMasks.rotary`; where no ring of
-    # context keys comes before them and no keys are kept), instead of a rotated copy of
-    # both. That copy (with the q/k/v split it is fused with) was 7.2% of a ~5-chunk round's
-    # GPU time with the kernel on an H100 (round 45: 4.07 ms of 56.7). Off: not yet measured
-    # on a GPU. Where the kernel's trial with it fails, the stage logs a warning and rotates
-    # as before.
+    # own keys as it reads them from the projection (`SplitMasks.rotary`; in calls with no
+    # ring of context keys and none kept: with the flow context cache on, the one-voice
+    # graphs carry both and rotate as before), instead of a rotated copy of both. That copy
+    # (with the q/k/v split it is fused with) was 7.2% of a ~5-chunk round's GPU time with
+    # the kernel on an H100 (round 45: 4.07 ms of 56.7). Off: not yet measured on a GPU.
+    # Where the kernel's trial with it fails, the stage logs a warning and rotates as before.
     flow_attention_rotary: bool = False
     # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
     # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major
@@ -482,6 +482,9 @@ class EngineConfig:
                              f"not {self.vocoder_snake_kernel!r}")
         if self.flow_attention not in get_args(FlowAttention):
             raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
+                             f"not {self.flow_attention!r}")
+        if self.flow_attention_rotary and self.flow_attention != "triton":
+            raise ValueError(f"flow_attention_rotary needs flow_attention triton (the kernel that applies it), "
                              f"not {self.flow_attention!r}")
         if self.flow_dtype not in get_args(FlowDType):
             raise ValueError(f"flow_dtype must be one of {', '.join(get_args(FlowDType))}, not {self.flow_dtype!r}")

@@ -311,9 +311,10 @@ def test_context_bench_compares_any_option(tmp_path, capsys) -> None:  # noqa: A
     out = capsys.readouterr().out
     assert "on/off" in out and "check: skipped" in out
     # The attention kernel belongs to the DiT both stages share: refused, not half-applied.
-    with pytest.raises(SystemExit):
-        main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path), "--ab", "flow_attention=cudnn"])
-    assert "run twice" in capsys.readouterr().err
+    for shared in ("flow_attention=cudnn", "flow_attention_rotary=true"):
+        with pytest.raises(SystemExit):
+            main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path), "--ab", shared])
+        assert f"--ab {shared.split('=')[0]}: both stages share the DiT" in capsys.readouterr().err
 
 
 def _stage(model, **kw):  # noqa: ANN001, ANN202

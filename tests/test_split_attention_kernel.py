@@ -254,8 +254,10 @@ def test_the_rotary_embedding_in_the_kernel_is_checked() -> None:
     pk = torch.randn(2, heads, width, dh)
     biases = (torch.zeros(2, 1, 1, width), torch.zeros(batch, 1, length, length + 2))
     cos = torch.ones(batch, length, dh)
-    for k, rope, what in ((torch.randn(batch, heads, length + 2, dh), (cos, cos), "own keys at the queries' frames"),
-                          (q, (cos.double(), cos.double()), "float32 cos"), (q, (cos[:, :2], cos[:, :2]), "float32 cos")):
+    cases = ((torch.randn(batch, heads, length + 2, dh), (cos, cos), "takes the own keys at the queries'"),
+             (q, (cos.double(), cos.double()), "must be float32"),
+             (q, (cos[:, :2], cos[:, :2]), r"must be \[4, 3, 16\]"))
+    for k, rope, what in cases:
         own_bias = torch.zeros(batch, 1, length, k.shape[2])
         with pytest.raises(ValueError, match=what):
             split_attention_kernel.launch(q, k, k, pk, pk, biases[0], own_bias, split_attention_kernel.LAUNCH,
@@ -294,7 +296,7 @@ def test_a_one_voice_batch_decodes_the_same_mel_with_the_rotary_embedding_in_the
     assert int(calls) > 0 and float(worst) < 1e-4
 
 
-def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run() -> None:
+def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """`flow_attention_rotary` reaches the DiT only with the triton kernel in use: off the
     interpreter the CPU takes cuDNN's calls, and rotates as before; and the setting is off by
     default."""
@@ -303,11 +305,20 @@ def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run() 
     from engine.token2wav import AudioStage
 
     assert EngineConfig(model_dir=Path(".")).flow_attention_rotary is False
+    with pytest.raises(ValueError, match="flow_attention_rotary needs flow_attention triton"):
+        EngineConfig(model_dir=Path("."), flow_attention="cudnn", flow_attention_rotary=True)
     flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
     AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton", flow_attention_rotary=True)
     dit = flow.decoder.estimator
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     assert (dit.attention_kernel, dit.rotary_in_attention) == (("triton", True) if interpreting else ("cudnn", False))
+    # Where the kernel runs (as on a GPU), the rotary variant's own trial decides.
+    for rotary_runs in (True, False):
+        monkeypatch.setattr(split_attention_kernel, "runs_on", lambda d, t, rotary=False: rotary_runs or not rotary)
+        AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton", flow_attention_rotary=True)
+        assert (dit.attention_kernel, dit.rotary_in_attention) == ("triton", rotary_runs)
+        AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton")
+        assert (dit.attention_kernel, dit.rotary_in_attention) == ("triton", False)
 
 
 def test_a_trial_that_disagrees_says_so_and_keeps_the_kernel_out(monkeypatch: pytest.MonkeyPatch,
@@ -323,3 +334,35 @@ def test_a_trial_that_disagrees_says_so_and_keeps_the_kernel_out(monkeypatch: py
             assert split_attention_kernel._trial.__wrapped__(torch.device("cpu"), torch.float32, rotary) is False
     assert [r.getMessage().split(" disagrees")[0] for r in caplog.records] == [
         "the split attention kernel", "the split attention kernel with the rotary embedding"]
+
+
+def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
+    """`Attention.forward` leaves the rotation to the kernel only in calls that attend to this
+    call's keys alone and keep none: with a ring of context keys before them, or the keys
+    kept (`keep_kv`, the context cache's rings; a recorded call takes no split masks), the
+    keys must be the rotated ones. Every such call gives what the unfused one gives, kept
+    keys included."""
+    out = run_interpreted("""
+        import torch
+        from engine.models.dit import Attention, SplitMasks, RotaryEmbedding, attention_bias
+        torch.manual_seed(0)
+        batch, heads, length, width, ring, dh = 4, 2, 6, 5, 3, 16
+        attn = Attention(24, heads, dh)
+        x = torch.randn(batch, length, 24)
+        angles = RotaryEmbedding(dh).at(torch.arange(length) + 40 * torch.arange(batch)[:, None])
+        rope = (angles.cos(), angles.sin())
+        prefix_kv = (torch.randn(2, heads, width, dh), torch.randn(2, heads, width, dh))
+        ring_kv = (torch.randn(batch, heads, ring, dh), torch.randn(batch, heads, ring, dh))
+        pad = torch.ones(batch, length, dtype=torch.bool)
+        worst = 0.0
+        for ring_in, keep in ((None, False), (None, True), (ring_kv, False)):
+            own = length + (0 if ring_in is None else ring)
+            masks = SplitMasks(attention_bias(torch.rand(2, 1, 1, width) > 0.2, torch.float32),
+                               attention_bias(torch.rand(batch, 1, length, own) > 0.3, torch.float32), "triton")
+            got = attn(x, masks._replace(rotary=True), pad, rope, prefix_kv, shared=True, ring_kv=ring_in, keep_kv=keep)
+            want = attn(x, masks, pad, rope, prefix_kv, shared=True, ring_kv=ring_in, keep_kv=keep)
+            for a, b in zip(got if keep else (got,), want if keep else (want,)):
+                worst = max(worst, float((a - b).abs().max()))
+        print(worst)
+    """)
+    assert float(out.strip().splitlines()[-1]) < 1e-5

@@ -270,7 +270,8 @@ def split_prefix_masks(mask: torch.Tensor, width: int, dtype: torch.dtype, kerne
     """The boolean mask of a one-voice prefixed call ([B, 1, T, W + L + T], see
     `prefixed_attention_mask`) as the two additive biases `split_prefix_attention` takes:
     the prefix keys' [2, 1, 1, W] (every query of a CFG half sees the same ones: the rows'
-    first, a whole number of blocks before them) and the row's own keys' [B, 1, T, L + T]."""
+    first, a whole number of blocks before them) and the row's own keys' [B, 1, T, L + T];
+    `rotary` ("triton" only): the kernel applies the rotary embedding (`SplitMasks.rotary`)."""
     batch = mask.shape[0]
     first = mask[:, :, :1, :width].reshape(2, batch // 2, 1, 1, width)[:, 0]
     if rotary and kernel != "triton":

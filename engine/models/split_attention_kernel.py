@@ -83,9 +83,10 @@ def runs_on(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> b
 @functools.cache
 def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bool:
     """One call at the DiT's kind of shape (16 heads of 64, a prompt and own keys each
-    across a block of keys, two rows; with `rotary` the own keys are the queries' frames,
-    at positions from 37 on), against the attention over the concatenated keys in float32
-    (head 0's queries and own keys rotated first, as `dit.apply_rotary` does)."""
+    across a block of keys, two rows; with `rotary` q, k and v are views of one projection
+    and the own keys the queries' frames, each row at its own positions), against the
+    attention over the concatenated keys in float32 (head 0's queries and own keys rotated
+    first, as `dit.apply_rotary` does)."""
     from .dit import RotaryEmbedding, apply_rotary  # not at the top: dit imports this module
 
     try:
@@ -99,10 +100,13 @@ def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bo
         q, k, v, pk, pv = rand(batch, heads, length, dh), rand(batch, heads, own, dh), rand(batch, heads, own, dh), \
             rand(2, heads, width, dh), rand(2, heads, width, dh)
         zeros = torch.zeros
-        biases = (zeros(2, 1, 1, width, device=device, dtype=dtype), zeros(batch, 1, length, own, device=device, dtype=dtype))
+        biases = (zeros(2, 1, 1, width, device=device, dtype=dtype),
+                  zeros(batch, 1, length, own, device=device, dtype=dtype))
         rope = None
-        if rotary:
-            positions = torch.arange(37, 37 + length, device=device).expand(batch, -1)
+        if rotary:  # as the DiT calls it: q, k, v views of one projection, each row at its own position
+            q, k, v = (t.view(batch, length, heads, dh).transpose(1, 2)
+                       for t in rand(batch, length, 3 * heads * dh).split(heads * dh, dim=-1))
+            positions = torch.arange(length, device=device) + 50 * torch.arange(batch, device=device)[:, None]
             angles = RotaryEmbedding(dh).to(device).at(positions)  # [B, T, dh] float32
             rope = (angles.cos(), angles.sin())
         got = split_prefix_attention(q, k, v, (pk, pv), *biases, rope)
@@ -181,11 +185,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, 
         raise ValueError("q, k, v and the prefix keys and values must share one dtype and one device")
     cos, sin = (q, q) if rope is None else rope  # without rope: never read (ROTARY is off)
     if rope is not None:
-        if own != length or cos.shape != sin.shape or cos.shape != (batch, length, dh) \
-                or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-            raise ValueError(f"the rotary embedding takes own keys at the queries' frames and float32 cos and sin "
-                             f"[{batch}, {length}, {dh}], not {own} keys, {tuple(cos.shape)} {cos.dtype} and "
-                             f"{tuple(sin.shape)} {sin.dtype}")
+        if own != length:
+            raise ValueError(f"the rotary embedding in the kernel takes the own keys at the queries' {length} "
+                             f"frames, not {own} keys")
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise ValueError(f"the rotary embedding's cos and sin must be float32, not {cos.dtype} and {sin.dtype}")
+        if cos.shape != sin.shape or cos.shape != (batch, length, dh):
+            raise ValueError(f"the rotary embedding's cos and sin must be [{batch}, {length}, {dh}], not "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
         if cos.stride() != sin.stride() or cos.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
     # Strides as given, but each frame's dh values side by side (the projections' layout).
