@@ -366,3 +366,28 @@ def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
         print(worst)
     """)
     assert float(out.strip().splitlines()[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_the_kernel_compiles_to_hopper_machine_code(rotary: bool) -> None:
+    """The interpreter runs the kernel's arithmetic, not Triton's compiler: here the kernel
+    goes through every stage down to an sm_90 binary (ptxas ships with Triton; no GPU
+    needed), both variants, with the shipped launch settings, so a kernel only a GPU would
+    refuse is caught before a GPU session's A/B is spent finding out."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = split_attention_kernel._triton()
+    assert kernel is not None
+    launch = split_attention_kernel.LAUNCH
+    constants = {"DH": 64, "BM": launch.block_m, "BN": launch.block_n, "PRECISION": "tf32", "ROTARY": rotary}
+    signature = {name: ("constexpr" if name in constants else "fp32" if name == "scale"
+                        else "*fp32" if name in ("cos_ptr", "sin_ptr") else "*bf16" if name.endswith("_ptr") else "i32")
+                 for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+    binary = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    assert binary.asm["cubin"] and "warp_group_dot" in binary.asm["ttgir"]  # Hopper's matrix instructions
+    assert ("scf.if" in binary.asm["ttgir"]) == rotary  # head 0's rotation: a branch, in the rotary variant only

@@ -25,11 +25,11 @@ def softmax_step(q, kt, vt, bias, best, total, acc, scale, PRECISION: tl.constex
 
 @triton.jit
 def rotated(x, swapped_ptrs, cos_ptrs, sin_ptrs, odd, mask):
-    """x [N, DH] with the DiT's interleaved rotary embedding applied where `mask` holds:
-    the pair (a, b) at channels (2i, 2i + 1) becomes (a cos - b sin, b cos + a sin), in
-    float32 and rounded to x's dtype as `dit.apply_rotary` does; elsewhere x as it is
-    (cos 1, sin 0: the round trip through float32 is exact). `swapped_ptrs` point at each
-    channel's partner (channel ^ 1), `odd` says which channels are the pairs' second."""
+    """x [N, DH] with the DiT's interleaved rotary embedding applied in the rows `mask`
+    holds (the others are padding): the pair (a, b) at channels (2i, 2i + 1) becomes
+    (a cos - b sin, b cos + a sin), in float32 and rounded to x's dtype as
+    `dit.apply_rotary` does. `swapped_ptrs` point at each channel's partner (channel ^ 1),
+    `odd` says which channels are the pairs' second."""
     partner = tl.load(swapped_ptrs, mask=mask, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptrs, mask=mask, other=1.0)
     sin = tl.load(sin_ptrs, mask=mask, other=0.0)
@@ -58,11 +58,12 @@ def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr
     # ROTARY: q and the row's own keys come straight from the projection, and the rotary
     # embedding (the first DH channels of the projection: head 0) is applied here, at the
     # frames' positions (cos and sin [B, T, DH], float32), instead of in a copy of q and k.
+    # Head 0 alone (a branch, not a mask: the other heads' programs skip the arithmetic too).
     odd = (d % 2) == 1
-    head0 = (d * 0 + h) == 0  # a block, not a scalar: Triton's interpreter takes no scalar in a mask
     if ROTARY:
-        at = b.to(tl.int64) * sr_b + m[:, None] * sr_t + d[None, :]
-        q = rotated(q, q_at + (d ^ 1)[None, :], cos_ptr + at, sin_ptr + at, odd, in_row[:, None] & head0[None, :])
+        if h == 0:
+            at = b.to(tl.int64) * sr_b + m[:, None] * sr_t + d[None, :]
+            q = rotated(q, q_at + (d ^ 1)[None, :], cos_ptr + at, sin_ptr + at, odd, in_row[:, None])
     best = tl.full((BM,), float("-inf"), tl.float32)
     total = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, DH), tl.float32)
@@ -83,8 +84,9 @@ def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr
         k_at = k_ptr + b.to(tl.int64) * sk_b + h * sk_h + n[:, None] * sk_s
         kt = tl.load(k_at + d[None, :], mask=keep[:, None], other=0.0)
         if ROTARY:  # the own keys are the call's frames: key n is at frame n's position
-            at = b.to(tl.int64) * sr_b + n[:, None] * sr_t + d[None, :]
-            kt = rotated(kt, k_at + (d ^ 1)[None, :], cos_ptr + at, sin_ptr + at, odd, keep[:, None] & head0[None, :])
+            if h == 0:
+                at = b.to(tl.int64) * sr_b + n[:, None] * sr_t + d[None, :]
+                kt = rotated(kt, k_at + (d ^ 1)[None, :], cos_ptr + at, sin_ptr + at, odd, keep[:, None])
         vt = tl.load(v_ptr + b.to(tl.int64) * sv_b + h * sv_h + n[:, None] * sv_s + d[None, :],
                      mask=keep[:, None], other=0.0)
         bias = tl.load(ob_ptr + b.to(tl.int64) * sob_b + m[:, None] * sob_t + n[None, :],
