@@ -147,11 +147,13 @@ def test_the_kernel_is_one_operator_to_torch_compile() -> None:
     assert [float(x) for x in out.strip().splitlines()[-2:]] == [0.0, 0.0]
 
 
-def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel() -> None:
+@pytest.mark.parametrize("rotary", [False, True])
+def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel(rotary: bool) -> None:
     """The tiny flow's decode of a one-voice batch from the prompt cache, its attention split
-    at the prompt in every block: with the kernel the mel frames are those of the torch
-    formula (float32, to rounding)."""
-    out = run_interpreted("""
+    at the prompt in every block: with the kernel (`rotary`: rotating q and k itself) the
+    mel frames are those of the torch formula (float32, to rounding), and its operator ran."""
+    op = "split_prefix_attention_rotary" if rotary else "split_prefix_attention"
+    out = run_interpreted(f"""
         import torch
         from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
         from engine.models.config import ModelConfig
@@ -165,11 +167,11 @@ def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel() -> None:
         entries = PromptCache().entries_for(model, chunks)
         dit = model.decoder.estimator
         dit.split_prefix_rows = 1
-        mels, calls = {}, []
-        kernel_op = torch.ops.cosyvoice.split_prefix_attention
-        torch.ops.cosyvoice.split_prefix_attention = lambda *args: calls.append(1) or kernel_op(*args)
-        for kernel in ("cudnn", "triton"):
-            dit.use_attention_kernel(kernel)
+        mels, calls = {{}}, []
+        kernel_op = torch.ops.cosyvoice.{op}
+        torch.ops.cosyvoice.{op} = lambda *args: calls.append(1) or kernel_op(*args)
+        for kernel, rotary in (("cudnn", False), ("triton", {rotary})):
+            dit.use_attention_kernel(kernel, rotary=rotary)
             mels[kernel], _ = decode_with_prompt_cache(model, chunks, entries)
         print(len(calls))
         diffs = [float((a - b).abs().max()) for a, b in zip(mels["cudnn"], mels["triton"])]
@@ -262,38 +264,6 @@ def test_the_rotary_embedding_in_the_kernel_is_checked() -> None:
         with pytest.raises(ValueError, match=what):
             split_attention_kernel.launch(q, k, k, pk, pk, biases[0], own_bias, split_attention_kernel.LAUNCH,
                                           kernel=object(), rope=rope)
-
-
-def test_a_one_voice_batch_decodes_the_same_mel_with_the_rotary_embedding_in_the_kernel() -> None:
-    """The tiny flow's one-voice decode from the prompt cache, split in every block, with
-    the kernel rotating q and k itself: the mel of the torch formula (float32, to rounding),
-    and the rotary operator ran."""
-    out = run_interpreted("""
-        import torch
-        from engine.flow_prompt_cache import PromptCache, decode_with_prompt_cache
-        from engine.models.config import ModelConfig
-        from engine.models.flow import CausalMaskedDiffWithDiT
-        from engine.models.flow import init_random_
-        from tests.test_flow_prompt_cache import chunk, make_voice
-        torch.set_num_threads(1)
-        model = init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=4321).eval()
-        a = make_voice(60, 1)
-        chunks = [chunk(a, 0, 10, False), chunk(a, 0, 12, True)]
-        entries = PromptCache().entries_for(model, chunks)
-        dit = model.decoder.estimator
-        dit.split_prefix_rows = 1
-        mels, calls = {}, []
-        rotary_op = torch.ops.cosyvoice.split_prefix_attention_rotary
-        torch.ops.cosyvoice.split_prefix_attention_rotary = lambda *args: calls.append(1) or rotary_op(*args)
-        for kernel, rotary in (("cudnn", False), ("triton", True)):
-            dit.use_attention_kernel(kernel, rotary=rotary)
-            mels[kernel], _ = decode_with_prompt_cache(model, chunks, entries)
-        print(len(calls))
-        diffs = [float((a - b).abs().max()) for a, b in zip(mels["cudnn"], mels["triton"])]
-        print(max(diffs) if all(d == d for d in diffs) else "nan")
-    """)
-    calls, worst = out.strip().splitlines()[-2:]
-    assert int(calls) > 0 and float(worst) < 1e-4
 
 
 def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
