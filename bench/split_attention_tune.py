@@ -5,8 +5,8 @@
 `engine.models.split_attention_kernel` runs one-voice batches' attention (prompt keys, then
 each row's own, one online softmax) with `LAUNCH`. On an H100 (round 45 of
 docs/benchmarks.md) the stage's rounds spent about as long in it (51 us a call at 8 rows)
-as in cuDNN's two calls, at 12-17% of the GPU's matrix peak. This times, per shape (`rows:prefix:ring:frames`, as in
-`bench.split_attention_check`):
+as in cuDNN's two calls, at 12-17% of the GPU's matrix peak. This times, per shape
+(`rows:prefix:ring:frames`, as in `bench.split_attention_check`):
 
 * `cudnn`: `dit.split_prefix_attention` with cuDNN's two calls and the merge, eager (the
   stage's compiled blocks fuse the merge and the reshapes around it: compare kernels there,
@@ -38,6 +38,7 @@ from engine.models.dit import split_prefix_attention, split_prefix_masks
 
 
 def sweep(quick: bool) -> list[sak.LaunchConfig]:
+    """The launch settings to time, the shipped one among them (first with `quick`)."""
     if quick:
         return [sak.LAUNCH, sak.LaunchConfig(128, 64, 8, 3)]
     configs = [sak.LaunchConfig(m, n, w, s) for m, n, w, s in
@@ -51,7 +52,10 @@ def timed(fn: Callable[[], torch.Tensor]) -> float:
     return float(do_bench_cudagraph(fn, rep=50)) * 1e3  # ms -> us
 
 
-def tune(shape: str, device: torch.device, configs: list[sak.LaunchConfig], kernels: dict[str, Any]) -> list[dict[str, Any]]:
+def tune(shape: str, device: torch.device, configs: list[sak.LaunchConfig],
+         kernels: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row a kernel and setting at `shape`: its time a call and its largest difference
+    from cuDNN's output over the real frames; cuDNN's own row first."""
     rows, prefix, ring, frames = map(int, shape.split(":"))
     x = {k: v.to(device, torch.bfloat16 if v.is_floating_point() else v.dtype)
          for k, v in inputs(rows, prefix, ring, frames).items()}

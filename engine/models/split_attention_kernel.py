@@ -34,7 +34,6 @@ from .triton_support import interpreting
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class LaunchConfig:
     """How the kernel is launched: `block_m` queries per program, `block_n` keys per step of
