@@ -192,14 +192,16 @@ class EngineConfig:
     # runs at 192, median 560) against 638-710 (median 662), and 597-604 against 685-734 at
     # 200. Where it cannot run (no Triton; a trial call at start fails) it is "cudnn".
     flow_attention: FlowAttention = "triton"
-    # With "triton": the split kernel also applies the rotary embedding to q and the row's
-    # own keys as it reads them from the projection (`SplitMasks.rotary`; in calls with no
-    # ring of context keys and none kept: with the flow context cache on, the one-voice
-    # graphs carry both and rotate as before), instead of a rotated copy of both. That copy
-    # (with the q/k/v split it is fused with) was 7.2% of a ~5-chunk round's GPU time with
-    # the kernel on an H100 (round 45: 4.07 ms of 56.7). Off: not yet measured on a GPU.
-    # Where the kernel's trial with it fails, the stage logs a warning and rotates as before.
-    flow_attention_rotary: bool = False
+    # With "triton" (ignored with the others): the rotary embedding turns head 0 alone, so
+    # the split kernel takes that head's queries and own keys rotated, apart, and the other
+    # heads straight from the q/k/v projection (`SplitMasks.rotary`), instead of a rotated
+    # copy of all of q and k. That copy was 7.2% of a ~5-chunk round's GPU time on an H100
+    # (round 45: 4.07 ms of 56.7); without it (round 46, H100) the stage alone took 6.5-6.8%
+    # less time a round of 5-8 chunks and 5.7% at 16, with the same PCM to the bit. Only in
+    # calls with no ring of context keys and none kept (with the flow context cache on, the
+    # one-voice graphs carry both and rotate as before). Where the kernel's trial with it
+    # fails, the stage logs a warning and rotates as before.
+    flow_attention_rotary: bool = True
     # The CosyVoice3 DiT's position convolutions (kernel 31, 16 groups, Mish after):
     # "triton" (`engine.models.causal_conv_kernel`: one kernel on the frame-major
     # activations, CUDA with Triton; elsewhere as "torch") or "torch" (a batched product
@@ -482,9 +484,6 @@ class EngineConfig:
                              f"not {self.vocoder_snake_kernel!r}")
         if self.flow_attention not in get_args(FlowAttention):
             raise ValueError(f"flow_attention must be one of {', '.join(get_args(FlowAttention))}, "
-                             f"not {self.flow_attention!r}")
-        if self.flow_attention_rotary and self.flow_attention != "triton":
-            raise ValueError(f"flow_attention_rotary needs flow_attention triton (the kernel that applies it), "
                              f"not {self.flow_attention!r}")
         if self.flow_dtype not in get_args(FlowDType):
             raise ValueError(f"flow_dtype must be one of {', '.join(get_args(FlowDType))}, not {self.flow_dtype!r}")

@@ -116,8 +116,8 @@ def test_the_accuracy_bench_checks_the_kernel_where_it_runs(tmp_path: Path) -> N
 
 def test_the_kernel_is_one_operator_to_torch_compile() -> None:
     """The DiT's blocks run under torch.compile (dynamic shapes): the kernel goes through it
-    as one operator (`cosyvoice::split_prefix_attention`, and `..._rotary` with the rotary
-    embedding, their shapes from their fakes), with no graph break, and gives what it gives
+    as one operator (`cosyvoice::split_prefix_attention`, and `..._rotary` with head 0
+    apart, their shapes from their fakes), with no graph break, and gives what it gives
     uncompiled."""
     out = run_interpreted("""
         import torch
@@ -133,16 +133,13 @@ def test_the_kernel_is_one_operator_to_torch_compile() -> None:
 
         compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
         print(float((compiled(*args) - f(*args)).abs().max()))
-        q = torch.randn(batch, own, heads * dh)  # the rotary operator: own keys at the queries' frames
-        rope = (torch.rand(batch, own, dh), torch.rand(batch, own, dh))
-        rotary_args = (q.view(batch, own, heads, dh).transpose(1, 2), *args[1:5], args[5],
-                       torch.zeros(batch, 1, own, own), *rope)
+        head0 = (torch.randn(batch, length, dh), torch.randn(batch, own, dh))  # the rotary operator
 
-        def g(q, k, v, pk, pv, prefix, mine, cos, sin):
-            return split_prefix_attention(q, k, v, (pk, pv), SplitMasks(prefix, mine, "triton", True), (cos, sin)) * 2
+        def g(q, k, v, pk, pv, prefix, mine, q0, k0):
+            return split_prefix_attention(q, k, v, (pk, pv), SplitMasks(prefix, mine, "triton", True), (q0, k0)) * 2
 
         compiled = torch.compile(g, backend="aot_eager", fullgraph=True, dynamic=True)
-        print(float((compiled(*rotary_args) - g(*rotary_args)).abs().max()))
+        print(float((compiled(*args, *head0) - g(*args, *head0)).abs().max()))
     """)
     assert [float(x) for x in out.strip().splitlines()[-2:]] == [0.0, 0.0]
 
@@ -150,7 +147,7 @@ def test_the_kernel_is_one_operator_to_torch_compile() -> None:
 @pytest.mark.parametrize("rotary", [False, True])
 def test_a_one_voice_batch_decodes_the_same_mel_with_the_kernel(rotary: bool) -> None:
     """The tiny flow's decode of a one-voice batch from the prompt cache, its attention split
-    at the prompt in every block: with the kernel (`rotary`: rotating q and k itself) the
+    at the prompt in every block: with the kernel (`rotary`: head 0 rotated apart) the
     mel frames are those of the torch formula (float32, to rounding), and its operator ran."""
     op = "split_prefix_attention_rotary" if rotary else "split_prefix_attention"
     out = run_interpreted(f"""
@@ -193,40 +190,44 @@ def test_the_launch_sweep_holds_the_shipped_setting() -> None:
         assert tune.main([]) == 2
 
 
-def test_the_kernel_applies_the_rotary_embedding_as_the_dit_does() -> None:
-    """With `rope` the kernel takes q and the own keys straight from the projection (strided
-    views) and rotates head 0 of both at each row's positions: the same attention as
-    `dit.apply_rotary` on the projection and the kernel without it, under the shipped launch
-    settings and others; heads past 0 untouched. And the trial with the rotary embedding."""
+def test_the_kernel_takes_head_0_apart_as_the_dit_passes_it() -> None:
+    """With `head0` the kernel reads head 0's queries and own keys from there and the other
+    heads' from q and k, here the projection's strided views, unrotated: the same attention
+    as `dit.apply_rotary` on the projection and the kernel without `head0`, under the shipped
+    launch settings and others, with as many own keys as queries or more; heads past 0
+    untouched. And the trial with head 0 apart."""
     out = run_interpreted("""
         import torch
         from engine.models import split_attention_kernel as sak
-        from engine.models.dit import RotaryEmbedding, SplitMasks, apply_rotary, attention_bias, split_prefix_attention
+        from engine.models.dit import (RotaryEmbedding, SplitMasks, apply_rotary, attention_bias, rotated_channels,
+                                       split_prefix_attention)
         torch.manual_seed(0)
         worst, moved = 0.0, 0.0
-        for rows, heads, length, width, dh in ((1, 2, 5, 3, 16), (2, 3, 70, 90, 32), (3, 2, 64, 64, 16)):
+        for rows, heads, length, own, width, dh in ((1, 2, 5, 5, 3, 16), (2, 3, 70, 70, 90, 32),
+                                                    (3, 2, 64, 64, 64, 16), (1, 3, 9, 20, 7, 16)):
             batch = 2 * rows
-            qkv = torch.randn(batch, length, 3 * heads * dh)
-            q, k, v = qkv.split(heads * dh, dim=-1)  # as the projection leaves them: [B, T, H x dh] views
-            positions = torch.randint(0, 400, (batch,))[:, None] + torch.arange(length)
+            q = torch.randn(batch, length, 3 * heads * dh).split(heads * dh, dim=-1)[0]
+            _, k, v = torch.randn(batch, own, 3 * heads * dh).split(heads * dh, dim=-1)  # [B, S, H x dh] views
+            positions = torch.randint(0, 400, (batch,))[:, None] + torch.arange(own)
             angles = RotaryEmbedding(dh).at(positions)
-            rope = (angles.cos(), angles.sin())
+            rope_q, rope_k = (angles[:, -length:].cos(), angles[:, -length:].sin()), (angles.cos(), angles.sin())
             pk, pv = torch.randn(2, heads, width, dh), torch.randn(2, heads, width, dh)
             seen = torch.rand(2, 1, 1, width) > 0.2
-            mine = torch.rand(batch, 1, length, length) > 0.3
+            mine = torch.rand(batch, 1, length, own) > 0.3
             masks = SplitMasks(attention_bias(seen, torch.float32), attention_bias(mine, torch.float32), "triton")
-            heads_of = lambda t: t.view(batch, length, heads, dh).transpose(1, 2)
-            want = split_prefix_attention(heads_of(apply_rotary(q, *rope)), heads_of(apply_rotary(k, *rope)),
+            heads_of = lambda t: t.view(batch, t.shape[1], heads, dh).transpose(1, 2)
+            want = split_prefix_attention(heads_of(apply_rotary(q, *rope_q)), heads_of(apply_rotary(k, *rope_k)),
                                           heads_of(v), (pk, pv), masks)
+            head0 = (rotated_channels(q, *rope_q), rotated_channels(k, *rope_k))
             for config in (sak.LAUNCH, sak.LaunchConfig(16, 32, 4, 2)):
                 got = sak.launch(heads_of(q), heads_of(k), heads_of(v), pk, pv, masks.prefix, masks.own, config,
-                                 rope=rope)
+                                 head0=head0)
                 worst = max(worst, float((got - want).abs().max()))
-            got = split_prefix_attention(heads_of(q), heads_of(k), heads_of(v), (pk, pv), masks, rope)
+            got = split_prefix_attention(heads_of(q), heads_of(k), heads_of(v), (pk, pv), masks, head0)
             worst = max(worst, float((got - want).abs().max()))
             unrotated = split_prefix_attention(heads_of(q), heads_of(k), heads_of(v), (pk, pv), masks)
             moved = max(moved, float((unrotated - want)[..., :dh].abs().max()))
-            assert torch.equal(unrotated[..., dh:], want[..., dh:]) or heads == 1  # only head 0 is rotated
+            assert torch.equal(unrotated[..., dh:], want[..., dh:])  # only head 0 is rotated
         print(sak._trial(torch.device("cpu"), torch.float32, True))
         print(worst, moved)
     """)
@@ -235,9 +236,10 @@ def test_the_kernel_applies_the_rotary_embedding_as_the_dit_does() -> None:
     assert trial == "True" and worst < 1e-5 and moved > 1e-2  # the rotation changes head 0's attention
 
 
-def test_the_rotary_embedding_in_the_kernel_is_checked() -> None:
-    """Only the triton kernel rotates (masks, the DiT's setting), its own keys must be the
-    queries' frames, and cos and sin float32 [B, T, dh]: a clear error, not a wrong read."""
+def test_head_0_apart_is_checked() -> None:
+    """Only the triton kernel takes head 0 apart (masks, the DiT's setting), and its queries
+    and own keys must be [B, T, dh] and [B, S, dh] of q's dtype: a clear error, not a wrong
+    read."""
     from engine.models.config import ModelConfig
     from engine.models.dit import split_prefix_masks
     from engine.models.flow import CausalMaskedDiffWithDiT
@@ -251,33 +253,34 @@ def test_the_rotary_embedding_in_the_kernel_is_checked() -> None:
         dit.use_attention_kernel("cudnn", rotary=True)
     dit.use_attention_kernel("triton", rotary=True)
     assert dit.rotary_in_attention
-    batch, heads, length, width, dh = 4, 2, 3, 5, 16
-    q = torch.randn(batch, heads, length, dh)
+    batch, heads, length, own, width, dh = 4, 2, 3, 5, 5, 16
+    q, k = torch.randn(batch, heads, length, dh), torch.randn(batch, heads, own, dh)
     pk = torch.randn(2, heads, width, dh)
-    biases = (torch.zeros(2, 1, 1, width), torch.zeros(batch, 1, length, length + 2))
-    cos = torch.ones(batch, length, dh)
-    cases = ((torch.randn(batch, heads, length + 2, dh), (cos, cos), "takes the own keys at the queries'"),
-             (q, (cos.double(), cos.double()), "must be float32"),
-             (q, (cos[:, :2], cos[:, :2]), r"must be \[4, 3, 16\]"))
-    for k, rope, what in cases:
-        own_bias = torch.zeros(batch, 1, length, k.shape[2])
+    biases = (torch.zeros(2, 1, 1, width), torch.zeros(batch, 1, length, own))
+    q0, k0 = torch.randn(batch, length, dh), torch.randn(batch, own, dh)
+    cases = (((k0, k0), r"must be \[4, 3, 16\] and \[4, 5, 16\]"),
+             ((q0, q0), r"must be \[4, 3, 16\] and \[4, 5, 16\]"),
+             ((q0[..., :8], k0), "must be"),
+             ((q0.double(), k0), "of q's dtype"))
+    for head0, what in cases:
         with pytest.raises(ValueError, match=what):
-            split_attention_kernel.launch(q, k, k, pk, pk, biases[0], own_bias, split_attention_kernel.LAUNCH,
-                                          kernel=object(), rope=rope)
+            split_attention_kernel.launch(q, k, k, pk, pk, *biases, split_attention_kernel.LAUNCH,
+                                          kernel=object(), head0=head0)
 
 
 def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`flow_attention_rotary` reaches the DiT only with the triton kernel in use: off the
-    interpreter the CPU takes cuDNN's calls, and rotates as before; and the setting is off by
-    default."""
+    """`flow_attention_rotary` (on by default) reaches the DiT only with the triton kernel in
+    use: off the interpreter the CPU takes cuDNN's calls, and rotates as before, as it does
+    with the setting on and cuDNN's calls asked for."""
     from engine.models.config import ModelConfig
     from engine.models.flow import CausalMaskedDiffWithDiT
     from engine.token2wav import AudioStage
 
-    assert EngineConfig(model_dir=Path(".")).flow_attention_rotary is False
-    with pytest.raises(ValueError, match="flow_attention_rotary needs flow_attention triton"):
-        EngineConfig(model_dir=Path("."), flow_attention="cudnn", flow_attention_rotary=True)
+    assert EngineConfig(model_dir=Path(".")).flow_attention_rotary is True
+    assert EngineConfig(model_dir=Path("."), flow_attention="cudnn", flow_attention_rotary=True).flow_attention_rotary
     flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
+    AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="cudnn", flow_attention_rotary=True)
+    assert (flow.decoder.estimator.attention_kernel, flow.decoder.estimator.rotary_in_attention) == ("cudnn", False)
     AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton", flow_attention_rotary=True)
     dit = flow.decoder.estimator
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
@@ -287,7 +290,8 @@ def test_the_stage_turns_the_rotary_setting_off_where_the_kernel_does_not_run(mo
         monkeypatch.setattr(split_attention_kernel, "runs_on", lambda d, t, rotary=False: rotary_runs or not rotary)
         AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton", flow_attention_rotary=True)
         assert (dit.attention_kernel, dit.rotary_in_attention) == ("triton", rotary_runs)
-        AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton")
+        AudioStage(flow, torch.nn.Linear(1, 1), torch.device("cpu"), flow_attention="triton",
+                   flow_attention_rotary=False)
         assert (dit.attention_kernel, dit.rotary_in_attention) == ("triton", False)
 
 
@@ -303,7 +307,7 @@ def test_a_trial_that_disagrees_says_so_and_keeps_the_kernel_out(monkeypatch: py
         for rotary in (False, True):
             assert split_attention_kernel._trial.__wrapped__(torch.device("cpu"), torch.float32, rotary) is False
     assert [r.getMessage().split(" disagrees")[0] for r in caplog.records] == [
-        "the split attention kernel", "the split attention kernel with the rotary embedding"]
+        "the split attention kernel", "the split attention kernel with head 0 apart"]
 
 
 def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
@@ -338,12 +342,18 @@ def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
     assert float(out.strip().splitlines()[-1]) < 1e-5
 
 
-@pytest.mark.parametrize("rotary", [False, True])
-def test_the_kernel_compiles_to_hopper_machine_code(rotary: bool) -> None:
+def test_the_kernel_compiles_to_pipelined_hopper_machine_code() -> None:
     """The interpreter runs the kernel's arithmetic, not Triton's compiler: here the kernel
     goes through every stage down to an sm_90 binary (ptxas ships with Triton; no GPU
-    needed), both variants, with the shipped launch settings, so a kernel only a GPU would
-    refuse is caught before a GPU session's A/B is spent finding out."""
+    needed), both variants, with the shipped launch settings and the 16-byte alignments a
+    launch on the DiT's tensors gives, so a kernel only a GPU would refuse is caught before
+    a GPU session's A/B is spent finding out. Both stage their key and value blocks in
+    shared memory ahead of the step that uses them (pipelined) and take the same shared
+    memory: head 0 apart is a choice of pointers, not a branch in the loop (round 46: one
+    that made every program copy each key block to registers and back, or a second loop
+    that doubled the shared memory, slowed the stage)."""
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -351,13 +361,23 @@ def test_the_kernel_compiles_to_hopper_machine_code(rotary: bool) -> None:
     kernel = split_attention_kernel._triton()
     assert kernel is not None
     launch = split_attention_kernel.LAUNCH
-    constants = {"DH": 64, "BM": launch.block_m, "BN": launch.block_n, "PRECISION": "tf32", "ROTARY": rotary}
-    signature = {name: ("constexpr" if name in constants else "fp32" if name == "scale"
-                        else "*fp32" if name in ("cos_ptr", "sin_ptr") else "*bf16" if name.endswith("_ptr") else "i32")
-                 for name in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
-    binary = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
-    assert binary.asm["cubin"] and "warp_group_dot" in binary.asm["ttgir"]  # Hopper's matrix instructions
-    assert ("scf.if" in binary.asm["ttgir"]) == rotary  # head 0's rotation: a branch, in the rotary variant only
+    unspecialised = {"length", "own", "width", "rows", "sob_b", "sob_t", "scale"}
+    binaries = []
+    for rotary in (False, True):
+        constants = {"DH": 64, "BM": launch.block_m, "BN": launch.block_n, "PRECISION": "tf32", "ROTARY": rotary}
+        signature = {name: ("constexpr" if name in constants else "fp32" if name == "scale"
+                            else "*bf16" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                   if name not in constants and name not in unspecialised}
+        source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
+                           constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+        binaries.append(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                       options={"num_warps": launch.num_warps, "num_stages": launch.num_stages}))
+    for rotary, binary in zip((False, True), binaries):
+        ttgir = binary.asm["ttgir"]
+        assert binary.asm["cubin"] and "warp_group_dot" in ttgir  # Hopper's matrix instructions
+        assert ttgir.count("async_copy_global_to_local") >= 4  # keys and values, both loops, ahead
+        branches = re.findall(r"scf\.if %\w+ -> \(([^)]*)\)", ttgir)
+        assert len(branches) == rotary and all(set(re.findall(r"!tt\.ptr<bf16>|tensor", b)) == {"!tt.ptr<bf16>"}
+                                               for b in branches)  # head 0 apart: a choice of two pointers
+    assert binaries[0].metadata.shared == binaries[1].metadata.shared

@@ -256,8 +256,8 @@ class SplitMasks(NamedTuple):
     """What a one-voice prefixed call's blocks take instead of a mask when its attention is
     split (`split_prefix_attention`): additive biases over the shared prefix keys [2, 1, 1, W]
     and over each row's own keys [B, 1, T, L + T], the kernel (ATTENTION_KERNELS), and
-    whether that kernel ("triton") applies the rotary embedding itself where it can
-    (`DiT.rotary_in_attention`)."""
+    whether that kernel ("triton") takes head 0 rotated apart and the other heads from the
+    projection where it can, sparing a rotated copy of q and k (`DiT.rotary_in_attention`)."""
 
     prefix: torch.Tensor
     own: torch.Tensor
@@ -271,7 +271,7 @@ def split_prefix_masks(mask: torch.Tensor, width: int, dtype: torch.dtype, kerne
     `prefixed_attention_mask`) as the two additive biases `split_prefix_attention` takes:
     the prefix keys' [2, 1, 1, W] (every query of a CFG half sees the same ones: the rows'
     first, a whole number of blocks before them) and the row's own keys' [B, 1, T, L + T];
-    `rotary` ("triton" only): the kernel applies the rotary embedding (`SplitMasks.rotary`)."""
+    `rotary` ("triton" only): the kernel takes head 0 rotated apart (`SplitMasks.rotary`)."""
     batch = mask.shape[0]
     first = mask[:, :, :1, :width].reshape(2, batch // 2, 1, 1, width)[:, 0]
     if rotary and kernel != "triton":
@@ -303,7 +303,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
 
 def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            prefix_kv: tuple[torch.Tensor, torch.Tensor], masks: SplitMasks,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           head0: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of a one-voice batch over [shared prefix; own keys] without a per-row copy
     of the prefix: each CFG half's queries, all rows as one sequence, attend to its prefix
     once ([2, H, R x T] queries over W keys), each row's queries to its own keys (ring and
@@ -315,10 +315,12 @@ def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v: [B, H, T, dh] (B = 2R: rows [0, R) conditional); prefix_kv: [2, H, W, dh] each.
     Returns [B, T, H x dh]. With `masks.kernel` "triton" one kernel does it all
     (`split_attention_kernel`; chosen only where it runs, `attention_kernel_for`), and with
-    `rope` (the kernel only) q and k are unrotated and the kernel rotates them."""
+    `head0` (the kernel only: head 0's queries and own keys, rotated, [B, T, dh] and
+    [B, S, dh]) q and k are the projection's, unrotated, and the kernel reads head 0 from
+    `head0` instead."""
     if masks.kernel == "triton":
-        return split_attention_kernel.split_prefix_attention(q, k, v, prefix_kv, masks.prefix, masks.own, rope)
-    if rope is not None:
+        return split_attention_kernel.split_prefix_attention(q, k, v, prefix_kv, masks.prefix, masks.own, head0)
+    if head0 is not None:
         raise ValueError(f"the {masks.kernel!r} attention takes q and k rotated")
     batch, heads, length, dh = q.shape
     halves = q.transpose(1, 2).reshape(2, batch // 2 * length, heads, dh).transpose(1, 2)
@@ -544,11 +546,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     of the fused q/k/v product, and the compiler then writes the rotated copy in one
     pass (an in-place write into a view made it copy the whole product first).
     """
-    width = cos.shape[-1]
-    rot = x[..., :width].float()
+    return torch.cat((rotated_channels(x, cos, sin), x[..., cos.shape[-1]:]), dim=-1)
+
+
+def rotated_channels(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The first cos.shape[-1] channels of x, rotated as `apply_rotary` rotates them; the
+    rest are not returned: [B, T, width]."""
+    rot = x[..., :cos.shape[-1]].float()
     pairs = rot.unflatten(-1, (-1, 2))
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    return torch.cat(((rot * cos + swapped * sin).to(x.dtype), x[..., width:]), dim=-1)
+    return (rot * cos + swapped * sin).to(x.dtype)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -631,13 +638,14 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.heads * self.dim_head, dim=-1)
         packed = mask if isinstance(mask, PackedMask) else None
-        # The split kernel can rotate q and the own keys as it reads them from the projection
-        # (`SplitMasks.rotary`), sparing a rotated copy of both, where it attends to them alone:
-        # no ring before them and no keys kept or recorded (those are the rotated ones).
-        fused_rope = (isinstance(mask, SplitMasks) and mask.rotary and ring_kv is None and record is None
-                      and not keep_kv)
-        if not fused_rope:
-            # Rotary on the un-split projections: only head 0 gets position information.
+        # Rotary on the un-split projections: only head 0 gets position information. The split
+        # kernel can take that head rotated apart and the others from the projection as it is
+        # (`SplitMasks.rotary`), sparing a rotated copy of q and k, where it attends to them
+        # alone: no ring before them and no keys kept or recorded (those are the rotated ones).
+        head0 = None
+        if isinstance(mask, SplitMasks) and mask.rotary and ring_kv is None and record is None and not keep_kv:
+            head0 = (rotated_channels(q, *rope), rotated_channels(k, *rope))
+        else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         new_k, new_v = k, v  # [B, T, H x dh]: a frame's heads side by side
         if packed is not None:  # the attention alone runs on the padded rows
@@ -655,7 +663,7 @@ class Attention(nn.Module):
                 raise ValueError("split attention masks need a prefix shared by every row")
             if ring_kv is not None:
                 k, v = torch.cat((ring_kv[0], k), dim=2), torch.cat((ring_kv[1], v), dim=2)
-            out = split_prefix_attention(q, k, v, prefix_kv, mask, rope if fused_rope else None)
+            out = split_prefix_attention(q, k, v, prefix_kv, mask, head0)
         else:
             if prefix_kv is not None:
                 pk, pv = (per_row(t, batch) for t in prefix_kv) if shared else prefix_kv
@@ -749,7 +757,7 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, mel)
         self._compiled_block: Callable[..., torch.Tensor] | None = None
         self.attention_kernel = "sdpa"  # one of ATTENTION_KERNELS (`use_attention_kernel`)
-        self.rotary_in_attention = False  # the split kernel rotates q and k itself (`use_attention_kernel`)
+        self.rotary_in_attention = False  # the split kernel takes head 0 rotated apart (`use_attention_kernel`)
         # One-voice prefixed calls of at least this many rows per CFG half attend to the shared
         # prefix apart from each row's own keys (`split_prefix_attention`) instead of over
         # per-row copies of it; 0: never (EngineConfig.flow_split_prefix_rows).
@@ -796,7 +804,8 @@ class DiT(nn.Module):
 
     def use_attention_kernel(self, name: str, rotary: bool = False) -> None:
         """How the blocks' attention runs from now on (see ATTENTION_KERNELS); `rotary`:
-        "triton" applies the rotary embedding in its kernel where it can (`SplitMasks.rotary`)."""
+        "triton" takes head 0 rotated apart and the other heads from the projection where it
+        can (`SplitMasks.rotary`)."""
         if name not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {name!r}")
         if rotary and name != "triton":

@@ -17,6 +17,15 @@ imported, which the tests use). It is asked when the kernel is chosen
 (`dit.attention_kernel_for`), not in the blocks, which run under torch.compile. The
 stage's default (`EngineConfig.flow_attention` "triton") since round 45, where on H100s
 the stage's rounds of 5-8 chunks took 3.5-5% less time with it than with cuDNN's two calls.
+
+The DiT's rotary embedding turns head 0 alone (the projection's first dh channels). With
+`head0` the kernel reads that head's queries and own keys from small rotated tensors and the
+other heads from the projection as it is, so no copy of all of q and k is made to rotate a
+sixteenth of it (`EngineConfig.flow_attention_rotary`, on since round 46: 5.7-6.8% less stage
+time a round on an H100). The two sources differ only in a program's base pointers: an
+earlier variant rotated head 0 inside the key loop, a branch that made every program move
+each key block from shared memory to registers and back: rounds took 4-8% longer than
+with the copy.
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ def _triton() -> Any | None:
 
 def runs_on(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bool:
     """Whether `split_prefix_attention` can run on inputs of `dtype` on `device` (`rotary`:
-    with the rotary embedding applied in the kernel): CUDA in bf16 or fp16 where a trial
+    with head 0 apart, `head0`): CUDA in bf16 or fp16 where a trial
     call compiles, runs and agrees with the torch formula (`_trial`: a kernel that fails
     inside the stage's compiled blocks has no fallback), or the CPU in float32 under
     Triton's interpreter (tests), with Triton importable."""
@@ -82,10 +91,10 @@ def runs_on(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> b
 @functools.cache
 def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bool:
     """One call at the DiT's kind of shape (16 heads of 64, a prompt and own keys each
-    across a block of keys, two rows; with `rotary` q, k and v are views of one projection
-    and the own keys the queries' frames, each row at its own positions), against the
-    attention over the concatenated keys in float32 (head 0's queries and own keys rotated
-    first, as `dit.apply_rotary` does)."""
+    across a block of keys, two rows; with `rotary` q, k and v are views of one projection,
+    the own keys the queries' frames, each row at its own positions, and head 0's queries
+    and keys rotated apart, as `dit.Attention` passes them), against the attention over the
+    concatenated keys in float32 (with head 0 rotated)."""
     from .dit import RotaryEmbedding, apply_rotary  # not at the top: dit imports this module
 
     try:
@@ -101,17 +110,18 @@ def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bo
         zeros = torch.zeros
         biases = (zeros(2, 1, 1, width, device=device, dtype=dtype),
                   zeros(batch, 1, length, own, device=device, dtype=dtype))
-        rope = None
+        head0 = None
         if rotary:  # as the DiT calls it: q, k, v views of one projection, each row at its own position
             q, k, v = (t.view(batch, length, heads, dh).transpose(1, 2)
                        for t in rand(batch, length, 3 * heads * dh).split(heads * dh, dim=-1))
             positions = torch.arange(length, device=device) + 50 * torch.arange(batch, device=device)[:, None]
             angles = RotaryEmbedding(dh).to(device).at(positions)  # [B, T, dh] float32
-            rope = (angles.cos(), angles.sin())
-        got = split_prefix_attention(q, k, v, (pk, pv), *biases, rope)
-        if rope is not None:  # the reference rotates head 0 of the queries and own keys itself
+            head0 = (apply_rotary(q[:, 0], angles.cos(), angles.sin()),
+                     apply_rotary(k[:, 0], angles.cos(), angles.sin()))
+        got = split_prefix_attention(q, k, v, (pk, pv), *biases, head0)
+        if head0 is not None:  # the reference puts the rotated head 0 in place itself
             q, k = q.clone(), k.clone()
-            q[:, 0], k[:, 0] = apply_rotary(q[:, 0], *rope), apply_rotary(k[:, 0], *rope)
+            q[:, 0], k[:, 0] = head0
         keys = torch.cat((pk.repeat_interleave(batch // 2, dim=0), k), dim=2).float()
         values = torch.cat((pv.repeat_interleave(batch // 2, dim=0), v), dim=2).float()
         want = torch.softmax(q.float() @ keys.transpose(-1, -2) * dh ** -0.5, dim=-1) @ values
@@ -119,30 +129,31 @@ def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bo
         worst = float((got.float() - want).abs().max())
         if not worst < 0.05:
             log.warning("the split attention kernel%s disagrees with the torch formula on %s (%s) by up to %.3g; "
-                        "the DiT uses %s", " with the rotary embedding" if rotary else "", device, dtype, worst,
-                        "the kernel without it" if rotary else "cuDNN's")
+                        "the DiT uses %s", " with head 0 apart" if rotary else "", device, dtype, worst,
+                        "the kernel on a rotated copy of q and k" if rotary else "cuDNN's")
         return worst < 0.05
     except Exception:  # any failure of the trial: the stage takes cuDNN's two calls instead
         log.warning("the split attention kernel%s does not run on %s (%s); the DiT uses %s",
-                    " with the rotary embedding" if rotary else "", device, dtype,
-                    "the kernel without it" if rotary else "cuDNN's", exc_info=True)
+                    " with head 0 apart" if rotary else "", device, dtype,
+                    "the kernel on a rotated copy of q and k" if rotary else "cuDNN's", exc_info=True)
         return False
 
 
 def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            prefix_kv: tuple[torch.Tensor, torch.Tensor], prefix_bias: torch.Tensor,
-                           own_bias: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           own_bias: torch.Tensor, head0: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """What `dit.split_prefix_attention` computes, as one kernel: q [B, H, T, dh] (B = 2R,
     rows [0, R) conditional), k, v [B, H, S, dh]; prefix_kv [2, H, W, dh] each; the
     additive biases [2, 1, 1, W] over the prefix keys and [B, 1, T, S] over each row's own.
-    With `rope` (cos and sin of the frames' rotary angles, [B, T, dh] float32) q and the
-    own keys are as the projection makes them, the own keys are the queries' frames
-    (S = T), and head 0 of both is rotated in the kernel (`dit.apply_rotary` rotates the
-    projection's first dh channels). Returns [B, T, H x dh]."""
-    if rope is None:
+    With `head0` (head 0's queries [B, T, dh] and own keys [B, S, dh], rotated) the kernel
+    reads head 0 from there and the other heads from q and k, which may be the projection
+    as it is, unrotated: the DiT's rotary embedding turns head 0 alone (`dit.apply_rotary`
+    rotates the projection's first dh channels), so nothing copies the other heads.
+    Returns [B, T, H x dh]."""
+    if head0 is None:
         return torch.ops.cosyvoice.split_prefix_attention(q, k, v, prefix_kv[0], prefix_kv[1], prefix_bias, own_bias)
     return torch.ops.cosyvoice.split_prefix_attention_rotary(q, k, v, prefix_kv[0], prefix_kv[1], prefix_bias,
-                                                             own_bias, rope[0], rope[1])
+                                                             own_bias, head0[0], head0[1])
 
 
 # Operators of their own: the DiT's blocks run under torch.compile, which takes each as one
@@ -156,13 +167,13 @@ def _split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 @torch.library.custom_op("cosyvoice::split_prefix_attention_rotary", mutates_args=())
 def _split_prefix_attention_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor,
                                    pv: torch.Tensor, prefix_bias: torch.Tensor, own_bias: torch.Tensor,
-                                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return launch(q, k, v, pk, pv, prefix_bias, own_bias, LAUNCH, rope=(cos, sin))
+                                   q0: torch.Tensor, k0: torch.Tensor) -> torch.Tensor:
+    return launch(q, k, v, pk, pv, prefix_bias, own_bias, LAUNCH, head0=(q0, k0))
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
            prefix_bias: torch.Tensor, own_bias: torch.Tensor, config: LaunchConfig, kernel: Any = None,
-           rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           head0: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The operators' body with `config` (and `kernel`, a jitted variant of the kernel:
     `bench.split_attention_tune` compares launch settings with it)."""
     kernel = kernel if kernel is not None else _triton()
@@ -182,18 +193,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, 
                          f"{tuple(prefix_bias.shape)} and {tuple(own_bias.shape)}")
     if len({t.dtype for t in (q, k, v, pk, pv)}) > 1 or len({t.device for t in (q, k, v, pk, pv)}) > 1:
         raise ValueError("q, k, v and the prefix keys and values must share one dtype and one device")
-    cos, sin = (q, q) if rope is None else rope  # without rope: never read (ROTARY is off)
-    if rope is not None:
-        if own != length:
-            raise ValueError(f"the rotary embedding in the kernel takes the own keys at the queries' {length} "
-                             f"frames, not {own} keys")
-        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-            raise ValueError(f"the rotary embedding's cos and sin must be float32, not {cos.dtype} and {sin.dtype}")
-        if cos.shape != sin.shape or cos.shape != (batch, length, dh):
-            raise ValueError(f"the rotary embedding's cos and sin must be [{batch}, {length}, {dh}], not "
-                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-            cos, sin = cos.contiguous(), sin.contiguous()
+    q0, k0 = (q, k) if head0 is None else head0  # without head0: never read (ROTARY is off)
+    if head0 is not None:
+        if q0.shape != (batch, length, dh) or k0.shape != (batch, own, dh):
+            raise ValueError(f"head 0's queries and keys apart must be [{batch}, {length}, {dh}] and "
+                             f"[{batch}, {own}, {dh}], not {tuple(q0.shape)} and {tuple(k0.shape)}")
+        if q0.dtype != q.dtype or k0.dtype != q.dtype or q0.device != q.device or k0.device != q.device:
+            raise ValueError("head 0's queries and keys apart must be of q's dtype and on q's device")
+        q0, k0 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q0, k0))
     # Strides as given, but each frame's dh values side by side (the projections' layout).
     q, k, v, pk, pv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, pk, pv))
     if prefix_bias.stride(-1) != 1 or own_bias.stride(-1) != 1:
@@ -202,14 +209,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, 
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
     grid = (-(-length // config.block_m), batch * heads)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        kernel[grid](q, k, v, pk, pv, prefix_bias, own_bias, out, cos, sin,
+        kernel[grid](q, k, v, pk, pv, prefix_bias, own_bias, out, q0, k0,
                      length, own, width, batch // 2, heads, dh ** -0.5,
                      q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                      v.stride(0), v.stride(1), v.stride(2), pk.stride(0), pk.stride(1), pk.stride(2),
                      pv.stride(0), pv.stride(1), pv.stride(2), prefix_bias.stride(0),
                      own_bias.stride(0), own_bias.stride(2), out.stride(0), out.stride(1),
-                     cos.stride(0), cos.stride(1),
-                     DH=dh, BM=config.block_m, BN=config.block_n, PRECISION=precision, ROTARY=rope is not None,
+                     q0.stride(0), q0.stride(1), k0.stride(0), k0.stride(1),
+                     DH=dh, BM=config.block_m, BN=config.block_n, PRECISION=precision, ROTARY=head0 is not None,
                      num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -223,5 +230,5 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, p
 
 @_split_prefix_attention_rotary.register_fake
 def _fake_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
-                 prefix_bias: torch.Tensor, own_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 prefix_bias: torch.Tensor, own_bias: torch.Tensor, q0: torch.Tensor, k0: torch.Tensor) -> torch.Tensor:
     return _fake(q, k, v, pk, pv, prefix_bias, own_bias)
