@@ -197,7 +197,7 @@ class EngineConfig:
     # heads straight from the q/k/v projection (`SplitMasks.rotary`), instead of a rotated
     # copy of all of q and k. That copy was 7.2% of a ~5-chunk round's GPU time on an H100
     # (round 45: 4.07 ms of 56.7); without it (round 46, H100) the stage alone took 6.5-6.8%
-    # less time a round of 5-8 chunks and 5.7% at 16, with the same PCM to the bit. Only in
+    # less time a round of 5-8 chunks and 5.6% at 16, with the same PCM to the bit. Only in
     # calls with no ring of context keys and none kept (with the flow context cache on, the
     # one-voice graphs carry both and rotate as before). Where the kernel's trial with it
     # fails, the stage logs a warning and rotates as before.

@@ -311,7 +311,7 @@ def test_context_bench_compares_any_option(tmp_path, capsys) -> None:  # noqa: A
     out = capsys.readouterr().out
     assert "on/off" in out and "check: skipped" in out
     # The attention kernel belongs to the DiT both stages share: refused, not half-applied.
-    for shared in ("flow_attention=cudnn", "flow_attention_rotary=true"):
+    for shared in ("flow_attention=cudnn", "flow_attention_rotary=false"):
         with pytest.raises(SystemExit):
             main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path), "--ab", shared])
         assert f"--ab {shared.split('=')[0]}: both stages share the DiT" in capsys.readouterr().err

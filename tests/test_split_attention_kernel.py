@@ -219,6 +219,17 @@ def test_the_kernel_takes_head_0_apart_as_the_dit_passes_it() -> None:
             want = split_prefix_attention(heads_of(apply_rotary(q, *rope_q)), heads_of(apply_rotary(k, *rope_k)),
                                           heads_of(v), (pk, pv), masks)
             head0 = (rotated_channels(q, *rope_q), rotated_channels(k, *rope_k))
+            # As views with other row and batch strides than dh (and, for the keys, a last
+            # stride of 2, which the launch makes contiguous): read at their own strides.
+            spaced_q = torch.zeros(batch, 2 * length, dh + 16)
+            spaced_q[:, ::2, :dh] = head0[0]
+            spaced_k = torch.zeros(batch, own, 2 * dh)
+            spaced_k[..., ::2] = head0[1]
+            views = (spaced_q[:, ::2, :dh], spaced_k[..., ::2])
+            assert views[0].stride()[1:] == (2 * (dh + 16), 1) and views[1].stride(-1) == 2
+            got = sak.launch(heads_of(q), heads_of(k), heads_of(v), pk, pv, masks.prefix, masks.own, sak.LAUNCH,
+                             head0=views)
+            worst = max(worst, float((got - want).abs().max()))
             for config in (sak.LAUNCH, sak.LaunchConfig(16, 32, 4, 2)):
                 got = sak.launch(heads_of(q), heads_of(k), heads_of(v), pk, pv, masks.prefix, masks.own, config,
                                  head0=head0)
@@ -260,7 +271,7 @@ def test_head_0_apart_is_checked() -> None:
     q0, k0 = torch.randn(batch, length, dh), torch.randn(batch, own, dh)
     cases = (((k0, k0), r"must be \[4, 3, 16\] and \[4, 5, 16\]"),
              ((q0, q0), r"must be \[4, 3, 16\] and \[4, 5, 16\]"),
-             ((q0[..., :8], k0), "must be"),
+             ((q0[..., :8], k0), r"not \(4, 3, 8\) and"),
              ((q0.double(), k0), "of q's dtype"))
     for head0, what in cases:
         with pytest.raises(ValueError, match=what):
@@ -311,7 +322,7 @@ def test_a_trial_that_disagrees_says_so_and_keeps_the_kernel_out(monkeypatch: py
 
 
 def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
-    """`Attention.forward` leaves the rotation to the kernel only in calls that attend to this
+    """`Attention.forward` takes head 0 apart for the kernel only in calls that attend to this
     call's keys alone and keep none: with a ring of context keys before them, or the keys
     kept (`keep_kv`, the context cache's rings; a recorded call takes no split masks), the
     keys must be the rotated ones. Every such call gives what the unfused one gives, kept
@@ -320,6 +331,9 @@ def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
         import torch
         from engine.models.dit import Attention, SplitMasks, RotaryEmbedding, attention_bias
         torch.manual_seed(0)
+        rotary_op, strides = torch.ops.cosyvoice.split_prefix_attention_rotary, []
+        torch.ops.cosyvoice.split_prefix_attention_rotary = lambda q, k, *rest: (
+            strides.append((q.stride(2), k.stride(2))) or rotary_op(q, k, *rest))
         batch, heads, length, width, ring, dh = 4, 2, 6, 5, 3, 16
         attn = Attention(24, heads, dh)
         x = torch.randn(batch, length, 24)
@@ -337,9 +351,13 @@ def test_the_dit_rotates_q_and_k_itself_where_the_kernel_cannot() -> None:
             want = attn(x, masks, pad, rope, prefix_kv, shared=True, ring_kv=ring_in, keep_kv=keep)
             for a, b in zip(got if keep else (got,), want if keep else (want,)):
                 worst = max(worst, float((a - b).abs().max()))
+        print(strides)
         print(worst)
     """)
-    assert float(out.strip().splitlines()[-1]) < 1e-5
+    strides, worst = out.strip().splitlines()[-2:]
+    # Only the call with no ring and nothing kept took head 0 apart, q and k as the projection
+    # left them (a frame's row: q, k and v of all heads), not a rotated copy.
+    assert strides == "[(96, 96)]" and float(worst) < 1e-5
 
 
 def test_the_kernel_compiles_to_pipelined_hopper_machine_code() -> None:

@@ -275,7 +275,7 @@ def split_prefix_masks(mask: torch.Tensor, width: int, dtype: torch.dtype, kerne
     batch = mask.shape[0]
     first = mask[:, :, :1, :width].reshape(2, batch // 2, 1, 1, width)[:, 0]
     if rotary and kernel != "triton":
-        raise ValueError(f"only the triton kernel applies the rotary embedding, not {kernel!r}")
+        raise ValueError(f"only the triton kernel takes head 0 rotated apart, not {kernel!r}")
     return SplitMasks(attention_bias(first, dtype), attention_bias(mask[..., width:], dtype), kernel, rotary)
 
 
@@ -809,7 +809,7 @@ class DiT(nn.Module):
         if name not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {name!r}")
         if rotary and name != "triton":
-            raise ValueError(f"only the triton kernel applies the rotary embedding, not {name!r}")
+            raise ValueError(f"only the triton kernel takes head 0 rotated apart, not {name!r}")
         self.attention_kernel = name
         self.rotary_in_attention = rotary
 

@@ -21,7 +21,7 @@ the stage's rounds of 5-8 chunks took 3.5-5% less time with it than with cuDNN's
 The DiT's rotary embedding turns head 0 alone (the projection's first dh channels). With
 `head0` the kernel reads that head's queries and own keys from small rotated tensors and the
 other heads from the projection as it is, so no copy of all of q and k is made to rotate a
-sixteenth of it (`EngineConfig.flow_attention_rotary`, on since round 46: 5.7-6.8% less stage
+sixteenth of it (`EngineConfig.flow_attention_rotary`, on since round 46: 5.6-6.8% less stage
 time a round on an H100). The two sources differ only in a program's base pointers: an
 earlier variant rotated head 0 inside the key loop, a branch that made every program move
 each key block from shared memory to registers and back: rounds took 4-8% longer than
@@ -95,7 +95,7 @@ def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bo
     the own keys the queries' frames, each row at its own positions, and head 0's queries
     and keys rotated apart, as `dit.Attention` passes them), against the attention over the
     concatenated keys in float32 (with head 0 rotated)."""
-    from .dit import RotaryEmbedding, apply_rotary  # not at the top: dit imports this module
+    from .dit import RotaryEmbedding, rotated_channels  # not at the top: dit imports this module
 
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -116,8 +116,8 @@ def _trial(device: torch.device, dtype: torch.dtype, rotary: bool = False) -> bo
                        for t in rand(batch, length, 3 * heads * dh).split(heads * dh, dim=-1))
             positions = torch.arange(length, device=device) + 50 * torch.arange(batch, device=device)[:, None]
             angles = RotaryEmbedding(dh).to(device).at(positions)  # [B, T, dh] float32
-            head0 = (apply_rotary(q[:, 0], angles.cos(), angles.sin()),
-                     apply_rotary(k[:, 0], angles.cos(), angles.sin()))
+            projection = (t.transpose(1, 2).flatten(2) for t in (q, k))  # [B, T, H x dh] views
+            head0 = tuple(rotated_channels(t, angles.cos(), angles.sin()) for t in projection)
         got = split_prefix_attention(q, k, v, (pk, pv), *biases, head0)
         if head0 is not None:  # the reference puts the rotated head 0 in place itself
             q, k = q.clone(), k.clone()
@@ -193,7 +193,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, 
                          f"{tuple(prefix_bias.shape)} and {tuple(own_bias.shape)}")
     if len({t.dtype for t in (q, k, v, pk, pv)}) > 1 or len({t.device for t in (q, k, v, pk, pv)}) > 1:
         raise ValueError("q, k, v and the prefix keys and values must share one dtype and one device")
-    q0, k0 = (q, k) if head0 is None else head0  # without head0: never read (ROTARY is off)
+    q0, k0 = (q[:, 0], k[:, 0]) if head0 is None else head0  # without head0: never read (ROTARY is off)
     if head0 is not None:
         if q0.shape != (batch, length, dh) or k0.shape != (batch, own, dh):
             raise ValueError(f"head 0's queries and keys apart must be [{batch}, {length}, {dh}] and "
