@@ -30,7 +30,8 @@ def softmax_step(q, kt, vt, bias, best, total, acc, scale, PRECISION: tl.constex
 def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr, q0_ptr, k0_ptr,
                     length, own, width, rows, heads, scale,
                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                    spk_c, spk_h, spk_w, spv_c, spv_h, spv_w, spb_c, sob_b, sob_t, so_b, so_t, sq0_b, sq0_t, sk0_b, sk0_t,
+                    spk_c, spk_h, spk_w, spv_c, spv_h, spv_w, spb_c, sob_b, sob_t, so_b, so_t,
+                    sq0_b, sq0_t, sk0_b, sk0_t,
                     DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
                     ROTARY: tl.constexpr):
     tile, row_head = tl.program_id(0), tl.program_id(1)
@@ -40,9 +41,10 @@ def split_attention(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, pb_ptr, ob_ptr, out_ptr
     d = tl.arange(0, DH)
     in_row = m < length
     # ROTARY: head 0's queries and own keys, the ones the rotary embedding turns, come from
-    # q0 and k0 ([B, T, DH] and [B, S, DH], rotated), the other heads' from q and k (the projection as
-    # it is): so nothing copies the unturned heads. Only the pointers differ: a branch in
-    # the loop made every program move each key block between shared memory and registers.
+    # q0 and k0 ([B, T, DH] and [B, S, DH], rotated), the other heads' from q and k (the
+    # projection as it is): so nothing copies the unturned heads. Only the pointers differ:
+    # a branch in the key loop made every program move each key block between shared
+    # memory and registers (round 46).
     q_at = q_ptr + b.to(tl.int64) * sq_b + h * sq_h
     q_st = sq_t
     k_at = k_ptr + b.to(tl.int64) * sk_b + h * sk_h
