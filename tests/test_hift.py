@@ -361,3 +361,42 @@ def test_ragged_rows_and_pieces_are_the_per_stream_slices(gather_from: int, monk
     pieces = ragged.row_ranges(rows, [2, 0, 7], [3, 10, 0])
     assert [p.tolist() for p in pieces] == [[2.0, 3.0, 4.0], list(map(float, range(10, 20))), []]
     assert all(p.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for p in pieces)
+
+
+def test_the_compiled_trunk_streams_the_same_audio_as_one_graph() -> None:
+    """`compile_trunk` (EngineConfig.vocoder_compile): the trunk traces as one graph, no break
+    (`fullgraph`; the Snakes take their plain formula while compiling), across batch sizes
+    and lengths (dynamic shapes), and the streams' audio is the eager trunk's. aot_eager runs
+    the traced operators as they are: the check here is the tracing, not inductor's code."""
+    hift = init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift), 0).eval()
+    hift.fold_weight_norm()
+    torch.manual_seed(1)
+    mels = [[torch.randn(80, n) * 2 - 5 for n in (30, 12, 7)] for _ in range(3)]
+
+    def stream(rows: int) -> torch.Tensor:
+        streams = [hift.new_stream() for _ in range(rows)]
+        with torch.inference_mode():
+            steps = [hift.stream_step(streams, [m[i] for m in mels[:rows]], [i == 2] * rows) for i in range(3)]
+        return torch.cat([p for step in steps for p in step])
+
+    want = {rows: stream(rows) for rows in (1, 3)}
+    calls = []
+    torch._dynamo.reset()
+    hift.compile_trunk(backend=lambda gm, inputs: calls.append(gm) or gm.forward, fullgraph=True)
+    got = {rows: stream(rows) for rows in (1, 3)}
+    assert calls and want[3].numel() > 1000
+    for rows in (1, 3):
+        assert torch.allclose(got[rows], want[rows], atol=1e-5, rtol=0)
+
+
+def test_the_stage_compiles_the_vocoder_trunk_on_cuda_only() -> None:
+    """The setting is off by default, and on the CPU the stage leaves the trunk eager."""
+    from engine.config import EngineConfig
+    from engine.models.flow import CausalMaskedDiffWithDiT
+    from engine.token2wav import AudioStage
+
+    assert EngineConfig(model_dir=Path(".")).vocoder_compile is False
+    cfg = ModelConfig.tiny()
+    hift = CausalHiFTGenerator(cfg.hift)
+    stage = AudioStage(CausalMaskedDiffWithDiT(cfg.flow), hift, torch.device("cpu"), vocoder_compile=True)
+    assert stage.vocoder_compile is False and hift._compiled_trunk is None
