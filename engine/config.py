@@ -216,12 +216,6 @@ class EngineConfig:
     # On an H100 (round 39 of docs/benchmarks.md) the vocoder's GPU time fell 19-30% with
     # "triton", and the stage's rounds of 1-64 chunks took 5-7% less time.
     vocoder_snake_kernel: SnakeKernelName = "triton"
-    # The CosyVoice3 vocoder's trunk (conv_pre to conv_post) under torch.compile (CUDA only;
-    # `CausalHiFTGenerator.compile_trunk`): its ~80 float32 convolutions come eager with a
-    # padding copy each and cuDNN's layout conversions, and its sums and activations as
-    # passes of their own, ~8.5 ms of a ~5-chunk round's 54 ms of GPU time on an H100
-    # (round 46). Off: not yet measured on a GPU.
-    vocoder_compile: bool = False
     # A batch of at least this many chunks, all of one voice, attends to the voice's cached
     # prompt once per CFG half, all rows' queries together, and to each row's own frames
     # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),

@@ -131,10 +131,6 @@ class EngineSettings:
         metadata=_help("the CosyVoice3 DiT's position convolutions: triton (one Triton kernel, Mish fused; CUDA "
                        "with Triton, elsewhere as torch) or torch (cuDNN for large batches)"),
     )
-    vocoder_compile: bool = field(
-        default=False,
-        metadata=_help("the CosyVoice3 vocoder's trunk under torch.compile (CUDA only; not yet measured on a GPU)"),
-    )
     vocoder_snake_kernel: str = field(
         default="triton",
         metadata=_help("the vocoder's Snake activations: triton (one fused Triton pass each; CUDA with Triton, "

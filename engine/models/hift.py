@@ -164,9 +164,6 @@ class Snake(nn.Module):
         return cached[3], cached[4]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # `CausalHiFTGenerator.compile_trunk`: one fused pass
-            a = self.alpha[None, :, None]
-            return x + 1.0 / (a + 1e-9) * torch.sin(x * a).pow(2)
         a, inverse = self._alpha_and_inverse()
         if self.kernel.name == "triton" and snake_kernel.available(x):
             try:
@@ -403,11 +400,6 @@ class HiFTStream:
 # ----------------------------------------------------------------------------- the generator
 
 
-def decode_trunk(gen: nn.Module, mel: torch.Tensor, s_stft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal generator's `conv_pre`, then `hift_trunk`: what `compile_trunk` compiles."""
-    return hift_trunk(gen, gen.conv_pre(mel), s_stft)
-
-
 def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The HiFT body shared by the causal (CosyVoice3) and CosyVoice2 generators: each
     upsampling stage adds the excitation's STFT (through `source_downs` / `source_resblocks`),
@@ -472,22 +464,8 @@ class CausalHiFTGenerator(nn.Module):
         # Plain CPU tensors (not buffers): generator states must stay on the CPU.
         self.noise_state = _noise_table_state(cfg)
         self.context_frames = decoder_context_frames(cfg) if context_frames is None else context_frames
-        self._compiled_trunk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # `compile_trunk`
 
     # ------------------------------------------------------------------ setup helpers
-
-    def compile_trunk(self, backend: str | Callable[..., object] = "inductor", fullgraph: bool = False) -> None:
-        """Run the decoder's trunk (`decode_trunk`: conv_pre to conv_post) through
-        `torch.compile` from now on (EngineConfig.vocoder_compile), dynamic shapes. Eager,
-        each of its ~80 float32 convolutions comes with a padding copy, and cuDNN's TF32
-        kernels with a layout conversion on each side; the residual sums, leaky ReLUs and
-        Snake activations are passes of their own. On an H100 (round 46 of
-        docs/benchmarks.md) the float32 convolutions, conversions, additions, copies and fills
-        of a ~5-chunk stage round took ~8.5 ms of its 54 ms of GPU time. The compiler fuses the elementwise passes
-        into the paddings and can keep the convolutions' activations in the layout their
-        kernels want. The Snake activations take the plain formula while compiling. Off by
-        default: not yet measured on a GPU."""
-        self._compiled_trunk = torch.compile(decode_trunk, dynamic=True, backend=backend, fullgraph=fullgraph)
 
     def fold_weight_norm(self) -> None:
         """Replace every weight-norm parametrization by its current plain weight (inference)."""
@@ -590,7 +568,7 @@ class CausalHiFTGenerator(nn.Module):
         n_frames = mel.shape[2] - cfg.conv_pre_look_right
         stft_per_frame = cfg.samples_per_frame // cfg.hop_len
         s_stft = self._stft(s_padded, stft_per_frame * n_frames + 1)
-        magnitude, phase = (self._compiled_trunk or decode_trunk)(self, mel, s_stft)
+        magnitude, phase = hift_trunk(self, self.conv_pre(mel), s_stft)
         wav = self._istft(magnitude, phase, valid_frames)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
 
