@@ -16,7 +16,8 @@ steps of `--new` frames each (`CausalHiFTGenerator.stream_step`, as the stage ca
 
 Ways (`--ways`): `torch` (eager operators, the stage's default until this bench), `triton`
 (`use_snake_kernel(..., "triton")`: the Snake activations fused, `engine.models.snake_kernel`),
-`compiled` (`torch.compile` of the decode, dynamic shapes: what an inductor-fused decode would
+`channels-last` (`triton` with the decode's activations and convolutions channels-last,
+`CausalHiFTGenerator.channels_last`: no layout conversions around cuDNN's convolutions), `compiled` (`torch.compile` of the decode, dynamic shapes: what an inductor-fused decode would
 give, for comparison; not an engine setting). `--graphs`: at up to 8 rows the stage's CUDA
 graphs (`engine.vocoder_graphs`) decode, as in the stage.
 """
@@ -41,7 +42,7 @@ from engine.models.loader import load_model
 from engine.stage_profile import kernel_intervals, union_within
 from engine.vocoder_graphs import VocoderGraphRunner
 
-WAYS = ("torch", "triton", "compiled")
+WAYS = ("torch", "triton", "channels-last", "compiled")
 Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -61,7 +62,8 @@ def decode_for(hift: CausalHiFTGenerator, way: str, graphs: bool) -> Decode | No
 
 def measure(hift: CausalHiFTGenerator, way: str, rows: int, args: argparse.Namespace,
             device: torch.device) -> dict[str, Any]:
-    use_snake_kernel(hift, "triton" if way == "triton" else "torch")
+    use_snake_kernel(hift, "triton" if way in ("triton", "channels-last") else "torch")
+    hift.channels_last = way == "channels-last"
     decode = decode_for(hift, way, args.graphs)
     streams = [hift.new_stream() for _ in range(rows)]
     cuda = device.type == "cuda"

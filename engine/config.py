@@ -216,6 +216,16 @@ class EngineConfig:
     # On an H100 (round 39 of docs/benchmarks.md) the vocoder's GPU time fell 19-30% with
     # "triton", and the stage's rounds of 1-64 chunks took 5-7% less time.
     vocoder_snake_kernel: SnakeKernelName = "triton"
+    # The CosyVoice3 vocoder's decode with its activations channels-last ([B, C, 1, T],
+    # frame-major storage) and every convolution a channels-last 2-D one
+    # (`CausalHiFTGenerator.channels_last`), instead of channels-first 1-D ones, around which
+    # cuDNN's TF32 kernels convert the layout of each convolution's input, weight and output;
+    # its Snakes also add the bias and pad for the convolutions around them. The same audio
+    # up to the convolutions' rounding (stage PCM relative RMS difference 4.2e-4). On an
+    # H100 (round 47 of docs/benchmarks.md) the vocoder's GPU time fell 33-34% at 5-64
+    # streams, and the stage's rounds of 5-16 chunks took 5.9-6.4% less time.
+    # CosyVoice2's vocoder stays channels-first.
+    vocoder_channels_last: bool = True
     # A batch of at least this many chunks, all of one voice, attends to the voice's cached
     # prompt once per CFG half, all rows' queries together, and to each row's own frames
     # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),

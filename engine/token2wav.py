@@ -527,7 +527,7 @@ class AudioStage:
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "triton", flow_attention_rotary: bool = True, flow_conv_kernel: str = "triton",
                  flow_split_prefix_rows: int = 8,
-                 vocoder_snake_kernel: str = "triton",
+                 vocoder_snake_kernel: str = "triton", vocoder_channels_last: bool = True,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
                  first_cut: bool = False, second_cut: bool = False):
@@ -583,6 +583,8 @@ class AudioStage:
         self.final_full_attention = final_full_attention  # engine.flow_final_full_attention: see _flow_calls
         self.hift = hift
         use_snake_kernel(hift, vocoder_snake_kernel)  # before its graphs: they keep the kernel
+        if isinstance(hift, CausalHiFTGenerator):
+            hift.channels_last = vocoder_channels_last  # as the kernel
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
         self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows))
         self.vocoder_graphs = (VocoderGraphRunner(hift, self.vocoder_graph_policy)

@@ -93,6 +93,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         flow_attention_rotary=e.flow_attention_rotary,
         flow_conv_kernel=e.flow_conv_kernel,  # type: ignore[arg-type]
         vocoder_snake_kernel=e.vocoder_snake_kernel,  # type: ignore[arg-type]
+        vocoder_channels_last=e.vocoder_channels_last,
         flow_split_prefix_rows=e.flow_split_prefix_rows,
         flow_cuda_graphs=e.flow_cuda_graphs,
         flow_graph_max_rows=e.flow_graph_max_rows,

@@ -136,6 +136,12 @@ class EngineSettings:
         metadata=_help("the vocoder's Snake activations: triton (one fused Triton pass each; CUDA with Triton, "
                        "elsewhere as torch) or torch (eager elementwise operators)"),
     )
+    vocoder_channels_last: bool = field(
+        default=True,
+        metadata=_help("the CosyVoice3 vocoder's decode with its activations and convolutions channels-last "
+                       "(frame-major), sparing cuDNN's layout conversions around each convolution: "
+                       "5.9-6.4% less stage time a round on an H100"),
+    )
     flow_split_prefix_rows: int = field(
         default=8,
         metadata=_help("one-voice flow batches of at least this many chunks attend to the voice's cached prompt "

@@ -73,6 +73,49 @@ NOISE_TABLE_SECONDS = 60.0  # device-resident prefix of the noise table (module 
 
 
 # ----------------------------------------------------------------------------- conv building blocks
+#
+# Two layouts run the same arithmetic (`CausalHiFTGenerator.channels_last`). Channels-first
+# ([B, C, T], each module's `forward`) is PyTorch's own for 1-D convolutions. Channels-last
+# ([B, C, 1, T] in `torch.channels_last` memory format, each module's `forward_channels_last`:
+# frame-major storage) runs every convolution as a 2-D one, with a channels-last copy of its
+# weight made once. cuDNN's float32 (TF32) kernels on Hopper work channels-last, so each
+# channels-first convolution paid layout conversions of its input, weight and output around
+# the product (~215 conversion kernels a 5-chunk stage round on an H100, round 46 of
+# docs/benchmarks.md). PyTorch's padding, nearest upsampling, concatenation and elementwise
+# operators keep a channels-last input's layout, so the trunk stays in it end to end.
+
+
+class DerivedTensor:
+    """A tensor computed from a parameter (a reshape, an inverse, a copy in another layout),
+    made again only when the parameter changes.
+
+    Valid while the parameter is the same tensor over the same storage (a move or a cast
+    replaces one of them; the key keeps the old tensor alive, so its address cannot come
+    back) at the same version (a load or any in-place update bumps it). A parameter made
+    under inference_mode has no version counter, so it is derived on every call."""
+
+    def __init__(self) -> None:
+        self._key: tuple[torch.Tensor, int, int] | None = None
+        self._value: object = None
+
+    def get(self, source: torch.Tensor, make: Callable[[torch.Tensor], object]) -> object:
+        if source.is_inference():
+            return make(source)
+        key = self._key
+        if key is None or key[0] is not source or key[1] != source._version or key[2] != source.data_ptr():
+            with torch.no_grad():
+                self._value = make(source.detach())
+            self._key = (source, source._version, source.data_ptr())
+        return self._value
+
+
+def conv_channels_last(conv: nn.Conv1d, x: torch.Tensor, weight: DerivedTensor, bias: bool = True) -> torch.Tensor:
+    """`conv`'s product (its stride, dilation and bias, unless bias=False; no padding) on a
+    channels-last x [B, Cin, 1, T] -> [B, Cout, 1, T'], channels-last. `weight` keeps the
+    weight's channels-last copy, [Cout, Cin, 1, K]."""
+    w = weight.get(conv.weight, lambda v: v.unsqueeze(2).contiguous(memory_format=torch.channels_last))
+    return F.conv2d(x, w, conv.bias if bias else None,  # type: ignore[arg-type]
+                    stride=(1, conv.stride[0]), dilation=(1, conv.dilation[0]))
 
 
 class LeftCausalConv1d(nn.Conv1d):
@@ -81,9 +124,16 @@ class LeftCausalConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1) -> None:
         super().__init__(cin, cout, kernel, dilation=dilation)
         self.history = (kernel - 1) * dilation
+        self.weight_channels_last = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(F.pad(x, (self.history, 0)))
+
+    def forward_channels_last(self, x: torch.Tensor, padded: bool = False, bias: bool = True) -> torch.Tensor:
+        """padded: x already starts with the `history` zero frames (a Snake's `pad_left`);
+        bias=False leaves the bias out (for a Snake after to add)."""
+        return conv_channels_last(self, x if padded else F.pad(x, (self.history, 0)), self.weight_channels_last,
+                                  bias)
 
 
 class LookaheadConv1d(nn.Conv1d):
@@ -94,6 +144,10 @@ class LookaheadConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int) -> None:
         super().__init__(cin, cout, kernel)
         self.lookahead = kernel - 1
+        self.weight_channels_last = DerivedTensor()
+
+    def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_channels_last(self, x, self.weight_channels_last)
 
 
 class UpsampleConv1d(nn.Conv1d):
@@ -103,10 +157,17 @@ class UpsampleConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int, rate: int) -> None:
         super().__init__(cin, cout, kernel)
         self.rate = rate
+        self.weight_channels_last = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.repeat_interleave(x, self.rate, dim=2)
         return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+
+    def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        # Nearest upsampling has channels-last kernels; repeat_interleave would go back to
+        # channels-first. The same values.
+        x = F.interpolate(x, scale_factor=(1, self.rate), mode="nearest")
+        return conv_channels_last(self, F.pad(x, (self.kernel_size[0] - 1, 0)), self.weight_channels_last)
 
 
 class DownsampleConv1d(nn.Conv1d):
@@ -115,9 +176,13 @@ class DownsampleConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, rate: int) -> None:
         super().__init__(cin, cout, 2 * rate, stride=rate)
         self.rate = rate
+        self.weight_channels_last = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(F.pad(x, (self.rate - 1, 0)))
+
+    def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_channels_last(self, F.pad(x, (self.rate - 1, 0)), self.weight_channels_last)
 
 
 # How the Snake activations run (`use_snake_kernel`, EngineConfig.vocoder_snake_kernel):
@@ -140,42 +205,56 @@ class Snake(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
-        self._coeffs: tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor] | None = None
+        self.coefficients = DerivedTensor()
         self.kernel = SnakeKernel()
 
-    def _alpha_and_inverse(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """alpha as [1, C, 1] and 1 / (alpha + 1e-9), computed once per value of alpha.
-
-        The vocoder is launch-bound at small batches and has ~75 of these activations, so
-        recomputing the inverse (two kernels) and the reshape (two views) on every call was
-        ~300 of a one-chunk vocoder step's ~1150 dispatches. Valid while the parameter is the
-        same tensor over the same storage (a move or a cast replaces one of them; the cached
-        view keeps the old storage alive, so its address cannot come back) at the same
-        version (a load or any in-place update bumps it)."""
-        a = self.alpha
-        if a.is_inference():  # made under inference_mode: no version counter to follow
+    def _alpha_and_inverse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """alpha and 1 / (alpha + 1e-9), as [1, C, 1] and as [1, C, 1, 1], computed once per
+        value of alpha (`DerivedTensor`). The vocoder is launch-bound at small batches and has ~75 of
+        these activations, so recomputing the inverse (two kernels) and the reshape (two
+        views) on every call was ~300 of a one-chunk vocoder step's ~1150 dispatches."""
+        def make(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
             shaped = a[None, :, None]
-            return shaped, 1.0 / (shaped + 1e-9)
-        cached = self._coeffs
-        if cached is None or cached[0] is not a or cached[1] != a._version or cached[2] != a.data_ptr():
-            with torch.no_grad():
-                shaped = a.detach()[None, :, None]
-                cached = self._coeffs = (a, a._version, a.data_ptr(), shaped, 1.0 / (shaped + 1e-9))
-        return cached[3], cached[4]
+            inverse = 1.0 / (shaped + 1e-9)
+            return shaped, inverse, shaped[..., None], inverse[..., None]
+
+        return self.coefficients.get(self.alpha, make)  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, inverse = self._alpha_and_inverse()
-        if self.kernel.name == "triton" and snake_kernel.available(x):
+        """x [B, C, T]."""
+        a, inverse, _, _ = self._alpha_and_inverse()
+        if self._use_kernel(x):
             try:
                 return snake_kernel.snake(x, a, inverse)
             except Exception as exc:
-                if not is_kernel_error(exc):
-                    raise
-                # The first call is a warm-up's (the stage's, or a graph's eager one), so
-                # this falls back before any capture; the audio stays the same, only slower.
-                log.exception("the Triton Snake activation cannot run here; the vocoder uses torch's")
-                self.kernel.name = "torch"
+                self._kernel_failed(exc)
         return x + inverse * torch.sin(x * a).pow(2)
+
+    def forward_channels_last(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                              pad_left: int = 0) -> torch.Tensor:
+        """x [B, C, 1, T], channels-last; the activation of x + bias (C values, the
+        convolution's before, which left it out), with `pad_left` zero frames in front (the
+        history of a left-causal convolution after)."""
+        _, _, a, inverse = self._alpha_and_inverse()
+        if self._use_kernel(x):
+            try:
+                return snake_kernel.snake_channels_last(x, a, inverse, bias, pad_left)
+            except Exception as exc:
+                self._kernel_failed(exc)
+        if bias is not None:
+            x = x + bias[:, None, None]
+        return F.pad(x + inverse * torch.sin(x * a).pow(2), (pad_left, 0))
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        return self.kernel.name == "triton" and snake_kernel.available(x)
+
+    def _kernel_failed(self, exc: Exception) -> None:
+        if not is_kernel_error(exc):
+            raise exc
+        # The first call is a warm-up's (the stage's, or a graph's eager one), so this
+        # falls back before any capture; the audio stays the same, only slower.
+        log.exception("the Triton Snake activation cannot run here; the vocoder uses torch's")
+        self.kernel.name = "torch"
 
 
 def use_snake_kernel(vocoder: nn.Module, name: str) -> None:
@@ -206,6 +285,18 @@ class CausalResBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
             x = conv2(act2(conv1(act1(x)))) + x
+        return x
+
+    def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        # Each Snake pads for the convolution after it, and the second adds the first
+        # convolution's bias: PyTorch would add a bias and pad in passes of their own
+        # (cuDNN's convolution leaves the bias to a broadcast addition), ~1.5 of a 5-stream
+        # decode's ~7.7 ms on an H100 (round 47 of docs/benchmarks.md).
+        for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
+            h = conv1.forward_channels_last(act1.forward_channels_last(x, pad_left=conv1.history),
+                                            padded=True, bias=False)
+            h = act2.forward_channels_last(h, bias=conv1.bias, pad_left=conv2.history)
+            x = conv2.forward_channels_last(h, padded=True) + x
         return x
 
     @staticmethod
@@ -400,28 +491,42 @@ class HiFTStream:
 # ----------------------------------------------------------------------------- the generator
 
 
-def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor,
+               channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The HiFT body shared by the causal (CosyVoice3) and CosyVoice2 generators: each
     upsampling stage adds the excitation's STFT (through `source_downs` / `source_resblocks`),
     then averages its multi-kernel resblocks; `conv_post` gives log-magnitude and phase.
 
     `gen` needs `cfg`, `ups`, `source_downs`, `source_resblocks`, `resblocks`, `conv_post`;
-    `x` is the output of its `conv_pre`. Returns (magnitude, phase) for the inverse STFT.
+    `x` is the output of its `conv_pre`. Returns (magnitude, phase) for the inverse STFT,
+    [B, n_fft/2 + 1, frames] each.
+
+    channels_last: `x` and `s_stft` are [B, C, 1, T] channels-last and every module runs its
+    `forward_channels_last` (the causal generator's modules have one); the returned tensors
+    are frame-major views. Otherwise [B, C, T] through the modules' `forward`.
     """
     cfg = gen.cfg
     n_kernels = len(cfg.resblock_kernel_sizes)
+    time = x.dim() - 1
+
+    def run(module: nn.Module, v: torch.Tensor) -> torch.Tensor:
+        return module.forward_channels_last(v) if channels_last else module(v)
+
     for i, up in enumerate(gen.ups):
-        x = up(F.leaky_relu(x, cfg.lrelu_slope))
+        x = run(up, F.leaky_relu(x, cfg.lrelu_slope))
         if i == len(gen.ups) - 1:
-            # One extra leading sample so the last stage lines up with the STFT's n+1 frames.
-            x = F.pad(x, (1, 0), mode="reflect")
-        x = x + gen.source_resblocks[i](gen.source_downs[i](s_stft))
-        xs = gen.resblocks[i * n_kernels](x)
+            # One extra leading sample so the last stage lines up with the STFT's n+1 frames
+            # (a reflection by one: the new first sample is the second one).
+            x = torch.cat((x.narrow(time, 1, 1), x), dim=time)
+        x = x + run(gen.source_resblocks[i], run(gen.source_downs[i], s_stft))
+        xs = run(gen.resblocks[i * n_kernels], x)
         for j in range(1, n_kernels):
-            xs = xs + gen.resblocks[i * n_kernels + j](x)
+            xs = xs + run(gen.resblocks[i * n_kernels + j], x)
         x = xs / n_kernels
-    x = gen.conv_post(F.leaky_relu(x))  # default 0.01 slope here, as in the official code
+    x = run(gen.conv_post, F.leaky_relu(x))  # default 0.01 slope here, as in the official code
     half = cfg.n_fft // 2 + 1
+    if channels_last:
+        x = x.squeeze(2)
     return torch.exp(x[:, :half]), torch.sin(x[:, half:])
 
 
@@ -464,6 +569,9 @@ class CausalHiFTGenerator(nn.Module):
         # Plain CPU tensors (not buffers): generator states must stay on the CPU.
         self.noise_state = _noise_table_state(cfg)
         self.context_frames = decoder_context_frames(cfg) if context_frames is None else context_frames
+        # The decode's layout (see "conv building blocks"); the same audio up to the
+        # convolutions' rounding. Set before CUDA graphs are captured: they keep it.
+        self.channels_last = False
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -530,7 +638,9 @@ class CausalHiFTGenerator(nn.Module):
         return self.f0_predictor(mel.to(torch.float64)).to(self._dtype)
 
     def _stft(self, s_padded: torch.Tensor, frames: int) -> torch.Tensor:
-        """s_padded [B, S]: excitation with its centre padding already applied per utterance."""
+        """s_padded [B, S]: excitation with its centre padding already applied per utterance.
+        Returns [B, 2 * bins, frames], a frame-major view ([B, 2 * bins, 1, frames] channels-last
+        is one more view of it)."""
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_len
         need = n_fft + hop * (frames - 1)
         if s_padded.shape[1] < need:
@@ -568,7 +678,13 @@ class CausalHiFTGenerator(nn.Module):
         n_frames = mel.shape[2] - cfg.conv_pre_look_right
         stft_per_frame = cfg.samples_per_frame // cfg.hop_len
         s_stft = self._stft(s_padded, stft_per_frame * n_frames + 1)
-        magnitude, phase = hift_trunk(self, self.conv_pre(mel), s_stft)
+        if self.channels_last:
+            mel = mel.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            x = self.conv_pre.forward_channels_last(mel)
+            s_stft = s_stft.unsqueeze(2)  # channels-last already (see _stft)
+        else:
+            x = self.conv_pre(mel)
+        magnitude, phase = hift_trunk(self, x, s_stft, self.channels_last)
         wav = self._istft(magnitude, phase, valid_frames)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
 
