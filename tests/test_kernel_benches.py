@@ -44,7 +44,7 @@ def test_split_attention_inputs_have_ragged_rings_and_padded_frames() -> None:
 
 def test_vocoder_cost_times_each_way_on_the_same_streams(tmp_path: Path) -> None:
     """On the CPU the Triton way keeps torch's operators (no interpreter here), so both ways
-    give the same PCM; a way that cannot run (an unknown one is refused up front) is a row
+    give the same PCM, and the channels-last one nearly; a way that cannot run (an unknown one is refused up front) is a row
     with its error, not a crash."""
     out = tmp_path / "vocoder.json"
     assert vocoder_cost.main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path),
@@ -55,6 +55,12 @@ def test_vocoder_cost_times_each_way_on_the_same_streams(tmp_path: Path) -> None
     for r in results:
         assert r["wall_ms"] > 0 and r["max_abs_diff"] == 0.0, r
         assert "gpu_ms" not in r  # GPU times only
+    # The channels-last decode: the same audio up to the convolutions' summation order.
+    assert vocoder_cost.main(["--device", "cpu", "--model", "tiny-random", "--model-cache", str(tmp_path),
+                              "--rows", "2", "--ways", "triton,channels-last", "--reps", "1", "--new", "12",
+                              "--context", "20", "--json", str(out)]) == 0
+    first, second = json.loads(out.read_text())["results"]
+    assert second["way"] == "channels-last" and second["max_abs_diff"] < 1e-5, second
     with pytest.raises(SystemExit):
         vocoder_cost.main(["--device", "cpu", "--ways", "torch,cuda"])
 
