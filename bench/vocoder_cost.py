@@ -17,8 +17,9 @@ steps of `--new` frames each (`CausalHiFTGenerator.stream_step`, as the stage ca
 Ways (`--ways`): `torch` (eager operators, the stage's default until this bench), `triton`
 (`use_snake_kernel(..., "triton")`: the Snake activations fused, `engine.models.snake_kernel`),
 `channels-last` (`triton` with the decode's activations and convolutions channels-last,
-`CausalHiFTGenerator.channels_last`: no layout conversions around cuDNN's convolutions), `compiled` (`torch.compile` of the decode, dynamic shapes: what an inductor-fused decode would
-give, for comparison; not an engine setting). `--graphs`: at up to 8 rows the stage's CUDA
+`CausalHiFTGenerator.channels_last`: no layout conversions around cuDNN's convolutions),
+`compiled` (`torch.compile` of the decode, dynamic shapes: what an inductor-fused decode
+would give, for comparison; not an engine setting). `--graphs`: at up to 8 rows the stage's CUDA
 graphs (`engine.vocoder_graphs`) decode, as in the stage.
 """
 

@@ -584,7 +584,7 @@ class AudioStage:
         self.hift = hift
         use_snake_kernel(hift, vocoder_snake_kernel)  # before its graphs: they keep the kernel
         if isinstance(hift, CausalHiFTGenerator):
-            hift.channels_last = vocoder_channels_last  # as the kernel
+            hift.channels_last = vocoder_channels_last  # before its graphs too: they keep the layout
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
         self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows))
         self.vocoder_graphs = (VocoderGraphRunner(hift, self.vocoder_graph_policy)

@@ -106,10 +106,13 @@ def test_every_snake_of_a_vocoder_shares_one_choice_and_the_setting_reaches_it()
         use_snake_kernel(hift, "cuda")
 
 
-def test_a_kernel_that_cannot_run_here_sends_every_snake_back_to_torch(monkeypatch, caplog) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels-first", "channels-last"])
+def test_a_kernel_that_cannot_run_here_sends_every_snake_back_to_torch(monkeypatch, caplog,  # noqa: ANN001
+                                                                       channels_last: bool) -> None:
     """A Triton error (an older Triton, an unsupported GPU) costs the speed, not the audio:
     the first Snake to meet it logs it once and all of the vocoder's Snakes serve from
-    torch's operators from then on. Other errors (out of memory) are the caller's."""
+    torch's operators from then on. Other errors (out of memory) are the caller's. In either
+    layout of the decode (`CausalHiFTGenerator.channels_last`), each with its own kernel."""
     triton_error = type("CompilationError", (Exception,), {"__module__": "triton.compiler.errors"})
     calls: list[int] = []
 
@@ -118,6 +121,8 @@ def test_a_kernel_that_cannot_run_here_sends_every_snake_back_to_torch(monkeypat
         raise triton_error("no such kwarg")
 
     hift = init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift), 0).eval()
+    hift.channels_last = channels_last
+    kernel = "snake_channels_last" if channels_last else "snake"
     mel = torch.randn(80, 20) * 2 - 5
 
     def audio() -> torch.Tensor:
@@ -125,8 +130,8 @@ def test_a_kernel_that_cannot_run_here_sends_every_snake_back_to_torch(monkeypat
             return hift.stream_step([hift.new_stream()], [mel], [True])[0]
 
     want = audio()
-    monkeypatch.setattr(snake_kernel, "available", lambda x: True)
-    monkeypatch.setattr(snake_kernel, "snake", failing)
+    monkeypatch.setattr(snake_kernel, "available", lambda x, channels_last=False: True)
+    monkeypatch.setattr(snake_kernel, kernel, failing)
     use_snake_kernel(hift, "triton")
     with caplog.at_level("ERROR", logger="engine.models.hift"):
         assert torch.equal(audio(), want)
@@ -138,7 +143,7 @@ def test_a_kernel_that_cannot_run_here_sends_every_snake_back_to_torch(monkeypat
     def out_of_memory(*args: object, **kwargs: object) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(snake_kernel, "snake", out_of_memory)
+    monkeypatch.setattr(snake_kernel, kernel, out_of_memory)
     use_snake_kernel(hift, "triton")
     with pytest.raises(torch.OutOfMemoryError):
         audio()

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT
-from engine.models.hift import CausalHiFTGenerator, LeftCausalConv1d, init_random_
+from engine.models.hift import CausalHiFTGenerator, LeftCausalConv1d, init_random_, reflect_first
 from engine.token2wav import AudioStage
 from engine.vocoder_graphs import VocoderGraphPolicy, VocoderGraphRunner
 from tests.test_causal_conv_kernel import run_interpreted
@@ -127,7 +127,19 @@ def test_the_channels_last_weight_is_made_once_and_follows_the_weight() -> None:
         torch.testing.assert_close(conv.forward_channels_last(xd), conv(xd.squeeze(2)).unsqueeze(2))
 
 
-def test_the_setting_reaches_the_vocoder(tmp_path: Path) -> None:
+def test_the_reflection_is_torchs() -> None:
+    """The last upsampling stage's one-sample reflection, in both layouts (CosyVoice2 shares it)."""
+    x = torch.randn(2, 5, 9)
+    assert torch.equal(reflect_first(x, 2), torch.nn.functional.pad(x, (1, 0), mode="reflect"))
+    cl = x.unsqueeze(2).contiguous(memory_format=CL)
+    got = reflect_first(cl, 3)
+    assert got.is_contiguous(memory_format=CL)
+    assert torch.equal(got.squeeze(2), torch.nn.functional.pad(x, (1, 0), mode="reflect"))
+
+
+def test_the_setting_reaches_the_vocoder(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from engine.models.loader import load_model
+    from engine.stage_build import audio_stage
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
@@ -136,19 +148,27 @@ def test_the_setting_reaches_the_vocoder(tmp_path: Path) -> None:
     settings, _ = load_settings(["--engine.vocoder-channels-last", "false"], environ={})
     assert engine_config(settings, tmp_path).vocoder_channels_last is False
     assert EngineConfig(model_dir=tmp_path).vocoder_channels_last is True
+    model = load_model(tiny_model_dir, load_lm=False)
     for on in (True, False):
-        hift = CausalHiFTGenerator(cfg.hift)
-        stage = AudioStage(CausalMaskedDiffWithDiT(cfg.flow), hift, torch.device("cpu"), vocoder_channels_last=on)
+        stage = audio_stage(model, torch.device("cpu"), EngineConfig(model_dir=tiny_model_dir,
+                                                                      vocoder_channels_last=on))
         try:
-            assert hift.channels_last is on
+            assert model.hift.channels_last is on
         finally:
             stage._pool.shutdown(wait=True)
+    hift = CausalHiFTGenerator(cfg.hift)
+    stage = AudioStage(CausalMaskedDiffWithDiT(cfg.flow), hift, torch.device("cpu"))
+    try:
+        assert hift.channels_last is True  # the stage's own default
+    finally:
+        stage._pool.shutdown(wait=True)
 
 
 def test_the_channels_last_snake_kernel_is_the_snake_formula() -> None:
     """Under Triton's interpreter: tails shorter than a tile, a channels-first input (made
-    channels-last first), with and without a bias and zero frames in front, an empty one; then a whole channels-last decode with every Snake on
-    the kernel against torch's operators."""
+    channels-last first), with and without a bias and zero frames in front, an empty one;
+    then a whole channels-last decode with every Snake on the kernel against torch's
+    operators."""
     out = run_interpreted("""
         import torch
         from engine.models import snake_kernel as sk
@@ -163,7 +183,7 @@ def test_the_channels_last_snake_kernel_is_the_snake_formula() -> None:
             bias = torch.randn(channels)
             for x in (torch.randn(batch, channels, 1, length).contiguous(memory_format=cl) * 4,
                       torch.randn(batch, channels, 1, length) * 4):
-                assert sk.available(x)
+                assert sk.available(x, channels_last=True)
                 for b, pad in ((None, 0), (bias, 0), (None, 3), (bias, 7)):
                     got = sk.snake_channels_last(x, alpha, inverse, b, pad, block=block)
                     assert got.shape == (batch, channels, 1, pad + length) and got.is_contiguous(memory_format=cl)

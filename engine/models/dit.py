@@ -55,6 +55,7 @@ from torch import nn
 from ..compile_errors import is_compile_error
 from . import causal_conv_kernel, split_attention_kernel
 from .config import FlowConfig
+from .derived import DerivedTensor
 from .triton_support import is_kernel_error
 
 log = logging.getLogger(__name__)
@@ -429,22 +430,12 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.kernel = "torch"  # one of CONV_KERNELS
-        # Each conv's weight in the Triton kernel's layout, with the weight it was packed
-        # from (the same tensor, over the same storage, at the same version: a move, cast
-        # or load repacks on the next call; holding the tensor keeps its address from
-        # coming back). Packed at the first call, which for a CUDA graph is its eager
-        # warm-up, so a graph reads the packed tensor of its capture: the stage's weights
-        # do not change after its graphs are captured.
-        self._packed: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+        # Each conv's weight in the Triton kernel's layout (`DerivedTensor`: packed again
+        # after a move, cast or load).
+        self._packed: dict[str, DerivedTensor[torch.Tensor]] = {"conv1": DerivedTensor(), "conv2": DerivedTensor()}
 
     def _packed_weight(self, name: str, conv: nn.Conv1d) -> torch.Tensor:
-        w = conv.weight
-        if w.is_inference():  # made under inference_mode: no version counter to follow
-            return causal_conv_kernel.packed_weight(conv)
-        held = self._packed.get(name)
-        if held is None or held[0] is not w or held[1] != w._version or held[2] != w.data_ptr():
-            held = self._packed[name] = (w, w._version, w.data_ptr(), causal_conv_kernel.packed_weight(conv))
-        return held[3]
+        return self._packed[name].get(conv.weight, lambda _: causal_conv_kernel.packed_weight(conv))
 
     def _conv(self, layer: nn.Sequential, h: torch.Tensor, name: str) -> torch.Tensor:
         """One causal conv + Mish, frame-major [B, T, D] -> [B, T, D]."""

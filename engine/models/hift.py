@@ -58,6 +58,7 @@ from engine.device_copy import tensor_on, to_device
 from engine import ragged
 from engine.ragged import ragged_rows, row_ranges, row_windows
 from engine.models import snake_kernel
+from engine.models.derived import DerivedTensor
 from engine.models.triton_support import is_kernel_error
 from engine.models.config import HiFTConfig
 
@@ -82,38 +83,21 @@ NOISE_TABLE_SECONDS = 60.0  # device-resident prefix of the noise table (module 
 # channels-first convolution paid layout conversions of its input, weight and output around
 # the product (~215 conversion kernels a 5-chunk stage round on an H100, round 46 of
 # docs/benchmarks.md). PyTorch's padding, nearest upsampling, concatenation and elementwise
-# operators keep a channels-last input's layout, so the trunk stays in it end to end.
+# operators keep a channels-last input's layout, so the trunk stays in it end to end (where a
+# time or channel size is 1 the two layouts are the same strides' order, either will do).
 
 
-class DerivedTensor:
-    """A tensor computed from a parameter (a reshape, an inverse, a copy in another layout),
-    made again only when the parameter changes.
-
-    Valid while the parameter is the same tensor over the same storage (a move or a cast
-    replaces one of them; the key keeps the old tensor alive, so its address cannot come
-    back) at the same version (a load or any in-place update bumps it). A parameter made
-    under inference_mode has no version counter, so it is derived on every call."""
-
-    def __init__(self) -> None:
-        self._key: tuple[torch.Tensor, int, int] | None = None
-        self._value: object = None
-
-    def get(self, source: torch.Tensor, make: Callable[[torch.Tensor], object]) -> object:
-        if source.is_inference():
-            return make(source)
-        key = self._key
-        if key is None or key[0] is not source or key[1] != source._version or key[2] != source.data_ptr():
-            with torch.no_grad():
-                self._value = make(source.detach())
-            self._key = (source, source._version, source.data_ptr())
-        return self._value
-
-
-def conv_channels_last(conv: nn.Conv1d, x: torch.Tensor, weight: DerivedTensor, bias: bool = True) -> torch.Tensor:
+def conv_channels_last(conv: nn.Conv1d, x: torch.Tensor, weight: DerivedTensor[torch.Tensor],
+                       bias: bool = True) -> torch.Tensor:
     """`conv`'s product (its stride, dilation and bias, unless bias=False; no padding) on a
     channels-last x [B, Cin, 1, T] -> [B, Cout, 1, T'], channels-last. `weight` keeps the
     weight's channels-last copy, [Cout, Cin, 1, K]."""
-    w = weight.get(conv.weight, lambda v: v.unsqueeze(2).contiguous(memory_format=torch.channels_last))
+    def make(v: torch.Tensor) -> torch.Tensor:
+        if conv.groups != 1 or conv.padding != (0,) or conv.padding_mode != "zeros":
+            raise ValueError("a channels-last convolution here is ungrouped and pads nothing itself")
+        return v.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+    w = weight.get(conv.weight, make)
     return F.conv2d(x, w, conv.bias if bias else None,  # type: ignore[arg-type]
                     stride=(1, conv.stride[0]), dilation=(1, conv.dilation[0]))
 
@@ -124,16 +108,17 @@ class LeftCausalConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1) -> None:
         super().__init__(cin, cout, kernel, dilation=dilation)
         self.history = (kernel - 1) * dilation
-        self.weight_channels_last = DerivedTensor()
+        self.weight_channels_last: DerivedTensor[torch.Tensor] = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.history, 0)))
+        return super().forward(F.pad(x, (self.history, 0)) if self.history else x)  # a pad of 0 copies
 
     def forward_channels_last(self, x: torch.Tensor, padded: bool = False, bias: bool = True) -> torch.Tensor:
         """padded: x already starts with the `history` zero frames (a Snake's `pad_left`);
         bias=False leaves the bias out (for a Snake after to add)."""
-        return conv_channels_last(self, x if padded else F.pad(x, (self.history, 0)), self.weight_channels_last,
-                                  bias)
+        if not padded and self.history:
+            x = F.pad(x, (self.history, 0))
+        return conv_channels_last(self, x, self.weight_channels_last, bias)
 
 
 class LookaheadConv1d(nn.Conv1d):
@@ -144,7 +129,7 @@ class LookaheadConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int) -> None:
         super().__init__(cin, cout, kernel)
         self.lookahead = kernel - 1
-        self.weight_channels_last = DerivedTensor()
+        self.weight_channels_last: DerivedTensor[torch.Tensor] = DerivedTensor()
 
     def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
         return conv_channels_last(self, x, self.weight_channels_last)
@@ -157,7 +142,7 @@ class UpsampleConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int, rate: int) -> None:
         super().__init__(cin, cout, kernel)
         self.rate = rate
-        self.weight_channels_last = DerivedTensor()
+        self.weight_channels_last: DerivedTensor[torch.Tensor] = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.repeat_interleave(x, self.rate, dim=2)
@@ -165,8 +150,12 @@ class UpsampleConv1d(nn.Conv1d):
 
     def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
         # Nearest upsampling has channels-last kernels; repeat_interleave would go back to
-        # channels-first. The same values.
-        x = F.interpolate(x, scale_factor=(1, self.rate), mode="nearest")
+        # channels-first. The same values while its float32 source index is exact (2^24
+        # output frames, ~46 minutes at the last stage: only a whole-utterance `inference`).
+        if x.shape[3] * self.rate <= 2**24:
+            x = F.interpolate(x, scale_factor=(1, self.rate), mode="nearest")
+        else:
+            x = torch.repeat_interleave(x, self.rate, dim=3).contiguous(memory_format=torch.channels_last)
         return conv_channels_last(self, F.pad(x, (self.kernel_size[0] - 1, 0)), self.weight_channels_last)
 
 
@@ -176,7 +165,7 @@ class DownsampleConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, rate: int) -> None:
         super().__init__(cin, cout, 2 * rate, stride=rate)
         self.rate = rate
-        self.weight_channels_last = DerivedTensor()
+        self.weight_channels_last: DerivedTensor[torch.Tensor] = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(F.pad(x, (self.rate - 1, 0)))
@@ -205,7 +194,7 @@ class Snake(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
-        self.coefficients = DerivedTensor()
+        self.coefficients: DerivedTensor[tuple[torch.Tensor, ...]] = DerivedTensor()
         self.kernel = SnakeKernel()
 
     def _alpha_and_inverse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,12 +207,12 @@ class Snake(nn.Module):
             inverse = 1.0 / (shaped + 1e-9)
             return shaped, inverse, shaped[..., None], inverse[..., None]
 
-        return self.coefficients.get(self.alpha, make)  # type: ignore[return-value]
+        return self.coefficients.get(self.alpha, make)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, C, T]."""
         a, inverse, _, _ = self._alpha_and_inverse()
-        if self._use_kernel(x):
+        if self._use_kernel(x, channels_last=False):
             try:
                 return snake_kernel.snake(x, a, inverse)
             except Exception as exc:
@@ -236,7 +225,7 @@ class Snake(nn.Module):
         convolution's before, which left it out), with `pad_left` zero frames in front (the
         history of a left-causal convolution after)."""
         _, _, a, inverse = self._alpha_and_inverse()
-        if self._use_kernel(x):
+        if self._use_kernel(x, channels_last=True):
             try:
                 return snake_kernel.snake_channels_last(x, a, inverse, bias, pad_left)
             except Exception as exc:
@@ -245,8 +234,8 @@ class Snake(nn.Module):
             x = x + bias[:, None, None]
         return F.pad(x + inverse * torch.sin(x * a).pow(2), (pad_left, 0))
 
-    def _use_kernel(self, x: torch.Tensor) -> bool:
-        return self.kernel.name == "triton" and snake_kernel.available(x)
+    def _use_kernel(self, x: torch.Tensor, channels_last: bool) -> bool:
+        return self.kernel.name == "triton" and snake_kernel.available(x, channels_last)
 
     def _kernel_failed(self, exc: Exception) -> None:
         if not is_kernel_error(exc):
@@ -289,9 +278,10 @@ class CausalResBlock(nn.Module):
 
     def forward_channels_last(self, x: torch.Tensor) -> torch.Tensor:
         # Each Snake pads for the convolution after it, and the second adds the first
-        # convolution's bias: PyTorch would add a bias and pad in passes of their own
-        # (cuDNN's convolution leaves the bias to a broadcast addition), ~1.5 of a 5-stream
-        # decode's ~7.7 ms on an H100 (round 47 of docs/benchmarks.md).
+        # convolution's bias: PyTorch would pad (a fill and a copy) and add the bias (cuDNN's
+        # convolution leaves it to a broadcast addition) in passes of their own. Together a
+        # 5-stream decode's GPU time went from 7.7 to 6.1 ms on an H100 (round 47 of
+        # docs/benchmarks.md).
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
             h = conv1.forward_channels_last(act1.forward_channels_last(x, pad_left=conv1.history),
                                             padded=True, bias=False)
@@ -491,6 +481,13 @@ class HiFTStream:
 # ----------------------------------------------------------------------------- the generator
 
 
+def reflect_first(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with its second sample along `dim` prepended: F.pad(x, (1, 0), mode="reflect") on
+    that dimension, which keeps a channels-last x channels-last (F.pad's reflection pads
+    only the last dimensions of 2-D or 3-D inputs)."""
+    return torch.cat((x.narrow(dim, 1, 1), x), dim=dim)
+
+
 def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor,
                channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The HiFT body shared by the causal (CosyVoice3) and CosyVoice2 generators: each
@@ -515,9 +512,8 @@ def hift_trunk(gen: nn.Module, x: torch.Tensor, s_stft: torch.Tensor,
     for i, up in enumerate(gen.ups):
         x = run(up, F.leaky_relu(x, cfg.lrelu_slope))
         if i == len(gen.ups) - 1:
-            # One extra leading sample so the last stage lines up with the STFT's n+1 frames
-            # (a reflection by one: the new first sample is the second one).
-            x = torch.cat((x.narrow(time, 1, 1), x), dim=time)
+            # One extra leading sample so the last stage lines up with the STFT's n+1 frames.
+            x = reflect_first(x, time)
         x = x + run(gen.source_resblocks[i], run(gen.source_downs[i], s_stft))
         xs = run(gen.resblocks[i * n_kernels], x)
         for j in range(1, n_kernels):

@@ -24,7 +24,7 @@ import torch
 
 from .triton_support import build, interpreting
 
-BLOCK_T = 1024  # samples of one channel per program
+BLOCK_T = 1024  # elements per program: samples of one channel (channels-first), frames x channels (last)
 
 
 @functools.cache
@@ -54,7 +54,7 @@ def _build(triton: Any, tl: Any) -> Any:
         # Axis 0 walks a row's output tiles (frames x channels, channel fastest), axis 1
         # (at most 65535) the rows. The first `pad` elements of an output row are zeros.
         tile, row = tl.program_id(0), tl.program_id(1)
-        at = tile * BLOCK + tl.arange(0, BLOCK)
+        at = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # a row may pass 2^31 elements
         keep = at < row_out
         real = keep & (at >= pad)
         channel = at % channels  # C <= 512 values: the gathers hit the cache
@@ -70,11 +70,11 @@ def _build(triton: Any, tl: Any) -> Any:
     return snake, snake_channels_last
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether `snake` (or `snake_channels_last`) can run on x: a [B, C, T] (or [B, C, 1, T])
-    activation on CUDA (float32 or 16-bit), or float32 on the CPU under Triton's interpreter
-    (tests)."""
-    if x.dim() not in (3, 4):
+def available(x: torch.Tensor, channels_last: bool = False) -> bool:
+    """Whether `snake` (`snake_channels_last` with channels_last) can run on x: a [B, C, T]
+    ([B, C, 1, T]) activation on CUDA (float32 or 16-bit), or float32 on the CPU under
+    Triton's interpreter (tests)."""
+    if x.dim() != (4 if channels_last else 3) or (channels_last and x.shape[2] != 1):
         return False
     if x.is_cuda:
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _triton() is not None
@@ -108,6 +108,8 @@ def snake_channels_last(x: torch.Tensor, alpha: torch.Tensor, inverse: torch.Ten
     if x.dim() != 4 or x.shape[2] != 1:
         raise ValueError(f"a channels-last activation here is [B, C, 1, T], got {tuple(x.shape)}")
     batch, channels, _, frames = x.shape
+    if batch > 65535:
+        raise ValueError(f"at most 65535 rows (a grid axis), got {batch}")
     alpha, inverse = _coefficients(alpha, inverse, channels)
     if bias is not None and bias.numel() != channels:
         raise ValueError(f"the bias needs {channels} values, got {bias.numel()}")
