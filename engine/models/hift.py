@@ -199,9 +199,10 @@ class Snake(nn.Module):
 
     def _alpha_and_inverse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """alpha and 1 / (alpha + 1e-9), as [1, C, 1] and as [1, C, 1, 1], computed once per
-        value of alpha (`DerivedTensor`). The vocoder is launch-bound at small batches and has ~75 of
-        these activations, so recomputing the inverse (two kernels) and the reshape (two
-        views) on every call was ~300 of a one-chunk vocoder step's ~1150 dispatches."""
+        value of alpha (`DerivedTensor`). The vocoder is launch-bound at small batches and
+        has ~75 of these activations, so recomputing the inverse (two kernels) and the
+        reshape (two views) on every call was ~300 of a one-chunk vocoder step's ~1150
+        dispatches."""
         def make(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
             shaped = a[None, :, None]
             inverse = 1.0 / (shaped + 1e-9)
