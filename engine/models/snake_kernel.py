@@ -119,7 +119,7 @@ def snake_channels_last(x: torch.Tensor, alpha: torch.Tensor, inverse: torch.Ten
                       memory_format=torch.channels_last)
     if out.numel() == 0:
         return out
-    row_out = out[0].numel()
+    row_out = (pad_left + frames) * channels
     grid = (-(-row_out // block), batch)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kernel[grid](x, alpha, inverse, alpha if bias is None else bias.reshape(-1).contiguous(), out,
