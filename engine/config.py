@@ -17,7 +17,10 @@ from .first_chunk import OpeningRate
 from .mps import MPSPriority
 
 # The flow graphs' row buckets by default (`flow_graph_rows`, `GraphPolicy.batch_buckets`).
-GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+# Every count up to 6, since under load the stage's rounds hold 3-6 chunks (round 48 of
+# docs/benchmarks.md): powers of two alone ran 5 chunks as 8 rows, and on an H100 the stage
+# alone took 58.3 ms a round of 5 chunks against 44.6 at 5 rows (38.3 against 31.8 at 3).
+GRAPH_ROW_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 
 LMBackendName = Literal["auto", "torch", "vllm"]
 StagePolicy = Literal["first_chunks", "deadline"]
@@ -231,13 +234,15 @@ class EngineConfig:
     # apart, merging the two by their log-sum-exps (`engine.models.dit.split_prefix_attention`),
     # instead of over per-row copies of the prompt's keys and values. Exact up to rounding.
     # On the H200 (round 17 of docs/benchmarks.md, the stage alone) a 64-chunk opening round
-    # took 129 against 142 ms; one chunk 24.0 against 21.4 ms (two attentions and a merge
-    # where one copy is cheap). 0: never.
-    flow_split_prefix_rows: int = 8
+    # took 129 against 142 ms, but one chunk 24.0 against 21.4 ms with cuDNN's two calls and a
+    # merge, so it started at 8. With the one-kernel split attention (`flow_attention`
+    # "triton") it pays at every size: on an H100 (round 48) rounds of 1, 3, 5 and 6 chunks
+    # took 20.2, 28.5, 40.8 and 44.4 ms against 21.9, 31.9, 45.1 and 48.8 from 8. 0: never.
+    flow_split_prefix_rows: int = 1
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
-    # row count (graphs pad rows to a power of two; above 16 rows a batch takes its bucket
+    # row count (graphs pad rows to their bucket; above 16 rows a batch takes its bucket
     # only when it fills half of it, `GraphPolicy.min_fill`). 64 = the largest graph bucket.
     # With the prompt cache, batches served from it take graphs only up to
     # GraphPolicy.prefix_max_rows (8) chunks, or flow_graph_shared_rows.
@@ -252,7 +257,7 @@ class EngineConfig:
     # Empty by default: not yet measured on a GPU, and each costs captures at start.
     flow_graph_frames: tuple[int, ...] = ()
     # With the prompt cache, a batch whose chunks all have one voice takes a graph when its
-    # row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once, not per
+    # row bucket (1, 2, 3, ..., 64) is at most this (the voice's prefix is held once, not per
     # row: `PrefixViews.shared`); otherwise the per-row prefix graphs (up to 8) or eager.
     # 64: in 64-session bursts on the H200 (round 9, two each) the first chunks' stage
     # phase took 431-482 ms against 455-521 ms with 16; a full batch's shapes are then
@@ -261,11 +266,12 @@ class EngineConfig:
     # At most this many flow graphs kept per stage (`GraphPolicy.max_graphs`; the least
     # recently used go first, and a batch whose graph went captures it again while serving,
     # 0.5-0.8 s a round on the H200). A voice's prompt width (100, 200 or 300 cached frames)
-    # warms ~80-88 graphs of its own; 320 holds all three widths'. They share one memory
-    # pool; beyond it each graph held ~13 MiB of device memory on the H200 (round 37 of
-    # docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so 320 cost ~1.7 GiB
-    # more than round 36's 192.
-    flow_graph_limit: int = 320
+    # warms 136 graphs of its own at the default row buckets (88 one-voice, 48 per-row
+    # prefix ones up to 8 rows; 80 at round 47's powers of two); 448 holds all three widths'.
+    # They share one memory pool; beyond it each graph held ~13 MiB of device memory on the
+    # H200 (round 37 of docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so
+    # 448 may cost ~1.6 GiB more than round 47's 320 once a third width is registered.
+    flow_graph_limit: int = 448
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True

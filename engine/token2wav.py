@@ -526,7 +526,7 @@ class AudioStage:
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "triton", flow_attention_rotary: bool = True, flow_conv_kernel: str = "triton",
-                 flow_split_prefix_rows: int = 8,
+                 flow_split_prefix_rows: int = 1,
                  vocoder_snake_kernel: str = "triton", vocoder_channels_last: bool = True,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,

@@ -143,7 +143,7 @@ class EngineSettings:
                        "5.9-6.4% less stage time a round on an H100"),
     )
     flow_split_prefix_rows: int = field(
-        default=8,
+        default=1,
         metadata=_help("one-voice flow batches of at least this many chunks attend to the voice's cached prompt "
                        "once for all chunks and to each chunk's own frames apart, merged by log-sum-exp, instead "
                        "of over per-chunk copies of the prompt (0 = never)"),
@@ -157,7 +157,7 @@ class EngineSettings:
                        "to 8 chunks, or --engine.flow-graph-shared-rows)"),
     )
     flow_graph_rows: tuple[int, ...] = field(
-        default=(1, 2, 4, 8, 16, 32, 64),
+        default=(1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64),
         metadata=_help("row buckets of the flow's CUDA graphs, increasing: a batch is padded to the smallest that "
                        "holds it, and each is captured for every voice prompt width"),
     )
@@ -170,14 +170,15 @@ class EngineSettings:
     flow_graph_shared_rows: int = field(
         default=64,
         metadata=_help("a batch from the prompt cache whose chunks all have one voice takes a CUDA graph when its "
-                       "row bucket (1, 2, 4, ..., 64) is at most this (the voice's prefix is held once); otherwise "
+                       "row bucket (1, 2, 3, ..., 64) is at most this (the voice's prefix is held once); otherwise "
                        "the per-row prefix graphs (up to 8 chunks) or eager"),
     )
     flow_graph_limit: int = field(
-        default=320,
+        default=448,
         metadata=_help("at most this many flow CUDA graphs kept per stage (least recently used dropped; a batch "
                        "whose graph was dropped captures it again while serving): each voice prompt width (100, "
-                       "200, 300 frames) warms ~80-88 of its own, ~13 MiB of GPU memory each on the H200"),
+                       "200, 300 frames) warms 136 of its own at the default row buckets, ~13 MiB of GPU memory "
+                       "each on the H200"),
     )
     vocoder_cuda_graphs: bool = field(
         default=True,

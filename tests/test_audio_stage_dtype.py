@@ -50,20 +50,22 @@ def test_flow_attention_reaches_the_dit_and_is_validated() -> None:
 
 
 def test_flow_split_prefix_rows_reaches_the_dit(tmp_path: Path) -> None:
-    """--engine.flow-split-prefix-rows (8 by default) is the stage's DiT's `split_prefix_rows`."""
+    """--engine.flow-split-prefix-rows (1 by default: every one-voice batch) is the stage's DiT's
+    `split_prefix_rows`, whatever the DiT module's own default."""
     from engine.models.config import ModelConfig
     from engine.models.flow import CausalMaskedDiffWithDiT
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
-    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_split_prefix_rows == 8
+    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_split_prefix_rows == 1
+    assert EngineConfig(model_dir=tmp_path).flow_split_prefix_rows == 1
     off = engine_config(load_settings(["--engine.flow-split-prefix-rows", "0"], environ={})[0], tmp_path)
     assert off.flow_split_prefix_rows == 0
     flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
     AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_split_prefix_rows=0)
     assert flow.decoder.estimator.split_prefix_rows == 0
     AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
-    assert flow.decoder.estimator.split_prefix_rows == 8
+    assert flow.decoder.estimator.split_prefix_rows == 1
     with pytest.raises(ValueError, match="flow_split_prefix_rows"):
         EngineConfig(model_dir=Path("."), flow_split_prefix_rows=-1)
 

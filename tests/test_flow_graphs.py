@@ -106,7 +106,7 @@ def test_frame_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
 
 def test_graph_limit_is_an_option(tmp_path) -> None:  # noqa: ANN001
     """`--engine.flow-graph-limit`: how many flow graphs a stage keeps (a voice's prefix
-    width warms ~80-88 of its own; the default, 320, holds all three widths'); at least 1."""
+    width warms 136 of its own; the default, 448, holds all three widths'); at least 1."""
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
@@ -116,6 +116,30 @@ def test_graph_limit_is_an_option(tmp_path) -> None:  # noqa: ANN001
     assert load_settings([], environ={})[0].engine.flow_graph_limit == EngineConfig(model_dir=tmp_path).flow_graph_limit
     with pytest.raises(ValueError, match="flow_graph_limit"):
         EngineConfig(model_dir=tmp_path, flow_graph_limit=0)
+
+
+def test_default_buckets_hold_the_rounds_under_load_unpadded_and_the_limit_every_width(tmp_path) -> None:  # noqa: ANN001
+    """Under load the stage's rounds hold 3-6 chunks (round 48 of docs/benchmarks.md), which
+    powers of two ran as 4 or 8 rows: the default buckets take every count up to 6 as it
+    is, one-voice or not. And the default graph limit holds what `FlowGraphRunner.warm`
+    captures for voices of all three prefix widths (a one-voice graph per bucket, a per-row
+    one for 2 to `prefix_max_rows` rows), so registering voices never evicts one another's
+    graphs into captures while serving."""
+    config = EngineConfig(model_dir=tmp_path)
+    policy = graph_policy(config)
+    for rows in range(1, 7):
+        assert policy.padded_rows(rows, 200, shared=True) == rows
+        assert policy.padded_rows(rows, 200) == rows
+    assert policy.padded_rows(7, 200, shared=True) == 8
+    keys = set()
+    for width, prompt_tokens in ((100, 60), (200, 106), (300, 150)):
+        for rows, frames, cached in voice_graph_shapes(config, 3, prompt_tokens, width):
+            keys.add((policy.bucket(rows, frames, cached, shared=True), policy.prefix_bucket(cached), True))
+            if 1 < rows <= policy.prefix_max_rows:
+                keys.add((policy.bucket(rows, frames, cached), policy.prefix_bucket(cached), False))
+    assert None not in {k[0] for k in keys}
+    assert len({k[1] for k in keys}) == 3
+    assert len(keys) <= policy.max_graphs
 
 
 def test_voice_graph_shapes(tmp_path) -> None:  # noqa: ANN001
@@ -137,21 +161,21 @@ def test_voice_graph_shapes(tmp_path) -> None:  # noqa: ANN001
 def test_bucket_choice() -> None:
     p = GraphPolicy()
     assert p.bucket(1, 1) == (1, 50)
-    assert p.bucket(3, 120) == (4, 150)
-    assert p.bucket(5, 150) == (8, 150)  # already a multiple: no extra frames
+    assert p.bucket(3, 120) == (3, 150)
+    assert p.bucket(7, 150) == (8, 150)  # already a multiple: no extra frames
     assert p.bucket(48, 451) == (64, 500)
     # Above 16 rows a bucket takes only batches that fill half of it (with the default
     # buckets, every batch): the rest run eagerly.
     assert p.bucket(33, 451) == (64, 500) and p.bucket(17, 100) == (32, 100)
     strict = replace(p, min_fill=0.75)
     assert strict.bucket(33, 451) is None and strict.bucket(23, 100) is None and strict.bucket(24, 100) == (32, 100)
-    assert p.bucket(9, 100) == (16, 100)  # small buckets: any fill
+    assert p.bucket(9, 100) == (12, 100) and p.bucket(13, 100) == (16, 100)  # small buckets: any fill
     assert p.bucket(64, 1500) == (64, 1500)
     assert p.bucket(65, 100) is None  # more rows than the largest bucket
     assert p.bucket(2, 1501) is None  # longer than max_frames
     assert p.bucket(0, 100) is None
     runner = FlowGraphRunner(init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), 0).decoder, p)
-    assert runner.padded_shape(3, 120) == (4, 150)
+    assert runner.padded_shape(7, 120) == (8, 150)
     assert runner.padded_shape(65, 120) == (65, 120)  # no bucket: solved as is
     assert not runner.capture  # CPU: never captures
     assert list(iter_shapes([1, 2], [50, 100])) == [(1, 50), (1, 100), (2, 50), (2, 100)]
