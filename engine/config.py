@@ -270,7 +270,7 @@ class EngineConfig:
     # prefix ones up to 8 rows; 80 at round 47's powers of two); 448 holds all three widths'.
     # They share one memory pool; beyond it each graph held ~13 MiB of device memory on the
     # H200 (round 37 of docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so
-    # 448 may cost ~1.6 GiB more than round 47's 320 once a third width is registered.
+    # the new buckets cost ~2.1 GiB more than round 47's once all three widths are registered.
     flow_graph_limit: int = 448
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.

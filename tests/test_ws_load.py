@@ -496,6 +496,35 @@ def test_plot_draws_a_sorted_line_per_level_group() -> None:
     assert "product p50 (over 16 s)" in texts and "product p95 (at once)" in texts and "baseline p50" in texts
 
 
+def test_compare_plot_pools_each_labels_files_at_the_median(tmp_path: Path) -> None:
+    """`bench.compare_plot`: a line per label and percentile through the session counts of
+    all its files, a count run twice drawn at the median; baseline levels left out."""
+    from bench.compare_plot import main, medians, parse_spec
+
+    def report(path: Path, product: list[dict], baseline: list[dict] | None = None) -> str:
+        path.write_text(json.dumps({"results": {"product": product, "baseline": baseline or []}}))
+        return str(path)
+
+    a1 = report(tmp_path / "a1.json", [_level(200, 180, 250, 0.2), _level(216, 200, 300, 0.2)],
+                [_level(200, 900, 990, 0.9)])
+    a2 = report(tmp_path / "a2.json", [_level(216, 260, 500, 0.2), _level(232, 220, 400, 0.2),
+                                       _level(216, 250, 900, 0.2)])
+    b = report(tmp_path / "b.json", [_level(232, 400, 700, 0.3), _level(200, 200, 330, 0.3)])
+    out = tmp_path / "ab.svg"
+    svg = main([f"new={a1},{a2}", f"old={b}", "--out", str(out)])
+    assert out.read_text() == svg
+    root = ET.fromstring(svg)
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert [t for t in texts if t and t.startswith(("new", "old"))] == ["new p50", "new p95", "old p50", "old p95"]
+    lines = root.findall(f"{SVG}polyline")
+    assert [len(pl.get("points").split()) for pl in lines] == [3, 3, 2, 2]
+    assert [pl.get("stroke-dasharray") for pl in lines] == [None, "6 4", None, "6 4"]
+    pooled = [json.loads(Path(a1).read_text()), json.loads(Path(a2).read_text())]
+    assert medians(pooled, "p95") == ((200.0, 250.0), (216.0, 500.0), (232.0, 400.0))
+    with pytest.raises(ValueError, match="LABEL=PATH"):
+        parse_spec("no-label")
+
+
 def test_process_tree_rss_walks_the_gateways_children(tmp_path: Path) -> None:
     """The gateway's RSS and that of every process below it (the stage process, vLLM's
     engine core), from a /proc laid out by hand; then from this process's real one."""
