@@ -235,10 +235,12 @@ class EngineConfig:
     # instead of over per-row copies of the prompt's keys and values. Exact up to rounding.
     # On the H200 (round 17 of docs/benchmarks.md, the stage alone) a 64-chunk opening round
     # took 129 against 142 ms, but one chunk 24.0 against 21.4 ms with cuDNN's two calls and a
-    # merge, so it started at 8. With the one-kernel split attention (`flow_attention`
-    # "triton") it pays at every size: on an H100 (round 48) rounds of 1, 3, 5 and 6 chunks
-    # took 20.2, 28.5, 40.8 and 44.4 ms against 21.9, 31.9, 45.1 and 48.8 from 8. 0: never.
-    flow_split_prefix_rows: int = 1
+    # merge. With the one-kernel split attention (`flow_attention` "triton") it pays at every
+    # size: on an H100 (round 48) rounds of 1, 3, 5 and 6 chunks took 20.2, 28.5, 40.8 and
+    # 44.4 ms against 21.9, 31.9, 45.1 and 48.8 from 8. None: 1 where the DiT's attention is
+    # the split kernel, 8 with cuDNN's or SDPA's (the CPU's), `dit.split_prefix_rows_for`.
+    # 0: never.
+    flow_split_prefix_rows: int | None = None
     # CUDA graphs for the CosyVoice3 flow's ODE solve (CUDA only; CPU ignores it).
     flow_cuda_graphs: bool = True
     # Batches with more chunks than this skip the graphs and run eagerly at their exact
@@ -487,7 +489,7 @@ class EngineConfig:
             raise ValueError("idle_initial_hop, first_chunk_min_hop and first_chunk_min_hop_crowd must be >= 0, "
                              f"not {self.idle_initial_hop}, {self.first_chunk_min_hop} and "
                              f"{self.first_chunk_min_hop_crowd}")
-        if self.flow_split_prefix_rows < 0:
+        if self.flow_split_prefix_rows is not None and self.flow_split_prefix_rows < 0:
             raise ValueError(f"flow_split_prefix_rows must be >= 0, not {self.flow_split_prefix_rows}")
         if self.vllm_cudagraph_mode not in get_args(VLLMGraphMode):
             raise ValueError(f"vllm_cudagraph_mode must be one of {', '.join(get_args(VLLMGraphMode))}, "

@@ -52,7 +52,7 @@ from .flow_prompt_cache import (PromptCache, PromptKV, decode_with_prompt_cache,
                                 shared_entry, supports_prompt_cache)
 from .mel_stretch import MelStretch
 from .models import split_attention_kernel
-from .models.dit import DiT, attention_kernel_for
+from .models.dit import DiT, attention_kernel_for, split_prefix_rows_for
 from .models.flow import FlowChunk
 from .models.hift import CausalHiFTGenerator, use_snake_kernel
 from .stage_profile import PHASES, StageProfiler
@@ -526,7 +526,7 @@ class AudioStage:
                  vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "triton", flow_attention_rotary: bool = True, flow_conv_kernel: str = "triton",
-                 flow_split_prefix_rows: int = 1,
+                 flow_split_prefix_rows: int | None = None,
                  vocoder_snake_kernel: str = "triton", vocoder_channels_last: bool = True,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
@@ -569,7 +569,8 @@ class AudioStage:
                 split_attention_kernel.runs_on(torch.device(device), self.flow_dtype, rotary=True)
             estimator.use_attention_kernel(kernel, rotary=rotary)
             estimator.use_conv_kernel(flow_conv_kernel)
-            estimator.split_prefix_rows = flow_split_prefix_rows
+            estimator.split_prefix_rows = (split_prefix_rows_for(kernel) if flow_split_prefix_rows is None
+                                           else flow_split_prefix_rows)
         # torch.compile of the DiT blocks (CosyVoice3 on CUDA); compiled on the first batch,
         # or when graphs are warmed, on the worker thread.
         self.flow_compile = flow_compile and torch.device(device).type == "cuda" and isinstance(estimator, DiT)

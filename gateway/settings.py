@@ -142,11 +142,12 @@ class EngineSettings:
                        "(frame-major), sparing cuDNN's layout conversions around each convolution: "
                        "5.9-6.4% less stage time a round on an H100"),
     )
-    flow_split_prefix_rows: int = field(
-        default=1,
+    flow_split_prefix_rows: int | None = field(
+        default=None,
         metadata=_help("one-voice flow batches of at least this many chunks attend to the voice's cached prompt "
                        "once for all chunks and to each chunk's own frames apart, merged by log-sum-exp, instead "
-                       "of over per-chunk copies of the prompt (0 = never)"),
+                       "of over per-chunk copies of the prompt (0 = never; default: 1 with the split attention "
+                       "kernel, --engine.flow-attention triton, 8 with cudnn or sdpa and on the CPU)"),
     )
     flow_cuda_graphs: bool = field(default=True, metadata=_help("run the CosyVoice3 flow's ODE solve as CUDA graphs (CUDA only)"))
     flow_graph_max_rows: int = field(

@@ -49,23 +49,35 @@ def test_flow_attention_reaches_the_dit_and_is_validated() -> None:
         EngineConfig(model_dir=Path("."), flow_attention="flash")  # type: ignore[arg-type]
 
 
-def test_flow_split_prefix_rows_reaches_the_dit(tmp_path: Path) -> None:
-    """--engine.flow-split-prefix-rows (1 by default: every one-voice batch) is the stage's DiT's
-    `split_prefix_rows`, whatever the DiT module's own default."""
+def test_flow_split_prefix_rows_reaches_the_dit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--engine.flow-split-prefix-rows is the stage's DiT's `split_prefix_rows`; by default 1
+    (every one-voice batch) where its attention is the split kernel, and 8 with cuDNN's or
+    SDPA's two calls, which pay only in larger batches: the CPU's (round 48 of
+    docs/benchmarks.md)."""
+    from engine.models.dit import split_prefix_rows_for
+
     from engine.models.config import ModelConfig
     from engine.models.flow import CausalMaskedDiffWithDiT
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
-    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_split_prefix_rows == 1
-    assert EngineConfig(model_dir=tmp_path).flow_split_prefix_rows == 1
+    assert engine_config(load_settings([], environ={})[0], tmp_path).flow_split_prefix_rows is None
+    assert EngineConfig(model_dir=tmp_path).flow_split_prefix_rows is None
+    assert [split_prefix_rows_for(k) for k in ("triton", "cudnn", "sdpa")] == [1, 8, 8]
     off = engine_config(load_settings(["--engine.flow-split-prefix-rows", "0"], environ={})[0], tmp_path)
     assert off.flow_split_prefix_rows == 0
     flow = CausalMaskedDiffWithDiT(ModelConfig.tiny().flow)
     AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_split_prefix_rows=0)
     assert flow.decoder.estimator.split_prefix_rows == 0
-    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"), flow_split_prefix_rows=1)
     assert flow.decoder.estimator.split_prefix_rows == 1
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))  # no split kernel on the CPU outside Triton's interpreter
+    assert flow.decoder.estimator.attention_kernel != "triton" and flow.decoder.estimator.split_prefix_rows == 8
+    import engine.token2wav as token2wav
+
+    monkeypatch.setattr(token2wav, "attention_kernel_for", lambda *args, **kwargs: "triton")  # as on a GPU
+    AudioStage(flow, nn.Linear(1, 1), torch.device("cpu"))
+    assert flow.decoder.estimator.attention_kernel == "triton" and flow.decoder.estimator.split_prefix_rows == 1
     with pytest.raises(ValueError, match="flow_split_prefix_rows"):
         EngineConfig(model_dir=Path("."), flow_split_prefix_rows=-1)
 

@@ -242,6 +242,18 @@ def attention_kernel_for(name: str, device: torch.device, dtype: torch.dtype,
     return name
 
 
+def split_prefix_rows_for(kernel: str) -> int:
+    """The fewest rows (per CFG half) of a one-voice prefixed call whose prompt is attended
+    apart (`DiT.split_prefix_rows`) by default with attention `kernel`. The split kernel
+    ("triton") pays at small sizes too: on an H100 (round 48 of docs/benchmarks.md) rounds of
+    1-3, 5 and 6 chunks took 6-11% less time than over per-row copies of the prompt, and 4
+    the same. cuDNN's two calls and a merge pay only in larger batches (round 17, H200: a
+    64-chunk round 129 against 142 ms, one chunk 24.0 against 21.4); SDPA's pair is not
+    measured at small sizes; on the CPU a full-size 3-chunk round took 39.3 s split against
+    32.2 (round 48)."""
+    return 1 if kernel == "triton" else 8
+
+
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean SDPA mask [B, 1, Tq, Tk] as the additive bias the kernels take (0 where
     True, -inf where False), in rows whose storage is padded to `_BIAS_ALIGN` elements:
