@@ -14,7 +14,7 @@ frames the utterance plays:
               by the time it goes (a later segment behind earlier audio):
               `chunking.patient_target`.
 
-Row padding (batches padded to a power of two) and the batch a chunk shares are left out:
+Row padding (batches padded to their graph's row bucket) and the batch a chunk shares are left out:
 they depend on the load. The 4.25-s voice of the load benchmark has 106 prompt tokens.
 """
 

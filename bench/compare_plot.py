@@ -8,7 +8,9 @@ one line per setting and percentile.
 
 Each label's product levels are pooled across its files; a session count run more than
 once is drawn at the median of its runs (as `ws_load.plot` draws repeats), p50 solid and
-p95 dashed. Levels of the baseline mode are left out.
+p95 dashed. Levels of the baseline mode are left out. A label whose levels differ in ramp
+or planner knobs (which `ws_load.plot` draws as lines of their own) is refused: give each
+its own label.
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def parse_spec(spec: str) -> tuple[str, list[Path]]:
     return label, [Path(p) for p in paths.split(",") if p]
 
 
+def group_of(report: dict[str, Any], level: dict[str, Any]) -> tuple[Any, str]:
+    """What besides its session count sets a level apart (`ws_load.level_group`), with the
+    run's own ramp and knobs where the level has none of its own."""
+    settings = report.get("settings") or {}
+    ramp = level.get("ramp_s", settings.get("ramp_s"))
+    knobs = level.get("planner_knobs", settings.get("planner_knobs"))
+    return ramp, json.dumps(knobs, sort_keys=True)
+
+
+def check_one_group(label: str, reports: list[dict[str, Any]]) -> None:
+    """ValueError when the label's product levels mix ramps or planner knobs."""
+    groups = {group_of(r, lv) for r in reports for lv in r["results"].get("product") or []}
+    if len(groups) > 1:
+        raise ValueError(f"{label}: levels of more than one ramp or planner setting {sorted(map(str, groups))}; "
+                         "give each its own label")
+
+
 def medians(reports: list[dict[str, Any]], quantile: str) -> tuple[tuple[float, float], ...]:
     """(sessions, median first-audio `quantile` in ms) over the reports' product levels."""
     by_n: dict[int, list[float]] = {}
@@ -47,6 +66,7 @@ def chart(sets: list[tuple[str, list[dict[str, Any]]]], title: str, log_x: bool 
     """The SVG of one chart: per labelled set of reports, its p50 and p95 lines."""
     series = []
     for k, (label, reports) in enumerate(sets):
+        check_one_group(label, reports)
         colour = COLOURS[k % len(COLOURS)]
         for quantile, dashed in (("p50", False), ("p95", True)):
             points = medians(reports, quantile)

@@ -267,13 +267,14 @@ class EngineConfig:
     flow_graph_shared_rows: int = 64
     # At most this many flow graphs kept per stage (`GraphPolicy.max_graphs`; the least
     # recently used go first, and a batch whose graph went captures it again while serving,
-    # 0.5-0.8 s a round on the H200). A voice's prompt width (100, 200 or 300 cached frames)
-    # warms 136 graphs of its own at the default row buckets (88 one-voice, 48 per-row
-    # prefix ones up to 8 rows; 80 at round 47's powers of two); 448 holds all three widths'.
-    # They share one memory pool; beyond it each graph held ~13 MiB of device memory on the
-    # H200 (round 37 of docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so
-    # the new buckets cost ~2.1 GiB more than round 47's once all three widths are registered.
-    flow_graph_limit: int = 448
+    # 0.5-0.8 s a round on the H200). The voices of a prompt width (100, 200 or 300 cached
+    # frames) warm at most 153 graphs of their own at the default row buckets (11 one-voice
+    # and 6 per-row prefix ones, up to 8 rows, at each of 8 or 9 frame buckets; 90 at round
+    # 47's powers of two); 480 holds all three widths' (459). They share one memory pool;
+    # beyond it each graph held ~13 MiB of device memory on the H200 (round 37 of
+    # docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so the new buckets cost
+    # up to ~2.4 GiB more than round 47's once all three widths are registered.
+    flow_graph_limit: int = 480
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True

@@ -29,7 +29,7 @@ def voice_graph_shapes(config: EngineConfig, lookahead: int, prompt_tokens: int,
     policy = graph_policy(config)
     # Every window a chunk can have: prompt + left context + (1 .. max_hop + lookahead) new
     # tokens (a final chunk takes whatever is left), at every row bucket the policy has
-    # (with flow_graph_max_rows 12, say, 12 is one); the runner pads them into buckets.
+    # (with flow_graph_max_rows 10, say, 10 is one); the runner pads them into buckets.
     shapes: list[tuple[int, ...]] = list(prompt_shapes(
         prompt_tokens, hops=range(1, max(config.max_hop, config.initial_hop) + lookahead + 1),
         left_context=config.flow_left_context, rows=policy.batch_buckets))

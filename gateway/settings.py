@@ -175,10 +175,10 @@ class EngineSettings:
                        "the per-row prefix graphs (up to 8 chunks) or eager"),
     )
     flow_graph_limit: int = field(
-        default=448,
+        default=480,
         metadata=_help("at most this many flow CUDA graphs kept per stage (least recently used dropped; a batch "
                        "whose graph was dropped captures it again while serving): each voice prompt width (100, "
-                       "200, 300 frames) warms 136 of its own at the default row buckets, ~13 MiB of GPU memory "
+                       "200, 300 frames) warms up to 153 of its own at the default row buckets, ~13 MiB of GPU memory "
                        "each on the H200"),
     )
     vocoder_cuda_graphs: bool = field(

@@ -20,6 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.stage_build import graph_policy, voice_graph_shapes
 from engine.flow_graphs import FlowGraphRunner, GraphPolicy, iter_shapes, prompt_shapes
+from engine.flow_prompt_cache import cacheable_frames
 from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
@@ -106,7 +107,8 @@ def test_frame_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
 
 def test_graph_limit_is_an_option(tmp_path) -> None:  # noqa: ANN001
     """`--engine.flow-graph-limit`: how many flow graphs a stage keeps (a voice's prefix
-    width warms 136 of its own; the default, 448, holds all three widths'); at least 1."""
+    width's voices warm up to 153 of their own; the default, 480, holds all three widths'); at
+    least 1."""
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
@@ -122,24 +124,32 @@ def test_default_buckets_hold_the_rounds_under_load_unpadded_and_the_limit_every
     """Under load the stage's rounds hold 3-6 chunks (round 48 of docs/benchmarks.md), which
     powers of two ran as 4 or 8 rows: the default buckets take every count up to 6 as it
     is, one-voice or not. And the default graph limit holds what `FlowGraphRunner.warm`
-    captures for voices of all three prefix widths (a one-voice graph per bucket, a per-row
-    one for 2 to `prefix_max_rows` rows), so registering voices never evicts one another's
-    graphs into captures while serving."""
+    captures for voices of every prompt length of all three prefix widths (a one-voice graph
+    per bucket, a per-row one for 2 to `prefix_max_rows` rows: this mirrors its loop), so
+    registering voices never evicts one another's graphs into captures while serving. The
+    voices of one width reach 8 or 9 frame buckets, as their windows reach 400 or 450
+    frames (a 49- or 99-token prompt reaches 450)."""
     config = EngineConfig(model_dir=tmp_path)
     policy = graph_policy(config)
     for rows in range(1, 7):
         assert policy.padded_rows(rows, 200, shared=True) == rows
         assert policy.padded_rows(rows, 200) == rows
     assert policy.padded_rows(7, 200, shared=True) == 8
-    keys = set()
-    for width, prompt_tokens in ((100, 60), (200, 106), (300, 150)):
-        for rows, frames, cached in voice_graph_shapes(config, 3, prompt_tokens, width):
-            keys.add((policy.bucket(rows, frames, cached, shared=True), policy.prefix_bucket(cached), True))
+    by_width: dict[int, set[tuple]] = {}
+    for prompt_tokens in range(1, 400):
+        cached = cacheable_frames(prompt_tokens, 2, 3, 50)  # the full-size flow's ratio, lookahead, block
+        width = policy.prefix_bucket(cached)
+        if not 0 < width <= policy.prefix_max_frames:
+            continue
+        keys = by_width.setdefault(width, set())
+        for rows, frames, cached_frames in voice_graph_shapes(config, 3, prompt_tokens, cached):
+            keys.add((policy.bucket(rows, frames, cached_frames, shared=True), True))
             if 1 < rows <= policy.prefix_max_rows:
-                keys.add((policy.bucket(rows, frames, cached), policy.prefix_bucket(cached), False))
-    assert None not in {k[0] for k in keys}
-    assert len({k[1] for k in keys}) == 3
-    assert len(keys) <= policy.max_graphs
+                keys.add((policy.bucket(rows, frames, cached_frames), False))
+    assert sorted(by_width) == [100, 200, 300]
+    assert all(None not in {k[0] for k in keys} for keys in by_width.values())
+    assert [len(keys) for keys in by_width.values()] == [(11 + 6) * 9] * 3
+    assert sum(len(keys) for keys in by_width.values()) <= policy.max_graphs
 
 
 def test_voice_graph_shapes(tmp_path) -> None:  # noqa: ANN001

@@ -221,10 +221,10 @@ def test_deadline_stage_batches_by_deadline_and_window(flow, hift) -> None:
 
 def test_graph_policy_max_rows(flow) -> None:
     assert GraphPolicy().with_max_rows(64) == GraphPolicy()  # the default changes nothing
-    assert GraphPolicy().with_max_rows(8).batch_buckets == (1, 2, 4, 8)
-    assert GraphPolicy().with_max_rows(10).batch_buckets == (1, 2, 4, 8, 10)  # the cap is a bucket
+    assert GraphPolicy().with_max_rows(8).batch_buckets == (1, 2, 3, 4, 5, 6, 8)
+    assert GraphPolicy().with_max_rows(10).batch_buckets == (1, 2, 3, 4, 5, 6, 8, 10)  # the cap is a bucket
     assert GraphPolicy().with_max_rows(0).batch_buckets == ()
-    capped = GraphPolicy().with_max_rows(8)
+    capped = dataclasses.replace(GraphPolicy(), batch_buckets=(1, 2, 4, 8, 16, 32, 64)).with_max_rows(8)
     assert capped.bucket(8, 120) == (8, 150) and capped.bucket(3, 120) == (4, 150)
     assert capped.bucket(9, 120) is None  # more rows than the cap: eager, exact rows
     assert GraphPolicy().with_max_rows(0).bucket(1, 50) is None
@@ -253,7 +253,7 @@ def test_build_stage_takes_both_options(tiny_model_dir) -> None:
                            EngineConfig(model_dir=tiny_model_dir, stage_policy="deadline", flow_graph_max_rows=8))
 
     stage = run(tiny_model_dir, fn, warmup=False)
-    assert stage.policy == "deadline" and stage.graph_policy.batch_buckets == (1, 2, 4, 8)
+    assert stage.policy == "deadline" and stage.graph_policy.batch_buckets == (1, 2, 3, 4, 5, 6, 8)
     with pytest.raises(ValueError, match="stage_policy"):
         EngineConfig(model_dir=tiny_model_dir, stage_policy="fastest")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="flow_graph_max_rows"):
@@ -432,7 +432,7 @@ def test_split_by_length_is_the_cheapest_partition_when_padded(seed: int) -> Non
 
 
 def test_padded_pricing_splits_what_the_graphs_would_pad() -> None:
-    policy = GraphPolicy()
+    policy = GraphPolicy(batch_buckets=(1, 2, 4, 8, 16, 32, 64))  # powers of two: 3 rows run as 4
     solved = call_work(policy, width=0, shared=False)
     assert solved(33, 52) == 64 * 100 and solved(3, 300) == 4 * 300 and solved(65, 10) == 65 * 10  # no bucket: exact
     # 33 first chunks of one length: the 64-row graph pads 31 rows; 32 + 1 costs less.

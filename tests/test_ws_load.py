@@ -523,6 +523,9 @@ def test_compare_plot_pools_each_labels_files_at_the_median(tmp_path: Path) -> N
     assert medians(pooled, "p95") == ((200.0, 250.0), (216.0, 500.0), (232.0, 400.0))
     with pytest.raises(ValueError, match="LABEL=PATH"):
         parse_spec("no-label")
+    burst = report(tmp_path / "burst.json", [_level(64, 200, 250, 0.2) | {"ramp_s": 0.0}])
+    with pytest.raises(ValueError, match="more than one ramp"):  # ws_load.plot draws them apart
+        main([f"mixed={a1},{burst}", "--out", str(out)])
 
 
 def test_process_tree_rss_walks_the_gateways_children(tmp_path: Path) -> None:
