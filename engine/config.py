@@ -235,9 +235,9 @@ class EngineConfig:
     # instead of over per-row copies of the prompt's keys and values. Exact up to rounding.
     # On the H200 (round 17 of docs/benchmarks.md, the stage alone) a 64-chunk opening round
     # took 129 against 142 ms, but one chunk 24.0 against 21.4 ms with cuDNN's two calls and a
-    # merge. With the one-kernel split attention (`flow_attention` "triton") it pays at every
-    # size: on an H100 (round 48) rounds of 1, 3, 5 and 6 chunks took 20.2, 28.5, 40.8 and
-    # 44.4 ms against 21.9, 31.9, 45.1 and 48.8 from 8. None: 1 where the DiT's attention is
+    # merge. With the one-kernel split attention (`flow_attention` "triton") it pays at small
+    # sizes too: on an H100 (round 48) rounds of 1, 3, 5 and 6 chunks took 20.2, 28.5, 40.8
+    # and 44.4 ms against 21.9, 31.9, 45.1 and 48.8 from 8 (4 chunks the same). None: 1 where the DiT's attention is
     # the split kernel, 8 with cuDNN's or SDPA's (the CPU's), `dit.split_prefix_rows_for`.
     # 0: never.
     flow_split_prefix_rows: int | None = None
