@@ -27,7 +27,7 @@ SAMPLE_RATE = 24000
 def _echo(conn: Connection, rows: int, samples: int) -> None:
     pcm = [np.zeros(samples, np.float32) for _ in range(rows)]
     while conn.recv() is not None:
-        conn.send([("events", [(i, 0.0, rows, None) for i in range(rows)], list(enumerate(pcm)), [], [], {}, {})])
+        conn.send([("events", [(i, 0.0, rows, False, None) for i in range(rows)], list(enumerate(pcm)), [], [], {}, {})])
 
 
 def round_trips(rows: int, audio_s: float, reps: int) -> list[float]:

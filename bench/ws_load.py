@@ -56,8 +56,9 @@ utterance's first chunk (`first_chunk_phases_ms`, means: text in -> first speech
 `first_audio_ms` measures; `slow_opening_chunk_phases_ms`: of those, the ones that took
 500 ms or more in the server, the tail a p95 over the bar is made of;
 `opening_second_chunk_ms`: the first segments' second chunks, from tokens ready to queued,
-batch start and audio, how many came after the first chunk's audio had run out and how
-many with less than 100 ms to spare), and with
+batch start and audio, how many came after the first chunk's audio had run out, how
+many with less than 100 ms to spare, and how many were past the deadline cut's deadline
+when their batch started), and with
 `--engine.lm-timing true` vLLM's own account of the LM requests (`lm_server_ms`: queued
 and prefill in its engine core, its time to first token, its decode time per token).
 
@@ -1035,7 +1036,9 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
     the first chunk's audio their tokens were ready, their stage wait and round, and the
     chunks of that round (`late_ready`, `late_stage_wait`, `late_stage`, `late_rows`);
     `close`: how many came with less than 100 ms to spare, late ones too (a few runs' late
-    counts are too few to compare settings by); None without any."""
+    counts are too few to compare settings by); `past_due` (and `late_past_due` of the late
+    ones): how many were past their deadline as the stage's cuts judge it when their round
+    began, so that no cut tried to save them; None without any."""
     m = "cosyvoice_engine_opening_second_chunk"
     count = _delta(after, before, m + "s_total")
     if count <= 0:
@@ -1045,11 +1048,13 @@ def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[s
             "stage_wait": round(1e3 * _delta(after, before, m + "_stage_wait_seconds_total") / count, 3),
             "stage": round(1e3 * _delta(after, before, m + "_stage_seconds_total") / count, 3),
             "chunks": int(count), "late": int(lates), "close": int(_delta(after, before, m + "_close_calls_total")),
+            "past_due": int(_delta(after, before, m + "_past_due_total")),
             "late_by": round(1e3 * _delta(after, before, m + "_late_seconds_total") / lates, 3) if lates > 0 else 0.0,
             "late_first_rows": round(_delta(after, before, m + "_late_first_rows_total") / lates, 2) if lates > 0 else None,
             **({f"late_{k}": round(scale * _delta(after, before, f"{m}_late_{name}_total") / lates, 3)
                 for k, name, scale in (("ready", "ready_seconds", 1e3), ("stage_wait", "stage_wait_seconds", 1e3),
-                                       ("stage", "stage_seconds", 1e3), ("rows", "rows", 1))} if lates > 0 else {})}
+                                       ("stage", "stage_seconds", 1e3), ("rows", "rows", 1))} if lates > 0 else {}),
+            **({"late_past_due": int(_delta(after, before, m + "_late_past_due_total"))} if lates > 0 else {})}
 
 
 def lm_server_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float | None] | None:
@@ -1633,7 +1638,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-at", type=float, default=None,
                    help="register one more voice (a longer prompt) this many seconds into each level")
     p.add_argument("--planner-knobs", default=None,
-                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut) set before "
+                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut, rescue) set before "
                         "each level in turn, ';'-separated JSON objects (e.g. '{\"min_hop\": 0};{\"min_hop\": 8}'): "
                         "an A/B on one gateway (POST /debug/planner)")
     p.add_argument("--text", default=DEFAULT_TEXT)

@@ -352,6 +352,15 @@ class EngineConfig:
     # a first chunk of less audio than that (10 tokens make 240 ms) is then late before any
     # round, and the cut does not see it (round 26 of docs/benchmarks.md).
     stage_deadline_cut_margin_ms: float = 250.0
+    # ... and a row (after its utterance's first chunk) already past that deadline when the
+    # cut is planned is judged by when its audio runs out instead (the margin dropped), not
+    # given up: behind a first chunk of less audio than the margin every second chunk is
+    # past it before its first round, and in round 49 (H100, 176 and 216 sessions over 16 s)
+    # the second chunks that ran their listeners dry, by 1-2 ms, rode 7-8-row rounds of
+    # 162 ms. Such a row is judged without the margin the rows not yet past it keep, so one
+    # about to run out can look less urgent than one with a little more time. A/B pending:
+    # `rescue` of `POST /debug/planner`.
+    stage_deadline_cut_rescue: bool = False
     # A round that carries first chunks listeners wait for in silence runs them first, with
     # the rows that would be late after them (by stage_deadline_cut_margin_ms, as the
     # deadline cut counts late, whether that one is on or not), and the rest in the next
@@ -573,6 +582,11 @@ class EngineConfig:
         if self.stage_process is not None:
             return self.stage_process
         return self.resolved_device().type == "cuda"
+
+    def cut_shift_s(self) -> float:
+        """What the stage's cuts add to a chunk's deadline (which keeps DEADLINE_MARGIN_S)
+        to judge it late by `stage_deadline_cut_margin_ms` instead."""
+        return DEADLINE_MARGIN_S - self.stage_deadline_cut_margin_ms / 1000
 
     def resolved_flow_dtype(self) -> torch.dtype | str:
         return "auto" if self.flow_dtype == "auto" else getattr(torch, self.flow_dtype)

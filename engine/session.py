@@ -35,7 +35,7 @@ from .models.lm import build_prompt, length_limits
 from .playback import PlaybackClock, chunk_due
 from .stats import is_slow_opening
 from .text_stream import TextFeed
-from .token2wav import ChunkJob
+from .token2wav import BatchStart, ChunkJob
 from .types import AudioChunk, SessionOptions, UtteranceError, UtteranceStats, VoicePrompt
 
 if TYPE_CHECKING:  # engine.py imports this module: the type only, not at run time
@@ -764,8 +764,8 @@ class Session:
                 # Not from the warm-up: its first syntheses may wait behind graph captures (seconds).
                 eng.first_chunks.learn_second_round(item.staged, time.monotonic() - max(item.queued_at, first_back))
             if item.index == 1 and planned and utt.arrivals is not None and eng.ready:
-                self._second_chunk_done(utt, item.queued_at, batch.at, item.queued_end, item.queued_final, first_samples,
-                                        first_rows, eng.model.config.flow.pre_lookahead_len, batch.rows)
+                self._second_chunk_done(utt, item.queued_at, batch, item.queued_end, item.queued_final, first_samples,
+                                        first_rows, eng.model.config.flow.pre_lookahead_len)
             if item.index == 0:
                 first_samples, first_rows, first_back = int(pcm.size), batch.rows, time.monotonic()
             if utt.stats.first_audio_at is None and pcm.size:
@@ -781,12 +781,12 @@ class Session:
                 utt.stats.finished_at = time.monotonic()
                 return
 
-    def _second_chunk_done(self, utt: _Utterance, queued: float, started: float, queued_end: int,
-                           finalize: bool, first_samples: int, first_rows: int, lookahead: int, rows: int) -> None:
-        """Record an opening utterance's second chunk (`SecondChunkTimes`): ready when the
-        LM had the tokens it was queued with (and their lookahead), due when the first
-        chunk's audio, from its arrival here, has played out. A first chunk that gave no
-        audio (all of it held back) covers nothing: not recorded."""
+    def _second_chunk_done(self, utt: _Utterance, queued: float, batch: BatchStart, queued_end: int,
+                           finalize: bool, first_samples: int, first_rows: int, lookahead: int) -> None:
+        """Record an opening utterance's second chunk (`SecondChunkTimes`) from its batch's
+        start: ready when the LM had the tokens it was queued with (and their lookahead),
+        due when the first chunk's audio, from its arrival here, has played out. A first
+        chunk that gave no audio (all of it held back) covers nothing: not recorded."""
         arrivals, utt.arrivals = utt.arrivals or [], None  # no longer needed
         first_at = utt.stats.first_audio_at
         need = queued_end if finalize else queued_end + lookahead
@@ -794,8 +794,8 @@ class Session:
             return
         ready = arrivals[min(need, len(arrivals)) - 1]
         due = first_at + first_samples / self.engine.sample_rate
-        self.engine.opening_second_chunk_times.add(ready, queued, started, time.monotonic(), due, first_rows,
-                                                   first_at, rows)
+        self.engine.opening_second_chunk_times.add(ready, queued, batch.at, time.monotonic(), due, first_rows,
+                                                   first_at, batch.rows, batch.past_due)
 
     def _grower(self, extent: "_Extent", tokens: list[int], offset: int, max_hop: int, lm_task: asyncio.Task,
                 flow_cfg) -> Callable[[int], FlowChunk | None]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DEADLINE_MARGIN_S, EngineConfig
+from .config import EngineConfig
 from .flow_graphs import GraphPolicy, prompt_shapes
 from .models.loader import LoadedModel
 from .stage_profile import StageProfiler
@@ -73,7 +73,7 @@ def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, 
                       first_chunk_hold_s=config.first_chunk_hold_ms / 1000,
                       first_chunk_hold_share=config.first_chunk_hold_share,
                       cut_for_deadlines=config.stage_deadline_cut,
-                      cut_shift_s=DEADLINE_MARGIN_S - config.stage_deadline_cut_margin_ms / 1000,
+                      cut_shift_s=config.cut_shift_s(), rescue=config.stage_deadline_cut_rescue,
                       first_cut=config.stage_first_chunk_cut,
                       second_cut=config.stage_second_chunk_cut,
                       final_full_attention=config.flow_final_full_attention)

@@ -32,8 +32,9 @@ engine -> stage
 stage -> engine
     ("ready", info) / ("fatal", text)           once, after the stage is built (or not)
     ("events", started, done, failed, rounds, stats, memory)
-        started: (jid, at, rows, grown) per chunk whose batch was taken (`BatchStart`;
-        grown: the (end, finalize) the stage grew the chunk to, None if it did not); done:
+        started: (jid, at, rows, past_due, grown) per chunk whose batch was taken
+        (`BatchStart`; grown: the (end, finalize) the stage grew the chunk to, None if it
+        did not); done:
         (jid, pcm); failed: (jid, message); rounds: the (work, wall) pairs the stage's
         `RoundTimes` observed, replayed into the engine's copy (`round_estimate` is
         answered here, synchronously); stats: `StageStats` as a dict; memory: CUDA bytes
@@ -412,7 +413,7 @@ class RemoteStage:
                     else:
                         future.set_exception(StageProcessError(value))
 
-    def _on_events(self, started: list[tuple[int, float, int, tuple[int, bool] | None]],
+    def _on_events(self, started: list[tuple[int, float, int, bool, tuple[int, bool] | None]],
                    done: list[tuple[int, np.ndarray]],
                    failed: list[tuple[int, str]], rounds: list[tuple[int, float]], stats: dict[str, Any],
                    memory: dict[str, int]) -> None:
@@ -420,12 +421,12 @@ class RemoteStage:
             self.rounds.observe(work, wall)
         self.stats = StageStats(**stats)
         self.cuda_memory = memory
-        for jid, at, rows, grown in started:
+        for jid, at, rows, past_due, grown in started:
             job = self._jobs.get(jid)
             if job is not None and not job.started.done():
                 if grown is not None and job.grown_to is not None:
                     job.grown_to(*grown)  # before the start: the engine reads it then
-                job.started.set_result(BatchStart(at, rows))
+                job.started.set_result(BatchStart(at, rows, past_due))
         for jid, pcm in done:
             job = self._jobs.pop(jid, None)
             if job is not None and not job.future.done():
@@ -724,7 +725,7 @@ class _StageServer:
         self.growing.pop(jid, None)  # its chunk is final now
         if not future.cancelled():
             start = future.result()
-            self.started.append((jid, start.at, start.rows, self.grown.pop(jid, None)))
+            self.started.append((jid, start.at, start.rows, start.past_due, self.grown.pop(jid, None)))
             self._flush_soon()
 
     def _done(self, jid: int, future: asyncio.Future[np.ndarray]) -> None:

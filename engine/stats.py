@@ -139,6 +139,14 @@ class EngineStats:
     opening_second_chunk_late_rows: int = 0
     # ... and those that came with less than `CLOSE_CALL_S` (100 ms) to spare, late ones too.
     opening_second_chunk_close_calls: int = 0
+    # ... and those whose deadline, as the deadline cut judges it (`EngineConfig.cut_shift_s`),
+    # had passed when their round began, late ones too (`_late_past_due`: those of the late
+    # ones): the cut gives such a row up as a stall in progress (`token2wav.deadline_cut`;
+    # `engine.stage_deadline_cut_rescue` judges it by when its audio runs out instead).
+    # Behind a first chunk of less audio than the cut's margin (250 ms) every second chunk
+    # is one.
+    opening_second_chunk_past_due: int = 0
+    opening_second_chunk_late_past_due: int = 0
     # What the first-chunk planner takes a first chunk's audio to fall short of its tokens
     # by (the vocoder's held-back frames; the largest seen, `FirstChunkPlanner.holdback_s`).
     first_chunk_holdback_seconds: float = 0.0
@@ -250,12 +258,17 @@ class SecondChunkTimes:
     late_stage: float = 0.0
     late_rows: int = 0
     close_calls: int = 0
+    past_due: int = 0
+    late_past_due: int = 0
 
     def add(self, ready: float, queued: float, started: float, done: float, due: float, first_rows: int,
-            first_audio: float, rows: int) -> None:
+            first_audio: float, rows: int, past_due: bool = False) -> None:
         """`first_rows`: the chunks in the batch the first chunk ran in; `first_audio`: when
-        the first chunk's audio arrived; `rows`: the chunks in this chunk's own batch."""
+        the first chunk's audio arrived; `rows`: the chunks in this chunk's own batch;
+        `past_due`: its deadline as the deadline cut judges it had passed when its batch
+        started (`BatchStart.past_due`)."""
         self.count += 1
+        self.past_due += int(past_due)
         self.ready_wait += max(0.0, queued - ready)
         self.stage_wait += max(0.0, started - queued)
         self.stage += done - max(started, queued)
@@ -268,6 +281,7 @@ class SecondChunkTimes:
             self.late_stage_wait += max(0.0, started - queued)
             self.late_stage += done - max(started, queued)
             self.late_rows += rows
+            self.late_past_due += int(past_due)
 
     def stats_fields(self, name: str = "opening_second_chunk") -> dict[str, float | int]:
         return {f"{name}s": self.count, f"{name}_ready_wait_seconds": self.ready_wait,
@@ -277,7 +291,8 @@ class SecondChunkTimes:
                 f"{name}_late_ready_seconds": self.late_ready,
                 f"{name}_late_stage_wait_seconds": self.late_stage_wait,
                 f"{name}_late_stage_seconds": self.late_stage, f"{name}_late_rows": self.late_rows,
-                f"{name}_close_calls": self.close_calls}
+                f"{name}_close_calls": self.close_calls, f"{name}_past_due": self.past_due,
+                f"{name}_late_past_due": self.late_past_due}
 
 
 @dataclass

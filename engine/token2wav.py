@@ -44,7 +44,7 @@ import torch
 from torch.profiler import record_function
 
 from .chunking import SpareTokens
-from .config import StagePolicy
+from .config import DEADLINE_MARGIN_S, StagePolicy
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
@@ -64,10 +64,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class BatchStart:
-    """When the stage took a chunk's batch (time.monotonic) and how many chunks it held."""
+    """When the stage took a chunk's batch (time.monotonic), how many chunks it held, and
+    whether the chunk's deadline as the deadline cut judges it (`cut_shift_s`, before any
+    `rescue`) had passed by then: a cut gives such a row up as a stall in progress."""
 
     at: float
     rows: int
+    past_due: bool = False
 
 
 @dataclass
@@ -117,7 +120,7 @@ STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 # with `debug_tuning`: a benchmark's A/B, level by level on one gateway, which saves a
 # gateway start per setting), and their types.
 STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool,
-                                  "second_cut": bool}
+                                  "second_cut": bool, "rescue": bool}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -530,7 +533,7 @@ class AudioStage:
                  vocoder_snake_kernel: str = "triton", vocoder_channels_last: bool = True,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
-                 first_cut: bool = False, second_cut: bool = False):
+                 first_cut: bool = False, second_cut: bool = False, rescue: bool = False):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -618,6 +621,7 @@ class AudioStage:
         # ... which takes a row as late when its round ends after its deadline plus this
         # (engine.stage_deadline_cut_margin_ms: the chunks' deadline margin less its own).
         self.cut_shift_s = cut_shift_s
+        self.rescue = rescue  # engine.stage_deadline_cut_rescue: see _cut_due
         self.first_cut = first_cut  # engine.stage_first_chunk_cut: see first_chunk_cut
         self.second_cut = second_cut  # engine.stage_second_chunk_cut: see _cut_for_first_chunks
         self._pending: list[ChunkJob] = []
@@ -857,8 +861,8 @@ class AudioStage:
         rounds (~0.5 ms each at 64 rows on the CPU machine), so first a bound: with no row
         due before an unsplit round would end, no cut can pay."""
         chunks = [j.flow for j in batch]
-        due = [j.deadline + self.cut_shift_s for j in batch]
         now = time.monotonic()
+        due = self._cut_due(batch, now)
         bound = self._round_seconds(chunks, split=False)
         if bound is None or not any(now < d < now + bound for d in due):
             return batch
@@ -867,6 +871,20 @@ class AudioStage:
             return batch
         self.stats.deadline_cuts += 1
         return self._run_first(batch, first)
+
+    def _cut_due(self, batch: list[ChunkJob], now: float) -> list[float]:
+        """When each row is due as the deadline cut judges it: its deadline shifted to the
+        cut's margin (`cut_shift_s`). With `rescue`, a chunk after its utterance's first
+        that is already past that at `now` is judged by when its listener runs out (its
+        deadline without the engine's margin, DEADLINE_MARGIN_S), so that the cut still
+        counts it as a row it can save. Not a first chunk: one with nothing delivered before
+        it is due when queued, and has no audio to run out. (The first-chunk cut takes rows
+        past due along with the first chunks as they are.)"""
+        due = [j.deadline + self.cut_shift_s for j in batch]
+        if self.rescue:
+            due = [d if d > now or j.chunk_index == 0 else j.deadline + DEADLINE_MARGIN_S
+                   for d, j in zip(due, batch)]
+        return due
 
     def _cut_for_first_chunks(self, batch: list[ChunkJob]) -> list[ChunkJob]:
         """`first_chunk_cut` on a batch the policy picked: the rows to run now. With
@@ -974,10 +992,10 @@ class AudioStage:
             return
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        started = BatchStart(time.monotonic(), len(batch))
+        at = time.monotonic()
         for job in batch:
             if not job.started.done():
-                job.started.set_result(started)
+                job.started.set_result(BatchStart(at, len(batch), job.deadline + self.cut_shift_s < at))
         # The retry of a failed batch runs after the `except` block, its exception's frames
         # released: they hold the failed batch's tensors, the memory a retry needs when the
         # batch was too large for the device.

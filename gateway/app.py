@@ -115,6 +115,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_window_tolerance=e.stage_window_tolerance,
         stage_deadline_cut=e.stage_deadline_cut,
         stage_deadline_cut_margin_ms=e.stage_deadline_cut_margin_ms,
+        stage_deadline_cut_rescue=e.stage_deadline_cut_rescue,
         stage_first_chunk_cut=e.stage_first_chunk_cut,
         stage_second_chunk_cut=e.stage_second_chunk_cut,
         stage_devices=e.stage_devices,

@@ -43,7 +43,8 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "opening_second_chunk_stage_seconds", "opening_second_chunk_lates", "opening_second_chunk_late_seconds",
      "opening_second_chunk_late_first_rows", "opening_second_chunk_late_ready_seconds",
      "opening_second_chunk_late_stage_wait_seconds", "opening_second_chunk_late_stage_seconds",
-     "opening_second_chunk_late_rows", "opening_second_chunk_close_calls",
+     "opening_second_chunk_late_rows", "opening_second_chunk_close_calls", "opening_second_chunk_past_due",
+     "opening_second_chunk_late_past_due",
      "lm_server_requests", "lm_server_queued_seconds", "lm_server_prefill_seconds", "lm_server_decode_seconds",
      "lm_server_decode_tokens", "lm_server_first_tokens", "lm_server_first_token_seconds"}
 )

@@ -256,6 +256,11 @@ class EngineSettings:
         metadata=_help("the deadline cut counts a row late when its round would end less than this before its "
                        "audio runs out at the client (0..1000)"),
     )
+    stage_deadline_cut_rescue: bool = field(
+        default=False,
+        metadata=_help("the deadline cut judges a row already past its deadline (less the cut's margin) by when "
+                       "its audio runs out instead of giving it up (not a first chunk; off: its A/B is pending)"),
+    )
     stage_first_chunk_cut: bool = field(
         default=True,
         metadata=_help("a flow/vocoder round carrying first chunks that listeners wait for runs them first, with the "
@@ -432,7 +437,7 @@ class Settings:
     )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
-                                      "fill_padding, split_call_cost, first_cut and second_cut while serving (benchmarks: "
+                                      "fill_padding, split_call_cost, first_cut, second_cut and rescue while serving (benchmarks: "
                                       "A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))

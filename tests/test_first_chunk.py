@@ -28,7 +28,7 @@ from engine.first_chunk import (
     slack,
     stalls,
 )
-from engine.stats import SLOW_OPENING_S, EngineStats, FirstChunkTimes, is_slow_opening
+from engine.stats import SLOW_OPENING_S, EngineStats, FirstChunkTimes, SecondChunkTimes, is_slow_opening
 from engine.types import AudioChunk, SessionOptions
 from gateway.metrics import ENGINE_COUNTERS
 from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
@@ -918,7 +918,27 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     assert slow.opening_second_chunk_late_stage_seconds >= 0.3 and slow.opening_second_chunk_late_rows >= 1
     assert 0 <= slow.opening_second_chunk_late_ready_seconds < 0.3
     assert (st.opening_second_chunk_late_rows == 0) == (st.opening_second_chunk_lates == 0)  # late or not
+    # Its first chunk plays less than the cuts' margin (250 ms), so its deadline as a cut
+    # judges it had passed before it was even queued: no cut would have tried to save it.
+    assert slow.opening_second_chunk_past_due == slow.opening_second_chunk_late_past_due == 1
     assert st.opening_chunks == 1 and st.opening_chunk_batch_rows == 1 and st.first_chunk_batch_rows >= 2
+
+
+def test_second_chunks_no_cut_would_save_are_counted() -> None:
+    """A second chunk whose deadline as the deadline cut judges it had passed when its round
+    began (`BatchStart.past_due`) is counted past due, and again among the late ones when it
+    was late: on time, late, on time."""
+    times = SecondChunkTimes()
+    times.add(0.0, 0.1, 0.2, 0.3, 0.5, 1, 0.05, 2, past_due=False)
+    times.add(0.0, 0.1, 0.2, 0.6, 0.5, 1, 0.05, 3, past_due=True)  # and late
+    times.add(0.0, 0.1, 0.2, 0.3, 0.5, 1, 0.05, 2, past_due=True)  # in time all the same
+    assert (times.count, times.lates, times.past_due, times.late_past_due) == (3, 1, 2, 1)
+    fields = times.stats_fields()
+    assert (fields["opening_second_chunk_past_due"], fields["opening_second_chunk_late_past_due"]) == (2, 1)
+    assert set(fields) <= ENGINE_COUNTERS
+    # The cuts' shift: none at the default margin (the deadlines' own), later deadlines below it.
+    assert EngineConfig(model_dir=".").cut_shift_s() == 0.0
+    assert EngineConfig(model_dir=".", stage_deadline_cut_margin_ms=50).cut_shift_s() == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("max_batch", [64, 1])

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from bench import position_conv, priority_lanes, split_attention_check, vocoder_cost
+from bench import gemm_shapes, position_conv, priority_lanes, split_attention_check, vocoder_cost
+from engine.models.config import FlowConfig
 
 
 def test_position_conv_checks_every_way_against_float32(tmp_path: Path) -> None:
@@ -80,3 +82,13 @@ def test_priority_lanes_times_every_way_and_checks_the_small_lane_untouched(tmp_
     for r in results:
         assert r["small_ms"] > 0 and r["big_ms"] > 0 and r["reps"] == 2, r
         assert r["small_diff"] == 0.0, r
+
+
+def test_gemm_shapes_times_a_blocks_four_products_and_says_it_needs_cuda() -> None:
+    """`bench.gemm_shapes` times the DiT block's products at the real model's widths (a
+    fused q/k/v projection, the attention's output, the feed-forward's two), and says it
+    needs CUDA where there is none."""
+    shapes = gemm_shapes.products(FlowConfig())
+    assert shapes == {"qkv": (1024, 3072), "attn_out": (1024, 1024), "ff_in": (1024, 2048), "ff_out": (2048, 1024)}
+    if not torch.cuda.is_available():
+        assert gemm_shapes.main(["--rows", "1"]) == 2

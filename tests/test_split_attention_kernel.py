@@ -186,6 +186,15 @@ def test_the_launch_sweep_holds_the_shipped_setting() -> None:
     assert split_attention_kernel.LAUNCH in tune.sweep(quick=False)
     assert tune.sweep(quick=True)[0] == split_attention_kernel.LAUNCH
     assert len(set(tune.sweep(quick=False))) == len(tune.sweep(quick=False)) == 22
+    tiles = tune.sweep(quick=False, tiles=True)
+    assert len(set(tiles)) == len(tiles) == 38 and set(tune.sweep(quick=False)) < set(tiles)
+    assert {c.block_m for c in tiles} == {16, 32, 64, 128}
+    assert tune.main(["--kernels", "shipped,nope"]) == 2  # a wrong name, on any machine
+    t = torch.randn(2, 3, 5, 16)
+    view = tune.projected(t)  # `--rotary`: as the DiT passes q, k and v
+    assert torch.equal(view, t) and view.stride() == (5 * 3 * 48, 16, 3 * 48, 1)
+    blank = tune.projected(t, blank_head0=True)  # q and k: head 0 only from `head0`
+    assert torch.equal(blank[:, 1:], t[:, 1:]) and not blank[:, 0].any()
     if not torch.cuda.is_available():
         assert tune.main([]) == 2
 

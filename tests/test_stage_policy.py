@@ -30,7 +30,7 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import (AudioStage, BatchCandidate, ChunkJob, call_work, deadline_batch, deadline_cut,
+from engine.token2wav import (AudioStage, BatchCandidate, BatchStart, ChunkJob, call_work, deadline_batch, deadline_cut,
                               estimate_round, first_chunk_cut,
                               padding_room, split_by_length)
 from engine.types import AudioChunk, SessionOptions
@@ -543,12 +543,13 @@ def test_the_stage_cuts_a_round_for_a_row_due_before_it_ends(flow, hift) -> None
     and the audio is the same as in one round."""
     chunks = [_chunk(40, seed=i) for i in range(3)]
 
-    def serve(cut: bool, first_due: float = 5.0, shift: float = 0.0) -> tuple[_RecordingStage, list[np.ndarray]]:
+    def serve(cut: bool, first_due: float = 5.0, shift: float = 0.0, rescue: bool = False,
+              scale: float = 1.0) -> tuple[_RecordingStage, list[np.ndarray]]:
         stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, cut_for_deadlines=cut,
-                                cut_shift_s=shift)
+                                cut_shift_s=shift, rescue=rescue)
         frames = stage._window_frames(chunks[0])
-        stage.rounds.observe(frames, 1.0)
-        stage.rounds.observe(3 * frames, 10.0)
+        stage.rounds.observe(frames, 1.0 * scale)
+        stage.rounds.observe(3 * frames, 10.0 * scale)
 
         def jobs() -> list[ChunkJob]:
             now = time.monotonic()
@@ -568,6 +569,46 @@ def test_the_stage_cuts_a_round_for_a_row_due_before_it_ends(flow, hift) -> None
     # can prevent; with the cut's own margin smaller by 6 s, it is due in 5 s again.
     assert serve(cut=True, first_due=-1.0)[0].batches == [[0, 1, 2]]
     assert serve(cut=True, first_due=-1.0, shift=6.0)[0].batches == [[0], [1, 2]]
+    # With the rescue a row past its deadline is judged by when its audio runs out, the
+    # engine's margin (0.25 s) later: rounds of 50 and 500 ms, row 0's deadline 10 ms ago,
+    # its audio out in 0.24 s: it runs alone first. Without the rescue it is given up; with
+    # it, one whose audio ran out already is given up too.
+    assert serve(cut=True, first_due=-0.01, scale=0.05)[0].batches == [[0, 1, 2]]
+    assert serve(cut=True, first_due=-0.01, scale=0.05, rescue=True)[0].batches == [[0], [1, 2]]
+    assert serve(cut=True, first_due=-1.0, scale=0.05, rescue=True)[0].batches == [[0, 1, 2]]
+
+
+def test_the_rescue_leaves_first_chunks_and_rows_with_time_as_they_are(flow, hift) -> None:  # noqa: ANN001
+    """`_cut_due`: the deadline shifted by the cut's margin; with the rescue a later chunk
+    past it is judged by when its audio runs out (the engine's margin later), but not a
+    first chunk (due when queued: no audio to run out) nor a row not yet past it; and the
+    stage reports, per row, whether its shifted deadline had passed when its batch started."""
+    stage = AudioStage(flow, hift, torch.device("cpu"), cut_shift_s=0.1)
+    try:
+        now = 100.0
+        rows = [(1, now - 0.15), (0, now - 0.15), (2, now + 1.0), (1, now - 1.0)]
+        jobs = [ChunkJob(flow=_chunk(20, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=index,
+                         is_cancelled=lambda: False, deadline=deadline) for i, (index, deadline) in enumerate(rows)]
+        shifted = [d + 0.1 for _, d in rows]
+        assert stage._cut_due(jobs, now) == pytest.approx(shifted)
+        stage.rescue = True
+        assert stage._cut_due(jobs, now) == pytest.approx([now + 0.1, shifted[1], shifted[2], now - 0.75])
+    finally:
+        stage._pool.shutdown(wait=True)
+
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, cut_shift_s=0.5)
+    made: list[ChunkJob] = []
+
+    def jobs() -> list[ChunkJob]:
+        now = time.monotonic()
+        made.extend(ChunkJob(flow=_chunk(20, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
+                             is_cancelled=lambda: False, deadline=now + due) for i, due in enumerate((-1.0, 60.0)))
+        return made
+
+    _serve(stage, jobs)
+    starts = [j.started.result() for j in made]
+    assert all(isinstance(s, BatchStart) for s in starts)
+    assert [s.past_due for s in starts] == [True, False]  # 1 s past, less 0.5; a minute ahead
 
 
 def test_first_chunk_cut_runs_first_chunks_before_rows_that_can_wait() -> None:
@@ -646,7 +687,7 @@ def _assert_same_pcm(a: list[np.ndarray], b: list[np.ndarray]) -> None:
         assert x.size == y.size > 0 and float(np.abs(x - y).max()) <= 1e-4
 
 
-@pytest.mark.parametrize("knob,bad", [("first_cut", 1), ("second_cut", "yes")])
+@pytest.mark.parametrize("knob,bad", [("first_cut", 1), ("second_cut", "yes"), ("rescue", 0)])
 def test_the_cuts_are_set_while_serving(flow, hift, knob, bad) -> None:  # noqa: ANN001
     """`POST /debug/planner`: the next round cuts (or not)."""
     stage = _RecordingStage(flow, hift, torch.device("cpu"))
@@ -1115,7 +1156,8 @@ def test_padding_rooms_hold_whichever_way_the_worker_decodes(flow, hift) -> None
     ("--engine.flow-fill-padding", "flow_fill_padding", "fill_padding", False),
     ("--engine.stage-deadline-cut", "stage_deadline_cut", "cut_for_deadlines", True),
     ("--engine.stage-first-chunk-cut", "stage_first_chunk_cut", "first_cut", True),
-    ("--engine.stage-second-chunk-cut", "stage_second_chunk_cut", "second_cut", False)])
+    ("--engine.stage-second-chunk-cut", "stage_second_chunk_cut", "second_cut", False),
+    ("--engine.stage-deadline-cut-rescue", "stage_deadline_cut_rescue", "rescue", False)])
 def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, attr, default) -> None:  # noqa: ANN001
     s, _ = load_settings([], environ={})
     assert getattr(engine_config(s, tmp_path), name) is default

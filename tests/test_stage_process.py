@@ -487,7 +487,9 @@ def test_the_stage_process_grows_a_queued_chunk_and_says_how_far(tiny_model_dir)
         finally:
             await stage.close()
         events = [m for m in sent if m[0] == "events"]
-        started = {jid: grown for m in events for jid, _, _, grown in m[1]}
+        started = {jid: grown for m in events for jid, _, _, _, grown in m[1]}
+        # Submitted with no deadline (-inf): past it when their batches started, and said so.
+        assert [past_due for m in events for _, _, _, past_due, _ in m[1]] == [True] * len(chunks)
         pcm = {jid: p for m in events for jid, p in m[2]}
         assert not server.growing and not server.grown
         return [pcm[j] for j in range(len(chunks))], started
@@ -508,9 +510,9 @@ def test_the_stage_process_grows_a_queued_chunk_and_says_how_far(tiny_model_dir)
         job.started = asyncio.get_running_loop().create_future()
         job.started.add_done_callback(lambda f: heard.append(("started", f.result().rows)))  # type: ignore[arg-type]
         remote._jobs[7] = job
-        remote._on_events([(7, 1.0, 2, (115, False))], [], [], [], {}, {})
+        remote._on_events([(7, 1.0, 2, True, (115, False))], [], [], [], {}, {})
         await asyncio.sleep(0)  # the start's callback runs on the next turn
-        assert isinstance(job.started.result(), BatchStart)
+        assert job.started.result() == BatchStart(1.0, 2, True)
         return heard
 
     assert asyncio.run(engine_side()) == [(115, False), ("started", 2)]

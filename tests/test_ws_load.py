@@ -283,13 +283,16 @@ def test_server_breakdowns_from_counter_deltas() -> None:
               m + "opening_second_chunk_late_ready_seconds_total": 0.5,
               m + "opening_second_chunk_late_stage_wait_seconds_total": 0.1,
               m + "opening_second_chunk_late_stage_seconds_total": 0.4, m + "opening_second_chunk_late_rows_total": 9,
-              m + "opening_second_chunk_close_calls_total": 3}
+              m + "opening_second_chunk_close_calls_total": 3, m + "opening_second_chunk_past_due_total": 3,
+              m + "opening_second_chunk_late_past_due_total": 1}
     assert second_chunk_ms(second, before) == {"ready_wait": 100.0, "stage_wait": 50.0, "stage": 400.0, "chunks": 4,
-                                               "late": 2, "close": 3, "late_by": 150.0, "late_first_rows": 1.5, "late_ready": 250.0,
-                                               "late_stage_wait": 50.0, "late_stage": 200.0, "late_rows": 4.5}
+                                               "late": 2, "close": 3, "past_due": 3, "late_by": 150.0, "late_first_rows": 1.5,
+                                               "late_ready": 250.0, "late_stage_wait": 50.0, "late_stage": 200.0,
+                                               "late_rows": 4.5, "late_past_due": 1}
     on_time = {k: v for k, v in second.items() if "late" not in k}  # none late: no late breakdown
     assert second_chunk_ms(on_time, before) == {"ready_wait": 100.0, "stage_wait": 50.0, "stage": 400.0, "chunks": 4,
-                                                "late": 0, "close": 3, "late_by": 0.0, "late_first_rows": None}
+                                                "late": 0, "close": 3, "past_due": 3, "late_by": 0.0,
+                                                "late_first_rows": None}
     assert second_chunk_ms(before, before) is None
 
 
