@@ -172,7 +172,7 @@ def write_results(path: Path | None, device: torch.device, args: argparse.Namesp
 def host_table(stage: AudioStage, batches: list[list[ChunkJob]], top: int) -> list[dict[str, Any]]:
     """The `top` functions of this repository by cumulative host time per batch, over
     `_compute` of each batch under cProfile (each batch's PCM copy waits for the GPU, so
-    the GPU's time shows up in `_to_host`)."""
+    the GPU's time shows up in `_start_host_copy`)."""
     prof = cProfile.Profile()
     for batch in batches:
         prof.runcall(stage._compute, batch)

@@ -27,6 +27,8 @@ StagePolicy = Literal["first_chunks", "deadline"]
 # A later chunk is due this long before the audio already sent runs out at the client:
 # room for the batch's own compute, the network and the client's jitter buffer.
 DEADLINE_MARGIN_S = 0.25
+# The most `stage_pipeline_lead_ms` (and its knob) may be: a round takes tens of ms.
+MAX_PIPELINE_LEAD_MS = 1000.0
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn", "triton"]  # engine.models.dit.ATTENTION_KERNELS
 FlowConvKernel = Literal["triton", "torch"]  # engine.models.dit.CONV_KERNELS
@@ -358,9 +360,19 @@ class EngineConfig:
     # past it before its first round, and in round 49 (H100, 176 and 216 sessions over 16 s)
     # the second chunks that ran their listeners dry, by 1-2 ms, rode 7-8-row rounds of
     # 162 ms. Such a row is judged without the margin the rows not yet past it keep, so one
-    # about to run out can look less urgent than one with a little more time. A/B pending:
-    # `rescue` of `POST /debug/planner`.
+    # about to run out can look less urgent than one with a little more time. Off: in round
+    # 50 (H100, 10 pairs of levels at 200-248 sessions over 16 s, `rescue` of
+    # `POST /debug/planner`) the runs could not tell it from off; one level in 20 had
+    # sessions dry (2), with it on.
     stage_deadline_cut_rescue: bool = False
+    # Pipelined rounds: the next round is taken, its inputs built and its kernels queued,
+    # up to this many ms before the running round is predicted to end on the device, instead
+    # of once its audio is on the host; its audio then comes back by an asynchronous copy.
+    # The GPU idled 5.3-7.3 ms of each 1-6-chunk round (round 48 of docs/benchmarks.md), ~2.5
+    # of it the host building the flow's inputs (round 37). A chunk queued after the early
+    # take waits for the round after. 0: off (its A/B is pending); `pipeline_lead_ms` of
+    # `POST /debug/planner`.
+    stage_pipeline_lead_ms: float = 0.0
     # A round that carries first chunks listeners wait for in silence runs them first, with
     # the rows that would be late after them (by stage_deadline_cut_margin_ms, as the
     # deadline cut counts late, whether that one is on or not), and the rest in the next
@@ -547,6 +559,8 @@ class EngineConfig:
             raise ValueError("first_chunk_hold_share must be in 0..0.5")
         if not 0 <= self.stage_deadline_cut_margin_ms <= 1000:  # also refuses NaN
             raise ValueError("stage_deadline_cut_margin_ms must be in 0..1000")
+        if not 0 <= self.stage_pipeline_lead_ms <= MAX_PIPELINE_LEAD_MS:  # also refuses NaN
+            raise ValueError(f"stage_pipeline_lead_ms must be in 0..{MAX_PIPELINE_LEAD_MS:g}")
         if not self.stage_window_tolerance >= 0:  # also refuses NaN
             raise ValueError("stage_window_tolerance must be >= 0")
         if self.flow_graph_max_rows < 0 or self.flow_graph_shared_rows < 0:

@@ -74,6 +74,7 @@ def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, 
                       first_chunk_hold_share=config.first_chunk_hold_share,
                       cut_for_deadlines=config.stage_deadline_cut,
                       cut_shift_s=config.cut_shift_s(), rescue=config.stage_deadline_cut_rescue,
+                      pipeline_lead_ms=config.stage_pipeline_lead_ms,
                       first_cut=config.stage_first_chunk_cut,
                       second_cut=config.stage_second_chunk_cut,
                       final_full_attention=config.flow_final_full_attention)

@@ -37,14 +37,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence, TypeVar, get_args
+from typing import Awaitable, Callable, Protocol, Sequence, TypeVar, get_args
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
 from .chunking import SpareTokens
-from .config import DEADLINE_MARGIN_S, StagePolicy
+from .config import DEADLINE_MARGIN_S, MAX_PIPELINE_LEAD_MS, StagePolicy
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
@@ -120,7 +120,7 @@ STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 # with `debug_tuning`: a benchmark's A/B, level by level on one gateway, which saves a
 # gateway start per setting), and their types.
 STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool,
-                                  "second_cut": bool, "rescue": bool}
+                                  "second_cut": bool, "rescue": bool, "pipeline_lead_ms": float}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -133,7 +133,11 @@ def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
             raise ValueError(f"{name} must be true or false, got {value!r}")
         if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return dict(knobs)
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value <= MAX_PIPELINE_LEAD_MS):  # also refuses NaN
+            raise ValueError(f"{name} must be a number in 0..{MAX_PIPELINE_LEAD_MS:g}, got {value!r}")
+    return {name: float(value) if STAGE_TUNABLE[name] is float else value  # type: ignore[arg-type]
+            for name, value in knobs.items()}
 
 
 @dataclass(frozen=True)
@@ -533,7 +537,8 @@ class AudioStage:
                  vocoder_snake_kernel: str = "triton", vocoder_channels_last: bool = True,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
-                 first_cut: bool = False, second_cut: bool = False, rescue: bool = False):
+                 first_cut: bool = False, second_cut: bool = False, rescue: bool = False,
+                 pipeline_lead_ms: float = 0.0):
         if policy not in STAGE_POLICIES:
             raise ValueError(f"unknown stage policy {policy!r} (one of {', '.join(STAGE_POLICIES)})")
         self.policy = policy
@@ -624,11 +629,22 @@ class AudioStage:
         self.rescue = rescue  # engine.stage_deadline_cut_rescue: see _cut_due
         self.first_cut = first_cut  # engine.stage_first_chunk_cut: see first_chunk_cut
         self.second_cut = second_cut  # engine.stage_second_chunk_cut: see _cut_for_first_chunks
+        # engine.stage_pipeline_lead_ms: see `_before_round`. 0: a round is taken once the
+        # previous one's audio is on the host.
+        self.pipeline_lead_ms = pipeline_lead_ms
         self._pending: list[ChunkJob] = []
         self._wake = asyncio.Event()
         self._seq = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._pool = DeviceWorker()
+        # Pipelined rounds: the waits for their audio (`HostCopy.wait`), in launch order, on
+        # a thread of their own so that the worker can launch the next round meanwhile; the
+        # tasks that deliver each round's audio once it is on the host (`_land`); and when
+        # the device is predicted to be done with the last round launched (time.monotonic).
+        self._copies = DeviceWorker()
+        self._landing: list[asyncio.Task[None]] = []
+        self._device_free_at = 0.0
+        self._busy_until = 0.0  # perf_counter when the latest round's audio was delivered
         self._closed = False
         self._other_work_until = 0.0  # perf_counter when the worker last finished a non-batch job
 
@@ -656,9 +672,11 @@ class AudioStage:
         self._coming[stream] = _Expected(due, round_s or 0.0)
 
     def worker_busy_for(self) -> float | None:
-        """Seconds the device work running now (a round, a capture, a warm-up) has run; None
-        while the worker is idle. The stage process's watchdog reads it."""
-        return self._pool.busy_for()
+        """Seconds the device work running now (a round, a capture, a warm-up, or the wait
+        for a pipelined round's audio) has run; None while the worker is idle. The stage
+        process's watchdog reads it."""
+        times = [t for t in (self._pool.busy_for(), self._copies.busy_for()) if t is not None]
+        return max(times) if times else None
 
     def live_utterances(self, stream: object | None = None, skip_patient: bool = False) -> int:
         """Utterances in progress here (their vocoder streams still exist), less with
@@ -702,6 +720,9 @@ class AudioStage:
                 except asyncio.CancelledError:
                     pass
                 self._task = None
+            if self._landing:  # rounds launched: their audio is delivered, not dropped
+                await asyncio.gather(*self._landing, return_exceptions=True)
+                self._landing.clear()
             for job in self._pending:
                 _cancel(job)
             self._pending.clear()
@@ -710,6 +731,7 @@ class AudioStage:
             if self.profiler is not None:
                 await asyncio.get_running_loop().run_in_executor(self._pool, self.profiler.close)
             self._pool.shutdown(wait=True)
+            self._copies.shutdown(wait=True)
 
     def submit(self, job: ChunkJob) -> asyncio.Future[np.ndarray]:
         """Queue one chunk; the returned future (also `job.future`) gets its PCM (float32,
@@ -937,12 +959,35 @@ class AudioStage:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
+            if self._landing:
+                await self._before_round()
             if self.first_chunk_hold_s > 0 or self.first_chunk_hold_share > 0:
                 await self._hold()
             try:
                 await self._serve_batch()
             except Exception:  # a bug in a round's bookkeeping must not end the stage for good
                 log.exception("audio stage: a round failed; the stage goes on")
+
+    async def _before_round(self) -> None:
+        """With rounds in flight (`pipeline_lead_ms`): wait until the device is predicted to
+        be done with the last one launched in `pipeline_lead_ms` or less, or is done, and
+        until every earlier one is done. The next round's inputs are then built and its
+        kernels queued while the last one's still run, instead of after its audio reached
+        the host (~2.5 ms of host work a round before the flow's graph launches, round 37 of
+        docs/benchmarks.md, and the hand-off through the event loop). Taken no earlier: a
+        chunk queued after the round is taken waits for the round after it. Never more than
+        one round ahead of the device."""
+        self._landing = [t for t in self._landing if not t.done()]
+        if len(self._landing) > 1:
+            await asyncio.wait(self._landing[:-1])
+        if not self._landing:
+            return
+        last = self._landing[-1]
+        wait = self._device_free_at - self.pipeline_lead_ms / 1000 - time.monotonic()
+        if wait > 0 or self.pipeline_lead_ms <= 0:
+            # No prediction yet (no round measured), or tuned off meanwhile: the whole round.
+            whole = self.pipeline_lead_ms <= 0 or not math.isfinite(wait)
+            await asyncio.wait({last}, timeout=None if whole else wait)
 
     async def _hold(self) -> None:
         """Before a round that starts first chunks: wait, at most `first_chunk_hold_s`,
@@ -1001,7 +1046,7 @@ class AudioStage:
         # batch was too large for the device.
         retry: Callable[[], Awaitable[None]] | None = None
         try:
-            began, (results, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
+            began, (pcm, flow_frames, vocoder_frames), ended, one_off = await loop.run_in_executor(
                 self._pool, self._timed_batch, self.stats.batches, [batch])
         except FlowPhaseError as exc:
             if len(batch) == 1:
@@ -1035,28 +1080,67 @@ class AudioStage:
         if retry is not None:
             await retry()
             return
+        if isinstance(pcm, list) or pcm.done is None:
+            self._deliver(batch, pcm if isinstance(pcm, list) else pcm.wait(), t0, began, ended, flow_frames,
+                          vocoder_frames, one_off)
+            return
+        # In flight (`pipeline_lead_ms`): its audio is delivered by a task of its own, and
+        # the next round may be taken before then (`_before_round`).
+        predicted = self.rounds.predict(flow_frames)
+        start = max(at, self._device_free_at)
+        self._device_free_at = start + predicted if predicted is not None else math.inf
+        before = self._landing[-1] if self._landing else None
+        self._landing.append(asyncio.create_task(
+            self._land(batch, pcm, before, t0, began, flow_frames, vocoder_frames, one_off), name="audio-stage-landing"))
+
+    async def _land(self, batch: list[ChunkJob], copy: HostCopy, before: asyncio.Task[None] | None,
+                    t0: float, began: float, flow_frames: int, vocoder_frames: int, one_off: bool) -> None:
+        """A pipelined round's end: once its audio is on the host, after the round launched
+        before it was delivered, `_deliver`."""
+        loop = asyncio.get_running_loop()
+        try:
+            results, completed = await loop.run_in_executor(self._copies, _waited, copy)
+        except Exception as exc:  # the device failed the round: its chunks fail, the stage goes on
+            log.exception("audio stage: a round's audio did not reach the host")
+            self._fail_jobs(batch, exc)
+            return
+        if before is not None:
+            await asyncio.wait({before})
+        try:
+            self._deliver(batch, results, t0, began, completed, flow_frames, vocoder_frames, one_off)
+        except Exception:
+            log.exception("audio stage: a round's bookkeeping failed; the stage goes on")
+
+    def _deliver(self, batch: list[ChunkJob], results: list[np.ndarray], t0: float, began: float,
+                 completed: float, flow_frames: int, vocoder_frames: int, one_off: bool) -> None:
+        """A round's audio to its chunks, then its bookkeeping. perf_counter readings: `t0`
+        the round was taken, `began` the worker started it, `completed` its audio was on the
+        host (when the worker was done, but for a pipelined round). A pipelined round may have
+        begun while the one before it still ran: its busy time and its round time count
+        from that one's delivery (`_busy_until`), not twice."""
         done = time.monotonic()
         for job, pcm in zip(batch, results):  # first: the bookkeeping below cannot strand them
             self._done_at[job.hift_stream] = done
             if not job.future.done():
                 job.future.set_result(pcm)
         resumed = time.perf_counter()
-        dt = resumed - t0
         st = self.stats
-        st.handoff_seconds += (began - max(t0, self._other_work_until)) + (resumed - ended)
+        st.handoff_seconds += (began - max(t0, self._other_work_until)) + (resumed - completed)
         st.batches += 1
         st.chunks += len(batch)
         st.last_batch_size = len(batch)
         st.max_batch_size = max(st.max_batch_size, len(batch))
-        st.busy_seconds += dt
+        st.busy_seconds += resumed - max(t0, self._busy_until)
         if not one_off:
             # From the worker's start: a wait behind a capture job is not a round, and a
             # batch that compiled or captured is not one either. Both would stay in the
             # round times' memory of its size (`RoundTimes`), and a capture takes seconds.
-            self.rounds.observe(flow_frames, resumed - began)
+            self.rounds.observe(flow_frames, resumed - max(began, self._busy_until))
+        self._busy_until = resumed
         st.flow_frames += flow_frames
         st.vocoder_frames += vocoder_frames
-        if self.prompt_cache is not None:  # the worker is done with the batch: no race
+        # Counters the worker writes, read as they are (it may run the next round by now).
+        if self.prompt_cache is not None:
             st.prompt_cache_hits = self.prompt_cache.stats.hits
             st.prompt_cache_bytes = self.prompt_cache.nbytes
         if self.context_cache is not None:
@@ -1072,8 +1156,9 @@ class AudioStage:
             if job.future.done():  # cancelled meanwhile
                 continue
             try:
-                _, (results, flow_frames, vocoder_frames), _, _ = await loop.run_in_executor(
+                _, (pcm, flow_frames, vocoder_frames), _, _ = await loop.run_in_executor(
                     self._pool, self._timed_batch, self.stats.batches, [[job]])
+                results = pcm if isinstance(pcm, list) else await loop.run_in_executor(self._copies, pcm.wait)
             except Exception as exc:
                 log.error("audio stage: a chunk's flow failed on its own too: %s", exc, exc_info=exc)
                 self._fail_jobs([job], exc.__cause__ or exc if isinstance(exc, (FlowPhaseError, VocoderPhaseError)) else exc)
@@ -1181,7 +1266,8 @@ class AudioStage:
             self._other_work_until = time.perf_counter()
 
     def _timed_batch(self, index: int,
-                     handed: list[list[ChunkJob]]) -> tuple[float, tuple[list[np.ndarray], int, int], float, bool]:
+                     handed: list[list[ChunkJob]]) -> tuple[float, tuple[list[np.ndarray] | HostCopy, int, int],
+                                                             float, bool]:
         """`_run_batch` between two perf_counter readings taken on the worker thread, and
         whether it did one-off work (`_one_off_work`).
 
@@ -1208,9 +1294,14 @@ class AudioStage:
         compiled = int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
         return flow, vocoder, compiled, self.profiler.profiled if self.profiler is not None else 0
 
-    def _run_batch(self, index: int, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
+    def _run_batch(self, index: int, batch: list[ChunkJob]) -> tuple[list[np.ndarray] | HostCopy, int, int]:
+        """PCM per chunk, or with `pipeline_lead_ms` its copy to the host under way; and the
+        work counts of `_compute`."""
+        if self.profiler is None and self.pipeline_lead_ms > 0:
+            return self._launch(batch, asynchronous=True)
         if self.profiler is None:
             return self._compute(batch)
+        # A profiled batch's window ends with it: never pipelined.
         return self.profiler.run(index, len(batch), lambda: self._compute(batch))
 
     def _cache_pays(self, chunks: list[FlowChunk], entries: list[PromptKV | None]) -> bool:
@@ -1308,9 +1399,15 @@ class AudioStage:
         return (mels, shape.rows * shape.frames, sum(self._window_frames(c) for c in chunks), 0,
                 len(chunks) * (shape.frames - shape.longest))
 
-    @torch.inference_mode()
     def _compute(self, batch: list[ChunkJob]) -> tuple[list[np.ndarray], int, int]:
         """PCM per chunk, the flow's padded rows x frames and the vocoded mel frames."""
+        copy, flow_work, vocoder_frames = self._launch(batch)
+        return copy.wait(), flow_work, vocoder_frames
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[ChunkJob], asynchronous: bool = False) -> tuple[HostCopy, int, int]:
+        """`_compute` with the PCM on its way to the host (`HostCopy`; with `asynchronous`
+        on a CUDA device, the round's kernels may still run when it returns)."""
         chunks = [j.flow for j in batch]
         cache = self.prompt_cache
         entries = cache.entries_for(self.flow, chunks, count_hits=False) if cache is not None else None
@@ -1345,7 +1442,7 @@ class AudioStage:
         # No operator call that changes nothing: at 64 chunks each one per row is 64 more
         # hand-offs of the interpreter lock (round 17 of docs/benchmarks.md).
         mels = [self._stretch(j, m if m.dtype == torch.float32 else m.float()) for m, j in zip(decoded, batch)]
-        pcm, vocoder_frames = self._vocode(batch, mels, flow_work)
+        pcm, vocoder_frames = self._vocode(batch, mels, flow_work, asynchronous)
         return pcm, flow_work, vocoder_frames
 
     def _stretch(self, job: ChunkJob, mel: torch.Tensor) -> torch.Tensor:
@@ -1359,10 +1456,11 @@ class AudioStage:
         return stretch.push(mel, job.flow.finalize)
 
     def _vocode(self, batch: list[ChunkJob], mels: list[torch.Tensor],
-                flow_work: int = 0) -> tuple[list[np.ndarray], int]:
+                flow_work: int = 0, asynchronous: bool = False) -> tuple[HostCopy, int]:
         """The vocoder step of these chunks' streams from their mels ([n, 80]) and the copy
-        of its audio to the host: PCM per chunk and the mel frames vocoded. On a failure the
-        streams are put back as they were and `VocoderPhaseError` is raised."""
+        of its audio to the host (`_start_host_copy`): PCM per chunk and the mel frames
+        vocoded. On a failure before the copy is under way the streams are put back as they
+        were and `VocoderPhaseError` is raised."""
         streams = [j.hift_stream for j in batch]
         restore = _stream_checkpoint(streams)
         try:
@@ -1375,7 +1473,7 @@ class AudioStage:
                     **graphs,
                 )
             with record_function(PHASES[2]):
-                return _to_host(pcm), sum(int(m.shape[0]) for m in mels)
+                return _start_host_copy(pcm, asynchronous), sum(int(m.shape[0]) for m in mels)
         except Exception as exc:
             restore()
             raise VocoderPhaseError(f"{type(exc).__name__}: {exc}", mels, flow_work) from exc
@@ -1394,7 +1492,7 @@ class AudioStage:
     def _vocode_alone(self, job: ChunkJob, mel: torch.Tensor) -> tuple[np.ndarray, int]:
         """One chunk's vocoder step on its own (`_vocode_apart`)."""
         pcm, frames = self._vocode([job], [mel])
-        return pcm[0], frames
+        return pcm.wait()[0], frames
 
 
 def _released(exc: BaseException) -> BaseException:
@@ -1415,12 +1513,52 @@ def _cancel(job: ChunkJob) -> None:
             fut.cancel()
 
 
-def _to_host(pcm: list[torch.Tensor]) -> list[np.ndarray]:
-    """All chunks' samples in one device->host copy (one sync instead of one per chunk)."""
+class Synchronizes(Protocol):
+    def synchronize(self) -> None: ...
+
+
+@dataclass
+class HostCopy:
+    """A round's PCM on its way to the host: every chunk's samples in one flat host tensor,
+    and each chunk's length. `done` None: the copy is complete. Otherwise the device copies
+    into pinned memory behind the round's kernels and `done` (a CUDA event recorded after
+    the copy) says when: the worker returns at once and can launch the next round while
+    this one's kernels still run (`AudioStage.pipeline_lead_ms`)."""
+
+    host: torch.Tensor
+    sizes: list[int]
+    done: Synchronizes | None = None  # a torch.cuda.Event
+
+    def wait(self) -> list[np.ndarray]:
+        """The chunks' samples, after the device has copied them (blocks until then)."""
+        if not self.sizes:
+            return []
+        if self.done is not None:
+            self.done.synchronize()
+        flat = self.host.numpy()
+        if self.done is not None:  # the pinned block goes back to its allocator, not to the sessions
+            flat = flat.copy()
+        return np.split(flat, np.cumsum(self.sizes)[:-1]) if len(self.sizes) > 1 else [flat]
+
+
+def _waited(copy: HostCopy) -> tuple[list[np.ndarray], float]:
+    """`copy`'s samples, and the perf_counter reading when it was complete."""
+    return copy.wait(), time.perf_counter()
+
+
+def _start_host_copy(pcm: list[torch.Tensor], asynchronous: bool = False) -> HostCopy:
+    """All chunks' samples in one device->host copy (one sync instead of one per chunk);
+    with `asynchronous` on a CUDA device, queued behind the round's kernels instead of
+    waited for (`HostCopy`)."""
     flat = [p if p.dim() == 1 and p.dtype == torch.float32 else p.reshape(-1).float() for p in pcm]
     if not flat:
-        return []
+        return HostCopy(torch.empty(0), [])
     sizes = [int(p.numel()) for p in flat]
-    host = torch.cat(flat).cpu().numpy()
-    return np.split(host, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [host]
-
+    joined = torch.cat(flat)
+    if not asynchronous or joined.device.type != "cuda":
+        return HostCopy(joined.cpu(), sizes)
+    host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+    host.copy_(joined, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(host, sizes, done)

@@ -116,6 +116,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_deadline_cut=e.stage_deadline_cut,
         stage_deadline_cut_margin_ms=e.stage_deadline_cut_margin_ms,
         stage_deadline_cut_rescue=e.stage_deadline_cut_rescue,
+        stage_pipeline_lead_ms=e.stage_pipeline_lead_ms,
         stage_first_chunk_cut=e.stage_first_chunk_cut,
         stage_second_chunk_cut=e.stage_second_chunk_cut,
         stage_devices=e.stage_devices,

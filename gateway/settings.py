@@ -259,7 +259,13 @@ class EngineSettings:
     stage_deadline_cut_rescue: bool = field(
         default=False,
         metadata=_help("the deadline cut judges a row already past its deadline (less the cut's margin) by when "
-                       "its audio runs out instead of giving it up (not a first chunk; off: its A/B is pending)"),
+                       "its audio runs out instead of giving it up (not a first chunk; off: no difference measured)"),
+    )
+    stage_pipeline_lead_ms: float = field(
+        default=0.0,
+        metadata=_help("take the next flow/vocoder round and queue its kernels up to this many ms before the "
+                       "running round is predicted to end, its audio then copied to the host asynchronously "
+                       "(0..1000; 0: off, once the previous round's audio is back; its A/B is pending)"),
     )
     stage_first_chunk_cut: bool = field(
         default=True,
@@ -437,7 +443,7 @@ class Settings:
     )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
-                                      "fill_padding, split_call_cost, first_cut, second_cut and rescue while serving (benchmarks: "
+                                      "fill_padding, split_call_cost, first_cut, second_cut, rescue and pipeline_lead_ms while serving (benchmarks: "
                                       "A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))

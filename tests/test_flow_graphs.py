@@ -25,7 +25,7 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import AudioStage, ChunkJob, _to_host
+from engine.token2wav import AudioStage, ChunkJob, _start_host_copy
 
 # Small buckets so the tiny model exercises row and frame padding in every test.
 POLICY = GraphPolicy(batch_buckets=(1, 2, 4, 8), frame_multiple=50, max_frames=200, max_graphs=3)
@@ -379,7 +379,10 @@ def test_stage_counts_frames_and_pads_exactly(flow: CausalMaskedDiffWithDiT) -> 
 
 def test_to_host_splits_one_copy_per_chunk() -> None:
     parts = [torch.arange(5.0), torch.zeros(0), torch.arange(3.0).reshape(1, 3) + 10, torch.tensor([7.0])]
-    host = _to_host(parts)
+    copy = _start_host_copy(parts)
+    assert copy.done is None  # on the CPU the copy is complete, asked for asynchronous or not
+    assert _start_host_copy(parts, asynchronous=True).done is None
+    host = copy.wait()
     assert [h.tolist() for h in host] == [[0, 1, 2, 3, 4], [], [10, 11, 12], [7]]
     assert all(h.dtype == np.float32 for h in host)
-    assert _to_host([]) == []
+    assert _start_host_copy([]).wait() == []

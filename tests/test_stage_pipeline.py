@@ -1,0 +1,253 @@
+"""Pipelined stage rounds (`AudioStage.pipeline_lead_ms`): the next round is taken and its
+kernels queued before the running round's audio is on the host.
+
+On the CPU every copy is complete when the round returns, so these tests stand a gate in for
+the CUDA event the copy records (`HostCopy.done`): the round is "on the device" until the
+test opens its gate. Everything else is the real stage on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import token2wav
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
+from engine.models.hift import CausalHiFTGenerator
+from engine.models.hift import init_random_ as hift_init_random_
+from engine.token2wav import AudioStage, ChunkJob, HostCopy, check_stage_knobs
+from gateway.app import engine_config
+from gateway.settings import load_settings
+
+GUARD_S = 60.0  # a failure guard only: every wait below ends on an event
+
+
+@pytest.fixture(scope="module")
+def flow() -> CausalMaskedDiffWithDiT:
+    torch.set_num_threads(1)
+    return init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=1234).eval()
+
+
+@pytest.fixture(scope="module")
+def hift() -> CausalHiFTGenerator:
+    return hift_init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift), seed=3).eval()
+
+
+class Gate:
+    """Stands in for a copy's CUDA event: `synchronize` blocks until the test opens it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.opened = threading.Event()
+        self.fail = fail
+
+    def synchronize(self) -> None:
+        assert self.opened.wait(GUARD_S), "gate never opened"
+        if self.fail:
+            raise RuntimeError("device fault")
+
+
+class GatedStage(AudioStage):
+    """The real stage; each asynchronous copy gets a gate, in launch order, and each launch
+    is told to the test (`launched`, resolved on the event loop)."""
+
+    def __init__(self, *args, gates: list[Gate], **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        # A round measured already (as after the engine's warm-up), at 1 ms: each round is
+        # predicted to end within the lead, so the next is taken at once.
+        self.rounds.observe(10**9, 0.001)
+        self.gates = gates
+        self.launches: list[int] = []  # seq of each launched batch's first job
+        self.launched: dict[int, asyncio.Future[None]] = {}
+
+    def _launch(self, batch: list[ChunkJob], asynchronous: bool = False) -> tuple[HostCopy, int, int]:
+        copy, flow_work, frames = super()._launch(batch, asynchronous)
+        if asynchronous:
+            copy.done = self.gates[len(self.launches)]
+        seq = batch[0].seq
+        self.launches.append(seq)
+        fut = self.launched.get(seq)
+        if fut is not None:
+            fut.get_loop().call_soon_threadsafe(fut.set_result, None)
+        return copy, flow_work, frames
+
+
+def _chunk(window: int, seed: int) -> FlowChunk:
+    g = torch.Generator().manual_seed(seed)
+    tp = 13
+    return FlowChunk(tokens=torch.randint(0, 6561, (window,), generator=g), prompt_feat=torch.randn(2 * tp, 80, generator=g),
+                     embedding=torch.randn(192, generator=g), num_prompt_tokens=tp, out_start=tp, finalize=True)
+
+
+def _jobs(stage: AudioStage, n: int) -> list[ChunkJob]:
+    return [ChunkJob(flow=_chunk(30 + 4 * i, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=0,
+                     is_cancelled=lambda: False) for i in range(n)]
+
+
+def _reference(flow, hift, n: int) -> list[np.ndarray]:  # noqa: ANN001
+    """The same jobs, one a round, without pipelining."""
+    stage = AudioStage(flow, hift, torch.device("cpu"), max_batch=1)
+
+    async def go() -> list[np.ndarray]:
+        tasks = [asyncio.create_task(stage.run(j)) for j in _jobs(stage, n)]
+        await stage.start()
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            await stage.close()
+
+    return asyncio.run(go())
+
+
+def test_the_next_round_is_launched_while_the_last_is_on_the_device(flow, hift) -> None:
+    gates = [Gate(), Gate(), Gate()]
+    stage = GatedStage(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=1000.0, gates=gates)
+
+    wall: list[float] = []
+
+    async def go() -> tuple[list[object], list[int]]:
+        loop = asyncio.get_running_loop()
+        jobs = _jobs(stage, 3)
+        stage.launched = {i: loop.create_future() for i in range(3)}
+        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
+        wall.append(time.perf_counter())
+        await stage.start()
+        try:
+            # Round 2 is launched while round 1's audio has not reached the host.
+            await asyncio.wait_for(stage.launched[1], GUARD_S)
+            assert not tasks[0].done() and stage.launches == [0, 1]
+            # Round 3 would be two rounds ahead: it waits until round 1 has landed.
+            assert not stage.launched[2].done()
+            gates[0].opened.set()
+            await asyncio.wait_for(stage.launched[2], GUARD_S)
+            assert tasks[0].done() and not tasks[1].done()
+            gates[1].opened.set()
+            gates[2].opened.set()
+            out = list(await asyncio.wait_for(asyncio.gather(*tasks), GUARD_S))
+            wall.append(time.perf_counter())
+            return out, list(stage.launches)
+        finally:
+            for gate in gates:
+                gate.opened.set()
+            await stage.close()
+
+    out, launches = asyncio.run(go())
+    assert launches == [0, 1, 2]
+    # The same audio as one round after another.
+    for got, want in zip(out, _reference(flow, hift, 3)):
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+    st = stage.stats
+    assert (st.batches, st.chunks) == (3, 3)
+    # Rounds overlapped (each ran from its take until the test opened its gate), but busy
+    # time counts each stretch once: within the run's wall.
+    assert 0 < st.busy_seconds <= wall[1] - wall[0]
+    assert not stage._landing or all(t.done() for t in stage._landing)
+
+
+def test_a_round_whose_copy_fails_fails_its_chunks_and_the_stage_goes_on(flow, hift) -> None:
+    gates = [Gate(fail=True), Gate()]
+    stage = GatedStage(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=1000.0, gates=gates)
+
+    async def go() -> list[object]:
+        tasks = [asyncio.create_task(stage.run(j)) for j in _jobs(stage, 2)]
+        await stage.start()
+        for gate in gates:
+            gate.opened.set()
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S))
+        finally:
+            await stage.close()
+
+    out = asyncio.run(go())
+    assert isinstance(out[0], RuntimeError) and "device fault" in str(out[0])
+    assert isinstance(out[1], np.ndarray) and out[1].size > 0
+    assert stage.stats.batches == 1  # the failed round delivered nothing
+
+
+def test_close_delivers_the_rounds_in_flight(flow, hift) -> None:
+    gates = [Gate()]
+    stage = GatedStage(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=1000.0, gates=gates)
+
+    async def go() -> object:
+        loop = asyncio.get_running_loop()
+        stage.launched = {0: loop.create_future()}
+        task = asyncio.create_task(stage.run(_jobs(stage, 1)[0]))
+        await stage.start()
+        await asyncio.wait_for(stage.launched[0], GUARD_S)
+        closing = asyncio.create_task(stage.close())
+        gates[0].opened.set()
+        await asyncio.wait_for(closing, GUARD_S)
+        return task.result()
+
+    pcm = asyncio.run(go())
+    assert isinstance(pcm, np.ndarray) and pcm.size > 0
+
+
+async def _yield_a_few() -> None:
+    """Let ready callbacks run (no time passes: `asyncio.sleep(0)` only yields)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_before_round_waits_for_all_but_the_last_round_and_the_lead(flow, hift) -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        stage = AudioStage(flow, hift, torch.device("cpu"), pipeline_lead_ms=5.0)
+        first, last = loop.create_future(), loop.create_future()
+        # Two rounds in flight, the last predicted to end well past the lead: wait for both.
+        stage._landing = [first, last]  # type: ignore[list-item]
+        stage._device_free_at = time.monotonic() + GUARD_S
+        waiter = asyncio.create_task(stage._before_round())
+        await _yield_a_few()
+        assert not waiter.done()
+        first.set_result(None)
+        await _yield_a_few()
+        assert not waiter.done()  # the last one's end is not within the lead
+        last.set_result(None)
+        await asyncio.wait_for(waiter, GUARD_S)
+
+        # The last round predicted to end within the lead: only the earlier one is waited for.
+        first, last = loop.create_future(), loop.create_future()
+        stage._landing = [first, last]  # type: ignore[list-item]
+        stage._device_free_at = time.monotonic()
+        waiter = asyncio.create_task(stage._before_round())
+        await _yield_a_few()
+        assert not waiter.done()
+        first.set_result(None)
+        await asyncio.wait_for(waiter, GUARD_S)
+        assert not last.done()
+
+        # No prediction yet (no round measured): the whole round.
+        last = loop.create_future()
+        stage._landing = [last]  # type: ignore[list-item]
+        stage._device_free_at = math.inf
+        waiter = asyncio.create_task(stage._before_round())
+        await _yield_a_few()
+        assert not waiter.done()
+        last.set_result(None)
+        await asyncio.wait_for(waiter, GUARD_S)
+        await stage.close()
+
+    asyncio.run(go())
+
+
+def test_pipeline_lead_is_a_setting_and_a_knob(tmp_path: Path) -> None:
+    assert EngineConfig(model_dir=Path(".")).stage_pipeline_lead_ms == 0.0  # off by default
+    for bad in (-1.0, 1001.0, math.nan):
+        with pytest.raises(ValueError, match="stage_pipeline_lead_ms"):
+            EngineConfig(model_dir=Path("."), stage_pipeline_lead_ms=bad)
+    assert engine_config(load_settings([], environ={})[0], tmp_path).stage_pipeline_lead_ms == 0.0
+    config = engine_config(load_settings(["--engine.stage-pipeline-lead-ms", "6"], environ={})[0], tmp_path)
+    assert config.stage_pipeline_lead_ms == 6.0
+    assert check_stage_knobs({"pipeline_lead_ms": 5}) == {"pipeline_lead_ms": 5.0}
+    for bad in (-1, 1001, True, "5", math.nan):
+        with pytest.raises(ValueError, match="pipeline_lead_ms"):
+            check_stage_knobs({"pipeline_lead_ms": bad})
