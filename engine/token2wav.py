@@ -720,7 +720,9 @@ class AudioStage:
                 except asyncio.CancelledError:
                     pass
                 self._task = None
-            if self._landing:  # rounds launched: their audio is delivered, not dropped
+            # Rounds in flight get their audio. (A round the worker was still launching as
+            # the loop was cancelled is dropped, as without pipelining.)
+            if self._landing:
                 await asyncio.gather(*self._landing, return_exceptions=True)
                 self._landing.clear()
             for job in self._pending:
@@ -1077,6 +1079,9 @@ class AudioStage:
             log.exception("audio stage batch failed")
             self._fail_jobs(batch, exc)
             return
+        synchronous = retry is not None or isinstance(pcm, list) or pcm.done is None
+        if synchronous and self._landing:  # audio goes out in launch order: rounds in flight first
+            await asyncio.gather(*self._landing, return_exceptions=True)
         if retry is not None:
             await retry()
             return
@@ -1085,10 +1090,18 @@ class AudioStage:
                           vocoder_frames, one_off)
             return
         # In flight (`pipeline_lead_ms`): its audio is delivered by a task of its own, and
-        # the next round may be taken before then (`_before_round`).
+        # the next round may be taken before then (`_before_round`). It starts on the device
+        # when the round before it ends, if that one is still in flight.
         predicted = self.rounds.predict(flow_frames)
-        start = max(at, self._device_free_at)
+        behind = any(not t.done() for t in self._landing) and math.isfinite(self._device_free_at)
+        start = max(at, self._device_free_at) if behind else at
         self._device_free_at = start + predicted if predicted is not None else math.inf
+        if predicted is not None:
+            # Its utterances' next chunks may be taken before its audio is back: their
+            # deadlines move from its predicted end (`_refresh_deadlines`), as they would
+            # from its delivery, and again from the delivery itself.
+            for job in batch:
+                self._done_at[job.hift_stream] = self._device_free_at
         before = self._landing[-1] if self._landing else None
         self._landing.append(asyncio.create_task(
             self._land(batch, pcm, before, t0, began, flow_frames, vocoder_frames, one_off), name="audio-stage-landing"))
@@ -1102,7 +1115,10 @@ class AudioStage:
             results, completed = await loop.run_in_executor(self._copies, _waited, copy)
         except Exception as exc:  # the device failed the round: its chunks fail, the stage goes on
             log.exception("audio stage: a round's audio did not reach the host")
+            if before is not None:
+                await asyncio.wait({before})
             self._fail_jobs(batch, exc)
+            self._busy_until = time.perf_counter()  # the next round's time starts here
             return
         if before is not None:
             await asyncio.wait({before})
@@ -1560,5 +1576,5 @@ def _start_host_copy(pcm: list[torch.Tensor], asynchronous: bool = False) -> Hos
     host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
     host.copy_(joined, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(joined.device))  # the stage's device, not the current one
     return HostCopy(host, sizes, done)

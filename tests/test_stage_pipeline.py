@@ -17,28 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import token2wav
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
-from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
-from engine.models.hift import CausalHiFTGenerator
-from engine.models.hift import init_random_ as hift_init_random_
 from engine.token2wav import AudioStage, ChunkJob, HostCopy, check_stage_knobs
 from gateway.app import engine_config
 from gateway.settings import load_settings
+from tests.test_stage_policy import _chunk, flow, hift  # noqa: F401 (the tiny flow and vocoder fixtures)
 
 GUARD_S = 60.0  # a failure guard only: every wait below ends on an event
-
-
-@pytest.fixture(scope="module")
-def flow() -> CausalMaskedDiffWithDiT:
-    torch.set_num_threads(1)
-    return init_random_(CausalMaskedDiffWithDiT(ModelConfig.tiny().flow), seed=1234).eval()
-
-
-@pytest.fixture(scope="module")
-def hift() -> CausalHiFTGenerator:
-    return hift_init_random_(CausalHiFTGenerator(ModelConfig.tiny().hift), seed=3).eval()
 
 
 class Gate:
@@ -58,14 +43,22 @@ class GatedStage(AudioStage):
     """The real stage; each asynchronous copy gets a gate, in launch order, and each launch
     is told to the test (`launched`, resolved on the event loop)."""
 
-    def __init__(self, *args, gates: list[Gate], **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, gates: list[Gate], measured: bool = True, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
-        # A round measured already (as after the engine's warm-up), at 1 ms: each round is
-        # predicted to end within the lead, so the next is taken at once.
-        self.rounds.observe(10**9, 0.001)
+        if measured:
+            # A round measured already (as after the engine's warm-up), at 1 ms: each round
+            # is predicted to end within the lead, so the next is taken at once.
+            self.rounds.observe(10**9, 0.001)
         self.gates = gates
         self.launches: list[int] = []  # seq of each launched batch's first job
         self.launched: dict[int, asyncio.Future[None]] = {}
+        self.landing: dict[int, asyncio.Future[None]] = {}  # its delivery task is under way
+
+    async def _land(self, batch: list[ChunkJob], *args) -> None:  # noqa: ANN002
+        fut = self.landing.get(batch[0].seq)
+        if fut is not None:
+            fut.set_result(None)
+        await super()._land(batch, *args)
 
     def _launch(self, batch: list[ChunkJob], asynchronous: bool = False) -> tuple[HostCopy, int, int]:
         copy, flow_work, frames = super()._launch(batch, asynchronous)
@@ -77,13 +70,6 @@ class GatedStage(AudioStage):
         if fut is not None:
             fut.get_loop().call_soon_threadsafe(fut.set_result, None)
         return copy, flow_work, frames
-
-
-def _chunk(window: int, seed: int) -> FlowChunk:
-    g = torch.Generator().manual_seed(seed)
-    tp = 13
-    return FlowChunk(tokens=torch.randint(0, 6561, (window,), generator=g), prompt_feat=torch.randn(2 * tp, 80, generator=g),
-                     embedding=torch.randn(192, generator=g), num_prompt_tokens=tp, out_start=tp, finalize=True)
 
 
 def _jobs(stage: AudioStage, n: int) -> list[ChunkJob]:
@@ -152,6 +138,37 @@ def test_the_next_round_is_launched_while_the_last_is_on_the_device(flow, hift) 
     assert not stage._landing or all(t.done() for t in stage._landing)
 
 
+def test_pipelining_starts_once_a_round_was_measured(flow, hift) -> None:
+    """Before any round was measured there is no prediction: the first round is waited for
+    whole. From the second on the next round is taken while the last one is in flight."""
+    gates = [Gate(), Gate(), Gate()]
+    stage = GatedStage(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=1000.0, gates=gates,
+                       measured=False)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        stage.launched = {i: loop.create_future() for i in range(3)}
+        tasks = [asyncio.create_task(stage.run(j)) for j in _jobs(stage, 3)]
+        await stage.start()
+        try:
+            await asyncio.wait_for(stage.launched[0], GUARD_S)
+            gates[0].opened.set()
+            await asyncio.wait_for(stage.launched[1], GUARD_S)
+            # Round 2 is in flight (its gate shut): round 3 is launched all the same.
+            await asyncio.wait_for(stage.launched[2], GUARD_S)
+            assert not tasks[1].done()
+            gates[1].opened.set()
+            gates[2].opened.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), GUARD_S)
+        finally:
+            for gate in gates:
+                gate.opened.set()
+            await stage.close()
+
+    asyncio.run(go())
+    assert stage.stats.batches == 3
+
+
 def test_a_round_whose_copy_fails_fails_its_chunks_and_the_stage_goes_on(flow, hift) -> None:
     gates = [Gate(fail=True), Gate()]
     stage = GatedStage(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=1000.0, gates=gates)
@@ -178,10 +195,10 @@ def test_close_delivers_the_rounds_in_flight(flow, hift) -> None:
 
     async def go() -> object:
         loop = asyncio.get_running_loop()
-        stage.launched = {0: loop.create_future()}
+        stage.landing = {0: loop.create_future()}
         task = asyncio.create_task(stage.run(_jobs(stage, 1)[0]))
         await stage.start()
-        await asyncio.wait_for(stage.launched[0], GUARD_S)
+        await asyncio.wait_for(stage.landing[0], GUARD_S)
         closing = asyncio.create_task(stage.close())
         gates[0].opened.set()
         await asyncio.wait_for(closing, GUARD_S)
