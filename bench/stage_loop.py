@@ -102,6 +102,8 @@ async def run(stage: AudioStage, prompt: tuple[torch.Tensor, ...], sizes: list[i
             report["ratios"].append({"streams": streams, "lead_ms": lead, "wall_vs_first_lead": wall / base})
             print(f"{streams:4d} streams: lead {lead:g} ms takes {wall / base:.3f}x the wall of lead {leads[0]:g}",
                   flush=True)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -614,6 +614,10 @@ class AudioStage:
         # When each utterance's latest round ended (time.monotonic), by vocoder stream: its
         # queued chunk's deadline moves by it (`_refresh_deadlines`).
         self._done_at: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+        # ... and the latest round taken with a chunk of it: with pipelined rounds a round's
+        # delivery leaves `_done_at` to a later round in flight for the same utterance.
+        self._latest_round: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+        self._round_ids = itertools.count()
         # Each utterance's speaking-rate state (`_stretch`), by vocoder stream.
         self._stretches: weakref.WeakKeyDictionary[object, MelStretch] = weakref.WeakKeyDictionary()
         # Vocoder streams one of whose chunks failed: their later chunks, queued as the stage
@@ -1040,7 +1044,9 @@ class AudioStage:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         at = time.monotonic()
+        round_id = next(self._round_ids)
         for job in batch:
+            self._latest_round[job.hift_stream] = round_id
             if not job.started.done():
                 job.started.set_result(BatchStart(at, len(batch), job.deadline + self.cut_shift_s < at))
         # The retry of a failed batch runs after the `except` block, its exception's frames
@@ -1081,13 +1087,13 @@ class AudioStage:
             return
         synchronous = retry is not None or isinstance(pcm, list) or pcm.done is None
         if synchronous and self._landing:  # audio goes out in launch order: rounds in flight first
-            await asyncio.gather(*self._landing, return_exceptions=True)
+            await asyncio.wait(self._landing)  # not gather: a cancelled loop must not cancel them
         if retry is not None:
             await retry()
             return
         if isinstance(pcm, list) or pcm.done is None:
             self._deliver(batch, pcm if isinstance(pcm, list) else pcm.wait(), t0, began, ended, flow_frames,
-                          vocoder_frames, one_off)
+                          vocoder_frames, one_off, round_id)
             return
         # In flight (`pipeline_lead_ms`): its audio is delivered by a task of its own, and
         # the next round may be taken before then (`_before_round`). It starts on the device
@@ -1099,15 +1105,18 @@ class AudioStage:
         if predicted is not None:
             # Its utterances' next chunks may be taken before its audio is back: their
             # deadlines move from its predicted end (`_refresh_deadlines`), as they would
-            # from its delivery, and again from the delivery itself.
+            # from its delivery, and again from the delivery itself if that is later. (One
+            # that comes earlier leaves them that much late: deadlines only move later.)
             for job in batch:
                 self._done_at[job.hift_stream] = self._device_free_at
         before = self._landing[-1] if self._landing else None
         self._landing.append(asyncio.create_task(
-            self._land(batch, pcm, before, t0, began, flow_frames, vocoder_frames, one_off), name="audio-stage-landing"))
+            self._land(batch, pcm, before, t0, began, flow_frames, vocoder_frames, one_off, round_id),
+            name="audio-stage-landing"))
 
     async def _land(self, batch: list[ChunkJob], copy: HostCopy, before: asyncio.Task[None] | None,
-                    t0: float, began: float, flow_frames: int, vocoder_frames: int, one_off: bool) -> None:
+                    t0: float, began: float, flow_frames: int, vocoder_frames: int, one_off: bool,
+                    round_id: int) -> None:
         """A pipelined round's end: once its audio is on the host, after the round launched
         before it was delivered, `_deliver`."""
         loop = asyncio.get_running_loop()
@@ -1123,12 +1132,12 @@ class AudioStage:
         if before is not None:
             await asyncio.wait({before})
         try:
-            self._deliver(batch, results, t0, began, completed, flow_frames, vocoder_frames, one_off)
+            self._deliver(batch, results, t0, began, completed, flow_frames, vocoder_frames, one_off, round_id)
         except Exception:
             log.exception("audio stage: a round's bookkeeping failed; the stage goes on")
 
     def _deliver(self, batch: list[ChunkJob], results: list[np.ndarray], t0: float, began: float,
-                 completed: float, flow_frames: int, vocoder_frames: int, one_off: bool) -> None:
+                 completed: float, flow_frames: int, vocoder_frames: int, one_off: bool, round_id: int) -> None:
         """A round's audio to its chunks, then its bookkeeping. perf_counter readings: `t0`
         the round was taken, `began` the worker started it, `completed` its audio was on the
         host (when the worker was done, but for a pipelined round). A pipelined round may have
@@ -1136,7 +1145,8 @@ class AudioStage:
         from that one's delivery (`_busy_until`), not twice."""
         done = time.monotonic()
         for job, pcm in zip(batch, results):  # first: the bookkeeping below cannot strand them
-            self._done_at[job.hift_stream] = done
+            if self._latest_round.get(job.hift_stream, round_id) <= round_id:  # no later round holds it
+                self._done_at[job.hift_stream] = done
             if not job.future.done():
                 job.future.set_result(pcm)
         resumed = time.perf_counter()

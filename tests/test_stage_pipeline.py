@@ -208,6 +208,31 @@ def test_close_delivers_the_rounds_in_flight(flow, hift) -> None:
     assert isinstance(pcm, np.ndarray) and pcm.size > 0
 
 
+def test_a_delivery_leaves_the_end_of_a_later_round_in_flight(flow, hift) -> None:
+    """An utterance's chunk taken into round 2 while its previous chunk's round 1 is in
+    flight: round 2's predicted end is where its next chunk's deadline moves from, and round
+    1's delivery does not put it back to round 1's end."""
+    async def go() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        stage = AudioStage(flow, hift, torch.device("cpu"), pipeline_lead_ms=5.0)
+        job = _jobs(stage, 1)[0]
+        job.future = loop.create_future()
+        stream = job.hift_stream
+        stage._latest_round[stream] = 2  # taken again, into round 2
+        stage._done_at[stream] = predicted = time.monotonic() + 1.0  # round 2's predicted end
+        pcm = np.zeros(4, np.float32)
+        now = time.perf_counter()
+        stage._deliver([job], [pcm], now, now, now, 0, 0, True, round_id=1)
+        kept = stage._done_at[stream]
+        stage._deliver([job], [pcm], now, now, now, 0, 0, True, round_id=2)  # round 2's own delivery
+        await stage.close()
+        assert job.future.result() is pcm
+        return kept - predicted, stage._done_at[stream] - predicted
+
+    kept, replaced = asyncio.run(go())
+    assert kept == 0.0 and replaced < 0  # round 2 landed before its predicted end
+
+
 async def _yield_a_few() -> None:
     """Let ready callbacks run (no time passes: `asyncio.sleep(0)` only yields)."""
     for _ in range(5):
