@@ -513,6 +513,7 @@ class Engine:
             flow_grown_chunks=st.grown_chunks,
             flow_grown_tokens=st.grown_tokens,
             stage_batches_retried_apart=st.batches_retried_apart,
+            stage_pipelined_batches=st.pipelined_batches,
             patient_chunks=self.patient_chunks,
             patient_tokens=self.patient_tokens,
             first_chunk_holds=st.first_chunk_holds,

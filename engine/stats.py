@@ -41,6 +41,8 @@ class EngineStats:
     # Stage batches whose flow or vocoder step failed and ran again chunk by chunk
     # (StageStats.batches_retried_apart).
     stage_batches_retried_apart: int = 0
+    # Stage batches delivered by an asynchronous copy, pipelined (StageStats.pipelined_batches).
+    stage_pipelined_batches: int = 0
     # engine.chunk_patience_s: chunks cut big because their audio was not due soon, and
     # their speech tokens (left out of the first-chunk fields below).
     patient_chunks: int = 0

@@ -392,6 +392,9 @@ class StageStats:
     # flow failed (`FlowPhaseError`), only its vocoder step when the vocoder did
     # (`VocoderPhaseError`).
     batches_retried_apart: int = 0
+    # Batches whose audio came back by an asynchronous copy while the next could be taken
+    # (`AudioStage.pipeline_lead_ms`).
+    pipelined_batches: int = 0
     # `first_chunk_hold_s`: rounds that waited for expected first chunks, the seconds
     # they waited, and the first chunks queued meanwhile (they made that round).
     first_chunk_holds: int = 0
@@ -1132,6 +1135,7 @@ class AudioStage:
         if before is not None:
             await asyncio.wait({before})
         try:
+            self.stats.pipelined_batches += 1
             self._deliver(batch, results, t0, began, completed, flow_frames, vocoder_frames, one_off, round_id)
         except Exception:
             log.exception("audio stage: a round's bookkeeping failed; the stage goes on")
@@ -1572,17 +1576,27 @@ def _waited(copy: HostCopy) -> tuple[list[np.ndarray], float]:
     return copy.wait(), time.perf_counter()
 
 
+class _Complete:
+    """The `done` of an asynchronous copy that was complete when made (on the CPU)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 def _start_host_copy(pcm: list[torch.Tensor], asynchronous: bool = False) -> HostCopy:
     """All chunks' samples in one device->host copy (one sync instead of one per chunk);
     with `asynchronous` on a CUDA device, queued behind the round's kernels instead of
-    waited for (`HostCopy`)."""
+    waited for (`HostCopy`). On the CPU an asynchronous copy is complete at once, but is
+    delivered as a pipelined round's is: the CPU's tests run that path."""
     flat = [p if p.dim() == 1 and p.dtype == torch.float32 else p.reshape(-1).float() for p in pcm]
     if not flat:
         return HostCopy(torch.empty(0), [])
     sizes = [int(p.numel()) for p in flat]
     joined = torch.cat(flat)
-    if not asynchronous or joined.device.type != "cuda":
+    if not asynchronous:
         return HostCopy(joined.cpu(), sizes)
+    if joined.device.type != "cuda":
+        return HostCopy(joined.cpu(), sizes, _Complete())
     host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
     host.copy_(joined, non_blocking=True)
     done = torch.cuda.Event()

@@ -26,7 +26,8 @@ PREFIX = "cosyvoice"
 ENGINE_COUNTERS: frozenset[str] = frozenset(
     {"lm_tokens", "batches", "chunks", "dropped_chunks", "stage_busy_seconds", "stage_handoff_seconds",
      "flow_frames", "flow_exact_frames", "flow_row_padding_frames", "flow_bucket_padding_frames", "vocoder_frames",
-     "flow_grown_chunks", "flow_grown_tokens", "stage_batches_retried_apart", "patient_chunks", "patient_tokens",
+     "flow_grown_chunks", "flow_grown_tokens", "stage_batches_retried_apart", "stage_pipelined_batches",
+     "patient_chunks", "patient_tokens",
      "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_passed_over",
      "first_chunk_below_floor", "first_chunk_crowded", "first_chunk_learnt_rounds",
      "deadline_cuts", "first_chunk_cuts",

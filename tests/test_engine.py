@@ -78,9 +78,10 @@ def test_voice_features_are_aligned(tiny_model_dir):
     run(tiny_model_dir, fn, warmup=False)
 
 
-@pytest.mark.parametrize("fill_padding,stages", [(False, ()), (True, ()), (True, ("cpu", "cpu"))],
-                         ids=["fixed_chunks", "fill_padding", "fill_padding_two_stages"])
-def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir, fill_padding, stages):
+@pytest.mark.parametrize("fill_padding,stages,lead_ms", [(False, (), 0.0), (True, (), 0.0), (True, ("cpu", "cpu"), 0.0),
+                                                          (False, (), 5.0)],
+                         ids=["fixed_chunks", "fill_padding", "fill_padding_two_stages", "pipelined_rounds"])
+def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir, fill_padding, stages, lead_ms):
     """Also with `flow_fill_padding`, on one stage or a `StagePool` (which queues a copy of
     each job): chunks that grow in their batch still deliver every token's audio exactly
     once, in order. Whether a chunk grows here depends on timing; growth itself is asserted
@@ -100,9 +101,12 @@ def test_eight_concurrent_sessions_stream_ordered_complete_audio(tiny_model_dir,
         results = await asyncio.gather(*(collect(s) for s, _, _ in sessions))
         return [(r, s.utterance_stats(u1), s.utterance_stats(u2), u1, u2) for (s, u1, u2), r in zip(sessions, results)], engine.stats()
 
-    results, stats = run(tiny_model_dir, fn, flow_fill_padding=fill_padding, stage_devices=stages)
+    results, stats = run(tiny_model_dir, fn, flow_fill_padding=fill_padding, stage_devices=stages,
+                         stage_pipeline_lead_ms=lead_ms)
     assert stats.max_batch_size > 1, "chunks of different sessions must share flow/vocoder batches"
     assert fill_padding or stats.flow_grown_chunks == 0
+    # Pipelined: every round after the first measured one came back as a pipelined round's.
+    assert (stats.stage_pipelined_batches > 0) == (lead_ms > 0)
     for events, st1, st2, u1, u2 in results:
         assert all(isinstance(e, AudioChunk) for e in events), events
         ids = [e.utterance_id for e in events]
