@@ -1550,14 +1550,15 @@ class Synchronizes(Protocol):
 @dataclass
 class HostCopy:
     """A round's PCM on its way to the host: every chunk's samples in one flat host tensor,
-    and each chunk's length. `done` None: the copy is complete. Otherwise the device copies
-    into pinned memory behind the round's kernels and `done` (a CUDA event recorded after
-    the copy) says when: the worker returns at once and can launch the next round while
-    this one's kernels still run (`AudioStage.pipeline_lead_ms`)."""
+    and each chunk's length. `done` None: the copy is complete. Otherwise the round is
+    pipelined (`AudioStage.pipeline_lead_ms`): on a CUDA device the copy into pinned memory
+    is queued behind the round's kernels and `done` is a CUDA event recorded after it, so
+    the worker returns at once and can launch the next round while this one's kernels still
+    run; on the CPU the copy is complete and `done` says so (`_Complete`)."""
 
     host: torch.Tensor
     sizes: list[int]
-    done: Synchronizes | None = None  # a torch.cuda.Event
+    done: Synchronizes | None = None  # a torch.cuda.Event, or _Complete
 
     def wait(self) -> list[np.ndarray]:
         """The chunks' samples, after the device has copied them (blocks until then)."""
