@@ -1215,6 +1215,8 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # --engine.stage-deadline-cut: rounds cut short for rows due before they would end.
             "deadline_cuts": int(_delta(after, before, "cosyvoice_engine_deadline_cuts_total")),
             "first_chunk_cuts": int(_delta(after, before, "cosyvoice_engine_first_chunk_cuts_total")),
+            # --engine.stage-pipeline-lead-ms: rounds delivered pipelined (the setting took).
+            "pipelined_batches": int(_delta(after, before, "cosyvoice_engine_stage_pipelined_batches_total")),
             # --engine.flow-context-cache-mib: chunks that read their utterance's kept frames,
             # and chunks whose final frames were kept.
             "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),
