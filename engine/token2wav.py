@@ -728,7 +728,7 @@ class AudioStage:
                     pass
                 self._task = None
             # Rounds in flight get their audio. (A round the worker was still launching as
-            # the loop was cancelled is dropped, as without pipelining.)
+            # the loop was cancelled gets none: its chunks were cancelled, `_serve_batch`.)
             if self._landing:
                 await asyncio.gather(*self._landing, return_exceptions=True)
                 self._landing.clear()
@@ -1044,6 +1044,17 @@ class AudioStage:
         batch = self._take_batch()
         if not batch:
             return
+        try:
+            await self._serve_taken(batch)
+        except asyncio.CancelledError:
+            # The stage is closing while this round runs: its chunks will get no audio, and
+            # whoever waits on them is told so, as for the chunks still queued (`close`).
+            for job in batch:
+                _cancel(job)
+            raise
+
+    async def _serve_taken(self, batch: list[ChunkJob]) -> None:
+        """Run one taken batch: its audio delivered here, or by a landing task when pipelined."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         at = time.monotonic()

@@ -293,3 +293,39 @@ def test_pipeline_lead_is_a_setting_and_a_knob(tmp_path: Path) -> None:
     for bad in (-1, 1001, True, "5", math.nan):
         with pytest.raises(ValueError, match="pipeline_lead_ms"):
             check_stage_knobs({"pipeline_lead_ms": bad})
+
+
+@pytest.mark.parametrize("lead_ms", [0.0, 1000.0])
+def test_a_round_under_way_when_the_stage_closes_cancels_its_chunks(flow, hift, lead_ms: float) -> None:
+    """The stage's loop cancelled while the worker still runs a round (`close`): whoever
+    waits on that round's chunks is told (cancelled), not left waiting for audio that will
+    not come, pipelined or not."""
+    launching = threading.Event()
+    release = threading.Event()
+
+    class Slow(AudioStage):
+        def _launch(self, batch: list[ChunkJob], asynchronous: bool = False) -> tuple[HostCopy, int, int]:
+            launching.set()
+            assert release.wait(GUARD_S), "never released"
+            return super()._launch(batch, asynchronous)
+
+    stage = Slow(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=lead_ms)
+
+    async def go() -> ChunkJob:
+        job = _jobs(stage, 1)[0]
+        stage.submit(job)
+        await stage.start()
+        await asyncio.wait_for(job.started, GUARD_S)
+        assert await asyncio.to_thread(launching.wait, GUARD_S)
+        loop_task = stage._task
+        assert loop_task is not None
+        loop_task.cancel()
+        await asyncio.wait({loop_task}, timeout=GUARD_S)
+        cancelled = job.future.cancelled()
+        release.set()
+        await stage.close()
+        assert cancelled, "the round's chunk was left waiting"
+        return job
+
+    job = asyncio.run(go())
+    assert job.future.cancelled()
