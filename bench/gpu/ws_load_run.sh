@@ -23,6 +23,8 @@
 # PYSPY=S (sample the gateway process for S seconds with py-spy, PYSPY_DELAY seconds, default
 # 10, after it is first ready, i.e. inside the first level: $OUT/pyspy_gateway.txt, raw stacks
 # per thread, and $OUT/pyspy_top.txt, their summary by `python -m bench.stack_summary`),
+# DEADLINE=S (default 585: the runs end S seconds after the script started, for a call whose
+# limit is under 600 s, as when little device time is left),
 # WARM=1 (single: first start one gateway for a 1-session level, so the compile caches are
 # warm before the runs that count: on a fresh machine the first start compiles for two
 # minutes or more, and round 7 lost a variant to it; each run prints its time to ready).
@@ -31,6 +33,7 @@
 # GPU image. Build both here with `bash bench/gpu/wheels.sh`.
 set -uo pipefail
 MODE="${1:-single}"
+END="${DEADLINE:-585}"  # seconds after the start by which every run has ended
 . "$(dirname "$0")/prepare.sh"
 python3 -c "from pathlib import Path; from engine.hub import resolve_model; print(resolve_model('full-random', Path('/tmp/models')))" > $OUT/model.log 2>&1
 COMMON=(--launch --model full-random --model-cache /tmp/models --engine.device cuda --engine.lm-backend vllm
@@ -59,7 +62,7 @@ echo "prep done at $((SECONDS - T0)) s"
 if [ "$MODE" = single ] && [ "${WARM:-0}" = 1 ]; then
   # With variant 0's flags (compiled code can depend on them), leaving 2 minutes at least
   # for the runs that count.
-  warm=$(( 585 - (SECONDS - T0) - 120 )); [ "$warm" -le 300 ] || warm=300
+  warm=$(( END - (SECONDS - T0) - 120 )); [ "$warm" -le 300 ] || warm=300
   if [ "$warm" -ge 30 ]; then
     # shellcheck disable=SC2086
     timeout "$warm" python3 -m bench.ws_load "${COMMON[@]}" --sessions 1 ${VARIANTS:+${VARIANTS%%;*}} \
@@ -73,7 +76,7 @@ fi
 if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra VS <<< "$VARIANTS"
   for i in "${!VS[@]}"; do
-    left=$(( (585 - (SECONDS - T0)) / (${#VS[@]} - i) ))  # the time left, shared by the runs still to go
+    left=$(( (END - (SECONDS - T0)) / (${#VS[@]} - i) ))  # the time left, shared by the runs still to go
     [ "$left" -ge 30 ] || { echo "variant $i and later: no time left"; break; }
     # shellcheck disable=SC2086
     timeout "$left" python3 -m bench.ws_load "${COMMON[@]}" --sessions "${LEVELS:-1,8,32,64,128}" ${VS[$i]} \
@@ -83,7 +86,7 @@ if [ "$MODE" = single ] && [ -n "${VARIANTS:-}" ]; then
   done
   exit 0
 fi
-left=$(( 585 - (SECONDS - T0) ))
+left=$(( END - (SECONDS - T0) ))
 [ "$left" -ge 30 ] || { echo "no time left for the run"; exit 0; }
 rm -f /tmp/ws_load_done
 if [ -n "${PYSPY:-}" ]; then
