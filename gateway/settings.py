@@ -262,10 +262,10 @@ class EngineSettings:
                        "its audio runs out instead of giving it up (not a first chunk; off: no difference measured)"),
     )
     stage_pipeline_lead_ms: float = field(
-        default=0.0,
+        default=5.0,
         metadata=_help("take the next flow/vocoder round and queue its kernels up to this many ms before the "
                        "running round is predicted to end, its audio then copied to the host asynchronously "
-                       "(0..1000; 0: off, once the previous round's audio is back; its A/B is pending)"),
+                       "(0..1000; 0: off, once the previous round's audio is back)"),
     )
     stage_first_chunk_cut: bool = field(
         default=True,

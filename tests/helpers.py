@@ -178,16 +178,17 @@ class StageFault:
             self._orig = orig_submit
             stage.submit = submit  # type: ignore[method-assign]
         elif self.where == "compute":
-            orig_compute = stage._compute
+            # `_launch`: a round's work, pipelined (`stage_pipeline_lead_ms`) or not.
+            orig_launch = stage._launch
 
-            def compute(batch: list[Any]) -> list[np.ndarray]:
+            def launch(batch: list[Any], *args: Any, **kwargs: Any) -> Any:
                 if any(self._hit(j) for j in batch):
                     self.count += 1
                     raise InjectedFault("injected fault in a flow/vocoder batch")
-                return orig_compute(batch)
+                return orig_launch(batch, *args, **kwargs)
 
-            self._orig = orig_compute
-            stage._compute = compute  # type: ignore[method-assign]
+            self._orig = orig_launch
+            stage._launch = launch  # type: ignore[method-assign]
         else:
             raise ValueError(self.where)
         return self
@@ -197,7 +198,7 @@ class StageFault:
         if self.where == "run":
             del stage.submit  # the instance attribute; the class method shows through again
         else:
-            del stage._compute
+            del stage._launch
 
     def __enter__(self) -> "StageFault":
         return self.install()

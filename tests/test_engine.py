@@ -169,7 +169,8 @@ def test_the_next_chunk_is_queued_while_the_stage_runs_this_one(tiny_model_dir):
 
     async def fn(engine):
         voice = await default_voice(engine)
-        submit, compute = engine.stage.submit, engine.stage._compute
+        # `_launch`: the rounds' work, pipelined (the default) or not.
+        submit, launch = engine.stage.submit, engine.stage._launch
         futures: list[asyncio.Future] = []
 
         def spy(job):
@@ -179,12 +180,12 @@ def test_the_next_chunk_is_queued_while_the_stage_runs_this_one(tiny_model_dir):
             futures.append(submit(job))
             return futures[-1]
 
-        def held(batch):
+        def held(batch, *args, **kwargs):
             if any(j.chunk_index == 0 for j in batch):
                 assert queued_next.wait(timeout=30), "chunk 1 was not queued while chunk 0 ran"
-            return compute(batch)
+            return launch(batch, *args, **kwargs)
 
-        engine.stage.submit, engine.stage._compute = spy, held
+        engine.stage.submit, engine.stage._launch = spy, held
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=0))
         uid = await s.submit("A longer sentence, so that there are several chunks to compare.")
         await s.finish()
@@ -709,17 +710,17 @@ def test_a_failed_chunk_takes_its_utterances_queued_chunk_with_it(tiny_model_dir
     async def fn(engine):
         voice = await default_voice(engine)
         stage = engine.stage
-        compute, submit = stage._compute, stage.submit
+        launch, submit = stage._launch, stage.submit  # a round's work, pipelined or not
         ran: list[list[int]] = []
         queued = threading.Event()  # chunk 1 is on the stage: chunk 0 may fail now
         second: list[ChunkJob] = []
 
-        def failing(batch):
+        def failing(batch, *args, **kwargs):
             ran.append([j.chunk_index for j in batch])
             if any(j.chunk_index == 0 for j in batch):
                 queued.wait(60)
                 raise InjectedFault("the flow failed")
-            return compute(batch)
+            return launch(batch, *args, **kwargs)
 
         def spying(job):
             future = submit(job)
@@ -728,7 +729,7 @@ def test_a_failed_chunk_takes_its_utterances_queued_chunk_with_it(tiny_model_dir
                 queued.set()
             return future
 
-        stage._compute, stage.submit = failing, spying
+        stage._launch, stage.submit = failing, spying
         s = engine.open_session(voice, SessionOptions(seed=3, initial_hop=0, tokens_per_text_token=6.0))
         await s.submit("A longer sentence, so that there are several chunks to compare.")
         await s.finish()

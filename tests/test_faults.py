@@ -167,15 +167,15 @@ def test_http_client_that_leaves_before_its_first_audio_frees_the_engine_at_once
     while the stage is still held, not when the first audio would have come."""
     srv = server
     stage = srv.gw.engine.stage
-    orig = stage._compute
+    orig = stage._launch  # a round's work, pipelined or not
     entered, gate = threading.Event(), threading.Event()
 
-    def held(batch: list[Any]) -> Any:
+    def held(batch: list[Any], *args: Any, **kwargs: Any) -> Any:
         entered.set()
         gate.wait(120)
-        return orig(batch)
+        return orig(batch, *args, **kwargs)
 
-    stage._compute = held  # type: ignore[method-assign]
+    stage._launch = held  # type: ignore[method-assign]
     left = 'cosyvoice_http_requests_total{route="/v1/audio/speech",status="499"}'
     with srv.client() as c:
         before = scrape(c)
@@ -196,7 +196,7 @@ def test_http_client_that_leaves_before_its_first_audio_frees_the_engine_at_once
             assert after.get(internal, 0) == before.get(internal, 0)
     finally:
         gate.set()
-        del stage._compute
+        del stage._launch
     with srv.client() as c:
         eventually(lambda: leftovers(c) == {}, timeout=30)
 

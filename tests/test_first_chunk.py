@@ -884,13 +884,13 @@ def test_engine_times_the_opening_second_chunks(tiny_model_dir):
     async def fn(engine: Engine, delay: float):
         voice = await default_voice(engine)
         stage = engine.stage
-        compute = stage._compute
+        launch = stage._launch  # a round's work, pipelined or not
 
-        def slow(batch):
+        def slow(batch, *args, **kwargs):
             time.sleep(delay)  # the stage's worker thread: a slow GPU, not a test's synchronisation
-            return compute(batch)
+            return launch(batch, *args, **kwargs)
 
-        stage._compute = slow
+        stage._launch = slow
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=4.0, seed=2))
         for text in ("A sentence long enough for a few chunks.", "And a second one after it."):
             await s.submit(text)

@@ -282,11 +282,11 @@ def test_before_round_waits_for_all_but_the_last_round_and_the_lead(flow, hift) 
 
 
 def test_pipeline_lead_is_a_setting_and_a_knob(tmp_path: Path) -> None:
-    assert EngineConfig(model_dir=Path(".")).stage_pipeline_lead_ms == 0.0  # off by default
+    assert EngineConfig(model_dir=Path(".")).stage_pipeline_lead_ms == 5.0  # on by default (round 51)
     for bad in (-1.0, 1001.0, math.nan):
         with pytest.raises(ValueError, match="stage_pipeline_lead_ms"):
             EngineConfig(model_dir=Path("."), stage_pipeline_lead_ms=bad)
-    assert engine_config(load_settings([], environ={})[0], tmp_path).stage_pipeline_lead_ms == 0.0
+    assert engine_config(load_settings([], environ={})[0], tmp_path).stage_pipeline_lead_ms == 5.0
     config = engine_config(load_settings(["--engine.stage-pipeline-lead-ms", "6"], environ={})[0], tmp_path)
     assert config.stage_pipeline_lead_ms == 6.0
     assert check_stage_knobs({"pipeline_lead_ms": 5}) == {"pipeline_lead_ms": 5.0}

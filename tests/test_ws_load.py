@@ -850,7 +850,7 @@ def test_planner_knobs_alternate_level_by_level_on_one_gateway(tiny_model_dir: P
         "--sessions", "1,1,1", "--rate", "0", "--no-warm", "--no-flops", "--json", str(tmp_path / "load.json"),
         "--text", "Hello there.", "--planner-knobs", ";".join(json.dumps(k) for k in knobs), "--ramp", "0,0.2,0",
         "--engine.device", "cpu", "--engine.lm-backend", "torch", "--engine.warmup", "false",
-        "--engine.text-normalization", "false",
+        "--engine.text-normalization", "false", "--engine.stage-pipeline-lead-ms", "0",  # the knob turns it on
     ])
     assert report["settings"]["planner_knobs"] == knobs
     levels = report["results"]["product"]
