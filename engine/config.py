@@ -398,6 +398,8 @@ class EngineConfig:
     # index stage_profile_start or later with at least stage_profile_min_chunks chunks,
     # written to this directory (one subdirectory per stage). Empty = off. The index counts
     # from the first batch after the engine's start: its warm-up's batches come before 0.
+    # A profiled stage never pipelines its rounds (stage_pipeline_lead_ms), in or out of the
+    # window: what it measures is the unpipelined stage.
     stage_profile_dir: str = ""
     stage_profile_start: int = 20
     stage_profile_batches: int = 20

@@ -20,7 +20,7 @@ phase (round 14): whether the GPU waits for the whole launch decides whether spl
 the graph would start it sooner.
 
 Each batch row also splits the batch by the stage's phases (`PHASES`, the
-`record_function` ranges `AudioStage._compute` opens): per phase its host time and, on
+`record_function` ranges `AudioStage._launch` opens): per phase its host time and, on
 CUDA, how long the GPU ran no kernel inside it. A one-chunk batch in the gateway took
 27-36 ms against 21-22 ms alone, with the GPU busy ~70% of it (round 13 of
 docs/benchmarks.md): this says which host phase the GPU waited on.

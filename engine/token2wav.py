@@ -729,13 +729,14 @@ class AudioStage:
                 self._task = None
             # Rounds in flight get their audio. (A round the worker was still launching as
             # the loop was cancelled gets none: its chunks were cancelled, `_serve_batch`.)
+            # Not gather: a close cancelled meanwhile must not cancel them.
             if self._landing:
-                await asyncio.gather(*self._landing, return_exceptions=True)
+                await asyncio.wait(self._landing)
                 self._landing.clear()
-            for job in self._pending:
+        finally:
+            for job in self._pending:  # even when this close was cancelled: nobody is left waiting
                 _cancel(job)
             self._pending.clear()
-        finally:
             # Whatever went wrong above: a profiler left running crashes the process at exit.
             if self.profiler is not None:
                 await asyncio.get_running_loop().run_in_executor(self._pool, self.profiler.close)
@@ -1132,7 +1133,18 @@ class AudioStage:
                     t0: float, began: float, flow_frames: int, vocoder_frames: int, one_off: bool,
                     round_id: int) -> None:
         """A pipelined round's end: once its audio is on the host, after the round launched
-        before it was delivered, `_deliver`."""
+        before it was delivered, `_deliver`. Cancelled first (torn down without `close`, or
+        a `close` cancelled meanwhile), it tells whoever waits on its chunks."""
+        try:
+            await self._land_round(batch, copy, before, t0, began, flow_frames, vocoder_frames, one_off, round_id)
+        except asyncio.CancelledError:
+            for job in batch:
+                _cancel(job)
+            raise
+
+    async def _land_round(self, batch: list[ChunkJob], copy: HostCopy, before: asyncio.Task[None] | None,
+                          t0: float, began: float, flow_frames: int, vocoder_frames: int, one_off: bool,
+                          round_id: int) -> None:
         loop = asyncio.get_running_loop()
         try:
             results, completed = await loop.run_in_executor(self._copies, _waited, copy)

@@ -315,17 +315,44 @@ def test_a_round_under_way_when_the_stage_closes_cancels_its_chunks(flow, hift, 
         job = _jobs(stage, 1)[0]
         stage.submit(job)
         await stage.start()
-        await asyncio.wait_for(job.started, GUARD_S)
-        assert await asyncio.to_thread(launching.wait, GUARD_S)
-        loop_task = stage._task
-        assert loop_task is not None
-        loop_task.cancel()
-        await asyncio.wait({loop_task}, timeout=GUARD_S)
-        cancelled = job.future.cancelled()
-        release.set()
-        await stage.close()
-        assert cancelled, "the round's chunk was left waiting"
+        try:
+            await asyncio.wait_for(job.started, GUARD_S)
+            assert await asyncio.to_thread(launching.wait, GUARD_S)
+            loop_task = stage._task
+            assert loop_task is not None
+            loop_task.cancel()
+            await asyncio.wait({loop_task}, timeout=GUARD_S)
+            assert job.future.cancelled(), "the round's chunk was left waiting"
+        finally:
+            release.set()
+            await stage.close()
         return job
 
     job = asyncio.run(go())
     assert job.future.cancelled()
+
+
+def test_a_pipelined_round_cancelled_before_it_lands_cancels_its_chunks(flow, hift) -> None:
+    """A landing task cancelled while its round is still on the device (the stage torn down
+    without `close`, or a `close` cancelled meanwhile): whoever waits on its chunks is told."""
+    gates = [Gate()]
+    stage = GatedStage(flow, hift, torch.device("cpu"), max_batch=1, pipeline_lead_ms=1000.0, gates=gates)
+
+    async def go() -> ChunkJob:
+        loop = asyncio.get_running_loop()
+        stage.landing = {0: loop.create_future()}
+        job = _jobs(stage, 1)[0]
+        stage.submit(job)
+        await stage.start()
+        try:
+            await asyncio.wait_for(stage.landing[0], GUARD_S)
+            landing = stage._landing[-1]
+            landing.cancel()
+            await asyncio.wait({landing}, timeout=GUARD_S)
+            assert job.future.cancelled(), "the round's chunk was left waiting"
+        finally:
+            gates[0].opened.set()
+            await stage.close()
+        return job
+
+    assert asyncio.run(go()).future.cancelled()

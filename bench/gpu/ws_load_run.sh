@@ -24,7 +24,8 @@
 # 10, after it is first ready, i.e. inside the first level: $OUT/pyspy_gateway.txt, raw stacks
 # per thread, and $OUT/pyspy_top.txt, their summary by `python -m bench.stack_summary`),
 # DEADLINE=S (default 585: the runs end S seconds after the script started, for a call whose
-# limit is under 600 s, as when little device time is left),
+# limit is under 600 s, as when little device time is left; the teardown after them, with
+# MPS=1 up to ~25 s, comes on top: set it that much under the call's limit),
 # WARM=1 (single: first start one gateway for a 1-session level, so the compile caches are
 # warm before the runs that count: on a fresh machine the first start compiles for two
 # minutes or more, and round 7 lost a variant to it; each run prints its time to ready).
