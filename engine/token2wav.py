@@ -87,9 +87,12 @@ class ChunkJob:
     deadline: float = -math.inf
     # Set when `deadline` counted the audio of its utterance's earlier chunks still being
     # made as if delivered at this time (time.monotonic; the engine cannot know when their
-    # round ends). The stage moves the deadline by how much later their round did end
+    # round ends). The stage moves the deadline by how much later their round ends
     # (`AudioStage._refresh_deadlines`). None: nothing of the utterance was in the making.
     deadline_from: float | None = None
+    # How far the stage has moved `deadline` so far (seconds, never negative): a pipelined
+    # round's predicted end moves it first, its delivery sets it right, earlier or later.
+    deadline_moved: float = 0.0
     # A first chunk (chunk_index 0) whose audio the listener waits for in silence; the
     # "first_chunks" policy lets only these jump the queue. The engine clears it for an
     # utterance queued behind its session's audio still playing (`chunk_due`).
@@ -791,18 +794,22 @@ class AudioStage:
 
     def _refresh_deadlines(self, jobs: list[ChunkJob]) -> None:
         """Move each job's deadline by how much later than it assumed its utterance's
-        earlier chunk was delivered (`ChunkJob.deadline_from`). An utterance queues its
+        earlier chunk is delivered (`ChunkJob.deadline_from`). An utterance queues its
         next chunk as soon as the stage takes the previous one, so that chunk's audio
         comes back a whole round after the deadline took it as delivered: in a burst a
         second chunk's deadline was a 163-ms opening round early, and every row of the
-        second round looked late already."""
+        second round looked late already. While that round is in flight (pipelined) its
+        end is the predicted one; the delivery replaces it, so a round that ends sooner
+        than predicted moves the deadline back (never before the engine's own)."""
         for job in jobs:
             if job.deadline_from is None:
                 continue
             done = self._done_at.get(job.hift_stream)
-            if done is not None and done > job.deadline_from:
-                job.deadline += done - job.deadline_from
-                job.deadline_from = done
+            if done is None:
+                continue
+            moved = max(0.0, done - job.deadline_from)
+            job.deadline += moved - job.deadline_moved
+            job.deadline_moved = moved
 
     def _take_batch(self) -> list[ChunkJob]:
         self.drop_cancelled()
@@ -1120,8 +1127,7 @@ class AudioStage:
         if predicted is not None:
             # Its utterances' next chunks may be taken before its audio is back: their
             # deadlines move from its predicted end (`_refresh_deadlines`), as they would
-            # from its delivery, and again from the delivery itself if that is later. (One
-            # that comes earlier leaves them that much late: deadlines only move later.)
+            # from its delivery, and again from the delivery itself, earlier or later.
             for job in batch:
                 self._done_at[job.hift_stream] = self._device_free_at
         before = self._landing[-1] if self._landing else None

@@ -786,7 +786,7 @@ def test_a_deadline_moves_with_the_end_of_its_utterances_previous_round(flow, hi
             await stage.close()
 
     second, queued, done = asyncio.run(go())
-    assert done > queued and second.deadline_from == done
+    assert done > queued and second.deadline_moved == pytest.approx(done - queued)
     assert second.deadline == pytest.approx(queued + 100.0 + (done - queued))
 
     # No earlier chunk in the making, or its round over before the reckoning: unchanged.
@@ -797,7 +797,24 @@ def test_a_deadline_moves_with_the_end_of_its_utterances_previous_round(flow, hi
     earlier = ChunkJob(flow=_chunk(30, seed=3), hift_stream=b, speed=1.0, chunk_index=1, is_cancelled=lambda: False,
                        deadline=10.0, deadline_from=8.0)
     stage._refresh_deadlines([plain, earlier])
-    assert (plain.deadline, earlier.deadline, earlier.deadline_from) == (10.0, 10.0, 8.0)
+    assert (plain.deadline, earlier.deadline, earlier.deadline_moved) == (10.0, 10.0, 0.0)
+
+
+def test_a_deadline_follows_a_pipelined_round_from_its_predicted_end_to_its_delivery(flow, hift) -> None:
+    """A pipelined round's predicted end moves its utterances' next deadlines first; its
+    delivery then sets them right, back as well when it came sooner than predicted, but
+    never before the deadline the engine gave."""
+    stage = AudioStage(flow, hift, torch.device("cpu"))
+    stream = stage.new_stream()
+    job = ChunkJob(flow=_chunk(30, seed=4), hift_stream=stream, speed=1.0, chunk_index=1, is_cancelled=lambda: False,
+                   deadline=10.0, deadline_from=8.0)
+    seen = []
+    for done_at in (8.3, 8.1, 8.1, 7.9):  # predicted end; delivered sooner; again; before the reckoning
+        stage._done_at[stream] = done_at
+        stage._refresh_deadlines([job])
+        seen.append(job.deadline)
+    assert seen == pytest.approx([10.3, 10.1, 10.1, 10.0])
+    assert job.deadline_from == 8.0
 
 
 def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, second_after: float = 0.05,
