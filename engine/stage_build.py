@@ -11,8 +11,11 @@ import torch
 from .config import EngineConfig
 from .flow_graphs import GraphPolicy, prompt_shapes
 from .models.loader import LoadedModel
+from .models.config import ModelConfig
+from .models.hift import CausalHiFTGenerator
 from .stage_profile import StageProfiler
 from .token2wav import AudioStage
+from .vocoder_graphs import VocoderGraphPolicy, window_frames
 
 
 def graph_policy(config: EngineConfig) -> GraphPolicy:
@@ -43,6 +46,16 @@ def voice_graph_shapes(config: EngineConfig, lookahead: int, prompt_tokens: int,
     return shapes
 
 
+def vocoder_graph_frames(hift: torch.nn.Module, model: ModelConfig, config: EngineConfig) -> int:
+    """The vocoder graphs' largest window: a chunk of up to `max_hop` tokens (or
+    `initial_hop`) and its lookahead, as mel frames, with the vocoder's context; no fewer
+    than `VocoderGraphPolicy`'s default (256 frames: the default `max_hop` of 100 tokens)."""
+    if not isinstance(hift, CausalHiFTGenerator):  # CosyVoice2's vocoder has no graphs
+        return VocoderGraphPolicy.max_frames
+    tokens = max(config.max_hop, config.initial_hop) + model.flow.pre_lookahead_len
+    return max(VocoderGraphPolicy.max_frames, window_frames(hift, model.flow.token_mel_ratio * tokens))
+
+
 def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, flow: torch.nn.Module | None = None,
                 hift: torch.nn.Module | None = None, index: int = 0) -> AudioStage:
     """The stage on `device` over `flow` and `hift` (the model's own when None); `index`:
@@ -62,6 +75,7 @@ def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, 
                       split_padded=config.flow_split_padded, split_call_cost=config.flow_split_call_cost,
                       vocoder_cuda_graphs=config.vocoder_cuda_graphs, fill_padding=config.flow_fill_padding,
                       vocoder_graph_rows=config.vocoder_graph_rows,
+                      vocoder_graph_frames=vocoder_graph_frames(model.hift if hift is None else hift, model.config, config),
                       context_cache_bytes=config.flow_context_cache_bytes,
                       context_frames=model.config.flow.token_mel_ratio * config.flow_left_context,
                       context_min_rows=config.flow_context_min_rows, flow_attention=config.flow_attention,

@@ -536,7 +536,7 @@ class AudioStage:
                  profiler: StageProfiler | None = None, split_batches: bool = False, split_padded: bool = True,
                  split_call_cost: float = SPLIT_CALL_COST,
                  vocoder_cuda_graphs: bool = True, fill_padding: bool = False,
-                 vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8),
+                 vocoder_graph_rows: tuple[int, ...] = (1, 2, 4, 8), vocoder_graph_frames: int = 256,
                  context_cache_bytes: int = 0, context_frames: int = 100, context_min_rows: int = 16,
                  flow_attention: str = "triton", flow_attention_rotary: bool = True, flow_conv_kernel: str = "triton",
                  flow_split_prefix_rows: int | None = None,
@@ -601,7 +601,8 @@ class AudioStage:
         if isinstance(hift, CausalHiFTGenerator):
             hift.channels_last = vocoder_channels_last  # before its graphs too: they keep the layout
         # CUDA graphs for the CosyVoice3 vocoder's decode (launch-bound at a few streams).
-        self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows))
+        self.vocoder_graph_policy = VocoderGraphPolicy(batch_buckets=tuple(vocoder_graph_rows),
+                                                       max_frames=vocoder_graph_frames)
         self.vocoder_graphs = (VocoderGraphRunner(hift, self.vocoder_graph_policy)
                                if vocoder_cuda_graphs and torch.device(device).type == "cuda"
                                and isinstance(hift, CausalHiFTGenerator) else None)

@@ -64,6 +64,14 @@ class VocoderGraphPolicy:
                 for f in range(self.frame_multiple, self.max_frames + 1, self.frame_multiple)]
 
 
+def window_frames(gen: CausalHiFTGenerator, new_frames: int, frame_multiple: int = 32) -> int:
+    """The largest decode window a chunk of `new_frames` mel frames asks of the vocoder (its
+    context, the new frames and the one it computes ahead), on `frame_multiple`: the
+    `VocoderGraphPolicy.max_frames` that keeps such chunks on graphs."""
+    frames = gen.context_frames + new_frames + 1
+    return -(-frames // frame_multiple) * frame_multiple
+
+
 @dataclass
 class VocoderGraphStats:
     captures: int = 0

@@ -101,3 +101,29 @@ def test_the_row_buckets_are_a_setting(tmp_path) -> None:  # noqa: ANN001
         stage._pool.shutdown(wait=True)
     with pytest.raises(ValueError, match="vocoder_graph_rows"):
         EngineConfig(model_dir=tmp_path, vocoder_graph_rows=(8, 4))
+
+
+def test_the_frame_buckets_follow_the_largest_chunk(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """A `max_hop` past the default's 100 tokens widens the stage's vocoder graphs to its
+    chunks' windows (context + new frames + 1), so patient chunks of that size replay a
+    graph instead of decoding eagerly; the default keeps 256 frames."""
+    from engine.config import EngineConfig
+    from engine.models.loader import load_model
+    from engine.stage_build import audio_stage, vocoder_graph_frames
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    flow = model.config.flow
+    default = EngineConfig(model_dir=tmp_path)
+    assert vocoder_graph_frames(model.hift, model.config, default) == 256
+    for hop in (150, 200):
+        cfg = EngineConfig(model_dir=tmp_path, max_hop=hop)
+        frames = vocoder_graph_frames(model.hift, model.config, cfg)
+        window = model.hift.context_frames + flow.token_mel_ratio * (hop + flow.pre_lookahead_len) + 1
+        assert frames % 32 == 0 and window <= frames < window + 32 and frames > 256
+    stage = audio_stage(model, torch.device("cpu"), EngineConfig(model_dir=tmp_path, max_hop=200))
+    try:
+        window = model.hift.context_frames + flow.token_mel_ratio * 200 + 1
+        assert stage.vocoder_graph_policy.bucket(8, window) is not None
+        assert VocoderGraphPolicy().bucket(8, window) is None
+    finally:
+        stage._pool.shutdown(wait=True)
