@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.chunking import ChunkSchedule, chunk_frames, patient_target
+from engine.config import EngineConfig
 from engine.flow_graphs import GraphPolicy
 from engine.flow_prompt_cache import cacheable_frames
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-tokens", type=int, default=106)
     ap.add_argument("--tokens", default="25,50,105,200,400", help="utterance lengths in speech tokens")
     ap.add_argument("--initial-hop", type=int, default=10)
-    ap.add_argument("--max-hop", type=int, default=100)
+    ap.add_argument("--max-hop", type=int, default=EngineConfig.max_hop, help="default: the engine's")
     ap.add_argument("--left-context", type=int, default=50)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -11,8 +11,9 @@ the graphs held, how many were captured and in how long, and the memory the devi
 (`torch.cuda.mem_get_info`: the graphs' shared pool plus what the driver keeps per graph,
 which PyTorch's allocator does not see; the static prompt-prefix buffers, allocated with the
 first voice, are reported apart) against the growth of PyTorch's reserved memory.
-That says what `flow_graph_limit` costs (480 by default since round 48, whose row buckets
-warm up to 153 graphs a width: all three widths'; 320 from round 37; 192 before, two widths').
+That says what `flow_graph_limit` costs (600 by default since round 52, whose `max_hop` of 150
+warms up to 187 graphs a width: all three widths'; 480 from round 48, 153 a width; 320 from
+round 37; 192 before, two widths').
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from engine.chunking import ChunkSchedule
+from engine.config import EngineConfig
 from engine.first_chunk import FirstChunkPlanner, RoundTimes
 from engine.flow_graphs import GraphPolicy
 from engine.token2wav import estimate_round
@@ -56,7 +57,8 @@ def one(rounds: RoundTimes, live: int, step_s: float, reps: int, initial_hop: in
     hop = 0
     start = time.perf_counter()
     for _ in range(reps):
-        hop = planner.first_hop(ChunkSchedule(prompt_tokens=PROMPT_TOKENS, initial_hop=initial_hop), step_s, round_s, 1.0)
+        schedule = ChunkSchedule(prompt_tokens=PROMPT_TOKENS, initial_hop=initial_hop, max_hop=EngineConfig.max_hop)
+        hop = planner.first_hop(schedule, step_s, round_s, 1.0)
     per = (time.perf_counter() - start) / reps
     return {"sessions": live, "lm_step_ms": step_s * 1e3, "first_hop": hop, "ms_per_plan": round(per * 1e3, 4),
             "round_predictions_per_plan": asked / reps}

@@ -127,8 +127,8 @@ def patient_target(prompt_tokens: int, offset: int, available: int, lm_done: boo
     still be one last chunk, whose flow window is no wider than the widest a chunk of the
     schedule has (left context + a block + max_hop + lookahead: the shapes the engine
     warms): a 105-token segment is one chunk, not 94 tokens and an 11-token tail that
-    re-reads 69 tokens of context. (The vocoder's graphs stop at ~110 tokens of new mel: a
-    longer last chunk decodes eagerly there, as every vocoder batch over 8 rows does.)
+    re-reads 69 tokens of context. (The vocoder's graphs reach the widest such chunk,
+    `engine.stage_build.vocoder_graph_frames`; a vocoder batch over 8 rows decodes eagerly.)
     Once more is generated than that, it ends at the furthest 25-token boundary (counted
     from the prompt) within `max_hop`, as the schedule's own chunks do."""
     rest = available - offset

@@ -151,7 +151,14 @@ class EngineConfig:
     # 0: the fixed hold alone. Round 21: 0.15 put every first chunk of two 64-session bursts
     # in one round (0 passed over, against 63 and 27), and the third ran 34 sessions dry.
     first_chunk_hold_share: float = 0.0
-    max_hop: int = 100
+    # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient
+    # chunk (chunk_patience_s) is cut to. Each chunk re-reads up to 74 tokens of left context
+    # (flow_left_context), so larger patient chunks compute fewer frames for the same audio.
+    # On an H100 (round 52 of docs/benchmarks.md) 150 against 100 at 256 sessions over 16 s:
+    # 1.46 flow frames computed per frame played against 1.71-1.75, and first audio p95
+    # 327-339 ms against 543-577 (four levels each, either order); 200 gave no more (its
+    # chunks were no larger: segments end first).
+    max_hop: int = 150
     # A chunk whose audio is due more than this many seconds from now (a later segment
     # behind seconds of audio still to play, or a long utterance well ahead of its
     # listener) waits for more tokens and is cut as large as a chunk may be: max_hop
@@ -270,13 +277,13 @@ class EngineConfig:
     # At most this many flow graphs kept per stage (`GraphPolicy.max_graphs`; the least
     # recently used go first, and a batch whose graph went captures it again while serving,
     # 0.5-0.8 s a round on the H200). The voices of a prompt width (100, 200 or 300 cached
-    # frames) warm at most 153 graphs of their own at the default row buckets (11 one-voice
-    # and 6 per-row prefix ones, up to 8 rows, at each of 8 or 9 frame buckets; 90 at round
-    # 47's powers of two); 480 holds all three widths' (459). They share one memory pool;
-    # beyond it each graph held ~13 MiB of device memory on the H200 (round 37 of
-    # docs/benchmarks.md: a second width's 80 graphs took 1,054 MiB), so the new buckets cost
-    # up to ~2.4 GiB more than round 47's once all three widths are registered.
-    flow_graph_limit: int = 480
+    # frames) warm at most 187 graphs of their own at the default row buckets and max_hop (11
+    # one-voice and 6 per-row prefix ones, up to 8 rows, at each of up to 11 frame buckets of
+    # 50; 153 at round 51's max_hop of 100, 9 buckets); 600 holds all three widths'
+    # (561). They share one memory pool; beyond it each graph held ~13 MiB of device memory
+    # on the H200 (round 37 of docs/benchmarks.md: a second width's 80 graphs took 1,054
+    # MiB), so all three widths' graphs take ~7.1 GiB.
+    flow_graph_limit: int = 600
     # CUDA graphs for the CosyVoice3 vocoder's decode up to 8 streams (`engine.vocoder_graphs`;
     # launch-bound there). CUDA only; CPU ignores it.
     vocoder_cuda_graphs: bool = True

@@ -68,11 +68,11 @@ class GraphPolicy:
     # is captured at every row bucket and prefix kind, for start time and graph slots.
     frame_buckets: tuple[int, ...] = ()
     max_frames: int = 1500  # 30 s of mel; longer windows (e.g. unbounded left context) run eagerly
-    # A voice needs 11 row x 8 or 9 frame buckets of the one-voice prefix kind and 6 x 8 or 9
-    # of the per-row one (136-153 at the default buckets), per prefix width bucket. Graphs
-    # share one memory pool for their intermediates; each one beyond it held ~13 MiB on the
-    # H200 (round 37).
-    max_graphs: int = 480
+    # A voice needs 11 row x up to 11 frame buckets of the one-voice prefix kind and 6 x up
+    # to 11 of the per-row one (187 at the default buckets and max_hop), per prefix width
+    # bucket. Graphs share one memory pool for their intermediates; each one beyond it held
+    # ~13 MiB on the H200 (round 37).
+    max_graphs: int = 600
     warmup_iters: int = 1  # eager runs before a capture (lazy init of cuBLAS/SDPA kernels)
     # Batches decoded from the flow prompt cache get graphs up to this many rows and this
     # many cached frames per row (static prefix buffers: 1.8 MB per row and frame at full

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .chunking import GRID
 from .config import EngineConfig
 from .flow_graphs import GraphPolicy, prompt_shapes
 from .models.loader import LoadedModel
@@ -47,12 +48,17 @@ def voice_graph_shapes(config: EngineConfig, lookahead: int, prompt_tokens: int,
 
 
 def vocoder_graph_frames(hift: torch.nn.Module, model: ModelConfig, config: EngineConfig) -> int:
-    """The vocoder graphs' largest window: a chunk of up to `max_hop` tokens (or
-    `initial_hop`) and its lookahead, as mel frames, with the vocoder's context; no fewer
-    than `VocoderGraphPolicy`'s default (256 frames: the default `max_hop` of 100 tokens)."""
+    """The vocoder graphs' largest window: a bound on the widest chunk the engine cuts, as
+    mel frames, with the vocoder's context and held-back frames (`window_frames`); no fewer
+    than `VocoderGraphPolicy`'s default of 256. The widest chunk is `max_hop` (or
+    `initial_hop`) tokens and their lookahead, and a patient last chunk may take the room a
+    chunk's left context has as well (`engine.chunking.patient_target`: at a segment's
+    start, the left context and a block less one token)."""
     if not isinstance(hift, CausalHiFTGenerator):  # CosyVoice2's vocoder has no graphs
         return VocoderGraphPolicy.max_frames
     tokens = max(config.max_hop, config.initial_hop) + model.flow.pre_lookahead_len
+    if config.flow_left_context >= 0:
+        tokens += config.flow_left_context + GRID - 1
     return max(VocoderGraphPolicy.max_frames, window_frames(hift, model.flow.token_mel_ratio * tokens))
 
 

@@ -37,7 +37,7 @@ from typing import Iterable
 import torch
 
 from .graph_capture import CAPTURE_LOCK, copy_padded
-from .models.hift import CausalHiFTGenerator
+from .models.hift import CausalHiFTGenerator, held_back_frames
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,11 @@ class VocoderGraphPolicy:
 
 
 def window_frames(gen: CausalHiFTGenerator, new_frames: int, frame_multiple: int = 32) -> int:
-    """The largest decode window a chunk of `new_frames` mel frames asks of the vocoder (its
-    context, the new frames and the one it computes ahead), on `frame_multiple`: the
-    `VocoderGraphPolicy.max_frames` that keeps such chunks on graphs."""
-    frames = gen.context_frames + new_frames + 1
+    """A bound on the decode window a chunk of `new_frames` mel frames asks of the vocoder:
+    its context, the frames the step before held back (a final step decodes them) and the
+    new ones, on `frame_multiple`: the `VocoderGraphPolicy.max_frames` that keeps such
+    chunks on graphs."""
+    frames = gen.context_frames + held_back_frames(gen.cfg) + new_frames
     return -(-frames // frame_multiple) * frame_multiple
 
 

@@ -88,7 +88,7 @@ class EngineSettings:
     first_chunk_hold_share: float = field(
         default=0.0, metadata=_help("the hold grows to this share (0..0.5) of the round an expected first chunk "
                                      "would miss, as predicted for it (0 = first_chunk_hold_ms alone)"))
-    max_hop: int = field(default=100, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
+    max_hop: int = field(default=150, metadata=_help("largest chunk in speech tokens (25 tokens = 1 s)"))
     chunk_patience_s: float = field(
         default=1.0,
         metadata=_help("a chunk whose audio is due more than this many seconds from now waits and is cut as large "
@@ -175,11 +175,11 @@ class EngineSettings:
                        "the per-row prefix graphs (up to 8 chunks) or eager"),
     )
     flow_graph_limit: int = field(
-        default=480,
+        default=600,
         metadata=_help("at most this many flow CUDA graphs kept per stage (least recently used dropped; a batch "
                        "whose graph was dropped captures it again while serving): each voice prompt width (100, "
-                       "200, 300 frames) warms up to 153 of its own at the default row buckets, ~13 MiB of GPU memory "
-                       "each on the H200"),
+                       "200, 300 frames) warms up to 187 of its own at the default row buckets and max_hop, ~13 MiB "
+                       "of GPU memory each on the H200"),
     )
     vocoder_cuda_graphs: bool = field(
         default=True,

@@ -107,7 +107,7 @@ def test_frame_buckets_are_an_option(tmp_path) -> None:  # noqa: ANN001
 
 def test_graph_limit_is_an_option(tmp_path) -> None:  # noqa: ANN001
     """`--engine.flow-graph-limit`: how many flow graphs a stage keeps (a voice's prefix
-    width's voices warm up to 153 of their own; the default, 480, holds all three widths'); at
+    width's voices warm up to 187 of their own; the default, 600, holds all three widths'); at
     least 1."""
     from gateway.app import engine_config
     from gateway.settings import load_settings
@@ -126,9 +126,9 @@ def test_default_buckets_hold_the_rounds_under_load_unpadded_and_the_limit_every
     is, one-voice or not. And the default graph limit holds what `FlowGraphRunner.warm`
     captures for voices of every prompt length of all three prefix widths (a one-voice graph
     per bucket, a per-row one for 2 to `prefix_max_rows` rows: this mirrors its loop), so
-    registering voices never evicts one another's graphs into captures while serving. The
-    voices of one width reach 8 or 9 frame buckets, as their windows reach 400 or 450
-    frames (a 49- or 99-token prompt reaches 450)."""
+    registering voices never evicts one another's graphs into captures while serving. At
+    the default max_hop (150 tokens) the voices of one width reach 11 frame buckets, their
+    windows up to 550 frames."""
     config = EngineConfig(model_dir=tmp_path)
     policy = graph_policy(config)
     for rows in range(1, 7):
@@ -148,7 +148,7 @@ def test_default_buckets_hold_the_rounds_under_load_unpadded_and_the_limit_every
                 keys.add((policy.bucket(rows, frames, cached_frames), False))
     assert sorted(by_width) == [100, 200, 300]
     assert all(None not in {k[0] for k in keys} for keys in by_width.values())
-    assert [len(keys) for keys in by_width.values()] == [(11 + 6) * 9] * 3
+    assert [len(keys) for keys in by_width.values()] == [(11 + 6) * 11] * 3
     assert sum(len(keys) for keys in by_width.values()) <= policy.max_graphs
 
 

@@ -103,27 +103,44 @@ def test_the_row_buckets_are_a_setting(tmp_path) -> None:  # noqa: ANN001
         EngineConfig(model_dir=tmp_path, vocoder_graph_rows=(8, 4))
 
 
-def test_the_frame_buckets_follow_the_largest_chunk(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
-    """A `max_hop` past the default's 100 tokens widens the stage's vocoder graphs to its
-    chunks' windows (context + new frames + 1), so patient chunks of that size replay a
-    graph instead of decoding eagerly; the default keeps 256 frames."""
+def test_the_frame_buckets_hold_the_widest_chunk_the_engine_cuts(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """The stage's vocoder graphs reach the widest decode window a chunk can ask for: a
+    patient last chunk as wide as `patient_target` lets it be, after a first chunk of any
+    length (or none), the vocoder's context and held-back frames included. Measured on the
+    vocoder itself (the windows its steps decode), at the default max_hop (150) and 200;
+    25 tokens keep the default 256 frames."""
+    from engine.chunking import patient_target
     from engine.config import EngineConfig
     from engine.models.loader import load_model
     from engine.stage_build import audio_stage, vocoder_graph_frames
 
     model = load_model(tiny_model_dir, load_lm=False)
+    gen = model.hift
     flow = model.config.flow
-    default = EngineConfig(model_dir=tmp_path)
-    assert vocoder_graph_frames(model.hift, model.config, default) == 256
+    assert vocoder_graph_frames(gen, model.config, EngineConfig(model_dir=tmp_path, max_hop=25)) == 256
+    widest: dict[int, int] = {}
     for hop in (150, 200):
         cfg = EngineConfig(model_dir=tmp_path, max_hop=hop)
-        frames = vocoder_graph_frames(model.hift, model.config, cfg)
-        window = model.hift.context_frames + flow.token_mel_ratio * (hop + flow.pre_lookahead_len) + 1
-        assert frames % 32 == 0 and window <= frames < window + 32 and frames > 256
-    stage = audio_stage(model, torch.device("cpu"), EngineConfig(model_dir=tmp_path, max_hop=200))
-    try:
-        window = model.hift.context_frames + flow.token_mel_ratio * 200 + 1
-        assert stage.vocoder_graph_policy.bucket(8, window) is not None
-        assert VocoderGraphPolicy().bucket(8, window) is None
-    finally:
-        stage._pool.shutdown(wait=True)
+        limit = vocoder_graph_frames(gen, model.config, cfg)
+        windows: list[int] = []
+
+        def decode(mel: torch.Tensor, source: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            windows.append(mel.shape[-1] - gen.cfg.conv_pre_look_right)
+            return gen._decode(mel, source, valid)
+
+        for offset in (0, 6, 10, 17, 25, 40, 50, 75, 100):
+            # The last chunk once the LM is done, as wide as patient_target lets it be.
+            last = max(n for n in range(offset + 1, offset + 1000)
+                       if patient_target(106, offset, n, True, flow.pre_lookahead_len, hop, cfg.flow_left_context)[1])
+            stream = gen.new_stream()
+            if offset:
+                gen.stream_step([stream], [torch.zeros(80, flow.token_mel_ratio * offset)], [False], decode=decode)
+            gen.stream_step([stream], [torch.zeros(80, flow.token_mel_ratio * (last - offset))], [True], decode=decode)
+        widest[hop] = max(windows)
+        assert widest[hop] <= limit < widest[hop] + 64  # a bound, not far above
+        stage = audio_stage(model, torch.device("cpu"), cfg)
+        try:
+            assert stage.vocoder_graph_policy.bucket(8, widest[hop]) is not None
+        finally:
+            stage._pool.shutdown(wait=True)
+    assert VocoderGraphPolicy().bucket(8, widest[150]) is None  # past the default's 256 frames

@@ -435,6 +435,13 @@ def _dft_bases(n_fft: int, window: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return analysis.float(), synthesis.float()
 
 
+def held_back_frames(cfg: HiFTConfig) -> int:
+    """Mel frames a stream step that does not finalize keeps back for the next one: the F0
+    predictor's and conv_pre's look-ahead, and the frame whose iSTFT overlap is still
+    incomplete. A final step decodes them with its own new frames."""
+    return _F0_LOOKAHEAD + cfg.conv_pre_look_right + 1
+
+
 def decoder_context_frames(cfg: HiFTConfig) -> int:
     """Mel frames of history that make the decoder's output for later frames exact.
 
@@ -742,7 +749,6 @@ class CausalHiFTGenerator(nn.Module):
         if not (len(streams) == len(new_mels) == len(finalize)):
             raise ValueError("streams, new_mels and finalize must have the same length")
         cfg = self.cfg
-        spf, look = cfg.samples_per_frame, cfg.conv_pre_look_right
         for st, m in zip(streams, new_mels):
             if st.finished:
                 raise RuntimeError("stream already finalized")
@@ -762,8 +768,8 @@ class CausalHiFTGenerator(nn.Module):
             self._advance_source([streams[i] for i in todo], [f0_targets[i] for i in todo])
 
         # Stage 3: decode a window of [context + new] frames per stream.
-        targets = [st.received if fin else max(st.emitted, st.received - _F0_LOOKAHEAD - look - 1)
-                   for st, fin in zip(streams, finalize)]
+        held = held_back_frames(self.cfg)
+        targets = [st.received if fin else max(st.emitted, st.received - held) for st, fin in zip(streams, finalize)]
         todo = [i for i, st in enumerate(streams) if targets[i] > st.emitted]
         # Streams with nothing new share one empty tensor: at 64 streams every operator
         # call counts (each one gives up the interpreter lock; round 17 of docs/benchmarks.md).
