@@ -1221,6 +1221,10 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # and chunks whose final frames were kept.
             "flow_context_reads": int(_delta(after, before, M_CONTEXT_READS)),
             "flow_context_records": int(_delta(after, before, M_CONTEXT_RECORDS)),
+            # The vocoder's decode steps on a CUDA graph, and those that ran eagerly (a window
+            # wider than its buckets, more than 8 rows).
+            "vocoder_graph_replays": int(_delta(after, before, "cosyvoice_engine_vocoder_graph_replays_total")),
+            "vocoder_eager_decodes": int(_delta(after, before, "cosyvoice_engine_vocoder_eager_decodes_total")),
             "flow_frames_per_chunk": flow_frames / chunks if chunks else None,
             # Where the flow frames went: padding (to a call's longest row, to a graph's
             # bucket) and frames re-read (left context, uncached prompt) besides those played.

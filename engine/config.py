@@ -157,7 +157,7 @@ class EngineConfig:
     # On an H100 (round 52 of docs/benchmarks.md) 150 against 100 at 256 sessions over 16 s:
     # 1.46 flow frames computed per frame played against 1.71-1.75, and first audio p95
     # 327-339 ms against 543-577 (four levels each, either order); 200 gave no more (its
-    # chunks were no larger: segments end first).
+    # chunks were no larger: at 150 a segment's last chunk already takes up to 227 tokens).
     max_hop: int = 150
     # A chunk whose audio is due more than this many seconds from now (a later segment
     # behind seconds of audio still to play, or a long utterance well ahead of its

@@ -531,6 +531,8 @@ class Engine:
             context_reads=st.context_reads,
             context_records=st.context_records,
             context_bytes=st.context_bytes,
+            vocoder_graph_replays=st.vocoder_graph_replays,
+            vocoder_eager_decodes=st.vocoder_eager_decodes,
             **self.first_chunk_times.stats_fields(),
             first_chunk_holdback_seconds=self.first_chunks.holdback_s,
             **plan_fields(self.first_chunks.last),

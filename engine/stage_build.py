@@ -16,7 +16,7 @@ from .models.config import ModelConfig
 from .models.hift import CausalHiFTGenerator
 from .stage_profile import StageProfiler
 from .token2wav import AudioStage
-from .vocoder_graphs import VocoderGraphPolicy, window_frames
+from .vocoder_graphs import MAX_GRAPH_FRAMES, VocoderGraphPolicy, window_frames
 
 
 def graph_policy(config: EngineConfig) -> GraphPolicy:
@@ -48,18 +48,21 @@ def voice_graph_shapes(config: EngineConfig, lookahead: int, prompt_tokens: int,
 
 
 def vocoder_graph_frames(hift: torch.nn.Module, model: ModelConfig, config: EngineConfig) -> int:
-    """The vocoder graphs' largest window: a bound on the widest chunk the engine cuts, as
-    mel frames, with the vocoder's context and held-back frames (`window_frames`); no fewer
-    than `VocoderGraphPolicy`'s default of 256. The widest chunk is `max_hop` (or
-    `initial_hop`) tokens and their lookahead, and a patient last chunk may take the room a
-    chunk's left context has as well (`engine.chunking.patient_target`: at a segment's
-    start, the left context and a block less one token)."""
+    """The vocoder graphs' largest window: a bound on the widest chunk the engine cuts at its
+    own settings, as mel frames, with the vocoder's context and held-back frames
+    (`window_frames`); no fewer than `VocoderGraphPolicy`'s default of 256 and no more than
+    `MAX_GRAPH_FRAMES`. The widest chunk is `max_hop` (or `initial_hop`) tokens and their
+    lookahead, and a patient last chunk may take the room a chunk's left context has as well
+    (`engine.chunking.patient_target`: at a segment's start, the left context and a block
+    less one token). Not covered, so decoded eagerly past it: a request's own `max_hop`, and
+    a speed below 1 (the mel is stretched, `AudioStage._stretch`)."""
     if not isinstance(hift, CausalHiFTGenerator):  # CosyVoice2's vocoder has no graphs
         return VocoderGraphPolicy.max_frames
     tokens = max(config.max_hop, config.initial_hop) + model.flow.pre_lookahead_len
     if config.flow_left_context >= 0:
         tokens += config.flow_left_context + GRID - 1
-    return max(VocoderGraphPolicy.max_frames, window_frames(hift, model.flow.token_mel_ratio * tokens))
+    frames = window_frames(hift, model.flow.token_mel_ratio * tokens)
+    return min(MAX_GRAPH_FRAMES, max(VocoderGraphPolicy.max_frames, frames))
 
 
 def audio_stage(model: LoadedModel, device: torch.device, config: EngineConfig, flow: torch.nn.Module | None = None,

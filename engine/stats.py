@@ -75,6 +75,9 @@ class EngineStats:
     context_reads: int = 0
     context_records: int = 0
     context_bytes: int = 0
+    # The vocoder's CUDA graphs: decode steps that replayed one, and those that ran eagerly.
+    vocoder_graph_replays: int = 0
+    vocoder_eager_decodes: int = 0
     # Where the first chunk of each utterance spends its time (sums of seconds over
     # `first_chunks` utterances): text in -> first speech token (text processing, LM
     # queue and prefill), -> the chunk's tokens decoded and queued to the stage, -> the

@@ -387,6 +387,11 @@ class StageStats:
     context_reads: int = 0
     context_records: int = 0
     context_bytes: int = 0
+    # The vocoder's CUDA graphs (`engine.vocoder_graphs`, CosyVoice3 on CUDA): decode steps
+    # that replayed one, and those that ran eagerly (more rows or frames than any bucket,
+    # or no graph). Both 0 without graphs.
+    vocoder_graph_replays: int = 0
+    vocoder_eager_decodes: int = 0
     # `fill_padding`: chunks that grew into their batch's padding, and the speech tokens
     # they took (audio those chunks delivered early, at no extra flow work).
     grown_chunks: int = 0
@@ -1206,6 +1211,9 @@ class AudioStage:
         if self.context_cache is not None:
             ctx = self.context_cache
             st.context_reads, st.context_records, st.context_bytes = ctx.reads, ctx.records, ctx.nbytes
+        if self.vocoder_graphs is not None:
+            st.vocoder_graph_replays = self.vocoder_graphs.stats.replays
+            st.vocoder_eager_decodes = self.vocoder_graphs.stats.eager
 
     async def _run_apart(self, batch: list[ChunkJob]) -> None:
         """Each chunk of a batch whose flow failed, alone and in order: the ones that did not

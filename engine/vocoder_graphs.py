@@ -49,7 +49,7 @@ class VocoderGraphPolicy:
 
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     frame_multiple: int = 32
-    max_frames: int = 256  # a decode window: ~35 frames of context + up to 200 new (+1)
+    max_frames: int = 256  # a decode window: its context (~35 frames), held-back frames and new ones
 
     def bucket(self, rows: int, frames: int) -> tuple[int, int] | None:
         fitting = [b for b in self.batch_buckets if b >= rows]
@@ -62,6 +62,12 @@ class VocoderGraphPolicy:
         """Every bucket, for `VocoderGraphRunner.warm`."""
         return [(r, f) for r in self.batch_buckets
                 for f in range(self.frame_multiple, self.max_frames + 1, self.frame_multiple)]
+
+
+# The widest vocoder graphs a stage captures (`engine.stage_build.vocoder_graph_frames`): a
+# wide left context (`flow_left_context`) would otherwise ask for hundreds of graphs, each
+# pooled at 8 rows of that width. Wider windows decode eagerly.
+MAX_GRAPH_FRAMES = 640
 
 
 def window_frames(gen: CausalHiFTGenerator, new_frames: int, frame_multiple: int = 32) -> int:

@@ -108,7 +108,7 @@ def test_the_frame_buckets_hold_the_widest_chunk_the_engine_cuts(tiny_model_dir,
     patient last chunk as wide as `patient_target` lets it be, after a first chunk of any
     length (or none), the vocoder's context and held-back frames included. Measured on the
     vocoder itself (the windows its steps decode), at the default max_hop (150) and 200;
-    25 tokens keep the default 256 frames."""
+    25 tokens keep the default 256 frames, and no setting gets more than 640."""
     from engine.chunking import patient_target
     from engine.config import EngineConfig
     from engine.models.loader import load_model
@@ -118,6 +118,8 @@ def test_the_frame_buckets_hold_the_widest_chunk_the_engine_cuts(tiny_model_dir,
     gen = model.hift
     flow = model.config.flow
     assert vocoder_graph_frames(gen, model.config, EngineConfig(model_dir=tmp_path, max_hop=25)) == 256
+    # A wide left context would ask for hundreds of graphs: capped, wider windows run eagerly.
+    assert vocoder_graph_frames(gen, model.config, EngineConfig(model_dir=tmp_path, flow_left_context=1000)) == 640
     widest: dict[int, int] = {}
     for hop in (150, 200):
         cfg = EngineConfig(model_dir=tmp_path, max_hop=hop)
@@ -144,3 +146,41 @@ def test_the_frame_buckets_hold_the_widest_chunk_the_engine_cuts(tiny_model_dir,
         finally:
             stage._pool.shutdown(wait=True)
     assert VocoderGraphPolicy().bucket(8, widest[150]) is None  # past the default's 256 frames
+
+
+def test_the_stage_counts_its_vocoder_replays_and_eager_decodes(tiny_model_dir) -> None:  # noqa: ANN001
+    """`StageStats.vocoder_graph_replays` / `vocoder_eager_decodes` (the load bench's
+    `server.vocoder_graph_replays` / `vocoder_eager_decodes`): what the stage's runner did,
+    a window past its buckets counted eager. Without a runner (the CPU's default) both stay 0."""
+    import asyncio
+
+    from engine.models.flow import FlowChunk
+    from engine.models.loader import load_model
+    from engine.token2wav import AudioStage, ChunkJob
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 100, (20,), generator=g)
+    feat, emb = torch.randn(40, 80, generator=g), torch.randn(192, generator=g)
+    tokens = torch.randint(0, 100, (90,), generator=g)
+
+    async def speak(stage: AudioStage) -> None:
+        await stage.start()
+        try:
+            stream = stage.new_stream()
+            for index, (start, end, fin) in enumerate(((0, 15, False), (15, 90, True))):  # the last: 150 new frames
+                chunk = FlowChunk(tokens=torch.cat((prompt, tokens[: end + (0 if fin else 3)])), prompt_feat=feat,
+                                  embedding=emb, num_prompt_tokens=20, out_start=20 + start, finalize=fin)
+                await stage.run(ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=index,
+                                         is_cancelled=lambda: False))
+        finally:
+            await stage.close()
+
+    plain, graphed = (AudioStage(model.flow, model.hift, torch.device("cpu")) for _ in range(2))
+    graphed.vocoder_graphs = VocoderGraphRunner(model.hift, POLICY, capture=False)  # windows up to 96 frames
+    for stage in (plain, graphed):
+        asyncio.run(speak(stage))
+    assert (plain.stats.vocoder_graph_replays, plain.stats.vocoder_eager_decodes) == (0, 0)
+    runner = graphed.vocoder_graphs.stats
+    assert (graphed.stats.vocoder_graph_replays, graphed.stats.vocoder_eager_decodes) == (runner.replays, runner.eager)
+    assert runner.replays >= 1 and runner.eager >= 1
