@@ -171,3 +171,22 @@ def test_a_bad_worker_layout_exits_before_the_download(monkeypatch, capsys, argv
         entry.main(["--config", str(ROOT / "config" / "default.yaml"), *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_gateways_engine_defaults_are_the_engines(tmp_path, monkeypatch):
+    """A default lives in three places (`EngineConfig`, the gateway's `EngineSettings`,
+    config/default.yaml): the engine the gateway builds from its defaults, with or without
+    the shipped YAML, is configured exactly as `EngineConfig`'s defaults, so a default moved
+    in one place and not the others fails here (round 52 moved `max_hop` and the graph
+    limit)."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from gateway.app import engine_config
+
+    want = EngineConfig(model_dir=tmp_path)
+    monkeypatch.chdir(tmp_path)  # no config/default.yaml here: [] takes the dataclass defaults
+    for argv in ([], ["--config", str(ROOT / "config" / "default.yaml")]):
+        got = engine_config(load_settings(argv, environ={})[0], tmp_path)
+        differ = [f.name for f in dataclasses.fields(EngineConfig) if getattr(got, f.name) != getattr(want, f.name)]
+        assert differ == [], (argv, differ)
