@@ -114,6 +114,17 @@ class EngineConfig:
     # 1,009 ms against 1,126 and 1,066; with `stage_first_chunk_cut` too, 735 and 792 against
     # 857 and 828 but 9 and 15 sessions dry at their second chunk. Off until that is solved.
     first_chunk_skip_patient: bool = False
+    # The same estimate with the utterances waiting patiently still in each round's width
+    # (their big chunks ride in rounds and pad them) but not in how many rounds the crowd
+    # fills: past the stage's 64 rows the estimate doubles (ceil(live / max_gpu_batch)
+    # rounds), as if every utterance queued a chunk each round, where a patient one queues
+    # one in several. On an H100 at 272-288 sessions over 16 s (round 52 of
+    # docs/benchmarks.md) 77-88 utterances were in progress, rounds held 3.0-5.3 chunks, and
+    # first chunks were planned on 510-546-ms rounds (second chunks on 757) where they took
+    # 42-77 ms after a 65-96-ms wait; first chunks went 23-27 tokens long against 16 at 256
+    # sessions, where fewer than 64 were in progress. A burst has no patient utterances
+    # and keeps the whole-crowd estimate.
+    first_chunk_due_rounds: bool = False
     # A chunk's deadline (and its patience, chunk_patience_s) counts the audio its
     # utterance's chunks still on the stage will deliver, and a first chunk delivers its
     # tokens' worth less what the vocoder keeps back (the planner's learnt `holdback_s`,

@@ -132,6 +132,7 @@ class Engine:
                                               min_hop_crowd=config.first_chunk_min_hop_crowd,
                                               idle_hop=config.idle_initial_hop,
                                               skip_patient=config.first_chunk_skip_patient,
+                                              due_rounds=config.first_chunk_due_rounds,
                                               deadline_holdback=config.first_chunk_deadline_holdback,
                                               learnt_rounds_crowd=config.first_chunk_learnt_rounds_crowd)
         # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their

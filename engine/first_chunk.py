@@ -346,7 +346,8 @@ class PlanInputs:
 
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
 TUNABLE: dict[str, type] = {"limit": int, "min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
-                            "skip_patient": bool, "deadline_holdback": bool, "learnt_rounds_crowd": int}
+                            "skip_patient": bool, "due_rounds": bool, "deadline_holdback": bool,
+                            "learnt_rounds_crowd": int}
 CROWDS = ("min_hop_crowd", "learnt_rounds_crowd")  # counts of utterances, not tokens: up to MAX_CROWD
 MAX_MARGIN = 10.0
 MAX_CROWD = 10_000
@@ -398,6 +399,10 @@ class FirstChunkPlanner:
     # The round estimate leaves out the utterances waiting patiently
     # (EngineConfig.first_chunk_skip_patient; the engine asks the stage so).
     skip_patient: bool = False
+    # The round estimate counts the utterances waiting patiently in a round's width but not
+    # in how many rounds the crowd fills (EngineConfig.first_chunk_due_rounds; the engine
+    # asks the stage so): a patient utterance queues one big chunk in several rounds.
+    due_rounds: bool = False
     # A chunk's deadline counts its utterance's chunks still on the stage as delivering
     # `holdback_s` less than their tokens' worth until its audio covered that
     # (EngineConfig.first_chunk_deadline_holdback; the session asks `audio_in_flight`).
@@ -457,7 +462,8 @@ class FirstChunkPlanner:
         """What the next decisions would go on, for `GET /debug/planner`."""
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
-                "skip_patient": self.skip_patient, "deadline_holdback": self.deadline_holdback,
+                "skip_patient": self.skip_patient, "due_rounds": self.due_rounds,
+                "deadline_holdback": self.deadline_holdback,
                 "learnt_rounds_crowd": self.learnt_rounds_crowd,
                 "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},

@@ -652,7 +652,8 @@ class Session:
                 first = eng.first_chunks.first_hop(
                     sched, _lm_step(utt),
                     lambda at, n: eng.stage.round_estimate(stream, self._chunk_frames(at, n, cached, flow_cfg), cached,
-                                                           eng.first_chunks.skip_patient),
+                                                           eng.first_chunks.skip_patient,
+                                                           eng.first_chunks.due_rounds),
                     opts.speed, opening=utt.opening, streams=eng.lm_streams,
                     staged=eng.stage.live_utterances(stream), sizing=eng.first_chunks_pending - 1)
                 sched.initial_hop = first
@@ -666,7 +667,8 @@ class Session:
                     if cfg.first_chunk_hold_share > 0:  # and what missing a round would cost it
                         cached = eng._cached_prompt_frames(P)
                         frames = self._chunk_frames(0, sched.initial_hop, cached, flow_cfg)
-                        round_s = eng.stage.round_estimate(stream, frames, cached, eng.first_chunks.skip_patient)
+                        round_s = eng.stage.round_estimate(stream, frames, cached, eng.first_chunks.skip_patient,
+                                                           eng.first_chunks.due_rounds)
                     step = _lm_step(utt)
                     if math.isfinite(step):  # no rate yet before the LM's fourth token
                         eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * step,

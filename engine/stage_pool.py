@@ -126,11 +126,11 @@ class StagePool:
         return await self.submit(job)
 
     def round_estimate(self, stream: object, frames: int, cached: int = 0,
-                       skip_patient: bool = False) -> float | None:
+                       skip_patient: bool = False, due_rounds: bool = False) -> float | None:
         """`AudioStage.round_estimate` of the stage the stream is bound to."""
         if not isinstance(stream, PooledStream):
             raise TypeError("stream must come from StagePool.new_stream()")
-        return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached, skip_patient)
+        return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached, skip_patient, due_rounds)
 
     def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
         """`AudioStage.expect_first_chunk` on the stage the stream is bound to."""

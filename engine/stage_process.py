@@ -295,10 +295,11 @@ class RemoteStage:
         return await self.submit(job)
 
     def round_estimate(self, stream: object, frames: int, cached: int = 0,
-                       skip_patient: bool = False) -> float | None:
+                       skip_patient: bool = False, due_rounds: bool = False) -> float | None:
         """`AudioStage.round_estimate`, from the round times the stage reported."""
         return estimate_round(self.rounds, self.live_utterances(skip_patient=skip_patient), self.max_batch,
-                              self.graph_policy, frames, cached)
+                              self.graph_policy, frames, cached,
+                              self.live_utterances(skip_patient=True) if due_rounds else None)
 
     def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
         if isinstance(stream, RemoteStream):

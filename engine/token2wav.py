@@ -441,12 +441,13 @@ def mark_patience(patient: weakref.WeakSet[object], job: ChunkJob) -> None:
 
 
 def estimate_round(rounds: RoundTimes, live: int, max_batch: int, policy: GraphPolicy | None,
-                   frames: int, cached: int) -> float | None:
+                   frames: int, cached: int, due: int | None = None) -> float | None:
     """`AudioStage.round_estimate` from its parts: `live` utterances in progress, each
-    with a chunk like this one in the same round, in batches of at most `max_batch`."""
+    with a chunk like this one in the same round, in batches of at most `max_batch`;
+    with `due`, as many batches as those utterances fill, each still as wide as `live`."""
     live = max(1, live)
     one = rounds.predict(solved_work(policy, min(live, max_batch), frames, cached))
-    return None if one is None else one * math.ceil(live / max_batch)
+    return None if one is None else one * math.ceil(max(1, live if due is None else due) / max_batch)
 
 
 def cuda_memory(device: torch.device) -> dict[str, int]:
@@ -702,19 +703,22 @@ class AudioStage:
         return max(0, len(self._live) - (len(self._patient) if skip_patient else 0))
 
     def round_estimate(self, stream: object, frames: int, cached: int = 0,
-                       skip_patient: bool = False) -> float | None:
+                       skip_patient: bool = False, due_rounds: bool = False) -> float | None:
         """Predicted seconds until a chunk of `stream`'s utterance that computes `frames`
         flow frames after `cached` prompt frames from the prompt cache is done, when every
         utterance in progress here has one like it in the same round: the batches they
         fill, by the round times measured so far (`RoundTimes`). None before the first
         batch. `skip_patient`: not counting the utterances waiting patiently
-        (`live_utterances`), whose chunks are few and big (`engine.chunk_patience_s`).
+        (`live_utterances`), whose chunks are few and big (`engine.chunk_patience_s`);
+        `due_rounds`: counting them in a round's width but not in the number of rounds
+        (`FirstChunkPlanner.due_rounds`).
         Finished utterances do not count (`_serve_batch`): until round 15 of
         docs/benchmarks.md they did, and that error alone kept bursts from stalling while
         a session queued its next chunk only after the previous one's audio was back
         (`submit` says why it no longer waits)."""
         return estimate_round(self.rounds, self.live_utterances(skip_patient=skip_patient), self.max_batch,
-                              self.graph_policy if self.flow_cuda_graphs else None, frames, cached)
+                              self.graph_policy if self.flow_cuda_graphs else None, frames, cached,
+                              self.live_utterances(skip_patient=True) if due_rounds else None)
 
     async def start(self) -> None:
         if self._task is None:

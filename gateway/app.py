@@ -78,6 +78,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         first_chunk_opening_rate=e.first_chunk_opening_rate,  # type: ignore[arg-type]
         first_chunk_second_rounds=e.first_chunk_second_rounds,
         first_chunk_skip_patient=e.first_chunk_skip_patient,
+        first_chunk_due_rounds=e.first_chunk_due_rounds,
         first_chunk_deadline_holdback=e.first_chunk_deadline_holdback,
         first_chunk_learnt_rounds_crowd=e.first_chunk_learnt_rounds_crowd,
         first_chunk_hold_ms=e.first_chunk_hold_ms,

@@ -75,6 +75,9 @@ class EngineSettings:
         default=False, metadata=_help("the round estimate that sizes first chunks leaves out the utterances "
                                       "waiting patiently (their latest chunk cut big, its audio not due within "
                                       "chunk_patience_s)"))
+    first_chunk_due_rounds: bool = field(
+        default=False, metadata=_help("the round estimate that sizes first chunks counts the utterances waiting "
+                                      "patiently in a round's width but not in how many rounds the crowd fills"))
     first_chunk_deadline_holdback: bool = field(
         default=True, metadata=_help("a chunk's deadline and patience count its utterance's first chunk's audio "
                                      "less what the vocoder keeps back of it (false: its tokens' worth)"))

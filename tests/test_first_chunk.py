@@ -507,6 +507,10 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert p.margin == 1.0 and isinstance(p.margin, float)
     p.tune({"skip_patient": True})
     assert p.skip_patient is True and p.snapshot()["skip_patient"] is True
+    p.tune({"due_rounds": True})
+    assert p.due_rounds is True and p.snapshot()["due_rounds"] is True
+    with pytest.raises(ValueError, match="due_rounds must be true or false"):
+        p.tune({"due_rounds": "yes"})
     with pytest.raises(ValueError, match="skip_patient must be true or false"):
         p.tune({"skip_patient": 1})
     for bad, says in (({"holdback_s": 0.1}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
@@ -552,6 +556,9 @@ def test_skip_patient_deadline_holdback_and_learnt_rounds_reach_the_engine_confi
     assert default.first_chunk_learnt_rounds_crowd == 0
     s, _ = load_settings(["--engine.first-chunk-learnt-rounds-crowd", "16"], environ={})
     assert engine_config(s, tmp_path).first_chunk_learnt_rounds_crowd == 16
+    assert default.first_chunk_due_rounds is False
+    s, _ = load_settings(["--engine.first-chunk-due-rounds", "true"], environ={})
+    assert engine_config(s, tmp_path).first_chunk_due_rounds is True
 
 
 def test_audio_in_flight_leaves_out_the_first_chunks_holdback():
@@ -661,25 +668,26 @@ def test_a_first_chunk_that_waits_behind_playing_audio_is_not_in_the_crowd(tiny_
     assert patient >= 1 and pending == 0
 
 
-@pytest.mark.parametrize("skip", [False, True])
-def test_patient_chunks_are_marked_and_the_plan_may_leave_their_utterances_out(tiny_model_dir, skip):
+@pytest.mark.parametrize("skip, due", [(False, False), (True, False), (False, True)])
+def test_patient_chunks_are_marked_and_the_plan_may_leave_their_utterances_out(tiny_model_dir, skip, due):
     """The chunks cut big behind playing audio go to the stage marked patient, the others
     not; the first chunk's plan asks the stage's round estimate to leave the utterances
-    waiting patiently out when `first_chunk_skip_patient` says so."""
+    waiting patiently out when `first_chunk_skip_patient` says so, and out of the number
+    of rounds when `first_chunk_due_rounds` does."""
     async def fn(engine: Engine):
         voice = await default_voice(engine)
         engine.stage.rounds.observe(100, 0.01)  # a measured round: the planner asks for estimates
         submitted: list[tuple[int, bool]] = []
-        asked: set[bool] = set()
+        asked: set[tuple[bool, bool]] = set()
         submit, estimate = engine.stage.submit, engine.stage.round_estimate
 
         def submit_spy(job):
             submitted.append((job.chunk_index, job.patient))
             return submit(job)
 
-        def estimate_spy(stream, frames, cached=0, skip_patient=False):
-            asked.add(skip_patient)
-            return estimate(stream, frames, cached, skip_patient)
+        def estimate_spy(stream, frames, cached=0, skip_patient=False, due_rounds=False):
+            asked.add((skip_patient, due_rounds))
+            return estimate(stream, frames, cached, skip_patient, due_rounds)
         engine.stage.submit, engine.stage.round_estimate = submit_spy, estimate_spy
         s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
         await s.submit("A first sentence, long enough for seconds of speech to play before the next one, "
@@ -687,12 +695,14 @@ def test_patient_chunks_are_marked_and_the_plan_may_leave_their_utterances_out(t
         await s.submit("Then a second one.")
         await s.finish()
         await collect(s)
-        return submitted, asked, engine.patient_chunks, engine.planner_state()["skip_patient"]
+        state = engine.planner_state()
+        return submitted, asked, engine.patient_chunks, (state["skip_patient"], state["due_rounds"])
 
     submitted, asked, patient, state = run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40,
-                                           chunk_patience_s=1.0, first_chunk_skip_patient=skip)
+                                           chunk_patience_s=1.0, first_chunk_skip_patient=skip,
+                                           first_chunk_due_rounds=due)
     assert submitted[0] == (0, False) and sum(p for _, p in submitted) == patient >= 1
-    assert asked == {skip} and state is skip
+    assert asked == {(skip, due)} and state == (skip, due)
 
 
 def test_engine_is_alone_with_one_utterance_decoding_and_on_the_stage(tiny_model_dir):

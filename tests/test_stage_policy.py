@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine.config import DEADLINE_MARGIN_S, EngineConfig
+from engine.first_chunk import RoundTimes
 from helpers import assert_same_audio
 from engine.playback import chunk_due
 from engine.stage_pool import build_stage
@@ -742,15 +743,18 @@ def test_live_utterances_may_leave_out_those_waiting_patiently(flow, hift) -> No
         for job in jobs:
             stage.submit(job)
         counts.append((stage.live_utterances(), stage.live_utterances(skip_patient=True)))
-        estimates = (stage.round_estimate(streams[0], 50), stage.round_estimate(streams[0], 50, skip_patient=True))
+        estimates = (stage.round_estimate(streams[0], 50), stage.round_estimate(streams[0], 50, skip_patient=True),
+                     stage.round_estimate(streams[0], 50, due_rounds=True))
         stage.submit(ChunkJob(flow=_chunk(30, seed=5), hift_stream=streams[0], speed=1.0, chunk_index=3,
                               is_cancelled=lambda: False))
         counts.append((stage.live_utterances(), stage.live_utterances(skip_patient=True)))
         stage._pending.clear()
         del jobs, streams, job
         counts.append((stage.live_utterances(), stage.live_utterances(skip_patient=True)))
-        assert estimates == (estimate_round(stage.rounds, 3, 2, None, 50, 0), estimate_round(stage.rounds, 1, 2, None, 50, 0))
+        assert estimates == (estimate_round(stage.rounds, 3, 2, None, 50, 0), estimate_round(stage.rounds, 1, 2, None, 50, 0),
+                             estimate_round(stage.rounds, 3, 2, None, 50, 0, due=1))
         assert estimates[0] > 2 * estimates[1]  # two rounds of 2 rows against one of 1
+        assert estimates[2] == estimates[0] / 2  # one round of 2 rows: the patient fill it, not a second
         return counts
 
     try:
@@ -1190,3 +1194,19 @@ def test_stage_switches_reach_the_stage(tiny_model_dir, tmp_path, flag, name, at
         assert stage.cut_shift_s == pytest.approx(DEADLINE_MARGIN_S - 0.25)  # the default cut margin
     finally:
         stage._pool.shutdown(wait=True)
+
+
+def test_the_round_estimate_counts_rounds_for_the_utterances_due_and_width_for_all() -> None:
+    """Past `max_batch` the whole-crowd estimate adds a round per `max_batch` utterances in
+    progress; with `due` it adds them for those utterances alone, and every round stays
+    as wide as the crowd (not narrower when few are due)."""
+    rounds = RoundTimes()
+    for work, wall in ((50, 0.02), (64 * 50, 0.2)):
+        rounds.observe(work, wall)
+    crowd = estimate_round(rounds, 80, 64, None, 50, 0)
+    assert crowd == pytest.approx(0.4)  # two 64-row rounds
+    assert estimate_round(rounds, 80, 64, None, 50, 0, due=16) == pytest.approx(0.2)
+    assert estimate_round(rounds, 80, 64, None, 50, 0, due=0) == pytest.approx(0.2)  # at least its own round
+    assert estimate_round(rounds, 80, 64, None, 50, 0, due=80) == crowd  # a burst: nobody patient
+    assert estimate_round(rounds, 200, 64, None, 50, 0, due=100) == pytest.approx(0.4)
+    assert estimate_round(rounds, 1, 64, None, 50, 0, due=1) == pytest.approx(0.02)

@@ -20,6 +20,7 @@ from bench.stage_pipe import main as stage_pipe_main
 from bench.ws_load import main as ws_load_main
 from engine.config import EngineConfig
 from engine.engine import spawn_stages
+from engine.first_chunk import RoundTimes
 from engine.stage_build import graph_policy
 from engine.models.flow import FlowChunk
 from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV
@@ -588,6 +589,8 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
         remote._ids, remote._tensors, remote._jobs = itertools.count(), {}, {}
         remote._live, remote._patient = weakref.WeakSet(), weakref.WeakSet()
         remote._loop = asyncio.get_running_loop()
+        remote.rounds, remote.max_batch, remote.graph_policy = RoundTimes(), 1, None
+        remote.rounds.observe(50, 0.1)
         streams = [remote.new_stream() for _ in range(2)]
         chunk = FlowChunk(tokens=torch.zeros(20, dtype=torch.long), prompt_feat=torch.zeros(4, 80),
                           embedding=torch.zeros(192), num_prompt_tokens=2, out_start=2, finalize=False)
@@ -596,6 +599,10 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
             remote.submit(ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=1,
                                    is_cancelled=lambda: False, patient=patient))
             counts.append((remote.live_utterances(), remote.live_utterances(skip_patient=True)))
+        # Two in progress, one of them patient: two one-row rounds, or one counting the due alone.
+        assert remote.round_estimate(streams[0], 50) == pytest.approx(0.2)
+        assert remote.round_estimate(streams[0], 50, due_rounds=True) == pytest.approx(0.1)
+        assert remote.round_estimate(streams[0], 50, skip_patient=True) == pytest.approx(0.1)
         submits = [m for batch in sent for m in (batch if isinstance(batch, list) else [batch]) if m[0] == "submit"]
         assert [m[-1] for m in submits] == [True, True, False]
         stage = Stage()
