@@ -1,0 +1,40 @@
+"""`bench.level_table`: a row per product level, the knobs it ran with, "-" for what a
+report lacks, the baseline mode left out."""
+
+from __future__ import annotations
+
+import json
+
+from bench.level_table import main, table
+
+
+def _level(sessions: int, knobs: dict | None, p95: float, second: dict | None) -> dict:
+    level = {"sessions": sessions, "ramp_s": 16.0, "first_audio_ms": {"p50": 200.4, "p95": p95},
+             "sessions_with_underrun": 0, "first_chunk_phases_ms": {"tokens": 16.17, "stage_wait": 52.9, "stage": 47.5},
+             "lm_server_ms": {"decode_per_token": 6.403},
+             "server": {"flow_frames": 146, "vocoder_frames": 100, "first_chunk_plan_ms": {"round": 141.4},
+                        "vocoder_graph_replays": 30, "vocoder_eager_decodes": 2}}
+    if knobs is not None:
+        level["planner_knobs"] = knobs
+    if second is not None:
+        level["opening_second_chunk_ms"] = second
+    return level
+
+
+def test_a_row_per_product_level_with_its_knobs_and_dashes_for_what_is_missing(tmp_path):
+    report = {"results": {"product": [_level(272, {"due_rounds": False}, 570.5, {"stage_wait": 85.2, "stage": 169.0}),
+                                      _level(272, {"due_rounds": True, "margin": 0.25}, 480.0, None)],
+                          "baseline": [_level(64, None, 900.0, None)]}}
+    lines = table([("a.json", report)]).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    assert len(rows) == 2  # the baseline's level is not a row
+    first, second = rows
+    assert (first["file"], first["sessions"], first["ramp (s)"], first["knobs"]) == ("a.json", "272", "16", "due_rounds false")
+    assert (first["p95"], first["first chunk (tokens)"], first["2nd chunk stage"]) == ("570", "16.2", "169")
+    assert (first["flow frames / played"], first["vocoder graph / eager"], first["vLLM ms a token"]) == ("1.46", "30 / 2", "6.40")
+    assert first["planned 2nd"] == "-"  # the report has no second round planned
+    assert second["knobs"] == "due_rounds true, margin 0.25" and second["2nd chunk wait"] == "-"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert main([str(path)]).splitlines()[2].startswith("| r.json | 272 |")
