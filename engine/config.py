@@ -119,11 +119,12 @@ class EngineConfig:
     # fills: past the stage's 64 rows the estimate doubles (ceil(live / max_gpu_batch)
     # rounds), as if every utterance queued a chunk each round, where a patient one queues
     # one in several. On an H100 at 272-288 sessions over 16 s (round 52 of
-    # docs/benchmarks.md) 77-88 utterances were in progress, rounds held 3.0-5.3 chunks, and
-    # first chunks were planned on 510-546-ms rounds (second chunks on 757) where they took
-    # 42-77 ms after a 65-96-ms wait; first chunks went 23-27 tokens long against 16 at 256
-    # sessions, where fewer than 64 were in progress. A burst has no patient utterances
-    # and keeps the whole-crowd estimate.
+    # docs/benchmarks.md) up to 73-88 utterances were in progress, rounds held 4.1-4.9 chunks
+    # on average, a first chunk planned past 64 was planned on a 511-546-ms round (its second
+    # chunk on 757) where first chunks took 42-77 ms after a 71-96-ms wait, and first chunks
+    # went 22.6-26.7 tokens long against 15.6-16.3 at 256 sessions (at most 61-62 in
+    # progress). A burst has no patient utterances and keeps the whole-crowd estimate.
+    # Round 53 could not measure it (no GPU).
     first_chunk_due_rounds: bool = False
     # A chunk's deadline (and its patience, chunk_patience_s) counts the audio its
     # utterance's chunks still on the stage will deliver, and a first chunk delivers its
