@@ -29,6 +29,7 @@ from engine.first_chunk import (
     stalls,
 )
 from engine.stats import SLOW_OPENING_S, EngineStats, FirstChunkTimes, SecondChunkTimes, is_slow_opening
+from engine.token2wav import estimate_round
 from engine.types import AudioChunk, SessionOptions
 from gateway.metrics import ENGINE_COUNTERS
 from tests.test_engine import TOKEN_SAMPLES, collect, default_voice, run
@@ -1088,3 +1089,23 @@ def test_the_vocoder_holdback_is_learnt_in_output_seconds_whatever_the_speed() -
     for speed in (1.0, 2.0):
         spare = slack(schedule, 10, 0.0, round_s, held, speed=speed, margin=0.0)
         assert spare == pytest.approx(10 * 0.04 / speed - held)
+
+
+def test_rounds_counted_for_the_due_alone_plan_a_shorter_first_chunk_past_the_stage_rows():
+    """80 utterances in progress, 16 of them due: the whole-crowd estimate plans two 64-row
+    rounds a chunk and so a longer first chunk than the same load counted in one round
+    (`first_chunk_due_rounds`); below 64 in progress the two plan alike."""
+    rounds = RoundTimes()
+    for rows, wall in ((1, 0.02), (8, 0.04), (64, 0.14)):  # rows of 100 frames (an H100's, round 52)
+        rounds.observe(rows * 100, wall)
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=10, max_hop=150, lookahead=3)
+
+    def plan(live: int, due: int | None) -> int:
+        p = FirstChunkPlanner(limit=40, margin=0.5)
+        frames = lambda offset, hop: 2 * (hop + 3) + 2 * min(offset, 25)  # noqa: E731  (window: hop, look, context)
+        return p.first_hop(s, 0.007, lambda offset, hop: estimate_round(rounds, live, 64, None, frames(offset, hop), 0, due),
+                           1.0)
+
+    crowd, due = plan(80, None), plan(80, 16)
+    assert 10 <= due < crowd <= 40
+    assert plan(60, None) == plan(60, 16) == due  # one round either way
