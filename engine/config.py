@@ -115,16 +115,16 @@ class EngineConfig:
     # 857 and 828 but 9 and 15 sessions dry at their second chunk. Off until that is solved.
     first_chunk_skip_patient: bool = False
     # The same estimate with the utterances waiting patiently still in each round's width
-    # (their big chunks ride in rounds and pad them) but not in how many rounds the crowd
-    # fills: past the stage's 64 rows the estimate doubles (ceil(live / max_gpu_batch)
-    # rounds), as if every utterance queued a chunk each round, where a patient one queues
-    # one in several. On an H100 at 272-288 sessions over 16 s (round 52 of
-    # docs/benchmarks.md) up to 73-88 utterances were in progress, rounds held 4.1-4.9 chunks
-    # on average, a first chunk planned past 64 was planned on a 511-546-ms round (its second
-    # chunk on 757) where first chunks took 42-77 ms after a 71-96-ms wait, and first chunks
-    # went 22.6-26.7 tokens long against 15.6-16.3 at 256 sessions (at most 61-62 in
-    # progress). A burst has no patient utterances and keeps the whole-crowd estimate.
-    # Round 53 could not measure it (no GPU).
+    # (their big chunks ride in rounds and a later chunk is padded to them) but not in how
+    # many rounds the crowd fills: past the stage's 64 rows the estimate doubles
+    # (ceil(live / max_gpu_batch) rounds), as if every utterance queued a chunk each round,
+    # where a patient one queues one in several. On an H100 at 272-288 sessions over 16 s
+    # (round 52 of docs/benchmarks.md) the engine's open sessions peaked at 73-88 (61-62 at
+    # 256), rounds held 4.1-4.9 chunks on average, the levels' latest opening plans took
+    # first rounds of 420-546 ms where first chunks took 42-77 ms after a 71-96-ms wait, and
+    # first chunks went 22.6-26.7 tokens long against 15.6-16.3 at 256 sessions. A burst has
+    # no patient utterances and keeps the whole-crowd estimate. Not yet measured (round 53
+    # had no GPU).
     first_chunk_due_rounds: bool = False
     # A chunk's deadline (and its patience, chunk_patience_s) counts the audio its
     # utterance's chunks still on the stage will deliver, and a first chunk delivers its

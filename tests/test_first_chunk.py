@@ -674,10 +674,11 @@ def test_patient_chunks_are_marked_and_the_plan_may_leave_their_utterances_out(t
     """The chunks cut big behind playing audio go to the stage marked patient, the others
     not; the first chunk's plan asks the stage's round estimate to leave the utterances
     waiting patiently out when `first_chunk_skip_patient` says so, and out of the number
-    of rounds when `first_chunk_due_rounds` does."""
+    of rounds when `first_chunk_due_rounds` does; so does the round a first chunk would
+    miss, asked for the stage's hold (`first_chunk_hold_share`)."""
     async def fn(engine: Engine):
         voice = await default_voice(engine)
-        engine.stage.rounds.observe(100, 0.01)  # a measured round: the planner asks for estimates
+        engine.stage.rounds.observe(100, 0.3)  # a slow round: the planner asks for estimates, plans long
         submitted: list[tuple[int, bool]] = []
         asked: set[tuple[bool, bool]] = set()
         submit, estimate = engine.stage.submit, engine.stage.round_estimate
@@ -701,7 +702,7 @@ def test_patient_chunks_are_marked_and_the_plan_may_leave_their_utterances_out(t
 
     submitted, asked, patient, state = run(tiny_model_dir, fn, warmup=False, initial_hop=10, initial_hop_max=40,
                                            chunk_patience_s=1.0, first_chunk_skip_patient=skip,
-                                           first_chunk_due_rounds=due)
+                                           first_chunk_due_rounds=due, first_chunk_hold_share=0.2)
     assert submitted[0] == (0, False) and sum(p for _, p in submitted) == patient >= 1
     assert asked == {(skip, due)} and state == (skip, due)
 

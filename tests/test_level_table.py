@@ -38,3 +38,14 @@ def test_a_row_per_product_level_with_its_knobs_and_dashes_for_what_is_missing(t
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report))
     assert main([str(path)]).splitlines()[2].startswith("| r.json | 272 |")
+
+
+def test_a_level_without_its_own_ramp_or_knobs_shows_the_runs_and_odd_values_read_as_dashes():
+    level = _level(256, None, float("nan"), None)
+    del level["ramp_s"]
+    one = {"settings": {"ramp_s": 16.0, "planner_knobs": {"due_rounds": True}}, "results": {"product": [level]}}
+    per_level = {"settings": {"ramp_s": [16.0, 0.0], "planner_knobs": None}, "results": {"product": [level]}}
+    rows = [table([("r", report)]).splitlines()[2].split(" | ") for report in (one, per_level)]
+    assert rows[0][2:6] == ["16", "due_rounds true", "200", "-"]  # the run's ramp and knobs; p95 NaN
+    assert rows[1][2:4] == ["-", "-"]  # a list of ramps is the levels' own, and this one has none
+    assert table([("r", {"results": None})]).count("\n") == 1  # no levels: the heading alone

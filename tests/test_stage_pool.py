@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.stage_pool import StagePool, build_stage
+from engine.stage_pool import PooledStream, StagePool, build_stage
 from engine.token2wav import ChunkJob, _Expected
 from engine.types import AudioChunk, SessionOptions
 from helpers import assert_same_audio
@@ -207,3 +207,23 @@ def test_a_stage_on_the_engine_device_takes_the_model_own_flow(monkeypatch, engi
             assert flow is model.flow and hift is model.hift
         else:
             assert flow is not model.flow and hift is not model.hift and flow.device == hift.device == dev
+
+
+def test_the_pools_round_estimate_is_the_bound_stages_with_what_it_was_asked():
+    """`StagePool.round_estimate` asks the stage the stream is bound to, passing the
+    stream's own handle and how to count the utterances waiting patiently."""
+    asked: list[tuple] = []
+
+    class Stage:
+        def __init__(self, answer: float) -> None:
+            self.answer = answer
+
+        def round_estimate(self, stream, frames, cached=0, skip_patient=False, due_rounds=False):
+            asked.append((self.answer, stream, frames, cached, skip_patient, due_rounds))
+            return self.answer
+
+    pool = StagePool([Stage(0.1), Stage(0.2)])  # type: ignore[list-item]
+    inner = object()
+    assert pool.round_estimate(PooledStream(1, inner), 50, 8, False, True) == 0.2
+    assert pool.round_estimate(PooledStream(0, inner), 40, skip_patient=True) == 0.1
+    assert asked == [(0.2, inner, 50, 8, False, True), (0.1, inner, 40, 0, True, False)]

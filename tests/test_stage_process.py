@@ -591,6 +591,7 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
         remote._loop = asyncio.get_running_loop()
         remote.rounds, remote.max_batch, remote.graph_policy = RoundTimes(), 1, None
         remote.rounds.observe(50, 0.1)
+        remote.rounds.observe(100, 0.15)  # two rows of 50 frames
         streams = [remote.new_stream() for _ in range(2)]
         chunk = FlowChunk(tokens=torch.zeros(20, dtype=torch.long), prompt_feat=torch.zeros(4, 80),
                           embedding=torch.zeros(192), num_prompt_tokens=2, out_start=2, finalize=False)
@@ -599,9 +600,13 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
             remote.submit(ChunkJob(flow=chunk, hift_stream=stream, speed=1.0, chunk_index=1,
                                    is_cancelled=lambda: False, patient=patient))
             counts.append((remote.live_utterances(), remote.live_utterances(skip_patient=True)))
-        # Two in progress, one of them patient: two one-row rounds, or one counting the due alone.
+        # Two in progress, one of them patient: two one-row rounds, or one counting the due
+        # alone; with rounds of two rows, one two-row round, the patient one in its width or not.
         assert remote.round_estimate(streams[0], 50) == pytest.approx(0.2)
         assert remote.round_estimate(streams[0], 50, due_rounds=True) == pytest.approx(0.1)
+        assert remote.round_estimate(streams[0], 50, skip_patient=True) == pytest.approx(0.1)
+        remote.max_batch = 2
+        assert remote.round_estimate(streams[0], 50, due_rounds=True) == pytest.approx(0.15)
         assert remote.round_estimate(streams[0], 50, skip_patient=True) == pytest.approx(0.1)
         submits = [m for batch in sent for m in (batch if isinstance(batch, list) else [batch]) if m[0] == "submit"]
         assert [m[-1] for m in submits] == [True, True, False]
