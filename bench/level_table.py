@@ -7,9 +7,12 @@ and second chunks' phases and plans, the stage's rounds, vLLM's step).
 Levels run with planner knobs (`--planner-knobs`) show them in the `knobs` column, and a
 level without a ramp or knobs of its own shows the run's (`settings`); the baseline mode's
 levels are left out. A value a report lacks (an older report, a level that made no second
-chunk) reads "-". The plan columns are the latest decision of the level, of any utterance
-and of a session's first (`first_chunk_plan_ms`, `opening_chunk_plan_ms`), not a mean; the
-sessions column is the engine's open sessions at their peak, sampled every 0.25 s.
+chunk) reads "-". The "planned" columns are the latest decision of the level, of any
+utterance and of a session's first (`first_chunk_plan_ms`, `opening_chunk_plan_ms`); the
+"decisions" columns are means over the level's decisions for sessions' first utterances
+(`opening_chunk_decisions`, reports from round 54 on), with the utterances in progress on the
+stage then, all and those not waiting patiently. The sessions column is the engine's open
+sessions at their peak, sampled every 0.25 s.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ COLUMNS: tuple[tuple[str, Cell, int], ...] = (
     ("planned 2nd", lambda lv: _get(lv, "server", "first_chunk_plan_ms", "second_round"), 0),
     ("opening planned round / 2nd", lambda lv: (_get(lv, "server", "opening_chunk_plan_ms", "round"),
                                                 _get(lv, "server", "opening_chunk_plan_ms", "second_round")), 0),
+    ("opening decisions: round / 2nd (mean)", lambda lv: (_get(lv, "server", "opening_chunk_decisions", "round_ms"),
+                                                          _get(lv, "server", "opening_chunk_decisions", "second_round_ms")), 0),
+    ("their staged / due (mean)", lambda lv: (_get(lv, "server", "opening_chunk_decisions", "staged"),
+                                              _get(lv, "server", "opening_chunk_decisions", "due")), 0),
     ("2nd chunk wait", lambda lv: _get(lv, "opening_second_chunk_ms", "stage_wait"), 0),
     ("2nd chunk stage", lambda lv: _get(lv, "opening_second_chunk_ms", "stage"), 0),
     ("stage busy", lambda lv: _get(lv, "server", "stage_busy_share"), 2),

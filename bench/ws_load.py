@@ -1027,6 +1027,26 @@ def chunk_phases(after: dict[str, float], before: dict[str, float], kind: str) -
                "batch_rows": round(_delta(after, before, f"cosyvoice_engine_{kind}_batch_rows_total") / count, 2)})
 
 
+def plan_decisions(after: dict[str, float], before: dict[str, float], kind: str) -> dict[str, float] | None:
+    """The first-chunk planner's decisions of `kind` ("first_chunk": every utterance's;
+    "opening_chunk": sessions' first utterances) between two scrapes that had a round to go
+    on, their means: the first hop chosen (tokens), the LM's time a token, the predicted
+    rounds of that first chunk and of the chunk after it (ms), and the utterances in
+    progress on the stage, all ("staged") and those not waiting patiently ("due"): what the
+    round estimate counts. None when there were none."""
+    m = f"cosyvoice_engine_{kind}_decision"
+    count = _delta(after, before, m + "s_total")
+    if count <= 0:
+        return None
+    return {"decisions": int(count),
+            "hop": round(_delta(after, before, m + "_hop_tokens_total") / count, 2),
+            "lm_step_ms": round(1e3 * _delta(after, before, m + "_lm_step_seconds_total") / count, 3),
+            "round_ms": round(1e3 * _delta(after, before, m + "_round_seconds_total") / count, 2),
+            "second_round_ms": round(1e3 * _delta(after, before, m + "_second_round_seconds_total") / count, 2),
+            "staged": round(_delta(after, before, m + "_staged_total") / count, 2),
+            "due": round(_delta(after, before, m + "_due_total") / count, 2)}
+
+
 def second_chunk_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float] | None:
     """Mean phases (ms) of the sessions' first segments' second chunks between two scrapes
     (the engine's `opening_second_chunk` counters): its tokens ready -> queued (once the
@@ -1251,6 +1271,9 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             # (`opening_chunk_phases_ms`, `opening_second_chunk_ms`) were planned on.
             "opening_chunk_plan_ms": {name: _ms(after.get(f"cosyvoice_engine_opening_chunk_plan_{name}_seconds"))
                                       for name in ("lm_step", "lm_step_own", "round", "second_round")},
+            # Means over the level's decisions, of every utterance and of sessions' first.
+            "first_chunk_decisions": plan_decisions(after, before, "first_chunk"),
+            "opening_chunk_decisions": plan_decisions(after, before, "opening_chunk"),
             # The host side: how late the gateway's event loop ran (encoding, sockets, LM output).
             "event_loop": loop_lag_summary(after, idle, after.get(SERVER_WINDOW, wall), audio),
             # ... and the garbage collector's passes over the level, which stop every thread.
@@ -1586,6 +1609,7 @@ async def run_target(target: Target, levels: Sequence[int], ctx: BenchContext, w
               f"their slow ones' (ms)={lv['slow_opening_chunk_phases_ms']} "
               f"the first segments' second chunks (ms)={lv['opening_second_chunk_ms']} lm server (ms)={lv['lm_server_ms']} "
               f"planned on (ms)={lv['server']['opening_chunk_plan_ms']} "
+              f"opening decisions (means)={lv['server'].get('opening_chunk_decisions')} "
               f"passed over={lv['server'].get('first_chunk_passed_over')} cuts={lv['server'].get('deadline_cuts')}/{lv['server'].get('first_chunk_cuts')} "
               f"below floor={lv['server'].get('first_chunk_below_floor')} crowded={lv['server'].get('first_chunk_crowded')} "
               f"learnt rounds={lv['server'].get('first_chunk_learnt_rounds')} "

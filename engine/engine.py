@@ -40,7 +40,7 @@ from .session import SILENT_TOKENS, Session
 from .stage_build import graph_policy, voice_graph_shapes
 from .stage_pool import StagePool, build_stage
 from .stage_process import RemoteStage
-from .stats import EngineStats, FirstChunkTimes, SecondChunkTimes, StartClock, plan_fields
+from .stats import EngineStats, FirstChunkTimes, SecondChunkTimes, StartClock, plan_fields, plan_sum_fields
 from .token2wav import STAGE_TUNABLE, AudioStage, check_stage_knobs, cuda_memory
 from .types import SessionOptions, UtteranceError, VoicePrompt
 
@@ -538,6 +538,8 @@ class Engine:
             first_chunk_holdback_seconds=self.first_chunks.holdback_s,
             **plan_fields(self.first_chunks.last),
             **plan_fields(self.first_chunks.last_opening, "opening_chunk"),
+            **plan_sum_fields(self.first_chunks.sums),
+            **plan_sum_fields(self.first_chunks.opening_sums, "opening_chunk"),
             **self.opening_chunk_times.stats_fields("opening_chunk"),
             **self.slow_opening_chunk_times.stats_fields("slow_opening_chunk"),
             **self.opening_second_chunk_times.stats_fields(),

@@ -344,6 +344,34 @@ class PlanInputs:
     own_step_s: float | None = None  # the utterance's own rate, when `LMSteps` was asked too
 
 
+@dataclass
+class PlanSums:
+    """Sums over first-chunk decisions that had a round to go on (`PlanInputs` with
+    `first_round_s`), for a level's means: a level holds hundreds of decisions, and the
+    latest (`FirstChunkPlanner.last`) is one of them. `staged`: the utterances in progress
+    on the decision's stage, which the round estimate counts; `due`: those of them not
+    waiting patiently (`AudioStage.live_utterances`)."""
+
+    decisions: int = 0
+    hop: int = 0
+    step_s: float = 0.0
+    first_round_s: float = 0.0
+    second_round_s: float = 0.0
+    staged: int = 0
+    due: int = 0
+
+    def add(self, plan: PlanInputs, staged: int | None, due: int | None) -> None:
+        if plan.first_round_s is None:
+            return
+        self.decisions += 1
+        self.hop += plan.hop
+        self.step_s += plan.step_s
+        self.first_round_s += plan.first_round_s
+        self.second_round_s += plan.second_round_s or 0.0
+        self.staged += staged or 0
+        self.due += due or 0
+
+
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
 TUNABLE: dict[str, type] = {"limit": int, "min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
                             "skip_patient": bool, "due_rounds": bool, "deadline_holdback": bool,
@@ -427,6 +455,9 @@ class FirstChunkPlanner:
     # ... and the latest for a session's first utterance (a burst's opening chunks: later
     # utterances' decisions, made under other loads, would hide it by the end of a run)
     last_opening: PlanInputs | None = None
+    # Every decision's inputs summed, and those of sessions' first utterances.
+    sums: PlanSums = field(default_factory=PlanSums)
+    opening_sums: PlanSums = field(default_factory=PlanSums)
     # The configured limit: the most tokens a knob of `tune` may name (`limit` included).
     # Tuning compares values within the configuration (A/B levels on one gateway); a wider
     # bound is a configuration of its own.
@@ -508,14 +539,15 @@ class FirstChunkPlanner:
 
     def first_hop(self, schedule: ChunkSchedule, step_s: float, round_s: RoundFn, speed: float,
                   opening: bool = False, streams: int | None = None, staged: int | None = None,
-                  sizing: int = 0) -> int:
+                  sizing: int = 0, due: int | None = None) -> int:
         """The first chunk's hop for an utterance whose LM gave it a token every `step_s`
         so far; with `streams` (the utterances decoding now) the rate learnt for that many
         (from utterances that were, or were not, their session's first like this one) is
         taken when it is slower, or for a session's first utterance always with
         `opening_rate` "learnt"; with `staged` (the utterances on its stage) later rounds
         take at least what second chunks took lately with as many; `sizing`: the other
-        utterances waiting for their first chunk (`min_hop_crowd`)."""
+        utterances waiting for their first chunk (`min_hop_crowd`); `due`: of `staged`, those
+        not waiting patiently (only summed, `PlanSums`)."""
         # initial_hop 0 is the official schedule (no short first chunk): nothing to size.
         if schedule.initial_hop <= 0 or self.limit <= schedule.initial_hop or not math.isfinite(step_s):
             return schedule.initial_hop
@@ -543,8 +575,10 @@ class FirstChunkPlanner:
         if second is not None and later is not None:
             second = max(second, later)
         self.last = PlanInputs(hop, step_s, round_s(0, hop), second, own)
+        self.sums.add(self.last, staged, due)
         if capped is not None and capped.cut:
             self.learnt_round_plans += 1
         if opening:
             self.last_opening = self.last
+            self.opening_sums.add(self.last, staged, due)
         return hop

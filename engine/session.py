@@ -655,7 +655,8 @@ class Session:
                                                            eng.first_chunks.skip_patient,
                                                            eng.first_chunks.due_rounds),
                     opts.speed, opening=utt.opening, streams=eng.lm_streams,
-                    staged=eng.stage.live_utterances(stream), sizing=eng.first_chunks_pending - 1)
+                    staged=eng.stage.live_utterances(stream), sizing=eng.first_chunks_pending - 1,
+                    due=eng.stage.live_utterances(stream, skip_patient=True))
                 sched.initial_hop = first
                 if first != low:  # `hop` was for the fewest tokens: wait for this many
                     utt.stats.extra["first_hop"] = first

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .first_chunk import PlanInputs
+from .first_chunk import PlanInputs, PlanSums
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,26 @@ class EngineStats:
     opening_chunk_plan_lm_step_own_seconds: float = 0.0
     opening_chunk_plan_round_seconds: float = 0.0
     opening_chunk_plan_second_round_seconds: float = 0.0
+    # Every decision that had a round to go on, summed (`FirstChunkPlanner.sums`; a level's
+    # means are their differences over its count): the first hops chosen, the LM's seconds
+    # per token, the predicted rounds of the first chunk and of the one after it, and the
+    # utterances in progress on the stage then, all and those not waiting patiently (what
+    # the round estimate counts, `engine.first_chunk_due_rounds`).
+    first_chunk_decisions: int = 0
+    first_chunk_decision_hop_tokens: int = 0
+    first_chunk_decision_lm_step_seconds: float = 0.0
+    first_chunk_decision_round_seconds: float = 0.0
+    first_chunk_decision_second_round_seconds: float = 0.0
+    first_chunk_decision_staged: int = 0
+    first_chunk_decision_due: int = 0
+    # The same for sessions' first utterances.
+    opening_chunk_decisions: int = 0
+    opening_chunk_decision_hop_tokens: int = 0
+    opening_chunk_decision_lm_step_seconds: float = 0.0
+    opening_chunk_decision_round_seconds: float = 0.0
+    opening_chunk_decision_second_round_seconds: float = 0.0
+    opening_chunk_decision_staged: int = 0
+    opening_chunk_decision_due: int = 0
     # The LM server's own timings, summed (`engine.backends.lm_times`; vLLM with
     # EngineConfig.lm_timing, else zeros).
     lm_server_requests: int = 0
@@ -321,3 +341,14 @@ def plan_fields(plan: PlanInputs | None, name: str = "first_chunk") -> dict[str,
             f"{name}_plan_lm_step_own_seconds": plan.own_step_s or 0.0,
             f"{name}_plan_round_seconds": plan.first_round_s or 0.0,
             f"{name}_plan_second_round_seconds": plan.second_round_s or 0.0}
+
+
+def plan_sum_fields(sums: PlanSums, name: str = "first_chunk") -> dict[str, float]:
+    """EngineStats' `name`_decision* counters of a planner's sums."""
+    return {f"{name}_decisions": sums.decisions,
+            f"{name}_decision_hop_tokens": sums.hop,
+            f"{name}_decision_lm_step_seconds": sums.step_s,
+            f"{name}_decision_round_seconds": sums.first_round_s,
+            f"{name}_decision_second_round_seconds": sums.second_round_s,
+            f"{name}_decision_staged": sums.staged,
+            f"{name}_decision_due": sums.due}

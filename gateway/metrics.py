@@ -30,6 +30,9 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "patient_chunks", "patient_tokens",
      "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_passed_over",
      "first_chunk_below_floor", "first_chunk_crowded", "first_chunk_learnt_rounds",
+     *(f"{kind}_{name}" for kind in ("first_chunk", "opening_chunk")
+       for name in ("decisions", "decision_hop_tokens", "decision_lm_step_seconds", "decision_round_seconds",
+                    "decision_second_round_seconds", "decision_staged", "decision_due")),
      "deadline_cuts", "first_chunk_cuts",
      "prompt_cache_hits", "context_reads", "context_records", "vocoder_graph_replays", "vocoder_eager_decodes",
      "first_chunks", "first_chunk_lm_first_token_seconds", "first_chunk_lm_decode_seconds",

@@ -19,6 +19,7 @@ from engine.first_chunk import (
     FirstChunkPlanner,
     LMSteps,
     PlanInputs,
+    PlanSums,
     RoundTimes,
     SecondRounds,
     chunks_ahead,
@@ -28,7 +29,7 @@ from engine.first_chunk import (
     slack,
     stalls,
 )
-from engine.stats import SLOW_OPENING_S, EngineStats, FirstChunkTimes, SecondChunkTimes, is_slow_opening
+from engine.stats import SLOW_OPENING_S, EngineStats, FirstChunkTimes, SecondChunkTimes, is_slow_opening, plan_sum_fields
 from engine.token2wav import estimate_round
 from engine.types import AudioChunk, SessionOptions
 from gateway.metrics import ENGINE_COUNTERS
@@ -364,6 +365,26 @@ def test_planner_learns_the_holdback_and_is_fixed_without_room_or_rate():
     assert p.first_hop(official, 0.01, slow, 1.0) == 0
 
 
+def test_planner_sums_every_decision_with_a_round_and_the_opening_ones_apart():
+    """`PlanSums`: a level's means need every decision, not the latest; one with no round
+    measured (nothing to plan on) is not summed, and the utterances on the stage are."""
+    p = FirstChunkPlanner(limit=40)
+    s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
+    slow = lambda offset, hop: 5.0  # noqa: E731
+    fast = lambda offset, hop: 0.01  # noqa: E731
+    unmeasured = lambda offset, hop: None  # noqa: E731
+    assert p.first_hop(s, 0.01, slow, 1.0, staged=80, due=16) == 40
+    assert p.first_hop(s, 0.005, fast, 1.0, opening=True, staged=4, due=3) == 15
+    assert p.first_hop(s, 0.01, unmeasured, 1.0, opening=True, staged=9, due=9) == 15
+    assert p.sums == PlanSums(decisions=2, hop=55, step_s=pytest.approx(0.015), first_round_s=pytest.approx(5.01),
+                              second_round_s=pytest.approx(5.01), staged=84, due=19)
+    assert p.opening_sums == PlanSums(decisions=1, hop=15, step_s=0.005, first_round_s=0.01, second_round_s=0.01,
+                                      staged=4, due=3)
+    fields = plan_sum_fields(p.opening_sums, "opening_chunk")
+    assert (fields["opening_chunk_decisions"], fields["opening_chunk_decision_staged"]) == (1, 4)
+    assert set(fields) | set(plan_sum_fields(p.sums)) <= ENGINE_COUNTERS
+
+
 def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     """A stage that has measured 10 s rounds: the first chunk takes the limit's tokens; a
     request's own initial_hop is kept as asked. The audio stays complete either way."""
@@ -393,6 +414,13 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     # session's own initial_hop was not planned).
     assert (stats.opening_chunk_plan_round_seconds, stats.opening_chunk_plan_lm_step_seconds) \
         == (stats.first_chunk_plan_round_seconds, stats.first_chunk_plan_lm_step_seconds)
+    # ... and the sums hold that one decision, with the utterances on the stage then (the
+    # planned one, not waiting patiently).
+    assert stats.first_chunk_decisions == stats.opening_chunk_decisions == 1
+    assert stats.first_chunk_decision_hop_tokens == 40
+    assert stats.first_chunk_decision_round_seconds == stats.first_chunk_plan_round_seconds
+    assert stats.opening_chunk_decision_second_round_seconds == stats.first_chunk_plan_second_round_seconds
+    assert stats.first_chunk_decision_staged == stats.first_chunk_decision_due == 1
     assert 0 < holdback <= 0.2  # learnt from the first chunks: the vocoder keeps its last frames back
     for events, stats in ((planned, st), (asked, st_asked)):
         assert all(isinstance(e, AudioChunk) for e in events)

@@ -25,6 +25,8 @@ def test_a_row_per_product_level_with_its_knobs_and_dashes_for_what_is_missing(t
     report = {"results": {"product": [_level(272, {"due_rounds": False}, 570.5, {"stage_wait": 85.2, "stage": 169.0}),
                                       _level(272, {"due_rounds": True, "margin": 0.25}, 480.0, None)],
                           "baseline": [_level(64, None, 900.0, None)]}}
+    report["results"]["product"][1]["server"]["opening_chunk_decisions"] = {
+        "round_ms": 311.8, "second_round_ms": 480.2, "staged": 71.4, "due": 17.6}
     lines = table([("a.json", report)]).splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
@@ -34,6 +36,8 @@ def test_a_row_per_product_level_with_its_knobs_and_dashes_for_what_is_missing(t
     assert (first["p95"], first["first chunk (tokens)"], first["2nd chunk stage"]) == ("570", "16.2", "169")
     assert (first["flow frames / played"], first["vocoder graph / eager"], first["vLLM ms a token"]) == ("1.46", "30 / 2", "6.40")
     assert first["planned 2nd"] == "-"  # the report has no second round planned
+    assert (first["opening decisions: round / 2nd (mean)"], first["their staged / due (mean)"]) == ("- / -", "- / -")
+    assert (second["opening decisions: round / 2nd (mean)"], second["their staged / due (mean)"]) == ("312 / 480", "71 / 18")
     assert second["knobs"] == "due_rounds true, margin 0.25" and second["2nd chunk wait"] == "-"
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report))

@@ -30,6 +30,7 @@ from bench.ws_load import (
     analyse,
     calibrated_tokens_per_text_token,
     chunk_phases,
+    plan_decisions,
     compare,
     issue_target,
     largest_clean_level,
@@ -274,6 +275,17 @@ def test_server_breakdowns_from_counter_deltas() -> None:
                         before, "slow_opening_chunk")
     assert slow is not None and (slow["utterances"], slow["stage"], slow["tokens"]) == (1, 150.0, 9.0)
     assert chunk_phases(after, before, "slow_opening_chunk") is None  # none over the bar
+    d = m + "opening_chunk_decision"
+    plans = plan_decisions(after | {m + "opening_chunk_decisions_total": 5, d + "_hop_tokens_total": 80,
+                                    d + "_lm_step_seconds_total": 0.04, d + "_round_seconds_total": 1.0,
+                                    d + "_second_round_seconds_total": 2.0, d + "_staged_total": 300,
+                                    d + "_due_total": 60},
+                           before | {m + "opening_chunk_decisions_total": 1, d + "_hop_tokens_total": 16,
+                                     d + "_round_seconds_total": 0.2, d + "_staged_total": 100},
+                           "opening_chunk")
+    assert plans == {"decisions": 4, "hop": 16.0, "lm_step_ms": 10.0, "round_ms": 200.0, "second_round_ms": 500.0,
+                     "staged": 50.0, "due": 15.0}  # means over the window's four decisions
+    assert plan_decisions(after, before, "first_chunk") is None  # a gateway without the counters, or none
     lm = lm_server_ms(after, before)
     assert lm == {"queued": 10.0, "prefill": 20.0, "first_token": 100.0, "decode_per_token": 3.0, "requests": 4}
     assert lm_server_ms(before, before) is None  # a gateway without --engine.lm-timing
