@@ -453,6 +453,15 @@ class EngineConfig:
     # rate sets how long a burst's first chunks must be. None: no limit. Needs the stage's
     # own process (MPS reads it when a process creates its CUDA context).
     stage_mps_thread_percent: int | None = None
+    # Under an NVIDIA MPS daemon: the stage's process(es) as "below_normal" MPS clients, so
+    # that vLLM's decode kernels go first when both wait for the GPU. Why: a first chunk's
+    # wait for its tokens is its LM steps, and beside the stage's rounds vLLM stepped at
+    # 6.4-8.1 ms a token at 256-288 sessions over 16 s on an H100 (round 52 of
+    # docs/benchmarks.md) where a step's own kernels are a fraction of that; a decode
+    # step is small next to a round. The other way round (vLLM below normal, round 16)
+    # slowed vLLM 1.6x and did not speed the stage. None: normal. Needs the stage's own
+    # process.
+    stage_mps_priority: MPSPriority | None = None
     text_normalization: bool = True
     warmup: bool = True
     # Start the LM backend while the audio stage is built and the flow warmed (vLLM's
@@ -559,6 +568,12 @@ class EngineConfig:
                 raise ValueError("stage_mps_thread_percent must be in 1..100")
             if self.stage_process is False:
                 raise ValueError("stage_mps_thread_percent needs the stage's own process (stage_process)")
+        if self.stage_mps_priority is not None:
+            if self.stage_mps_priority not in get_args(MPSPriority):
+                raise ValueError(f"stage_mps_priority must be one of {', '.join(get_args(MPSPriority))}, "
+                                 f"not {self.stage_mps_priority!r}")
+            if self.stage_process is False:
+                raise ValueError("stage_mps_priority needs the stage's own process (stage_process)")
         if not self.stage_stall_timeout_s >= 0:  # also refuses NaN
             raise ValueError(f"stage_stall_timeout_s must be >= 0 (0: no watchdog), not {self.stage_stall_timeout_s}")
         if not self.lm_stall_timeout_s >= 0:

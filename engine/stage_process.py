@@ -214,7 +214,8 @@ class RemoteStage:
         # this process's environment around the start, they raced vLLM's own (set around its
         # engine core's start, `overlap_start`), and stages started then took vLLM's.
         process = ctx.Process(target=stage_main, name="audio-stage",
-                              args=(theirs, config, str(device), mps_client_env(config.stage_mps_thread_percent)))
+                              args=(theirs, config, str(device), mps_client_env(config.stage_mps_thread_percent,
+                                                                                          config.stage_mps_priority)))
         process.start()
         theirs.close()  # the child's end: with it closed here, the child's exit reads as EOF
         try:
@@ -580,9 +581,10 @@ def stage_main(conn: Connection, config: EngineConfig, device: str, mps_env: dic
         model = load_model(Path(config.model_dir), load_lm=False)
         model.flow.to(dev)
         model.hift.to(dev)
-        # This process is the stage's process (its SM share was set when it was spawned).
+        # This process is the stage's process (its SM share and priority were set when it
+        # was spawned).
         stage = audio_stage(model, dev, dataclasses.replace(config, stage_process=False, stage_devices=(),
-                                                             stage_mps_thread_percent=None))
+                                                             stage_mps_thread_percent=None, stage_mps_priority=None))
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send([("fatal", traceback.format_exc())])

@@ -125,6 +125,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         stage_stall_timeout_s=e.stage_stall_timeout_s,
         lm_stall_timeout_s=e.lm_stall_timeout_s,
         stage_mps_thread_percent=e.stage_mps_thread_percent,
+        stage_mps_priority=e.stage_mps_priority,  # type: ignore[arg-type]
         stage_profile_dir=e.stage_profile_dir,
         stage_profile_start=e.stage_profile_start,
         stage_profile_batches=e.stage_profile_batches,

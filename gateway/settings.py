@@ -322,6 +322,11 @@ class EngineSettings:
                        "they may use, the rest left to vLLM's decode (default: no limit; without a daemon it does "
                        "nothing)"),
     )
+    stage_mps_priority: str | None = field(
+        default=None,
+        metadata=_help("the flow+vocoder stage's process(es) under an NVIDIA MPS daemon: their priority as MPS "
+                       "clients, normal or below_normal (vLLM's decode kernels then go first; default: normal)"),
+    )
     lm_max_batch: int = field(default=256, metadata=_help("LM sequences decoded together (torch: per step; "
                                                           "vLLM: max_num_seqs); more utterances wait"))
     text_normalization: bool = field(default=True, metadata=_help("normalise numbers etc. with wetext before the LM"))

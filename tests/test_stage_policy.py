@@ -346,10 +346,13 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
         with pytest.raises(ValueError, match="stage_window_tolerance"):
             engine_config(s, tmp_path)
     assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (25.0, 0.0, None)
+    assert cfg.stage_mps_priority is None
     s, _ = load_settings(["--engine.first-chunk-hold-ms", "20", "--engine.vllm-mps-priority", "below_normal",
-                          "--engine.first-chunk-hold-share", "0.15"], environ={})
+                          "--engine.first-chunk-hold-share", "0.15", "--engine.stage-mps-priority", "below_normal"],
+                         environ={})
     cfg = engine_config(s, tmp_path)
     assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (20.0, 0.15, "below_normal")
+    assert cfg.stage_mps_priority == "below_normal"
     assert cfg.chunk_patience_s == 1.0 and not cfg.vllm_compile_sampling
     s, _ = load_settings(["--engine.vllm-compile-sampling", "true"], environ={})
     assert engine_config(s, tmp_path).vllm_compile_sampling
@@ -362,6 +365,7 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
                             ("--engine.chunk-patience-s", "-1", "chunk_patience_s"),
                             ("--engine.chunk-patience-s", "nan", "chunk_patience_s"),
                             ("--engine.vllm-mps-priority", "high", "vllm_mps_priority"),
+                            ("--engine.stage-mps-priority", "high", "stage_mps_priority"),
                             ("--engine.max-hop", "0", "max_hop"),  # zero-token chunks, forever
                             ("--engine.max-hop", "60", "max_hop"),  # chunks off the attention blocks
                             ("--engine.max-gpu-batch", "0", "max_gpu_batch")):  # a stage loop that never waits

@@ -59,13 +59,13 @@ def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model
 def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir, monkeypatch):
     """`stage_devices` with `stage_process`: a `StagePool` of two stages, each in its own
     process; the utterances are shared out and sound as on one stage in-process. Each
-    process is an MPS client with the stage's SM share and nothing else, even when this
-    process's environment holds other MPS settings as they spawn (vLLM's, set around its
-    engine core's start); this one's environment is as it was."""
+    process is an MPS client with the stage's SM share and priority and nothing else, even
+    when this process's environment holds other MPS settings as they spawn (vLLM's, set
+    around its engine core's start); this one's environment is as it was."""
     async def pooled(engine):
         pool = engine.stage
         assert isinstance(pool, StagePool) and all(isinstance(s, RemoteStage) for s in pool.stages)
-        assert all(s.mps_env == {MPS_PERCENT_ENV: "70"} for s in pool.stages)
+        assert all(s.mps_env == {MPS_PERCENT_ENV: "70", MPS_PRIORITY_ENV: "0"} for s in pool.stages)
         assert os.environ.get(MPS_PERCENT_ENV) == before
         processes = [s._process for s in pool.stages]
         assert len({p.pid for p in processes}) == 2 and all(p.is_alive() for p in processes)
@@ -78,7 +78,8 @@ def test_two_stage_devices_run_one_stage_process_each(tiny_model_dir, monkeypatc
     monkeypatch.setenv(MPS_PRIORITY_ENV, "1")
     before = os.environ.get(MPS_PERCENT_ENV)
     pcm, per_stage, total, processes = run(tiny_model_dir, pooled, warmup=False, stage_process=True,
-                                           stage_devices=("cpu", "cpu"), stage_mps_thread_percent=70)
+                                           stage_devices=("cpu", "cpu"), stage_mps_thread_percent=70,
+                                           stage_mps_priority="normal")
     assert all(n > 0 for n in per_stage) and total == sum(per_stage), per_stage
     assert not any(p.is_alive() for p in processes)
     for a, b in zip(single, pcm):
@@ -279,6 +280,10 @@ def test_stage_process_refuses_what_it_cannot_run(tmp_path):
         EngineConfig(model_dir=tmp_path, stage_process=False, stage_mps_thread_percent=70)
     with pytest.raises(ValueError, match="stage_mps_thread_percent must be in 1..100"):
         EngineConfig(model_dir=tmp_path, stage_mps_thread_percent=0)
+    with pytest.raises(ValueError, match="stage_mps_priority needs the stage's own process"):
+        EngineConfig(model_dir=tmp_path, stage_process=False, stage_mps_priority="below_normal")
+    with pytest.raises(ValueError, match="stage_mps_priority must be one of normal, below_normal"):
+        EngineConfig(model_dir=tmp_path, stage_mps_priority="high")  # type: ignore[arg-type]
 
 
 def test_the_gateway_serves_websocket_sessions_from_a_stage_process(tiny_model_dir, tmp_path):
