@@ -62,7 +62,7 @@ COLUMNS: tuple[tuple[str, Cell, int], ...] = (
     ("opening decisions: round / 2nd (mean)", lambda lv: (_get(lv, "server", "opening_chunk_decisions", "round_ms"),
                                                           _get(lv, "server", "opening_chunk_decisions", "second_round_ms")), 0),
     ("their staged / due (mean)", lambda lv: (_get(lv, "server", "opening_chunk_decisions", "staged"),
-                                              _get(lv, "server", "opening_chunk_decisions", "due")), 0),
+                                              _get(lv, "server", "opening_chunk_decisions", "due")), 1),
     ("2nd chunk wait", lambda lv: _get(lv, "opening_second_chunk_ms", "stage_wait"), 0),
     ("2nd chunk stage", lambda lv: _get(lv, "opening_second_chunk_ms", "stage"), 0),
     ("stage busy", lambda lv: _get(lv, "server", "stage_busy_share"), 2),

@@ -457,10 +457,10 @@ class EngineConfig:
     # that vLLM's decode kernels go first when both wait for the GPU. Why: a first chunk's
     # wait for its tokens is its LM steps, and beside the stage's rounds vLLM stepped at
     # 6.4-8.1 ms a token at 256-288 sessions over 16 s on an H100 (round 52 of
-    # docs/benchmarks.md) where a step's own kernels are a fraction of that; a decode
-    # step is small next to a round. The other way round (vLLM below normal, round 16)
-    # slowed vLLM 1.6x and did not speed the stage. None: normal. Needs the stage's own
-    # process.
+    # docs/benchmarks.md), against 2.4-3.4 for one stream; how much of that is waiting for
+    # SMs is the hypothesis this tests. The other way round (vLLM below normal, round 16, the
+    # stage then in the gateway's process) slowed vLLM 1.6x and did not speed the stage.
+    # None: normal. Needs the stage's own process.
     stage_mps_priority: MPSPriority | None = None
     text_normalization: bool = True
     warmup: bool = True
@@ -574,6 +574,9 @@ class EngineConfig:
                                  f"not {self.stage_mps_priority!r}")
             if self.stage_process is False:
                 raise ValueError("stage_mps_priority needs the stage's own process (stage_process)")
+            if self.stage_mps_priority == self.vllm_mps_priority == "below_normal":
+                raise ValueError("stage_mps_priority and vllm_mps_priority both below_normal order nothing: "
+                                 "set one of them")
         if not self.stage_stall_timeout_s >= 0:  # also refuses NaN
             raise ValueError(f"stage_stall_timeout_s must be >= 0 (0: no watchdog), not {self.stage_stall_timeout_s}")
         if not self.lm_stall_timeout_s >= 0:

@@ -346,11 +346,13 @@ class PlanInputs:
 
 @dataclass
 class PlanSums:
-    """Sums over first-chunk decisions that had a round to go on (`PlanInputs` with
-    `first_round_s`), for a level's means: a level holds hundreds of decisions, and the
+    """Sums over first-chunk decisions that had rounds to go on (`PlanInputs` with both
+    rounds predicted), for a level's means: a level holds hundreds of decisions, and the
     latest (`FirstChunkPlanner.last`) is one of them. `staged`: the utterances in progress
-    on the decision's stage, which the round estimate counts; `due`: those of them not
-    waiting patiently (`AudioStage.live_utterances`)."""
+    on the decision's stage; `due`: those of them not waiting patiently
+    (`AudioStage.live_utterances`). The round estimate counts `staged` by default, `due`
+    with `skip_patient`, and with `due_rounds` `staged` for a round's width and `due` for
+    how many rounds."""
 
     decisions: int = 0
     hop: int = 0
@@ -361,7 +363,7 @@ class PlanSums:
     due: int = 0
 
     def add(self, plan: PlanInputs, staged: int | None, due: int | None) -> None:
-        if plan.first_round_s is None:
+        if plan.first_round_s is None or plan.second_round_s is None:
             return
         self.decisions += 1
         self.hop += plan.hop

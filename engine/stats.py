@@ -173,8 +173,8 @@ class EngineStats:
     # Every decision that had a round to go on, summed (`FirstChunkPlanner.sums`; a level's
     # means are their differences over its count): the first hops chosen, the LM's seconds
     # per token, the predicted rounds of the first chunk and of the one after it, and the
-    # utterances in progress on the stage then, all and those not waiting patiently (what
-    # the round estimate counts, `engine.first_chunk_due_rounds`).
+    # utterances in progress on the stage then, all and those not waiting patiently (which
+    # of them the round estimate counts: `engine.first_chunk.PlanSums`).
     first_chunk_decisions: int = 0
     first_chunk_decision_hop_tokens: int = 0
     first_chunk_decision_lm_step_seconds: float = 0.0

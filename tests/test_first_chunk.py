@@ -370,19 +370,22 @@ def test_planner_sums_every_decision_with_a_round_and_the_opening_ones_apart():
     measured (nothing to plan on) is not summed, and the utterances on the stage are."""
     p = FirstChunkPlanner(limit=40)
     s = ChunkSchedule(prompt_tokens=106, initial_hop=15)
-    slow = lambda offset, hop: 5.0  # noqa: E731
-    fast = lambda offset, hop: 0.01  # noqa: E731
+    slow = lambda offset, hop: 5.0 if offset == 0 else 7.0  # noqa: E731  (the first chunk's round, later ones)
+    fast = lambda offset, hop: 0.01 if offset == 0 else 0.02  # noqa: E731
     unmeasured = lambda offset, hop: None  # noqa: E731
     assert p.first_hop(s, 0.01, slow, 1.0, staged=80, due=16) == 40
     assert p.first_hop(s, 0.005, fast, 1.0, opening=True, staged=4, due=3) == 15
     assert p.first_hop(s, 0.01, unmeasured, 1.0, opening=True, staged=9, due=9) == 15
     assert p.sums == PlanSums(decisions=2, hop=55, step_s=pytest.approx(0.015), first_round_s=pytest.approx(5.01),
-                              second_round_s=pytest.approx(5.01), staged=84, due=19)
-    assert p.opening_sums == PlanSums(decisions=1, hop=15, step_s=0.005, first_round_s=0.01, second_round_s=0.01,
+                              second_round_s=pytest.approx(7.02), staged=84, due=19)
+    assert p.opening_sums == PlanSums(decisions=1, hop=15, step_s=0.005, first_round_s=0.01, second_round_s=0.02,
                                       staged=4, due=3)
-    fields = plan_sum_fields(p.opening_sums, "opening_chunk")
-    assert (fields["opening_chunk_decisions"], fields["opening_chunk_decision_staged"]) == (1, 4)
-    assert set(fields) | set(plan_sum_fields(p.sums)) <= ENGINE_COUNTERS
+    assert plan_sum_fields(p.opening_sums, "opening_chunk") == {
+        "opening_chunk_decisions": 1, "opening_chunk_decision_hop_tokens": 15,
+        "opening_chunk_decision_lm_step_seconds": 0.005, "opening_chunk_decision_round_seconds": 0.01,
+        "opening_chunk_decision_second_round_seconds": 0.02, "opening_chunk_decision_staged": 4,
+        "opening_chunk_decision_due": 3}
+    assert set(plan_sum_fields(p.sums)) <= ENGINE_COUNTERS and set(plan_sum_fields(p.sums)) <= set(EngineStats.__dataclass_fields__)
 
 
 def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
@@ -391,6 +394,11 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     async def fn(engine: Engine):
         voice = await default_voice(engine)
         engine.stage.rounds.observe(1000, 10.0)
+        # Two more utterances in progress, both waiting patiently: the decision's counts
+        # must tell those in progress from those due.
+        live = engine.stage.live_utterances
+        engine.stage.live_utterances = lambda stream=None, skip_patient=False: (  # type: ignore[method-assign]
+            live(stream, skip_patient) + (0 if skip_patient else 2))
         out = []
         for opts in (SessionOptions(tokens_per_text_token=6.0, seed=3),
                      SessionOptions(tokens_per_text_token=6.0, seed=3, initial_hop=5)):
@@ -414,13 +422,13 @@ def test_engine_sizes_the_first_chunk_for_a_slow_stage(tiny_model_dir):
     # session's own initial_hop was not planned).
     assert (stats.opening_chunk_plan_round_seconds, stats.opening_chunk_plan_lm_step_seconds) \
         == (stats.first_chunk_plan_round_seconds, stats.first_chunk_plan_lm_step_seconds)
-    # ... and the sums hold that one decision, with the utterances on the stage then (the
-    # planned one, not waiting patiently).
+    # ... and the sums hold that one decision, with the utterances on the stage then: the
+    # planned one, due, and the two waiting patiently.
     assert stats.first_chunk_decisions == stats.opening_chunk_decisions == 1
     assert stats.first_chunk_decision_hop_tokens == 40
     assert stats.first_chunk_decision_round_seconds == stats.first_chunk_plan_round_seconds
     assert stats.opening_chunk_decision_second_round_seconds == stats.first_chunk_plan_second_round_seconds
-    assert stats.first_chunk_decision_staged == stats.first_chunk_decision_due == 1
+    assert (stats.first_chunk_decision_staged, stats.first_chunk_decision_due) == (3, 1)
     assert 0 < holdback <= 0.2  # learnt from the first chunks: the vocoder keeps its last frames back
     for events, stats in ((planned, st), (asked, st_asked)):
         assert all(isinstance(e, AudioChunk) for e in events)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from bench.level_table import main, table
+from bench.ws_load import plan_decisions
 
 
 def _level(sessions: int, knobs: dict | None, p95: float, second: dict | None) -> dict:
@@ -25,8 +26,10 @@ def test_a_row_per_product_level_with_its_knobs_and_dashes_for_what_is_missing(t
     report = {"results": {"product": [_level(272, {"due_rounds": False}, 570.5, {"stage_wait": 85.2, "stage": 169.0}),
                                       _level(272, {"due_rounds": True, "margin": 0.25}, 480.0, None)],
                           "baseline": [_level(64, None, 900.0, None)]}}
-    report["results"]["product"][1]["server"]["opening_chunk_decisions"] = {
-        "round_ms": 311.8, "second_round_ms": 480.2, "staged": 71.4, "due": 17.6}
+    d = "cosyvoice_engine_opening_chunk_decision"  # the means as bench.ws_load makes them
+    report["results"]["product"][1]["server"]["opening_chunk_decisions"] = plan_decisions(
+        {d + "s_total": 5, d + "_round_seconds_total": 1.559, d + "_second_round_seconds_total": 2.401,
+         d + "_staged_total": 357, d + "_due_total": 88}, {}, "opening_chunk")
     lines = table([("a.json", report)]).splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
@@ -37,7 +40,7 @@ def test_a_row_per_product_level_with_its_knobs_and_dashes_for_what_is_missing(t
     assert (first["flow frames / played"], first["vocoder graph / eager"], first["vLLM ms a token"]) == ("1.46", "30 / 2", "6.40")
     assert first["planned 2nd"] == "-"  # the report has no second round planned
     assert (first["opening decisions: round / 2nd (mean)"], first["their staged / due (mean)"]) == ("- / -", "- / -")
-    assert (second["opening decisions: round / 2nd (mean)"], second["their staged / due (mean)"]) == ("312 / 480", "71 / 18")
+    assert (second["opening decisions: round / 2nd (mean)"], second["their staged / due (mean)"]) == ("312 / 480", "71.4 / 17.6")
     assert second["knobs"] == "due_rounds true, margin 0.25" and second["2nd chunk wait"] == "-"
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report))

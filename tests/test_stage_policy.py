@@ -348,11 +348,11 @@ def test_settings_reach_the_engine_config(tmp_path) -> None:
     assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (25.0, 0.0, None)
     assert cfg.stage_mps_priority is None
     s, _ = load_settings(["--engine.first-chunk-hold-ms", "20", "--engine.vllm-mps-priority", "below_normal",
-                          "--engine.first-chunk-hold-share", "0.15", "--engine.stage-mps-priority", "below_normal"],
-                         environ={})
+                          "--engine.first-chunk-hold-share", "0.15"], environ={})
     cfg = engine_config(s, tmp_path)
     assert (cfg.first_chunk_hold_ms, cfg.first_chunk_hold_share, cfg.vllm_mps_priority) == (20.0, 0.15, "below_normal")
-    assert cfg.stage_mps_priority == "below_normal"
+    s, _ = load_settings(["--engine.stage-mps-priority", "below_normal"], environ={})
+    assert engine_config(s, tmp_path).stage_mps_priority == "below_normal"
     assert cfg.chunk_patience_s == 1.0 and not cfg.vllm_compile_sampling
     s, _ = load_settings(["--engine.vllm-compile-sampling", "true"], environ={})
     assert engine_config(s, tmp_path).vllm_compile_sampling

@@ -23,7 +23,7 @@ from engine.engine import spawn_stages
 from engine.first_chunk import RoundTimes
 from engine.stage_build import graph_policy
 from engine.models.flow import FlowChunk
-from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV
+from engine.mps import MPS_PERCENT_ENV, MPS_PRIORITY_ENV, mps_client_env
 from engine.stage_pool import StagePool
 from engine.stage_process import RemoteStage, RemoteStream, StageProcessError, _StageServer
 from engine.token2wav import ChunkJob, DeviceWorker
@@ -282,6 +282,9 @@ def test_stage_process_refuses_what_it_cannot_run(tmp_path):
         EngineConfig(model_dir=tmp_path, stage_mps_thread_percent=0)
     with pytest.raises(ValueError, match="stage_mps_priority needs the stage's own process"):
         EngineConfig(model_dir=tmp_path, stage_process=False, stage_mps_priority="below_normal")
+    with pytest.raises(ValueError, match="both below_normal order nothing"):
+        EngineConfig(model_dir=tmp_path, stage_mps_priority="below_normal", vllm_mps_priority="below_normal")
+    assert mps_client_env(None, "below_normal") == {MPS_PRIORITY_ENV: "1"}  # what the stage's process is given
     with pytest.raises(ValueError, match="stage_mps_priority must be one of normal, below_normal"):
         EngineConfig(model_dir=tmp_path, stage_mps_priority="high")  # type: ignore[arg-type]
 
