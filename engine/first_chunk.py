@@ -369,7 +369,7 @@ class PlanSums:
         self.hop += plan.hop
         self.step_s += plan.step_s
         self.first_round_s += plan.first_round_s
-        self.second_round_s += plan.second_round_s or 0.0
+        self.second_round_s += plan.second_round_s
         self.staged += staged or 0
         self.due += due or 0
 

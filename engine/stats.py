@@ -170,7 +170,7 @@ class EngineStats:
     opening_chunk_plan_lm_step_own_seconds: float = 0.0
     opening_chunk_plan_round_seconds: float = 0.0
     opening_chunk_plan_second_round_seconds: float = 0.0
-    # Every decision that had a round to go on, summed (`FirstChunkPlanner.sums`; a level's
+    # Every decision that had rounds to go on, summed (`FirstChunkPlanner.sums`; a level's
     # means are their differences over its count): the first hops chosen, the LM's seconds
     # per token, the predicted rounds of the first chunk and of the one after it, and the
     # utterances in progress on the stage then, all and those not waiting patiently (which
