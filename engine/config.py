@@ -116,16 +116,16 @@ class EngineConfig:
     first_chunk_skip_patient: bool = False
     # The same estimate with the utterances waiting patiently still in each round's width
     # (their big chunks ride in rounds and a later chunk is padded to them) but not in how
-    # many rounds the crowd fills: past the stage's 64 rows the estimate doubles
+    # many rounds the crowd fills: the whole-crowd estimate doubles past the stage's 64 rows
     # (ceil(live / max_gpu_batch) rounds), as if every utterance queued a chunk each round,
-    # where a patient one queues one in several. On an H100 at 272-288 sessions over 16 s
-    # (round 52 of docs/benchmarks.md) the engine's open sessions peaked at 73-88 (61-62 at
-    # 256), rounds held 4.1-4.9 chunks on average, the levels' latest opening plans took
-    # first rounds of 420-546 ms where first chunks took 42-77 ms after a 71-96-ms wait, and
-    # first chunks went 22.6-26.7 tokens long against 15.6-16.3 at 256 sessions. A burst has
-    # no patient utterances and keeps the whole-crowd estimate. Not yet measured (round 53
-    # had no GPU).
-    first_chunk_due_rounds: bool = False
+    # where a patient one queues one in several. A burst has no patient utterances and keeps
+    # the whole-crowd estimate. On one H100 at 272 sessions over 16 s under MPS (round 55 of
+    # docs/benchmarks.md, the stage below normal): sessions' opening decisions planned first
+    # rounds of 135-164 ms on average against 427-467 without it, first chunks were 15.6-17.4
+    # tokens against 25.1-28.8, and first audio p95 was 362-487 ms in four levels against
+    # 581 and 770 in two. Without it more utterances were on the stage at a decision (67-75
+    # on average against 55-66), past the 64 where the whole-crowd estimate doubles.
+    first_chunk_due_rounds: bool = True
     # A chunk's deadline (and its patience, chunk_patience_s) counts the audio its
     # utterance's chunks still on the stage will deliver, and a first chunk delivers its
     # tokens' worth less what the vocoder keeps back (the planner's learnt `holdback_s`,
@@ -453,14 +453,16 @@ class EngineConfig:
     # rate sets how long a burst's first chunks must be. None: no limit. Needs the stage's
     # own process (MPS reads it when a process creates its CUDA context).
     stage_mps_thread_percent: int | None = None
-    # Under an NVIDIA MPS daemon: the stage's process(es) as "below_normal" MPS clients, so
-    # that vLLM's decode kernels go first when both wait for the GPU. Why: a first chunk's
-    # wait for its tokens is its LM steps, and beside the stage's rounds vLLM stepped at
-    # 6.4-8.1 ms a token at 256-288 sessions over 16 s on an H100 (round 52 of
-    # docs/benchmarks.md), against 2.4-3.4 for one stream; how much of that is waiting for
-    # SMs is the hypothesis this tests. The other way round (vLLM below normal, round 16, the
-    # stage then in the gateway's process) slowed vLLM 1.6x and did not speed the stage.
-    # None: normal. Needs the stage's own process.
+    # Under an NVIDIA MPS daemon: the stage's process(es) as MPS clients of this priority.
+    # Below normal, vLLM's decode kernels go first when both wait for the GPU, and a first
+    # chunk's wait for its tokens is LM steps. On one H100 at 272-304 sessions over 16 s
+    # (round 55 of docs/benchmarks.md, one gateway normal between three below normal) vLLM
+    # stepped at 6.3-8.6 ms a token below normal against 11.1-13.2 at normal, and first
+    # audio p95 at 272 sessions was 362-770 ms against 974-1,013. The other way round (vLLM
+    # below normal, round 16, the stage then in the gateway's process) slowed vLLM 1.6x and
+    # did not speed the stage. None: below normal when the stage has its own process and
+    # vLLM is not the below-normal client (`resolved_stage_mps_priority`). Without a daemon
+    # it does nothing.
     stage_mps_priority: MPSPriority | None = None
     text_normalization: bool = True
     warmup: bool = True
@@ -636,6 +638,12 @@ class EngineConfig:
         if self.stage_process is not None:
             return self.stage_process
         return self.resolved_device().type == "cuda"
+
+    def resolved_stage_mps_priority(self) -> MPSPriority:
+        if self.stage_mps_priority is not None:
+            return self.stage_mps_priority
+        # Only one of the two can go second; one set by hand wins.
+        return "normal" if self.vllm_mps_priority == "below_normal" else "below_normal"
 
     def cut_shift_s(self) -> float:
         """What the stage's cuts add to a chunk's deadline (which keeps DEADLINE_MARGIN_S)

@@ -432,7 +432,7 @@ class FirstChunkPlanner:
     # The round estimate counts the utterances waiting patiently in a round's width but not
     # in how many rounds the crowd fills (EngineConfig.first_chunk_due_rounds; the engine
     # asks the stage so): a patient utterance queues one big chunk in several rounds.
-    due_rounds: bool = False
+    due_rounds: bool = True
     # A chunk's deadline counts its utterance's chunks still on the stage as delivering
     # `holdback_s` less than their tokens' worth until its audio covered that
     # (EngineConfig.first_chunk_deadline_holdback; the session asks `audio_in_flight`).

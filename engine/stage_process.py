@@ -215,7 +215,7 @@ class RemoteStage:
         # engine core's start, `overlap_start`), and stages started then took vLLM's.
         process = ctx.Process(target=stage_main, name="audio-stage",
                               args=(theirs, config, str(device), mps_client_env(config.stage_mps_thread_percent,
-                                                                                          config.stage_mps_priority)))
+                                                                                          config.resolved_stage_mps_priority())))
         process.start()
         theirs.close()  # the child's end: with it closed here, the child's exit reads as EOF
         try:

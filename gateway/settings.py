@@ -76,8 +76,9 @@ class EngineSettings:
                                       "waiting patiently (their latest chunk cut big, its audio not due within "
                                       "chunk_patience_s)"))
     first_chunk_due_rounds: bool = field(
-        default=False, metadata=_help("the round estimate that sizes first chunks counts the utterances waiting "
-                                      "patiently in a round's width but not in how many rounds the crowd fills"))
+        default=True, metadata=_help("the round estimate that sizes first chunks counts the utterances waiting "
+                                     "patiently in a round's width but not in how many rounds the crowd fills "
+                                     "(false: the whole crowd in both)"))
     first_chunk_deadline_holdback: bool = field(
         default=True, metadata=_help("a chunk's deadline and patience count its utterance's first chunk's audio "
                                      "less what the vocoder keeps back of it (false: its tokens' worth)"))
@@ -325,7 +326,8 @@ class EngineSettings:
     stage_mps_priority: str | None = field(
         default=None,
         metadata=_help("the flow+vocoder stage's process(es) under an NVIDIA MPS daemon: their priority as MPS "
-                       "clients, normal or below_normal (vLLM's decode kernels then go first; default: normal)"),
+                       "clients, normal or below_normal (vLLM's decode kernels then go first; default: below_normal "
+                       "with the stage in a process of its own, unless vllm_mps_priority is below_normal)"),
     )
     lm_max_batch: int = field(default=256, metadata=_help("LM sequences decoded together (torch: per step; "
                                                           "vLLM: max_num_seqs); more utterances wait"))

@@ -593,9 +593,9 @@ def test_skip_patient_deadline_holdback_and_learnt_rounds_reach_the_engine_confi
     assert default.first_chunk_learnt_rounds_crowd == 0
     s, _ = load_settings(["--engine.first-chunk-learnt-rounds-crowd", "16"], environ={})
     assert engine_config(s, tmp_path).first_chunk_learnt_rounds_crowd == 16
-    assert default.first_chunk_due_rounds is False
-    s, _ = load_settings(["--engine.first-chunk-due-rounds", "true"], environ={})
-    assert engine_config(s, tmp_path).first_chunk_due_rounds is True
+    assert default.first_chunk_due_rounds is True
+    s, _ = load_settings(["--engine.first-chunk-due-rounds", "false"], environ={})
+    assert engine_config(s, tmp_path).first_chunk_due_rounds is False
 
 
 def test_audio_in_flight_leaves_out_the_first_chunks_holdback():

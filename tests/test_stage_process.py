@@ -38,7 +38,8 @@ def test_a_stage_process_gives_the_same_audio_as_the_stage_in_process(tiny_model
     async def remote(engine):
         stage = engine.stage
         assert isinstance(stage, RemoteStage) and stage._process.is_alive()
-        assert stage.mps_env == {}  # no SM share asked for: MPS's defaults
+        # No SM share asked for; below normal, the default, so vLLM's decode goes first.
+        assert stage.mps_env == {MPS_PRIORITY_ENV: "1"}
         assert stage.round_estimate(RemoteStream(-1), 100) is None  # no round yet
         pcm = await _speak_four(engine)
         # The engine's copy of the round times learnt from the child's rounds, and its
@@ -285,6 +286,10 @@ def test_stage_process_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="both below_normal order nothing"):
         EngineConfig(model_dir=tmp_path, stage_mps_priority="below_normal", vllm_mps_priority="below_normal")
     assert mps_client_env(None, "below_normal") == {MPS_PRIORITY_ENV: "1"}  # what the stage's process is given
+    # Unset, the stage's process goes below normal unless vLLM's engine core was put there.
+    assert EngineConfig(model_dir=tmp_path).resolved_stage_mps_priority() == "below_normal"
+    assert EngineConfig(model_dir=tmp_path, vllm_mps_priority="below_normal").resolved_stage_mps_priority() == "normal"
+    assert EngineConfig(model_dir=tmp_path, stage_mps_priority="normal").resolved_stage_mps_priority() == "normal"
     with pytest.raises(ValueError, match="stage_mps_priority must be one of normal, below_normal"):
         EngineConfig(model_dir=tmp_path, stage_mps_priority="high")  # type: ignore[arg-type]
 
