@@ -60,6 +60,16 @@ def _commit(root: Path) -> str | None:
         return None  # a copy without its history (the device tool sends none)
 
 
+def mps_pipe(environ: dict[str, str] | None = None) -> str | None:
+    """The pipe directory of a running NVIDIA MPS control daemon, None where there is none.
+    Why: the MPS settings (the stage's priority, SM shares) do nothing without a daemon,
+    and `bench/gpu/ws_load_run.sh` runs on without one when it cannot start it, so a report
+    says which it was. A daemon keeps its `control` pipe in that directory while it runs."""
+    env = os.environ if environ is None else environ
+    directory = Path(env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+    return str(directory) if (directory / "control").exists() else None
+
+
 SOURCE_DIRS = ("engine", "gateway", "bench")
 
 
@@ -77,8 +87,8 @@ def source_digest(root: Path) -> str:
 
 def describe_machine(use_cuda: bool) -> dict[str, Any]:
     """The host's CPU model, CPUs, memory, Python and torch versions, the visible GPUs and
-    their driver (with `use_cuda`), the repository's commit where it has one and the
-    sources' digest (`source_digest`)."""
+    their driver (with `use_cuda`), an MPS daemon's pipe directory (`mps_pipe`), the
+    repository's commit where it has one and the sources' digest (`source_digest`)."""
     mem_kib = _first_line(Path("/proc/meminfo"), "MemTotal")
     try:
         import torch
@@ -94,6 +104,7 @@ def describe_machine(use_cuda: bool) -> dict[str, Any]:
         "torch": torch_version,
         "gpus": _gpus(use_cuda),
         "driver": _driver(use_cuda),
+        "mps_pipe": mps_pipe(),
         "commit": _commit(Path(__file__).resolve().parent.parent),
         "source_digest": source_digest(Path(__file__).resolve().parent.parent),
     }
@@ -103,7 +114,8 @@ def summary(machine: dict[str, Any]) -> str:
     """One line of `describe_machine`'s record, for a log."""
     gpus = machine.get("gpus") or []
     names = ", ".join(g.get("name", g.get("error", "?")) for g in gpus) or "no GPU"
-    return (f"{names} (driver {machine.get('driver') or 'n/a'}); {machine.get('cpu') or 'CPU ?'} x"
+    mps = f"MPS daemon at {machine['mps_pipe']}" if machine.get("mps_pipe") else "no MPS daemon"
+    return (f"{names} (driver {machine.get('driver') or 'n/a'}, {mps}); {machine.get('cpu') or 'CPU ?'} x"
             f"{machine.get('logical_cpus')}, {machine.get('memory_gib')} GiB; Python {machine.get('python')}, "
             f"torch {machine.get('torch')}, commit {machine.get('commit') or 'n/a'}, "
             f"sources {machine.get('source_digest') or 'n/a'}")

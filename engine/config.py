@@ -124,7 +124,9 @@ class EngineConfig:
     # rounds of 135-164 ms on average against 427-467 without it, first chunks were 15.6-17.4
     # tokens against 25.1-28.8, and first audio p95 was 362-487 ms in four levels against
     # 581 and 770 in two. Without it more utterances were on the stage at a decision (67-75
-    # on average against 55-66), past the 64 where the whole-crowd estimate doubles.
+    # on average against 55-66), past the 64 where the whole-crowd estimate doubles. At
+    # 288-304 sessions, where neither met 500 ms, it was not consistently better (p95 1,006 ms
+    # with 11 sessions dry against 754 at 288, 1,178 against 1,268 at 304).
     first_chunk_due_rounds: bool = True
     # A chunk's deadline (and its patience, chunk_patience_s) counts the audio its
     # utterance's chunks still on the stage will deliver, and a first chunk delivers its
@@ -457,8 +459,10 @@ class EngineConfig:
     # Below normal, vLLM's decode kernels go first when both wait for the GPU, and a first
     # chunk's wait for its tokens is LM steps. On one H100 at 272-304 sessions over 16 s
     # (round 55 of docs/benchmarks.md, one gateway normal between three below normal) vLLM
-    # stepped at 6.3-8.6 ms a token below normal against 11.1-13.2 at normal, and first
-    # audio p95 at 272 sessions was 362-770 ms against 974-1,013. The other way round (vLLM
+    # stepped at 6.3-8.6 ms a token below normal against 11.1-13.2 at normal (1.3-1.8x level
+    # by level; the slower LM also kept more sessions open), and first audio p95 at 272
+    # sessions was 362-770 ms against 974-1,013. Loads of 1 and 64 sessions not yet
+    # measured this way, nor the torch LM backend. The other way round (vLLM
     # below normal, round 16, the stage then in the gateway's process) slowed vLLM 1.6x and
     # did not speed the stage. None: below normal when the stage has its own process and
     # vLLM is not the below-normal client (`resolved_stage_mps_priority`). Without a daemon
