@@ -213,9 +213,8 @@ class RemoteStage:
         # The MPS settings go as an argument, set in the child before its CUDA context: set in
         # this process's environment around the start, they raced vLLM's own (set around its
         # engine core's start, `overlap_start`), and stages started then took vLLM's.
-        process = ctx.Process(target=stage_main, name="audio-stage",
-                              args=(theirs, config, str(device), mps_client_env(config.stage_mps_thread_percent,
-                                                                                          config.resolved_stage_mps_priority())))
+        mps_env = mps_client_env(config.stage_mps_thread_percent, config.resolved_stage_mps_priority())
+        process = ctx.Process(target=stage_main, name="audio-stage", args=(theirs, config, str(device), mps_env))
         process.start()
         theirs.close()  # the child's end: with it closed here, the child's exit reads as EOF
         try:
