@@ -14,6 +14,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from engine.mps import daemon_pipe_directory
+
 
 def _first_line(path: Path, key: str) -> str | None:
     """The value of the first `key: value` line of a /proc file, None where there is none."""
@@ -60,16 +62,6 @@ def _commit(root: Path) -> str | None:
         return None  # a copy without its history (the device tool sends none)
 
 
-def mps_pipe(environ: dict[str, str] | None = None) -> str | None:
-    """The pipe directory of a running NVIDIA MPS control daemon, None where there is none.
-    Why: the MPS settings (the stage's priority, SM shares) do nothing without a daemon,
-    and `bench/gpu/ws_load_run.sh` runs on without one when it cannot start it, so a report
-    says which it was. A daemon keeps its `control` pipe in that directory while it runs."""
-    env = os.environ if environ is None else environ
-    directory = Path(env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
-    return str(directory) if (directory / "control").exists() else None
-
-
 SOURCE_DIRS = ("engine", "gateway", "bench")
 
 
@@ -87,7 +79,7 @@ def source_digest(root: Path) -> str:
 
 def describe_machine(use_cuda: bool) -> dict[str, Any]:
     """The host's CPU model, CPUs, memory, Python and torch versions, the visible GPUs and
-    their driver (with `use_cuda`), an MPS daemon's pipe directory (`mps_pipe`), the
+    their driver (with `use_cuda`), an MPS daemon's pipe directory (None: no daemon, and the MPS settings did nothing), the
     repository's commit where it has one and the sources' digest (`source_digest`)."""
     mem_kib = _first_line(Path("/proc/meminfo"), "MemTotal")
     try:
@@ -104,7 +96,7 @@ def describe_machine(use_cuda: bool) -> dict[str, Any]:
         "torch": torch_version,
         "gpus": _gpus(use_cuda),
         "driver": _driver(use_cuda),
-        "mps_pipe": mps_pipe(),
+        "mps_pipe": daemon_pipe_directory(),
         "commit": _commit(Path(__file__).resolve().parent.parent),
         "source_digest": source_digest(Path(__file__).resolve().parent.parent),
     }

@@ -12,13 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Literal
+from pathlib import Path
+from typing import Iterator, Literal, Mapping
 
 MPSPriority = Literal["normal", "below_normal"]
 
 MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 MPS_PRIORITY_VALUES: dict[str, str] = {"normal": "0", "below_normal": "1"}
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+
+
+def daemon_pipe_directory(environ: Mapping[str, str] | None = None) -> str | None:
+    """The pipe directory of the MPS control daemon this process's CUDA contexts would join,
+    None where none runs. A daemon keeps its `control` pipe there while it runs. Why ask:
+    without a daemon the settings above do nothing, and nothing else says so."""
+    env = os.environ if environ is None else environ
+    directory = Path(env.get(MPS_PIPE_ENV) or DEFAULT_PIPE_DIRECTORY)
+    return str(directory) if (directory / "control").exists() else None
 
 
 def mps_client_env(thread_percent: int | None, priority: MPSPriority | None = None) -> dict[str, str]:

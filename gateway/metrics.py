@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.mps import daemon_pipe_directory
+
 from .gc_pauses import GcPauses
 
 PREFIX = "cosyvoice"
@@ -218,6 +220,7 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
 
         rss = process_rss_bytes()  # a /proc read: outside the lock
+        mps = daemon_pipe_directory() is not None
         loop = _loop_name()
         with self._lock:
             head(f"{p}_sessions_opened_total", "counter", "Sessions (WebSocket or HTTP speech requests) opened.")
@@ -258,6 +261,10 @@ class Metrics:
             if loop is not None:
                 head(f"{p}_event_loop_info", "gauge", "The event loop implementation serving this process.")
                 lines.append(f'{p}_event_loop_info{{loop="{loop}"}} 1')
+            head(f"{p}_mps_daemon", "gauge",
+                 "1 while an NVIDIA MPS daemon runs for this process's GPU work (the stage's and vLLM's MPS "
+                 "settings need one), else 0.")
+            lines.append(f"{p}_mps_daemon {int(mps)}")
             if rss is not None:
                 head(f"{p}_process_resident_memory_bytes", "gauge", "Resident memory of the gateway process.")
                 lines.append(f"{p}_process_resident_memory_bytes {rss}")

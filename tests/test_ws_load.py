@@ -957,20 +957,6 @@ def test_machine_record_names_the_host() -> None:
     assert re.fullmatch(r"[0-9a-f]{12}", machine["source_digest"]) and machine["source_digest"] in line
 
 
-def test_the_machine_record_says_whether_an_mps_daemon_runs(tmp_path) -> None:
-    """The MPS settings do nothing without a daemon: the record names its pipe directory
-    while its control pipe is there, and says there is none otherwise."""
-    from bench.machine import mps_pipe, summary
-
-    pipes = tmp_path / "mps-pipe"
-    pipes.mkdir()
-    assert mps_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(pipes)}) is None  # no daemon: no control pipe
-    os.mkfifo(pipes / "control")
-    assert mps_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(pipes)}) == str(pipes)
-    assert "MPS daemon at " + str(pipes) in summary({"mps_pipe": str(pipes)})
-    assert "no MPS daemon" in summary({"mps_pipe": None})
-
-
 def test_the_source_digest_follows_the_sources(tmp_path) -> None:
     """Same sources, same digest wherever they lie; a changed byte, a renamed file or a
     file outside the Python packages each counted or not as documented."""
