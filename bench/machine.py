@@ -79,8 +79,9 @@ def source_digest(root: Path) -> str:
 
 def describe_machine(use_cuda: bool) -> dict[str, Any]:
     """The host's CPU model, CPUs, memory, Python and torch versions, the visible GPUs and
-    their driver (with `use_cuda`), an MPS daemon's pipe directory (None: no daemon, and the MPS settings did nothing), the
-    repository's commit where it has one and the sources' digest (`source_digest`)."""
+    their driver (with `use_cuda`), an MPS daemon's pipe directory (None: no daemon, so the
+    MPS settings did nothing), the repository's commit where it has one and the sources'
+    digest (`source_digest`)."""
     mem_kib = _first_line(Path("/proc/meminfo"), "MemTotal")
     try:
         import torch
