@@ -1668,7 +1668,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-at", type=float, default=None,
                    help="register one more voice (a longer prompt) this many seconds into each level")
     p.add_argument("--planner-knobs", default=None,
-                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms) set before "
+                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms, hold_ms) set before "
                         "each level in turn, ';'-separated JSON objects (e.g. '{\"min_hop\": 0};{\"min_hop\": 8}'): "
                         "an A/B on one gateway (POST /debug/planner)")
     p.add_argument("--text", default=DEFAULT_TEXT)

@@ -29,6 +29,8 @@ StagePolicy = Literal["first_chunks", "deadline"]
 DEADLINE_MARGIN_S = 0.25
 # The most `stage_pipeline_lead_ms` (and its knob) may be: a round takes tens of ms.
 MAX_PIPELINE_LEAD_MS = 1000.0
+# The most `first_chunk_hold_ms` (and its knob `hold_ms`) may be.
+MAX_FIRST_CHUNK_HOLD_MS = 1000.0
 FlowDType = Literal["auto", "float32", "bfloat16", "float16"]
 FlowAttention = Literal["sdpa", "cudnn", "triton"]  # engine.models.dit.ATTENTION_KERNELS
 FlowConvKernel = Literal["triton", "torch"]  # engine.models.dit.CONV_KERNELS
@@ -597,8 +599,8 @@ class EngineConfig:
         if self.first_chunk_opening_rate not in get_args(OpeningRate):
             raise ValueError(f"first_chunk_opening_rate must be one of {', '.join(get_args(OpeningRate))}, "
                              f"not {self.first_chunk_opening_rate!r}")
-        if not 0 <= self.first_chunk_hold_ms <= 1000:
-            raise ValueError("first_chunk_hold_ms must be in 0..1000")
+        if not 0 <= self.first_chunk_hold_ms <= MAX_FIRST_CHUNK_HOLD_MS:  # also refuses NaN
+            raise ValueError(f"first_chunk_hold_ms must be in 0..{MAX_FIRST_CHUNK_HOLD_MS:g}")
         if not 0 <= self.chunk_patience_s <= 60:  # also refuses NaN
             raise ValueError("chunk_patience_s must be in 0..60")
         if not 0 <= self.first_chunk_hold_share <= 0.5:

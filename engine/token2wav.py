@@ -44,7 +44,7 @@ import torch
 from torch.profiler import record_function
 
 from .chunking import SpareTokens
-from .config import DEADLINE_MARGIN_S, MAX_PIPELINE_LEAD_MS, StagePolicy
+from .config import DEADLINE_MARGIN_S, MAX_FIRST_CHUNK_HOLD_MS, MAX_PIPELINE_LEAD_MS, StagePolicy
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
@@ -123,7 +123,10 @@ STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 # with `debug_tuning`: a benchmark's A/B, level by level on one gateway, which saves a
 # gateway start per setting), and their types.
 STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool,
-                                  "second_cut": bool, "rescue": bool, "pipeline_lead_ms": float}
+                                  "second_cut": bool, "rescue": bool, "pipeline_lead_ms": float,
+                                  "hold_ms": float}
+# The bounds of the float settings (milliseconds; a knob is at least 0).
+_STAGE_KNOB_MAX: dict[str, float] = {"pipeline_lead_ms": MAX_PIPELINE_LEAD_MS, "hold_ms": MAX_FIRST_CHUNK_HOLD_MS}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -137,8 +140,8 @@ def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
         if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 <= value <= MAX_PIPELINE_LEAD_MS):  # also refuses NaN
-            raise ValueError(f"{name} must be a number in 0..{MAX_PIPELINE_LEAD_MS:g}, got {value!r}")
+                              or not 0 <= value <= _STAGE_KNOB_MAX[name]):  # also refuses NaN
+            raise ValueError(f"{name} must be a number in 0..{_STAGE_KNOB_MAX[name]:g}, got {value!r}")
     return {name: float(value) if STAGE_TUNABLE[name] is float else value  # type: ignore[arg-type]
             for name, value in knobs.items()}
 
@@ -675,6 +678,15 @@ class AudioStage:
         """Set `STAGE_TUNABLE` settings from the next batch on; all or none."""
         for name, value in check_stage_knobs(knobs).items():
             setattr(self, name, value)
+
+    @property
+    def hold_ms(self) -> float:
+        """`first_chunk_hold_s` in ms: the knob's unit, as `engine.first_chunk_hold_ms`."""
+        return self.first_chunk_hold_s * 1000
+
+    @hold_ms.setter
+    def hold_ms(self, value: float) -> None:
+        self.first_chunk_hold_s = value / 1000
 
     def started(self) -> None:
         """The engine's start (its warm-up) is over: the profile's window counts batches

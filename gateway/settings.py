@@ -453,7 +453,7 @@ class Settings:
     )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
-                                      "fill_padding, split_call_cost, first_cut, second_cut, rescue and pipeline_lead_ms while serving (benchmarks: "
+                                      "fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms and hold_ms while serving (benchmarks: "
                                       "A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))

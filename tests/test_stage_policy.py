@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from engine.models.config import ModelConfig
 from engine.models.flow import CausalMaskedDiffWithDiT, FlowChunk, init_random_
 from engine.models.hift import CausalHiFTGenerator
 from engine.models.hift import init_random_ as hift_init_random_
-from engine.token2wav import (AudioStage, BatchCandidate, BatchStart, ChunkJob, call_work, deadline_batch, deadline_cut,
-                              estimate_round, first_chunk_cut,
+from engine.token2wav import (AudioStage, BatchCandidate, BatchStart, ChunkJob, call_work, check_stage_knobs,
+                              deadline_batch, deadline_cut, estimate_round, first_chunk_cut,
                               padding_room, split_by_length)
 from engine.types import AudioChunk, SessionOptions
 from gateway.app import engine_config
@@ -826,13 +827,15 @@ def test_a_deadline_follows_a_pipelined_round_from_its_predicted_end_to_its_deli
 
 
 def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, second_after: float = 0.05,
-                  hold_s: float = 5.0, hold_share: float = 0.0,
-                  round_s: float | None = None) -> tuple[_RecordingStage, list[object]]:
+                  hold_s: float = 5.0, hold_share: float = 0.0, round_s: float | None = None,
+                  knobs: dict[str, object] | None = None) -> tuple[_RecordingStage, list[object]]:
     """An urgent first chunk (seq 0) queued at once; a second chunk (seq 1, chunk index
     `second_index`) of another stream queued `second_after` s later, announced as expected
-    `expected_in` s from the start (None: not announced), missing a round of `round_s`."""
+    `expected_in` s from the start (None: not announced), missing a round of `round_s`;
+    `knobs` tuned (`AudioStage.tune`) before either."""
     stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=hold_s,
                             first_chunk_hold_share=hold_share)
+    stage.tune(knobs or {})
 
     async def go() -> list[object]:
         loop = asyncio.get_running_loop()
@@ -899,6 +902,24 @@ def test_the_hold_grows_with_the_round_an_expected_first_chunk_would_miss(flow, 
     assert stage.batches == ([[0, 1]] if held else [[0], [1]])
     assert stage.stats.first_chunk_hold_caught == (1 if held else 0)
     assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
+
+
+@pytest.mark.parametrize("hold_s, hold_ms, held", [
+    (0.0, 1000, True),  # off by configuration, on by the knob
+    (5.0, 0, False),  # and the other way round
+])
+def test_the_hold_is_a_knob(flow, hift, hold_s, hold_ms, held) -> None:
+    """`hold_ms` (`POST /debug/planner`) sets the hold of `engine.first_chunk_hold_ms` while
+    serving, in its unit: a burst's A/B of holds on one gateway."""
+    stage, out = _held_batches(flow, hift, expected_in=0.05, second_after=0.05, hold_s=hold_s,
+                               knobs={"hold_ms": hold_ms})
+    assert (stage.hold_ms, stage.first_chunk_hold_s) == (hold_ms, hold_ms / 1000)
+    assert stage.batches == ([[0, 1]] if held else [[0], [1]])
+    assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
+    assert check_stage_knobs({"hold_ms": 60}) == {"hold_ms": 60.0}
+    for bad in (-1, 1001, True, "60", math.nan):
+        with pytest.raises(ValueError, match="hold_ms must be a number in 0..1000"):
+            check_stage_knobs({"hold_ms": bad})
 
 
 def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
