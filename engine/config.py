@@ -167,6 +167,13 @@ class EngineConfig:
     # 0: the fixed hold alone. Round 21: 0.15 put every first chunk of two 64-session bursts
     # in one round (0 passed over, against 63 and 27), and the third ran 34 sessions dry.
     first_chunk_hold_share: float = 0.0
+    # A planned first chunk is announced to the hold once more halfway to its tokens, from
+    # the LM's rate then. The first announcement's rate comes from the utterance's first
+    # tokens, and in a burst those steps share the GPU with the others' prefills: in round 56
+    # of docs/benchmarks.md (one H100, bursts of 64) one burst's first chunks came 73 ms
+    # sooner than announced on average, no round waited for them (announced past the 25-ms
+    # hold), and they went in a second round. Off: one announcement.
+    first_chunk_hold_refresh: bool = False
     # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient
     # chunk (chunk_patience_s) is cut to. Each chunk re-reads up to 74 tokens of left context
     # (flow_left_context), so larger patient chunks compute fewer frames for the same audio.

@@ -134,6 +134,7 @@ class Engine:
                                               skip_patient=config.first_chunk_skip_patient,
                                               due_rounds=config.first_chunk_due_rounds,
                                               deadline_holdback=config.first_chunk_deadline_holdback,
+                                              hold_refresh=config.first_chunk_hold_refresh,
                                               learnt_rounds_crowd=config.first_chunk_learnt_rounds_crowd)
         # `flow_fill_padding` as it stands (`tune_planner` may change it): chunks carry their
         # spare tokens to a stage in its own process while it is on.

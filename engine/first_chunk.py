@@ -377,7 +377,7 @@ class PlanSums:
 # The planner's knobs `FirstChunkPlanner.tune` may set while it serves, and their types.
 TUNABLE: dict[str, type] = {"limit": int, "min_hop": int, "min_hop_crowd": int, "idle_hop": int, "margin": float,
                             "skip_patient": bool, "due_rounds": bool, "deadline_holdback": bool,
-                            "learnt_rounds_crowd": int}
+                            "learnt_rounds_crowd": int, "hold_refresh": bool}
 CROWDS = ("min_hop_crowd", "learnt_rounds_crowd")  # counts of utterances, not tokens: up to MAX_CROWD
 MAX_MARGIN = 10.0
 MAX_CROWD = 10_000
@@ -437,6 +437,9 @@ class FirstChunkPlanner:
     # `holdback_s` less than their tokens' worth until its audio covered that
     # (EngineConfig.first_chunk_deadline_holdback; the session asks `audio_in_flight`).
     deadline_holdback: bool = True
+    # A planned first chunk is announced to the stage's hold once more halfway to its tokens,
+    # from the LM's rate then (EngineConfig.first_chunk_hold_refresh; the session does it).
+    hold_refresh: bool = False
     # While fewer than this many other utterances' listeners wait for a first chunk, no
     # round of a plan is taken as longer than the longest second chunks took lately, from
     # their turn to their audio, with as many utterances on the stage (`SecondRounds.ceiling`;
@@ -496,7 +499,7 @@ class FirstChunkPlanner:
         return {"holdback_s": self.holdback_s, "margin": self.margin, "limit": self.limit,
                 "min_hop": self.min_hop, "min_hop_crowd": self.min_hop_crowd, "idle_hop": self.idle_hop,
                 "skip_patient": self.skip_patient, "due_rounds": self.due_rounds,
-                "deadline_holdback": self.deadline_holdback,
+                "deadline_holdback": self.deadline_holdback, "hold_refresh": self.hold_refresh,
                 "learnt_rounds_crowd": self.learnt_rounds_crowd,
                 "opening_rate": self.opening_rate,
                 "lm_steps": {"opening": self.opening_lm_steps.snapshot(), "later": self.lm_steps.snapshot()},

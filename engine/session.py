@@ -598,6 +598,7 @@ class Session:
         )
         prompt_tokens = voice.speech_tokens
         first_planned = opts.initial_hop is not None  # a request's own first hop is kept
+        announced_again = False  # the first chunk's announcement renewed (`hold_refresh`)
         # ... and so is a request's own schedule: no chunk cut by timing (patience) then.
         may_wait = opts.initial_hop is None and opts.max_hop is None
         look = flow_cfg.pre_lookahead_len
@@ -662,7 +663,7 @@ class Session:
                     utt.stats.extra["first_hop"] = first
                     continue
             if hop is None and not lm_finished and not patient:
-                wake.at = sched.tokens_needed()
+                need = wake.at = sched.tokens_needed()
                 if sched.index == 0 and first_planned:  # its size is final: say when it comes
                     round_s = None
                     if cfg.first_chunk_hold_share > 0:  # and what missing a round would cost it
@@ -672,8 +673,13 @@ class Session:
                                                            eng.first_chunks.due_rounds)
                     step = _lm_step(utt)
                     if math.isfinite(step):  # no rate yet before the LM's fourth token
-                        eng.stage.expect_first_chunk(stream, time.monotonic() + (wake.at - len(tokens)) * step,
-                                                     round_s)
+                        eng.stage.expect_first_chunk(stream, time.monotonic() + (need - len(tokens)) * step, round_s)
+                        if eng.first_chunks.hold_refresh and not announced_again and need - len(tokens) >= 4:
+                            # Once more halfway, from a later rate: a burst's first steps
+                            # share the GPU with the others' prefills, and a rate from them
+                            # announces the chunk late, past the hold of a round about to start.
+                            wake.at = len(tokens) + (need - len(tokens)) // 2
+                            announced_again = True
                 more.clear()
                 await more.wait()
                 continue

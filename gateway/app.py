@@ -80,6 +80,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         first_chunk_skip_patient=e.first_chunk_skip_patient,
         first_chunk_due_rounds=e.first_chunk_due_rounds,
         first_chunk_deadline_holdback=e.first_chunk_deadline_holdback,
+        first_chunk_hold_refresh=e.first_chunk_hold_refresh,
         first_chunk_learnt_rounds_crowd=e.first_chunk_learnt_rounds_crowd,
         first_chunk_hold_ms=e.first_chunk_hold_ms,
         first_chunk_hold_share=e.first_chunk_hold_share,

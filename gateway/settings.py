@@ -79,6 +79,9 @@ class EngineSettings:
         default=True, metadata=_help("the round estimate that sizes first chunks counts the utterances waiting "
                                      "patiently in a round's width but not in how many rounds the crowd fills "
                                      "(false: the whole crowd in both)"))
+    first_chunk_hold_refresh: bool = field(
+        default=False, metadata=_help("a planned first chunk is announced to the stage's hold once more halfway "
+                                      "to its tokens, from the LM's rate then"))
     first_chunk_deadline_holdback: bool = field(
         default=True, metadata=_help("a chunk's deadline and patience count its utterance's first chunk's audio "
                                      "less what the vocoder keeps back of it (false: its tokens' worth)"))

@@ -239,6 +239,41 @@ def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tin
     assert kinds.count("expect") == 1  # later chunks are not first chunks
 
 
+def test_with_hold_refresh_a_first_chunk_is_announced_again_halfway(tiny_model_dir):
+    """`hold_refresh` (`POST /debug/planner`, `first_chunk_hold_refresh`): the planned first
+    chunk is announced once more before it is queued, for its own stream; later chunks are
+    not announced."""
+    calls: list[tuple[str, object, float]] = []
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        assert engine.first_chunks.hold_refresh is False  # off by default
+        engine.first_chunks.tune({"hold_refresh": True})
+        expect, submit = engine.stage.expect_first_chunk, engine.stage.submit
+        engine.first_chunks.first_hop = lambda sched, *args, **kwargs: sched.initial_hop + 8
+
+        def spy_expect(stream, due, round_s=None):
+            calls.append(("expect", stream, due))
+            expect(stream, due, round_s)
+
+        def spy_submit(job):
+            calls.append(("submit", job.hift_stream, job.chunk_index))
+            return submit(job)
+
+        engine.stage.expect_first_chunk, engine.stage.submit = spy_expect, spy_submit
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.finish()
+        return await collect(s)
+
+    events = run(tiny_model_dir, fn, initial_hop_max=40)
+    assert events[-1].is_last
+    kinds = [c[0] for c in calls]
+    assert kinds[:3] == ["expect", "expect", "submit"] and calls[2][2] == 0, calls[:4]
+    assert calls[0][1] is calls[1][1] is calls[2][1]
+    assert kinds.count("expect") == 2
+
+
 def test_cancel_stops_chunks_and_aborts_the_lm_request(tiny_model_dir):
     async def fn(engine):
         voice = await default_voice(engine)

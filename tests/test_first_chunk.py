@@ -548,6 +548,10 @@ def test_planner_knobs_are_tuned_all_or_nothing():
     assert p.due_rounds is True and p.snapshot()["due_rounds"] is True
     with pytest.raises(ValueError, match="due_rounds must be true or false"):
         p.tune({"due_rounds": "yes"})
+    p.tune({"hold_refresh": True})
+    assert p.hold_refresh is True and p.snapshot()["hold_refresh"] is True
+    with pytest.raises(ValueError, match="hold_refresh must be true or false"):
+        p.tune({"hold_refresh": 1})
     with pytest.raises(ValueError, match="skip_patient must be true or false"):
         p.tune({"skip_patient": 1})
     for bad, says in (({"holdback_s": 0.1}, "not tunable"), ({"min_hop": 8.5}, "an integer"), ({"min_hop": True}, "an integer"),
@@ -580,7 +584,7 @@ def test_the_limit_is_tuned_within_the_configured_one():
     assert p.limit == 40 and p.limit_ceiling == 40
 
 
-def test_skip_patient_deadline_holdback_and_learnt_rounds_reach_the_engine_config(tmp_path):
+def test_skip_patient_deadline_holdback_learnt_rounds_and_hold_refresh_reach_the_engine_config(tmp_path):
     from gateway.app import engine_config
     from gateway.settings import load_settings
 
@@ -596,6 +600,9 @@ def test_skip_patient_deadline_holdback_and_learnt_rounds_reach_the_engine_confi
     assert default.first_chunk_due_rounds is True
     s, _ = load_settings(["--engine.first-chunk-due-rounds", "false"], environ={})
     assert engine_config(s, tmp_path).first_chunk_due_rounds is False
+    assert default.first_chunk_hold_refresh is False
+    s, _ = load_settings(["--engine.first-chunk-hold-refresh", "true"], environ={})
+    assert engine_config(s, tmp_path).first_chunk_hold_refresh is True
 
 
 def test_audio_in_flight_leaves_out_the_first_chunks_holdback():
