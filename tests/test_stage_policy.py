@@ -904,14 +904,14 @@ def test_the_hold_grows_with_the_round_an_expected_first_chunk_would_miss(flow, 
     assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
 
 
-@pytest.mark.parametrize("hold_s, hold_ms, held", [
-    (0.0, 1000, True),  # off by configuration, on by the knob
-    (5.0, 0, False),  # and the other way round
+@pytest.mark.parametrize("hold_s, hold_ms, second_after, held", [
+    (0.0, 1000, 0.05, True),  # off by configuration, on by the knob: the round waits for it
+    (5.0, 0, 1.0, False),  # and the other way round: the round has long gone when it comes
 ])
-def test_the_hold_is_a_knob(flow, hift, hold_s, hold_ms, held) -> None:
+def test_the_hold_is_a_knob(flow, hift, hold_s, hold_ms, second_after, held) -> None:
     """`hold_ms` (`POST /debug/planner`) sets the hold of `engine.first_chunk_hold_ms` while
     serving, in its unit: a burst's A/B of holds on one gateway."""
-    stage, out = _held_batches(flow, hift, expected_in=0.05, second_after=0.05, hold_s=hold_s,
+    stage, out = _held_batches(flow, hift, expected_in=0.05, second_after=second_after, hold_s=hold_s,
                                knobs={"hold_ms": hold_ms})
     assert (stage.hold_ms, stage.first_chunk_hold_s) == (hold_ms, hold_ms / 1000)
     assert stage.batches == ([[0, 1]] if held else [[0], [1]])
