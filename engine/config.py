@@ -168,14 +168,15 @@ class EngineConfig:
     # in one round (0 passed over, against 63 and 27), and the third ran 34 sessions dry.
     first_chunk_hold_share: float = 0.0
     # A planned first chunk is announced to the hold once more halfway to its tokens, from
-    # the LM's rate then. The first announcement's rate comes from the utterance's first
-    # tokens, and in a burst those steps share the GPU with the others' prefills: in round 56
-    # of docs/benchmarks.md (one H100, bursts of 64) one burst's first chunks came 73 ms
-    # sooner than announced on average, no round waited for them (announced past the 25-ms
-    # hold), and they went in a second round. On another H100, with this and an 80-ms hold,
-    # four bursts of four put all 64 first chunks in one round (p95 229-242 ms) against two
-    # of four with neither (p95 241, 241, 309, 477); which of the two did it, and what either
-    # does to sessions arriving over time, is unmeasured. Off: one announcement.
+    # the LM's rate then. The first announcement's rate comes from the later half of the
+    # utterance's token times so far, and in a burst those steps share the GPU with the
+    # others' prefills: in round 56 of docs/benchmarks.md (one H100, bursts of 64) one
+    # burst's first chunks came 73 ms sooner than announced on average, no round waited for
+    # them (announced past the 25-ms hold), and they went in a second round. After another
+    # machine start, with this and an 80-ms hold, four bursts of four put all 64 first
+    # chunks in one round (p95 229-242 ms) against two of four with neither (p95 241, 241,
+    # 309, 477); which of the two did it, and what either does to sessions arriving over
+    # time, is unmeasured. Off: one announcement.
     first_chunk_hold_refresh: bool = False
     # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient
     # chunk (chunk_patience_s) is cut to. Each chunk re-reads up to 74 tokens of left context
