@@ -175,8 +175,8 @@ class EngineConfig:
     # them (announced past the 25-ms hold), and they went in a second round. After another
     # machine start, with this and an 80-ms hold, four bursts of four put all 64 first
     # chunks in one round (p95 229-242 ms) against two of four with neither (p95 241, 241,
-    # 309, 477); which of the two did it, and what either does to sessions arriving over
-    # time, is unmeasured. Off: one announcement.
+    # 309, 477); which of the two did it is unmeasured. Over time the pair lost (round 57:
+    # 288 sessions over 16 s at p95 764 and 774 ms against 516 and 476). Off: one announcement.
     first_chunk_hold_refresh: bool = False
     # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient
     # chunk (chunk_patience_s) is cut to. Each chunk re-reads up to 74 tokens of left context
