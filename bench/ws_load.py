@@ -1221,6 +1221,8 @@ def level_report(n: int, results: Sequence[SessionResult], connect_errors: Seque
             "first_chunk_holds": int(_delta(after, before, "cosyvoice_engine_first_chunk_holds_total")),
             "first_chunk_hold_ms": round(_delta(after, before, "cosyvoice_engine_first_chunk_hold_seconds_total") * 1e3, 3),
             "first_chunk_hold_caught": int(_delta(after, before, "cosyvoice_engine_first_chunk_hold_caught_total")),
+            # --engine.first-chunk-burst-hold-ms: the held rounds that held for a burst.
+            "first_chunk_burst_holds": int(_delta(after, before, "cosyvoice_engine_first_chunk_burst_holds_total")),
             # ... the expected first chunks a round started without, and how much later than
             # expected they came on average (ms; negative: sooner).
             "first_chunk_passed_over": (passed := int(_delta(after, before, "cosyvoice_engine_first_chunk_passed_over_total"))),
@@ -1668,7 +1670,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-at", type=float, default=None,
                    help="register one more voice (a longer prompt) this many seconds into each level")
     p.add_argument("--planner-knobs", default=None,
-                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms, hold_ms) set before "
+                   help="first-chunk planner knobs (and the stage's fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms, hold_ms, burst_hold_ms, burst_rows) set before "
                         "each level in turn, ';'-separated JSON objects (e.g. '{\"min_hop\": 0};{\"min_hop\": 8}'): "
                         "an A/B on one gateway (POST /debug/planner)")
     p.add_argument("--text", default=DEFAULT_TEXT)

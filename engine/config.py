@@ -178,6 +178,13 @@ class EngineConfig:
     # 309, 477); which of the two did it is unmeasured. Over time the pair lost (round 57:
     # 288 sessions over 16 s at p95 764 and 774 ms against 516 and 476). Off: one announcement.
     first_chunk_hold_refresh: bool = False
+    # The hold is this long (ms) while a burst is under way: when at least
+    # `first_chunk_burst_rows` first chunks are queued or expected within it. Round 57 of
+    # docs/benchmarks.md: an 80-ms hold (with the refresh above) put bursts of 64 in one
+    # round, and lost at 288 sessions over 16 s, where it held almost twice as many rounds
+    # as the 25-ms hold; this keeps the long hold to bursts. 0: off.
+    first_chunk_burst_hold_ms: float = 0.0
+    first_chunk_burst_rows: int = 8
     # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient
     # chunk (chunk_patience_s) is cut to. Each chunk re-reads up to 74 tokens of left context
     # (flow_left_context), so larger patient chunks compute fewer frames for the same audio.
@@ -612,6 +619,10 @@ class EngineConfig:
                              f"not {self.first_chunk_opening_rate!r}")
         if not 0 <= self.first_chunk_hold_ms <= MAX_FIRST_CHUNK_HOLD_MS:  # also refuses NaN
             raise ValueError(f"first_chunk_hold_ms must be in 0..{MAX_FIRST_CHUNK_HOLD_MS:g}")
+        if not 0 <= self.first_chunk_burst_hold_ms <= MAX_FIRST_CHUNK_HOLD_MS:
+            raise ValueError(f"first_chunk_burst_hold_ms must be in 0..{MAX_FIRST_CHUNK_HOLD_MS:g}")
+        if self.first_chunk_burst_rows < 1:
+            raise ValueError("first_chunk_burst_rows must be at least 1")
         if not 0 <= self.chunk_patience_s <= 60:  # also refuses NaN
             raise ValueError("chunk_patience_s must be in 0..60")
         if not 0 <= self.first_chunk_hold_share <= 0.5:

@@ -521,6 +521,7 @@ class Engine:
             first_chunk_holds=st.first_chunk_holds,
             first_chunk_hold_seconds=st.first_chunk_hold_seconds,
             first_chunk_hold_caught=st.first_chunk_hold_caught,
+            first_chunk_burst_holds=st.first_chunk_burst_holds,
             first_chunk_passed_over=st.first_chunk_passed_over,
             first_chunk_passed_over_late_seconds=st.first_chunk_passed_over_late_seconds,
             first_chunk_below_floor=self.first_chunks.below_floor,

@@ -52,6 +52,8 @@ class EngineStats:
     first_chunk_holds: int = 0
     first_chunk_hold_seconds: float = 0.0
     first_chunk_hold_caught: int = 0
+    # ... of them, the rounds held for a burst (engine.first_chunk_burst_hold_ms).
+    first_chunk_burst_holds: int = 0
     # ... and the expected first chunks a round started without, with how much later than
     # expected they came, summed (StageStats; a gauge: the sum falls when they came sooner).
     first_chunk_passed_over: int = 0

@@ -124,9 +124,10 @@ STAGE_POLICIES: tuple[str, ...] = get_args(StagePolicy)
 # gateway start per setting), and their types.
 STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, "first_cut": bool,
                                   "second_cut": bool, "rescue": bool, "pipeline_lead_ms": float,
-                                  "hold_ms": float}
+                                  "hold_ms": float, "burst_hold_ms": float, "burst_rows": int}
 # The bounds of the float settings (milliseconds; a knob is at least 0).
-_STAGE_KNOB_MAX: dict[str, float] = {"pipeline_lead_ms": MAX_PIPELINE_LEAD_MS, "hold_ms": MAX_FIRST_CHUNK_HOLD_MS}
+_STAGE_KNOB_MAX: dict[str, float] = {"pipeline_lead_ms": MAX_PIPELINE_LEAD_MS, "hold_ms": MAX_FIRST_CHUNK_HOLD_MS,
+                                     "burst_hold_ms": MAX_FIRST_CHUNK_HOLD_MS}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -411,6 +412,8 @@ class StageStats:
     first_chunk_holds: int = 0
     first_chunk_hold_seconds: float = 0.0
     first_chunk_hold_caught: int = 0
+    # ... of them, the rounds that held for a burst (`first_chunk_burst_hold_s`).
+    first_chunk_burst_holds: int = 0
     # With the hold on: expected first chunks that a round of first chunks started without
     # (held or not), and by how much later than expected they came, summed (negative:
     # sooner). Passed over and late: the estimates were short; on time: the hold was.
@@ -552,6 +555,7 @@ class AudioStage:
                  flow_split_prefix_rows: int | None = None,
                  vocoder_snake_kernel: str = "triton", vocoder_channels_last: bool = True,
                  first_chunk_hold_s: float = 0.0, first_chunk_hold_share: float = 0.0,
+                 first_chunk_burst_hold_s: float = 0.0, first_chunk_burst_rows: int = 8,
                  cut_for_deadlines: bool = False, cut_shift_s: float = 0.0, final_full_attention: bool = False,
                  first_cut: bool = False, second_cut: bool = False, rescue: bool = False,
                  pipeline_lead_ms: float = 0.0):
@@ -643,6 +647,8 @@ class AudioStage:
         self._failed_streams: weakref.WeakSet[object] = weakref.WeakSet()
         self.first_chunk_hold_s = first_chunk_hold_s  # engine.first_chunk_hold_ms: see _hold
         self.first_chunk_hold_share = first_chunk_hold_share  # engine.first_chunk_hold_share
+        self.first_chunk_burst_hold_s = first_chunk_burst_hold_s  # engine.first_chunk_burst_hold_ms
+        self.burst_rows = first_chunk_burst_rows  # engine.first_chunk_burst_rows
         self.cut_for_deadlines = cut_for_deadlines  # engine.stage_deadline_cut: see deadline_cut
         # ... which takes a row as late when its round ends after its deadline plus this
         # (engine.stage_deadline_cut_margin_ms: the chunks' deadline margin less its own).
@@ -687,6 +693,15 @@ class AudioStage:
     @hold_ms.setter
     def hold_ms(self, value: float) -> None:
         self.first_chunk_hold_s = value / 1000
+
+    @property
+    def burst_hold_ms(self) -> float:
+        """`first_chunk_burst_hold_s` in ms, as `engine.first_chunk_burst_hold_ms`."""
+        return self.first_chunk_burst_hold_s * 1000
+
+    @burst_hold_ms.setter
+    def burst_hold_ms(self, value: float) -> None:
+        self.first_chunk_burst_hold_s = value / 1000
 
     def started(self) -> None:
         """The engine's start (its warm-up) is over: the profile's window counts batches
@@ -1001,7 +1016,7 @@ class AudioStage:
                 await self._wake.wait()
             if self._landing:
                 await self._before_round()
-            if self.first_chunk_hold_s > 0 or self.first_chunk_hold_share > 0:
+            if self.first_chunk_hold_s > 0 or self.first_chunk_hold_share > 0 or self.first_chunk_burst_hold_s > 0:
                 await self._hold()
             try:
                 await self._serve_batch()
@@ -1038,14 +1053,24 @@ class AudioStage:
         the others' second chunks. The rows already queued wait at most the hold. An
         expectation more than the hold overdue is dropped from the wait (the LM slowed
         down, or the estimate was off). With `first_chunk_hold_share` the hold is at least
-        that share of the longest round an expected first chunk would miss."""
+        that share of the longest round an expected first chunk would miss. With
+        `first_chunk_burst_hold_s` it is that long when a burst is under way: at least
+        `burst_rows` first chunks queued or expected within it (the hold that kept a burst
+        of 64 in one round lost over time at a steady 18 arrivals a second, round 57 of
+        docs/benchmarks.md: an 80-ms window then expects one or two)."""
         if not any(j.chunk_index == 0 and j.urgent for j in self._pending):
             return
         longest = max((e.round_s for e in self._coming.values()), default=0.0)
         hold = max(self.first_chunk_hold_s, self.first_chunk_hold_share * longest)
         start = time.monotonic()
-        until = start + hold
         firsts = sum(1 for j in self._pending if j.chunk_index == 0)
+        burst = False
+        if self.first_chunk_burst_hold_s > hold:
+            window = self.first_chunk_burst_hold_s
+            coming = sum(1 for e in self._coming.values() if start - window <= e.due <= start + window)
+            if firsts + coming >= self.burst_rows:
+                hold, burst = window, True
+        until = start + hold
         held = False
         while len(self._pending) < self.max_batch:
             now = time.monotonic()
@@ -1062,6 +1087,7 @@ class AudioStage:
         if held:
             st = self.stats
             st.first_chunk_holds += 1
+            st.first_chunk_burst_holds += burst
             st.first_chunk_hold_seconds += time.monotonic() - start
             st.first_chunk_hold_caught += sum(1 for j in self._pending if j.chunk_index == 0) - firsts
 

@@ -84,6 +84,8 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         first_chunk_learnt_rounds_crowd=e.first_chunk_learnt_rounds_crowd,
         first_chunk_hold_ms=e.first_chunk_hold_ms,
         first_chunk_hold_share=e.first_chunk_hold_share,
+        first_chunk_burst_hold_ms=e.first_chunk_burst_hold_ms,
+        first_chunk_burst_rows=e.first_chunk_burst_rows,
         max_hop=e.max_hop,
         chunk_patience_s=e.chunk_patience_s,
         flow_left_context=e.flow_left_context,

@@ -30,7 +30,8 @@ ENGINE_COUNTERS: frozenset[str] = frozenset(
      "flow_frames", "flow_exact_frames", "flow_row_padding_frames", "flow_bucket_padding_frames", "vocoder_frames",
      "flow_grown_chunks", "flow_grown_tokens", "stage_batches_retried_apart", "stage_pipelined_batches",
      "patient_chunks", "patient_tokens",
-     "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_passed_over",
+     "first_chunk_holds", "first_chunk_hold_seconds", "first_chunk_hold_caught", "first_chunk_burst_holds",
+     "first_chunk_passed_over",
      "first_chunk_below_floor", "first_chunk_crowded", "first_chunk_learnt_rounds",
      *(f"{kind}_{name}" for kind in ("first_chunk", "opening_chunk")
        for name in ("decisions", "decision_hop_tokens", "decision_lm_step_seconds", "decision_round_seconds",

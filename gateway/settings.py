@@ -92,6 +92,12 @@ class EngineSettings:
     first_chunk_hold_ms: float = field(
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))
+    first_chunk_burst_hold_ms: float = field(
+        default=0.0, metadata=_help("the hold is this long while a burst is under way: at least "
+                                    "first_chunk_burst_rows first chunks queued or expected within it (0 = off)"))
+    first_chunk_burst_rows: int = field(
+        default=8, metadata=_help("first chunks queued or expected within first_chunk_burst_hold_ms that make "
+                                  "a burst"))
     first_chunk_hold_share: float = field(
         default=0.0, metadata=_help("the hold grows to this share (0..0.5) of the round an expected first chunk "
                                      "would miss, as predicted for it (0 = first_chunk_hold_ms alone)"))
@@ -456,7 +462,7 @@ class Settings:
     )
     debug_tuning: bool = field(
         default=False, metadata=_help("let POST /debug/planner set first-chunk planner knobs and the stage's "
-                                      "fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms and hold_ms while serving (benchmarks: "
+                                      "fill_padding, split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms, hold_ms, burst_hold_ms and burst_rows while serving (benchmarks: "
                                       "A/B levels on one gateway)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning, error"))
     log_json: bool = field(default=False, metadata=_help("one JSON object per log line"))

@@ -922,6 +922,47 @@ def test_the_hold_is_a_knob(flow, hift, hold_s, hold_ms, second_after, held) -> 
             check_stage_knobs({"hold_ms": bad})
 
 
+@pytest.mark.parametrize("burst_rows, held", [
+    (2, True),  # the queued first chunk and the announced one make a burst
+    (3, False),  # two are not three: the 1-ms hold alone
+])
+def test_the_long_hold_is_kept_to_bursts(flow, hift, burst_rows, held) -> None:
+    """`first_chunk_burst_hold_s`: the hold is that long only when `burst_rows` first
+    chunks are queued or expected within it; otherwise the fixed hold applies."""
+    stage, out = _held_batches(flow, hift, expected_in=0.3, second_after=0.3, hold_s=0.001,
+                               knobs={"burst_hold_ms": 1000, "burst_rows": burst_rows})
+    assert stage.batches == ([[0, 1]] if held else [[0], [1]])
+    assert stage.stats.first_chunk_burst_holds == stage.stats.first_chunk_holds == (1 if held else 0)
+    assert stage.stats.first_chunk_hold_caught == (1 if held else 0)
+    assert stage.stats.first_chunk_hold_seconds < 1.0  # until the chunk came, not the whole hold
+    assert all(isinstance(pcm, np.ndarray) and pcm.size for pcm in out)
+
+
+def test_the_burst_hold_is_set_up_from_the_config_and_checked(flow, hift, tmp_path) -> None:
+    """From the configuration (`--engine.first-chunk-burst-hold-ms`, `-rows`) to the stage,
+    and the knobs' bounds."""
+    stage = AudioStage(flow, hift, torch.device("cpu"), first_chunk_burst_hold_s=0.08, first_chunk_burst_rows=12)
+    assert (stage.burst_hold_ms, stage.burst_rows) == (pytest.approx(80.0), 12)
+    s, _ = load_settings([], environ={})
+    cfg = engine_config(s, tmp_path)
+    assert (cfg.first_chunk_burst_hold_ms, cfg.first_chunk_burst_rows) == (0.0, 8)
+    s, _ = load_settings(["--engine.first-chunk-burst-hold-ms", "80", "--engine.first-chunk-burst-rows", "16"],
+                         environ={})
+    cfg = engine_config(s, tmp_path)
+    assert (cfg.first_chunk_burst_hold_ms, cfg.first_chunk_burst_rows) == (80.0, 16)
+    for flag, bad, name in (("--engine.first-chunk-burst-hold-ms", "1001", "first_chunk_burst_hold_ms"),
+                            ("--engine.first-chunk-burst-hold-ms", "nan", "first_chunk_burst_hold_ms"),
+                            ("--engine.first-chunk-burst-rows", "0", "first_chunk_burst_rows")):
+        s, _ = load_settings([flag, bad], environ={})
+        with pytest.raises(ValueError, match=name):
+            engine_config(s, tmp_path)
+    assert check_stage_knobs({"burst_hold_ms": 80, "burst_rows": 16}) == {"burst_hold_ms": 80.0, "burst_rows": 16}
+    with pytest.raises(ValueError, match="burst_hold_ms must be a number in 0..1000"):
+        check_stage_knobs({"burst_hold_ms": 1001})
+    with pytest.raises(ValueError, match="burst_rows must be an integer"):
+        check_stage_knobs({"burst_rows": 1.5})
+
+
 def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
     """Only a round that starts someone's first audio waits: later chunks are due to
     sessions already playing."""

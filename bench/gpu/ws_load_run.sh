@@ -15,7 +15,7 @@
 # VARIANTS="flags A;flags B" (single, product only: one run per variant, each with EXTRA plus
 # its flags, written to ws_load_single_v0.json, _v1 ...: an A/B in one device call),
 # KNOBS='{"min_hop":0};{"min_hop":8}' (first-chunk planner knobs, or the stage's fill_padding,
-# split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms and hold_ms, set before each level in turn on the same gateway, `bench.ws_load
+# split_call_cost, first_cut, second_cut, rescue, pipeline_lead_ms, hold_ms, burst_hold_ms and burst_rows, set before each level in turn on the same gateway, `bench.ws_load
 # --planner-knobs`: an A/B without a second start),
 # MPS=1 (run the gateway's processes under an NVIDIA MPS daemon started for this run and
 # stopped after it: vLLM's engine-core process and the gateway's stage then share the GPU
