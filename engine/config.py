@@ -179,10 +179,13 @@ class EngineConfig:
     # 288 sessions over 16 s at p95 764 and 774 ms against 516 and 476). Off: one announcement.
     first_chunk_hold_refresh: bool = False
     # The hold is this long (ms) while a burst is under way: when at least
-    # `first_chunk_burst_rows` first chunks are queued or expected within it. Round 57 of
-    # docs/benchmarks.md: an 80-ms hold (with the refresh above) put bursts of 64 in one
-    # round, and lost at 288 sessions over 16 s, where it held almost twice as many rounds
-    # as the 25-ms hold; this keeps the long hold to bursts. 0: off.
+    # `first_chunk_burst_rows` urgent first chunks (their listeners waiting) are queued or
+    # expected within it, and then for those alone. Round 57 of docs/benchmarks.md: an
+    # 80-ms hold (with the refresh above) put bursts of 64 in one round, and lost at 288
+    # sessions over 16 s. Round 58 (one H100): counting every expected first chunk, later
+    # segments' too, 80 ms with 8 or 16 rows put bursts of 64 at p95 380, 420, 801, 498 ms
+    # against 611, 549, 636, 681, and held most rounds at 288 over 16 s as bursts (p95
+    # 1141-1376 against 669-895); the count of urgent ones alone is unmeasured. 0: off.
     first_chunk_burst_hold_ms: float = 0.0
     first_chunk_burst_rows: int = 8
     # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient

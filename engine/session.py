@@ -673,7 +673,11 @@ class Session:
                                                            eng.first_chunks.due_rounds)
                     step = _lm_step(utt)
                     if math.isfinite(step):  # no rate yet before the LM's fourth token
-                        eng.stage.expect_first_chunk(stream, time.monotonic() + (need - len(tokens)) * step, round_s)
+                        at = time.monotonic() + (need - len(tokens)) * step
+                        # Urgent as the chunk will be when queued then (`ChunkJob.urgent`):
+                        # a later segment's first chunk behind audio still to play is not.
+                        _, urgent = chunk_due(at, self.playback.runs_out(), self._audio_ahead(utt))
+                        eng.stage.expect_first_chunk(stream, at, round_s, urgent)
                         if eng.first_chunks.hold_refresh and not announced_again and need - len(tokens) >= 4:
                             # Once more halfway, from a later rate: a burst's first steps
                             # share the GPU with the others' prefills, and a rate from them

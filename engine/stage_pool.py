@@ -132,11 +132,12 @@ class StagePool:
             raise TypeError("stream must come from StagePool.new_stream()")
         return self.stages[stream.stage_index].round_estimate(stream.inner, frames, cached, skip_patient, due_rounds)
 
-    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
+    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None,
+                           urgent: bool = True) -> None:
         """`AudioStage.expect_first_chunk` on the stage the stream is bound to."""
         if not isinstance(stream, PooledStream):
             raise TypeError("stream must come from StagePool.new_stream()")
-        self.stages[stream.stage_index].expect_first_chunk(stream.inner, due, round_s)
+        self.stages[stream.stage_index].expect_first_chunk(stream.inner, due, round_s, urgent)
 
     def drop_cancelled(self) -> int:
         return sum(s.drop_cancelled() for s in self.stages)

@@ -24,7 +24,7 @@ engine -> stage
                                     (`flow_fill_padding`, `chunking.SpareTokens`) or None;
                                     patient: `ChunkJob.patient`
     ("cancel", jids)                queued chunks of cancelled utterances
-    ("expect", sid, due, round_s)   `AudioStage.expect_first_chunk`
+    ("expect", sid, due, round_s, urgent)   `AudioStage.expect_first_chunk`
     ("call", cid, method, args)     warm_graphs / warm_prompt / warm_context / started / tune;
                                     cid None: no reply
     ("close",)
@@ -301,9 +301,10 @@ class RemoteStage:
                               self.graph_policy, frames, cached,
                               self.live_utterances(skip_patient=True) if due_rounds else None)
 
-    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
+    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None,
+                           urgent: bool = True) -> None:
         if isinstance(stream, RemoteStream):
-            self._tell(("expect", stream.sid, due, round_s))
+            self._tell(("expect", stream.sid, due, round_s, urgent))
 
     def drop_cancelled(self) -> int:
         """Cancel the queued chunks of cancelled utterances here, and tell the stage."""
@@ -678,10 +679,10 @@ class _StageServer:
         self.cancelled.update(j for j in jids if j in self.live)
         self.stage.drop_cancelled()
 
-    def on_expect(self, sid: int, due: float, round_s: float | None) -> None:
+    def on_expect(self, sid: int, due: float, round_s: float | None, urgent: bool) -> None:
         stream = self.streams.get(sid)
         if stream is not None:
-            self.stage.expect_first_chunk(stream, due, round_s)
+            self.stage.expect_first_chunk(stream, due, round_s, urgent)
 
     def on_call(self, cid: int | None, method: str, args: tuple[Any, ...]) -> None:
         task = self.loop.create_task(self.call(cid, method, args))

@@ -345,11 +345,13 @@ def call_work(policy: GraphPolicy, width: int, shared: bool) -> Callable[[int, i
 @dataclass
 class _Expected:
     """A first chunk on its way (`AudioStage.expect_first_chunk`): when its tokens should be
-    there (time.monotonic), the round it would miss (s, 0 unknown), and whether a round of
-    first chunks already started without it."""
+    there (time.monotonic), the round it would miss (s, 0 unknown), whether its listener
+    will be waiting for it then (`ChunkJob.urgent`), and whether a round of first chunks
+    already started without it."""
 
     due: float
     round_s: float
+    urgent: bool = True
     passed: bool = False
 
 
@@ -709,12 +711,14 @@ class AudioStage:
         if self.profiler is not None:
             self.profiler.origin = self.stats.batches
 
-    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None) -> None:
+    def expect_first_chunk(self, stream: object, due: float, round_s: float | None = None,
+                           urgent: bool = True) -> None:
         """The first chunk of `stream`'s utterance should be queued at `due`
         (time.monotonic): a round about to start with other first chunks may wait for it
         (`_hold`), longer when missing a round would cost it `round_s` seconds and
-        `first_chunk_hold_share` is set. Its `submit` clears it."""
-        self._coming[stream] = _Expected(due, round_s or 0.0)
+        `first_chunk_hold_share` is set, or when it is `urgent` (its listener will be
+        waiting for it) and one of a burst. Its `submit` clears it."""
+        self._coming[stream] = _Expected(due, round_s or 0.0, urgent)
 
     def worker_busy_for(self) -> float | None:
         """Seconds the device work running now (a round, a capture, a warm-up, or the wait
@@ -1054,10 +1058,11 @@ class AudioStage:
         expectation more than the hold overdue is dropped from the wait (the LM slowed
         down, or the estimate was off). With `first_chunk_hold_share` the hold is at least
         that share of the longest round an expected first chunk would miss. With
-        `first_chunk_burst_hold_s` it is that long when a burst is under way: at least
-        `burst_rows` first chunks queued or expected within it (the hold that kept a burst
-        of 64 in one round lost over time at a steady 18 arrivals a second, round 57 of
-        docs/benchmarks.md: an 80-ms window then expects one or two)."""
+        `first_chunk_burst_hold_s` it is that long, for urgent first chunks only, while a
+        burst is under way: at least `burst_rows` urgent first chunks queued or expected
+        within it. Only the urgent ones count: in round 58 of docs/benchmarks.md a count of
+        every expected first chunk, later segments' too (four a session), made a burst of
+        most held rounds at 288 sessions over 16 s, which then lost."""
         if not any(j.chunk_index == 0 and j.urgent for j in self._pending):
             return
         longest = max((e.round_s for e in self._coming.values()), default=0.0)
@@ -1067,14 +1072,16 @@ class AudioStage:
         burst = False
         if self.first_chunk_burst_hold_s > hold:
             window = self.first_chunk_burst_hold_s
-            coming = sum(1 for e in self._coming.values() if start - window <= e.due <= start + window)
-            if firsts + coming >= self.burst_rows:
+            urgent = sum(1 for j in self._pending if j.chunk_index == 0 and j.urgent)
+            coming = sum(1 for e in self._coming.values() if e.urgent and start - window <= e.due <= start + window)
+            if urgent + coming >= self.burst_rows:
                 hold, burst = window, True
         until = start + hold
         held = False
         while len(self._pending) < self.max_batch:
             now = time.monotonic()
-            if now >= until or not any(now - hold <= e.due <= until for e in self._coming.values()):
+            if now >= until or not any(now - hold <= e.due <= until and (e.urgent or not burst)
+                                       for e in self._coming.values()):
                 break
             held = True
             self._wake.clear()

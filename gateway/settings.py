@@ -93,11 +93,12 @@ class EngineSettings:
         default=25.0, metadata=_help("a flow/vocoder round about to start first chunks waits up to this long for "
                                      "other first chunks expected within it (0 = no wait)"))
     first_chunk_burst_hold_ms: float = field(
-        default=0.0, metadata=_help("the hold is this long while a burst is under way: at least "
-                                    "first_chunk_burst_rows first chunks queued or expected within it (0 = off)"))
+        default=0.0, metadata=_help("the hold is this long, for urgent first chunks (listeners waiting), while a "
+                                    "burst is under way: at least first_chunk_burst_rows of them queued or "
+                                    "expected within it (0 = off)"))
     first_chunk_burst_rows: int = field(
-        default=8, metadata=_help("first chunks queued or expected within first_chunk_burst_hold_ms that make "
-                                  "a burst"))
+        default=8, metadata=_help("urgent first chunks queued or expected within first_chunk_burst_hold_ms that "
+                                  "make a burst"))
     first_chunk_hold_share: float = field(
         default=0.0, metadata=_help("the hold grows to this share (0..0.5) of the round an expected first chunk "
                                      "would miss, as predicted for it (0 = first_chunk_hold_ms alone)"))

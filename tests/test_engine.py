@@ -212,10 +212,10 @@ def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tin
         # As under a burst's load: the planner takes more tokens than the initial hop.
         engine.first_chunks.first_hop = lambda sched, *args, **kwargs: sched.initial_hop + 8
 
-        def spy_expect(stream, due, round_s=None):
+        def spy_expect(stream, due, round_s=None, urgent=True):
             calls.append(("expect", stream, due - time.monotonic()))
             rounds.append(round_s)
-            expect(stream, due, round_s)
+            expect(stream, due, round_s, urgent)
 
         def spy_submit(job):
             calls.append(("submit", job.hift_stream, job.chunk_index))
@@ -239,6 +239,40 @@ def test_a_planned_first_chunk_is_announced_to_the_stage_before_it_is_queued(tin
     assert kinds.count("expect") == 1  # later chunks are not first chunks
 
 
+def test_a_later_segments_first_chunk_is_announced_as_not_urgent(tiny_model_dir):
+    """The announcement says whether the listener will be waiting for the chunk when it
+    comes (`ChunkJob.urgent`, for the hold of `first_chunk_burst_hold_ms`): the first
+    utterance's first chunk is; a later utterance's, behind the earlier one's seconds of
+    audio still to play, is not."""
+    announced: list[bool] = []
+    queued: list[bool] = []
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        expect, submit = engine.stage.expect_first_chunk, engine.stage.submit
+        engine.first_chunks.first_hop = lambda sched, *args, **kwargs: sched.initial_hop + 8
+
+        def spy_expect(stream, due, round_s=None, urgent=True):
+            announced.append(urgent)
+            expect(stream, due, round_s, urgent)
+
+        def spy_submit(job):
+            if job.chunk_index == 0:
+                queued.append(job.urgent)
+            return submit(job)
+
+        engine.stage.expect_first_chunk, engine.stage.submit = spy_expect, spy_submit
+        s = engine.open_session(voice, SessionOptions(tokens_per_text_token=6.0, seed=3))
+        await s.submit("A longer sentence, so that there are several chunks to compare.")
+        await s.submit("And a second one after it.")
+        await s.finish()
+        return await collect(s)
+
+    events = run(tiny_model_dir, fn, initial_hop_max=40)
+    assert events[-1].is_last
+    assert announced == queued == [True, False]
+
+
 def test_with_hold_refresh_a_first_chunk_is_announced_again_halfway(tiny_model_dir):
     """`hold_refresh` (`POST /debug/planner`, `first_chunk_hold_refresh`): the planned first
     chunk is announced once more before it is queued, for its own stream; later chunks are
@@ -252,9 +286,9 @@ def test_with_hold_refresh_a_first_chunk_is_announced_again_halfway(tiny_model_d
         expect, submit = engine.stage.expect_first_chunk, engine.stage.submit
         engine.first_chunks.first_hop = lambda sched, *args, **kwargs: sched.initial_hop + 8
 
-        def spy_expect(stream, due, round_s=None):
+        def spy_expect(stream, due, round_s=None, urgent=True):
             calls.append(("expect", stream, due))
-            expect(stream, due, round_s)
+            expect(stream, due, round_s, urgent)
 
         def spy_submit(job):
             calls.append(("submit", job.hift_stream, job.chunk_index))

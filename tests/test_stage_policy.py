@@ -828,11 +828,12 @@ def test_a_deadline_follows_a_pipelined_round_from_its_predicted_end_to_its_deli
 
 def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, second_after: float = 0.05,
                   hold_s: float = 5.0, hold_share: float = 0.0, round_s: float | None = None,
-                  knobs: dict[str, object] | None = None) -> tuple[_RecordingStage, list[object]]:
+                  knobs: dict[str, object] | None = None,
+                  urgent: bool = True) -> tuple[_RecordingStage, list[object]]:
     """An urgent first chunk (seq 0) queued at once; a second chunk (seq 1, chunk index
     `second_index`) of another stream queued `second_after` s later, announced as expected
-    `expected_in` s from the start (None: not announced), missing a round of `round_s`;
-    `knobs` tuned (`AudioStage.tune`) before either."""
+    `expected_in` s from the start (None: not announced), missing a round of `round_s`,
+    `urgent` or not; `knobs` tuned (`AudioStage.tune`) before either."""
     stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=hold_s,
                             first_chunk_hold_share=hold_share)
     stage.tune(knobs or {})
@@ -844,7 +845,7 @@ def _held_batches(flow, hift, expected_in: float | None, second_index: int = 0, 
                          is_cancelled=lambda: False) for i, idx in enumerate([0, second_index])]
         await stage.start()
         if expected_in is not None:
-            stage.expect_first_chunk(streams[1], time.monotonic() + expected_in, round_s)
+            stage.expect_first_chunk(streams[1], time.monotonic() + expected_in, round_s, urgent)
         first = stage.submit(jobs[0])
         second = loop.create_future()
         loop.call_later(second_after, lambda: second.set_result(stage.submit(jobs[1])))
@@ -922,15 +923,16 @@ def test_the_hold_is_a_knob(flow, hift, hold_s, hold_ms, second_after, held) -> 
             check_stage_knobs({"hold_ms": bad})
 
 
-@pytest.mark.parametrize("burst_rows, held", [
-    (2, True),  # the queued first chunk and the announced one make a burst
-    (3, False),  # two are not three: the 1-ms hold alone
+@pytest.mark.parametrize("burst_rows, urgent, held", [
+    (2, True, True),  # the queued first chunk and the announced one make a burst
+    (3, True, False),  # two are not three: the 1-ms hold alone
+    (2, False, False),  # a first chunk nobody will be waiting for does not count
 ])
-def test_the_long_hold_is_kept_to_bursts(flow, hift, burst_rows, held) -> None:
-    """`first_chunk_burst_hold_s`: the hold is that long only when `burst_rows` first
-    chunks are queued or expected within it; otherwise the fixed hold applies."""
+def test_the_long_hold_is_kept_to_bursts(flow, hift, burst_rows, urgent, held) -> None:
+    """`first_chunk_burst_hold_s`: the hold is that long only when `burst_rows` urgent
+    first chunks are queued or expected within it; otherwise the fixed hold applies."""
     stage, out = _held_batches(flow, hift, expected_in=0.3, second_after=0.3, hold_s=0.001,
-                               knobs={"burst_hold_ms": 1000, "burst_rows": burst_rows})
+                               knobs={"burst_hold_ms": 1000, "burst_rows": burst_rows}, urgent=urgent)
     assert stage.batches == ([[0, 1]] if held else [[0], [1]])
     assert stage.stats.first_chunk_burst_holds == stage.stats.first_chunk_holds == (1 if held else 0)
     assert stage.stats.first_chunk_hold_caught == (1 if held else 0)

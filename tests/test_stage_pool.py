@@ -66,9 +66,9 @@ def test_pool_places_new_streams_on_the_least_loaded_stage(tiny_model_dir):
             await pool.run(ChunkJob(flow=None, hift_stream=object(), speed=1.0, chunk_index=0,  # type: ignore[arg-type]
                                     is_cancelled=lambda: False))
         # A first chunk is expected on the stage its stream is bound to, and only there.
-        pool.expect_first_chunk(second, 12.5, 0.3)
+        pool.expect_first_chunk(second, 12.5, 0.3, urgent=False)
         bound, other = pool.stages[second.stage_index], pool.stages[1 - second.stage_index]
-        assert dict(bound._coming) == {second.inner: _Expected(12.5, 0.3)} and not other._coming
+        assert dict(bound._coming) == {second.inner: _Expected(12.5, 0.3, urgent=False)} and not other._coming
         with pytest.raises(TypeError):
             pool.expect_first_chunk(object(), 1.0)
 
