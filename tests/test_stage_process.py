@@ -574,6 +574,43 @@ def test_stage_settings_tuned_while_serving_reach_the_stage_process():
     asyncio.run(fn())
 
 
+def test_a_first_chunks_announcement_reaches_the_stage_process_with_its_urgency():
+    """`RemoteStage.expect_first_chunk` sends when the chunk is due, the round it would
+    miss and whether its listener will be waiting; the stage's side announces it so to
+    the stage, for the stream of that id (the burst hold counts urgent ones only)."""
+    class Stage:
+        rounds = None
+
+        def __init__(self) -> None:
+            self.expected: list[tuple] = []
+
+        def expect_first_chunk(self, stream: object, due: float, round_s: float | None, urgent: bool) -> None:
+            self.expected.append((stream, due, round_s, urgent))
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, batch: list) -> None:
+            self.sent.extend(batch)
+
+    async def fn() -> None:
+        stage = Stage()
+        server = _StageServer(conn=Pipe(), stage=stage)  # type: ignore[arg-type]
+        inner = object()
+        server.streams[4] = inner
+        remote = RemoteStage.__new__(RemoteStage)
+        remote._conn, remote._error, remote._closed = Pipe(), None, False
+        remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+        remote.expect_first_chunk(RemoteStream(4), 12.5, 0.3, urgent=False)
+        remote.expect_first_chunk(RemoteStream(9), 13.0)  # a stream the stage no longer has
+        assert remote._conn.sent == [("expect", 4, 12.5, 0.3, False), ("expect", 9, 13.0, None, True)]
+        server.handle(remote._conn.sent)
+        assert stage.expected == [(inner, 12.5, 0.3, False)]
+
+    asyncio.run(fn())
+
+
 def test_the_engines_handle_counts_the_utterances_waiting_patiently():
     """`RemoteStage` keeps the patience count in the engine's process, where the first
     chunks are planned: from a patient chunk to the next one that is not. Each chunk's
