@@ -184,8 +184,8 @@ class EngineConfig:
     # 80-ms hold (with the refresh above) put bursts of 64 in one round, and lost at 288
     # sessions over 16 s. Round 58 (one H100): counting every expected first chunk, later
     # segments' too, 80 ms with 8 or 16 rows put bursts of 64 at p95 380, 420, 801, 498 ms
-    # against 611, 549, 636, 681, and held most rounds at 288 over 16 s as bursts (p95
-    # 1141-1376 against 669-895); the count of urgent ones alone is unmeasured. 0: off.
+    # against 611, 549, 636, 681, and counted most of its held rounds at 288 over 16 s as
+    # bursts (p95 1141-1376 against 669-895); urgent ones alone are unmeasured. 0: off.
     first_chunk_burst_hold_ms: float = 0.0
     first_chunk_burst_rows: int = 8
     # The largest chunk, in speech tokens (25 a second, on the 25-token grid): what a patient

@@ -1061,8 +1061,8 @@ class AudioStage:
         `first_chunk_burst_hold_s` it is that long, for urgent first chunks only, while a
         burst is under way: at least `burst_rows` urgent first chunks queued or expected
         within it. Only the urgent ones count: in round 58 of docs/benchmarks.md a count of
-        every expected first chunk, later segments' too (four a session), made a burst of
-        most held rounds at 288 sessions over 16 s, which then lost."""
+        every expected first chunk, later segments' too (four a session), took most held
+        rounds at 288 sessions over 16 s for burst holds, and lost there."""
         if not any(j.chunk_index == 0 and j.urgent for j in self._pending):
             return
         longest = max((e.round_s for e in self._coming.values()), default=0.0)
