@@ -128,6 +128,8 @@ STAGE_TUNABLE: dict[str, type] = {"fill_padding": bool, "split_call_cost": int, 
 # The bounds of the float settings (milliseconds; a knob is at least 0).
 _STAGE_KNOB_MAX: dict[str, float] = {"pipeline_lead_ms": MAX_PIPELINE_LEAD_MS, "hold_ms": MAX_FIRST_CHUNK_HOLD_MS,
                                      "burst_hold_ms": MAX_FIRST_CHUNK_HOLD_MS}
+# The least an integer setting may be, where not 0 (as `EngineConfig` checks it).
+_STAGE_KNOB_MIN: dict[str, int] = {"burst_rows": 1}
 
 
 def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
@@ -138,8 +140,9 @@ def check_stage_knobs(knobs: dict[str, object]) -> dict[str, object]:
             raise ValueError(f"{name!r} is not a tunable stage setting (one of {', '.join(sorted(STAGE_TUNABLE))})")
         if kind is bool and not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        least = _STAGE_KNOB_MIN.get(name, 0)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
                               or not 0 <= value <= _STAGE_KNOB_MAX[name]):  # also refuses NaN
             raise ValueError(f"{name} must be a number in 0..{_STAGE_KNOB_MAX[name]:g}, got {value!r}")

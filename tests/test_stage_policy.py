@@ -961,8 +961,9 @@ def test_the_burst_hold_is_set_up_from_the_config_and_checked(flow, hift, tmp_pa
     assert check_stage_knobs({"burst_hold_ms": 80, "burst_rows": 16}) == {"burst_hold_ms": 80.0, "burst_rows": 16}
     with pytest.raises(ValueError, match="burst_hold_ms must be a number in 0..1000"):
         check_stage_knobs({"burst_hold_ms": 1001})
-    with pytest.raises(ValueError, match="burst_rows must be an integer"):
-        check_stage_knobs({"burst_rows": 1.5})
+    for bad in (1.5, 0):  # as the configuration: a burst is at least one first chunk
+        with pytest.raises(ValueError, match="burst_rows must be an integer >= 1"):
+            check_stage_knobs({"burst_rows": bad})
 
 
 def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
