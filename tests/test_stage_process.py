@@ -537,6 +537,24 @@ def test_an_engine_with_fill_padding_serves_from_a_stage_process(tiny_model_dir)
     assert len(pcm) == 4 and all(p.size > 0 for p in pcm)
 
 
+class _Pipe:
+    """A connection that keeps what is sent on it."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, batch: list) -> None:
+        self.sent.extend(batch)
+
+
+def _wired_remote() -> RemoteStage:
+    """A `RemoteStage` without a process: what it sends stays in `_conn.sent`."""
+    remote = RemoteStage.__new__(RemoteStage)
+    remote._conn, remote._error, remote._closed = _Pipe(), None, False  # type: ignore[assignment]
+    remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+    return remote
+
+
 def test_stage_settings_tuned_while_serving_reach_the_stage_process():
     """`RemoteStage.tune` refuses a bad knob itself and sends the rest; the stage's side sets
     them (`POST /debug/planner` with `debug_tuning`: A/B levels on one gateway)."""
@@ -548,19 +566,10 @@ def test_stage_settings_tuned_while_serving_reach_the_stage_process():
             for name, value in knobs.items():
                 setattr(self, name, value)
 
-    class Pipe:
-        def __init__(self) -> None:
-            self.sent: list = []
-
-        def send(self, batch: list) -> None:
-            self.sent.extend(batch)
-
     async def fn() -> None:
         stage = Stage()
-        server = _StageServer(conn=Pipe(), stage=stage)  # type: ignore[arg-type]
-        remote = RemoteStage.__new__(RemoteStage)
-        remote._conn, remote._error, remote._closed = Pipe(), None, False
-        remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+        server = _StageServer(conn=_Pipe(), stage=stage)  # type: ignore[arg-type]
+        remote = _wired_remote()
         with pytest.raises(ValueError, match="split_call_cost"):
             remote.tune({"split_call_cost": -5})
         assert remote._conn.sent == []
@@ -587,21 +596,12 @@ def test_a_first_chunks_announcement_reaches_the_stage_process_with_its_urgency(
         def expect_first_chunk(self, stream: object, due: float, round_s: float | None, urgent: bool) -> None:
             self.expected.append((stream, due, round_s, urgent))
 
-    class Pipe:
-        def __init__(self) -> None:
-            self.sent: list = []
-
-        def send(self, batch: list) -> None:
-            self.sent.extend(batch)
-
     async def fn() -> None:
         stage = Stage()
-        server = _StageServer(conn=Pipe(), stage=stage)  # type: ignore[arg-type]
+        server = _StageServer(conn=_Pipe(), stage=stage)  # type: ignore[arg-type]
         inner = object()
         server.streams[4] = inner
-        remote = RemoteStage.__new__(RemoteStage)
-        remote._conn, remote._error, remote._closed = Pipe(), None, False
-        remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+        remote = _wired_remote()
         remote.expect_first_chunk(RemoteStream(4), 12.5, 0.3, urgent=False)
         remote.expect_first_chunk(RemoteStream(9), 13.0)  # a stream the stage no longer has
         assert remote._conn.sent == [("expect", 4, 12.5, 0.3, False), ("expect", 9, 13.0, None, True)]
@@ -615,12 +615,6 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
     """`RemoteStage` keeps the patience count in the engine's process, where the first
     chunks are planned: from a patient chunk to the next one that is not. Each chunk's
     patience travels with it too (the stage's second-chunk cut reads it there)."""
-    sent: list = []
-
-    class Pipe:
-        def send(self, batch: list) -> None:
-            sent.extend(batch)
-
     class Stage:
         rounds = None
 
@@ -633,9 +627,7 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
             self.jobs.append(job)
 
     async def fn() -> list[tuple[int, int]]:
-        remote = RemoteStage.__new__(RemoteStage)
-        remote._conn, remote._error, remote._closed = Pipe(), None, False
-        remote._released_streams, remote._released_tensors = collections.deque(), collections.deque()
+        remote = _wired_remote()
         remote._ids, remote._tensors, remote._jobs = itertools.count(), {}, {}
         remote._live, remote._patient = weakref.WeakSet(), weakref.WeakSet()
         remote._loop = asyncio.get_running_loop()
@@ -658,10 +650,10 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
         remote.max_batch = 2
         assert remote.round_estimate(streams[0], 50, due_rounds=True) == pytest.approx(0.15)
         assert remote.round_estimate(streams[0], 50, skip_patient=True) == pytest.approx(0.1)
-        submits = [m for batch in sent for m in (batch if isinstance(batch, list) else [batch]) if m[0] == "submit"]
+        submits = [m for batch in remote._conn.sent for m in (batch if isinstance(batch, list) else [batch]) if m[0] == "submit"]
         assert [m[-1] for m in submits] == [True, True, False]
         stage = Stage()
-        server = _StageServer(conn=Pipe(), stage=stage)  # type: ignore[arg-type]
+        server = _StageServer(conn=_Pipe(), stage=stage)  # type: ignore[arg-type]
         server.chunk = lambda wire: chunk  # type: ignore[method-assign]
         server.streams = {m[2]: object() for m in submits}
         server.handle(submits)
