@@ -395,6 +395,9 @@ def test_ctrl_c_keeps_the_audio_received_and_exits_130(srv: LiveServer, tmp_path
         [sys.executable, "-m", "gateway.stream_cli", "--url", srv.ws_url, "--api-key", API_KEY,
          "--file", str(tmp_path / "in.txt"), "--rate", "10", "--out", str(out)],
         cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # A shell without job control starts background commands with SIGINT ignored, and a
+        # child inherits that: the CLI would then never see the Ctrl-C sent below.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stderr is not None
