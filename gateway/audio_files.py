@@ -68,11 +68,13 @@ class DecodedAudio:
 UPLOAD_CONTAINERS = "wav,w64,mp3,flac,ogg,mov,mp4,m4a,matroska,webm,aac,aiff,caf"
 
 
-def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
+def decode_audio(data: bytes, max_seconds: float | None = None, max_damaged_packets: int = 8) -> DecodedAudio:
     """Decode the first audio stream of `data` to float32 mono.
 
     `max_seconds` stops decoding early (raising ``audio_too_long``) so a small but very
     long compressed file cannot make us decode minutes of audio into memory.
+    Up to `max_damaged_packets` packets the decoder refuses become silence of their
+    duration; one more makes the upload a 400 ``invalid_audio``.
     """
     if not data:
         raise ApiError(400, "invalid_audio", "the audio file is empty")
@@ -84,60 +86,108 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> DecodedAudio:
         if not container.streams.audio:
             raise ApiError(400, "invalid_audio", "the file has no audio stream")
         stream = container.streams.audio[0]
-        parts: list[np.ndarray] = []
-        total = 0
-        rate = 0
-        # Packed float, channels averaged here: an honest mono mix regardless of the
-        # channel layout libswresample would assume. Packed, not planar: PyAV 18's
-        # `to_ndarray` of a planar frame with 8 or more channels crashes the process
-        # (the frame's first 8 data pointers only), and a packed frame is one plane.
-        resampler: av.AudioResampler | None = None
-        setup: tuple[str, str, int] | None = None
-
-        def keep(frames: list[av.AudioFrame]) -> None:
-            nonlocal total
-            for out in frames:
-                mono = _packed_mono(out)
-                parts.append(mono)
-                total += mono.shape[0]
-            # Output samples at `rate`, whatever rate the input had: the limit holds
-            # across a mid-stream switch too.
-            if max_seconds is not None and rate and total > (max_seconds + 1.0) * rate:
-                raise ApiError(400, "audio_too_long", f"audio is longer than {max_seconds:g} s")
-
+        timeline = _MonoTimeline(max_seconds)
+        refused = 0
         try:
-            for frame in container.decode(stream):
-                key = (frame.format.name, frame.layout.name, int(frame.sample_rate))
-                if key != setup:
-                    # A resampler takes one input setup only (PyAV raises ValueError on a
-                    # frame that differs, a passthrough one returns it unconverted), and
-                    # a stream may change: ADTS/MP3 rate or channel changes, an MP3 frame
-                    # with a damaged header decoding as stereo. Drain the old resampler
-                    # and go on with one at the first frame's rate, so the output is one
-                    # timeline (each keeps its input's layout: `_packed_mono` mixes).
-                    if resampler is not None:
-                        keep(resampler.resample(None))
-                    else:
-                        rate = int(frame.sample_rate)
-                    resampler = av.AudioResampler(format="flt", layout=frame.layout.name, rate=rate)
-                    setup = key
-                keep(resampler.resample(frame))
-            if resampler is not None:
-                keep(resampler.resample(None))
+            for packet in container.demux(stream):
+                try:
+                    frames = packet.decode()
+                except av.error.InvalidDataError as exc:
+                    # One damaged frame (a flipped header bit) should not cost the
+                    # whole upload, as it does not in ffmpeg's CLI; many of them mean
+                    # the file is not what it claims.
+                    refused += 1
+                    if refused > max_damaged_packets:
+                        raise ApiError(
+                            400, "invalid_audio",
+                            f"audio could not be decoded: more than {max_damaged_packets} damaged packets",
+                        ) from exc
+                    if packet.duration and packet.time_base:
+                        timeline.add_silence(float(packet.duration * packet.time_base))
+                    continue
+                for frame in frames:
+                    timeline.add(frame)
+            timeline.drain()
         except (av.error.FFmpegError, ValueError) as exc:
             # ValueError: PyAV's own checks (a layout or format it cannot set up, a frame
             # its resampler rejects) fail on what the upload holds, not on the server.
             raise ApiError(400, "invalid_audio", f"audio could not be decoded ({exc.__class__.__name__})") from exc
-        if not parts or rate <= 0:
+        if not timeline.parts or timeline.rate <= 0:
             raise ApiError(400, "invalid_audio", "the file contains no audio samples")
         # Not clipped: the official frontend reads a float file's samples as they are,
         # and a lossy decoder's overshoot past full scale is part of the signal.
-        samples = np.concatenate(parts).astype(np.float32)
+        samples = np.concatenate(timeline.parts).astype(np.float32)
         if not np.isfinite(samples).all():
             raise ApiError(400, "invalid_audio", "the audio has samples that are not finite numbers")
-        return DecodedAudio(samples=samples, sample_rate=rate)
+        return DecodedAudio(samples=samples, sample_rate=timeline.rate)
     finally:
         container.close()
+
+
+class _MonoTimeline:
+    """Decoded frames in, whatever their setup, one float32 mono timeline out at the
+    first frame's sample rate.
+
+    Packed float, channels averaged here: an honest mono mix regardless of the channel
+    layout libswresample would assume. Packed, not planar: PyAV 18's `to_ndarray` of a
+    planar frame with 8 or more channels crashes the process (the frame's first 8 data
+    pointers only), and a packed frame is one plane.
+    """
+
+    def __init__(self, max_seconds: float | None) -> None:
+        self.max_seconds = max_seconds
+        self.parts: list[np.ndarray] = []
+        self.rate = 0
+        self._total = 0
+        self._resampler: av.AudioResampler | None = None
+        self._setup: tuple[str, str, int] | None = None
+
+    def add(self, frame: av.AudioFrame) -> None:
+        key = (frame.format.name, frame.layout.name, int(frame.sample_rate))
+        if key != self._setup:
+            # A resampler takes one input setup only (PyAV raises ValueError on a frame
+            # that differs, a passthrough one returns it unconverted), and a stream may
+            # change: ADTS/MP3 rate or channel changes, an MP3 frame with a damaged
+            # header decoding as stereo. Drain the old resampler and go on with one at
+            # the first frame's rate (each keeps its input's layout: `_packed_mono`
+            # mixes).
+            self.drain()
+            self.rate = self.rate or int(frame.sample_rate)
+            self._resampler = av.AudioResampler(format="flt", layout=frame.layout.name, rate=self.rate)
+            self._setup = key
+        assert self._resampler is not None
+        self._keep(self._resampler.resample(frame))
+
+    def add_silence(self, seconds: float) -> None:
+        """Silence where the decoder refused a packet, so the timeline (and a voice
+        prompt's length against its transcript) stays what was recorded. Before the
+        first decoded frame the rate is unknown and nothing is added."""
+        self.drain()
+        count = int(round(seconds * self.rate))
+        if count > 0:
+            # Counted before it is made: a packet's duration is the container's word.
+            self._count(count)
+            self.parts.append(np.zeros(count, dtype=np.float32))
+
+    def drain(self) -> None:
+        """Take what the resampler still holds; the next frame gets a new one."""
+        if self._resampler is not None:
+            self._keep(self._resampler.resample(None))
+        self._resampler = None
+        self._setup = None
+
+    def _keep(self, frames: list[av.AudioFrame]) -> None:
+        for out in frames:
+            mono = _packed_mono(out)
+            self.parts.append(mono)
+            self._count(mono.shape[0])
+
+    def _count(self, samples: int) -> None:
+        self._total += samples
+        # Output samples at `rate`, whatever rate the input had: the limit holds across
+        # a mid-stream switch too.
+        if self.max_seconds is not None and self.rate and self._total > (self.max_seconds + 1.0) * self.rate:
+            raise ApiError(400, "audio_too_long", f"audio is longer than {self.max_seconds:g} s")
 
 
 def _packed_mono(frame: av.AudioFrame) -> np.ndarray:

@@ -73,6 +73,9 @@ class VoiceLimits:
     # Each holds its upload (a 20 MiB JSON body peaks at ~140 MB in the handler) and
     # threads of the default pool that synthesis shares (decoding, featurising).
     max_concurrent_registrations: int = 4
+    # Packets of the upload the decoder refuses (a damaged MP3 frame) that
+    # become silence of their length; one more is a 400 invalid_audio. 0: any refuses.
+    max_damaged_packets: int = 8
 
     def __post_init__(self) -> None:
         for name in ("min_seconds", "min_sample_rate", "max_upload_bytes", "max_transcript_chars", "max_name_chars",
@@ -86,6 +89,8 @@ class VoiceLimits:
         if self.max_seconds > MAX_PROMPT_SECONDS:
             raise ValueError(f"voices.max_seconds must be <= {MAX_PROMPT_SECONDS:g} (the speech tokenizer's limit), "
                              f"not {self.max_seconds}")
+        if not self.max_damaged_packets >= 0:
+            raise ValueError(f"voices.max_damaged_packets must be >= 0, not {self.max_damaged_packets}")
         if self.min_sample_rate < MIN_INPUT_SAMPLE_RATE:
             raise ValueError(f"voices.min_sample_rate must be >= {MIN_INPUT_SAMPLE_RATE}, not {self.min_sample_rate}")
         try:
@@ -468,7 +473,7 @@ class VoiceStore:
         lim = self.limits
         if len(audio_bytes) > lim.max_upload_bytes:
             raise ApiError(413, "audio_too_large", f"audio file exceeds {lim.max_upload_bytes} bytes")
-        audio = decode_audio(audio_bytes, max_seconds=lim.max_seconds)
+        audio = decode_audio(audio_bytes, max_seconds=lim.max_seconds, max_damaged_packets=lim.max_damaged_packets)
         if audio.sample_rate < lim.min_sample_rate:
             raise ApiError(400, "sample_rate_too_low",
                            f"sample rate {audio.sample_rate} Hz is below {lim.min_sample_rate} Hz")

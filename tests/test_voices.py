@@ -22,6 +22,7 @@ import pytest
 from gateway.audio_files import decode_audio, wav_bytes
 from gateway.errors import ApiError
 from gateway.voices import VoiceInfo, VoiceLimits, VoiceStore
+from test_audio_formats import mp3_with_damaged_frames, refused_packets
 from helpers import SR, CountingEngine, LoopThread, create_engine, same_prompt, tone, tone_wav  # noqa: F401 (re-exported)
 
 
@@ -215,6 +216,27 @@ def test_voice_count_limit(tmp_path: Path, run, engine) -> None:
     run(scenario())
     with pytest.raises(ValueError, match="voices.max_voices must be > 0"):
         VoiceLimits(max_voices=0)
+
+
+def test_damaged_packets_limit(tmp_path: Path, run, engine) -> None:
+    """`max_damaged_packets`: an MP3 with two frames the decoder refuses registers at its
+    full length (the frames kept as silence); under a limit of one it is a 400."""
+    mp3 = mp3_with_damaged_frames((12, 40), seconds=3.5)
+    assert refused_packets(mp3) == 2
+
+    async def scenario() -> None:
+        store = await open_store(tmp_path, engine, max_damaged_packets=1)
+        with pytest.raises(ApiError) as err:
+            await store.register("v", None, "hi", mp3, audio_ext=".mp3")
+        assert (err.value.status, err.value.code) == (400, "invalid_audio") and store.get("v") is None
+        store.limits = VoiceLimits()
+        info = await store.register("v", None, "hi", mp3, audio_ext=".mp3")
+        assert (info.sample_rate, info.duration_s) == (24000, pytest.approx(3.5, abs=1e-3))
+        await store.close()
+
+    run(scenario())
+    with pytest.raises(ValueError, match="voices.max_damaged_packets must be >= 0"):
+        VoiceLimits(max_damaged_packets=-1)
 
 
 def test_concurrent_registrations_of_one_id(tmp_path: Path, run, engine) -> None:
