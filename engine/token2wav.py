@@ -1071,7 +1071,9 @@ class AudioStage:
         longest = max((e.round_s for e in self._coming.values()), default=0.0)
         hold = max(self.first_chunk_hold_s, self.first_chunk_hold_share * longest)
         start = time.monotonic()
-        firsts = sum(1 for j in self._pending if j.chunk_index == 0)
+        # The chunks queued before the hold (`submit` numbers them in order): those queued
+        # during it are what it caught, whatever was dropped meanwhile (`drop_cancelled`).
+        before = max((j.seq for j in self._pending), default=-1)
         burst = False
         if self.first_chunk_burst_hold_s > hold:
             window = self.first_chunk_burst_hold_s
@@ -1088,8 +1090,11 @@ class AudioStage:
                 break
             held = True
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the woken wait's
+            # result when the stage's close cancels it in the same turn, and the loop runs on.
             try:
-                await asyncio.wait_for(self._wake.wait(), until - now)
+                async with asyncio.timeout(until - now):
+                    await self._wake.wait()
             except TimeoutError:
                 break
         for expected in self._coming.values():  # this round starts without them
@@ -1099,7 +1104,7 @@ class AudioStage:
             st.first_chunk_holds += 1
             st.first_chunk_burst_holds += burst
             st.first_chunk_hold_seconds += time.monotonic() - start
-            st.first_chunk_hold_caught += sum(1 for j in self._pending if j.chunk_index == 0) - firsts
+            st.first_chunk_hold_caught += sum(1 for j in self._pending if j.chunk_index == 0 and j.seq > before)
 
     async def _serve_batch(self) -> None:
         """Take one batch and run it. Its own frame, so that nothing of the batch outlives

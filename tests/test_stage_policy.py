@@ -966,6 +966,72 @@ def test_the_burst_hold_is_set_up_from_the_config_and_checked(flow, hift, tmp_pa
             check_stage_knobs({"burst_rows": bad})
 
 
+async def _until_waiting(stage: AudioStage) -> None:
+    """Until the stage's loop, woken by a submit, waits again (here: in the hold)."""
+    while stage._wake.is_set():
+        await asyncio.sleep(0)
+
+
+def test_a_close_as_a_held_round_wakes_ends_the_stage(flow, hift) -> None:
+    """A close that lands as the hold's wait is woken (a chunk queued in the same turn of
+    the loop) still ends the stage's loop: on Python 3.11 `asyncio.wait_for` returns the
+    woken wait's result and swallows the cancel, and the loop then waits for work for ever."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=5.0)
+
+    async def go() -> bool:
+        streams = [stage.new_stream(), stage.new_stream()]
+        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=streams[i], speed=1.0, chunk_index=0,
+                         is_cancelled=lambda: False) for i in range(2)]
+        await stage.start()
+        stage.expect_first_chunk(streams[1], time.monotonic() + 0.5)
+        stage.submit(jobs[0])
+        await _until_waiting(stage)  # the loop is in the hold, waiting for the announced chunk
+        stage.submit(jobs[1])  # wakes the hold's wait ...
+        await asyncio.sleep(0)  # ... whose inner wait ends before the hold resumes
+        closing = asyncio.create_task(stage.close())
+        done, _ = await asyncio.wait({closing}, timeout=3.0)
+        if not done:  # let the test end: the second cancel reaches the loop's idle wait
+            stage._task.cancel()
+            await closing
+        return bool(done)
+
+    assert asyncio.run(go()), "the stage's close hung: the hold swallowed its cancel"
+
+
+@pytest.mark.parametrize("comes", [True, False])
+def test_the_hold_counts_the_first_chunks_it_caught_when_a_queued_one_is_dropped(flow, hift, comes) -> None:
+    """`first_chunk_hold_caught` counts the first chunks queued during the hold: a queued
+    first chunk whose utterance is cancelled meanwhile (`drop_cancelled`) takes none off it,
+    and the counter never falls."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=0.4)
+    cancelled = [False]
+
+    async def go() -> None:
+        streams = [stage.new_stream(), stage.new_stream()]
+        jobs = [ChunkJob(flow=_chunk(30, seed=0), hift_stream=streams[0], speed=1.0, chunk_index=0,
+                         is_cancelled=lambda: cancelled[0]),
+                ChunkJob(flow=_chunk(30, seed=1), hift_stream=streams[1], speed=1.0, chunk_index=0,
+                         is_cancelled=lambda: False)]
+        await stage.start()
+        stage.expect_first_chunk(streams[1], time.monotonic() + 0.2)
+        stage.submit(jobs[0])
+        await _until_waiting(stage)  # held for the announced chunk
+        cancelled[0] = True  # the first utterance is cancelled (`Session.cancel`)
+        stage.drop_cancelled()
+        try:
+            if comes:
+                await asyncio.sleep(0.1)
+                await stage.run(jobs[1])
+            else:
+                await asyncio.sleep(0.6)
+        finally:
+            await stage.close()
+
+    asyncio.run(go())
+    assert stage.stats.first_chunk_holds == 1
+    assert stage.stats.first_chunk_hold_caught == (1 if comes else 0)
+
+
 def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
     """Only a round that starts someone's first audio waits: later chunks are due to
     sessions already playing."""
