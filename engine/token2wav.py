@@ -720,8 +720,10 @@ class AudioStage:
         (time.monotonic): a round about to start with other first chunks may wait for it
         (`_hold`), longer when missing a round would cost it `round_s` seconds and
         `first_chunk_hold_share` is set, or when it is `urgent` (its listener will be
-        waiting for it) and one of a burst. Its `submit` clears it."""
-        self._coming[stream] = _Expected(due, round_s or 0.0, urgent)
+        waiting for it) and one of a burst. Its `submit` clears it. Announced again (the
+        session's `hold_refresh`), it keeps whether a round already passed it over."""
+        before = self._coming.get(stream)
+        self._coming[stream] = _Expected(due, round_s or 0.0, urgent, passed=before is not None and before.passed)
 
     def worker_busy_for(self) -> float | None:
         """Seconds the device work running now (a round, a capture, a warm-up, or the wait

@@ -1032,6 +1032,29 @@ def test_the_hold_counts_the_first_chunks_it_caught_when_a_queued_one_is_dropped
     assert stage.stats.first_chunk_hold_caught == (1 if comes else 0)
 
 
+def test_a_first_chunk_announced_again_after_a_round_passed_it_over_counts_as_passed_over(flow, hift) -> None:
+    """`first_chunk_passed_over` counts a first chunk that a round of first chunks started
+    without, also when its session announced it again meanwhile (`hold_refresh`)."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=0.001)
+
+    async def go() -> None:
+        streams = [stage.new_stream(), stage.new_stream()]
+        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=streams[i], speed=1.0, chunk_index=0,
+                         is_cancelled=lambda: False) for i in range(2)]
+        await stage.start()
+        try:
+            stage.expect_first_chunk(streams[1], time.monotonic() + 60.0)  # beyond the hold
+            await stage.run(jobs[0])  # a round of first chunks starts without it
+            stage.expect_first_chunk(streams[1], time.monotonic())  # announced again
+            await stage.run(jobs[1])
+        finally:
+            await stage.close()
+
+    asyncio.run(go())
+    assert stage.batches == [[0], [1]]
+    assert stage.stats.first_chunk_passed_over == 1
+
+
 def test_a_round_without_first_chunks_does_not_wait(flow, hift) -> None:
     """Only a round that starts someone's first audio waits: later chunks are due to
     sessions already playing."""
