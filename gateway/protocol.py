@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 
 from engine.types import SPEED_RANGE  # WebSocket and HTTP speech alike, as the engine
 
-from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
+from .audio import FORMATS, OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
 from .segmenter import MIN_MAX_CHARS, Segment, SegmentReason, Segmenter, SegmenterConfig, _is_cjk
 
 
@@ -364,6 +364,8 @@ def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
     if language is not None and len(language) > 16:
         raise _Invalid("invalid_message", "'language' is at most 16 characters")
     fmt = _opt(obj, "format", str, "a string")
+    if fmt is not None and fmt not in FORMATS:  # `resolve_format` would quote it whole
+        raise _Invalid("unsupported_format", f"unknown format {echo(fmt)!r}; expected one of {', '.join(FORMATS)}")
     rate = _number(obj, "sample_rate", *SAMPLE_RATE_RANGE, code="unsupported_format", integer=True)
     if fmt is not None or rate is not None:
         try:  # validate now so the error names the message that was wrong
@@ -410,11 +412,23 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _is_unicode(obj: Any) -> bool:
-    """True when every string in ``obj`` is encodable as UTF-8 (no lone surrogates)."""
-    try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
+    """True when every string in ``obj`` is encodable as UTF-8 (no lone surrogates).
+
+    Walked with a list, not recursively: an object nested as deep as `json.loads` just took
+    made a recursive walk (`json.dumps`, a call deeper) raise RecursionError."""
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(item, dict):
+            todo.extend(item)  # the keys
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
     return True
 
 

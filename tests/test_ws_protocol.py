@@ -956,3 +956,31 @@ def test_a_socket_task_cancelled_twice_still_ends_its_contexts() -> None:
         await _until(lambda: conn._writer_task is not None and conn._writer_task.done())
 
     asyncio.run(main())
+
+
+# ---- found by a review of the WebSocket path ------------------------------------------------
+
+
+def test_a_frame_nested_as_deep_as_json_takes_is_refused_not_raised() -> None:
+    """A lone-surrogate escape sends the parsed object through a second, recursive walk
+    (`_is_unicode`), one call deeper than `json.loads`: at the one nesting depth that
+    `json.loads` still took, that walk raised RecursionError out of a parser that promises
+    never to raise, and the reader answered `internal_error`. Where the stack runs out
+    depends on the caller's depth, so every depth up to past the limit is tried."""
+    import sys
+
+    for depth in range(1, sys.getrecursionlimit() + 100):
+        raw = '{"type":"text","context_id":"a","text":"\\ud800","x":' + "[" * depth + "]" * depth + "}"
+        res = parse_client_message(raw, WsLimits())
+        assert isinstance(res, ProtocolError) and res.code in ("invalid_message", "invalid_json"), (depth, res)
+
+
+def test_an_unknown_format_is_quoted_back_cut_short() -> None:
+    """Client strings quoted back in errors are cut to 128 characters (docs/protocol.md): an
+    unknown `format` was quoted whole, so a 60 KB name cost a 60 KB error event."""
+    limits = WsLimits(max_message_bytes=65536)
+    for msg in ({"type": "config", "format": "f" * 60000},
+                {"type": "open", "context_id": "a", "format": "f" * 60000, "sample_rate": 16000}):
+        res = parse_client_message(json.dumps(msg), limits)
+        assert isinstance(res, ProtocolError) and res.code == "unsupported_format", res
+        assert "f" * 128 in res.message and len(res.message) < 300, len(res.message)
