@@ -23,7 +23,11 @@ Design points:
 * The first segment of a context may end at a clause mark (comma, colon ...) so the
   first audio starts early; later segments end at sentence ends.
 * No segment is longer than ``max_chars``: long runs are cut at the last clause mark,
-  else the last whitespace, else hard.
+  else the last whitespace, else hard. Such a cut waits for something besides whitespace
+  past ``max_chars`` ("No." is decided by the word after it), reads what the segments
+  before it hold (the word before a mark may have begun in one), and a cut inside a run
+  of marks leaves the rest of the run to be read again: otherwise a forced cut would
+  depend on where the messages ended.
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ class Segment:
 class _Boundary:
     pos: int  # cut position in the buffer (segment = buf[:pos])
     sentence: bool  # False = clause mark
+    start: int  # where its run of marks (or newlines) starts: buf[start:pos] ends the segment
 
 
 @dataclass(frozen=True)
@@ -213,13 +218,14 @@ _CJK_NOT_DECIMAL = (_CJK_SENTENCE | _CJK_CLAUSE) - {"．"}
 _ADDRESS_CHARS = frozenset("/@:\\_=&#%")
 
 
-def _eager_end(buf: str, i: int, run: _Pending) -> bool:
+def _eager_end(buf: str, i: int, run: _Pending, opens: int) -> bool:
     """Whether the mark run ``buf[i:]`` (closing the buffer; ``run`` sums it up) is a
     boundary as long as a whitespace would follow: the one case the next character could
-    still veto is left to it (digits, abbreviations, addresses, a ".." that may grow to "...")."""
+    still veto is left to it (digits, abbreviations, addresses, a ".." that may grow to "...").
+    Never a run that would be a segment by itself (one opening the segment, at ``opens``)."""
     if buf[i] in _CJK_NOT_DECIMAL:
-        return i > 0  # no decimal point or address part: "共3。" ends there
-    if i == 0 or not (buf[i - 1].isalpha() or buf[i - 1] in _CLOSERS):
+        return i > opens  # no decimal point or address part: "共3。" ends there
+    if i == opens or not (buf[i - 1].isalpha() or buf[i - 1] in _CLOSERS):
         return False  # "3." may become "3.5", "1," "1,000"
     if not run.eager or (run.dots and run.marks == 2):
         return False
@@ -243,7 +249,7 @@ def _summed_up(buf: str, i: int, j: int, sentence: bool, cjk: bool, known: _Pend
 
 
 def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bool = False,
-          pending: _Pending | None = None) -> tuple[list[_Boundary], int, _Pending | None]:
+          pending: _Pending | None = None, opens: int = 0) -> tuple[list[_Boundary], int, _Pending | None]:
     """The boundaries in ``buf`` from ``start`` on, in order, where the scan stopped: at an
     undecided mark run (one that more text may still change), else ``len(buf)``, and what
     it read of that run (``None`` if it stopped at the end). Passing that back as
@@ -254,7 +260,8 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
     appended: `Segmenter` keeps them and scans each appended piece once. With ``final`` the end of the buffer counts
     as "followed by whitespace", which is how flush/end resolve a trailing "." (the caller
     cuts the remainder anyway). With ``eager`` it does so for a mark run that `_eager_end`
-    accepts. ``line_start``: ``buf`` starts a line (the context's, or one after a newline).
+    accepts. ``line_start``: ``buf`` starts a line (the context's, or one after a newline);
+    ``opens``: where in ``buf`` the text not yet emitted begins (text before it is read).
     """
     out: list[_Boundary] = []
     n = len(buf)
@@ -271,7 +278,7 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
             if j >= n and not final:
                 # More newlines may follow.
                 return out, i, known if known is not None and known.run_end == j - i else _Pending(j - i)
-            out.append(_Boundary(j, True))
+            out.append(_Boundary(j, True, i))
             m = _MARK.search(buf, j)
             continue
         # Extend over a run of terminators and closing quotes: "?!", "...", "。」".
@@ -287,7 +294,7 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
             j += 1
         if j >= n and not final:
             run = _summed_up(buf, i, j, sentence, cjk, known)
-            if not (eager and _eager_end(buf, i, run)):
+            if not (eager and _eager_end(buf, i, run, opens)):
                 return out, i, run  # the run may still grow: undecided
         nxt = buf[j] if j < n else " "
         # Latin marks between CJK characters read as CJK ones, a run of them too ("吗?!我").
@@ -306,9 +313,9 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
                     run = _summed_up(buf, i, j, sentence, cjk, known)
                     return out, i, run if run.spaces_end == k - i else replace(run, spaces_end=k - i)
                 if k >= n or not (buf[k].isdigit() or buf[k] == "#"):
-                    out.append(_Boundary(j, sentence))
+                    out.append(_Boundary(j, sentence, i))
             elif not (single_dot and (_is_abbreviation(buf, i) or _is_list_marker(buf, i, line_start))):
-                out.append(_Boundary(j, sentence))
+                out.append(_Boundary(j, sentence, i))
         m = _MARK.search(buf, j)
     return out, n, None
 
@@ -344,6 +351,7 @@ class Segmenter:
         # first not yet emitted; `_scanned` is where the next scan starts.
         self._bounds: list[int] = []
         self._is_sentence: list[bool] = []
+        self._run_starts: list[int] = []  # where each one's run of marks starts
         self._sentences: list[int] = []
         self._first = self._first_sentence = 0
         self._scanned = 0
@@ -351,7 +359,14 @@ class Segmenter:
         # Context offset -> how far the whitespace from there reaches, as far as looked at
         # (`_next_content`); cleared at every cut.
         self._spaces: dict[int, int] = {}
-        self._line_start = True  # the buffer starts a line (the context, or after a newline)
+        # The emitted text just before the buffer that a boundary's decision may read (the
+        # word before a mark, the character before a run), and whether what lies before
+        # that, spaces and tabs aside, ends a line or is nothing (a list marker's line).
+        # With them a decision depends on the text alone, not on where the segments before
+        # were cut, which would depend on how the text was split into appends.
+        self._before = ""
+        self._line_start = True
+        self._buf_line_start = True  # the same of what lies before the buffer
 
     @property
     def buffered(self) -> str:
@@ -396,8 +411,20 @@ class Segmenter:
 
     def _emit(self, pos: int, reason: SegmentReason) -> Segment:
         text = self._buf[:pos]
-        if text:
-            self._line_start = text[-1] == "\n"
+        # Kept from the last word break on (at most a lookback): no decision reads past it
+        # but a list marker's, which goes on over spaces and tabs to the line's start.
+        m = _LAST_WORD_BREAK.search(text, max(len(text) - _WORD_LOOKBACK, 0), len(text))
+        if m is not None:
+            gone, self._before = self._before + text[: m.start()], text[m.start() :]
+        else:
+            before = self._before + text
+            keep = max(len(before) - _WORD_LOOKBACK, 0)
+            gone, self._before = before[:keep], before[keep:]
+        gone = gone.rstrip(" \t")
+        if gone:
+            self._line_start = gone[-1] == "\n"
+        kept = self._before.rstrip(" \t")
+        self._buf_line_start = kept[-1] == "\n" if kept else self._line_start
         seg = Segment(self._count, text, self._offset, self._offset + pos, reason)
         self._count += 1
         self._offset += pos
@@ -407,23 +434,63 @@ class Segmenter:
         self._spaces.clear()
         self._first = bisect.bisect_right(self._bounds, self._offset, self._first)
         self._first_sentence = bisect.bisect_right(self._sentences, self._offset, self._first_sentence)
+        if self._first < len(self._bounds) and self._run_starts[self._first] < self._offset:
+            self._decide_the_rest_of_a_cut_run()
         if self._first > 1024 and self._first * 2 > len(self._bounds):  # drop what was emitted
-            del self._bounds[: self._first], self._is_sentence[: self._first]
+            del self._bounds[: self._first], self._is_sentence[: self._first], self._run_starts[: self._first]
             del self._sentences[: self._first_sentence]
             self._first = self._first_sentence = 0
         return seg
 
+    def _decide_the_rest_of_a_cut_run(self) -> None:
+        """A cut inside a run of marks (a forced one: regular cuts come after runs) leaves
+        the rest of the run to be decided again, as the start of the next segment: so it is
+        when the cut comes before the run's end has arrived (`_emit` drops the undecided
+        run), and the segments must not depend on how the text was split into appends.
+        Only this run: the boundaries after it read the text, not where it was cut."""
+        k, end = self._first, self._bounds[self._first] - self._offset
+        if self._is_sentence[k]:
+            del self._sentences[self._first_sentence]
+        # The rest of the run and the character after it, which decided it.
+        shift = len(self._before)
+        found = _scan(self._before + self._buf[: end + 1], shift, False, False, self._line_start)[0]
+        if not found:
+            del self._bounds[k], self._is_sentence[k], self._run_starts[k]
+            return
+        b = found[0]  # the rest of one run: at most one boundary, where the run ended
+        self._is_sentence[k], self._run_starts[k] = b.sentence, self._offset + b.start - shift
+        if b.sentence:
+            self._sentences.insert(self._first_sentence, self._bounds[k])
+
     def _keep_scanning(self) -> None:
         """Scan what was appended since the last scan; keep the boundaries it confirms."""
+        found, stop, self._pending = self._scan_on(False, False)
         base = self._offset
-        found, stop, self._pending = _scan(self._buf, self._scanned - base, False, False, self._line_start,
-                                           self._pending)
         for b in found:
             self._bounds.append(base + b.pos)
             self._is_sentence.append(b.sentence)
+            self._run_starts.append(base + b.start)
             if b.sentence:
                 self._sentences.append(base + b.pos)
         self._scanned = base + stop
+
+    def _scan_on(self, final: bool, eager: bool) -> tuple[list[_Boundary], int, _Pending | None]:
+        """`_scan` from `_scanned` on, at buffer positions, reading the emitted text before
+        the buffer (`_before`) where a decision may reach it. Far into the buffer only a
+        list marker's run of spaces and tabs may: the buffer is then scanned as it is, not
+        copied behind `_before` (copying a long message's buffer for every segment cut
+        from it made segmenting it a third slower)."""
+        start = self._scanned - self._offset
+        if self._pending is None and _MARK.search(self._buf, start) is None:
+            return [], len(self._buf), None  # most appends (a word of an LLM's): no mark to decide
+        if start > _WORD_LOOKBACK or not self._before:
+            return _scan(self._buf, start, final, eager, self._buf_line_start, self._pending)
+        shift = len(self._before)
+        found, stop, pending = _scan(self._before + self._buf, start + shift, final, eager, self._line_start,
+                                     self._pending, shift)
+        if found:
+            found = [_Boundary(b.pos - shift, b.sentence, b.start - shift) for b in found]
+        return found, stop - shift, pending
 
     def _drain(self, final: bool) -> list[Segment]:
         cfg = self.config
@@ -432,13 +499,16 @@ class Segmenter:
             self._keep_scanning()
             # The undecided run at the end, decided as the end of the text (final) or of
             # an append (eager): not kept, the next append may decide it otherwise.
-            tail = _scan(self._buf, self._scanned - self._offset, final, cfg.eager_ends, self._line_start,
-                         self._pending)[0] if final or cfg.eager_ends else []
+            tail = self._scan_on(final, cfg.eager_ends)[0] if final or cfg.eager_ends else []
             cut = self._regular_cut(tail)
             if cut is not None:
                 out.append(self._emit(cut[0], "sentence" if cut[1] else "clause"))
                 continue
-            if len(self._buf) > cfg.max_chars:
+            # Not while "No." waits for the word after it and only whitespace is past
+            # max_chars: the word decides a boundary within them.
+            if len(self._buf) > cfg.max_chars and not (
+                    not final and self._pending is not None and self._pending.spaces_end
+                    and self._next_content(cfg.max_chars) == len(self._buf)):
                 out.append(self._emit(self._forced_cut(tail), "max"))
                 continue
             break

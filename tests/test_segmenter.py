@@ -238,12 +238,11 @@ def test_text_is_scanned_once_whatever_its_cuts(monkeypatch: pytest.MonkeyPatch,
     scan = segmenter._scan
 
     def counting(buf: str, start: int, final: bool, eager: bool = False, line_start: bool = False,
-                 pending: segmenter._Pending | None = None) -> tuple:
+                 pending: segmenter._Pending | None = None, opens: int = 0) -> tuple:
         # What the scan has not read before: from where it stopped on, less what it read there.
         read = max(pending.run_end, pending.spaces_end) if pending is not None else 0
         scanned.append(len(buf) - start - read)
-        args = (final, eager, line_start) if pending is None else (final, eager, line_start, pending)
-        return scan(buf, start, *args)
+        return scan(buf, start, final, eager, line_start, pending, opens)
 
     monkeypatch.setattr(segmenter, "_scan", counting)
     seg = Segmenter(cfg)
@@ -356,6 +355,27 @@ _CFG = st.builds(
     min_chars=st.integers(0, 20),
     max_chars=st.integers(20, 60),
 )
+
+
+@pytest.mark.parametrize("text, split, cfg, whole", [
+    # A cut forced at max_chars inside a run of marks (between "." and its closing quote):
+    # the quote opened the next segment when the run's end came in a later message, and
+    # was a segment of its own when it came in the same one.
+    (':b:ae.g." ', 9, SegmenterConfig(first_min_chars=0, max_chars=8), [":b:ae.g.", '" ']),
+    # A decision reads the word before its mark, "e.g" or ".e.g" (not an abbreviation):
+    # the text before a cut that the buffer no longer held changed it.
+    ("，.e.g.\n3", 5, SegmenterConfig(first_min_chars=1, min_chars=2, max_chars=8), ["，.", "e.g.", "\n3"]),
+    # "No." waits for the word after it; a cut forced while only whitespace came after it
+    # ended the segment before it.
+    ('"\n;;，,，No.\nMr.', 11, SegmenterConfig(first_min_chars=0, min_chars=3, max_chars=8),
+     ['"\n', ";;，,，No.", "\nMr."]),
+])
+def test_segments_do_not_depend_on_where_a_message_ends(text: str, split: int, cfg: SegmenterConfig,
+                                                        whole: list[str]) -> None:
+    """Found by a randomised comparison of one message against two (eager ends off)."""
+    cfg = replace(cfg, eager_ends=False)
+    assert texts(run(text, [len(text)], cfg)) == whole
+    assert run(text, [split, len(text)], cfg) == run(text, [len(text)], cfg)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
