@@ -275,7 +275,8 @@ _ID_FIELDS = ("id", "voice_id")
 def _first(form: Any, names: tuple[str, ...]) -> Any:
     for name in names:
         value = form.get(name)
-        if value is not None and value != "":
+        # An empty file part (a browser's file input left empty) is as empty as "".
+        if value is not None and value != "" and not (isinstance(value, UploadFile) and value.size == 0):
             return value
     return None
 
@@ -421,6 +422,8 @@ class SpeechRequest:
 
 def parse_speech_request(body: dict[str, Any], aliases: tuple[str, ...], max_chars: int) -> SpeechRequest:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "invalid_request", "field 'model' must be a string")
     if model is not None and not serves_model(model, aliases):
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; use one of {', '.join(aliases)}")
     text = body.get("input")

@@ -652,3 +652,29 @@ def test_registrations_in_progress_are_bounded(server, monkeypatch: pytest.Monke
     status, body, first_status, after_status = asyncio.run(main())
     assert status == 429 and body["error"]["code"] == "too_many_registrations"
     assert first_status == 400 and after_status == 400 and gw.registrations == 0  # not audio, but let in
+
+
+def test_a_non_string_model_is_a_400_not_a_500(server) -> None:
+    """`model` of another JSON type (a number, a list, an object) is a wrong-typed field,
+    documented as 400 invalid_request; `serves_model` called `.startswith` on it (a 500)."""
+    with server.client() as c:
+        for model in (5, ["tts-1"], {"id": "tts-1"}, True):
+            resp = c.post("/v1/audio/speech", headers=AUTH, json={"model": model, "input": "Hi.", "voice": "default"})
+            assert resp.status_code == 400 and err(resp) == (400, "invalid_request"), (model, resp.status_code)
+
+
+def test_an_empty_file_part_gives_way_to_the_next_audio_name(server) -> None:
+    """README: "Where several names are given, the first non-empty one in that order
+    counts". An empty `file` part (a form's file input left empty) beside the audio under
+    `audio` must register from `audio`, not fail with missing_audio."""
+    b = "emptyfirstboundary"
+    body = (f"--{b}\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nempty-first\r\n"
+            f"--{b}\r\nContent-Disposition: form-data; name=\"transcript\"\r\n\r\nHello there.\r\n"
+            # What a browser sends for a file input left empty.
+            f"--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"\"\r\n"
+            f"Content-Type: application/octet-stream\r\n\r\n\r\n"
+            f"--{b}\r\nContent-Disposition: form-data; name=\"audio\"; filename=\"prompt.wav\"\r\n"
+            f"Content-Type: audio/wav\r\n\r\n").encode() + tone_wav(3.5) + f"\r\n--{b}--\r\n".encode()
+    with server.client() as c:
+        resp = c.post("/v1/voices", headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={b}"}, content=body)
+        assert resp.status_code == 201, resp.text
