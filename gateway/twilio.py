@@ -473,8 +473,11 @@ class TwilioBridge:
                     await self._close_open_segment(turn, text_end=turn.flush_ends[k - 1]
                                                    if 0 < k <= len(turn.flush_ends) else None)
                 elif kind == "done":
-                    turn.finished = True
+                    # Finished only once the last segment's mark is out: until then its
+                    # audio is sent but unmarked, and the turn must count as playing (a
+                    # barge-in in between would send no `clear`).
                     await self._close_open_segment(turn, pad=True, text_end=len(turn.text))
+                    turn.finished = True
                     last = turn.segments[-1] if turn.segments else None
                     if last is not None and last.played and not turn.cleared:
                         # Heard before the turn was known to end (a flush marked it): the
@@ -485,13 +488,15 @@ class TwilioBridge:
                 elif kind == "error":
                     self.events.put_nowait(TurnError(turn.turn_id, str(item.get("code")), str(item.get("message"))))
         finally:
-            turn.finished = True
-            if not turn.cleared and not self.closed:
-                # Ended without `done` (a final error, the gateway socket gone): what was
-                # sent still plays, so its last segment gets its mark too, and `speaking`
-                # stays true until Twilio says it was played.
-                with contextlib.suppress(Exception):
-                    await self._close_open_segment(turn, pad=True)
+            try:
+                if not turn.cleared and not self.closed:
+                    # Ended without `done` (a final error, the gateway socket gone): what
+                    # was sent still plays, so its last segment gets its mark too, and
+                    # `speaking` stays true until Twilio says it was played.
+                    with contextlib.suppress(Exception):
+                        await self._close_open_segment(turn, pad=True)
+            finally:
+                turn.finished = True  # after the mark, as at `done`
 
     async def _close_open_segment(self, turn: _Turn, pad: bool = False, text_end: int | None = None) -> None:
         """A flush or the end of the turn: everything sent so far belongs to the

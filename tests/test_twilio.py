@@ -635,3 +635,31 @@ def test_a_turn_refused_while_the_last_one_plays_takes_no_more_text_quietly(gate
 
     errors = asyncio.run(main())
     assert [e.code for e in errors] == ["voice_not_found"]
+
+
+def test_the_turn_counts_as_playing_while_its_last_segment_is_closed(gateway_url: str) -> None:
+    """At the turn's `done` the last segment gets its padded frame and its mark: until the
+    mark is out, that audio is sent but unmarked, so the turn must still be playing (a
+    barge-in then sends `clear`). It was marked finished first: `speaking` read False in
+    that window (the padded frame's send, a wait for the send lock) and a barge-in sent
+    nothing, letting the last segment play out."""
+
+    async def main() -> list[tuple[bool, bool]]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        seen: list[tuple[bool, bool]] = []
+        close = bridge._close_open_segment
+
+        async def closing(turn: Any, pad: bool = False, text_end: int | None = None) -> None:
+            seen.append((pad, bridge.speaking))  # as a barge-in would read it now
+            await close(turn, pad=pad, text_end=text_end)
+
+        bridge._close_open_segment = closing  # type: ignore[method-assign]
+        await bridge.handle_twilio(START)
+        await bridge.speak(["Hello", " there."])
+        await bridge.wait_turn_sent(timeout=60)
+        await bridge.aclose()
+        return seen
+
+    seen = asyncio.run(main())
+    assert (True, True) in seen and all(speaking for _, speaking in seen), seen
