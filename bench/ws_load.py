@@ -163,6 +163,10 @@ RTF_DEFINITION = (
     "LLM's text pacing (rtf's definition in reports made before this field existed)")
 WALL_DEFINITION = ("wall_s: the level's start to the end of its last session (timeouts included; the window of "
                    "the GPU sampler, FLOP/s and stage shares); last_audio_s: the level's start to its last audio")
+# The bench's client loops are probed this often for lateness (`client_loop_lag_ms`), and a
+# level whose probe woke later than this warns.
+CLIENT_LAG_INTERVAL_S = 0.01
+CLIENT_LAG_WARN_MS = 20.0
 # A registration captures the voice's flow graphs when its prompt width is new (~1 min on
 # the H200): the client waits this long for one.
 REGISTRATION_TIMEOUT_S = 600.0
@@ -544,6 +548,8 @@ class WsSession:
                                                     text_start=int(ev.get("text_start", 0))))
                 elif kind == "error":
                     rec.errors.append(str(ev.get("code")))
+                    if ev.get("final") and ev.get("context_id") == cid:
+                        return  # the context is not open on the server: no `done` will come
                 elif kind == "done":
                     rec.done_at, rec.completed = now, True
                     return
@@ -829,16 +835,27 @@ class ClientShard:
         self.live = [s for s, c in zip(self.sessions, got) if not isinstance(c, BaseException)]
         return [f"connect:{type(c).__name__}" for c in got if isinstance(c, BaseException)]
 
-    async def run(self, t0: float) -> tuple[list[SessionRecord], list[float]]:
+    async def run(self, t0: float) -> tuple[list[SessionRecord], list[float], list[float]]:
         """Runs the live sessions (session i starts at t0 + ramp * i / n; perf_counter is
         CLOCK_MONOTONIC on Linux, one clock for every process); returns their records and,
-        per client event loop (here one), the CPU time its thread spent on them."""
+        per client event loop (here one), the CPU time its thread spent on them, and how late
+        that loop woke a probe every CLIENT_LAG_INTERVAL_S (seconds): the delay any of its
+        frames' timestamps may carry, whether the loop was busy or its process waited for a
+        CPU (which the CPU time does not show)."""
+        from gateway.loop_monitor import LoopLagMonitor
+
         p = self.plan
+        lags: list[float] = []
+        monitor = LoopLagMonitor(lags.append, CLIENT_LAG_INTERVAL_S)
+        monitor.start()
         cpu0 = time.thread_time()
-        records = await asyncio.gather(*(
-            s.run(p.pieces, p.rate, t0 + (p.ramp * s.idx / p.n if p.n > 1 else 0.0), p.settings, p.timeout)
-            for s in self.live))
-        return list(records), [time.thread_time() - cpu0]
+        try:
+            records = await asyncio.gather(*(
+                s.run(p.pieces, p.rate, t0 + (p.ramp * s.idx / p.n if p.n > 1 else 0.0), p.settings, p.timeout)
+                for s in self.live))
+        finally:
+            await monitor.stop()
+        return list(records), [time.thread_time() - cpu0], lags
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self.live))
@@ -883,9 +900,10 @@ class ShardProcesses:
     async def connect(self) -> list[str]:
         return [e for errors in await self._each() for e in errors]
 
-    async def run(self, t0: float) -> tuple[list[SessionRecord], list[float]]:
+    async def run(self, t0: float) -> tuple[list[SessionRecord], list[float], list[float]]:
         done = await self._each(t0)
-        return [r for records, _ in done for r in records], [c for _, cpus in done for c in cpus]
+        return ([r for records, _, _ in done for r in records], [c for _, cpus, _ in done for c in cpus],
+                [x for _, _, lags in done for x in lags])
 
     async def close(self) -> None:
         await self._each("close", reply=False)
@@ -940,7 +958,7 @@ async def run_level(target: Target, n: int, ctx: BenchContext, ramp: float | Non
             if ctx.register_at is not None:
                 registering = asyncio.create_task(register_meanwhile(
                     registrar, t0, ctx.register_at, f"bench-registered-{n}-{os.getpid()}-{time.time_ns()}"))
-            records, client_cpu = await clients.run(t0)
+            records, client_cpu, client_lags = await clients.run(t0)
             wall, last_audio = level_window(records, t0, time.perf_counter())
         stop.set()
         await poller
@@ -967,6 +985,14 @@ async def run_level(target: Target, n: int, ctx: BenchContext, ramp: float | Non
     if wall > 0 and busiest / wall > 0.5:
         print(f"[warning] a bench client loop was {busiest / wall:.0%} busy at {n} sessions: its timestamps "
               "may be late; spread the sessions over more processes (--client-procs)", flush=True)
+    # How late the client loops ran (every process's probe pooled): a late loop stamps frames
+    # late however little CPU it used (its process waiting for a core: the gateway's, vLLM's
+    # and the stage's processes share the host).
+    report["client_loop_lag_ms"] = summary_ms(client_lags, qs=(50, 99))
+    worst = report["client_loop_lag_ms"]["max"]
+    if worst is not None and worst > CLIENT_LAG_WARN_MS:
+        print(f"[warning] a bench client loop woke up to {worst:.0f} ms late at {n} sessions: frame timestamps "
+              "(first audio, underruns) may be off by that much", flush=True)
     return report
 
 
@@ -1308,7 +1334,7 @@ class LevelTarget:
     def met(self, lv: dict[str, Any]) -> bool:
         v = lv["first_audio_ms"][self.stat]
         return (lv["underruns"] == 0 and lv["errors"] == 0 and lv["completed"] == lv["sessions"]
-                and v is not None and v <= self.max_ms)
+                and all_played_at_once(lv) and v is not None and v <= self.max_ms)
 
     def __str__(self) -> str:
         return f"{self.stat} <= {self.max_ms:g} ms, no underrun"
@@ -1324,11 +1350,19 @@ def issue_target(sessions: int) -> LevelTarget:
     return LevelTarget("p95", TARGET_P95_MS)
 
 
+def all_played_at_once(lv: dict[str, Any]) -> bool:
+    """Whether every session of the level played at the same moment
+    (`sessions_playing_at_once`; reports without it: assumed): a level whose starts were
+    spread over a ramp longer than a session's audio never had its session count concurrent."""
+    return lv.get("sessions_playing_at_once", lv["sessions"]) >= lv["sessions"]
+
+
 def largest_clean_level(levels: Sequence[dict[str, Any]], max_p95_ms: float | None = None) -> int | None:
-    """The largest concurrency whose sessions all completed without an underrun (and, with
-    `max_p95_ms`, with a first-audio p95 at most that)."""
+    """The largest concurrency whose sessions all completed without an underrun and all
+    played at once (and, with `max_p95_ms`, with a first-audio p95 at most that)."""
     ok = [lv["sessions"] for lv in levels
           if lv["underruns"] == 0 and lv["errors"] == 0 and lv["completed"] == lv["sessions"]
+          and all_played_at_once(lv)
           and (max_p95_ms is None or (lv["first_audio_ms"]["p95"] is not None
                                       and lv["first_audio_ms"]["p95"] <= max_p95_ms))]
     return max(ok) if ok else None
@@ -1355,7 +1389,8 @@ def repeats(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             knobs["ramp_s"] = runs[0]["ramp_s"]
         out.append({"sessions": n, **knobs, "runs": len(runs), "first_audio_p95_ms": p95,
                     "median_first_audio_p95_ms": statistics.median(known) if known else None,
-                    "runs_without_underrun": sum(1 for lv in runs if largest_clean_level([lv]) == n),
+                    "runs_without_underrun": sum(1 for lv in runs if lv["underruns"] == 0 and lv["errors"] == 0
+                                                and lv["completed"] == lv["sessions"]),
                     "target": str(issue_target(n)),
                     "runs_meeting_target": sum(1 for lv in runs if issue_target(n).met(lv))})
     return out

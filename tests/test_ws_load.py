@@ -828,6 +828,7 @@ def test_sessions_spread_over_client_processes_and_a_voice_registered_meanwhile(
     assert lv["client_procs"] == 2 and lv["completed"] == 3 and lv["errors"] == 0, lv
     assert lv["first_audio_ms"]["n"] == 3 and lv["segment_first_audio_ms"]["n"] >= 6
     assert lv["audio_s"] > 0 and lv["underruns"] >= 0 and 0 < lv["client_loop_busy_share"] <= 1.05
+    assert lv["client_loop_lag_ms"]["n"] > 0  # every worker process probed its loop
     # One more voice, registered while the sessions ran: a new voice, created.
     assert 1 <= lv["sessions_playing_at_once"] <= 3
     reg = lv["registration"]
@@ -976,3 +977,75 @@ def test_the_source_digest_follows_the_sources(tmp_path) -> None:
     (b / "gateway" / "ws.py").write_text("y = 2\n")
     (b / "gateway" / "ws.py").rename(b / "gateway" / "wss.py")
     assert source_digest(a) != source_digest(b)
+
+
+# ---- review: concurrency of a clean level, sessions the server ended, client loop lag ------
+
+
+def test_a_level_whose_sessions_never_all_played_at_once_is_not_that_many_concurrent() -> None:
+    """`--ramp` longer than a session's audio: 500 sessions started, at most 140 ever played
+    together. Neither the capacity figure nor the target may read it as 500 concurrent."""
+    spread = _level(500, 200, 300, 0.2) | {"sessions_playing_at_once": 140}
+    together = _level(256, 200, 300, 0.2) | {"sessions_playing_at_once": 256}
+    assert largest_clean_level([spread, together]) == 256
+    assert largest_clean_level([spread, together], 500.0) == 256
+    assert not issue_target(500).met(spread) and issue_target(256).met(together)
+    assert largest_clean_level([_level(8, 1, 1, 1)]) == 8  # older reports without the field
+
+
+def test_a_context_the_server_ended_with_a_final_error_ends_the_session_then() -> None:
+    """The server ended the context (`final` error, no `done` will come): the session ends
+    there, not at the client's timeout, so its censored wait and last stall are the real ones."""
+    import asyncio
+    import time as _time
+
+    from bench.ws_load import WsSession
+
+    class FakeWs:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        async def send(self, msg: str) -> None:
+            self.sent.append(msg)
+
+        async def __aiter__(self):
+            yield json.dumps({"type": "error", "code": "engine_failed", "context_id": "c0", "final": True})
+            await asyncio.sleep(3600)  # the server sends nothing more
+
+    async def go() -> tuple[SessionRecord, float]:
+        s = WsSession("ws://x", 0, None)
+        s.ws = FakeWs()
+        t = _time.perf_counter()
+        rec = await s.run(["Hi", "."], 0.0, t, {}, timeout=5.0)
+        return rec, _time.perf_counter() - t
+
+    rec, took = asyncio.run(go())
+    assert took < 2.0 and not rec.completed and rec.errors == ["engine_failed"]
+    assert rec.ended_at is not None
+
+
+def test_client_loop_lag_is_measured_while_sessions_run() -> None:
+    """A client loop kept busy (or its process kept off a CPU) stamps frames late; the
+    shard reports how late its loop woke, which its CPU time alone does not show."""
+    import asyncio
+    import time as _time
+
+    from bench.ws_load import AudioFormat, ClientShard, ShardPlan
+
+    class Hog:
+        idx = 0
+
+        async def run(self, *args, **kwargs) -> SessionRecord:
+            await asyncio.sleep(0.03)
+            t = _time.perf_counter()
+            while _time.perf_counter() - t < 0.2:  # holds the loop 200 ms
+                pass
+            await asyncio.sleep(0.03)
+            return SessionRecord()
+
+    plan = ShardPlan("ws://x", None, AudioFormat("pcm_s16le", 24000), (0,), 1, ("Hi",), 30.0, 0.0, {}, 5.0)
+    shard = ClientShard(plan)
+    shard.live = [Hog()]  # type: ignore[list-item]
+    records, cpu, lags = asyncio.run(shard.run(_time.perf_counter()))
+    assert len(records) == 1 and len(cpu) == 1
+    assert max(lags) >= 0.15
