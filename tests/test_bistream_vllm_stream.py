@@ -275,3 +275,33 @@ def test_a_stream_cut_at_its_speech_limit_while_text_may_come_raises(lm: CosyVoi
     with pytest.raises(SpeechLimitReached, match="limit of 20 speech tokens"):
         asyncio.run(asyncio.wait_for(main(), timeout=60))
     assert len(got) == 20 and backend.num_active() == 0
+
+
+class _EndedBySim(SimLLM):
+    """vLLM ending the request itself after `after` tokens (an abort we did not ask for, an
+    error in the engine core): its last output is `finished` with that reason."""
+
+    def __init__(self, lm: CosyVoice3LM, after: int, reason: str) -> None:
+        super().__init__(lm)
+        self.after, self.reason = after, reason
+
+    async def generate(self, inputs: AsyncIterator[Any], base: Any, rid: str) -> AsyncIterator[Any]:
+        n = 0
+        async for out in super().generate(inputs, base, rid):
+            n += len(out.outputs[0].token_ids)
+            if n >= self.after:
+                yield self._out(out.outputs[0].token_ids, finished=True, reason=self.reason)
+                return
+            yield out
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_stream_vllm_ends_by_itself_raises_instead_of_ending_as_whole_speech(lm: CosyVoice3LM, reason: str) -> None:
+    """As `generate` does since a review: a text-in request vLLM finishes mid-run with an
+    abort we did not ask for, or an error, is not whole speech; ending quietly, the engine
+    delivered the tokens so far as a complete utterance (its last chunk finalized)."""
+    backend = SimBackend("/nonexistent", unified_vocab(lm.cfg))
+    backend._llm = _EndedBySim(lm, after=12, reason=reason)
+    with pytest.raises(RuntimeError, match=reason):
+        _collect(backend, _request(), [[200 + i] for i in range(26)])
+    assert backend.num_active() == 0

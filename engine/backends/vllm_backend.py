@@ -455,9 +455,15 @@ class VLLMBackend:
                         raise SpeechLimitReached(st.limits.hard_max)
                     if not st.in_run and not st.done:
                         need_run.set()  # the run ended on fill: send the next chunk
-                if st.done or out.finished:
+                if st.done:
                     break
                 reason = getattr(out.outputs[0], "finish_reason", None)
+                if out.finished:
+                    # The input generator ends only once the state machine is done: a request
+                    # vLLM finished before that (an abort we did not ask for, an error) is
+                    # not whole speech, and ending quietly would deliver it as if it were.
+                    raise RuntimeError(f"vLLM ended the text-in streaming request before its speech was done "
+                                       f"({reason})")
                 if reason is not None and st.in_run:
                     # vLLM stopped the run short of its fill token (its context reached
                     # max_model_len): a resumable request then pauses for input that, with
