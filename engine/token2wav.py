@@ -874,13 +874,26 @@ class AudioStage:
             # earlier audio plays first, and jumping ahead of its next chunks stalls it.
             live.sort(key=lambda j: (not (j.chunk_index == 0 and j.urgent), j.seq))
             batch, self._pending = live[: self.max_batch], live[self.max_batch :]
-        if self.first_cut and len(batch) > 1:
-            batch = self._cut_for_first_chunks(batch)
-        if self.cut_for_deadlines and len(batch) > 1:
-            batch = self._cut_for_deadlines(batch)
-        self.stats.queued = len(self._pending)
-        if self.fill_padding:
-            self._fill_padding(batch)
+        taken = batch
+        try:
+            if self.first_cut and len(batch) > 1:
+                batch = self._cut_for_first_chunks(batch)
+            if self.cut_for_deadlines and len(batch) > 1:
+                batch = self._cut_for_deadlines(batch)
+            self.stats.queued = len(self._pending)
+            if self.fill_padding:
+                self._fill_padding(batch)  # calls the sessions' `grow`
+        except Exception as exc:
+            # Taken from the queue and in no round, these chunks would wait for ever: they
+            # fail (their utterances end with the error), and the stage goes on.
+            log.exception("audio stage: a batch could not be made")
+            queued = {id(j) for j in self._pending}
+            lost = [j for j in taken if id(j) not in queued]
+            self._fail_jobs(lost, exc)
+            for job in lost:
+                if not job.started.done():
+                    job.started.cancel()  # the session's producer waits on it
+            return []
         return batch
 
     def _window_frames(self, chunk: FlowChunk) -> int:

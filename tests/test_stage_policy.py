@@ -1262,6 +1262,34 @@ def test_fill_padding_grows_short_chunks_within_the_batch_length(flow, hift) -> 
     assert alone.batches == [[0], [1]] and rooms == [[], []]
 
 
+def test_a_batch_that_cannot_be_made_fails_its_chunks_and_the_stage_goes_on(flow, hift) -> None:
+    """A chunk's `grow` raising while the batch is made (after its chunks left the queue)
+    left them in no round: whoever waited on them waited for ever. They fail with the
+    error, and the next chunk is served."""
+    stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, fill_padding=True)
+
+    def broken(room: int) -> FlowChunk | None:
+        raise ValueError("no spare tokens")
+
+    async def go() -> tuple[list[object], list[bool], object]:
+        jobs = [ChunkJob(flow=_open_chunk(w, seed=i), hift_stream=stage.new_stream(), speed=1.0, chunk_index=1,
+                         is_cancelled=lambda: False, grow=broken if i == 1 else None)
+                for i, w in enumerate([60, 30])]
+        tasks = [asyncio.create_task(stage.run(j)) for j in jobs]
+        await stage.start()
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+            later = await stage.run(ChunkJob(flow=_open_chunk(30, seed=5), hift_stream=stage.new_stream(), speed=1.0,
+                                             chunk_index=1, is_cancelled=lambda: False))
+        finally:
+            await stage.close()
+        return got, [j.started.cancelled() for j in jobs], later
+
+    got, started_cancelled, later = asyncio.run(go())
+    assert all(isinstance(g, ValueError) for g in got) and started_cancelled == [True, True]
+    assert isinstance(later, np.ndarray) and later.size and stage.batches == [[2]]
+
+
 def test_fill_padding_through_a_stage_pool(flow, hift) -> None:
     """`StagePool` queues a copy of each job: the grown chunk is what its stage runs, and
     the original job learns when its batch started."""
