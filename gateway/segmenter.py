@@ -50,6 +50,7 @@ _LATIN_CLAUSE = frozenset(",:")
 _CJK_CLAUSE = frozenset("，、：")
 # Closers that stay with the sentence they close.
 _CLOSERS = frozenset("\"')]}”’»」』】）》")
+_CLOSER_CHARS = "".join(sorted(_CLOSERS))
 # What ends a word besides whitespace (`_word_start`).
 _WORD_BREAKS = _CJK_SENTENCE | _CJK_CLAUSE | frozenset("」』】）》!?;…")
 # Where a boundary can start: a terminator, a clause mark or a newline.
@@ -357,7 +358,7 @@ class Segmenter:
         self._scanned = 0
         self._pending: _Pending | None = None  # what was read of the undecided item at _scanned
         # Context offset -> how far the whitespace from there reaches, as far as looked at
-        # (`_next_content`); cleared at every cut.
+        # (`_next_content`); at every cut only what reaches past it is kept, from the cut on.
         self._spaces: dict[int, int] = {}
         # The emitted text just before the buffer that a boundary's decision may read (the
         # word before a mark, the character before a run), and whether what lies before
@@ -367,6 +368,9 @@ class Segmenter:
         self._before = ""
         self._line_start = True
         self._buf_line_start = True  # the same of what lies before the buffer
+        # A run cut inside (`_decide_the_rest_of_a_cut_run`): its boundary's context offset, and
+        # those of its last character other than a closer and of its last CJK terminator.
+        self._cut_run: tuple[int, int, int] | None = None
 
     @property
     def buffered(self) -> str:
@@ -431,7 +435,11 @@ class Segmenter:
         self._buf = self._buf[pos:]
         if self._offset > self._scanned:  # the undecided item went with this segment
             self._scanned, self._pending = self._offset, None
-        self._spaces.clear()
+        # Whitespace known to reach past the cut still does from the new buffer's start: cuts
+        # forced one after the other into a long run of it (as after "No." and 20,000 spaces,
+        # which wait for the word after them) must not each walk it again from the start.
+        reach = max((e for a, e in self._spaces.items() if a <= self._offset < e), default=0)
+        self._spaces = {self._offset: reach} if reach else {}
         self._first = bisect.bisect_right(self._bounds, self._offset, self._first)
         self._first_sentence = bisect.bisect_right(self._sentences, self._offset, self._first_sentence)
         if self._first < len(self._bounds) and self._run_starts[self._first] < self._offset:
@@ -447,20 +455,33 @@ class Segmenter:
         the rest of the run to be decided again, as the start of the next segment: so it is
         when the cut comes before the run's end has arrived (`_emit` drops the undecided
         run), and the segments must not depend on how the text was split into appends.
-        Only this run: the boundaries after it read the text, not where it was cut."""
-        k, end = self._first, self._bounds[self._first] - self._offset
+        Only this run: the boundaries after it read the text, not where it was cut.
+
+        What precedes the rest is a mark or closer of the same run, so no word, number or
+        CJK character before it counts: the rest of a run of newlines still ends there (the
+        character after it is no newline); the rest of a run of marks does if it holds a
+        terminator (a closer alone is none) and a whitespace follows, or a CJK terminator
+        lies in it (`_scan`'s rules for a run that starts with a terminator). Where in the
+        run its last terminator and last CJK terminator lie is read once per run: reading
+        the rest again at every cut forced inside a long run was quadratic ("a" + 20,000
+        "!" + " " in one message, max_chars 8: 2.6 s)."""
+        k, base, buf = self._first, self._offset, self._buf
+        key, end = self._bounds[k], self._bounds[k] - base
         if self._is_sentence[k]:
             del self._sentences[self._first_sentence]
-        # The rest of the run and the character after it, which decided it.
-        shift = len(self._before)
-        found = _scan(self._before + self._buf[: end + 1], shift, False, False, self._line_start)[0]
-        if not found:
-            del self._bounds[k], self._is_sentence[k], self._run_starts[k]
-            return
-        b = found[0]  # the rest of one run: at most one boundary, where the run ended
-        self._is_sentence[k], self._run_starts[k] = b.sentence, self._offset + b.start - shift
-        if b.sentence:
-            self._sentences.insert(self._first_sentence, self._bounds[k])
+        if buf[0] != "\n":
+            if self._cut_run is None or self._cut_run[0] != key:
+                rest = buf[:end]
+                last_mark = base + len(rest.rstrip(_CLOSER_CHARS)) - 1  # base - 1 if none
+                last_cjk = base + max(rest.rfind(c) for c in _CJK_SENTENCE)
+                self._cut_run = (key, last_mark, last_cjk)
+            _, last_mark, last_cjk = self._cut_run
+            if last_mark < base or not (buf[end].isspace() or last_cjk >= base):
+                del self._bounds[k], self._is_sentence[k], self._run_starts[k]
+                return
+        # A sentence end: a run of newlines, or a run of marks from a terminator on.
+        self._is_sentence[k], self._run_starts[k] = True, base
+        self._sentences.insert(self._first_sentence, key)
 
     def _keep_scanning(self) -> None:
         """Scan what was appended since the last scan; keep the boundaries it confirms."""

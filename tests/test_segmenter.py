@@ -310,6 +310,61 @@ def test_the_work_an_append_takes_does_not_grow_with_the_buffer(prefix: str, pie
     assert twice <= 2.5 * once, (once, twice)
 
 
+@pytest.mark.parametrize("head, run, tail, eager", [
+    ("a", "!", " ", False),  # a run of marks whose end is known
+    ("a", ".", " ", True),
+    ("a!", '"', " ", False),  # of closers after a mark
+    ("好", "!", "。好", False),  # one ended by a CJK terminator
+    ("a", "\n", "b", False),  # of newlines
+])
+def test_cuts_forced_inside_a_long_run_do_not_each_read_the_rest_of_it(head: str, run: str, tail: str,
+                                                                        eager: bool) -> None:
+    """Twice the run, about twice the work. A cut forced inside a run decides the rest of
+    it again; reading that rest anew at every cut made one message of "a", 20,000 "!" and
+    a space take 2.6 s of the shared event loop with max_chars 8 (21 ms before the rest
+    was decided again), and 66 ms with the default 220."""
+    cfg = SegmenterConfig(first_min_chars=0, max_chars=8, eager_ends=eager)
+    n = 1000
+    once = _steps([head + run * n + tail], cfg, limit=1_000_000)
+    try:
+        twice = _steps([head + run * (2 * n) + tail], cfg, limit=3 * once)
+    except _TooMuchWork:
+        pytest.fail(f"a run of {2 * n} {run!r} took over 3x the work of {n}")
+    assert twice <= 2.5 * once, (once, twice)
+
+
+@pytest.mark.parametrize("pieces", [
+    ["x No."] + [" "] * 2000 + ["5"],  # "No." waits for its word: the buffer grows, then is cut
+    ["x No." + " " * 2000 + "5"],
+])
+def test_cuts_forced_into_a_long_run_of_whitespace_do_not_each_search_it(monkeypatch: pytest.MonkeyPatch,
+                                                                        pieces: list[str]) -> None:
+    """A cut forced while "No." waits for the word after it behind whitespace waits for
+    that word, so a client's 20,000 one-space messages then "5" have the last one make
+    2,500 cuts (max_chars 8) into 20,000 spaces; each searched them for the buffer's first
+    character from the start: 300 ms for that one message (0.1 ms before cuts waited)."""
+    import gateway.segmenter as segmenter
+
+    read: list[int] = []
+
+    class Spy:
+        def __init__(self, pattern: re.Pattern[str]) -> None:
+            self.pattern = pattern
+
+        def search(self, text: str, pos: int = 0) -> re.Match[str] | None:
+            m = self.pattern.search(text, pos)
+            read.append((m.start() if m is not None else len(text)) - pos)
+            return m
+
+    monkeypatch.setattr(segmenter, "_CONTENT", Spy(segmenter._CONTENT))
+    cfg = SegmenterConfig(first_min_chars=0, max_chars=8, eager_ends=False)
+    seg = Segmenter(cfg)
+    out = [s for p in pieces for s in seg.push(p)] + seg.end()
+    text = "".join(pieces)
+    assert "".join(texts(out)) == text
+    assert sum(read) <= 4 * len(text), (sum(read), len(text))
+
+
 def test_the_checks_on_a_growing_word_read_a_bounded_piece_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dotted word that grows an append at a time ("a.a.a." ...) was matched whole by the
     abbreviation regex and searched whole for its start on every append: 10,000 appends took
@@ -369,6 +424,12 @@ _CFG = st.builds(
     # ended the segment before it.
     ('"\n;;，,，No.\nMr.', 11, SegmenterConfig(first_min_chars=0, min_chars=3, max_chars=8),
      ['"\n', ";;，,，No.", "\nMr."]),
+    # The rest of a run cut inside: a sentence end if it holds a terminator and a whitespace
+    # follows, or it holds a CJK one; closers alone, or Latin marks before an ideograph, none.
+    ("好" + "!" * 10 + "。好", 9, SegmenterConfig(first_min_chars=0, max_chars=8), ["好!!!!!!!", "!!!。", "好"]),
+    ("好" + "!" * 10 + "好", 9, SegmenterConfig(first_min_chars=0, max_chars=8), ["好!!!!!!!", "!!!好"]),
+    ("a" + "!" * 10 + '""" x', 9, SegmenterConfig(first_min_chars=0, max_chars=8), ["a!!!!!!!", '!!!"""', " x"]),
+    ("a!" + '"' * 10 + " x", 9, SegmenterConfig(first_min_chars=0, max_chars=8), ['a!""""""', '"""" x']),
 ])
 def test_segments_do_not_depend_on_where_a_message_ends(text: str, split: int, cfg: SegmenterConfig,
                                                         whole: list[str]) -> None:
