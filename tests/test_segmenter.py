@@ -316,6 +316,8 @@ def test_the_work_an_append_takes_does_not_grow_with_the_buffer(prefix: str, pie
     ("a!", '"', " ", False),  # of closers after a mark
     ("好", "!", "。好", False),  # one ended by a CJK terminator
     ("a", "\n", "b", False),  # of newlines
+    ("", "。", "", False),  # undecided at the end of the message: read again at every cut
+    ("好", "!", "。", True),
 ])
 def test_cuts_forced_inside_a_long_run_do_not_each_read_the_rest_of_it(head: str, run: str, tail: str,
                                                                         eager: bool) -> None:
