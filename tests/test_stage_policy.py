@@ -966,6 +966,13 @@ def test_the_burst_hold_is_set_up_from_the_config_and_checked(flow, hift, tmp_pa
             check_stage_knobs({"burst_rows": bad})
 
 
+def _two_first_chunks(stage: AudioStage) -> tuple[list[object], list[ChunkJob]]:
+    """Two utterances' streams and a first chunk of each."""
+    streams = [stage.new_stream(), stage.new_stream()]
+    return streams, [ChunkJob(flow=_chunk(30, seed=i), hift_stream=streams[i], speed=1.0, chunk_index=0,
+                              is_cancelled=lambda: False) for i in range(2)]
+
+
 async def _until_waiting(stage: AudioStage) -> None:
     """Until the stage's loop, woken by a submit, waits again (here: in the hold)."""
     while stage._wake.is_set():
@@ -979,9 +986,7 @@ def test_a_close_as_a_held_round_wakes_ends_the_stage(flow, hift) -> None:
     stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=5.0)
 
     async def go() -> bool:
-        streams = [stage.new_stream(), stage.new_stream()]
-        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=streams[i], speed=1.0, chunk_index=0,
-                         is_cancelled=lambda: False) for i in range(2)]
+        streams, jobs = _two_first_chunks(stage)
         await stage.start()
         stage.expect_first_chunk(streams[1], time.monotonic() + 0.5)
         stage.submit(jobs[0])
@@ -1038,9 +1043,7 @@ def test_a_first_chunk_announced_again_after_a_round_passed_it_over_counts_as_pa
     stage = _RecordingStage(flow, hift, torch.device("cpu"), max_batch=8, first_chunk_hold_s=0.001)
 
     async def go() -> None:
-        streams = [stage.new_stream(), stage.new_stream()]
-        jobs = [ChunkJob(flow=_chunk(30, seed=i), hift_stream=streams[i], speed=1.0, chunk_index=0,
-                         is_cancelled=lambda: False) for i in range(2)]
+        streams, jobs = _two_first_chunks(stage)
         await stage.start()
         try:
             stage.expect_first_chunk(streams[1], time.monotonic() + 60.0)  # beyond the hold
