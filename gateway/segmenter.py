@@ -23,10 +23,10 @@ Design points:
 * The first segment of a context may end at a clause mark (comma, colon ...) so the
   first audio starts early; later segments end at sentence ends.
 * No segment is longer than ``max_chars``: long runs are cut at the last clause mark,
-  else the last whitespace, else hard. Such a cut waits for something besides whitespace
-  past ``max_chars`` ("No." is decided by the word after it), reads what the segments
-  before it hold (the word before a mark may have begun in one), and a cut inside a run
-  of marks leaves the rest of the run to be read again: otherwise a forced cut would
+  else the last whitespace, else hard. Such a cut waits while "No." waits for the word
+  after it and only whitespace lies past ``max_chars``, decisions read what the segments
+  before hold (the word before a mark may have begun in one), and a cut inside a run of
+  marks leaves the rest of the run to be decided again: otherwise the segments would
   depend on where the messages ended.
 """
 
