@@ -60,7 +60,8 @@ def default_rate(name: str) -> int:
 def resolve_format(name: str, sample_rate: int | None) -> AudioFormat:
     """Validate a (format, rate) pair; raise AudioFormatError with a readable reason."""
     if name not in FORMATS:
-        raise AudioFormatError(f"unknown format {name!r}; expected one of {', '.join(FORMATS)}")
+        # Cut short: a client's 60 KB name must not come back as a 60 KB error.
+        raise AudioFormatError(f"unknown format {name[:128]!r}; expected one of {', '.join(FORMATS)}")
     rate = default_rate(name) if sample_rate is None else int(sample_rate)
     allowed = {"ulaw_8000": (8000,), "alaw_8000": (8000,), "opus": OPUS_RATES}.get(name, PCM_RATES)
     if rate not in allowed:

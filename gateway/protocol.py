@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 
 from engine.types import SPEED_RANGE  # WebSocket and HTTP speech alike, as the engine
 
-from .audio import FORMATS, OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
+from .audio import OPUS_RATES, PCM_RATES, AudioFormat, AudioFormatError, resolve_format
 from .segmenter import MIN_MAX_CHARS, Segment, SegmentReason, Segmenter, SegmenterConfig, _is_cjk
 
 
@@ -364,8 +364,6 @@ def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
     if language is not None and len(language) > 16:
         raise _Invalid("invalid_message", "'language' is at most 16 characters")
     fmt = _opt(obj, "format", str, "a string")
-    if fmt is not None and fmt not in FORMATS:  # `resolve_format` would quote it whole
-        raise _Invalid("unsupported_format", f"unknown format {echo(fmt)!r}; expected one of {', '.join(FORMATS)}")
     rate = _number(obj, "sample_rate", *SAMPLE_RATE_RANGE, code="unsupported_format", integer=True)
     if fmt is not None or rate is not None:
         try:  # validate now so the error names the message that was wrong
