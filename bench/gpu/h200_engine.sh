@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On the H200 (device tool), after `bash .gpu/a/stage.sh` in the previous call:
-#   run(command="bash bench/gpu/h200_engine.sh", carry=[".gpu/b", ".whl"])
+# On the H200 (device tool), after `bash .gpu/a/stage.sh` and `bash .gpu/b/stage.sh` in the calls before:
+#   run(command="bash bench/gpu/h200_engine.sh", carry=[".gpu/c", ".whl"])
 # Stage microbench (flow fp32 vs bf16, vocoder), then the in-process engine benchmark with
 # the full-size random model and vLLM. Everything lands in $OUT.
 set -uo pipefail
-# Run from the repo root: .gpu/b and .whl live there; the code is this script's tree (a frozen
+# Run from the repo root: .gpu/c and .whl live there; the code is this script's tree (a frozen
 # snapshot under .gpu/snap when other work is in progress in the checkout).
 . "$(dirname "$0")/prepare.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > $OUT/gpu.txt 2>&1

@@ -4,7 +4,7 @@
 # 1. vLLM decode speed, unified-vocab lm_head vs speech-only head (same process image, same run).
 # 2. Exact parity: torch fp32 vs vLLM fp32 (TRITON_ATTN, IEEE fp32 dots), greedy.
 set -uo pipefail
-# Run from the repo root: .gpu/b and .whl live there; the code is this script's tree (a frozen
+# Run from the repo root: .gpu/c and .whl live there; the code is this script's tree (a frozen
 # snapshot under .gpu/snap when other work is in progress in the checkout).
 . "$(dirname "$0")/prepare.sh"
 for H in unified speech; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the H200, after the bundle is staged (calls 1-2 of the usual workflow):
-#   run(command="bash bench/gpu/lm_step.sh", carry=[".gpu/b", ".whl"])
+#   run(command="bash bench/gpu/lm_step.sh", carry=[".gpu/c", ".whl"])
 # `bench.lm_step` once per variant (VARIANTS, default "default vllmmin compiled"); the first
 # variant also samples the engine core with py-spy and runs vLLM's torch profiler (SPY=0: not;
 # ARGS: more bench.lm_step arguments for every variant). Everything

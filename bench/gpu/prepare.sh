@@ -1,5 +1,5 @@
 # Sourced (not run) by the bench/gpu/*.sh scripts on the device machine, from the repo root:
-# stages the vLLM bundle when a carried .gpu/b is there and /tmp/site is not ready yet, installs
+# stages the vLLM bundle when a carried .gpu/c is there and /tmp/site is not ready yet, installs
 # the carried wheels (built here by bench/gpu/wheels.sh: .whl, the server stack with uvloop;
 # .whl_av, PyAV), exports the environment and registers our vLLM plugin. Sets ROOT and T0.
 BUNDLE="$PWD"
@@ -7,8 +7,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 T0=$SECONDS
 if [ ! -f /tmp/site/.vllm-ready ]; then
-  if [ -f "$BUNDLE/.gpu/b/stage.sh" ]; then bash "$BUNDLE/.gpu/b/stage.sh" || exit 3
-  else echo "vLLM bundle not staged: run .gpu/a/stage.sh, then carry .gpu/b" >&2; exit 3; fi
+  if [ -f "$BUNDLE/.gpu/c/stage.sh" ]; then bash "$BUNDLE/.gpu/c/stage.sh" || exit 3
+  else echo "vLLM bundle not staged: run .gpu/a/stage.sh and .gpu/b/stage.sh, then carry .gpu/c" >&2; exit 3; fi
 fi
 for d in .whl .whl_av; do
   if compgen -G "$BUNDLE/$d/*.whl" > /dev/null; then

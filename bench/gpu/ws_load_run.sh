@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the H200 machine (device tool), the machine still warm from bench/gpu/x2_checks.sh (or
-# after `bash .gpu/a/stage.sh` and `bash .gpu/b/stage.sh`):
+# after `bash .gpu/a/stage.sh`, `bash .gpu/b/stage.sh` and `bash .gpu/c/stage.sh`):
 #   run(command="bash bench/gpu/ws_load_run.sh single", carry=[".whl", ".whl_av"])
 #   run(command="bash bench/gpu/ws_load_run.sh multi",  carry=[".whl", ".whl_av"])
 # The WebSocket load benchmark (bench/ws_load.py) against real gateway processes with the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a 2-GPU H200 machine (device tool, kind nvidia-h200-x2), after `bash .gpu/a/stage.sh`:
-#   run(command="bash bench/gpu/x2_checks.sh", carry=[".gpu/b", ".whl"], kind="nvidia-h200-x2")
+# On a 2-GPU H200 machine (device tool, kind nvidia-h200-x2), after `bash .gpu/a/stage.sh` and `bash .gpu/b/stage.sh`:
+#   run(command="bash bench/gpu/x2_checks.sh", carry=[".gpu/c", ".whl"], kind="nvidia-h200-x2")
 # The correctness and latency checks, two chains in parallel, one GPU each (every result is
 # a single-GPU measurement):
 #   GPU 0: flow CUDA graphs and the prompt K/V cache vs eager (stage_bench), bistream torch-vs-vLLM parity (fp32),
