@@ -16,6 +16,7 @@ uncached torch reference token for token.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -305,3 +306,78 @@ def test_a_stream_vllm_ends_by_itself_raises_instead_of_ending_as_whole_speech(l
     with pytest.raises(RuntimeError, match=reason):
         _collect(backend, _request(), [[200 + i] for i in range(26)])
     assert backend.num_active() == 0
+
+
+class _SlotsSim(SimLLM):
+    """`slots` requests at a time (vLLM's max_num_seqs); one more waits for a slot. A
+    resumable request keeps its slot while it pauses for input: vLLM's scheduler counts
+    its WAITING_FOR_STREAMING_REQ requests against max_num_seqs (scheduler.py 670-674)."""
+
+    def __init__(self, lm: CosyVoice3LM, slots: int) -> None:
+        super().__init__(lm)
+        self.slots = asyncio.Semaphore(slots)
+
+    async def generate(self, inputs: AsyncIterator[Any], base: Any, rid: str) -> AsyncIterator[Any]:
+        async with self.slots:
+            async for out in super().generate(inputs, base, rid):
+                yield out
+
+
+async def _until(condition: Any, turns: int = 10_000) -> None:
+    """Let the loop's other tasks run until `condition()` holds (turns of the loop, no clock)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_streams_paused_on_text_in_every_slot_block_on_text_not_on_the_lm(lm: CosyVoice3LM, slots: int) -> None:
+    """A text-in stream paused for its client's text keeps its vLLM slot. With every slot
+    so held, a request behind them gets no token until the text comes: `blocked_on_text`
+    says so, or the engine's LM watch took the silence for a stuck LM and the gateway
+    exited. With a slot free the other request runs and nothing is blocked."""
+    vocab = unified_vocab(lm.cfg)
+    backend = SimBackend("/nonexistent", vocab, max_num_seqs=slots)
+    backend._llm = _SlotsSim(lm, slots)
+    paused = _request(ratio=3.0)  # request id "r"
+    other = dataclasses.replace(paused, request_id="o")
+    arrivals = [[300 + i] for i in range(17)]
+    other_text = [[400 + i] for i in range(17)]
+
+    async def main() -> tuple[list[int], list[int], bool, bool]:
+        gate, first_run = asyncio.Event(), asyncio.Event()
+        got: list[int] = []
+        other_got: list[int] = []
+        blocked_while_other_ran: list[bool] = []
+
+        async def speak_paused() -> None:
+            async for tok in backend.generate_streaming(paused, _paced(arrivals, gate, gate_at=10)):
+                got.append(tok)
+                if len(got) >= 7:  # the first run (23 prompt speech -> 7 + fill): then it waits for text
+                    first_run.set()
+
+        async def speak_other() -> None:
+            async for tok in backend.generate_streaming(other, _paced(other_text)):
+                other_got.append(tok)
+                blocked_while_other_ran.append(backend.blocked_on_text())
+
+        a = asyncio.create_task(speak_paused())
+        await first_run.wait()
+        b = asyncio.create_task(speak_other())
+        if slots == 1:
+            await _until(backend.blocked_on_text)
+            blocked = True
+            assert other_got == []  # behind the paused stream: no token while its text is missing
+        else:
+            await _until(lambda: len(other_got) > 0)
+            blocked = backend.blocked_on_text()
+        gate.set()
+        await asyncio.gather(a, b)
+        return got, other_got, blocked, any(blocked_while_other_ran)
+
+    got, other_got, blocked, blocked_later = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert blocked == (slots == 1) and not blocked_later
+    assert got == reference(lm, paused, arrivals)[0] and other_got == reference(lm, other, other_text)[0]
+    assert not backend.blocked_on_text() and backend.num_active() == 0

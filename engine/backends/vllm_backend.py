@@ -236,6 +236,10 @@ class VLLMBackend:
         self._llm: Any = None
         self._active: set[str] = set()
         self._aborted: set[str] = set()
+        # Text-in streams whose run ended and that wait for their client's next text: vLLM
+        # keeps such a paused request's slot (its scheduler counts WAITING_FOR_STREAMING_REQ
+        # against max_num_seqs), so they can hold every slot (`blocked_on_text`).
+        self._paused_for_text: set[str] = set()
 
     @property
     def failure(self) -> str | None:
@@ -410,7 +414,11 @@ class VLLMBackend:
                     return  # the end of this generator is vLLM's end-of-input signal
                 await need_run.wait()  # the run ended on fill
                 need_run.clear()
-                following = await next_run()
+                self._paused_for_text.add(rid)
+                try:
+                    following = await next_run()
+                finally:
+                    self._paused_for_text.discard(rid)
                 if following is None:
                     return
                 run = following
@@ -484,6 +492,14 @@ class VLLMBackend:
 
     def num_active(self) -> int:
         return len(self._active)
+
+    def blocked_on_text(self) -> bool:
+        """Every slot vLLM has is held by a text-in stream paused for its client's next
+        text, and other requests wait behind them: they wait on the clients' text, not on
+        the LM (`Engine._watch_lm`), as on the torch backend. Without this a gateway whose
+        `max_num_seqs` streams all paused declared its LM stalled and exited."""
+        paused = len(self._paused_for_text)
+        return paused >= self.settings.max_num_seqs and len(self._active) > paused
 
     def server_times(self) -> LMServerTimes | None:
         return self._times
