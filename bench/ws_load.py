@@ -14,7 +14,8 @@ schedule: the first chunk is always `initial_hop` tokens (the load-aware first-c
 off: `--engine.initial-hop-max 0`, so neither the idle nor the min hop below it), no chunk
 waits to be cut big (`--engine.chunk-patience-s 0`), no stage round waits for expected first
 chunks (`--engine.first-chunk-hold-ms 0 --engine.first-chunk-hold-share 0`) or is cut for
-deadlines (`--engine.stage-deadline-cut false`). The stage still takes first chunks heard
+deadlines (`--engine.stage-deadline-cut false`); under MPS the stage is a client of vLLM's
+priority (`--engine.stage-mps-priority normal`). The stage still takes first chunks heard
 after silence before other queued chunks (`--engine.stage-policy` has no plain FIFO); with
 one chunk per round that only orders the queue. `--url` measures a running gateway.
 
@@ -133,6 +134,11 @@ BASELINE_FLAGS = (
     "--engine.chunk-patience-s", "0", "--engine.initial-hop-max", "0", "--engine.idle-initial-hop", "0",
     "--engine.first-chunk-min-hop", "0", "--engine.first-chunk-hold-ms", "0", "--engine.first-chunk-hold-share", "0",
     "--engine.stage-deadline-cut", "false",
+    # Both MPS clients at one priority, as one process would have: the stage below vLLM is
+    # the product's (round 55 of docs/benchmarks.md), and it slows the baseline's
+    # one-chunk rounds (round 61 ran the baseline with it: RTF 0.815 at 8 sessions against
+    # round 40's 0.413).
+    "--engine.stage-mps-priority", "normal",
 )
 DEFAULT_TEXT = (
     "Thanks for calling, I have found your order. It shipped this morning and should arrive "

@@ -469,6 +469,7 @@ def test_baseline_flags_give_a_fixed_chunk_schedule(tmp_path: Path) -> None:
                 cfg.chunk_patience_s) == (0, 0, 0, 0, 0)
         assert not cfg.stage_deadline_cut and cfg.max_gpu_batch == 1 and cfg.flow_left_context == -1
         assert not cfg.flow_prompt_cache and not cfg.flow_cuda_graphs and cfg.flow_context_cache_bytes == 0
+        assert cfg.stage_mps_priority == "normal"  # not the product's stage below vLLM
 
 
 def test_compare_takes_medians_per_level_group_and_no_ratio_for_failed_levels() -> None:
