@@ -200,6 +200,16 @@ class ContextStarts:
         if starting is not None and starting.cancelled:
             return
         if isinstance(started, ProtocolError):
+            held = self.starting.get(cid)
+            if held is not None:
+                # Its messages read while it started (all of this context: a new one of
+                # the id comes only after the refusal): what the state machine said of
+                # them goes out before the refusal, its last event, as before a cancel's
+                # `cancelled`. The rest of them needs the runtime it will not have.
+                for queued in held.backlog:
+                    if isinstance(queued, Send):
+                        conn.send_event(queued.event)
+                held.backlog.clear()
             # The state machine opened it: without this its later text would be dropped
             # silently and `close` would wait for a `done` that never comes.
             conn.state.context_finished(cid)

@@ -984,3 +984,31 @@ def test_an_unknown_format_is_quoted_back_cut_short() -> None:
         res = parse_client_message(json.dumps(msg), limits)
         assert isinstance(res, ProtocolError) and res.code == "unsupported_format", res
         assert "f" * 128 in res.message and len(res.message) < 300, len(res.message)
+
+
+# ---- found by a review of the WebSocket path (2) --------------------------------------------
+
+
+def test_a_start_refused_in_the_background_sends_its_messages_errors_before_its_final_error() -> None:
+    """A voice found gone after its read, with a message of the context refused meanwhile
+    (its text over the limit): that refusal was sent after the start's final
+    `voice_not_found`, as a second final error of a context no longer open. The final
+    error must be the context's last event (docs/protocol.md: nothing follows it), as a
+    cancel of a loading start sends its messages' errors before its `cancelled`."""
+    async def main() -> None:
+        sock, sessions, voices, conn = _gated_connection()
+        conn.state.limits = replace(conn.state.limits, max_text_chars=10)
+        serving = asyncio.create_task(conn.run())
+        sock.push(type="text", context_id="b", text="Short.", voice="slow-missing")
+        await voices.asked.wait()
+        sock.push(type="text", context_id="b", text="Far too long for the limit.")
+        await _until(lambda: len(conn.starting["b"].backlog) == 1)
+        voices.release.set()
+        sock.push(type="close")
+        await asyncio.wait_for(serving, 5)
+        events = [e for e in sock.texts if e.get("context_id") == "b"]
+        assert [(e["code"], e.get("final", False)) for e in events] == [
+            ("text_too_long", False), ("voice_not_found", True)], events
+        assert sock.closed_with == 1000 and not sessions
+
+    asyncio.run(main())
