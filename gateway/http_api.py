@@ -28,7 +28,7 @@ import anyio
 import numpy as np
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
@@ -119,6 +119,11 @@ def _endpoint(route_name: str, *, open_route: bool = False) -> Callable[[Handler
                     # than let the server drain it.
                     headers["Connection"] = "close"
                 response = error_response(exc.status, exc.code, exc.message, headers or None)
+            except ClientDisconnect:
+                # The client hung up while its body was still coming: no bug of ours and
+                # nobody to answer; counted as a client that left (499), not a 500.
+                log.info("%s: client disconnected before its request body was read", route_name)
+                response = Response(status_code=CLIENT_CLOSED_REQUEST)
             except Exception as exc:  # a bug: the same 500 as the app's last resort, but counted per route
                 response = await unhandled_error_handler(request, exc)
             if gw.metrics is not None:
@@ -286,6 +291,13 @@ def _opt_str(value: Any, field: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise ApiError(400, "invalid_request", f"{field} must be a string")
+    try:
+        # A multipart body's `charset` decodes its fields, and UTF-7 spells lone surrogates
+        # ("+2AA-"): refused as in JSON bodies, before they fail in SQLite after featurising.
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "invalid_request",
+                       f"{field} contains a lone surrogate, which is not valid Unicode text") from exc
     return value
 
 
@@ -473,7 +485,9 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _utterance_error(ev: UtteranceError) -> ApiError:
-    if ev.code in ("empty_text", "text_too_long"):
+    # The request's own faults: its text, or options the engine cannot build a prompt from
+    # (`bad_options`: instructions that are only the system sentence or `<|endofprompt|>`).
+    if ev.code in ("empty_text", "text_too_long", "bad_options"):
         return ApiError(400, "invalid_request", ev.message)
     return ApiError(500, "synthesis_failed", f"{ev.code}: {ev.message}")
 

@@ -678,3 +678,74 @@ def test_an_empty_file_part_gives_way_to_the_next_audio_name(server) -> None:
     with server.client() as c:
         resp = c.post("/v1/voices", headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={b}"}, content=body)
         assert resp.status_code == 201, resp.text
+
+
+def test_a_client_that_leaves_mid_body_is_no_internal_error(server) -> None:
+    """A client that hangs up while its body is still coming (a browser tab closed during a
+    voice upload, a speech request given up) is not a bug of the server: Starlette's
+    `ClientDisconnect` went to the last resort, logged as an unhandled error with its
+    traceback and counted as a 500 `internal_error`, which an alert on internal errors
+    reads as the gateway failing. It is counted as 499, as a speech client that leaves
+    before its first audio is."""
+    import socket
+
+    def served(metrics: dict[str, float], route: str) -> float:
+        return sum(v for k, v in metrics.items() if k.startswith(f'cosyvoice_http_requests_total{{route="{route}"'))
+
+    cases = [("/v1/voices", "application/json", b'{"transcript": "Hello there.", "audio": "UklGR'),
+             ("/v1/voices", "multipart/form-data; boundary=b",
+              b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF'),
+             ("/v1/audio/speech", "application/json", b'{"model": "tts-1", "input": "Hel')]
+    with server.client() as c:
+        for route, ctype, part in cases:
+            before = scrape(c)
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {AUTH['Authorization']}\r\n"
+                             f"Content-Type: {ctype}\r\nContent-Length: 100000\r\n\r\n".encode() + part)
+            # Gone with most of the body unsent: wait until the server has answered it.
+
+            def answered() -> dict[str, float] | None:
+                metrics = scrape(c)
+                return metrics if served(metrics, route) > served(before, route) else None
+
+            after = eventually(answered)
+            key = f'cosyvoice_http_requests_total{{route="{route}",status="500"}}'
+            assert after.get(key, 0.0) == before.get(key, 0.0), route
+            internal = 'cosyvoice_errors_total{code="internal_error"}'
+            assert after.get(internal, 0.0) == before.get(internal, 0.0), route
+            key = f'cosyvoice_http_requests_total{{route="{route}",status="499"}}'
+            assert after.get(key, 0.0) == before.get(key, 0.0) + 1, route
+
+
+def test_a_multipart_charset_that_spells_a_lone_surrogate_is_a_400(server) -> None:
+    """A multipart body's `charset` decodes its text fields, and UTF-7 can spell a lone
+    surrogate (`+2AA-` is U+D800), which JSON bodies are refused for: the transcript or
+    name reached SQLite after the voice was featurised, a 500."""
+    b = "utf7boundary"
+    for field, value in (("transcript", "Hello +2AA- there."), ("name", "A +2AA- name")):
+        fields = {"id": f"utf7-{field}", "transcript": "Hello there.", field: value}
+        body = "".join(f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n"
+                       for k, v in fields.items()).encode()
+        body += (f"--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"prompt.wav\"\r\n"
+                 f"Content-Type: audio/wav\r\n\r\n").encode() + tone_wav(3.5) + f"\r\n--{b}--\r\n".encode()
+        with server.client() as c:
+            resp = c.post("/v1/voices", content=body,
+                          headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={b}; charset=utf-7"})
+            assert err(resp) == (400, "invalid_request"), (field, resp.status_code, resp.text)
+            assert err(c.get(f"/v1/voices/utf7-{field}", headers=AUTH)) == (404, "voice_not_found")
+
+
+def test_instructions_with_nothing_to_instruct_are_a_400(server) -> None:
+    """`instructions` that are only CosyVoice's own prompt parts (its system sentence, the
+    `<|endofprompt|>` marker) leave no instruction once brought into the prompt's form: the
+    engine refuses them as `bad_options`, a fault of the request, which was answered as a
+    500 `synthesis_failed` (an engine failure)."""
+    with server.client() as c:
+        assert register(c, "instructed", tone_wav(3.5)).status_code in (201, 409)
+        for instructions in ("<|endofprompt|>", "You are a helpful assistant.", "<|endofprompt|>Speak happily."):
+            resp = c.post("/v1/audio/speech", headers=AUTH, json={"input": "Hello there.", "voice": "instructed",
+                                                                 "instructions": instructions, **FAST})
+            assert err(resp) == (400, "invalid_request"), (instructions, resp.status_code, resp.text)
+        ok = c.post("/v1/audio/speech", headers=AUTH, json={"input": "Hello there.", "voice": "instructed",
+                                                           "instructions": "Speak happily.", **FAST})
+        assert ok.status_code == 200
