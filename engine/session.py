@@ -27,7 +27,7 @@ import torch
 from .backends.base import LMRequest, SamplingParams
 from .bistream import BistreamRequest, LengthLimits, SpeechLimitReached, TextInLM
 from .chunking import ChunkSchedule, SpareTokens, chunk_frames, grown_end, patient_target, window_start
-from .errors import EngineError
+from .errors import EngineError, released
 from .first_chunk import SPEECH_TOKENS_PER_S
 from .frontend.text import detect_grammar, language_grammar
 from .models.flow import FlowChunk
@@ -353,13 +353,16 @@ class Session:
                 # closing), which must not end it as if it were whole.
                 await self._fail(utt, UtteranceError(utt.uid, "engine_closed", "the engine closed before the "
                                                      "utterance was done"))
+        # The error's traceback is dropped once reported: it holds the chunker's frames, which
+        # hold the task (or the chunk's future) holding the error, a cycle that kept the
+        # utterance's vocoder stream (`live_utterances`, its state) until a full collection.
         except EngineError as exc:
-            await self._fail(utt, UtteranceError(utt.uid, exc.code, str(exc)))
+            await self._fail(utt, UtteranceError(utt.uid, exc.code, str(released(exc))))
         except SpeechLimitReached as exc:
-            await self._fail(utt, UtteranceError(utt.uid, "speech_too_long", str(exc)))
+            await self._fail(utt, UtteranceError(utt.uid, "speech_too_long", str(released(exc))))
         except Exception as exc:  # one utterance fails; the session and engine go on
             log.exception("utterance %s failed", utt.uid)
-            await self._fail(utt, UtteranceError(utt.uid, "engine_error", f"{type(exc).__name__}: {exc}"))
+            await self._fail(utt, UtteranceError(utt.uid, "engine_error", f"{type(exc).__name__}: {released(exc)}"))
         finally:
             utt.lm_done.set()
             if utt.request_id:

@@ -45,6 +45,7 @@ from torch.profiler import record_function
 
 from .chunking import SpareTokens
 from .config import DEADLINE_MARGIN_S, MAX_FIRST_CHUNK_HOLD_MS, MAX_PIPELINE_LEAD_MS, StagePolicy
+from .errors import released
 from .first_chunk import RoundTimes
 from .flow_context_cache import ContextCache, ContextPlan, decode_with_context, warmup_chunks
 from .flow_graphs import FlowGraphRunner, GraphPolicy
@@ -1167,7 +1168,7 @@ class AudioStage:
             log.warning("audio stage: a flow batch of %d chunks failed (%s); running them one at a time",
                         len(batch), exc, exc_info=exc.__cause__)
             self.stats.batches_retried_apart += 1
-            _released(exc)
+            released(exc)
             retry = functools.partial(self._run_apart, batch)
         except VocoderPhaseError as exc:
             self.stats.flow_frames += exc.flow_work  # its flow ran: the padding shares stay whole
@@ -1181,7 +1182,7 @@ class AudioStage:
                         "one chunk at a time", len(batch), exc, exc_info=exc.__cause__)
             self.stats.batches_retried_apart += 1
             retry = functools.partial(self._vocode_apart, batch, exc.mels)
-            _released(exc)
+            released(exc)
         except Exception as exc:  # fail this batch's chunks, keep serving others
             log.exception("audio stage batch failed")
             self._fail_jobs(batch, exc)
@@ -1623,7 +1624,7 @@ class AudioStage:
         """`exc` (logged already) on the jobs' futures, without the frames it was raised
         through: they held the batch (its jobs, their futures, the device's activations) in
         a reference cycle that only a full garbage collection freed."""
-        _released(exc)
+        released(exc)
         for job in jobs:
             self._failed_streams.add(job.hift_stream)
             if not job.future.done():
@@ -1634,17 +1635,6 @@ class AudioStage:
         """One chunk's vocoder step on its own (`_vocode_apart`)."""
         pcm, frames = self._vocode([job], [mel])
         return pcm.wait()[0], frames
-
-
-def _released(exc: BaseException) -> BaseException:
-    """`exc` and the exceptions it was raised from, their tracebacks dropped."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
-    return exc
 
 
 def _cancel(job: ChunkJob) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
+import logging
 import threading
 import time
 from pathlib import Path
@@ -809,6 +811,58 @@ def test_a_failed_chunk_takes_its_utterances_queued_chunk_with_it(tiny_model_dir
     events, ran, second, dropped = run(tiny_model_dir, fn, warmup=False, flow_left_context=-1)
     assert [type(e) for e in events] == [UtteranceError]
     assert ran == [[0]] and second.future.cancelled() and dropped == 1
+
+
+@pytest.mark.parametrize("failure", ["lm", "stage", "empty_stream"])
+def test_a_failed_utterance_frees_its_vocoder_stream_without_a_garbage_collection(tiny_model_dir, failure):
+    """An utterance that failed (its LM raised, a chunk of it failed on the stage, its
+    chunker refused it) kept its vocoder stream alive in a reference cycle (its error's
+    traceback held the chunker's frames, which held the task or the chunk future holding
+    that error) that only a full garbage collection freed: until then the stage counted it
+    in `live_utterances` (the first-chunk planner's load) and kept its vocoder state.
+    Freed by reference counting alone once its task is over (logging off: a captured
+    record's traceback would keep the frames too)."""
+    async def fn(engine):
+        voice = await default_voice(engine)
+        if failure == "lm":
+            async def generate(request):
+                for i in range(60):
+                    if i == 40:
+                        raise InjectedFault("the LM died")
+                    yield 100 + i % 50
+
+            engine.backend.generate = generate
+        elif failure == "stage":
+            launch = engine.stage._launch
+
+            def failing(batch, *args, **kwargs):
+                if any(j.chunk_index == 1 for j in batch):
+                    raise InjectedFault("the flow failed")
+                return launch(batch, *args, **kwargs)
+
+            engine.stage._launch = failing
+        gc.collect()
+        gc.disable()
+        logging.disable(logging.CRITICAL)
+        try:
+            s = engine.open_session(voice, SessionOptions(seed=1, initial_hop=0, tokens_per_text_token=6.0))
+            if failure == "empty_stream":
+                uid, feed = await s.submit_stream()
+                feed.close()
+            else:
+                uid = await s.submit("A longer sentence, so that there are several chunks to compare.")
+            task = s._utts[uid].task
+            await s.finish()
+            events = await collect(s)
+            await asyncio.wait({task})
+            return events, engine.stage.live_utterances()
+        finally:
+            logging.disable(logging.NOTSET)
+            gc.enable()
+
+    events, live = run(tiny_model_dir, fn, warmup=False, flow_left_context=-1)
+    assert isinstance(events[-1], UtteranceError)
+    assert live == 0
 
 
 def test_a_draining_or_failed_engine_refuses_sessions_with_warm_up_off_too(tiny_model_dir):
