@@ -694,6 +694,10 @@ class Session:
                 eng.patient_chunks += 1
                 eng.patient_tokens += end - sched.offset
             elif hop is None:  # LM done: finalize with everything left
+                if lm_task.cancelled():
+                    # Not by us (that comes after this loop): the LM stream raised
+                    # CancelledError itself, which ended the utterance quietly, cut short.
+                    raise EngineError("engine_error", "the LM stream ended cancelled before the utterance was done")
                 if lm_task.exception() is not None:
                     raise lm_task.exception()  # type: ignore[misc]
                 if not tokens:  # e.g. a streamed utterance whose text was empty

@@ -865,6 +865,30 @@ def test_a_failed_utterance_frees_its_vocoder_stream_without_a_garbage_collectio
     assert live == 0
 
 
+def test_an_lm_stream_that_ends_cancelled_is_an_error_not_a_shorter_utterance(tiny_model_dir):
+    """An LM token stream that raises CancelledError itself (not the utterance cancelled:
+    the engine cancels its LM task only after the chunk loop) ended the utterance quietly
+    with the audio of the tokens so far, a last chunk that was not marked last and no
+    error: speech cut short, reported as whole. It ends with an error."""
+    async def generate(request):
+        for i in range(60):
+            if i == 40:
+                raise asyncio.CancelledError()
+            yield 100 + i % 50
+
+    async def fn(engine):
+        voice = await default_voice(engine)
+        engine.backend.generate = generate
+        s = engine.open_session(voice, SessionOptions(seed=0))
+        await s.submit("A sentence to speak.")
+        await s.finish()
+        return await collect(s)
+
+    events = run(tiny_model_dir, fn, warmup=False)
+    assert isinstance(events[-1], UtteranceError), events[-1]
+    assert not any(isinstance(e, AudioChunk) and e.is_last for e in events)
+
+
 def test_a_draining_or_failed_engine_refuses_sessions_with_warm_up_off_too(tiny_model_dir):
     """The drain on SIGTERM turns `ready` off; an engine whose LM or stage failed is not
     ready either. Sessions were refused only with warm-up on."""
