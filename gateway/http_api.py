@@ -532,17 +532,40 @@ class SpeechStreamFailed(ReportedError):
     the server drops the connection instead of ending the transfer cleanly."""
 
 
+class SpeechClientStalled(ReportedError):
+    """A speech client took none of its response's bytes for `speech_send_timeout_s`:
+    raised out of the body to drop the connection, as for a failed synthesis."""
+
+
 class _ClosingStreamingResponse(StreamingResponse):
-    """StreamingResponse that always closes its body generator.
+    """StreamingResponse that always closes its body generator, and breaks off when its
+    client stops reading.
 
     When the client goes away Starlette stops iterating but leaves the async generator
     to the garbage collector; closing it here runs the generator's `finally` at once,
     which aborts the engine session (the LM request and queued GPU work are dropped).
+    A client that stays connected but stops reading makes the server's `send` wait for
+    ever (flow control), holding a session of `max_sessions`: after `send_timeout_s`
+    without progress the transfer is broken off (0: never).
     """
 
+    def __init__(self, content: AsyncIterator[bytes], *, send_timeout_s: float = 0.0,
+                 on_stall: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout_s = send_timeout_s
+        self.on_stall = on_stall
+
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        async def timed_send(message: Any) -> None:
+            with anyio.move_on_after(self.send_timeout_s) as waited:
+                await send(message)
+            if waited.cancelled_caught:
+                if self.on_stall is not None:
+                    self.on_stall()
+                raise SpeechClientStalled(f"the client took no bytes for {self.send_timeout_s:g} s")
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send if self.send_timeout_s > 0 else send)
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -669,7 +692,14 @@ async def create_speech(request: Request) -> Response:
         media_type, headers = "text/event-stream", {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     else:
         media_type, headers = MEDIA_TYPES[req.response_format], {"Cache-Control": "no-store"}
-    return _ClosingStreamingResponse(produce(), media_type=media_type, headers=headers)
+    timeout = float(_setting(request, "speech_send_timeout_s", 60.0))
+
+    def stalled() -> None:
+        gw.metrics.error("client_stalled")
+        log.warning("speech client took no bytes for %g s: response broken off", timeout)
+
+    return _ClosingStreamingResponse(produce(), media_type=media_type, headers=headers, send_timeout_s=timeout,
+                                     on_stall=stalled)
 
 
 def speech_pieces(text: str) -> list[str]:

@@ -447,6 +447,11 @@ class Settings:
     )
     max_input_chars: int = field(default=4096, metadata=_help("longest /v1/audio/speech input"))
     max_sessions: int = field(default=512, metadata=_help("concurrent WebSocket connections + HTTP syntheses"))
+    speech_send_timeout_s: float = field(
+        default=60.0,
+        metadata=_help("/v1/audio/speech: break a streamed response whose client took none of its bytes for this "
+                       "long (it stopped reading), ending its synthesis and freeing its session; 0 = never"),
+    )
     max_connections: int = field(
         default=4096,
         metadata=_help("open TCP connections (WebSockets, keep-alive HTTP, sockets that never sent a byte) beyond "
@@ -489,6 +494,8 @@ class Settings:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, not {self.shutdown_timeout}")
+        if not self.speech_send_timeout_s >= 0:
+            raise ValueError(f"speech_send_timeout_s must be >= 0, not {self.speech_send_timeout_s}")
         if not 0 <= self.port <= 65535:  # 0: any free port
             raise ValueError(f"port must be within [0, 65535], not {self.port}")
         if self.log_level.lower() not in LOG_LEVELS:

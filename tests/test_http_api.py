@@ -749,3 +749,44 @@ def test_instructions_with_nothing_to_instruct_are_a_400(server) -> None:
         ok = c.post("/v1/audio/speech", headers=AUTH, json={"input": "Hello there.", "voice": "instructed",
                                                            "instructions": "Speak happily.", **FAST})
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_speech_response_whose_client_stops_reading_is_broken_off(spec_version: str) -> None:
+    """A speech client that stays connected but stops reading makes the server's `send`
+    wait for ever (flow control), and its session, one of `max_sessions`, was held as long:
+    a few such clients locked everyone else out with `too_many_sessions`. After
+    `speech_send_timeout_s` without progress the transfer is broken off and the body closed
+    (its `finally` aborts the engine session), the stall counted."""
+    import asyncio
+
+    from gateway.http_api import SpeechClientStalled, _ClosingStreamingResponse
+
+    closed: list[bool] = []
+    stalls: list[int] = []
+    sent: list[str] = []
+
+    async def body():
+        try:
+            for _ in range(1000):
+                yield b"x" * 1000
+        finally:
+            closed.append(True)
+
+    async def main() -> None:
+        async def send(message) -> None:
+            sent.append(message["type"])
+            if len(sent) > 2:  # the client's buffers are full: this send never returns
+                await asyncio.Event().wait()
+
+        async def receive():
+            await asyncio.Event().wait()  # connected: no disconnect ever comes
+
+        resp = _ClosingStreamingResponse(body(), media_type="audio/pcm", send_timeout_s=0.05,
+                                         on_stall=lambda: stalls.append(1))
+        with pytest.raises(SpeechClientStalled):
+            await resp({"type": "http", "asgi": {"spec_version": spec_version}}, receive, send)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert closed == [True] and stalls == [1]
+    assert sent == ["http.response.start", "http.response.body", "http.response.body"]
