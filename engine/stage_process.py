@@ -67,6 +67,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -324,9 +325,11 @@ class RemoteStage:
         return await self._call("warm_graphs", shapes)
 
     async def warm_prompt(self, chunk: FlowChunk) -> bool:
+        self._check_open()  # before its tensors go to a stage that is gone
         return await self._call("warm_prompt", self._wire(chunk))
 
     async def warm_context(self, prompt: FlowChunk) -> bool:
+        self._check_open()
         return await self._call("warm_context", self._wire(prompt))
 
     # ----------------------------------------------------------------- the pipe
@@ -354,7 +357,10 @@ class RemoteStage:
             # The child is gone. Its reader would say so too, but maybe after this caller
             # has failed and someone asks `failure`: say it now, once.
             self._on_exit(f"its pipe broke ({type(exc).__name__})")
-            raise self._error or StageProcessError("audio stage is closed") from None
+            # A new exception, as `_check_open` raises: the stage's own, raised again and
+            # again, would grow its traceback by each raise's frames and keep their locals.
+            raise StageProcessError(str(self._error) if self._error is not None
+                                    else "audio stage is closed") from None
 
     def _tell(self, *messages: tuple[Any, ...]) -> None:
         """`_send` for what nobody waits on: dropped once the stage is gone."""
@@ -445,6 +451,7 @@ class RemoteStage:
         with the reason `_stall` left."""
         timeout = self._stall_timeout_s
         period = heartbeat_period(timeout)
+        resumed = -math.inf  # when this process last ran again after such a gap
         while not self._closed and self._error is None and self._stalled is None:
             before = time.monotonic()
             time.sleep(period)
@@ -452,10 +459,13 @@ class RemoteStage:
             if now - before > period + timeout / 2:
                 # This process did not run for a while either (SIGSTOP of the group, a
                 # paused VM or container, a debugger): the stage's heartbeats may still be
-                # in the pipe. Give it a full timeout again rather than judge on that gap.
-                self._heard = now
+                # in the pipe. Give it a full timeout again rather than judge on that gap,
+                # for the device work under way too: its time, as the stage reports it and
+                # as extrapolated here, counts the pause.
+                self._heard = resumed = now
                 continue
-            busy = None if self._busy is None else self._busy[0] + now - self._busy[1]
+            # The piece of work running now began (monotonic) at the heartbeat less its time.
+            busy = None if self._busy is None else now - max(self._busy[1] - self._busy[0], resumed)
             if now - self._heard > timeout:
                 self._stall(f"no word from it for {now - self._heard:.1f} s")
             elif self._serving and busy is not None and busy > timeout:
@@ -677,7 +687,10 @@ class _StageServer:
         # A chunk that finished here while its cancel was on the way has no job left to
         # check the id, so the id would stay in the set for good.
         self.cancelled.update(j for j in jids if j in self.live)
-        self.stage.drop_cancelled()
+        if self.stage.drop_cancelled():
+            # The queue shrank with no event to carry the counters (`queued`, `dropped`):
+            # without a report of its own, the engine kept the last one while the stage idled.
+            self._flush_soon()
 
     def on_expect(self, sid: int, due: float, round_s: float | None, urgent: bool) -> None:
         stream = self.streams.get(sid)

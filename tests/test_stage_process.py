@@ -661,3 +661,135 @@ def test_the_engines_handle_counts_the_utterances_waiting_patiently():
         return counts
 
     assert asyncio.run(fn()) == [(2, 1), (2, 0), (2, 1)]
+
+
+class _Clock:
+    """`time` for `engine.stage_process`'s watchdog: `sleep` moves the clock on and then runs
+    what the test scripted for that moment (heartbeats arriving, a pause of every process)."""
+
+    def __init__(self, script) -> None:
+        self.now = 1000.0
+        self.script = script  # per sleep: (seconds it really took, action or None)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        took, action = self.script.pop(0) if self.script else (seconds, None)
+        self.now += took if took is not None else seconds
+        if action is not None:
+            action()
+
+
+def _watched_remote(clock: _Clock, timeout: float) -> RemoteStage:
+    """A `RemoteStage` whose watchdog runs on the test's thread, on `clock`; it kills nothing,
+    and `_stalled` says why it would have."""
+    remote = RemoteStage.__new__(RemoteStage)
+    remote._closed, remote._error, remote._stalled, remote._serving = False, None, None, True
+    remote._stall_timeout_s = timeout
+    remote._heard, remote._busy = clock.now, None
+    def stall(why: str) -> None:
+        remote._stalled = why
+
+    remote._stall = stall  # type: ignore[method-assign]
+    return remote
+
+
+def test_a_pause_of_every_process_during_device_work_is_no_stall(monkeypatch):
+    """SIGSTOP of the whole group (Ctrl-Z, `docker pause`, a debugger) while the stage's worker
+    runs a round: after the resume, the stage's heartbeat reports the round as busy for the
+    whole pause (its clock ran on), as the last heartbeat before it does when extrapolated.
+    The watchdog gives a silent stage a full timeout again after such a gap; a busy one must
+    get it too, not be killed for the pause. A piece of work that then really runs past the
+    timeout is still a stall."""
+    import engine.stage_process as sp
+
+    timeout, period = 2.0, sp.heartbeat_period(2.0)
+    script: list = []
+    clock = _Clock(script)
+    monkeypatch.setattr(sp, "time", clock)
+    remote = _watched_remote(clock, timeout)
+    remote._received([("alive", 0.1)])  # a round under way as every process stops
+
+    def resumed() -> None:  # the stage's first heartbeat after the resume: its round, 100 s on
+        remote._received([("alive", 100.1)])
+
+    def close() -> None:
+        remote._closed = True
+
+    script += [(None, None), (100.0, resumed), (None, None), (None, None), (None, close)]
+    remote._watch()
+    assert remote._stalled is None, remote._stalled
+
+    # A piece of work that runs on after the resume, past the timeout: killed.
+    clock.script = [(100.0, resumed)] + [(None, lambda: remote._received([("alive", clock.now - 1000.0)]))] * 20
+    remote._closed, remote._heard = False, clock.now
+    remote._received([("alive", 0.1)])
+    remote._watch()
+    assert remote._stalled is not None and "one piece of its device work" in remote._stalled
+
+
+def test_chunks_dropped_by_a_cancel_leave_the_stage_process_reporting_an_empty_queue(tiny_model_dir):
+    """The stage's process reports its counters with its events (a batch taken, audio back).
+    A chunk still queued when it last reported (`queued` 1), then dropped by its utterance's
+    cancel, is no event: without a report of its own, the engine's copy kept `queued` at 1
+    (`flow_queue` in /metrics) and the drop uncounted for as long as the stage stayed idle."""
+    from engine.models.loader import load_model
+    from engine.stage_process import ChunkWire
+    from engine.token2wav import AudioStage
+    from tests.test_flow_prompt_cache import chunk, make_voice
+
+    model = load_model(tiny_model_dir, load_lm=False)
+    v = make_voice(20, 1)
+    c = chunk(v, 0, 25, False)
+    wire = ChunkWire(c.tokens.numpy(), 1, 2, c.num_prompt_tokens, c.out_start, c.finalize, c.noise_offset)
+
+    async def fn() -> dict:
+        # Not started: its chunks stay queued, as behind a round in flight or a hold.
+        stage = AudioStage(model.flow, model.hift, torch.device("cpu"), max_batch=8)
+        pipe = _Pipe()
+        server = _StageServer(pipe, stage)  # type: ignore[arg-type]
+        try:
+            server.handle([("tensor", 1, v.feat.numpy()), ("tensor", 2, v.emb.numpy()), ("stream", 5),
+                           ("submit", 7, 5, wire, 1.0, 0, True, -float("inf"), None, None)])
+            server.flush()  # another chunk's event reports the queue as it is: one chunk
+            assert pipe.sent[-1][5]["queued"] == 1
+            reports = len(pipe.sent)
+            server.handle([("cancel", [7])])
+            assert stage.stats.queued == 0 and stage.stats.dropped == 1
+            for _ in range(10):  # the loop turns a report takes
+                await asyncio.sleep(0)
+            assert len(pipe.sent) > reports, "the drop was never reported"
+            return pipe.sent[-1][5]
+        finally:
+            await stage.close()
+
+    stats = asyncio.run(fn())
+    assert (stats["queued"], stats["dropped"]) == (0, 1)
+
+
+def test_a_dead_stage_refuses_a_voice_warm_up_with_a_new_error_each_time(tiny_model_dir):
+    """A voice registered after the stage's process died (the gateway stays up with
+    `exit_on_engine_failure` off) warms its prompt on the stage, whose first use of the voice's
+    tensors writes to the broken pipe. That raised the stage's own error object again and
+    again: its traceback grew by each raise's frames and kept their locals (the request,
+    the upload, the voice) alive, as `_check_open` once did."""
+    async def fn(engine):
+        stage = engine.stage
+        stage._process.kill()
+        await asyncio.to_thread(stage._process.join, 30)
+        async with asyncio.timeout(30):
+            while stage.failure is None:  # the reader thread reports the exit
+                await asyncio.sleep(0.01)
+        errors = []
+        for n in range(3):  # three new voices: their tensors were never sent
+            prompt = FlowChunk(tokens=torch.zeros(12, dtype=torch.long), prompt_feat=torch.zeros(8, 80),
+                               embedding=torch.zeros(192), num_prompt_tokens=12, out_start=12, finalize=True)
+            with pytest.raises(StageProcessError) as err:
+                await stage.warm_prompt(prompt)
+            errors.append(err.value)
+        return errors, stage._error.__traceback__
+
+    errors, kept = run(tiny_model_dir, fn, warmup=False, stage_process=True)
+    assert len({id(e) for e in errors}) == 3 and all("exited" in str(e) for e in errors)
+    assert kept is None  # the stage's own error was never raised: it holds no frames
