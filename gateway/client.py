@@ -170,9 +170,16 @@ class Context:
 
     async def cancel(self) -> None:
         """Barge-in: stop the context now. Audio not yet read from `stream()` is dropped, and
-        so is audio still on its way; the stream ends with `cancelled`. Does nothing once the
-        context is over (its id may belong to a newer handle on the server by then)."""
-        if self.finished or self._cancelled:
+        so is audio still on its way; the stream ends with `cancelled`. Once the context is
+        over (its terminal event came) only its unread audio is dropped: nothing is sent (its
+        id may belong to a newer handle on the server by then), and the stream ends with the
+        terminal event it had."""
+        if self._cancelled:
+            return
+        if self.finished:
+            # A real-time player reads far behind the engine: the turn's `done` is here long
+            # before its audio was played, and a barge-in must still silence the rest.
+            self._drop_audio()
             return
         self._cancelled = True
         self._drop_audio()

@@ -174,6 +174,7 @@ class _Turn:
     frames_sent: int = 0
     remainder: bytes = b""
     finished: bool = False  # the gateway sent done/cancelled: nothing more will come
+    completed: bool = False  # ended with `done`: its last segment ends the whole reply
     cleared: bool = False  # barge-in: nothing more goes to Twilio
     ended: bool = False  # the agent called end_turn()
     forwarder: asyncio.Task | None = None
@@ -288,7 +289,9 @@ class TwilioBridge:
         if turn.cleared:
             return  # echoed because of a clear: it was never played
         seg.played = True
-        last = turn.finished and seg is turn.segments[-1]
+        # Not for a turn cut off (a final error, the gateway socket gone): its last mark
+        # ends what was sent, not the reply.
+        last = turn.completed and seg is turn.segments[-1]
         self.events.put_nowait(SegmentPlayed(turn.turn_id, seg.index, seg.text, seg.text_end, last))
 
     async def _send(self, message: dict[str, Any]) -> None:
@@ -477,7 +480,7 @@ class TwilioBridge:
                     # audio is sent but unmarked, and the turn must count as playing (a
                     # barge-in in between would send no `clear`).
                     await self._close_open_segment(turn, pad=True, text_end=len(turn.text))
-                    turn.finished = True
+                    turn.finished = turn.completed = True
                     last = turn.segments[-1] if turn.segments else None
                     if last is not None and last.played and not turn.cleared:
                         # Heard before the turn was known to end (a flush marked it): the
@@ -567,11 +570,17 @@ class TwilioBridge:
             return
         self.closed = True
         self._keepalive.cancel()
+        # A shared client's reader outlives the call: its callback would keep this bridge
+        # (every turn and event of the call) alive for as long as that socket is open.
+        self.gateway._reader.remove_done_callback(self._gateway_closed)
         self._started.set()  # release forwarders waiting for `start`
-        turns = [t for t in self._turns if not t.finished]
-        for t in turns:
-            with contextlib.suppress(Exception):
-                await t.ctx.cancel()
+        # Every context of the call still open on the gateway, by the context's own state:
+        # a turn whose forwarder died (a send to a broken Twilio socket) counts as finished
+        # while its context still synthesises, and on a shared client nothing else ends it.
+        for ctx in list(self._contexts.values()):
+            if not ctx.finished:
+                with contextlib.suppress(Exception):
+                    await ctx.cancel()
         if self._owns_gateway:
             await self.gateway.aclose()
         for t in self._turns:

@@ -484,3 +484,27 @@ def test_a_reused_id_does_not_wait_for_ever_behind_a_full_unread_turn(srv: LiveS
             assert len(new_audio) == new.events[-1]["audio_samples"] * 2 > 0
 
     run(main())
+
+
+def test_cancel_drops_the_unread_audio_of_a_turn_already_synthesised(srv) -> None:
+    """A real-time player reads a turn far behind the engine: the turn's `done` is in the
+    client long before its audio has been played. A barge-in then (`cancel()`) must still
+    drop the audio not yet read; it did nothing once `done` had arrived, and the rest of
+    the reply kept coming out of `stream()`."""
+
+    async def main() -> None:
+        async with await GatewayClient.connect(srv.ws_url, api_key=API_KEY) as gw:
+            ctx = gw.context("t1")
+            await ctx.send_text("Hello there, this is a short reply.", end=True)
+            stream = ctx.stream()
+            first = await stream.__anext__()  # the player has started
+            assert isinstance(first, dict)
+            await until(lambda: ctx.finished)  # synthesis is over; the audio is unread
+            assert any(isinstance(i, bytes) for i, _ in ctx._items)
+            await ctx.cancel()  # the caller speaks
+            rest = [item async for item in stream]
+            assert not [i for i in rest if isinstance(i, bytes)], "audio after cancel()"
+            assert rest[-1]["type"] == "done"
+            assert not gw._contexts
+
+    run(main())

@@ -27,6 +27,7 @@ import websockets
 
 from gateway.app import create_app
 from gateway.audio import ulaw_decode, ulaw_encode
+from gateway.client import GatewayClient
 from gateway.settings import EngineSettings, Settings
 from gateway.twilio import CallEnded, GatewayLost, SegmentPlayed, TurnError, TwilioBridge, is_from_twilio, twilio_signature
 from helpers import LiveServer
@@ -663,3 +664,112 @@ def test_the_turn_counts_as_playing_while_its_last_segment_is_closed(gateway_url
 
     seen = asyncio.run(main())
     assert (True, True) in seen and all(speaking for _, speaking in seen), seen
+
+
+# ---- found by a review of the Twilio bridge ---------------------------------------------------
+
+
+class GoneTwilio(TwilioSide):
+    """Twilio's socket that breaks after `frames` media messages (the caller's network
+    failed, the agent's server dropped the socket): every later send raises."""
+
+    def __init__(self, frames: int) -> None:
+        super().__init__()
+        self.frames = frames
+        self.gone = asyncio.Event()
+
+    async def send(self, raw: str) -> None:
+        if self.gone.is_set():
+            raise RuntimeError("WebSocket is not connected")
+        await super().send(raw)
+        if sum(m["event"] == "media" for m in self.sent) >= self.frames:
+            self.gone.set()
+
+
+def test_a_call_whose_twilio_socket_broke_cancels_its_gateway_context_on_close(gateway_url: str) -> None:
+    """Twilio's socket breaks mid-turn (no `stop`): the turn's forwarder dies on the failed
+    send. The agent then closes the bridge (docs/telephony.md's `finally: aclose()`): the
+    turn's gateway context must be cancelled, not left open on a shared client holding its
+    engine session (it was: the dead forwarder had marked the turn finished)."""
+
+    async def main() -> list[Any]:
+        client = await GatewayClient.connect(gateway_url, api_key=API_KEY)
+        tw = GoneTwilio(frames=3)
+        bridge = TwilioBridge(tw.send, client)
+        await bridge.handle_twilio(START)
+        await bridge.say("Hello there, caller. This reply is still being written by the")
+        ctx, forwarder = bridge._turn.ctx, bridge._turn.forwarder
+        await asyncio.wait_for(asyncio.wait({forwarder}), 60)  # it died on the failed send
+        assert isinstance(forwarder.exception(), RuntimeError) and not ctx.finished
+        await bridge.aclose()
+        items = []
+
+        async def rest() -> None:
+            async for item in ctx.stream():
+                if isinstance(item, dict):
+                    items.append(item)
+
+        try:
+            await asyncio.wait_for(rest(), 20)
+        finally:
+            await client.aclose()
+        return items
+
+    events = asyncio.run(main())
+    assert events[-1]["type"] == "cancelled"
+
+
+def test_a_turn_cut_off_by_a_lost_gateway_is_not_reported_as_heard_whole(gateway_url: str) -> None:
+    """The gateway socket closes mid-turn (a deploy, an engine failure): the audio already
+    sent still plays and its segment gets a mark, but the reply was cut off (the agent had
+    not even ended the turn). `SegmentPlayed.last` says "the whole reply was heard": it
+    must not be set for such a turn (it was, for the cut segment's echo)."""
+
+    async def main() -> list[Any]:
+        tw = TwilioSide()
+        bridge = await TwilioBridge.connect(tw.send, gateway_url, API_KEY)
+        await bridge.handle_twilio(START)
+        await bridge.say("Hello there, caller. This sentence is cut off when the socket goes")
+        await tw.wait_for(lambda sent: any(m["event"] == "media" for m in sent))
+        await bridge.gateway.ws.close()
+        await bridge.wait_turn_sent(10)
+        for name in tw.marks():
+            await bridge.handle_twilio({"event": "mark", "streamSid": STREAM_SID, "mark": {"name": name}})
+        events = []
+        while not bridge.events.empty():
+            events.append(bridge.events.get_nowait())
+        await bridge.aclose()
+        return events
+
+    played = [e for e in asyncio.run(main()) if isinstance(e, SegmentPlayed)]
+    assert played, "the audio sent before the loss still gets its mark"
+    assert not any(e.last for e in played), played
+
+
+def test_a_closed_call_is_not_kept_alive_by_a_shared_gateway_client(gateway_url: str) -> None:
+    """Calls sharing one long-lived gateway client: a call's bridge, with every turn, every
+    gateway event and mark of its call, must be freed once the call is closed. The bridge
+    registered a callback on the client's reader task (to report a lost socket) and never
+    removed it, so each call ever made on the client stayed in memory until that socket
+    closed."""
+    import gc
+    import weakref
+
+    async def main() -> bool:
+        client = await GatewayClient.connect(gateway_url, api_key=API_KEY)
+        try:
+            tw = TwilioSide()
+            bridge = TwilioBridge(tw.send, client)
+            await bridge.handle_twilio(START)
+            await bridge.speak(["Hello", " there."])
+            await bridge.wait_turn_sent(60)
+            await bridge.aclose()
+            await asyncio.wait({bridge._keepalive})
+            ref = weakref.ref(bridge)
+            del bridge
+            gc.collect()
+            return ref() is None
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(main()), "the closed bridge is still referenced"
