@@ -44,7 +44,7 @@ from gateway.audio_files import (
     read_body_bounded,
 )
 from gateway.errors import ApiError, ReportedError, error_response, not_ready_reason, unhandled_error_handler
-from gateway.protocol import MAX_INSTRUCTION_CHARS, SPEED_RANGE
+from gateway.protocol import MAX_INSTRUCTION_CHARS, SPEED_RANGE, echo
 from gateway.segmenter import Segmenter
 from gateway.voices import VoiceLimits
 
@@ -264,7 +264,7 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     model_id = request.path_params["model"]
     if not serves_model(model_id, model_aliases(request)):
-        raise ApiError(404, "model_not_found", f"model {model_id!r} does not exist")
+        raise ApiError(404, "model_not_found", f"model {echo(model_id)!r} does not exist")
     return JSONResponse(_model_json(model_id))
 
 
@@ -384,7 +384,7 @@ async def get_voice(request: Request) -> Response:
     voice_id = request.path_params["voice_id"]
     info = _gw(request).voices.get(voice_id)
     if info is None:
-        raise ApiError(404, "voice_not_found", f"voice {voice_id!r} not found")
+        raise ApiError(404, "voice_not_found", f"voice {echo(voice_id)!r} not found")
     return JSONResponse(info.to_json())
 
 
@@ -392,7 +392,7 @@ async def get_voice(request: Request) -> Response:
 async def delete_voice(request: Request) -> Response:
     voice_id = request.path_params["voice_id"]
     if not await _gw(request).voices.delete(voice_id):
-        raise ApiError(404, "voice_not_found", f"voice {voice_id!r} not found")
+        raise ApiError(404, "voice_not_found", f"voice {echo(voice_id)!r} not found")
     return JSONResponse({"id": voice_id, "object": "voice", "deleted": True})
 
 
@@ -415,7 +415,7 @@ async def resolve_voice(request: Request, voice: Any) -> VoicePrompt:
             return await store.get_prompt(default)
         except KeyError:
             pass
-    raise ApiError(404, "voice_not_found", f"voice {voice or default!r} not found; register it with POST /v1/voices")
+    raise ApiError(404, "voice_not_found", f"voice {echo(voice or default)!r} not found; register it with POST /v1/voices")
 
 
 # --------------------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def parse_speech_request(body: dict[str, Any], aliases: tuple[str, ...], max_cha
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "invalid_request", "field 'model' must be a string")
     if model is not None and not serves_model(model, aliases):
-        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; use one of {', '.join(aliases)}")
+        raise ApiError(404, "model_not_found", f"model {echo(model)!r} is not served here; use one of {', '.join(aliases)}")
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise ApiError(400, "invalid_request", "field 'input' must be a non-empty string")

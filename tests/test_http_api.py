@@ -790,3 +790,23 @@ def test_a_speech_response_whose_client_stops_reading_is_broken_off(spec_version
     asyncio.run(asyncio.wait_for(main(), 30))
     assert closed == [True] and stalls == [1]
     assert sent == ["http.response.start", "http.response.body", "http.response.body"]
+
+
+def test_unknown_voice_and_model_names_are_quoted_back_cut_short(server) -> None:
+    """An unknown voice or model name was quoted back whole in the 404's message (a name
+    of tens of KB in a speech body, a long path segment), where the WebSocket's errors cut
+    client strings to 128 characters: so do these."""
+    long = "v" * 20_000
+    with server.client() as c:
+        responses = [
+            c.post("/v1/audio/speech", headers=AUTH, json={"input": "Hello there.", "voice": long, **FAST}),
+            c.post("/v1/audio/speech", headers=AUTH, json={"input": "Hello there.", "model": long, **FAST}),
+            c.get(f"/v1/voices/{'v' * 4000}", headers=AUTH),
+            c.delete(f"/v1/voices/{'v' * 4000}", headers=AUTH),
+            c.get(f"/v1/models/{'m' * 4000}", headers=AUTH),
+        ]
+        for resp, code in zip(responses, ["voice_not_found", "model_not_found", "voice_not_found", "voice_not_found",
+                                          "model_not_found"]):
+            assert err(resp) == (404, code), resp.text[:200]
+            message = resp.json()["error"]["message"]
+            assert len(message) < 300 and ("v" * 128 in message or "m" * 128 in message), message[:300]
