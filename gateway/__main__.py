@@ -18,6 +18,7 @@ import yaml
 
 from engine.models.loader import ModelDirError
 
+from .errors import ReportedError
 from .settings import Settings, load_settings, settings_to_dict
 
 log = logging.getLogger("gateway")
@@ -171,10 +172,21 @@ class _RedactSecrets(logging.Filter):
         return True
 
 
+class _DropReportedBreaks(logging.Filter):
+    """Uvicorn's "Exception in ASGI application" for a `ReportedError`: a response broken
+    off on purpose (a synthesis failed mid-stream, a client that stopped reading), logged
+    and counted where it happened. Its ERROR record and traceback would read as a bug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.name.startswith("uvicorn") and isinstance(exc, ReportedError))
+
+
 def setup_logging(level: str, as_json: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if as_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_RedactSecrets())
+    handler.addFilter(_DropReportedBreaks())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -363,3 +363,32 @@ def test_the_api_key_in_a_websocket_url_is_not_logged(capsys: pytest.CaptureFixt
             lg.setLevel(level)
     err = capsys.readouterr().err
     assert "sk-secret-key" not in err and err.count("token=***&x=1") == 2 and "voice=a" in err
+
+
+def test_a_response_broken_off_on_purpose_is_not_logged_as_an_asgi_exception(capsys: pytest.CaptureFixture[str]) -> None:
+    """A speech response broken off on purpose (`ReportedError`: a synthesis failed
+    mid-stream, a client that stopped reading) is logged where it happens; uvicorn's
+    "Exception in ASGI application" ERROR with its traceback would read as a bug. Other
+    exceptions still reach the log."""
+    import logging
+
+    from gateway.__main__ import setup_logging
+    from gateway.http_api import SpeechClientStalled
+
+    root = logging.getLogger()
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (root, uvicorn_error)]
+    uvicorn_error.handlers[:], uvicorn_error.propagate = [], True
+    try:
+        setup_logging("info", False)
+        for exc in (SpeechClientStalled("the client took no bytes for 60 s"), RuntimeError("a real bug")):
+            try:
+                raise exc
+            except Exception:
+                uvicorn_error.exception("Exception in ASGI application\n")
+    finally:
+        for lg, handlers, level, propagate in saved:
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)
+    err = capsys.readouterr().err
+    assert err.count("Exception in ASGI application") == 1 and "a real bug" in err and "took no bytes" not in err
