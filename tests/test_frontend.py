@@ -21,7 +21,7 @@ import torch
 from engine.frontend import features
 from engine.frontend.assets_writer import write_frontend_assets, write_tokenizer_files
 from engine.frontend.onnx_models import SPEECH_TOKEN_SIZE, SpeakerEncoder, SpeechTokenizer
-from engine.frontend.prompt import PromptFeaturizer, build_lm_text, lm_prompt_text
+from engine.frontend.prompt import PromptFeaturizer, build_lm_text, cv2_instruction, lm_prompt_text
 from engine.frontend.text import (
     contains_chinese,
     default_normalizer,
@@ -143,6 +143,18 @@ def test_instruction_normalisation_ends_it_like_the_official_list_and_keeps_its_
             == "You are a helpful assistant. You are a helpful assistant who speaks slowly.<|endofprompt|>")
 
 
+def test_cosyvoice2_instruction_keeps_words_that_only_start_like_the_system_sentence() -> None:
+    """CosyVoice2 drops a leading CosyVoice3 system sentence; an instruction that merely
+    starts with its words ("... who speaks slowly") lost them, as CosyVoice3's did not."""
+    assert (cv2_instruction("You are a helpful assistant who speaks slowly.")
+            == "You are a helpful assistant who speaks slowly.<|endofprompt|>")
+    assert cv2_instruction("you are a helpful assistantly voice") == "you are a helpful assistantly voice<|endofprompt|>"
+    assert cv2_instruction("You are a helpful assistant. 用四川话说这句话") == "用四川话说这句话<|endofprompt|>"
+    assert cv2_instruction("You are a helpful assistant。用四川话说这句话<|endofprompt|>") == "用四川话说这句话<|endofprompt|>"
+    with pytest.raises(ValueError):
+        cv2_instruction("You are a helpful assistant<|endofprompt|>")
+
+
 def test_instruction_normalisation_keeps_official_list_entries() -> None:
     official = "You are a helpful assistant. 请用广东话表达。<|endofprompt|>"
     assert normalize_instruction(official) == official
@@ -179,6 +191,15 @@ def test_a_digit_touching_a_character_the_grammar_does_not_know_is_still_read() 
         assert out and not any(ch.isdigit() for ch in out), (text, out)
 
 
+def test_line_breaks_other_than_newline_separate_words() -> None:
+    """Control characters are dropped, line breaks and tabs become spaces; a form feed (a
+    page break in text from a PDF), a vertical tab, NEL (U+0085) or a record separator is
+    a line break too, and dropping it glued the words around it ("Page onePage two")."""
+    for brk in ("\x0b", "\x0c", "\x1e", "\x85"):
+        assert normalize(f"Page one{brk}Page two") == "Page one Page two.", repr(brk)
+    assert normalize("a\x00b c") == "ab c."  # other control characters still go
+
+
 def test_normalize_skip_rule_and_detection() -> None:
     marked = f"{SYSTEM}{EOP}I have 3 cats"
     assert normalize(marked) == marked
@@ -193,6 +214,18 @@ def test_spell_number_matches_inflect_style() -> None:
     assert spell_number("2024") == "two thousand and twenty-four"
     assert spell_number("1234") == "one thousand, two hundred and thirty-four"
     assert spell_number("1000000") == "one million"
+
+
+def test_a_number_past_pythons_digit_limit_is_read_digit_by_digit_not_an_error() -> None:
+    """`int()` refuses a string of more than 4300 digits; a digit run that long which the
+    English grammar leaves as written (after "$", "#", before "%") made `normalize` raise
+    ValueError, the segment an `engine_error` instead of being read (or refused as too long)."""
+    digits = "9" * 4400
+    assert spell_number(digits) == " ".join(["nine"] * 4400)
+    assert spell_number("0" * 4400 + "7") == spell_number("7") == "seven"  # leading zeros: as int() reads them
+    for text in ("$" + digits, "#" + digits, digits + "%", "Pay $" + digits + ".50 now"):
+        out = normalize(text)
+        assert "nine nine nine" in out and not any(ch.isdigit() for ch in out), text[:12]
 
 
 def test_grouped_and_four_digit_numbers_read_as_the_right_number_in_english() -> None:

@@ -52,7 +52,8 @@ MIN_INPUT_SAMPLE_RATE = 16000  # official load_wav refuses lower rates
 TOKEN_MEL_RATIO = 2
 
 ZERO_SHOT_PREFIX = f"{SYSTEM_PROMPT}{ENDOFPROMPT}"
-_SYSTEM_SENTENCE = re.compile(r"^\s*you are a helpful assistant\s*[.。]?\s*", re.IGNORECASE)
+# The system sentence as a sentence of its own (not "You are a helpful assistant who ...").
+_SYSTEM_SENTENCE = re.compile(r"^\s*you are a helpful assistant\s*(?:[.。]|$)\s*", re.IGNORECASE)
 
 
 class PromptFeatures(NamedTuple):

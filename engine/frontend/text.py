@@ -201,15 +201,18 @@ def spell_number(digits: str) -> str:
     "1234" -> "one thousand, two hundred and thirty-four". Numbers too big for the
     scale words are read digit by digit.
     """
-    n = int(digits)
+    # Decided on the digits before `int()`, which refuses more than 4300 of them (Python's
+    # integer string conversion limit).
+    significant = digits.lstrip("0")
+    if len(significant) > 3 * len(_SCALES):
+        return " ".join(_ONES[int(d)] for d in digits)
+    n = int(significant or "0")
     if n == 0:
         return "zero"
     groups: list[int] = []
     while n:
         n, group = divmod(n, 1000)
         groups.append(group)
-    if len(groups) > len(_SCALES):
-        return " ".join(_ONES[int(d)] for d in digits)
     chunks: list[str] = []
     for scale_index in range(len(groups) - 1, -1, -1):
         group = groups[scale_index]
@@ -261,7 +264,7 @@ def spell_money(text: str) -> str:
         one, many, one_minor, many_minor = _MONEY_UNITS[m.group(1)]
         whole, cents = m.group(2), int(m.group(3))
         if "," not in whole:
-            whole = str(int(whole))  # "$01.50": one dollar
+            whole = whole.lstrip("0") or "0"  # "$01.50": one dollar (no int(): 4300 digits at most)
         parts = []
         if whole.replace(",", "").strip("0") or not cents:
             parts.append(f"{whole} {one if whole == '1' else many}")
@@ -423,8 +426,8 @@ class TextNormalizer:
         # Before the control characters go: its line-start rules need the line breaks.
         text = strip_markdown(text)
         # Control characters (NUL, escapes, ...) are unspeakable and make wetext's FSTs
-        # assert; line breaks and tabs become spaces.
-        text = _CONTROL.sub(lambda m: " " if m.group() in "\n\r\t" else "", text).strip()
+        # assert; line breaks (form feed, NEL, ... too) and tabs become spaces.
+        text = _CONTROL.sub(lambda m: " " if m.group().isspace() else "", text).strip()
         if not text:
             return text
         chinese = detect_grammar(text) == "zh" if lang is None else lang == "zh"
