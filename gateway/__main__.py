@@ -106,13 +106,15 @@ class DrainingServer(uvicorn.Server):
         gw = self._gw()
         # Engine sessions, and the connections and streams still sending their audio: a
         # WebSocket context's engine session ends once its last audio and `done` are queued
-        # for the socket, and stopping then cut them off before they were sent.
+        # for the socket, and stopping then cut them off before they were sent. And voice
+        # registrations under way (featurising, on a GPU a new prompt width's graph
+        # captures): uvicorn cuts them off 5 s after the drain.
         busy = (max(gw.engine.stats().active_sessions, gw.metrics.sessions_active)  # type: ignore[attr-defined]
-                if gw is not None else 0)
+                + getattr(gw, "registrations", 0) if gw is not None else 0)
         if busy and time.monotonic() < self.drain_deadline:
             return False
         if busy:
-            log.warning("drain timeout: %d session(s) still running", busy)
+            log.warning("drain timeout: %d session(s) or registration(s) still running", busy)
         else:
             log.info("drained")
         return True
@@ -243,7 +245,14 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings)
     server = DrainingServer(server_config(app, settings), app, settings.shutdown_timeout,
                             settings.exit_on_engine_failure)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:
+        # uvicorn ends a start whose lifespan failed with its STARTUP_FAILURE, 3: this
+        # gateway's status for an engine that failed while serving (restart me).
+        if not server.started:
+            raise SystemExit(1) from None
+        raise
     if not server.started:
         raise SystemExit(1)
     if server.engine_failure is not None:

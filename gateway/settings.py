@@ -524,11 +524,20 @@ def _field_type(root: type, path: tuple[str, ...]) -> Any:
     return typing.get_type_hints(cls)[path[-1]]
 
 
-def _set(settings: Any, path: tuple[str, ...], value: Any) -> Any:
-    if len(path) == 1:
-        return replace(settings, **{path[0]: value})
-    child = getattr(settings, path[0])
-    return replace(settings, **{path[0]: _set(child, path[1:], value)})
+def _set_all(settings: Any, values: Mapping[tuple[str, ...], Any]) -> Any:
+    """`settings` with every `path: value` of one layer set, each section replaced once:
+    options checked against each other (voices.min_seconds and max_seconds) are checked
+    with the layer's values together, not each against the other's value from below."""
+    changes: dict[str, Any] = {}
+    nested: dict[str, dict[tuple[str, ...], Any]] = {}
+    for path, value in values.items():
+        if len(path) == 1:
+            changes[path[0]] = value
+        else:
+            nested.setdefault(path[0], {})[path[1:]] = value
+    for name, below in nested.items():
+        changes[name] = _set_all(getattr(settings, name), below)
+    return replace(settings, **changes) if changes else settings
 
 
 def _flag(path: tuple[str, ...]) -> str:
@@ -542,6 +551,7 @@ def _env(path: tuple[str, ...]) -> str:
 def apply_mapping(settings: Settings, data: Mapping[str, Any], where: str) -> Settings:
     def walk(obj: Any, d: Mapping[str, Any], prefix: tuple[str, ...]) -> Any:
         known = {f.name for f in fields(obj)}
+        changes: dict[str, Any] = {}
         for key, value in d.items():
             if key not in known:
                 raise ValueError(f"{where}: unknown option '{'.'.join(prefix + (key,))}'")
@@ -549,11 +559,12 @@ def apply_mapping(settings: Settings, data: Mapping[str, Any], where: str) -> Se
             if is_dataclass(cur):
                 if not isinstance(value, Mapping):
                     raise ValueError(f"{where}: '{key}' must be a mapping")
-                obj = replace(obj, **{key: walk(cur, value, prefix + (key,))})
+                changes[key] = walk(cur, value, prefix + (key,))
             else:
                 t = _field_type(type(obj), (key,))
-                obj = replace(obj, **{key: convert_value(value, t, ".".join(prefix + (key,)))})
-        return obj
+                changes[key] = convert_value(value, t, ".".join(prefix + (key,)))
+        # One replace per section: its options are checked together (see `_set_all`).
+        return replace(obj, **changes) if changes else obj
 
     return walk(settings, data, ())
 
@@ -561,11 +572,15 @@ def apply_mapping(settings: Settings, data: Mapping[str, Any], where: str) -> Se
 # Kubernetes gives every pod variables for each Service of its namespace: a Service
 # named `cosyvoice-gw` yields COSYVOICE_GW_SERVICE_HOST, COSYVOICE_GW_SERVICE_PORT...,
 # COSYVOICE_GW_PORT=tcp://10.0.0.1:8080 and COSYVOICE_GW_PORT_8080_TCP...: not settings.
-_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_(HOST|PORT)\w*|PORT_\d+_(TCP|UDP|SCTP)\w*)")
+# So does any Service named `cosyvoice-gw-<more>` (COSYVOICE_GW_METRICS_SERVICE_HOST, ...).
+# A Service's name has no `__` (a section's separator here).
+_SERVICE_NAME = r"(?:[A-Z0-9]+(?:_[A-Z0-9]+)*_)?"
+_SERVICE_LINK = re.compile(ENV_PREFIX + _SERVICE_NAME + r"(SERVICE_(HOST|PORT)\w*|PORT_\d+_(TCP|UDP|SCTP)\w*)")
+_SERVICE_PORT = re.compile(ENV_PREFIX + _SERVICE_NAME + "PORT")
 
 
 def _service_link(key: str, value: str) -> bool:
-    return bool(_SERVICE_LINK.fullmatch(key)) or (key == ENV_PREFIX + "PORT" and "://" in value)
+    return bool(_SERVICE_LINK.fullmatch(key)) or (bool(_SERVICE_PORT.fullmatch(key)) and "://" in value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -607,13 +622,12 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
     for key in environ:
         if key.startswith(ENV_PREFIX) and key not in known_env:
             raise ValueError(f"unknown environment variable {key}")
-    for path, _ in leaves:
-        if _env(path) in environ:
-            settings = _set(settings, path, convert_value(environ[_env(path)], _field_type(Settings, path), _env(path)))
-    for path, _ in leaves:
-        value = getattr(args, "opt:" + ".".join(path))
-        if value is not None:
-            settings = _set(settings, path, convert_value(value, _field_type(Settings, path), _flag(path)))
+    settings = _set_all(settings, {
+        path: convert_value(environ[_env(path)], _field_type(Settings, path), _env(path))
+        for path, _ in leaves if _env(path) in environ})
+    flags = {path: getattr(args, "opt:" + ".".join(path)) for path, _ in leaves}
+    settings = _set_all(settings, {path: convert_value(value, _field_type(Settings, path), _flag(path))
+                                   for path, value in flags.items() if value is not None})
     return settings, args
 
 

@@ -458,3 +458,43 @@ def test_idle_server_hands_freed_heap_back_once_per_burst(server: LiveServer) ->
         eventually(lambda: leftovers(c) == {}, timeout=30)
     asyncio.run(drainer._trim_if_idle())
     assert calls == [0, 0]
+
+
+def test_the_drain_waits_for_a_voice_registration_in_progress(server: LiveServer) -> None:
+    """A registration under way when SIGTERM comes (its featurising, or on a GPU its graph
+    captures, 47-76 s for a new prompt width) is no session, and the drain ended at once:
+    uvicorn then cut it off after 5 s, the client's voice lost. The drain waits for it as
+    for a session (within shutdown_timeout)."""
+    import time
+
+    import uvicorn
+
+    from gateway.__main__ import DrainingServer
+
+    srv = server
+    featurizer = srv.gw.engine.featurizer
+    orig = featurizer.featurize
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(120)
+        return orig(*args, **kwargs)
+
+    featurizer.featurize = held  # type: ignore[method-assign]
+    drainer = DrainingServer(uvicorn.Config(srv.app), srv.app, drain_timeout=60.0)
+    drainer.drain_deadline = time.monotonic() + 60.0  # as its signal handler sets it (not the shared engine's ready)
+    answers: list[int] = []
+    with srv.client() as c:
+        worker = threading.Thread(target=lambda: answers.append(register(c, "drained", tone_wav(3.5)).status_code))
+        worker.start()
+        try:
+            assert entered.wait(60)
+            assert asyncio.run(drainer.on_tick(1)) is False  # still registering: not drained
+        finally:
+            gate.set()
+            worker.join(120)
+            del featurizer.featurize
+        assert answers == [201]
+        assert asyncio.run(drainer.on_tick(1)) is True
+        assert c.delete("/v1/voices/drained", headers=AUTH).status_code in (200, 204)

@@ -190,3 +190,70 @@ def test_the_gateways_engine_defaults_are_the_engines(tmp_path, monkeypatch):
         got = engine_config(load_settings(argv, environ={})[0], tmp_path)
         differ = [f.name for f in dataclasses.fields(EngineConfig) if getattr(got, f.name) != getattr(want, f.name)]
         assert differ == [], (argv, differ)
+
+
+def test_a_start_that_fails_exits_1_not_the_engine_failure_status(monkeypatch, tmp_path):
+    """A start that fails in the app's lifespan (a model that does not load, a voice store
+    in use by another process or unreachable) is "never started": status 1. uvicorn exits
+    such a start with its own STARTUP_FAILURE, 3, which is the status this gateway keeps
+    for an engine that failed while serving (a supervisor's "restart me")."""
+    import contextlib
+
+    from starlette.applications import Starlette
+
+    import engine.hub
+    import gateway.__main__ as entry
+    import gateway.app
+
+    @contextlib.asynccontextmanager
+    async def failing_start(app):
+        raise RuntimeError("the voice store is in use by another process")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(engine.hub, "resolve_model", lambda name, cache: tmp_path)
+    monkeypatch.setattr(gateway.app, "create_app", lambda settings: Starlette(lifespan=failing_start))
+    monkeypatch.setattr(entry, "setup_logging", lambda *args: None)
+    monkeypatch.setattr(entry.sys, "setswitchinterval", lambda *args: None)
+    for key in [k for k in os.environ if k.startswith("COSYVOICE_GW_")]:
+        monkeypatch.delenv(key)
+    with pytest.raises(SystemExit) as exc:
+        entry.main(["--config", str(ROOT / "config" / "default.yaml"), "--port", "0"])
+    assert exc.value.code == 1
+
+
+def test_a_layer_overrides_related_options_together(tmp_path):
+    """Options checked against each other (voices.min_seconds <= max_seconds,
+    engine.devices against engine.stage_devices) are checked once a layer (the YAML, the
+    environment, the flags) has set them all, not one by one: a valid final pair was
+    refused for its mix with the layer below (min from the flags, max still the YAML's)."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("voices:\n  max_seconds: 10\nengine:\n  devices: [cuda:0, cuda:1]\n  lm_backend: torch\n")
+    env = {"COSYVOICE_GW_VOICES__MIN_SECONDS": "12", "COSYVOICE_GW_VOICES__MAX_SECONDS": "25"}
+    s, _ = load_settings(["--config", str(cfg)], environ=env)
+    assert (s.voices.min_seconds, s.voices.max_seconds) == (12.0, 25.0)
+    s, _ = load_settings(["--config", str(cfg), "--voices.min-seconds", "12", "--voices.max-seconds", "25",
+                          "--engine.devices", "", "--engine.stage-devices", "cuda:0,cuda:1"], environ={})
+    assert (s.voices.min_seconds, s.voices.max_seconds) == (12.0, 25.0)
+    assert s.engine.devices == () and s.engine.stage_devices == ("cuda:0", "cuda:1")
+    cfg.write_text("voices: {max_seconds: 2.5, min_seconds: 2}\n")  # the default min (3) is over this max
+    assert load_settings(["--config", str(cfg)], environ={})[0].voices.max_seconds == 2.5
+    # A pair that is wrong in the end is still refused.
+    with pytest.raises(ValueError, match="max_seconds .* must be >= voices.min_seconds"):
+        load_settings(["--config", str(cfg), "--voices.min-seconds", "12"], environ={})
+
+
+def test_kubernetes_links_of_any_cosyvoice_gw_service_are_not_settings():
+    """Every Service of the namespace gives its variables, so one named `cosyvoice-gw-metrics`
+    (or -internal, -h100...) gives COSYVOICE_GW_METRICS_SERVICE_HOST and the rest: ignored,
+    as those of `cosyvoice-gw` are, not 'unknown' (which stopped every gateway's start)."""
+    links = {"COSYVOICE_GW_METRICS_SERVICE_HOST": "10.96.0.11", "COSYVOICE_GW_METRICS_SERVICE_PORT": "9090",
+             "COSYVOICE_GW_METRICS_SERVICE_PORT_HTTP": "9090", "COSYVOICE_GW_METRICS_PORT": "tcp://10.96.0.11:9090",
+             "COSYVOICE_GW_METRICS_PORT_9090_TCP": "tcp://10.96.0.11:9090",
+             "COSYVOICE_GW_METRICS_PORT_9090_TCP_PROTO": "tcp", "COSYVOICE_GW_METRICS_PORT_9090_TCP_PORT": "9090",
+             "COSYVOICE_GW_METRICS_PORT_9090_TCP_ADDR": "10.96.0.11",
+             "COSYVOICE_GW_H100_POOL_SERVICE_HOST": "10.96.0.12"}
+    assert load_settings([], environ=links)[0].port == 8080
+    # A misspelt setting is still refused, and a section's variable is never taken for a link.
+    for typo in ("COSYVOICE_GW_METRICS_PORT", "COSYVOICE_GW_WS__MAX_PORT"):
+        with pytest.raises(ValueError, match=typo):
+            load_settings([], environ={typo: "9090"})
