@@ -285,8 +285,18 @@ class Engine:
         # session after a start is not planned on the full batch's round times (round 12:
         # its first chunk got 9 tokens). The first run's rounds capture graphs, which do
         # not count (`AudioStage` skips them); the second's do.
-        for _ in range(2):
-            await self.synthesize(text, voice, opts)
+        # With several stages, on each one: placed by load, one after another, they all went
+        # to the first stage, and the others learnt no round but a burst's.
+        pool = self.stage if isinstance(self.stage, StagePool) else None
+        for index in range(len(pool.stages) if pool is not None else 1):
+            if pool is not None:
+                pool.pinned = index
+            try:
+                for _ in range(2):
+                    await self.synthesize(text, voice, opts)
+            finally:
+                if pool is not None:
+                    pool.pinned = None
         if together > 1:
             await asyncio.gather(*(self.synthesize(text, voice, opts) for _ in range(together)))
 

@@ -80,6 +80,9 @@ class StagePool:
         if not stages:
             raise ValueError("a stage pool needs at least one stage")
         self.stages = stages
+        # New streams go to this stage whatever the load (the engine's warm-up, which teaches
+        # each stage its own rounds); None: to the least-loaded one.
+        self.pinned: int | None = None
 
     @property
     def devices(self) -> list[object]:
@@ -99,6 +102,8 @@ class StagePool:
         return self.stages[stream.stage_index].live_utterances(skip_patient=skip_patient)
 
     def new_stream(self) -> PooledStream:
+        if self.pinned is not None:
+            return PooledStream(self.pinned, self.stages[self.pinned].new_stream())
         # A stage whose process died has no live utterances left, so by load alone it
         # would take every new one and fail it: only working stages are candidates.
         working = [(n, i) for i, n in enumerate(self.load()) if getattr(self.stages[i], "failure", None) is None]

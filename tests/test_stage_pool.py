@@ -227,3 +227,15 @@ def test_the_pools_round_estimate_is_the_bound_stages_with_what_it_was_asked():
     assert pool.round_estimate(PooledStream(1, inner), 50, 8, False, True) == 0.2
     assert pool.round_estimate(PooledStream(0, inner), 40, skip_patient=True) == 0.1
     assert asked == [(0.2, inner, 50, 8, False, True), (0.1, inner, 40, 0, True, False)]
+
+
+def test_the_warm_up_teaches_every_stage_its_one_row_rounds(tiny_model_dir):
+    """The warm-up's syntheses alone (one-row rounds, so that the first sessions are not planned
+    on a burst's round times) ran one after another, so each went to the least-loaded stage,
+    the first one on a tie: only stage 0 learnt them, and the first session on another stage
+    was planned on the burst's rounds or on none. Each stage gets its own."""
+    async def fn(engine):
+        return [(s.rounds.observed, s.stats.max_batch_size) for s in engine.stage.stages]
+
+    per_stage = run(tiny_model_dir, fn, warmup=True, warmup_concurrency=1, stage_devices=("cpu", "cpu"))
+    assert all(observed > 0 and widest == 1 for observed, widest in per_stage), per_stage
