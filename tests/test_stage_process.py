@@ -382,16 +382,21 @@ def test_the_stage_process_leaves_interrupts_and_terminations_to_the_engine(tiny
     assert ignored & (1 << (signal.SIGINT - 1)) and ignored & (1 << (signal.SIGTERM - 1))
 
 
+async def _killed(stage: RemoteStage) -> None:
+    """Kill `stage`'s process and return once its reader thread has reported the exit."""
+    stage._process.kill()
+    await asyncio.to_thread(stage._process.join, 30)
+    async with asyncio.timeout(30):
+        while stage.failure is None:
+            await asyncio.sleep(0.01)
+
+
 def test_a_dead_stage_raises_a_new_error_each_time(tiny_model_dir):
     """Raised again and again, one exception's traceback grew by each raise's frames and
     kept their locals alive for as long as the dead stage was asked."""
     async def fn(engine):
         stage = engine.stage
-        stage._process.kill()
-        await asyncio.to_thread(stage._process.join, 30)
-        async with asyncio.timeout(30):
-            while stage.failure is None:  # the reader thread reports the exit
-                await asyncio.sleep(0.01)
+        await _killed(stage)
         errors = []
         for _ in range(3):
             with pytest.raises(StageProcessError) as err:
@@ -776,11 +781,7 @@ def test_a_dead_stage_refuses_a_voice_warm_up_with_a_new_error_each_time(tiny_mo
     the upload, the voice) alive, as `_check_open` once did."""
     async def fn(engine):
         stage = engine.stage
-        stage._process.kill()
-        await asyncio.to_thread(stage._process.join, 30)
-        async with asyncio.timeout(30):
-            while stage.failure is None:  # the reader thread reports the exit
-                await asyncio.sleep(0.01)
+        await _killed(stage)
         errors = []
         for n in range(3):  # three new voices: their tensors were never sent
             prompt = FlowChunk(tokens=torch.zeros(12, dtype=torch.long), prompt_feat=torch.zeros(8, 80),
