@@ -167,6 +167,13 @@ class PgVoiceStore(VoiceStore):
         self._listening = asyncio.Event()
         self._prompts: OrderedDict[str, _Cached] = OrderedDict()
         self._revs: dict[str, str] = {}  # voice id -> rev of the mirrored metadata
+        # What the listener applied: `_epoch` counts full reloads, `_seen[id]` the rows it
+        # refreshed. Only the listener applies changes in commit order; any other mirror
+        # write (a request's own read or commit) is dropped when the listener applied
+        # something for that id since the request began: its view may be older, and the
+        # listener's next notification brings whatever is newer.
+        self._epoch = 0
+        self._seen: dict[str, int] = {}
         # Bumped on every mirror change; tests and tools can wait for a change with it.
         self._changed = asyncio.Condition()
 
@@ -192,13 +199,13 @@ class PgVoiceStore(VoiceStore):
             except PoolTimeout as exc:
                 raise VoiceStoreUnavailable(f"no connection to {redact_url(self.url)}") from exc
             await self._create_schema()
-            # LISTEN before the first load, so no change between the two is missed.
+            # The listener LISTENs, then loads every voice, then handles notifications:
+            # no change between the two is missed, and none is overwritten by the load.
             self._listener = asyncio.create_task(self._listen_forever(), name="voices-listen")
             try:
                 await asyncio.wait_for(self._listening.wait(), timeout=opts.open_timeout_s)
             except asyncio.TimeoutError as exc:
                 raise VoiceStoreUnavailable("LISTEN connection failed") from exc
-            await self._reload_all()
         except BaseException:
             await self._shutdown()
             raise
@@ -254,19 +261,33 @@ class PgVoiceStore(VoiceStore):
             rows = await cur.fetchall()
         self._infos = {row[1]: _info_from_row(row[1:], row[0]) for row in rows}
         self._revs = {row[1]: row[0] for row in rows}
+        self._epoch += 1
+        self._seen.clear()
         for vid in [v for v, c in self._prompts.items() if self._revs.get(v) != c.rev]:
             self._prompts.pop(vid, None)
         await self._bump()
 
-    async def _refresh_one(self, voice_id: str) -> None:
+    async def _refresh_one(self, voice_id: str, *, listener: bool = False) -> None:
+        mark = self._mark(voice_id)
         async with self._conn() as conn:
             cur = await conn.execute(f"SELECT rev, {_META_SQL} FROM {TABLE} WHERE id = %s", (voice_id,))
             row = await cur.fetchone()
+        if listener:
+            self._seen[voice_id] = self._seen.get(voice_id, 0) + 1
+            mark = self._mark(voice_id)
         self._set_mirror(voice_id, None if row is None else _info_from_row(row[1:], row[0]),
-                         None if row is None else row[0])
+                         None if row is None else row[0], mark)
         await self._bump()
 
-    def _set_mirror(self, voice_id: str, info: VoiceInfo | None, rev: str | None) -> None:
+    def _mark(self, voice_id: str) -> tuple[int, int]:
+        """Taken before a read or write; `_set_mirror` applies its result only if the
+        listener has applied nothing for this id since."""
+        return self._epoch, self._seen.get(voice_id, 0)
+
+    def _set_mirror(self, voice_id: str, info: VoiceInfo | None, rev: str | None,
+                    mark: tuple[int, int]) -> None:
+        if mark != self._mark(voice_id):
+            return  # the listener applied a change at least as new as what was read
         if info is None or rev is None:
             self._infos.pop(voice_id, None)
             self._revs.pop(voice_id, None)
@@ -306,16 +327,17 @@ class PgVoiceStore(VoiceStore):
                     self.url, autocommit=True, connect_timeout=int(opts.connect_timeout_s), **_keepalives(opts))
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
+                    # Everything, after LISTEN and before any notification is handled
+                    # (in this task, so no notification's change is overwritten by an
+                    # older load): those sent while we were disconnected are gone.
+                    await self._reload_all()
                     if first:
                         first = False
                         self._listening.set()
-                    else:
-                        # Notifications sent while we were disconnected are gone.
-                        await self._reload_all()
                     backoff = 0.1
                     while True:
                         async for note in conn.notifies(timeout=opts.listen_check_s):
-                            await self._refresh_one(note.payload)
+                            await self._refresh_one(note.payload, listener=True)
                         # Quiet for a while: is anyone still there? (A timeout raises, and
                         # the connection is replaced.)
                         await asyncio.wait_for(conn.execute("SELECT 1"), opts.connect_timeout_s)
@@ -337,6 +359,7 @@ class PgVoiceStore(VoiceStore):
             raise KeyError(voice_id)
         cached = self._prompts.get(voice_id)
         known_rev = cached.rev if cached is not None else ""
+        mark = self._mark(voice_id)
         async with self._conn() as conn:
             # One round trip either way: the features travel only when the cache is stale.
             cur = await conn.execute(
@@ -346,14 +369,17 @@ class PgVoiceStore(VoiceStore):
             )
             row = await cur.fetchone()
         if row is None:
-            self._set_mirror(voice_id, None, None)
+            self._set_mirror(voice_id, None, None, mark)
             raise KeyError(voice_id)
         rev, blob = row[0], row[1]
         info = _info_from_row(row[2:], rev)
         if self._revs.get(voice_id) != rev:
-            self._set_mirror(voice_id, info, rev)
+            self._set_mirror(voice_id, info, rev, mark)
         if blob is None and cached is not None:
-            self._prompts.move_to_end(voice_id)
+            # The revision checked is the cached one's, even if the cache dropped it
+            # meanwhile (a replacement's notification, other voices pushing it out).
+            if self._prompts.get(voice_id) is cached:
+                self._prompts.move_to_end(voice_id)
             return cached.prompt
         arrays, made = await asyncio.to_thread(npz_arrays, io.BytesIO(bytes(blob)))
         current = features_of(self.engine)
@@ -361,15 +387,31 @@ class PgVoiceStore(VoiceStore):
             # Made by another model or an older build: computed again from its audio, for
             # this process (replicas mid-way through a model change would undo each
             # other's stored features).
-            audio_bytes = await self.source_audio(voice_id)
-            if audio_bytes is None:
-                self._set_mirror(voice_id, None, None)
-                raise KeyError(voice_id)
-            prompt = await self._featurize(info, audio_bytes)
-            log.info("voice %r featurised again (%s)", voice_id, current)
+            # Requests for one revision at once share one featurisation.
+            key = info.dir_name
+            task = self._loading.get(key)
+            if task is None:
+                task = asyncio.ensure_future(self._featurize_revision(info, rev, current))
+                self._loading[key] = task
+                task.add_done_callback(lambda t, key=key: self._forget_load(key, t))
+            # Shielded: a waiter that goes away does not cancel the others' featurisation.
+            remade = await asyncio.shield(task)
+            if remade is None:  # deleted or replaced since the row was read
+                return await self.get_prompt(voice_id)
+            prompt = remade
         else:
             prompt = self.engine.voice_from_arrays(voice_id, info.transcript, *arrays)
         self._remember_prompt(voice_id, rev, prompt)
+        return prompt
+
+    async def _featurize_revision(self, info: VoiceInfo, rev: str, features: str) -> VoicePrompt | None:
+        """The prompt of one registration made again from its upload (None once that
+        registration is no longer current)."""
+        audio_bytes = await self._source_audio_of(info.id, rev)
+        if audio_bytes is None:
+            return None
+        prompt = await self._featurize(info, audio_bytes)
+        log.info("voice %r featurised again (%s)", info.id, features)
         return prompt
 
     def _remember_prompt(self, voice_id: str, rev: str, prompt: VoicePrompt) -> None:
@@ -437,6 +479,7 @@ class PgVoiceStore(VoiceStore):
             conflict = f"ON CONFLICT (id) DO UPDATE SET {updates}"
         else:
             conflict = "ON CONFLICT (id) DO NOTHING"
+        mark = self._mark(voice_id)
         async with self._conn() as conn, conn.transaction():
             # Counted again in the insert's transaction, under a lock every replica's insert
             # takes (held to its commit), so registrations racing for the last places are
@@ -447,7 +490,7 @@ class PgVoiceStore(VoiceStore):
             if await cur.fetchone() is None:
                 raise ApiError(409, "voice_exists", f"voice {voice_id!r} already exists")
             await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, voice_id))
-        self._set_mirror(voice_id, info, rev)
+        self._set_mirror(voice_id, info, rev, mark)
         self._remember_prompt(voice_id, rev, prompt)
         await self._bump()
         log.info("registered voice %r (%.2f s, %d prompt tokens)", voice_id, info.duration_s, info.num_prompt_tokens)
@@ -461,13 +504,14 @@ class PgVoiceStore(VoiceStore):
         where, args = "id = %s", [voice_id]
         if revision is not None:
             where, args = "id = %s AND rev = %s", [voice_id, revision[len(voice_id) + 1:]]
+        mark = self._mark(voice_id)
         async with self._conn() as conn, conn.transaction():
             cur = await conn.execute(f"DELETE FROM {TABLE} WHERE {where} RETURNING id", args)
             gone = await cur.fetchone() is not None
             if gone:
                 await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, voice_id))
         if gone or revision is None:
-            self._set_mirror(voice_id, None, None)
+            self._set_mirror(voice_id, None, None, mark)
         else:  # another registration of it may stand: the mirror shows what does
             await self._refresh_one(voice_id)
         await self._bump()
@@ -479,6 +523,13 @@ class PgVoiceStore(VoiceStore):
         """The uploaded bytes of a voice, untouched (None when it does not exist)."""
         async with self._conn() as conn:
             cur = await conn.execute(f"SELECT audio FROM {TABLE} WHERE id = %s", (voice_id,))
+            row = await cur.fetchone()
+        return None if row is None else bytes(row[0])
+
+    async def _source_audio_of(self, voice_id: str, rev: str) -> bytes | None:
+        """The upload of one registration of a voice (None when it is no longer current)."""
+        async with self._conn() as conn:
+            cur = await conn.execute(f"SELECT audio FROM {TABLE} WHERE id = %s AND rev = %s", (voice_id, rev))
             row = await cur.fetchone()
         return None if row is None else bytes(row[0])
 

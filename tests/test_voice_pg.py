@@ -67,7 +67,8 @@ def run_with_engine(tiny_model_dir: Path, db_url: str, scenario: Scenario) -> No
         engine = await Engine.create(EngineConfig(model_dir=tiny_model_dir, device="cpu", lm_backend="torch",
                                                   warmup=False))
         try:
-            await scenario(engine, db_url)
+            async with asyncio.timeout(300):  # a hang fails here, with its stack, not at CI's limit
+                await scenario(engine, db_url)
         finally:
             await engine.close()
 
@@ -251,6 +252,40 @@ def test_features_made_another_way_are_made_again_for_this_process(tiny_model_di
     run_with_engine(tiny_model_dir, db_url, scenario)
 
 
+def test_sessions_opening_a_voice_at_once_featurise_it_once(tiny_model_dir: Path, db_url: str) -> None:
+    """After a model change, every session that opened a voice before the first had made
+    its features again made them itself (the SQLite store shares one load; this did not)."""
+    from gateway.voices import _npz_bytes
+
+    async def scenario(engine: Engine, url: str) -> None:
+        a = await PgVoiceStore(url, engine).open()
+        try:
+            await a.register("v", None, "A transcript.", tone_wav(3.5, 220.0))
+            made = await a.get_prompt("v")
+            async with a._conn() as conn:  # as a build that kept no record stored them
+                await conn.execute(f"UPDATE {TABLE} SET features = %s WHERE id = %s", (_npz_bytes(made), "v"))
+        finally:
+            await a.close()
+        calls: list[str] = []
+        prepare = engine.prepare_voice
+
+        async def counting(voice_id: str, *args: Any) -> Any:
+            calls.append(voice_id)
+            return await prepare(voice_id, *args)
+
+        engine.prepare_voice = counting  # type: ignore[method-assign]
+        b = await PgVoiceStore(url, engine).open()
+        try:
+            prompts = await asyncio.gather(*(b.get_prompt("v") for _ in range(8)))
+            assert all(same_prompt(p, made) for p in prompts)
+            assert calls == ["v"], calls
+        finally:
+            await b.close()
+            del engine.prepare_voice
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
 def test_racing_registrations_of_one_id_one_wins(tiny_model_dir: Path, db_url: str) -> None:
     async def scenario(engine: Engine, url: str) -> None:
         a, b = await two_stores(engine, url)
@@ -269,6 +304,143 @@ def test_racing_registrations_of_one_id_one_wins(tiny_model_dir: Path, db_url: s
             with pytest.raises(ApiError) as exc:
                 await a.register("carol", None, "Carol three.", tone_wav(3.0, 450.0))
             assert exc.value.status == 409
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def pause_after(store: PgVoiceStore, call: int, action: Callable[[], Awaitable[None]]) -> None:
+    """Run `action` once, when the calling task's `call`-th database use (from 1) through
+    `store` is done and before the store goes on with what it read: the moment another
+    replica's change and its notification can fall between a read (or a commit) and what
+    the store does with it (a large row still in transit, a busy event loop). The
+    listener's own queries run in its task and are not counted."""
+    original = store._conn
+    caller = asyncio.current_task()
+    calls = [0]
+
+    @contextlib.asynccontextmanager
+    async def conn() -> AsyncIterator[Any]:
+        mine = False
+        if asyncio.current_task() is caller:
+            calls[0] += 1
+            mine = calls[0] == call
+        async with original() as c:
+            yield c
+        if mine:
+            await action()
+
+    store._conn = conn  # type: ignore[method-assign]
+
+
+def test_a_read_older_than_a_processed_notification_leaves_the_listing_alone(
+        tiny_model_dir: Path, db_url: str) -> None:
+    """A speech request that read a voice just before another replica deleted it, and
+    went on only after this replica's listener had already dropped it from the listing,
+    put the voice back into the listing (until a request for its speech, a 404, dropped it
+    again). Likewise a registration whose commit another replica's delete followed."""
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            await b.register("v", None, "A voice to delete.", tone_wav(3.0, 220.0))
+            assert await a.wait_for_mirror(lambda s: "v" in s, WAIT)
+
+            async def delete_on_b() -> None:
+                assert await b.delete("v")
+                assert await a.wait_for_mirror(lambda s: "v" not in s, WAIT)
+
+            pause_after(a, 1, delete_on_b)  # get_prompt's one query (features not cached on A)
+            await a.get_prompt("v")  # it started before the delete: it may be spoken
+            del a._conn
+            # The listener has handled the delete's notification; nothing else will come.
+            assert a.get("v") is None and "v" not in [v.id for v in a.list()]
+            with pytest.raises(KeyError):
+                await a.get_prompt("v")
+
+            # A registers "w"; B deletes it between A's commit and A's listing update.
+            async def delete_w_on_b() -> None:
+                assert await b.delete("w")
+                # A's listener has seen the delete once it has seen a later change.
+                await b.register("marker", None, "A later change.", tone_wav(3.0, 230.0))
+                assert await a.wait_for_mirror(lambda s: "marker" in s, WAIT)
+
+            pause_after(a, 3, delete_w_on_b)  # _exists, the count, then the insert
+            await a.register("w", None, "A voice deleted at once.", tone_wav(3.0, 240.0))
+            del a._conn
+            assert a.get("w") is None, [v.id for v in a.list()]
+            with pytest.raises(KeyError):
+                await a.get_prompt("w")
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_a_cached_prompt_dropped_during_its_check_is_still_served(tiny_model_dir: Path, db_url: str) -> None:
+    """A request whose voice's cached features were dropped while its revision check was
+    in flight (another replica replaced the voice, or other voices pushed it out of the
+    cache) failed with KeyError: a 404 for a voice that exists."""
+    async def scenario(engine: Engine, url: str) -> None:
+        a = await PgVoiceStore(url, engine, cache_size=1).open()
+        b = await PgVoiceStore(url, engine).open()
+        try:
+            await a.register("v", None, "The voice in use.", tone_wav(3.0, 220.0))
+            await a.register("u", None, "Another voice.", tone_wav(3.0, 330.0))
+            cached = await a.get_prompt("v")  # cached; "u" is pushed out (one place)
+
+            async def use_u() -> None:
+                await a.get_prompt("u")  # another session's voice takes the one place
+
+            pause_after(a, 1, use_u)
+            assert same_prompt(await a.get_prompt("v"), cached)  # the revision checked is current
+            del a._conn
+
+            cached = await a.get_prompt("v")
+            old = a.get("v").dir_name
+
+            async def replace_on_b() -> None:
+                await b.register("v", None, "The voice, replaced.", tone_wav(4.0, 440.0), replace=True)
+                assert await a.wait_for_mirror(lambda s: s.get("v") is not None and s.get("v").dir_name != old, WAIT)
+
+            pause_after(a, 1, replace_on_b)
+            # Checked before the replacement committed: the old revision may still be spoken.
+            assert same_prompt(await a.get_prompt("v"), cached)
+            del a._conn
+            assert (await a.get_prompt("v")).transcript == "The voice, replaced."
+        finally:
+            await a.close()
+            await b.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
+def test_features_made_again_use_the_audio_of_the_revision_read(tiny_model_dir: Path, db_url: str) -> None:
+    """A voice whose stored features another model made is featurised again from its
+    upload; when another replica replaced the voice between the read of its row and the
+    read of its upload, the new upload was featurised with the old transcript (a prompt
+    whose text is not what its audio says) and cached under the old revision."""
+    from gateway.voices import _npz_bytes
+
+    async def scenario(engine: Engine, url: str) -> None:
+        a, b = await two_stores(engine, url)
+        try:
+            await a.register("v", None, "The first transcript.", tone_wav(3.0, 220.0))
+            made = await a.get_prompt("v")
+            async with a._conn() as conn:  # as a build that kept no record stored them
+                await conn.execute(f"UPDATE {TABLE} SET features = %s WHERE id = %s", (_npz_bytes(made), "v"))
+
+            async def replace_on_a() -> None:
+                await a.register("v", None, "The second, longer transcript.", tone_wav(4.0, 440.0), replace=True)
+
+            pause_after(b, 1, replace_on_a)  # get_prompt's read of the row
+            prompt = await b.get_prompt("v")
+            del b._conn
+            pairs = {(p.transcript, p.num_tokens) for p in (made, await a.get_prompt("v"))}
+            assert (prompt.transcript, prompt.num_tokens) in pairs, (prompt.transcript, prompt.num_tokens, pairs)
+            assert (prompt.transcript, prompt.num_tokens) == ("The second, longer transcript.", 100)
         finally:
             await a.close()
             await b.close()
