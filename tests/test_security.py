@@ -376,9 +376,14 @@ def test_a_response_broken_off_on_purpose_is_not_logged_as_an_asgi_exception(cap
     from gateway.http_api import SpeechClientStalled
 
     root = logging.getLogger()
-    uvicorn_error = logging.getLogger("uvicorn.error")
-    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (root, uvicorn_error)]
-    uvicorn_error.handlers[:], uvicorn_error.propagate = [], True
+    uvicorn_logs = [logging.getLogger("uvicorn"), logging.getLogger("uvicorn.error")]
+    uvicorn_error = uvicorn_logs[1]
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (root, *uvicorn_logs)]
+    # As `python -m gateway` has them (uvicorn's log_config=None: its records reach the root
+    # handler); a test server started earlier with uvicorn's own logging config has not.
+    for lg in uvicorn_logs:
+        lg.handlers[:], lg.propagate = [], True
+        lg.setLevel(logging.INFO)
     try:
         setup_logging("info", False)
         for exc in (SpeechClientStalled("the client took no bytes for 60 s"), RuntimeError("a real bug")):
