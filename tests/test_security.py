@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -337,30 +339,35 @@ def test_idle_connections_leave_room_far_beyond_the_sessions() -> None:
         load_settings(["--max-connections", "0"], environ={})
 
 
-def test_the_api_key_in_a_websocket_url_is_not_logged(capsys: pytest.CaptureFixture[str]) -> None:
-    """The demo page passes its key as `?token=` (a browser sets no WebSocket headers), and
-    uvicorn logs every accepted socket with its URL."""
-    import logging
-
-    from gateway.__main__ import setup_logging
-
+@contextlib.contextmanager
+def _gateway_logging() -> Iterator[logging.Logger]:
+    """uvicorn's loggers as `python -m gateway` has them (uvicorn's log_config=None: its
+    records reach the root handler; a test server started earlier with uvicorn's own
+    logging config has not), and the root's handlers back afterwards; yields uvicorn.error."""
     root = logging.getLogger()
     uvicorn_logs = [logging.getLogger("uvicorn"), logging.getLogger("uvicorn.error")]
     saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (root, *uvicorn_logs)]
-    # As `python -m gateway` has them (uvicorn's log_config=None: its records reach the root
-    # handler); a test server started earlier with uvicorn's own logging config has not.
     for lg in uvicorn_logs:
         lg.handlers[:], lg.propagate = [], True
         lg.setLevel(logging.INFO)
     try:
-        for as_json in (False, True):
-            setup_logging("info", as_json)
-            uvicorn_logs[1].info('%s - "WebSocket %s" [accepted]', "127.0.0.1:50680",
-                                 "/v1/tts/stream?voice=a&token=sk-secret-key&x=1")
+        yield uvicorn_logs[1]
     finally:
         for lg, handlers, level, propagate in saved:
             lg.handlers[:], lg.propagate = handlers, propagate
             lg.setLevel(level)
+
+
+def test_the_api_key_in_a_websocket_url_is_not_logged(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo page passes its key as `?token=` (a browser sets no WebSocket headers), and
+    uvicorn logs every accepted socket with its URL."""
+    from gateway.__main__ import setup_logging
+
+    with _gateway_logging() as uvicorn_error:
+        for as_json in (False, True):
+            setup_logging("info", as_json)
+            uvicorn_error.info('%s - "WebSocket %s" [accepted]', "127.0.0.1:50680",
+                               "/v1/tts/stream?voice=a&token=sk-secret-key&x=1")
     err = capsys.readouterr().err
     assert "sk-secret-key" not in err and err.count("token=***&x=1") == 2 and "voice=a" in err
 
@@ -370,30 +377,15 @@ def test_a_response_broken_off_on_purpose_is_not_logged_as_an_asgi_exception(cap
     mid-stream, a client that stopped reading) is logged where it happens; uvicorn's
     "Exception in ASGI application" ERROR with its traceback would read as a bug. Other
     exceptions still reach the log."""
-    import logging
-
     from gateway.__main__ import setup_logging
     from gateway.http_api import SpeechClientStalled
 
-    root = logging.getLogger()
-    uvicorn_logs = [logging.getLogger("uvicorn"), logging.getLogger("uvicorn.error")]
-    uvicorn_error = uvicorn_logs[1]
-    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (root, *uvicorn_logs)]
-    # As `python -m gateway` has them (uvicorn's log_config=None: its records reach the root
-    # handler); a test server started earlier with uvicorn's own logging config has not.
-    for lg in uvicorn_logs:
-        lg.handlers[:], lg.propagate = [], True
-        lg.setLevel(logging.INFO)
-    try:
+    with _gateway_logging() as uvicorn_error:
         setup_logging("info", False)
         for exc in (SpeechClientStalled("the client took no bytes for 60 s"), RuntimeError("a real bug")):
             try:
                 raise exc
             except Exception:
                 uvicorn_error.exception("Exception in ASGI application\n")
-    finally:
-        for lg, handlers, level, propagate in saved:
-            lg.handlers[:], lg.propagate = handlers, propagate
-            lg.setLevel(level)
     err = capsys.readouterr().err
     assert err.count("Exception in ASGI application") == 1 and "a real bug" in err and "took no bytes" not in err
