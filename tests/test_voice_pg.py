@@ -14,7 +14,7 @@ import contextlib
 import os
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -217,37 +217,53 @@ def test_a_removed_asset_leaves_every_replica(tiny_model_dir: Path, db_url: str,
     run_with_engine(tiny_model_dir, db_url, scenario)
 
 
+async def _voice_with_unrecorded_features(engine: Engine, url: str) -> Any:
+    """Voice "v" registered, its features then stored as a build that kept no record of how
+    they were made would have: the next process to read them makes them again. Returns them."""
+    from gateway.voices import _npz_bytes
+
+    a = await PgVoiceStore(url, engine).open()
+    try:
+        await a.register("v", None, "A transcript.", tone_wav(3.5, 220.0))
+        made = await a.get_prompt("v")
+        async with a._conn() as conn:
+            await conn.execute(f"UPDATE {TABLE} SET features = %s WHERE id = %s", (_npz_bytes(made), "v"))
+    finally:
+        await a.close()
+    return made
+
+
+@contextlib.contextmanager
+def _counting_featurisations(engine: Engine) -> Iterator[list[str]]:
+    """The voice ids `engine.prepare_voice` featurises while the block runs."""
+    calls: list[str] = []
+    prepare = engine.prepare_voice
+
+    async def counting(voice_id: str, *args: Any) -> Any:
+        calls.append(voice_id)
+        return await prepare(voice_id, *args)
+
+    engine.prepare_voice = counting  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        del engine.prepare_voice
+
+
 def test_features_made_another_way_are_made_again_for_this_process(tiny_model_dir: Path, db_url: str) -> None:
     """Features stored by another model or an older build are computed again from the
     stored upload, in this process only: replicas of two models mid-way through a change
     would otherwise undo each other's stored features."""
-    from gateway.voices import _npz_bytes
 
     async def scenario(engine: Engine, url: str) -> None:
-        a = await PgVoiceStore(url, engine).open()
-        try:
-            await a.register("v", None, "A transcript.", tone_wav(3.5, 220.0))
-            made = await a.get_prompt("v")
-            async with a._conn() as conn:  # as a build that kept no record stored them
-                await conn.execute(f"UPDATE {TABLE} SET features = %s WHERE id = %s",
-                                   (_npz_bytes(made), "v"))
-        finally:
-            await a.close()
-        calls: list[str] = []
-        prepare = engine.prepare_voice
-
-        async def counting(voice_id: str, *args: Any) -> Any:
-            calls.append(voice_id)
-            return await prepare(voice_id, *args)
-
-        engine.prepare_voice = counting  # type: ignore[method-assign]
-        b = await PgVoiceStore(url, engine).open()
-        try:
-            assert same_prompt(await b.get_prompt("v"), made) and calls == ["v"]
-            assert same_prompt(await b.get_prompt("v"), made) and calls == ["v"]  # cached since
-        finally:
-            await b.close()
-            del engine.prepare_voice
+        made = await _voice_with_unrecorded_features(engine, url)
+        with _counting_featurisations(engine) as calls:
+            b = await PgVoiceStore(url, engine).open()
+            try:
+                assert same_prompt(await b.get_prompt("v"), made) and calls == ["v"]
+                assert same_prompt(await b.get_prompt("v"), made) and calls == ["v"]  # cached since
+            finally:
+                await b.close()
 
     run_with_engine(tiny_model_dir, db_url, scenario)
 
@@ -255,33 +271,17 @@ def test_features_made_another_way_are_made_again_for_this_process(tiny_model_di
 def test_sessions_opening_a_voice_at_once_featurise_it_once(tiny_model_dir: Path, db_url: str) -> None:
     """After a model change, every session that opened a voice before the first had made
     its features again made them itself (the SQLite store shares one load; this did not)."""
-    from gateway.voices import _npz_bytes
 
     async def scenario(engine: Engine, url: str) -> None:
-        a = await PgVoiceStore(url, engine).open()
-        try:
-            await a.register("v", None, "A transcript.", tone_wav(3.5, 220.0))
-            made = await a.get_prompt("v")
-            async with a._conn() as conn:  # as a build that kept no record stored them
-                await conn.execute(f"UPDATE {TABLE} SET features = %s WHERE id = %s", (_npz_bytes(made), "v"))
-        finally:
-            await a.close()
-        calls: list[str] = []
-        prepare = engine.prepare_voice
-
-        async def counting(voice_id: str, *args: Any) -> Any:
-            calls.append(voice_id)
-            return await prepare(voice_id, *args)
-
-        engine.prepare_voice = counting  # type: ignore[method-assign]
-        b = await PgVoiceStore(url, engine).open()
-        try:
-            prompts = await asyncio.gather(*(b.get_prompt("v") for _ in range(8)))
-            assert all(same_prompt(p, made) for p in prompts)
-            assert calls == ["v"], calls
-        finally:
-            await b.close()
-            del engine.prepare_voice
+        made = await _voice_with_unrecorded_features(engine, url)
+        with _counting_featurisations(engine) as calls:
+            b = await PgVoiceStore(url, engine).open()
+            try:
+                prompts = await asyncio.gather(*(b.get_prompt("v") for _ in range(8)))
+                assert all(same_prompt(p, made) for p in prompts)
+                assert calls == ["v"], calls
+            finally:
+                await b.close()
 
     run_with_engine(tiny_model_dir, db_url, scenario)
 
