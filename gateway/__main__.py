@@ -19,7 +19,7 @@ import yaml
 from engine.models.loader import ModelDirError
 
 from .errors import ReportedError
-from .settings import Settings, load_settings, settings_to_dict
+from .settings import Settings, load_settings, redacted, settings_to_dict
 
 log = logging.getLogger("gateway")
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cosyvoice-gateway: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.print_config:
-        print(yaml.safe_dump(settings_to_dict(settings), sort_keys=False), end="")
+        print(yaml.safe_dump(settings_to_dict(redacted(settings)), sort_keys=False), end="")
         return
     setup_logging(settings.log_level, settings.log_json)
     # Process-wide, hence here and not in create_app: the server owns this process.

@@ -305,6 +305,10 @@ def _opt_str(value: Any, field: str) -> str | None:
 async def create_voice(request: Request) -> Response:
     """Register a voice from multipart (file + transcript) or JSON (base64 audio)."""
     gw = _gw(request)
+    # A drain waits for registrations under way: one begun during it would hold the
+    # shutdown back (a new prompt width's graph captures take a minute on a GPU), and its
+    # client can register with a replica that stays.
+    _require_ready(gw)
     limits = _limits(request)
     if gw.registrations >= limits.max_concurrent_registrations:  # before any of the body is read
         raise ApiError(429, "too_many_registrations",

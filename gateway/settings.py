@@ -590,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
         "file (--config) or as an environment variable (shown in brackets).",
     )
     p.add_argument("--config", type=Path, default=None, help="YAML settings file (default: config/default.yaml if present)")
-    p.add_argument("--print-config", action="store_true", help="print the effective settings as YAML and exit")
+    p.add_argument("--print-config", action="store_true", help="print the effective settings as YAML (API keys and database passwords masked) and exit")
     defaults = Settings()
     for path, f in _leaves(Settings):
         cur: Any = defaults
@@ -629,6 +629,13 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
     settings = _set_all(settings, {path: convert_value(value, _field_type(Settings, path), _flag(path))
                                    for path, value in flags.items() if value is not None})
     return settings, args
+
+
+def redacted(settings: Settings) -> Settings:
+    """The settings with their secrets masked, to print or log: `--print-config` output
+    lands in terminals, CI logs and issue reports."""
+    return replace(settings, api_keys=tuple("***" for _ in settings.api_keys),
+                   voice_store=redact_url(settings.voice_store))
 
 
 def settings_to_dict(settings: Any) -> dict[str, Any]:

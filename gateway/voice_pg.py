@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -87,15 +87,20 @@ def is_postgres_url(url: str) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for logs."""
+    """The URL with any password replaced, for logs: libpq reads one from the user
+    info (`user:pw@host`) and from a `password=` query parameter alike."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host += f":{parts.port}"
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if any(k == "password" for k, _ in pairs):
+            parts = parts._replace(query=urlencode(
+                [(k, "***" if k == "password" else v) for k, v in pairs], safe="*"))
+    return urlunsplit(parts)
 
 
 class VoiceStoreUnavailable(ApiError):
@@ -126,6 +131,10 @@ class PgOptions:
     # TCP keepalives on every connection (libpq's settings): probes after this many idle
     # seconds keep NAT mappings alive and find a dead peer in about twice as long again.
     keepalive_idle_s: int = 30
+    # PostgreSQL cancels any statement that runs longer (0 = never): a query stuck behind
+    # a lock someone forgot (an open transaction in psql holding the table) answers 503
+    # instead of holding its request, and its pooled connection, without end.
+    statement_timeout_s: float = 30.0
 
 
 def _keepalives(opts: PgOptions) -> dict[str, int]:
@@ -190,6 +199,7 @@ class PgVoiceStore(VoiceStore):
             kwargs={"autocommit": True, "connect_timeout": int(opts.connect_timeout_s), **_keepalives(opts)},
             # A replica outlives database restarts: a dead connection is replaced at checkout.
             check=AsyncConnectionPool.check_connection, name="voices",
+            configure=self._configure_connection,
         )
         from psycopg_pool import PoolTimeout
 
@@ -212,6 +222,12 @@ class PgVoiceStore(VoiceStore):
         self._opened = True
         log.info("voice store: PostgreSQL %s (%d voices)", redact_url(self.url), len(self._infos))
         return self
+
+    async def _configure_connection(self, conn: Any) -> None:
+        # A session setting rather than libpq's `options` keyword, which would replace
+        # any `options` the URL itself carries.
+        ms = int(self.options.statement_timeout_s * 1000)
+        await conn.execute(f"SET statement_timeout = {ms}")
 
     async def close(self) -> None:
         async with self._write_lock:

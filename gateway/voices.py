@@ -592,12 +592,13 @@ class VoiceStore:
         done: list[str] = []
         if not assets_dir.is_dir():
             return done
-        await self._forget_removed_assets(assets_dir)
-        for wav in sorted(assets_dir.glob("*.wav")):
-            voice_id = wav.stem
-            txt = wav.with_suffix(".txt")
-            if not txt.is_file():
-                log.info("asset %s has no %s transcript; skipped", wav.name, txt.name)
+        wavs = _asset_files(assets_dir, ".wav")
+        await self._forget_removed_assets(assets_dir, set(wavs))
+        texts = _asset_files(assets_dir, ".txt")
+        for voice_id, wav in sorted(wavs.items()):
+            txt = texts.get(voice_id)
+            if txt is None:
+                log.info("asset %s has no %s.txt transcript; skipped", wav.name, voice_id)
                 continue
             try:
                 audio_bytes = await asyncio.to_thread(wav.read_bytes)
@@ -624,8 +625,7 @@ class VoiceStore:
             done.append(voice_id)
         return done
 
-    async def _forget_removed_assets(self, assets_dir: Path) -> None:
-        present = {wav.stem for wav in assets_dir.glob("*.wav")}
+    async def _forget_removed_assets(self, assets_dir: Path, present: set[str]) -> None:
         if not present:
             # An empty folder is more likely a volume not mounted (yet) than a decision
             # to drop every bundled voice.
@@ -661,3 +661,18 @@ class VoiceStore:
                 self._catalog = None
             self._unlock()
             self._opened = False
+
+
+def _asset_files(assets_dir: Path, suffix: str) -> dict[str, Path]:
+    """Voice id -> file for the folder's files with `suffix` in any case: recorders and
+    Windows tools write `Alice.WAV`, and a voice that case-sensitive matching skipped
+    would be missing without a word. Where two names differ only in the suffix's case,
+    the first in sorted order counts."""
+    found: dict[str, Path] = {}
+    for path in sorted(assets_dir.iterdir()):
+        if path.suffix.lower() == suffix and path.stem and path.is_file():
+            if path.stem in found:
+                log.warning("asset %s ignored: %s has the same voice id", path.name, found[path.stem].name)
+                continue
+            found[path.stem] = path
+    return found

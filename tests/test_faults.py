@@ -498,3 +498,21 @@ def test_the_drain_waits_for_a_voice_registration_in_progress(server: LiveServer
         assert answers == [201]
         assert asyncio.run(drainer.on_tick(1)) is True
         assert c.delete("/v1/voices/drained", headers=AUTH).status_code in (200, 204)
+
+
+def test_a_registration_asked_for_during_the_drain_is_refused(server: LiveServer) -> None:
+    """A registration begun after SIGTERM would keep the drain waiting for it (on a GPU a
+    new prompt width's graph captures take a minute): it is refused like new speech."""
+    srv = server
+    srv.gw.engine.ready, srv.gw.draining = False, True  # what the signal handler sets
+    try:
+        with srv.client() as c:
+            resp = register(c, "too_late", tone_wav(3.5))
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["code"] == "not_ready"
+            assert "draining" in resp.json()["error"]["message"]
+            assert srv.gw.registrations == 0
+    finally:
+        srv.gw.engine.ready, srv.gw.draining = True, False
+    with srv.client() as c:
+        assert c.get("/v1/voices/too_late", headers=AUTH).status_code == 404

@@ -257,3 +257,17 @@ def test_kubernetes_links_of_any_cosyvoice_gw_service_are_not_settings():
     for typo in ("COSYVOICE_GW_METRICS_PORT", "COSYVOICE_GW_WS__MAX_PORT"):
         with pytest.raises(ValueError, match=typo):
             load_settings([], environ={typo: "9090"})
+
+
+def test_print_config_masks_api_keys_and_database_passwords(capsys, monkeypatch):
+    from gateway.__main__ import main
+
+    monkeypatch.delenv("COSYVOICE_GW_API_KEYS", raising=False)
+    main(["--print-config", "--api-keys", "k-alpha,k-beta", "--port", "18123",
+          "--voice-store", "postgresql://gw:hunter2@db:5432/voices?password=hunter3"])
+    out = capsys.readouterr().out
+    assert "k-alpha" not in out and "k-beta" not in out and "hunter" not in out
+    printed = yaml.safe_load(out)
+    assert printed["api_keys"] == ["***", "***"]  # how many keys there are still shows
+    assert printed["voice_store"] == "postgresql://gw:***@db:5432/voices?password=***"
+    assert printed["port"] == 18123

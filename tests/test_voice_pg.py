@@ -553,6 +553,28 @@ def test_a_silently_dropped_listen_connection_is_found_and_replaced(tiny_model_d
     run_with_engine(tiny_model_dir, db_url, scenario)
 
 
+def test_a_query_stuck_behind_a_lock_is_a_503_not_a_hang(tiny_model_dir: Path, db_url: str) -> None:
+    import psycopg
+
+    async def scenario(engine: Engine, url: str) -> None:
+        store = await PgVoiceStore(url, engine, options=PgOptions(statement_timeout_s=0.3)).open()
+        try:
+            await store.register("gil", None, "Gil speaks now.", tone_wav(3.0, 240.0))
+            # Someone's open transaction (a psql session, a migration) holds the table.
+            async with await psycopg.AsyncConnection.connect(url) as holder:
+                await holder.execute(f"LOCK TABLE {TABLE} IN ACCESS EXCLUSIVE MODE")
+                async with asyncio.timeout(10):  # without a deadline this waits for the holder
+                    with pytest.raises(VoiceStoreUnavailable) as exc:
+                        await store.get_prompt("gil")
+                assert exc.value.status == 503
+                await holder.rollback()
+            assert (await store.get_prompt("gil")).transcript == "Gil speaks now."  # the pool recovered
+        finally:
+            await store.close()
+
+    run_with_engine(tiny_model_dir, db_url, scenario)
+
+
 def test_unreachable_database_is_503(tiny_model_dir: Path) -> None:
     from pg_server import free_port
 
@@ -575,3 +597,6 @@ def test_create_voice_store_and_redaction(tmp_path: Path) -> None:
         create_voice_store("mysql://u@db/voices", tmp_path, engine=None)
     assert redact_url("postgresql://u:s3cret@db:5432/v") == "postgresql://u:***@db:5432/v"
     assert redact_url("postgresql://u@db/v") == "postgresql://u@db/v"
+    assert redact_url("postgresql://u@db/v?sslmode=require&password=s3cret") == \
+        "postgresql://u@db/v?sslmode=require&password=***"
+    assert redact_url("postgresql://u:a@db/v?password=b") == "postgresql://u:***@db/v?password=***"

@@ -463,11 +463,14 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
     (assets / "latin1.txt").write_bytes(b"caf\xe9 au lait")  # not UTF-8: logged, skipped
     (assets / "bom.wav").write_bytes(tone_wav(3.6))
     (assets / "bom.txt").write_bytes("\ufeffA line saved with a BOM.\r\n".encode())  # the BOM is not text
+    (assets / "Loud.WAV").write_bytes(tone_wav(3.7))  # as recorders and Windows tools name files
+    (assets / "Loud.TXT").write_text("Upper-case names count too.")
     data = tmp_path / "data"
 
     async def scenario() -> None:
         store = await open_store(data, engine)
-        assert await store.register_assets(assets) == ["bom", "narrator"]
+        assert await store.register_assets(assets) == ["Loud", "bom", "narrator"]
+        assert store.get("Loud").transcript == "Upper-case names count too."
         assert store.get("narrator").source == "asset"
         assert store.get("narrator").transcript == "The narrator speaks."
         assert store.get("bom").transcript == "A line saved with a BOM."
@@ -479,14 +482,14 @@ def test_register_assets_skips_unchanged_and_replaces_changed(tmp_path: Path, ca
         with caplog.at_level("INFO", logger="gateway.voices"):
             assert await store.register_assets(assets) == []
         assert any("unchanged" in r.getMessage() for r in caplog.records)
-        assert engine.prepared == 2
+        assert engine.prepared == 3
         old_dir = store.get("narrator").dir_name
 
         (assets / "narrator.txt").write_text("A new line.")
         assert await store.register_assets(assets) == ["narrator"]
         assert store.get("narrator").transcript == "A new line."
         assert store.get("narrator").dir_name != old_dir
-        assert live_dirs(data) == sorted([store.get("bom").dir_name, store.get("narrator").dir_name])
+        assert live_dirs(data) == sorted([store.get(v).dir_name for v in ("Loud", "bom", "narrator")])
         assert (await store.get_prompt("narrator")).transcript == "A new line."
         await store.close()
 
