@@ -20,6 +20,8 @@ for d in .whl .whl_av; do
   fi
 done
 export PYTHONPATH=/tmp/site:$ROOT VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# One place for every compile cache, which bench/gpu/compile_cache.sh saves and restores.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor TRITON_CACHE_DIR=/tmp/cc/triton VLLM_CACHE_ROOT=/tmp/cc/vllm
 python3 -c "from engine.backends.vllm_model import write_plugin_dist_info as w; w('/tmp/site')"
 # What the gateway will run on: uvloop/httptools (a production install) or asyncio/h11, and
 # whether Opus over WebSocket can work (opuslib needs the system libopus).
