@@ -57,6 +57,10 @@ class CannotWrite(Exception):
 
 def _write_wav(out: Path, af: AudioFormat, frames: list[bytes]) -> float:
     pcm = decode_frames(af, frames)
+    # `decode_frames` divides 16-bit codes by 32768: only the same factor gives back the
+    # samples received (32767 took a step off each one past half scale). Float PCM is
+    # scaled as the gateway scales its own 16-bit output.
+    scale = 32767.0 if af.name == "pcm_f32le" else 32768.0
     try:
         # Opened here, not by `wave`: a `wave` writer that fails to open its file prints a
         # second error from its destructor.
@@ -67,7 +71,7 @@ def _write_wav(out: Path, af: AudioFormat, frames: list[bytes]) -> float:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(af.sample_rate)
-        w.writeframes(np.clip(np.rint(pcm * 32767), -32768, 32767).astype("<i2").tobytes())
+        w.writeframes(np.clip(np.rint(pcm * scale), -32768, 32767).astype("<i2").tobytes())
     return len(pcm) / af.sample_rate
 
 

@@ -417,6 +417,25 @@ def test_ctrl_c_keeps_the_audio_received_and_exits_130(srv: LiveServer, tmp_path
         assert w.getnframes() > 0
 
 
+@pytest.mark.parametrize("fmt", ["pcm_s16le", "ulaw_8000", "alaw_8000"])
+def test_the_cli_wav_holds_the_16_bit_samples_it_received(fmt: str, tmp_path: Path) -> None:
+    """Before, the WAV of a 16-bit or G.711 stream was scaled by 32767/32768 on the way
+    out: every sample past half scale lost one step, so the file was not what came."""
+    import numpy as np
+
+    from gateway.audio import alaw_decode, alaw_encode, resolve_format, ulaw_decode, ulaw_encode
+    from gateway.stream_cli import _write_wav
+
+    s16 = np.array([32767, -32768, 30000, -30000, 16385, -16385, 1000, -1, 0] * 20, np.int16)[:160]
+    frames = {"pcm_s16le": [s16.astype("<i2").tobytes()], "ulaw_8000": [ulaw_encode(s16)],
+              "alaw_8000": [alaw_encode(s16)]}[fmt]
+    sent = {"pcm_s16le": s16, "ulaw_8000": ulaw_decode(frames[0]), "alaw_8000": alaw_decode(frames[0])}[fmt]
+    _write_wav(tmp_path / "o.wav", resolve_format(fmt, 8000), frames)
+    with wave.open(str(tmp_path / "o.wav")) as w:
+        assert w.getframerate() == 8000 and w.getsampwidth() == 2
+        assert np.frombuffer(w.readframes(w.getnframes()), "<i2").tolist() == sent.tolist()
+
+
 # ---- 8. context ids ------------------------------------------------------------------------------
 
 
