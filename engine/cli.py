@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .config import EngineConfig
 from .engine import Engine
+from .errors import EngineError
 from .hub import resolve_model
 from .models.loader import ModelDirError
 from .types import SPEED_RANGE, SessionOptions
@@ -22,6 +23,10 @@ from .wavio import read_wav, write_wav
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPT = REPO_ROOT / "assets" / "default.wav"
+
+
+class CannotWrite(Exception):
+    """The WAV could not be written (after the whole synthesis)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +79,10 @@ async def _run(a: argparse.Namespace) -> int:
         t2 = time.perf_counter()
     finally:
         await engine.close()
-    write_wav(a.out, pcm, engine.sample_rate)
+    try:
+        write_wav(a.out, pcm, engine.sample_rate)
+    except OSError as exc:
+        raise CannotWrite(f"cannot write {a.out}: {exc.strerror or exc}") from None
     dur = len(pcm) / engine.sample_rate
     print(f"wrote {a.out}: {dur:.2f} s of audio, load {t1 - t0:.1f} s, synthesis {t2 - t1:.2f} s (RTF {(t2 - t1) / max(dur, 1e-9):.2f})")
     return 0
@@ -85,9 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not SPEED_RANGE[0] <= a.speed <= SPEED_RANGE[1]:  # also refuses nan
         p.error(f"--speed must be within [{SPEED_RANGE[0]:g}, {SPEED_RANGE[1]:g}], not {a.speed:g}")
+    ratio = a.tokens_per_text_token
+    if ratio is not None and not 0 < ratio <= 50:  # the gateway's own bound (engine.tokens_per_text_token)
+        p.error(f"--tokens-per-text-token must be within (0, 50], not {ratio:g}")
+    if a.mode == "instruct" and not a.instruction:  # the engine says so only after loading the model
+        p.error("--mode instruct needs --instruction")
     try:
         raise SystemExit(asyncio.run(_run(a)))
-    except ModelDirError as exc:
+    except (ModelDirError, EngineError, CannotWrite) as exc:
         print(f"cosyvoice-tts: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -79,7 +79,9 @@ def read_wav(path: Path | str) -> tuple[np.ndarray, int]:
 
 def write_wav(path: Path | str, pcm: np.ndarray, sample_rate: int) -> None:
     s16 = (np.clip(np.asarray(pcm, np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
-    with wave.open(str(path), "wb") as w:
+    # Opened here, not by `wave`: a `wave` writer whose file fails to open raises a second
+    # error from its destructor.
+    with open(path, "wb") as f, wave.open(f, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(sample_rate)

@@ -30,6 +30,8 @@ from collections import deque
 from typing import Any, AsyncIterator
 
 import websockets
+from websockets.exceptions import InvalidURI
+from websockets.uri import parse_uri
 
 _END = object()
 
@@ -119,7 +121,8 @@ class Context:
         self._terminal: dict[str, Any] | None = None
         self._items: deque[tuple[Any, int]] = deque()  # (bytes | event | _END, cost in bytes)
         self._buffered = 0
-        self._limit = max_buffered_bytes
+        # At least one byte: with 0 the reader would wait for room before the first frame.
+        self._limit = None if max_buffered_bytes is None else max(max_buffered_bytes, 1)
         self._stream_over = False
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
@@ -166,6 +169,11 @@ class Context:
         if self._ended:
             return
         self._ended = True
+        if self._sent == 0:
+            # The server refuses a bare `end` for an id it never opened (`unknown context`):
+            # an empty text opens the context and ends it, so a turn without text is `done`.
+            await self._send({"type": "text", "context_id": self.context_id, "text": "", "end": True})
+            return
         await self._send({"type": "end", "context_id": self.context_id})
 
     async def cancel(self) -> None:
@@ -330,6 +338,10 @@ class GatewayClient:
         `too_many_sessions`) raises GatewayError with its code; network failures raise
         OSError / websockets exceptions as `websockets.connect` does."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        try:
+            parse_uri(url)
+        except ValueError as exc:  # urllib's, for a bad port or IPv6 host: websockets lets it through
+            raise InvalidURI(url, str(exc)) from None
         ws = await websockets.connect(url, additional_headers=headers, max_size=None, **kwargs)
         client = cls(ws, max_buffered_bytes=max_buffered_bytes, max_events=max_events)
         try:

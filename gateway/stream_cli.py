@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-rate", type=int, default=None)
     p.add_argument("--api-key", default=None)
     args = p.parse_args(argv)
+    if not args.rate >= 0:  # also refuses nan, which would send everything at once unasked
+        p.error(f"--rate must be >= 0 (0 = all at once), not {args.rate:g}")
     try:
         text = args.file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

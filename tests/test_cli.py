@@ -39,6 +39,9 @@ def test_cli_refuses_a_speed_or_a_prompt_it_cannot_use_in_one_line(tiny_model_di
             "--out", str(tmp_path / "o.wav"), "--device", "cpu"]
     r = subprocess.run([*base, "--speed", "9"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--speed must be within [0.25, 4]" in r.stderr and "Traceback" not in r.stderr
+    for ratio in ("-2", "0", "nan"):  # -2 made 0.04 s of audio; nan reached the engine
+        r = subprocess.run([*base, "--tokens-per-text-token", ratio], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--tokens-per-text-token must be within (0, 50]" in r.stderr, (ratio, r.stderr)
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"not audio")
     (tmp_path / "bad.txt").write_text("hello")
@@ -79,3 +82,18 @@ def test_gateway_refuses_nonsense_limits_before_loading_anything(tmp_path):
         assert r.returncode == 2, (flag, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and name in lines[0], (flag, r.stderr)
+
+
+def test_cli_reports_what_the_engine_refuses_and_an_unwritable_out_in_one_line(tiny_model_dir, tmp_path):
+    """Before: a traceback for a text with nothing to speak, for instruct mode without an
+    instruction (after loading the model), and for an --out it cannot write (after the
+    whole synthesis, followed by a second one from `wave`'s destructor)."""
+    base = [sys.executable, "-m", "engine.cli", "--model", str(tiny_model_dir), "--device", "cpu"]
+    r = subprocess.run([*base, "--text", "Hello.", "--out", str(tmp_path / "o.wav"), "--mode", "instruct"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--instruction" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([*base, "--text", "", "--out", str(tmp_path / "o.wav")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == "cosyvoice-tts: nothing to speak after normalisation", r.stderr
+    out = tmp_path / "no-such-dir" / "o.wav"
+    r = subprocess.run([*base, "--text", "Hello.", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip() == f"cosyvoice-tts: cannot write {out}: No such file or directory", r.stderr

@@ -417,6 +417,15 @@ def test_ctrl_c_keeps_the_audio_received_and_exits_130(srv: LiveServer, tmp_path
         assert w.getnframes() > 0
 
 
+@pytest.mark.parametrize("rate", ["-5", "nan"])
+def test_the_cli_refuses_a_negative_or_nan_rate(rate: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both sent the whole text at once, as `--rate 0` asks, without a word."""
+    (tmp_path / "t.txt").write_text("Hello there.")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--file", str(tmp_path / "t.txt"), "--rate", rate, "--url", "ws://127.0.0.1:9/none"])
+    assert exc.value.code == 2 and "--rate must be >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fmt", ["pcm_s16le", "ulaw_8000", "alaw_8000"])
 def test_the_cli_wav_holds_the_16_bit_samples_it_received(fmt: str, tmp_path: Path) -> None:
     """Before, the WAV of a 16-bit or G.711 stream was scaled by 32767/32768 on the way
@@ -525,5 +534,60 @@ def test_cancel_drops_the_unread_audio_of_a_turn_already_synthesised(srv) -> Non
             assert not [i for i in rest if isinstance(i, bytes)], "audio after cancel()"
             assert rest[-1]["type"] == "done"
             assert not gw._contexts
+
+    run(main())
+
+
+# ---- 9. a turn without text, a URL websockets cannot parse ---------------------------------------
+
+
+def test_end_of_a_turn_that_got_no_text_is_done(srv: LiveServer, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An LLM turn may produce no tokens at all (a tool call, an empty answer). Before,
+    `end()` of such a context sent a bare `end`, which the server refuses for an id it has
+    not opened: collect_audio() raised `invalid_message: unknown context`, and the CLI
+    reported that error (exit 1) for an empty file."""
+
+    async def main() -> None:
+        async with await GatewayClient.connect(srv.ws_url, api_key=API_KEY) as gw:
+            ctx = gw.context("silent")
+            await ctx.end()
+            assert await asyncio.wait_for(ctx.collect_audio(), 30) == b""
+            assert ctx.events[-1]["type"] == "done" and ctx.error is None
+
+    run(main())
+    (tmp_path / "empty.txt").write_text("")
+    status = cli_main(["--url", srv.ws_url, "--api-key", API_KEY, "--file", str(tmp_path / "empty.txt"),
+                       "--rate", "0", "--out", str(tmp_path / "o.wav")])
+    err = capsys.readouterr().err
+    assert status == 0 and "error" not in err and "no audio received" in err
+
+
+@pytest.mark.parametrize("url", ["ws://127.0.0.1:99999/v1/tts/stream", "ws://127.0.0.1:port/v1/tts/stream",
+                                 "ws://[::1/v1/tts/stream"])
+def test_a_url_with_a_bad_port_or_host_is_a_one_line_error(url: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """websockets turns a bad scheme into InvalidURI but lets urllib's ValueError for a bad
+    port or IPv6 host through: connect() raised a bare ValueError, the CLI a traceback."""
+    import websockets
+
+    with pytest.raises(websockets.InvalidURI):
+        run(GatewayClient.connect(url))
+    (tmp_path / "in.txt").write_text("Hello.")
+    status = cli_main(["--url", url, "--file", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.wav")])
+    err = capsys.readouterr().err
+    assert status == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: cannot connect"), err
+
+
+def test_max_buffered_bytes_0_reads_one_frame_at_a_time(srv: LiveServer) -> None:
+    """Before, 0 ("buffer nothing") made the reader wait for room before the first frame,
+    which no read could ever make: every turn hung."""
+
+    async def main() -> None:
+        async with await GatewayClient.connect(srv.ws_url, api_key=API_KEY, max_buffered_bytes=0) as gw:
+            ctx = gw.context("t1")
+            await ctx.send_text("Hello there.", end=True)
+            audio = await asyncio.wait_for(ctx.collect_audio(), 10)
+            assert ctx.events[-1]["type"] == "done" and len(audio) == ctx.events[-1]["audio_samples"] * 2 > 0
 
     run(main())
