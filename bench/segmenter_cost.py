@@ -41,9 +41,11 @@ def cases() -> list[tuple[str, list[str], dict[str, int]]]:
     a client can send to make each message cost more than the last: a run of marks,
     newlines or spaces one character a message that nothing may cut, blank lines
     after a word with `min_chars` too high for them to end a segment, and one dotted word
-    ("a.a.a.") that grows a part a message."""
+    ("a.a.a.") that grows a part a message. Last, one message of a long run of marks or
+    newlines at `max_chars` 8 (a session setting), cut every 8 characters inside the run."""
     words = ("Hello there, this is a sentence. " * 600).split()
     no_cut = {"first_min_chars": 0, "min_chars": 100_000, "max_chars": 100_000}
+    max_8 = {"first_min_chars": 0, "max_chars": 8}
     return [
         ("LLM tokens, 20k chars", [w + " " for w in words], {}),
         ("one message, 1666 lines", ["- Item one.\n" * 1666], {}),
@@ -55,6 +57,11 @@ def cases() -> list[tuple[str, list[str], dict[str, int]]]:
         ("1500 messages of '\\n ', min_chars", ["Hi. x"] + ["\n "] * 1500,
          {"first_min_chars": 0, "min_chars": 1000, "max_chars": 100_000}),
         ("10000 messages of 'a.', no cut", ["a."] * 10_000, no_cut),
+        ("'。' * 20000, max_chars 8", ["。" * 20_000], max_8),
+        ("'好' + '!' * 20000 + '。', max_chars 8", ["好" + "!" * 20_000 + "。"], max_8),
+        ("'a' + '.' * 20000, max_chars 8", ["a" + "." * 20_000], max_8),
+        ("'a' + '!' * 20000 + ' ', max_chars 8", ["a" + "!" * 20_000 + " "], max_8),
+        ("'a' + '\\n' * 20000, max_chars 8", ["a" + "\n" * 20_000], max_8),
     ]
 
 
@@ -78,7 +85,7 @@ def main() -> None:
             count += len(s.end())
             best = min(best, time.perf_counter() - t0)
             worst = min(worst, longest)
-        print(f"{name:34s} {best * 1000:10.1f} ms  longest message {worst * 1000:8.2f} ms  {count:5d} segments")
+        print(f"{name:40s} {best * 1000:10.1f} ms  longest message {worst * 1000:8.2f} ms  {count:5d} segments")
 
 
 if __name__ == "__main__":

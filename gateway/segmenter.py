@@ -145,7 +145,7 @@ class _Pending:
     run_end: int  # the run read so far is buf[start:start + run_end]
     sentence: bool = False  # it holds a sentence terminator
     cjk: bool = False  # it holds a CJK terminator, or starts with a CJK mark
-    marks: int = 0  # its characters other than closers: how many,
+    marks: int = 0  # its characters other than closers: how many (3 stands for 3 or more),
     dots: bool = True  # whether all of them are ".",
     eager: bool = True  # and whether all of them are in _EAGER_MARKS
     spaces_end: int = 0  # after "No.": buf[start + run_end:start + spaces_end] is whitespace
@@ -167,11 +167,84 @@ _WORD_LOOKBACK = 2048
 _ABBREVIATION_MAX_CHARS = 32
 
 
-def _word_start(buf: str, i: int) -> int:
+class _Words:
+    """What the checks on the word before a mark have read of a context's text, at context
+    offsets, so that the next check reads only the text after it: a word that grows an
+    append at a time ("a.a.a." ...) had each append search its last `_WORD_LOOKBACK`
+    characters several times over (10,000 appends of "a.": 0.8 s of the event loop). The
+    text is only appended to, so what was found holds; ``base`` is the context offset of
+    the ``buf`` the functions below are given (`Segmenter._scan_on` sets it)."""
+
+    __slots__ = ("base", "searched_to", "last_break", "addresses_to", "last_address", "word", "word_text")
+
+    def __init__(self) -> None:
+        self.base = 0
+        # No word break in (last_break, searched_to), and last_break is one or lies more than
+        # `_WORD_LOOKBACK` characters before searched_to (too far back to matter).
+        self.searched_to = -1
+        self.last_break = -1
+        # No address character in (last_address, addresses_to) from the word's start on.
+        self.addresses_to = -1
+        self.last_address = -1
+        # The last word's start, and where its text begins after opening quotes and brackets.
+        self.word = -1
+        self.word_text = -1
+
+    def start(self, buf: str, i: int) -> int:
+        """`_word_start` of ``buf[i]``, searching only the text not searched before."""
+        base, at = self.base, self.base + i
+        if not base <= self.searched_to <= at:
+            start = _word_start(buf, i)
+            # Kept unless the search was cut short by the start of ``buf`` (never the case with
+            # `Segmenter`'s buffers: the text before one starts at a word break).
+            if start > 0 or base == 0 or i >= _WORD_LOOKBACK:
+                self.searched_to, self.last_break = at, base + start - 1
+            return start
+        if at > self.searched_to:
+            m = _LAST_WORD_BREAK.search(buf, max(self.searched_to - base, i - _WORD_LOOKBACK), i)
+            if m is not None:
+                self.last_break = base + m.start()
+            else:
+                self.last_break = max(self.last_break, at - _WORD_LOOKBACK - 1)
+            self.searched_to = at
+        return max(self.last_break + 1 - base, i - _WORD_LOOKBACK, 0)
+
+    def has_address_chars(self, buf: str, start: int, i: int) -> bool:
+        """Whether ``buf[start:i]``, the word before ``buf[i]``, holds an `_ADDRESS_CHARS`."""
+        base, at = self.base, self.base + i
+        whole = start > 0 or base == 0  # else cut short by the start of ``buf``, as above
+        if not whole or not base <= self.addresses_to <= at:
+            found = _LAST_ADDRESS_CHAR.search(buf, start, i)
+            if whole:
+                self.addresses_to = at
+                self.last_address = base + found.start() if found is not None else base + start - 1
+            return found is not None
+        # The word's start only moves on as the text grows: what lies before it is not read.
+        found = _LAST_ADDRESS_CHAR.search(buf, max(self.addresses_to - base, start), i)
+        if found is not None:
+            self.last_address = base + found.start()
+        self.addresses_to = at
+        return self.last_address >= base + start
+
+    def text_start(self, buf: str, start: int, i: int) -> int:
+        """Where the text of the word ``buf[start:i]`` begins, after opening quotes and brackets."""
+        base = self.base
+        if self.word == base + start and base <= self.word_text < base + i:
+            return self.word_text - base
+        m = _NOT_OPENER.search(buf, start, i)
+        k = m.start() if m is not None else i
+        if k < i:
+            self.word, self.word_text = base + start, base + k
+        return k
+
+
+def _word_start(buf: str, i: int, words: _Words | None = None) -> int:
     """Where the word ending at ``buf[i]`` (exclusive) starts: after a whitespace, or after
     a terminator other than a period, or a CJK mark or closer ("好。etc." and "!Mr." read
     "etc" and "Mr"; a period belongs to the word: "e.g", "a.b/c"); at most `_WORD_LOOKBACK`
     characters back."""
+    if words is not None:
+        return words.start(buf, i)
     start, stop = i, (i - 16 if i > 16 else 0)
     while start > stop and not buf[start - 1].isspace() and buf[start - 1] not in _WORD_BREAKS:
         start -= 1
@@ -182,16 +255,27 @@ def _word_start(buf: str, i: int) -> int:
     return lo if m is None else m.start() + 1
 
 
-def _word(buf: str, dot: int) -> str:
-    """The word before the period at ``buf[dot]``, opening quotes and brackets left out."""
-    return buf[_word_start(buf, dot):dot].lstrip("\"'([{“‘«")
+_OPENERS = "\"'([{“‘«"
+_NOT_OPENER = re.compile("[^" + re.escape(_OPENERS) + "]")
 
 
-def _is_abbreviation(buf: str, dot: int) -> bool:
+def _word(buf: str, dot: int, words: _Words | None = None) -> str | None:
+    """The word before the period at ``buf[dot]``, opening quotes and brackets left out;
+    ``None`` if it is longer than any abbreviation (not cut out of the text: a word may be
+    `_WORD_LOOKBACK` characters long)."""
+    start = _word_start(buf, dot, words)
+    if words is not None:
+        start = words.text_start(buf, start, dot)
+    else:
+        start = dot - len(buf[start:dot].lstrip(_OPENERS))
+    return buf[start:dot] if dot - start <= _ABBREVIATION_MAX_CHARS else None
+
+
+def _is_abbreviation(buf: str, dot: int, words: _Words | None = None) -> bool:
     """Whether the period at ``buf[dot]`` closes an abbreviation or an initial ("No." as
     one: the caller decides it by the word after it)."""
-    word = _word(buf, dot)
-    if not word or len(word) > _ABBREVIATION_MAX_CHARS:
+    word = _word(buf, dot, words)
+    if not word:
         return False
     if len(word) == 1 and word.isalpha():
         return word != "I"  # "J. Smith", "a. first item" read better unsplit; "So did I." ends
@@ -201,10 +285,10 @@ def _is_abbreviation(buf: str, dot: int) -> bool:
     return lower in _ABBREVIATIONS or lower in _NUMBER_ABBREVIATIONS
 
 
-def _is_list_marker(buf: str, dot: int, line_start: bool) -> bool:
+def _is_list_marker(buf: str, dot: int, line_start: bool, words: _Words | None = None) -> bool:
     """Whether the period at ``buf[dot]`` closes a numbered list's marker: 1-3 digits at the
     start of a line ("\n2. Tap login."), read with its item rather than alone."""
-    start = _word_start(buf, dot)
+    start = _word_start(buf, dot, words)
     if not (0 < dot - start <= 3 and buf[start:dot].isdigit()):
         return False
     while start > 0 and buf[start - 1] in " \t":
@@ -223,9 +307,11 @@ _CJK_NOT_DECIMAL = (_CJK_SENTENCE | _CJK_CLAUSE) - {"．"}
 # Characters in a word that make a mark right after it part of an address ("a.b/c?x=1"),
 # which the next character may continue.
 _ADDRESS_CHARS = frozenset("/@:\\_=&#%")
+_ADDRESS_CLASS = re.escape("".join(sorted(_ADDRESS_CHARS)))
+_LAST_ADDRESS_CHAR = re.compile(f"[{_ADDRESS_CLASS}][^{_ADDRESS_CLASS}]*\\Z")
 
 
-def _eager_end(buf: str, i: int, run: _Pending, opens: int) -> bool:
+def _eager_end(buf: str, i: int, run: _Pending, opens: int, words: _Words | None = None) -> bool:
     """Whether the mark run ``buf[i:]`` (closing the buffer; ``run`` sums it up) is a
     boundary as long as a whitespace would follow: the one case the next character could
     still veto is left to it (digits, abbreviations, addresses, a ".." that may grow to "...").
@@ -236,9 +322,11 @@ def _eager_end(buf: str, i: int, run: _Pending, opens: int) -> bool:
         return False  # "3." may become "3.5", "1," "1,000"
     if not run.eager or (run.dots and run.marks == 2):
         return False
-    if not _ADDRESS_CHARS.isdisjoint(buf[_word_start(buf, i):i]):
+    start = _word_start(buf, i, words)
+    if (words.has_address_chars(buf, start, i) if words is not None
+            else not _ADDRESS_CHARS.isdisjoint(buf[start:i])):
         return False  # "https://a.b/c?" + "x=1"
-    return not (run.dots and run.marks == 1 and _is_abbreviation(buf, i))
+    return not (run.dots and run.marks == 1 and _is_abbreviation(buf, i, words))
 
 
 def _summed_up(buf: str, i: int, j: int, sentence: bool, cjk: bool, known: _Pending | None) -> _Pending:
@@ -255,12 +343,14 @@ def _summed_up(buf: str, i: int, j: int, sentence: bool, cjk: bool, known: _Pend
 
 
 _CLOSER = re.compile("[" + re.escape(_CLOSER_CHARS) + "]")
+_NOT_CLOSER = re.compile("[^" + re.escape(_CLOSER_CHARS) + "]")
 _NEITHER_DOT_NOR_CLOSER = re.compile("[^." + re.escape(_CLOSER_CHARS) + "]")
 _NEITHER_EAGER_NOR_CLOSER = re.compile("[^" + re.escape("".join(sorted(_EAGER_MARKS)) + _CLOSER_CHARS) + "]")
 
 
 def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bool = False,
-          pending: _Pending | None = None, opens: int = 0) -> tuple[list[_Boundary], int, _Pending | None]:
+          pending: _Pending | None = None, opens: int = 0,
+          words: _Words | None = None) -> tuple[list[_Boundary], int, _Pending | None]:
     """The boundaries in ``buf`` from ``start`` on, in order, where the scan stopped: at an
     undecided mark run (one that more text may still change), else ``len(buf)``, and what
     it read of that run (``None`` if it stopped at the end). Passing that back as
@@ -272,7 +362,8 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
     as "followed by whitespace", which is how flush/end resolve a trailing "." (the caller
     cuts the remainder anyway). With ``eager`` it does so for a mark run that `_eager_end`
     accepts. ``line_start``: ``buf`` starts a line (the context's, or one after a newline);
-    ``opens``: where in ``buf`` the text not yet emitted begins (text before it is read).
+    ``opens``: where in ``buf`` the text not yet emitted begins (text before it is read);
+    ``words``: what earlier checks on words read of the text (`_Words`).
     """
     out: list[_Boundary] = []
     n = len(buf)
@@ -305,7 +396,7 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
             cjk = cjk or _CJK_TERMINATOR.search(buf, k, j) is not None
         if j >= n and not final:
             run = _summed_up(buf, i, j, sentence, cjk, known)
-            if not (eager and _eager_end(buf, i, run, opens)):
+            if not (eager and _eager_end(buf, i, run, opens, words)):
                 return out, i, run  # the run may still grow: undecided
         nxt = buf[j] if j < n else " "
         # Latin marks between CJK characters read as CJK ones, a run of them too ("吗?!我").
@@ -316,7 +407,7 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
             cjk = False  # a fullwidth decimal point: "３．１４"
         elif cjk or nxt.isspace():
             single_dot = ch == "." and j == i + 1 and not cjk
-            if single_dot and _word(buf, i).lower() in _NUMBER_ABBREVIATIONS:
+            if single_dot and (_word(buf, i, words) or "").lower() in _NUMBER_ABBREVIATIONS:
                 k = max(j, i + known.spaces_end) if known is not None else j
                 while k < n and buf[k].isspace():
                     k += 1
@@ -325,10 +416,58 @@ def _scan(buf: str, start: int, final: bool, eager: bool = False, line_start: bo
                     return out, i, run if run.spaces_end == k - i else replace(run, spaces_end=k - i)
                 if k >= n or not (buf[k].isdigit() or buf[k] == "#"):
                     out.append(_Boundary(j, sentence, i))
-            elif not (single_dot and (_is_abbreviation(buf, i) or _is_list_marker(buf, i, line_start))):
+            elif not (single_dot and (_is_abbreviation(buf, i, words)
+                                      or _is_list_marker(buf, i, line_start, words))):
                 out.append(_Boundary(j, sentence, i))
         m = _MARK.search(buf, j)
     return out, n, None
+
+
+@dataclass(slots=True)
+class _RunFacts:
+    """Where in a run of marks at the end of the buffer, read so far up to ``end`` (context
+    offsets, from ``start`` on), its last characters of each kind lie: what the rest of it
+    after a cut (`Segmenter._after_a_cut_past_the_scan`) is, summed up as `_scan` would,
+    without reading it again. Reading the rest from the cut on at every cut forced inside
+    a long run made one message of 20,000 "。" at max_chars 8 take 0.3 s (each read in C)."""
+
+    start: int
+    end: int
+    last_cjk: int = -1  # its last CJK terminator
+    last_not_dot: int = -1  # its last character that is neither a period nor a closer
+    last_not_eager: int = -1  # its last one neither in `_EAGER_MARKS` nor a closer
+    last_marks: tuple[int, ...] = ()  # its last three characters other than closers, latest first
+
+    def read_on(self, buf: str, base: int, end: int) -> None:
+        """Take in ``buf[self.end - base:end - base]``, the run's characters after those read."""
+        piece, at = buf[self.end - base:end - base], self.end
+        # rstrip (in C) finds the last character not stripped: the run holds marks and closers
+        # only (and perhaps a clause mark first), so stripping the others leaves it at the end.
+        self.last_cjk = max(self.last_cjk, at + len(piece.rstrip(_NOT_CJK_TERMINATOR_CHARS)) - 1)
+        self.last_not_dot = max(self.last_not_dot, at + len(piece.rstrip(_DOT_AND_CLOSER_CHARS)) - 1)
+        self.last_not_eager = max(self.last_not_eager, at + len(piece.rstrip(_EAGER_AND_CLOSER_CHARS)) - 1)
+        found: list[int] = []
+        while len(found) < 3:
+            piece = piece.rstrip(_CLOSER_CHARS)
+            if not piece:
+                break
+            found.append(at + len(piece) - 1)
+            piece = piece[:-1]
+        self.last_marks = (tuple(found) + self.last_marks)[:3]
+        self.end = end
+
+    def rest(self, i: int) -> _Pending:
+        """The run from ``i`` (a character other than a closer, after its first) to ``end``
+        summed up, as `_scan` and `_summed_up` sum up a run that starts there."""
+        marks = sum(1 for k in self.last_marks if k >= i)
+        return _Pending(self.end - i, True, self.last_cjk >= i, marks,
+                        self.last_not_dot < i, self.last_not_eager < i)
+
+
+_ALL_MARK_CHARS = "".join(sorted(_LATIN_SENTENCE | _CJK_SENTENCE | _CLOSERS | _LATIN_CLAUSE | _CJK_CLAUSE))
+_NOT_CJK_TERMINATOR_CHARS = "".join(c for c in _ALL_MARK_CHARS if c not in _CJK_SENTENCE)
+_DOT_AND_CLOSER_CHARS = "." + _CLOSER_CHARS
+_EAGER_AND_CLOSER_CHARS = "".join(sorted(_EAGER_MARKS)) + _CLOSER_CHARS
 
 
 # The first non-whitespace character (`Segmenter._next_content`).
@@ -349,7 +488,9 @@ class Segmenter:
     offsets, and a cut is looked up among them by bisection. Rescanning the whole buffer
     for every cut made one 20,000-character message of short sentences take seconds of
     the event loop (quadratic in its length). For the same reason the undecided run at the
-    end (`_Pending`) and whitespace (`_next_content`) are not read again on every append."""
+    end (`_Pending`) and whitespace (`_next_content`) are not read again on every append,
+    nor the rest of such a run after a cut forced into it (`_RunFacts`), nor the word before
+    a mark once searched (`_Words`)."""
 
     def __init__(self, config: SegmenterConfig | None = None) -> None:
         self.config = config or SegmenterConfig()
@@ -367,6 +508,12 @@ class Segmenter:
         self._first = self._first_sentence = 0
         self._scanned = 0
         self._pending: _Pending | None = None  # what was read of the undecided item at _scanned
+        # Where the scan has read the text up to (context offset), -1 if it must read again
+        # from `_scanned`: a cut into a run of marks or newlines it stopped at sums up the
+        # rest of it (`_RunFacts`), and then there is nothing new to read until an append.
+        self._read_to = 0
+        self._run_facts: _RunFacts | None = None
+        self._words = _Words()
         # Context offset -> how far the whitespace from there reaches, as far as looked at
         # (`_next_content`); at every cut only what reaches past it is kept, from the cut on.
         self._spaces: dict[int, int] = {}
@@ -440,11 +587,11 @@ class Segmenter:
         kept = self._before.rstrip(" \t")
         self._buf_line_start = kept[-1] == "\n" if kept else self._line_start
         seg = Segment(self._count, text, self._offset, self._offset + pos, reason)
+        if self._offset + pos > self._scanned:  # into or past the undecided item
+            self._scanned, self._pending = self._after_a_cut_past_the_scan(self._offset + pos)
         self._count += 1
         self._offset += pos
         self._buf = self._buf[pos:]
-        if self._offset > self._scanned:  # the undecided item went with this segment
-            self._scanned, self._pending = self._offset, None
         # Whitespace known to reach past the cut still does from the new buffer's start: cuts
         # forced one after the other into a long run of it (as after "No." and 20,000 spaces,
         # which wait for the word after them) must not each walk it again from the start.
@@ -493,8 +640,38 @@ class Segmenter:
         self._is_sentence[k], self._run_starts[k] = True, base
         self._sentences.insert(self._first_sentence, key)
 
+    def _after_a_cut_past_the_scan(self, cut: int) -> tuple[int, _Pending | None]:
+        """Where the scan goes on, and what it has read there, after a cut at context offset
+        ``cut`` past `_scanned` (before the buffer is cut): what a scan from the cut would
+        find. The rest of a run of newlines or marks at the end of the buffer is summed up
+        from what was read of the run; anything else ("No." and whitespace) is read again."""
+        p, s, base, buf = self._pending, self._scanned, self._offset, self._buf
+        end = base + len(buf)
+        if cut >= end:
+            return cut, None
+        if p is None or p.spaces_end or s + p.run_end != end:
+            self._read_to = -1
+            return cut, None
+        if buf[s - base] == "\n":
+            return cut, _Pending(end - cut)
+        # The rest holds terminators and closers: it starts, as a run, at its first terminator
+        # (closers before it are plain text to `_scan`); closers alone are no run.
+        m = _NOT_CLOSER.search(buf, cut - base)
+        if m is None:
+            return end, None
+        facts = self._run_facts
+        if facts is None or not facts.start <= s <= facts.end:
+            facts = self._run_facts = _RunFacts(s, s)
+        if facts.end < end:
+            facts.read_on(buf, base, end)
+        return base + m.start(), facts.rest(base + m.start())
+
     def _keep_scanning(self) -> None:
         """Scan what was appended since the last scan; keep the boundaries it confirms."""
+        end = self._offset + len(self._buf)
+        if self._read_to == end:
+            return  # nothing appended since
+        self._read_to = end
         found, stop, self._pending = self._scan_on(False, False)
         base = self._offset
         for b in found:
@@ -515,10 +692,12 @@ class Segmenter:
         if self._pending is None and _MARK.search(self._buf, start) is None:
             return [], len(self._buf), None  # most appends (a word of an LLM's): no mark to decide
         if start > _WORD_LOOKBACK or not self._before:
-            return _scan(self._buf, start, final, eager, self._buf_line_start, self._pending)
+            self._words.base = self._offset
+            return _scan(self._buf, start, final, eager, self._buf_line_start, self._pending, 0, self._words)
         shift = len(self._before)
+        self._words.base = self._offset - shift
         found, stop, pending = _scan(self._before + self._buf, start + shift, final, eager, self._line_start,
-                                     self._pending, shift)
+                                     self._pending, shift, self._words)
         if found:
             found = [_Boundary(b.pos - shift, b.sentence, b.start - shift) for b in found]
         return found, stop - shift, pending
