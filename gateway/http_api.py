@@ -354,15 +354,18 @@ async def _create_voice(request: Request, store: Any, limits: VoiceLimits) -> Re
     else:
         body = await _json_body(request, limit, "audio_too_large")
         b64 = body.get("audio")
-        if not isinstance(b64, str) or not b64:
+        if b64 is not None and not isinstance(b64, str):
+            raise ApiError(400, "invalid_request", "field 'audio' must be a base64 string")
+        if not b64:
             raise ApiError(400, "missing_audio", "field 'audio' (base64) is required")
+        audio_format = _opt_str(body.get("format"), "format")
         if b64.startswith("data:"):  # tolerate data URLs from browsers
             b64 = b64.partition(",")[2]
         try:
             audio = await _off_loop_if_large(len(b64), base64.b64decode, b64, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ApiError(400, "invalid_audio", "field 'audio' is not valid base64") from exc
-        ext = "." + str(body.get("format") or "bin")
+        ext = "." + (audio_format or "bin")
         voice_id = _opt_str(_first(body, _ID_FIELDS), "id")
         name = _opt_str(body.get("name"), "name")
         transcript = _opt_str(_first(body, _TEXT_FIELDS), "transcript")

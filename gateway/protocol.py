@@ -84,6 +84,7 @@ ERROR_CODES = frozenset(
         "unsupported_format",
         "invalid_speed",
         "voice_not_found",
+        "voice_store_unavailable",
         "too_many_contexts",
         "text_too_long",
         "context_exists",

@@ -612,7 +612,13 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
     if cfg_path is None and Path("config/default.yaml").is_file():
         cfg_path = Path("config/default.yaml")
     if cfg_path is not None:
-        data = yaml.safe_load(Path(cfg_path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(cfg_path).read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise ValueError(f"{cfg_path}: cannot read: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, yaml.YAMLError) as exc:
+            # A YAML error spans lines (the offending line, a caret): one line is enough.
+            raise ValueError(f"{cfg_path}: not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(data, Mapping):
             raise ValueError(f"{cfg_path}: top level must be a mapping")
         settings = apply_mapping(settings, data, str(cfg_path))

@@ -223,6 +223,20 @@ def test_bad_uploads(server, voice_id, audio, transcript, expected) -> None:
         assert voice_id not in [v["id"] for v in c.get("/v1/voices", headers=AUTH).json()["data"]]
 
 
+def test_json_voice_fields_of_the_wrong_type_are_invalid_requests(server) -> None:
+    """README: a field of the wrong type is a 400 `invalid_request`. A number for `audio`
+    was called missing (`missing_audio`), and a `format` that is no string was taken as
+    the stored file's extension (a list became `.['wav']`, then `bin`) and registered."""
+    audio = base64.b64encode(tone_wav(3.5)).decode()
+    with server.client() as c:
+        for voice_id, fields in (("typed-audio", {"audio": 123}), ("typed-format", {"audio": audio, "format": ["wav"]})):
+            resp = c.post("/v1/voices", headers=AUTH, json={"id": voice_id, "transcript": "Hi.", **fields})
+            assert err(resp) == (400, "invalid_request"), resp.text
+            assert err(c.get(f"/v1/voices/{voice_id}", headers=AUTH)) == (404, "voice_not_found")
+        assert err(c.post("/v1/voices", headers=AUTH, json={"id": "x", "transcript": "Hi.", "audio": ""})) == (
+            400, "missing_audio")
+
+
 def test_missing_file_field(server) -> None:
     srv = server
     with srv.client() as c:

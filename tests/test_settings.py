@@ -271,3 +271,23 @@ def test_print_config_masks_api_keys_and_database_passwords(capsys, monkeypatch)
     assert printed["api_keys"] == ["***", "***"]  # how many keys there are still shows
     assert printed["voice_store"] == "postgresql://gw:***@db:5432/voices?password=***"
     assert printed["port"] == 18123
+
+
+def test_a_config_file_that_cannot_be_read_is_a_one_line_error(tmp_path, capsys):
+    """`--config` of a missing file, a directory, bad YAML or bytes that are not UTF-8 ended
+    the start with a traceback (FileNotFoundError, IsADirectoryError, a YAML scanner error),
+    or a one-liner that did not name the file, instead of the one line and exit status 2
+    that every other settings mistake gets."""
+    from gateway.__main__ import main
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("port: [\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe port: 1\n")
+    for path in (tmp_path / "missing.yaml", tmp_path, broken, binary):
+        with pytest.raises(ValueError, match=str(path)):
+            load_settings(["--config", str(path)], environ={})
+        with pytest.raises(SystemExit) as exit_:
+            main(["--config", str(path), "--print-config"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
