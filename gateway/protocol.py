@@ -360,6 +360,10 @@ def _parse_patch(obj: dict[str, Any]) -> SettingsPatch:
     instruction = _opt(obj, "instruction", str, "a string")
     if instruction is not None and len(instruction) > MAX_INSTRUCTION_CHARS:
         raise _Invalid("invalid_message", f"'instruction' longer than {MAX_INSTRUCTION_CHARS} characters")
+    if instruction is not None and not instruction.strip():
+        # No instruction, as over HTTP: accepted as one, it failed every segment later
+        # (`synthesis_failed` `bad_options`) instead of the open.
+        instruction = ""
     speed = _number(obj, "speed", *SPEED_RANGE, code="invalid_speed")
     language = _opt(obj, "language", str, "a string")
     if language is not None and len(language) > 16:

@@ -210,6 +210,11 @@ def test_instruct_mode_needs_instruction() -> None:
     assert run(s, {"type": "open", "context_id": "a", "mode": "instruct"})[0].event["code"] == "invalid_message"
     start = run(s, {"type": "open", "context_id": "a", "instruction": "Whisper."})[0]
     assert start.settings.effective_mode == "instruct"
+    # Whitespace is no instruction: refused with an explicit instruct mode, zero-shot without.
+    assert run(s, {"type": "open", "context_id": "b", "mode": "instruct", "instruction": " \n"})[0].event["code"] \
+        == "invalid_message"
+    start = run(s, {"type": "open", "context_id": "c", "instruction": "  "})[0]
+    assert start.settings.effective_mode == "zero_shot"
 
 
 # ---- FrameWriter: backpressure and lag --------------------------------------------------
