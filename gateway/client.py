@@ -219,11 +219,7 @@ class Context:
             await self._live.wait()
             self._check_over()
         self._sent += 1
-        try:
-            await self.client.send(message)
-        except websockets.ConnectionClosed as exc:
-            raise GatewayError(CONNECTION_CLOSED, "the gateway connection is closed",
-                               self.client.close_code) from exc
+        await self.client.send(message)
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -379,7 +375,14 @@ class GatewayClient:
         return str(getattr(self.ws, "close_reason", "") or "")
 
     async def send(self, message: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(message))
+        """Send one protocol message; GatewayError `connection_closed` once the socket closed."""
+        try:
+            await self.ws.send(json.dumps(message))
+        except websockets.ConnectionClosed as exc:
+            raise self._closed_error() from exc
+
+    def _closed_error(self) -> GatewayError:
+        return GatewayError(CONNECTION_CLOSED, "the gateway connection is closed", self.close_code)
 
     async def configure(self, **settings: Any) -> None:
         await self.send({"type": "config", **settings})
@@ -401,7 +404,7 @@ class GatewayClient:
         if not isinstance(context_id, str) or not _CONTEXT_ID.fullmatch(context_id):
             raise ValueError(f"context id {context_id!r}: must be 1..64 characters of [A-Za-z0-9_.:-]")
         if not self.connected:
-            raise ConnectionError("the gateway connection is closed")
+            raise self._closed_error()
         line = self._contexts.get(context_id, [])
         if any(not h.finished and not h._ended and not h._cancelled for h in line):
             raise ValueError(f"context {context_id!r} is still open: end() or cancel() it before using "

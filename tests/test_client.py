@@ -200,6 +200,13 @@ def test_a_dropped_connection_is_an_error_not_a_short_turn(dropping: DropProxy, 
                 await ctx.send_text("more")
             ev = await asyncio.wait_for(gw.events.get(), 5)
             assert ev["code"] == "connection_closed" and ev["close_code"] == 1006
+            # The connection's own calls say so the same way (they raised websockets'
+            # ConnectionClosed and a ConnectionError).
+            with pytest.raises(GatewayError) as caught:
+                await gw.configure(voice="good")
+            assert caught.value.code == "connection_closed" and caught.value.close_code == 1006
+            with pytest.raises(GatewayError, match="connection_closed"):
+                gw.context("t2")
         finally:
             await gw.aclose()
 
