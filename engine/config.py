@@ -208,6 +208,11 @@ class EngineConfig:
     # its schedule. 0 = off. On the H200 (round 25) 1.0 took 112 sessions arriving over
     # 16 s from first audio p95 1308 to 277 ms, none dry either way.
     chunk_patience_s: float = 1.0
+    # A session's later utterances make no more audio while this many seconds of its audio
+    # wait for its consumer (a socket whose queue is full, an HTTP client reading slowly);
+    # the utterance being delivered goes on. Without it every segment's audio was made and
+    # held, the whole text's worth, however slowly the client read. 0 = no limit.
+    max_unread_audio_s: float = 30.0
     # Earlier speech tokens the flow re-reads as left context per chunk, rounded down
     # to whole 25-token blocks; bounds per-chunk cost. -1 = unbounded (exact, O(n) per chunk).
     flow_left_context: int = 50
@@ -628,6 +633,8 @@ class EngineConfig:
             raise ValueError("first_chunk_burst_rows must be at least 1")
         if not 0 <= self.chunk_patience_s <= 60:  # also refuses NaN
             raise ValueError("chunk_patience_s must be in 0..60")
+        if not self.max_unread_audio_s >= 0:  # also refuses NaN
+            raise ValueError("max_unread_audio_s must be >= 0 (0 = no limit)")
         if not 0 <= self.first_chunk_hold_share <= 0.5:
             raise ValueError("first_chunk_hold_share must be in 0..0.5")
         if not 0 <= self.stage_deadline_cut_margin_ms <= 1000:  # also refuses NaN

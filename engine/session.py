@@ -202,6 +202,11 @@ class Session:
         self.playback = PlaybackClock(engine.sample_rate)
         self._finished = False
         self._closed = False
+        # Audio made and not yet taken by `events()`'s consumer is held here: an utterance
+        # with `max_unread_audio_s` of it ahead makes no more (`_held_back`), so a consumer
+        # that reads slowly does not have the whole text made.
+        self._events_samples = 0  # audio in `_events`
+        self._room = asyncio.Event()
         self._deliver = asyncio.create_task(self._deliver_loop(), name=f"deliver-{session_id}")
 
     def active_utterances(self) -> int:
@@ -257,6 +262,9 @@ class Session:
             ev = await self._events.get()
             if ev is None:
                 return
+            if isinstance(ev, AudioChunk):
+                self._events_samples -= len(ev.pcm)
+                self._room.set()
             yield ev
 
     async def cancel(self, utterance_id: str | None = None) -> None:
@@ -276,6 +284,7 @@ class Session:
                 requests.append(u.request_id)
         # Queued GPU work of cancelled utterances goes now, not at the next batch.
         self.engine.stage.drop_cancelled()
+        self._room.set()  # their audio no longer holds later utterances back
         for request_id in requests:
             try:
                 await self.engine.backend.abort(request_id)
@@ -329,6 +338,7 @@ class Session:
                         break
                     await self._events.put(item)
                     if isinstance(item, AudioChunk):
+                        self._events_samples += len(item.pcm)
                         utt.undelivered -= len(item.pcm)
                         utt.delivered += len(item.pcm)
                         self.playback.deliver(len(item.pcm), time.monotonic())
@@ -616,6 +626,10 @@ class Session:
             if lowest < cfg.initial_hop:
                 busy_floor, sched.initial_hop = cfg.initial_hop, lowest
         while not utt.cancelled:
+            if self._held_back(utt):
+                self._room.clear()
+                await self._room.wait()
+                continue
             lm_finished = lm_task.done()
             # A failed LM has not ended the utterance: no patient final chunk then. The
             # schedule's chunks use the tokens made, and its error goes out after them.
@@ -729,6 +743,21 @@ class Session:
             if extent.finalize or job.started.cancelled():
                 return
             sched.advance(extent.end - sched.offset)  # the stage may have grown the chunk
+
+    def _held_back(self, utt: _Utterance) -> bool:
+        """Whether `utt` waits before its next chunk: `max_unread_audio_s` of the session's
+        audio made before it is still to be taken by the consumer. Only audio ahead of it
+        counts: the consumer can take that without `utt`, so the wait always ends."""
+        cap_s = self.engine.config.max_unread_audio_s
+        if cap_s <= 0:
+            return False
+        ahead = self._events_samples
+        for u in self._utts.values():  # submission order, the order they are delivered in
+            if u is utt:
+                break
+            if not u.cancelled:
+                ahead += u.undelivered
+        return ahead > cap_s * self.engine.sample_rate
 
     def _patience_left(self, utt: _Utterance, offset: int) -> float | None:
         """Seconds the utterance's next chunk (its tokens from `offset`) may wait for more

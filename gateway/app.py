@@ -88,6 +88,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         first_chunk_burst_rows=e.first_chunk_burst_rows,
         max_hop=e.max_hop,
         chunk_patience_s=e.chunk_patience_s,
+        max_unread_audio_s=e.max_unread_audio_s,
         flow_left_context=e.flow_left_context,
         flow_final_full_attention=e.flow_final_full_attention,
         max_gpu_batch=e.max_gpu_batch,

@@ -109,6 +109,12 @@ class EngineSettings:
                        "as allowed (max_hop, or the utterance's rest): fewer flow calls for later segments "
                        "(0 = off)"),
     )
+    max_unread_audio_s: float = field(
+        default=30.0,
+        metadata=_help("a session's later utterances make no more audio while this many seconds of its audio wait "
+                       "unread (a WebSocket whose queue is full, a slow HTTP reader); the utterance being "
+                       "delivered goes on (0 = no limit)"),
+    )
     flow_left_context: int = field(default=50, metadata=_help("earlier speech tokens the flow re-reads per chunk (-1 = all)"))
     flow_final_full_attention: bool = field(
         default=False,

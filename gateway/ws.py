@@ -316,7 +316,13 @@ class _Connection:
                 if cmd.flush_id == 0:
                     self.send_event({"type": "flushed", "context_id": cmd.context_id, "flush_id": 0})
             else:
-                rt.pending.append(("flush", cmd.flush_id))
+                tail = rt.pending[-1] if rt.pending else None
+                if tail is not None and tail[0] == "flush":
+                    # Flushes in a row settle together: one entry for all of them, or a
+                    # client sending flushes behind a long utterance grows the list per message.
+                    rt.pending[-1] = ("flush", tail[1], cmd.flush_id)
+                else:
+                    rt.pending.append(("flush", cmd.flush_id, cmd.flush_id))
                 self.pump.settle_soon(rt)
         elif isinstance(cmd, EndContext):
             rt = self.contexts.get(cmd.context_id)

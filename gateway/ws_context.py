@@ -43,7 +43,7 @@ class _ContextRuntime:
     session: Any  # engine.session.Session
     encoder: Encoder
     header: bytes
-    pending: deque = field(default_factory=deque)  # ("utt", uid, Segment) | ("flush", id)
+    pending: deque = field(default_factory=deque)  # ("utt", uid, Segment) | ("flush", first id, last id)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pump: asyncio.Task | None = None
     # `_settle` runs for a flush or an end: apart from the reader, which must not wait

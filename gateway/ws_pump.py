@@ -102,11 +102,12 @@ class AudioPump:
         async with rt.lock:
             rt.settle_queued = False  # marks queued from here on need a settle of their own
             while rt.pending and rt.pending[0][0] == "flush" and not rt.cancelled:
-                _, flush_id = rt.pending.popleft()
+                _, first, last = rt.pending.popleft()
                 await self._drain_encoder(rt)
                 if rt.cancelled:
                     return
-                conn.send_event({"type": "flushed", "context_id": rt.cid, "flush_id": flush_id}, rt)
+                for flush_id in range(first, last + 1):
+                    conn.send_event({"type": "flushed", "context_id": rt.cid, "flush_id": flush_id}, rt)
             if not rt.pending and not rt.ended and not rt.cancelled and rt.in_samples > rt.in_base:
                 # Nothing more to say until the client sends text: what the encoder holds
                 # (a resampler's filter delay, a partial frame: 30-90 ms) is the end of the

@@ -770,3 +770,96 @@ def test_flushes_sent_without_reading_start_a_bounded_number_of_tasks(server: Se
 
     rec, tasks = run(main())
     assert tasks <= 2, tasks
+
+
+# ---- after a review of the limits (flush marks, engine run-ahead) ---------------------------
+
+
+def test_flushes_sent_behind_an_utterance_keep_a_bounded_queue(server: Server, monkeypatch: Any) -> None:
+    """Each `flush` queued a mark of its own in the context's pending list behind the
+    utterance in progress: a client sending flushes while that utterance lasted (here its
+    socket stays full) grew the list by one entry a message, without limit. Marks in a row
+    are one entry now, and each still gets its own `flushed`, in order."""
+    from gateway.ws_pump import AudioPump
+
+    full = socket_full_for(monkeypatch, "bp3")
+    runtimes: dict[str, Any] = {}
+    start = AudioPump.start
+
+    def recording(self: Any, rt: Any) -> None:
+        runtimes[rt.cid] = rt
+        start(self, rt)
+
+    monkeypatch.setattr(AudioPump, "start", recording)
+
+    async def pending_marks() -> int:
+        return len(runtimes["bp3"].pending)
+
+    async def main() -> tuple[Recording, int]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            await send(ws, type="text", context_id="bp3", text="A first sentence to speak. And a second one.")
+            assert await asyncio.to_thread(full.wait, 60)
+            for _ in range(500):
+                await send(ws, type="flush", context_id="bp3")
+            await send(ws, type="flush", context_id="probe")  # answered at once: the reader got this far
+            await receive_until(ws, rec, lambda r: bool(r.of("flushed", "probe")), timeout=20)
+            held = asyncio.run_coroutine_threadsafe(pending_marks(), server.loop).result(10)
+            await send(ws, type="cancel", context_id="bp3")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "bp3")), timeout=20)
+            # Marks in a row on a socket that is read: one `flushed` each, in order.
+            await send(ws, type="text", context_id="f3", text="Hello there")
+            for _ in range(5):
+                await send(ws, type="flush", context_id="f3")
+            await send(ws, type="end", context_id="f3")
+            await receive_until(ws, rec, has_done("f3"), timeout=60)
+        return rec, held
+
+    rec, held = run(main())
+    assert held <= 3, held  # the utterances of "bp3" and one entry for its marks
+    assert [e["flush_id"] for e in rec.of("flushed", "f3")] == [1, 2, 3, 4, 5]
+    assert rec.events.index(rec.of("flushed", "f3")[-1]) < rec.events.index(rec.of("done", "f3")[0])
+
+
+def test_a_full_socket_stops_the_engine_making_later_segments_audio(server: Server, monkeypatch: Any) -> None:
+    """The socket's queue is bounded, but the engine went on: each segment's utterance
+    made its audio into a queue of its own, so a client that did not read had its whole
+    text made and held (here ~40 s of audio for a socket capped at 64 KiB). Past
+    `max_unread_audio_s` only the utterance being delivered makes more now."""
+    engine = server.gw.engine
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_unread_audio_s=1.0))
+    full = socket_full_for(monkeypatch, "ra")
+    text = " ".join(f"This is sentence number {i} of a long reply." for i in range(40))
+
+    async def held() -> tuple[float, bool]:
+        """Seconds of the context's audio the engine holds, and whether every LM is done."""
+        sessions = [s for s in engine._sessions if any(uid.startswith("ra-") for uid in s._stats)]
+        samples = sum(sum(len(ev.pcm) for ev in s._events._queue if hasattr(ev, "pcm"))
+                      + sum(u.undelivered for u in s._utts.values()) for s in sessions)
+        lm_done = all(u.lm_done.is_set() for s in sessions for u in s._utts.values())
+        return samples / engine.sample_rate, bool(sessions) and lm_done and len(sessions[0]._stats) == 40
+
+    async def main() -> tuple[Recording, float]:
+        rec = Recording()
+        async with websockets.connect(server.url) as ws:
+            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
+            await send(ws, type="text", context_id="ra", text=text, end=True)
+            assert await asyncio.to_thread(full.wait, 60)
+            most = 0.0
+            deadline = time.monotonic() + 120
+            while True:  # until every segment's LM is done (the LM is not held back)
+                seconds, done = asyncio.run_coroutine_threadsafe(held(), server.loop).result(10)
+                most = max(most, seconds)
+                if done or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)  # pacing the poll, not synchronising
+            assert done, "the LM did not finish every segment"
+            await send(ws, type="cancel", context_id="ra")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "ra")), timeout=20)
+        return rec, most
+
+    rec, most = run(main())
+    assert rec.of("cancelled", "ra")
+    assert most < 8.0, most  # the cap, the utterance being delivered and a chunk or two besides
+    assert not [s for s in engine._sessions if any(uid.startswith("ra-") for uid in s._stats)]
