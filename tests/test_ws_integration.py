@@ -745,44 +745,14 @@ def test_a_context_refused_with_a_flush_gets_no_flushed_after_its_final_error(se
     assert [e["flush_id"] for e in rec.of("flushed", "y")] == [0]
 
 
-def test_flushes_sent_without_reading_start_a_bounded_number_of_tasks(server: Server, monkeypatch: Any) -> None:
+def test_flushes_sent_without_reading_keep_bounded_tasks_and_queue(server: Server, monkeypatch: Any) -> None:
     """A flush is settled apart from the reader; a client that sends flushes while its
-    socket is full must not make a task of each (the marks wait in the context's queue)."""
-    full = socket_full_for(monkeypatch, "bp2")
-
-    async def settling() -> int:
-        return sum(1 for t in asyncio.all_tasks() if t.get_name().endswith("-bp2-settle"))
-
-    async def main() -> tuple[Recording, int]:
-        rec = Recording()
-        async with websockets.connect(server.url) as ws:
-            await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
-            await send(ws, type="text", context_id="bp2", text="A first sentence to speak. And a second one.")
-            assert await asyncio.to_thread(full.wait, 60)
-            for _ in range(200):
-                await send(ws, type="flush", context_id="bp2")
-            await send(ws, type="flush", context_id="probe")  # answered at once: the reader got this far
-            await receive_until(ws, rec, lambda r: bool(r.of("flushed", "probe")), timeout=20)
-            tasks = asyncio.run_coroutine_threadsafe(settling(), server.loop).result(10)
-            await send(ws, type="cancel", context_id="bp2")
-            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "bp2")), timeout=20)
-        return rec, tasks
-
-    rec, tasks = run(main())
-    assert tasks <= 2, tasks
-
-
-# ---- after a review of the limits (flush marks, engine run-ahead) ---------------------------
-
-
-def test_flushes_sent_behind_an_utterance_keep_a_bounded_queue(server: Server, monkeypatch: Any) -> None:
-    """Each `flush` queued a mark of its own in the context's pending list behind the
-    utterance in progress: a client sending flushes while that utterance lasted (here its
-    socket stays full) grew the list by one entry a message, without limit. Marks in a row
-    are one entry now, and each still gets its own `flushed`, in order."""
+    socket is full must not make a task of each (the marks wait in the context's queue),
+    nor grow that queue by a mark a message (it did, without limit): marks in a row are one
+    entry, and each still gets its own `flushed`, in order."""
     from gateway.ws_pump import AudioPump
 
-    full = socket_full_for(monkeypatch, "bp3")
+    full = socket_full_for(monkeypatch, "bp2")
     runtimes: dict[str, Any] = {}
     start = AudioPump.start
 
@@ -792,22 +762,23 @@ def test_flushes_sent_behind_an_utterance_keep_a_bounded_queue(server: Server, m
 
     monkeypatch.setattr(AudioPump, "start", recording)
 
-    async def pending_marks() -> int:
-        return len(runtimes["bp3"].pending)
+    async def settling() -> tuple[int, int]:
+        tasks = sum(1 for t in asyncio.all_tasks() if t.get_name().endswith("-bp2-settle"))
+        return tasks, len(runtimes["bp2"].pending)
 
-    async def main() -> tuple[Recording, int]:
+    async def main() -> tuple[Recording, tuple[int, int]]:
         rec = Recording()
         async with websockets.connect(server.url) as ws:
             await receive_until(ws, rec, lambda r: bool(r.of("session_started")))
-            await send(ws, type="text", context_id="bp3", text="A first sentence to speak. And a second one.")
+            await send(ws, type="text", context_id="bp2", text="A first sentence to speak. And a second one.")
             assert await asyncio.to_thread(full.wait, 60)
             for _ in range(500):
-                await send(ws, type="flush", context_id="bp3")
+                await send(ws, type="flush", context_id="bp2")
             await send(ws, type="flush", context_id="probe")  # answered at once: the reader got this far
             await receive_until(ws, rec, lambda r: bool(r.of("flushed", "probe")), timeout=20)
-            held = asyncio.run_coroutine_threadsafe(pending_marks(), server.loop).result(10)
-            await send(ws, type="cancel", context_id="bp3")
-            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "bp3")), timeout=20)
+            held = asyncio.run_coroutine_threadsafe(settling(), server.loop).result(10)
+            await send(ws, type="cancel", context_id="bp2")
+            await receive_until(ws, rec, lambda r: bool(r.of("cancelled", "bp2")), timeout=20)
             # Marks in a row on a socket that is read: one `flushed` each, in order.
             await send(ws, type="text", context_id="f3", text="Hello there")
             for _ in range(5):
@@ -816,10 +787,14 @@ def test_flushes_sent_behind_an_utterance_keep_a_bounded_queue(server: Server, m
             await receive_until(ws, rec, has_done("f3"), timeout=60)
         return rec, held
 
-    rec, held = run(main())
-    assert held <= 3, held  # the utterances of "bp3" and one entry for its marks
+    rec, (tasks, marks) = run(main())
+    assert tasks <= 2, tasks
+    assert marks <= 3, marks  # the utterances of "bp2" and one entry for its marks
     assert [e["flush_id"] for e in rec.of("flushed", "f3")] == [1, 2, 3, 4, 5]
     assert rec.events.index(rec.of("flushed", "f3")[-1]) < rec.events.index(rec.of("done", "f3")[0])
+
+
+# ---- after a review of the limits (engine run-ahead) -----------------------------------------
 
 
 def test_a_full_socket_stops_the_engine_making_later_segments_audio(server: Server, monkeypatch: Any) -> None:
